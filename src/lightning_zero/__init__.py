@@ -1,0 +1,38 @@
+"""lightning_zero: ZeRO stages 1-3 and node-local tensor parallelism for PyTorch Lightning.
+
+``import lightning_zero`` registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` in
+Lightning's strategy registry. Everything else is imported lazily, so the import stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ZeroStrategy": "lightning_zero.strategy",
+    "ZeroMonitor": "lightning_zero.monitor",
+    "LlamaConfig": "lightning_zero.models",
+    "Llama": "lightning_zero.models",
+    "LlamaLM": "lightning_zero.models",
+    "model_state_bytes": "lightning_zero.ledger",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")
+
+
+def _register_strategies() -> None:
+    from lightning_zero._registry import register
+
+    register()
+
+
+_register_strategies()
