@@ -1,0 +1,93 @@
+"""ParallelDims arithmetic and validation (no process group), then the mesh layout on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from lightning_zero.mesh import ParallelDims, build_mesh, dp_group_and_rank, tp_group_and_rank
+from tests.distributed import run_ranks
+
+
+def _config(n_heads=8, n_kv_heads=8, vocab_size=32000, ffn_dim=256):
+    return SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab_size, ffn_dim=ffn_dim)
+
+
+def test_sizes_and_auto():
+    dims = ParallelDims(world_size=64, devices_per_node=8, tp="auto")
+    assert (dims.tp, dims.dp) == (8, 8)
+    dims = ParallelDims(world_size=64, devices_per_node=8, tp=2)
+    assert (dims.tp, dims.dp, dims.tp_enabled) == (2, 32, True)
+    assert ParallelDims(world_size=4, devices_per_node=4).dp == 4  # tp defaults to 1
+
+
+def test_rank_layout_without_process_group():
+    dims = ParallelDims(world_size=8, devices_per_node=4, tp=4)
+    assert dims.tp_ranks(5) == [4, 5, 6, 7]
+    assert dims.dp_ranks(5) == [1, 5]
+    dims = ParallelDims(world_size=64, devices_per_node=8, tp=2)
+    assert dims.tp_ranks(13) == [12, 13]
+    assert dims.dp_ranks(13) == list(range(1, 64, 2))
+
+
+def test_validates_llama70b_layout_in_one_process():
+    cfg70b = _config(n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_dim=28672)
+    assert ParallelDims(world_size=64, devices_per_node=8, tp=8).validate(cfg70b).dp == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, config, match",
+    [
+        (dict(world_size=8, devices_per_node=4, tp=3), None, r"tp\(3\) does not divide devices_per_node\(4\)"),
+        (dict(world_size=16, devices_per_node=8, tp=16), None, r"tp\(16\) does not divide devices_per_node\(8\)"),
+        (dict(world_size=2, devices_per_node=4, tp=4), None, r"tp\(4\) does not divide world_size\(2\)"),
+        (dict(world_size=6, devices_per_node=4, tp=2), None, r"world_size\(6\) .*devices_per_node\(4\)"),
+        (dict(world_size=8, devices_per_node=8, tp=0), None, r"tp \(tensor_parallel_size\).*0"),
+        (dict(world_size=8, devices_per_node=8, tp="two"), None, r"'two'"),
+        (dict(world_size=0, devices_per_node=8), None, r"world_size.*0"),
+        (dict(world_size=8, devices_per_node=8, tp=4), _config(n_heads=6), r"tp\(4\) does not divide n_heads\(6\)"),
+        (dict(world_size=8, devices_per_node=8, tp=4), _config(n_kv_heads=2), r"tp\(4\) does not divide n_kv_heads\(2\)"),
+        (dict(world_size=8, devices_per_node=8, tp=8), _config(vocab_size=32003), r"vocab_size\(32003\)"),
+        (dict(world_size=8, devices_per_node=8, tp=8), _config(ffn_dim=100), r"ffn_dim\(100\)"),
+    ],
+)
+def test_validation_errors_show_the_numbers(kwargs, config, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kwargs).validate(config)
+
+
+def test_model_error_lists_every_bad_size_and_the_fix():
+    with pytest.raises(ValueError) as info:
+        ParallelDims(world_size=8, devices_per_node=8, tp=4).validate(_config(n_heads=6, n_kv_heads=2, vocab_size=50))
+    message = str(info.value)
+    assert "n_heads(6), n_kv_heads(2), vocab_size(50)" in message
+    assert "[1, 2]" in message  # the tp sizes that would work
+
+
+def _mesh_body(rank: int, world_size: int, out_dir: str) -> None:
+    dims = ParallelDims(world_size=world_size, devices_per_node=2, tp=2)
+    mesh = build_mesh(dims, "cpu")
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    tp_group, tp_rank = tp_group_and_rank(mesh)
+    dp_group, dp_rank = dp_group_and_rank(mesh)
+    record = {
+        "tp_ranks": dist.get_process_group_ranks(tp_group),
+        "dp_ranks": dist.get_process_group_ranks(dp_group),
+        "tp_rank": tp_rank,
+        "dp_rank": dp_rank,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_mesh_layout_4_ranks(tmp_path):
+    run_ranks(_mesh_body, world_size=4, args=(str(tmp_path),), timeout_s=60)
+    records = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(4)]
+    dims = ParallelDims(world_size=4, devices_per_node=2, tp=2)
+    for rank, record in enumerate(records):
+        assert record["tp_ranks"] == dims.tp_ranks(rank) == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert record["dp_ranks"] == dims.dp_ranks(rank) == [rank % 2, rank % 2 + 2]
+        assert (record["dp_rank"], record["tp_rank"]) == divmod(rank, 2)
