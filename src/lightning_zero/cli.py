@@ -1,0 +1,347 @@
+"""``lightning-zero`` command line: ``train``, ``plan`` and ``export``.
+
+    lightning-zero train [OVERRIDES]      compose conf/ (+ recipe=NAME) with Hydra and run Trainer.fit
+    lightning-zero plan  [OVERRIDES]      print the predicted bytes per rank for the same config
+    lightning-zero export CKPT OUT        consolidate a sharded checkpoint into one state dict
+
+``python -m lightning_zero ...`` is the same. ``train`` and ``plan`` take Hydra overrides and
+flags (``-m`` multirun, ``--cfg job``, ``--help``); every knob is described in docs/cli.md.
+
+[Note: relaunch] Lightning's default launcher starts local ranks 1..N-1 by re-executing
+``sys.argv`` with ``hydra.run.dir=<this run's dir>`` appended (``_hydra_subprocess_cmd``). Hydra
+itself only ever sees the overrides, so the task functions put the subcommand back into
+``sys.argv`` before Lightning reads it, and in a multirun they replace the sweep by this job's own
+overrides (and point ``hydra.run.dir`` at this job's directory), so every child re-runs exactly
+this job, in this job's directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from lightning_zero.config import check_recipe_overrides, register_recipes, validate
+
+USAGE = """\
+usage: lightning-zero COMMAND [ARGS]
+
+commands:
+  train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
+  plan  [OVERRIDES]    print the planned bytes per rank (params, grads, optimizer, comm) for a config
+  export CKPT OUT      consolidate a (sharded) checkpoint into one plain state dict at OUT
+
+Hydra flags work after train/plan: -m (multirun sweep), --cfg job (print the config), --help.
+Docs: README.md, docs/cli.md.
+"""
+
+RESOLVED_CONFIG = "resolved_config.yaml"
+
+log = logging.getLogger(__name__)
+
+# Hydra overrides that belong to the parent's sweep, not to the job a child re-runs.
+_SWEEP_ONLY_PREFIXES = (
+    "hydra.mode",
+    "hydra.sweep",
+    "hydra.sweeper",
+    "hydra/sweeper",
+    "hydra.launcher",
+    "hydra/launcher",
+    "hydra.run.dir",
+    "hydra.job.name",
+    "hydra.output_subdir",
+)
+# Command-line flags that take a value and must travel to the children unchanged.
+_FLAGS_WITH_VALUE = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of the ``lightning-zero`` console script and of ``python -m lightning_zero``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return
+    command, rest = args[0], args[1:]
+    if command == "train":
+        _run_hydra(command, _train_task, rest)
+    elif command == "plan":
+        _run_hydra(command, _plan_task, rest)
+    elif command == "export":
+        _export(rest)
+    else:
+        _fail(f"unknown command {command!r}; expected train, plan or export")
+
+
+def _fail(message: str) -> None:
+    print(USAGE, file=sys.stderr, end="")
+    print(f"lightning-zero: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# --------------------------------------------------------------------------------------------
+# Hydra plumbing
+# --------------------------------------------------------------------------------------------
+
+
+def _run_hydra(command: str, task: Callable[[DictConfig], Any], args: list[str]) -> None:
+    """Run ``task`` under ``hydra.main`` with ``args`` as Hydra's command line."""
+    import hydra
+
+    try:
+        check_recipe_overrides([arg for arg in args if not arg.startswith("-")])
+    except ValueError as error:
+        _fail(str(error))
+    register_recipes()
+    program = sys.argv[0]
+    saved_argv = sys.argv
+    sys.argv = [program, *args]  # what Hydra's argparse reads
+    _CommandState.full_argv = [program, command, *args]
+    try:
+        hydra.main(config_path="conf", config_name="config", version_base="1.3")(task)()
+    finally:
+        sys.argv = saved_argv
+
+
+class _CommandState:
+    """The command line a task function restores for Lightning's relaunch (see [Note: relaunch])."""
+
+    full_argv: list[str] = []
+
+
+def child_argv(full_argv: Sequence[str], hydra_cfg: Any) -> list[str]:
+    """The command line a local rank > 0 runs to repeat *this* job (see [Note: relaunch]).
+
+    Keeps the program, the subcommand and ``--config-*`` flags; drops ``-m`` and the sweep; adds
+    this job's Hydra overrides (minus sweep-only ones) and its task overrides. Lightning appends
+    ``hydra.run.dir=...`` (this job's output dir), ``hydra.job.name`` and ``hydra.output_subdir=null``.
+    """
+    program, command, *args = full_argv
+    flags: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg in _FLAGS_WITH_VALUE and index + 1 < len(args):
+            flags += [arg, args[index + 1]]
+            index += 2
+            continue
+        if arg.split("=", 1)[0] in _FLAGS_WITH_VALUE:
+            flags.append(arg)
+        index += 1
+    hydra_overrides = [
+        override
+        for override in hydra_cfg.overrides.hydra
+        if not override.lstrip("+~").startswith(_SWEEP_ONLY_PREFIXES)
+    ]
+    return [program, command, *flags, *hydra_overrides, *hydra_cfg.overrides.task]
+
+
+def _prepare_relaunch() -> Path:
+    """Point ``sys.argv`` and Hydra's ``run.dir`` at this job for Lightning's launcher; return the dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    sys.argv = child_argv(_CommandState.full_argv, hydra_cfg)
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = str(output_dir)
+    return output_dir
+
+
+# --------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------
+
+
+def _train_task(cfg: DictConfig) -> None:
+    run_dir = _prepare_relaunch()
+    saved_environ = dict(os.environ)
+    try:
+        train(validate(cfg), run_dir)
+    finally:
+        _forget_process_group(saved_environ)
+
+
+def train(cfg: DictConfig, run_dir: Path) -> Any:
+    """Build model, data, strategy and trainer from a validated config; fit; return the trainer."""
+    import lightning as L
+
+    _set_threads(cfg)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, vocab_size=module.config.vocab_size)
+    trainer = build_trainer(cfg, run_dir)
+    if _is_global_rank_zero():
+        write_resolved_config(cfg, run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if trainer.is_global_zero:
+        _print_summary(trainer, run_dir)
+    return trainer
+
+
+def build_module(cfg: DictConfig) -> Any:
+    """``LlamaLM`` from the ``model`` and ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
+    from lightning_zero.models import LlamaLM
+
+    model_conf = OmegaConf.to_object(cfg.model)
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    max_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else None
+    if max_steps is not None and optim["warmup_steps"] > max_steps:
+        # A recipe shrunk for a smoke test (warmup 2000, max_steps 5) still runs its schedule shape.
+        log.warning(
+            "optim.warmup_steps (%d) > trainer.max_steps (%d): warming up over all %d steps",
+            optim["warmup_steps"], max_steps, max_steps,
+        )
+        optim["warmup_steps"] = max_steps
+    return LlamaLM(
+        config=model_conf.llama_fields(),
+        activation_checkpointing=model_conf.activation_checkpointing,
+        max_steps=max_steps,
+        **optim,
+    )
+
+
+def build_datamodule(cfg: DictConfig, vocab_size: int) -> Any:
+    """``TokenDataModule`` from the ``data`` group; ``data.vocab_size: null`` takes the model's."""
+    from hydra.utils import instantiate
+
+    data_vocab = cfg.data.vocab_size if cfg.data.vocab_size is not None else vocab_size
+    if data_vocab > vocab_size:
+        raise ValueError(
+            f"data.vocab_size ({data_vocab}) exceeds the model's vocab_size ({vocab_size}): token ids "
+            "would index past the embedding; lower data.vocab_size or raise model.vocab_size"
+        )
+    return instantiate(cfg.data, vocab_size=data_vocab)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
+    """``Trainer`` with the strategy, CSV (+ TensorBoard) loggers and checkpoints under ``run_dir``."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="logs", version=""))
+    except ModuleNotFoundError:  # tensorboard is optional
+        pass
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=str(run_dir / "checkpoints"),
+            every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+            save_last=cfg.checkpoint.save_last,
+            save_top_k=cfg.checkpoint.save_top_k,
+        ),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    strategy = instantiate(cfg.strategy)
+    return instantiate(
+        cfg.trainer,
+        strategy=strategy,
+        logger=loggers,
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+    )
+
+
+def write_resolved_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Write the fully resolved config to ``run_dir/resolved_config.yaml`` (re-runnable as is)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESOLVED_CONFIG
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def local_process_count(cfg: DictConfig) -> int:
+    """Processes this machine runs: ``trainer.devices`` (an int, a list, or ``auto`` = 1 on CPU)."""
+    devices = cfg.trainer.devices
+    if isinstance(devices, int):
+        return max(1, devices)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return max(1, int(devices))
+    if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    return 1
+
+
+def threads_per_process(cfg: DictConfig) -> Optional[int]:
+    """``threads: auto`` -> ``max(1, cpus // local processes)`` on CPU, else ``None`` (leave torch's)."""
+    if cfg.threads != "auto":
+        return int(cfg.threads)
+    if cfg.trainer.accelerator != "cpu":
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local_process_count(cfg))
+
+
+def _set_threads(cfg: DictConfig) -> None:
+    import torch
+
+    threads = threads_per_process(cfg)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # Lightning's launcher then leaves it alone
+
+
+def _is_global_rank_zero() -> bool:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def _print_summary(trainer: Any, run_dir: Path) -> None:
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    shown = ", ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()))
+    print(f"lightning-zero: {trainer.global_step} steps; {shown}; run dir: {run_dir}")
+
+
+def _forget_process_group(saved_environ: dict[str, str]) -> None:
+    """After a job: destroy the process group and restore the environment Lightning's launcher
+    changed, so the next job of a multirun sweep starts a fresh group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in set(os.environ) - set(saved_environ):
+        del os.environ[key]
+    os.environ.update(saved_environ)
+
+
+# --------------------------------------------------------------------------------------------
+# plan, export
+# --------------------------------------------------------------------------------------------
+
+
+def _plan_task(cfg: DictConfig) -> None:
+    try:
+        from lightning_zero.planner import run_plan
+    except ImportError as error:
+        raise RuntimeError(f"`lightning-zero plan` needs lightning_zero.planner.run_plan ({error})") from error
+    run_plan(validate(cfg))
+
+
+def _export(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero export",
+        description="Consolidate a (sharded) lightning_zero checkpoint into one plain state dict.",
+    )
+    parser.add_argument("ckpt", help="checkpoint path (a sharded checkpoint directory or a .ckpt file)")
+    parser.add_argument("out", help="output file for the consolidated state dict")
+    parsed = parser.parse_args(args)
+    try:
+        from lightning_zero.checkpoint import export
+    except ImportError as error:
+        _fail(f"export needs lightning_zero.checkpoint.export, which is not available ({error})")
+    path = export(parsed.ckpt, parsed.out)
+    print(f"lightning-zero: exported {parsed.ckpt} -> {path if path is not None else parsed.out}")
+
+
+if __name__ == "__main__":
+    main()

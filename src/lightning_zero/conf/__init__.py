@@ -1,0 +1,1 @@
+"""Hydra config groups of the ``lightning-zero`` CLI (a package so Hydra finds it as ``pkg://``)."""

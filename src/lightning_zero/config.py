@@ -1,0 +1,285 @@
+"""Structured-config schemas for the Hydra CLI, recipe discovery and composition.
+
+The YAML files under ``conf/`` and ``recipes/`` are plain Hydra configs; after Hydra composes them,
+:func:`validate` merges each group into its dataclass schema below, so a misspelled key or a value
+of the wrong type fails with the key's full name (``trainer.max_stepz``) and the allowed keys.
+
+Recipes live in ``lightning_zero/recipes/*.yaml`` (a ``# @package _global_`` file whose defaults
+``override`` groups, the usual Hydra "experiment" pattern). :func:`register_recipes` stores them in
+Hydra's ``ConfigStore`` under the group ``recipe`` so ``recipe=NAME`` selects one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_MODULE = "lightning_zero.conf"
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+# --------------------------------------------------------------------------------------------
+# Schemas, one per config group
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConf:
+    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's)."""
+
+    name: str = "tiny"
+    vocab_size: Optional[int] = None
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    activation_checkpointing: bool = False
+
+    def llama_fields(self) -> dict[str, Any]:
+        """The mapping ``LlamaLM(config=...)`` takes: the preset name and the fields set here."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.pop("activation_checkpointing")
+        return {key: value for key, value in values.items() if value is not None}
+
+
+@dataclass
+class ZeroStrategyConf:
+    """``strategy/zero{1,2,3}``: the knobs of :class:`lightning_zero.ZeroStrategy`."""
+
+    _target_: str = "lightning_zero.ZeroStrategy"
+    stage: int = 2
+    tensor_parallel_size: Any = 1  # int >= 1 or "auto" (= devices per node)
+    bucket_mb: float = 25.0
+    overlap_comm: bool = True
+    prefetch_blocks: int = 1
+    offload_optimizer: bool = False
+    defer_grad_reduce: bool = False
+    monitor: bool = True
+
+
+@dataclass
+class DDPStrategyConf:
+    """``strategy/ddp``: Lightning's own ``DDPStrategy``, kept for comparisons."""
+
+    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    process_group_backend: Optional[str] = None
+
+
+STRATEGY_SCHEMAS: dict[str, type] = {
+    ZeroStrategyConf._target_: ZeroStrategyConf,
+    DDPStrategyConf._target_: DDPStrategyConf,
+}
+
+
+@dataclass
+class DataConf:
+    """``data/``: arguments of :class:`lightning_zero.data.TokenDataModule`."""
+
+    _target_: str = "lightning_zero.data.TokenDataModule"
+    source: str = "corpus"
+    path: Optional[str] = None
+    seq_len: int = 256
+    batch_size: int = 8
+    vocab_size: Optional[int] = None  # None: the model's vocab_size
+    seed: int = 1234
+    val_fraction: float = 0.05
+    num_workers: int = 0
+
+
+@dataclass
+class TrainerConf:
+    """``trainer/``: the ``lightning.pytorch.Trainer`` arguments the CLI exposes."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 2  # int, "auto" or a list of device indices
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 300
+    max_epochs: Optional[int] = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    val_check_interval: Optional[Any] = None  # int (steps) or float (fraction of an epoch)
+    limit_val_batches: Optional[Any] = None  # int (batches) or float (fraction)
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 10
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+
+
+@dataclass
+class OptimConf:
+    """``optim/``: AdamW with linear warmup and cosine decay (``LlamaLM`` arguments)."""
+
+    lr: float = 3e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointConf:
+    """``checkpoint:``: when ``ModelCheckpoint`` saves under ``<run dir>/checkpoints``."""
+
+    every_n_train_steps: Optional[int] = None  # None: at the end of each epoch / of training
+    save_last: bool = True
+    save_top_k: int = 1
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConf,
+    "data": DataConf,
+    "trainer": TrainerConf,
+    "optim": OptimConf,
+    "checkpoint": CheckpointConf,
+}
+
+# Top-level keys besides the groups. ``hardware`` and ``plan`` belong to the planner.
+TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", "hardware", "plan", *GROUP_SCHEMAS}
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _schema_keys(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def _config_error(error: OmegaConfBaseException, where: str, schema: Optional[type]) -> ValueError:
+    key = getattr(error, "full_key", None) or getattr(error, "key", None) or where
+    if where and not str(key).startswith(where):
+        key = f"{where}.{key}"
+    message = f"invalid config at '{key}': {str(error).splitlines()[0]}"
+    if schema is not None:
+        message += f". Allowed keys in '{where}' ({schema.__name__}): {', '.join(_schema_keys(schema))}"
+    return ValueError(message)
+
+
+def _merge_into(schema: type, node: Any, where: str) -> DictConfig:
+    """Merge ``node`` into ``schema``; raise ``ValueError`` naming the key and the allowed ones."""
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"config '{where}' must be a mapping, got {node!r}")
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as error:
+        raise _config_error(error, where, schema) from None
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check a composed config against the schemas; return it resolved, with schema defaults filled.
+
+    Raises ``ValueError`` for an unknown key, a value of the wrong type, or an unknown strategy.
+    """
+    unknown = sorted(set(cfg.keys()) - TOP_LEVEL_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown top-level config key(s) {unknown}; allowed: {', '.join(sorted(TOP_LEVEL_KEYS))}"
+        )
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    schemas: dict[str, type] = {}
+    for group, schema in GROUP_SCHEMAS.items():
+        if group in cfg:
+            cfg[group] = _merge_into(schema, cfg[group], group)
+            schemas[group] = schema
+    strategy = cfg.get("strategy")
+    if isinstance(strategy, DictConfig):
+        target = strategy.get("_target_")
+        if target not in STRATEGY_SCHEMAS:
+            raise ValueError(
+                f"strategy._target_={target!r} has no schema; use one of the strategy group's options "
+                f"(zero1, zero2, zero3, ddp) or one of {sorted(STRATEGY_SCHEMAS)}"
+            )
+        schemas["strategy"] = STRATEGY_SCHEMAS[target]
+        cfg["strategy"] = _merge_into(schemas["strategy"], strategy, "strategy")
+    elif strategy is not None:
+        raise ValueError(f"strategy must be a mapping with a _target_, got {strategy!r}")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as error:
+        group = str(getattr(error, "full_key", "") or "").split(".")[0]
+        raise _config_error(error, "", schemas.get(group)) from None
+    if "strategy" in schemas:
+        _check_tensor_parallel_size(cfg.strategy.get("tensor_parallel_size", 1))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _check_tensor_parallel_size(value: Any) -> None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(
+        f"strategy.tensor_parallel_size must be an int >= 1 or 'auto' (= devices per node), got {value!r}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes
+# --------------------------------------------------------------------------------------------
+
+
+def available_recipes() -> list[str]:
+    """Names of the recipes shipped in ``lightning_zero/recipes`` (file stems)."""
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def register_recipes() -> None:
+    """Store every recipe in Hydra's ConfigStore as option ``recipe=NAME`` (package ``_global_``)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name in available_recipes():
+        node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
+        store.store(group="recipe", name=name, node=node, package="_global_", provider="lightning_zero")
+
+
+def check_recipe_overrides(overrides: Sequence[str]) -> None:
+    """Fail fast, before Hydra composes anything, when ``recipe=NAME`` names no shipped recipe.
+
+    Understands ``recipe=a``, ``+recipe=a``, ``++recipe=a`` and multirun lists ``recipe=a,b``.
+    """
+    known = available_recipes()
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or key.lstrip("+~") != "recipe":
+            continue
+        for name in (part.strip().strip("'\"") for part in value.split(",")):
+            if name in ("", "null") or name in known:
+                continue
+            raise ValueError(
+                f"unknown recipe {name!r} in {override!r}; available recipes: {', '.join(known)} "
+                f"(files in {RECIPES_DIR})"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Composition without the command line (tests, notebooks, the planner)
+# --------------------------------------------------------------------------------------------
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose ``conf/config.yaml`` with ``overrides`` (as on the command line) and validate it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    overrides = list(overrides)
+    check_recipe_overrides(overrides)
+    register_recipes()
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    return validate(cfg)
+
