@@ -42,6 +42,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
         fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         errors.put((rank, traceback.format_exc()))
         raise

@@ -1,0 +1,197 @@
+"""ZeroEngine: builds flat groups, the reducer and the sharded optimizers for one module.
+
+Plain torch.distributed; usable without Lightning::
+
+    engine = ZeroEngine(model, [optimizer], stage=2, dp_group=None)
+    loss = model(x).sum(); loss.backward()   # buckets reduce-scatter during backward
+    optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
+
+Stages differ in one place each: which :class:`~lightning_zero.zero.reducer.GradStorage` keeps the
+gradients (stage 1: full, stage 2: sharded), and ``zero/stage3.py`` for parameters.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.collectives import CommCounter
+from lightning_zero.zero.flat import FlatLayout, FlatParamGroup
+from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage
+
+MIB = 1024 * 1024
+
+
+def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1)."""
+    return max(1, int(bucket_mb * MIB) // torch.empty((), dtype=dtype).element_size())
+
+
+def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:
+    """Names of the module's parameters by id; ValueError if an optimizer holds a foreign tensor."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    for index, optimizer in enumerate(optimizers):
+        for group_index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in names:
+                    raise ValueError(
+                        f"lightning_zero: optimizer {index} ({type(optimizer).__name__}) param group"
+                        f" {group_index} holds a tensor of shape {tuple(param.shape)} that is not a"
+                        " parameter of the LightningModule. Build the optimizer from"
+                        " `self.parameters()` (or named submodules) inside `configure_optimizers`."
+                    )
+    return names
+
+
+class ZeroEngine:
+    """ZeRO stages 1 and 2 for ``module`` trained by ``optimizers`` on one data-parallel rank.
+
+    Args:
+        stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients.
+        dp_group: data-parallel process group (``None``: the default group).
+        compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
+            or ``torch.bfloat16``); master weights and optimizer state are fp32 either way.
+        bucket_mb: size of a gradient bucket in MiB: the reduce-scatter granularity.
+        overlap_comm: launch a bucket's reduce-scatter as soon as its gradients are ready.
+        defer_grad_reduce: stage 2 only: keep full-size gradients across micro batches and reduce
+            once at the last one (stage-1 gradient memory, 1/N of the communication).
+        max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
+        norm_group: group to sum gradient norms over (default: ``dp_group``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        *,
+        stage: int,
+        dp_group: Optional[dist.ProcessGroup] = None,
+        compute_dtype: torch.dtype = torch.float32,
+        bucket_mb: float = 25.0,
+        overlap_comm: bool = True,
+        defer_grad_reduce: bool = False,
+        max_buckets_in_flight: int = 2,
+        norm_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroEngine handles stages 1 and 2, got stage={stage}")
+        self.module = module
+        self.stage = stage
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.compute_dtype = compute_dtype
+        self.counter = CommCounter()
+        names = check_optimizer_params(module, optimizers)
+        order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
+        device = next(module.parameters()).device
+
+        self.groups: list[FlatParamGroup] = []
+        flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
+        managed: set[int] = set()
+        for optimizer in optimizers:
+            per_param_group = []
+            for param_group in optimizer.param_groups:
+                params = sorted(
+                    (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
+                )
+                groups = []
+                if params:
+                    layout = FlatLayout(
+                        params,
+                        [names[id(p)] for p in params],
+                        dp=self.dp_size,
+                        bucket_numel=bucket_numel_for(bucket_mb, compute_dtype),
+                    )
+                    groups.append(
+                        FlatParamGroup(layout, dp_rank=self.dp_rank, compute_dtype=compute_dtype, device=device)
+                    )
+                    managed.update(id(p) for p in params)
+                per_param_group.append(groups)
+                self.groups.extend(groups)
+            flat_groups_per_optimizer.append(per_param_group)
+
+        # Parameters no optimizer steps (frozen) are cast for compute and otherwise left alone.
+        for param in module.parameters():
+            if id(param) not in managed and param.is_floating_point():
+                param.data = param.data.to(compute_dtype)
+
+        use_full = stage == 1 or defer_grad_reduce
+        storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
+        self.reducer = GradReducer(
+            self.groups,
+            storage,
+            dp_group=dp_group,
+            dp_size=self.dp_size,
+            device=device,
+            overlap_comm=overlap_comm,
+            counter=self.counter,
+            param_order=order,
+        )
+        self.optimizers = [
+            ShardedOptimizer(
+                optimizer,
+                flat_groups,
+                dp_group=dp_group,
+                dp_size=self.dp_size,
+                counter=self.counter,
+                norm_group=norm_group,
+            )
+            for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
+        ]
+        for sharded in self.optimizers:
+            self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
+            sharded.add_zero_grad_hook(self.reducer.zero_grad)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro batches inside skip the gradient collective (stage 1; stage 2 with defer).
+
+        Stage 2 without ``defer_grad_reduce`` still reduce-scatters every backward: keeping only
+        the gradient shard is its memory promise.
+        """
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    def sharded_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
+        for sharded in self.optimizers:
+            if sharded.optimizer is optimizer:
+                return sharded
+        raise KeyError(f"optimizer {type(optimizer).__name__} is not managed by this engine")
+
+    def measured_bytes(self) -> dict[str, int]:
+        """Model-state bytes this rank holds now: params, grads, optimizer (master + state)."""
+        params = sum(group.param_bytes() for group in self.groups)
+        grads = self.reducer.storage.grad_bytes()
+        master = sum(group.master_bytes() for group in self.groups)
+        state = sum(sharded.state_bytes() for sharded in self.optimizers)
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer": master + state,
+            "master": master,
+            "optimizer_state": state,
+            "total": params + grads + master + state,
+        }
+
+    def num_params(self) -> int:
+        """Unpadded parameter count managed by the engine (one dp replica)."""
+        return sum(slot.numel for group in self.groups for slot in group.layout.slots)
+
+    def padding_numel(self) -> int:
+        return sum(group.layout.padding_numel for group in self.groups)
+
+    def close(self) -> None:
+        self.reducer.remove_hooks()
+        for sharded in self.optimizers:
+            sharded.remove_hooks()

@@ -1,0 +1,187 @@
+"""Flat buffers: parameters laid end to end, cut into buckets, each bucket split evenly over dp.
+
+[Note: flat layout] A :class:`FlatLayout` places the parameters of one optimizer param group end
+to end in *reverse* registration order (the order their gradients become ready in backward) and
+cuts the run into buckets of about ``bucket_numel`` elements; a parameter never straddles two
+buckets. Each bucket is padded to a multiple of ``dp`` and every data-parallel rank owns one
+contiguous chunk of every bucket (its *shard* of the bucket). Sharding per bucket, not per whole
+buffer, means a bucket's reduce-scatter hands each rank exactly the gradients it owns, and the
+all-gather after the step is the same cut in reverse. A rank's optimizer state is the list of its
+bucket chunks; for an element-wise optimizer (SGD, Adam, AdamW, ...) the update is the same as
+on the unsharded tensor.
+
+:class:`FlatParamGroup` owns the storage for one layout on one rank: the compute-dtype parameter
+buffer (parameters become views into it) and the fp32 master chunks the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its group's flat buffer."""
+
+    param: nn.Parameter
+    name: str
+    offset: int  # first element in the group's flat buffer
+    numel: int
+    shape: torch.Size
+    bucket_index: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass
+class BucketLayout:
+    """A contiguous run of the flat buffer, padded to split evenly over ``dp`` ranks."""
+
+    index: int  # position inside its group
+    start: int  # first element in the group's flat buffer
+    numel: int  # padded: a multiple of dp
+    dp: int
+    slots: list[ParamSlot] = field(default_factory=list)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.dp
+
+    def shard_start(self, dp_rank: int) -> int:
+        return self.start + dp_rank * self.shard_numel
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+class FlatLayout:
+    """Offsets and buckets for one param group (see [Note: flat layout]); no storage."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        *,
+        dp: int,
+        bucket_numel: int,
+    ) -> None:
+        if dp < 1:
+            raise ValueError(f"FlatLayout: dp must be >= 1, got {dp}")
+        if bucket_numel < 1:
+            raise ValueError(f"FlatLayout: bucket_numel must be >= 1, got {bucket_numel}")
+        self.dp = dp
+        self.slots: list[ParamSlot] = []
+        self.buckets: list[BucketLayout] = []
+        offset = 0
+        current: Optional[BucketLayout] = None
+        for param, name in zip(reversed(params), reversed(names)):
+            if current is None:
+                current = BucketLayout(index=len(self.buckets), start=offset, numel=0, dp=dp)
+            slot = ParamSlot(param, name, offset, param.numel(), param.shape, current.index)
+            current.slots.append(slot)
+            self.slots.append(slot)
+            offset += slot.numel
+            if offset - current.start >= bucket_numel:
+                offset = self._close(current, offset)
+                current = None
+        if current is not None:
+            offset = self._close(current, offset)
+        self.numel = offset
+
+    def _close(self, bucket: BucketLayout, offset: int) -> int:
+        used = offset - bucket.start
+        bucket.numel = -(-used // self.dp) * self.dp
+        self.buckets.append(bucket)
+        return bucket.start + bucket.numel
+
+    @property
+    def padding_numel(self) -> int:
+        return self.numel - sum(slot.numel for slot in self.slots)
+
+    def copy_range_from_params(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (``end - start`` elements) with the parameter values laid at ``[start, end)``.
+
+        Padding reads as zero. Used to build fp32 master chunks straight from the original
+        parameters, so no full fp32 flat copy is ever made.
+        """
+        out.zero_()
+        for slot in self.slots:
+            lo, hi = max(start, slot.offset), min(end, slot.end)
+            if lo >= hi:
+                continue
+            flat_param = slot.param.detach().reshape(-1)
+            out[lo - start : hi - start].copy_(flat_param[lo - slot.offset : hi - slot.offset])
+
+
+class FlatParamGroup:
+    """One rank's storage for a :class:`FlatLayout` (stages 1 and 2: the full parameters stay).
+
+    ``param_buffer``: the whole group in ``compute_dtype``; every parameter's ``.data`` becomes a
+    view into it. ``masters[b]``: the fp32 chunk of bucket ``b`` this rank owns, as an
+    ``nn.Parameter`` the optimizer steps. When ``compute_dtype`` is fp32 the master *is* the chunk
+    of ``param_buffer`` (no extra copy); otherwise it is an fp32 copy taken from the original
+    parameter values before they are cast.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        *,
+        dp_rank: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        master_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.layout = layout
+        self.dp_rank = dp_rank
+        self.compute_dtype = compute_dtype
+        self.master_dtype = master_dtype
+        self.masters_alias_params = compute_dtype == master_dtype
+
+        masters: list[nn.Parameter] = []
+        if not self.masters_alias_params:
+            for bucket in layout.buckets:
+                start = bucket.shard_start(dp_rank)
+                chunk = torch.empty(bucket.shard_numel, dtype=master_dtype, device=device)
+                layout.copy_range_from_params(start, start + bucket.shard_numel, chunk)
+                masters.append(nn.Parameter(chunk))
+
+        self.param_buffer = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
+        for slot in layout.slots:
+            view = self.param_buffer[slot.offset : slot.end]
+            view.copy_(slot.param.detach().reshape(-1))
+            slot.param.data = view.view(slot.shape)
+
+        if self.masters_alias_params:
+            masters = [nn.Parameter(self.param_shard(bucket)) for bucket in layout.buckets]
+        self.masters = masters
+
+    def param_bucket(self, bucket: BucketLayout) -> torch.Tensor:
+        return self.param_buffer[bucket.start : bucket.end]
+
+    def param_shard(self, bucket: BucketLayout) -> torch.Tensor:
+        start = bucket.shard_start(self.dp_rank)
+        return self.param_buffer[start : start + bucket.shard_numel]
+
+    def copy_masters_to_params(self) -> None:
+        """bf16-mixed: write the updated fp32 master chunks into this rank's compute chunks."""
+        if self.masters_alias_params:
+            return
+        for bucket, master in zip(self.layout.buckets, self.masters):
+            self.param_shard(bucket).copy_(master.detach())
+
+    def param_bytes(self) -> int:
+        return self.param_buffer.numel() * self.param_buffer.element_size()
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master copies held *in addition* to the parameters (0 when they alias)."""
+        if self.masters_alias_params:
+            return 0
+        return sum(master.numel() * master.element_size() for master in self.masters)
