@@ -69,7 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if command == "train":
         _run_hydra(command, _train_task, rest)
     elif command == "plan":
-        _run_hydra(command, _plan_task, rest)
+        # A plan writes nothing: no run directory, no log files (the user's overrides still win).
+        quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+        _run_hydra(command, _plan_task, [*quiet, *rest])
     elif command == "export":
         _export(rest)
     else:
