@@ -62,7 +62,7 @@ def test_plan_model_states_equal_ledger(stage, precision, bytes_per_param):
     expected = model_state_bytes(plan.padded_params_per_tp_rank, stage=stage, dp=16, param_bytes=param_bytes,
                                  grad_bytes=grad_bytes, optim_bytes_per_param=optim_bytes)
     memory = plan.memory
-    assert (memory.params, memory.grads, memory.optimizer_state) == (expected.params, expected.grads,
+    assert (memory.params, memory.grads, memory.optimizer) == (expected.params, expected.grads,
                                                                       expected.optimizer)
     assert memory.master_weights == (0 if precision == "32-true" else 4 * plan.padded_params_per_tp_rank
                                      / (16 if stage else 1))
@@ -246,7 +246,7 @@ def test_json_output_parses_and_has_every_field(capsys):
     expected = {f.name for f in dataclasses.fields(Plan)} | {"available_bytes", "fits", "verdict"}
     assert set(plan) == expected
     assert set(plan["memory"]) == {f.name for f in dataclasses.fields(MemoryPerRank)} | {
-        "optimizer_state", "model_states", "total"}
+        "optimizer", "model_states", "total"}
     assert set(plan["traffic"]) >= {f.name for f in dataclasses.fields(TrafficPerRank)} | {"dp_bytes", "tp_s"}
     assert plan["num_params"] == 68_976_648_192 and plan["stage"] == 3 and plan["dp"] == 8
     assert [s["stage"] for s in printed["stages"]] == [0, 1, 2, 3]

@@ -129,7 +129,11 @@ def precision_bytes(precision: str) -> PrecisionBytes:
 
 @dataclass(frozen=True)
 class MemoryPerRank:
-    """Bytes one rank holds at the peak of a step (see [Note: what a plan counts])."""
+    """Bytes one rank holds at the peak of a step (see [Note: what a plan counts]).
+
+    Names follow the engine's ``measured_bytes()``: ``optimizer`` = ``master_weights`` (its
+    ``"master"``) + ``optimizer_moments`` (its ``"optimizer_state"``).
+    """
 
     params: float
     grads: float
@@ -139,28 +143,26 @@ class MemoryPerRank:
     prefetch_buffers: float  # stage 3: full params of the gathered blocks
     activations: float  # saved for backward by the transformer blocks and the final norm
     logits_and_loss: float
+    step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
 
     @property
-    def optimizer_state(self) -> float:
+    def optimizer(self) -> float:
         return self.master_weights + self.optimizer_moments
 
     @property
     def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer_state
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return (
-            self.model_states + self.bucket_buffers + self.prefetch_buffers + self.activations + self.logits_and_loss
-        )
+        """Model states and engine buffers, plus the larger of the two peaks that never meet:
+        backward's (activations, loss) and the optimizer step's (fp32 grad shard)."""
+        backward_peak = self.activations + self.logits_and_loss
+        return self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak,
+                                                                                      self.step_grad_shard)
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            **asdict(self),
-            "optimizer_state": self.optimizer_state,
-            "model_states": self.model_states,
-            "total": self.total,
-        }
+        return {**asdict(self), "optimizer": self.optimizer, "model_states": self.model_states, "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -356,6 +358,7 @@ def plan_run(
         prefetch_buffers=float(prefetch),
         activations=acts.total(activation_checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
+        step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master else 0.0,
     )
     traffic = _traffic(config, stage=stage, dims=dims, padded=padded, dtype=dtype, micro_batch=micro_batch,
                        seq_len=seq_len, micro_batches=accumulate_grad_batches,

@@ -23,6 +23,7 @@ MEMORY_ROWS = (  # (MemoryPerRank attribute, label)
     ("activations", "activations"),
     ("logits_and_loss", "logits + loss"),
 )
+STEP_ROW = ("step_grad_shard", "fp32 grad shard at step (peaks apart)")
 STAGE_NAMES = {0: "DDP (0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
@@ -62,6 +63,7 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def memory_rows(stages: Sequence[Plan]) -> list[list[str]]:
     rows = [[label, *(_gib(getattr(p.memory, attr)) for p in stages)] for attr, label in MEMORY_ROWS]
+    rows.append([STEP_ROW[1], *(_gib(getattr(p.memory, STEP_ROW[0])) for p in stages)])
     rows.append(["total", *(_gib(p.memory.total) for p in stages)])
     rows.append(["usable on the GPU", *(_gib(p.available_bytes) for p in stages)])
     rows.append(["fits", *("yes" if p.fits else "NO" for p in stages)])
@@ -134,6 +136,8 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
             continue
         axes.bar(labels, heights, bottom=bottoms, label=label)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    totals = [p.memory.total / GiB for p in stages]  # above the bars when the step's peak is larger
+    axes.scatter(labels, totals, marker="_", s=400, color="black", label="total (peak)")
     usable = stages[0].available_bytes / GiB
     axes.axhline(usable, color="black", linestyle="--", linewidth=1, label=f"usable on {stages[0].hardware}")
     first = stages[0]
