@@ -181,7 +181,8 @@ def test_verdict_when_no_single_change_fits():
     plan = plan_run("70b", stage=1, world_size=8, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096,
                     hardware=H100)
     assert not plan.fits and plan.dp == 1
-    assert "more nodes" in plan.verdict
+    assert "nothing on 1 node(s)" in plan.verdict
+    assert "stage=3 + activation_checkpointing=true on 4 nodes" in plan.verdict
     assert any("dp=1" in note for note in plan.notes)
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_zero.ledger import (
-    ATTENTION_KERNELS,
     ActivationBytes,
     llama_activation_bytes,
     llama_param_counts,
@@ -524,83 +523,36 @@ def _suggestions(plan: Plan, config: Any, hardware: Hardware, limit: int = 4) ->
             if len(found) >= limit:
                 break
     if not found:
-        nodes = plan.world_size // plan.devices_per_node
-        found.append(f"none of stage 3, checkpointing, tp<={plan.devices_per_node}, micro_batch=1 alone; "
-                     f"more nodes than {nodes} or a larger GPU")
+        found.append(_no_single_fix(plan, config, hardware))
     return found
+
+
+def _no_single_fix(plan: Plan, config: Any, hardware: Hardware, max_nodes: int = 512) -> str:
+    """When no change on this cluster fits: the fewest nodes, or another GPU, where stage 3 with
+    checkpointing at this tp would."""
+    knobs = {**_knobs(plan), "stage": 3, "activation_checkpointing": True}
+    nodes = plan.world_size // plan.devices_per_node
+    options = [f"nothing on {nodes} node(s) of {plan.hardware} fits"]
+    while nodes < max_nodes:
+        nodes *= 2
+        bigger = plan_run(config, hardware=hardware, suggest=False,
+                          **{**knobs, "world_size": nodes * plan.devices_per_node})
+        if bigger.fits:
+            options.append(f"stage=3 + activation_checkpointing=true on {nodes} nodes "
+                           f"({bigger.memory.total / GiB:.1f} GiB)")
+            break
+    for name in available_hardware():
+        if name != plan.hardware:
+            other = plan_run(config, hardware=name, suggest=False, **knobs)
+            if other.fits:
+                options.append(f"stage=3 + activation_checkpointing=true on hardware={name} "
+                               f"({other.memory.total / GiB:.1f} GiB)")
+    return "; ".join(options)
 
 
 # --------------------------------------------------------------------------------------------
 # CLI entry: `lightning-zero plan [overrides]`
 # --------------------------------------------------------------------------------------------
-
-
-def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """Read the composed Hydra config: ``(model_config, plan_run kwargs, plan options)``.
-
-    Reads ``model`` (preset ``name`` + field overrides, ``activation_checkpointing``),
-    ``strategy`` (``stage``, ``tensor_parallel_size``, ``bucket_mb``, ``prefetch_blocks``;
-    Lightning's DDP counts as stage 0), ``trainer`` (``devices`` per node, ``num_nodes``,
-    ``precision``, ``accumulate_grad_batches``), ``data`` (``batch_size``, ``seq_len``),
-    ``hardware`` (a ``conf/hardware`` mapping or name) and ``plan`` (``format``, ``plot``,
-    ``mfu``, ``stages``, ``reserved_gib``, ``attention``). Missing groups take defaults.
-    """
-    from lightning_zero.models import LlamaConfig, resolve_config
-
-    container = _to_container(cfg)
-    model = container.get("model") or "tiny"
-    activation_checkpointing = False
-    if isinstance(model, Mapping):
-        activation_checkpointing = bool(model.get("activation_checkpointing") or False)
-        llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-        model = {k: v for k, v in model.items() if k in llama_fields and v is not None}
-    model_config = resolve_config(model)
-
-    strategy = container.get("strategy") or {}
-    if isinstance(strategy, str):
-        strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
-    stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
-    trainer = container.get("trainer") or {}
-    data = container.get("data") or {}
-    plan_options = {"format": "table", "plot": None, "mfu": 0.4, "stages": "all", "reserved_gib": 2.0,
-                    "attention": "fused", **(container.get("plan") or {})}
-    hardware = load_hardware(container.get("hardware") or DEFAULT_HARDWARE)
-
-    devices = trainer.get("devices", hardware.devices_per_node)
-    if not isinstance(devices, int) or isinstance(devices, bool):
-        devices = len(devices) if isinstance(devices, (list, tuple)) else hardware.devices_per_node
-    num_nodes = int(trainer.get("num_nodes") or 1)
-    kwargs = dict(
-        stage=int(stage),
-        world_size=devices * num_nodes,
-        devices_per_node=devices,
-        tp=strategy.get("tensor_parallel_size", 1),
-        precision=str(trainer.get("precision") or "bf16-mixed"),
-        micro_batch=int(data.get("batch_size") or 1),
-        seq_len=int(data.get("seq_len") or model_config.max_seq_len),
-        activation_checkpointing=activation_checkpointing,
-        bucket_mb=float(strategy.get("bucket_mb", 25.0)),
-        prefetch_blocks=int(strategy.get("prefetch_blocks", 1)),
-        hardware=hardware,
-        mfu=float(plan_options["mfu"]),
-        accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
-        attention=str(plan_options["attention"]),
-        reserved_gib=float(plan_options["reserved_gib"]),
-    )
-    if kwargs["attention"] not in ATTENTION_KERNELS:
-        raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
-    return model_config, kwargs, plan_options
-
-
-def _to_container(cfg: Any) -> dict[str, Any]:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return dict(cfg)
 
 
 def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
@@ -612,21 +564,22 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     """
     from lightning_zero import planner_report
 
-    model_config, kwargs, options = plan_kwargs_from_config(cfg)
+    model_config, kwargs, options = planner_report.plan_kwargs_from_config(cfg)
     plan = plan_run(model_config, **kwargs)
     only = str(options.get("stages", "all")) == "only"
     stage_kwargs = {k: v for k, v in kwargs.items() if k != "stage"}
     stages = [plan] if only else [plan if s == plan.stage else plan_run(model_config, stage=s, **stage_kwargs)
                                   for s in STAGES]
-    result = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
     output_format = str(options.get("format", "table"))
+    if output_format not in ("table", "json"):
+        raise ValueError(f"plan.format must be 'table' or 'json', got {output_format!r}")
+    result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
+    if options.get("plot"):
+        result["plot"] = str(planner_report.plot_memory(stages, options["plot"]))
     if output_format == "json":
         planner_report.print_json(result, console=console)
-    elif output_format == "table":
-        planner_report.print_tables(plan, stages, console=console)
     else:
-        raise ValueError(f"plan.format must be 'table' or 'json', got {output_format!r}")
-    if options.get("plot"):
-        path = planner_report.plot_memory(stages, options["plot"])
-        result["plot"] = str(path)
+        planner_report.print_tables(plan, stages, console=console)
+        if "plot" in result:
+            planner_report.print_line(f"plot: {result['plot']}", console=console)
     return result

@@ -1,4 +1,5 @@
-"""Render planner output: rich tables, JSON, and a stacked bar chart of per-rank memory by stage.
+"""The planner meets the outside world: the composed Hydra config in; rich tables, JSON, and a
+stacked bar chart of per-rank memory by stage out.
 
 Memory is shown in GiB (2**30 bytes, as GPU memory is sold and reported); traffic in GB (1e9
 bytes, as link bandwidths are quoted). matplotlib is imported only when a plot is asked for.
@@ -6,12 +7,92 @@ bytes, as link bandwidths are quoted). matplotlib is imported only when a plot i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning_zero.planner import GiB, Plan
+from lightning_zero.ledger import ATTENTION_KERNELS
+from lightning_zero.models import LlamaConfig, resolve_config
+from lightning_zero.planner import DEFAULT_HARDWARE, GiB, Plan, load_hardware
+
+# --------------------------------------------------------------------------------------------
+# Config in: the composed Hydra config of `lightning-zero plan`
+# --------------------------------------------------------------------------------------------
+
+
+def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Read the composed Hydra config: ``(model_config, plan_run kwargs, plan options)``.
+
+    Reads ``model`` (preset ``name`` + field overrides, ``activation_checkpointing``),
+    ``strategy`` (``stage``, ``tensor_parallel_size``, ``bucket_mb``, ``prefetch_blocks``;
+    Lightning's DDP counts as stage 0), ``trainer`` (``devices`` per node, ``num_nodes``,
+    ``precision``, ``accumulate_grad_batches``), ``data`` (``batch_size``, ``seq_len``),
+    ``hardware`` (a ``conf/hardware`` mapping or name) and ``plan`` (``format``, ``plot``,
+    ``mfu``, ``stages``, ``reserved_gib``, ``attention``). Missing groups take defaults.
+    """
+
+    container = _to_container(cfg)
+    model = container.get("model") or "tiny"
+    activation_checkpointing = False
+    if isinstance(model, Mapping):
+        activation_checkpointing = bool(model.get("activation_checkpointing") or False)
+        llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        model = {k: v for k, v in model.items() if k in llama_fields and v is not None}
+    model_config = resolve_config(model)
+
+    strategy = container.get("strategy") or {}
+    if isinstance(strategy, str):
+        strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
+    stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
+    trainer = container.get("trainer") or {}
+    data = container.get("data") or {}
+    plan_options = {"format": "table", "plot": None, "mfu": 0.4, "stages": "all", "reserved_gib": 2.0,
+                    "attention": "fused", **(container.get("plan") or {})}
+    hardware = load_hardware(container.get("hardware") or DEFAULT_HARDWARE)
+
+    devices = trainer.get("devices", hardware.devices_per_node)
+    if not isinstance(devices, int) or isinstance(devices, bool):
+        devices = len(devices) if isinstance(devices, (list, tuple)) else hardware.devices_per_node
+    num_nodes = int(trainer.get("num_nodes") or 1)
+    kwargs = dict(
+        stage=int(stage),
+        world_size=devices * num_nodes,
+        devices_per_node=devices,
+        tp=strategy.get("tensor_parallel_size", 1),
+        precision=str(trainer.get("precision") or "bf16-mixed"),
+        micro_batch=int(data.get("batch_size") or 1),
+        seq_len=int(data.get("seq_len") or model_config.max_seq_len),
+        activation_checkpointing=activation_checkpointing,
+        bucket_mb=float(strategy.get("bucket_mb", 25.0)),
+        prefetch_blocks=int(strategy.get("prefetch_blocks", 1)),
+        hardware=hardware,
+        mfu=float(plan_options["mfu"]),
+        accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
+        attention=str(plan_options["attention"]),
+        reserved_gib=float(plan_options["reserved_gib"]),
+    )
+    if kwargs["attention"] not in ATTENTION_KERNELS:
+        raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
+    return model_config, kwargs, plan_options
+
+
+def _to_container(cfg: Any) -> dict[str, Any]:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return dict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Out: tables, JSON, plot
+# --------------------------------------------------------------------------------------------
 
 MEMORY_ROWS = (  # (MemoryPerRank attribute, label)
     ("params", "parameters"),
@@ -107,6 +188,12 @@ def print_tables(plan: Plan, stages: Sequence[Plan], console: Any = None) -> Non
     console.print(f"verdict (stage {plan.stage}): {plan.verdict}")
     for note in plan.notes:
         console.print(f"note: {note}")
+
+
+def print_line(text: str, console: Any = None) -> None:
+    from rich.console import Console
+
+    (console or Console()).print(text)
 
 
 def print_json(result: dict[str, Any], console: Any = None) -> None:
