@@ -147,7 +147,7 @@ class ZeroEngine:
         ]
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
-            sharded.add_zero_grad_hook(self.reducer.zero_grad)
+        self.reducer.grads_were_zeroed = lambda: any(s.grads_were_zeroed() for s in self.optimizers)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

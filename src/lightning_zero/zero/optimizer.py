@@ -12,7 +12,8 @@ Around ``optimizer.step()``:
   (:meth:`prepare_master_grads`; a view in fp32, an fp32 copy under bf16-mixed);
 - a step post-hook writes the updated chunks back into the compute parameters and all-gathers
   every bucket, so each rank holds the full updated parameters again (:meth:`all_gather_params`);
-- ``optimizer.zero_grad()`` also resets the engine's gradient storage.
+- ``optimizer.zero_grad()`` needs no patching: the reducer notices dropped master gradients
+  ([Note: zero_grad detection] in ``reducer.py``).
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ class ShardedOptimizer:
         for param_group, groups in zip(optimizer.param_groups, flat_groups):
             param_group["params"] = [master for group in groups for master in group.masters]
         optimizer.state.clear()
-        self._user_zero_grad = optimizer.zero_grad
-        self._zero_grad_hooks: list = []
-        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
 
     @property
@@ -91,14 +90,24 @@ class ShardedOptimizer:
             chunk = bucket.grad_chunk
             assert chunk is not None
             master.grad = chunk if chunk.dtype == master.dtype else chunk.to(master.dtype)
+        self._remember_grads()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._user_zero_grad(set_to_none=set_to_none)
-        for hook in self._zero_grad_hooks:
-            hook()
+    def _remember_grads(self) -> None:
+        self._handed_out = {id(m): (m.grad, m.grad._version) for m in self.masters if m.grad is not None}
 
-    def add_zero_grad_hook(self, hook) -> None:
-        self._zero_grad_hooks.append(hook)
+    def grads_were_zeroed(self) -> bool:
+        """True if any master gradient we handed out was dropped or changed in place since.
+
+        See [Note: zero_grad detection] in ``reducer.py``.
+        """
+        for master in self.masters:
+            handed = self._handed_out.get(id(master))
+            if handed is None:
+                continue
+            grad, version = handed
+            if master.grad is None or master.grad is not grad or grad._version != version:
+                return True
+        return False
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self.gather_params:
@@ -151,12 +160,14 @@ class ShardedOptimizer:
             for master in self.masters:
                 if master.grad is not None:
                     master.grad.detach().mul_(clip_coef.to(master.grad.dtype))
+            self._remember_grads()
             return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         for master in self.masters:
             if master.grad is not None:
                 master.grad.detach().clamp_(-clip_value, clip_value)
+        self._remember_grads()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (Adam's moments, step counters) on this rank."""
@@ -169,4 +180,3 @@ class ShardedOptimizer:
 
     def remove_hooks(self) -> None:
         self._post_hook.remove()
-        self.optimizer.zero_grad = self._user_zero_grad  # type: ignore[method-assign]

@@ -17,9 +17,17 @@ Where the gradients live between backward and the reduce-scatter is the one thin
 do differently, and it lives in the two :class:`GradStorage` classes below:
 
 - :class:`FullGradStorage` (stage 1, and stage 2 with ``defer_grad_reduce=True``): one persistent
-  full-size gradient buffer per group; ``param.grad`` is a view into it, so autograd accumulates
-  micro batches in place and nothing is communicated until the last one. The reduce-scatter runs
-  in place: afterwards this rank's chunk of the buffer holds the reduced gradient.
+  full-size gradient buffer per group; each parameter's gradient is added into it as it arrives
+  (and ``param.grad`` dropped), so micro batches accumulate and nothing is communicated until the
+  last one. The reduce-scatter runs in place: afterwards this rank's chunk of the buffer holds the
+  reduced gradient.
+
+[Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
+users) call it through wrappers. Instead, at the first gradient of a backward that follows a
+sync, the reducer asks ``grads_were_zeroed()`` (the engine checks whether the master chunks'
+``.grad`` were set to None or changed in place since it handed them out) and, if so, resets the
+gradient storage before adding anything. Without a ``zero_grad``, gradients accumulate as torch's
+do.
 - :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
   A gradient is copied into a full-size bucket buffer taken from a small pool, ``param.grad`` is
   dropped at once, and the bucket buffer goes back to the pool when its reduce-scatter finishes,
@@ -93,7 +101,7 @@ class GradStorage:
 
 
 class FullGradStorage(GradStorage):
-    """Persistent full-size gradients; ``param.grad`` views; in-place reduce-scatter."""
+    """Persistent full-size gradients that micro batches add into; in-place reduce-scatter."""
 
     def __init__(self) -> None:
         self.buffers: dict[int, torch.Tensor] = {}
@@ -111,24 +119,10 @@ class FullGradStorage(GradStorage):
             buffer = self.buffers[id(group)]
             start = bucket.layout.shard_start(group.dp_rank)
             bucket.grad_chunk = buffer[start : start + bucket.layout.shard_numel]
-        self._attach_views()
-
-    def _view(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
-        return self.buffers[id(bucket.group)][slot.offset : slot.end].view(slot.shape)
-
-    def _attach_views(self) -> None:
-        for bucket in self.buckets:
             for slot in bucket.layout.slots:
-                slot.param.grad = self._view(bucket, slot)
+                slot.param.grad = None
 
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
-        view = self._view(bucket, slot)
-        grad = slot.param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            # Someone replaced .grad (e.g. zero_grad(set_to_none=True) on the module): it holds
-            # exactly this backward's gradient, so it replaces the buffer's content.
-            view.copy_(grad)
-            slot.param.grad = view
         if self.reduced_since_zero:
             raise RuntimeError(
                 "lightning_zero: a synchronized backward ran after the gradients of this step were"
@@ -136,10 +130,12 @@ class FullGradStorage(GradStorage):
                 " optimizer.zero_grad() in between, or run the earlier micro batches inside"
                 " `strategy.block_backward_sync()` (Lightning's accumulate_grad_batches does this)."
             )
+        buffer = self.buffers[id(bucket.group)]
+        buffer[slot.offset : slot.end].add_(slot.param.grad.reshape(-1))
+        slot.param.grad = None
 
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        group = bucket.group
-        return self.buffers[id(group)][bucket.layout.start : bucket.layout.end]
+        return self.buffers[id(bucket.group)][bucket.layout.start : bucket.layout.end]
 
     def after_reduce(self, bucket: Bucket) -> None:
         self.reduced_since_zero = True
@@ -148,7 +144,6 @@ class FullGradStorage(GradStorage):
         for buffer in self.buffers.values():
             buffer.zero_()
         self.reduced_since_zero = False
-        self._attach_views()
 
     def grad_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
@@ -228,8 +223,6 @@ class ShardedGradStorage(GradStorage):
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.chunk_is_fresh = True
-            for slot in bucket.layout.slots:
-                slot.param.grad = None
 
     def grad_bytes(self) -> int:
         return self.chunk_bytes + self._alive_bytes
@@ -291,6 +284,8 @@ class GradReducer:
         self.sync_enabled = True
         self._callback_queued = False
         self.on_grads_reduced: list = []  # callbacks run after finish_grad_sync
+        self.grads_were_zeroed = lambda: True  # set by the engine, see [Note: zero_grad detection]
+        self._synced_since_reset = False
 
         buckets = [Bucket(group, layout) for group in groups for layout in group.layout.buckets]
         # [Note: launch order]: expected readiness = the earliest-registered parameter in the
@@ -323,6 +318,8 @@ class GradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             self.timeline.clear()
+            if self._synced_since_reset and self.grads_were_zeroed():
+                self.zero_grad()
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         bucket, slot = self._bucket_of_param[id(param)]
         syncing = self.sync_enabled or self.storage.reduces_every_backward
@@ -407,6 +404,7 @@ class GradReducer:
                 self._launch(self.buckets[self._next_launch])
             while self._in_flight:
                 self._complete(self._in_flight[0])
+        self._synced_since_reset = True
         for callback in self.on_grads_reduced:
             callback()
 
@@ -419,6 +417,7 @@ class GradReducer:
         self.storage.zero_grad()
         for bucket in self.buckets:
             bucket.chunk_is_fresh = True
+        self._synced_since_reset = False
 
     def describe_progress(self) -> str:
         parts = [f"{b.ready}/{len(b.layout.slots)} params ready in bucket {i}" for i, b in enumerate(self.buckets)]

@@ -1,0 +1,139 @@
+"""ZeroMonitor: measured bytes beside predicted ones, communication and overlap, every step.
+
+On by default with :class:`~lightning_zero.ZeroStrategy` (``ZeroStrategy(monitor=False)`` turns it
+off). Per optimizer step it logs to the Trainer's logger (rank 0's values; every rank computes
+its own):
+
+- ``zero/measured_{params,grads,optimizer,total}_bytes``: what the engine holds now;
+- ``zero/predicted_{params,grads,optimizer,total}_bytes``: ``ledger.model_state_bytes`` for the
+  same stage, dp and precision;
+- ``zero/peak_memory_bytes``: peak CUDA memory, or the process's peak RSS on CPU;
+- ``zero/sent_bytes/<kind>``: logical bytes this rank sent in the step, per collective kind
+  (see [Note: logical bytes] in ``collectives.py``);
+- ``zero/comm_s``, ``zero/exposed_comm_s``, ``zero/overlap_fraction``: gradient collective time
+  (launch to completion), the part spent blocked after backward ended, and
+  ``1 - exposed / comm``.
+
+It warns once when ``overlap_comm=True`` but less than half of the collective time was hidden,
+and prints a summary table when fit ends.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_zero.ledger import model_state_bytes
+
+_OPTIM_STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory on ``device``, or this process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The ledger's per-rank model-state bytes for what ``engine`` manages."""
+    element = torch.empty((), dtype=engine.compute_dtype).element_size()
+    name = type(optimizer).__name__
+    state = _OPTIM_STATE_BYTES.get(name, 8)
+    if name == "SGD" and any(group.get("momentum", 0) for group in optimizer.param_groups):
+        state = 4
+    master = 0 if engine.compute_dtype == torch.float32 else 4
+    return model_state_bytes(
+        engine.num_params(),
+        stage=engine.stage,
+        dp=engine.dp_size,
+        param_bytes=element,
+        grad_bytes=element,
+        optim_bytes_per_param=master + state,
+    ).as_dict()
+
+
+class ZeroMonitor(Callback):
+    """Logs measured vs predicted bytes, bytes sent and overlap per step (see module docstring).
+
+    Args:
+        warn_overlap_below: warn once when overlap was requested and the hidden fraction of
+            collective time is below this.
+        summary: print a table at the end of fit (rank 0).
+    """
+
+    def __init__(self, warn_overlap_below: float = 0.5, summary: bool = True) -> None:
+        self.warn_overlap_below = warn_overlap_below
+        self.summary = summary
+        self.history: list[dict[str, float]] = []
+        self._warned = False
+        self._sent_before: dict[str, float] = {}
+
+    def _engine(self, trainer: Any) -> Optional[Any]:
+        return getattr(trainer.strategy, "engine", None)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = self._engine(trainer)
+        if engine is not None:
+            self._sent_before = dict(engine.counter.bytes)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        engine = self._engine(trainer)
+        if engine is None or trainer.fit_loop._should_accumulate():
+            return
+        metrics: dict[str, float] = {}
+        measured = engine.measured_bytes()
+        predicted = predicted_bytes(engine, engine.optimizers[0].optimizer)
+        for key in ("params", "grads", "optimizer", "total"):
+            metrics[f"zero/measured_{key}_bytes"] = float(measured[key])
+            metrics[f"zero/predicted_{key}_bytes"] = float(predicted[key])
+        metrics["zero/peak_memory_bytes"] = float(peak_memory_bytes(trainer.strategy.root_device))
+        sent_total = 0.0
+        for kind, value in engine.counter.bytes.items():
+            sent = value - self._sent_before.get(kind, 0.0)
+            metrics[f"zero/sent_bytes/{kind}"] = sent
+            sent_total += sent
+        metrics["zero/sent_bytes_total"] = sent_total
+        timeline = engine.reducer.timeline
+        comm, exposed = timeline.comm_s, timeline.exposed_wait_s
+        metrics["zero/comm_s"] = comm
+        metrics["zero/exposed_comm_s"] = exposed
+        metrics["zero/overlap_fraction"] = (1.0 - exposed / comm) if comm > 0 else 0.0
+        launch, end = timeline.index_of("launch"), timeline.index_of("backward_end")
+        metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
+        self.history.append(metrics)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
+        if (
+            engine.reducer.overlap_comm
+            and not self._warned
+            and comm > 0
+            and metrics["zero/overlap_fraction"] < self.warn_overlap_below
+            and len(self.history) > 1
+        ):
+            self._warned = True
+            warnings.warn(
+                f"lightning_zero: overlap_comm=True but only {metrics['zero/overlap_fraction']:.0%} of the"
+                f" gradient collective time ({comm * 1e3:.1f} ms) was hidden behind backward in step"
+                f" {trainer.global_step}. Smaller buckets (bucket_mb) start collectives earlier.",
+                stacklevel=2,
+            )
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.summary or not self.history or trainer.global_rank != 0:
+            return
+        last = self.history[-1]
+        rows = [
+            (key, last[f"zero/measured_{key}_bytes"], last[f"zero/predicted_{key}_bytes"])
+            for key in ("params", "grads", "optimizer", "total")
+        ]
+        lines = ["lightning_zero: model-state bytes per rank (last step)", f"{'':<10}{'measured':>16}{'predicted':>16}"]
+        lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
+        lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
+        lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
+        print("\n".join(lines))

@@ -1,0 +1,116 @@
+"""Run Lightning's ddp and ZeroStrategy variants on 2 CPU processes; each rank writes its results.
+
+Usage: python tests/scripts/parity.py OUT_DIR [CASE ...]
+Launched by tests/test_strategy_parity.py; Lightning's launcher re-runs this script for rank 1.
+Each case writes OUT_DIR/<case>.rank<r>.pt with the per-step losses and the final parameters.
+"""
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_zero  # noqa: E402,F401  (registers zero1/zero2/zero3)
+from lightning_zero import ZeroStrategy  # noqa: E402
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Embedding(32, 16), nn.Flatten(), nn.Linear(64, 48), nn.GELU(), nn.LayerNorm(48), nn.Linear(48, 32)
+        )
+        self.losses: list[float] = []
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}],
+            lr=1e-2,
+            betas=(0.9, 0.95),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def data() -> DataLoader:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 32, (96, 4), generator=gen)
+    y = (x.sum(1) * 7) % 32
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+# name -> (strategy factory, trainer kwargs)
+ACC = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+CASES = {
+    "ddp": (lambda: "ddp", {}),
+    "zero1": (lambda: ZeroStrategy(stage=1), {}),
+    "zero2": (lambda: "zero2", {}),
+    "zero1_small": (lambda: ZeroStrategy(stage=1, bucket_mb=0.004), {}),
+    "zero2_small": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {}),
+    "zero2_small_no_overlap": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, overlap_comm=False), {}),
+    "ddp_acc": (lambda: "ddp", ACC),
+    "zero1_acc": (lambda: ZeroStrategy(stage=1, bucket_mb=0.004), ACC),
+    "zero2_acc": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), ACC),
+    "zero2_acc_defer": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, defer_grad_reduce=True), ACC),
+    "ddp_value_clip": (lambda: "ddp", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "zero2_value_clip": (lambda: "zero2", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "ddp_manual": (lambda: "ddp", {"manual": True}),
+    "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
+}
+
+
+def run(name: str, out_dir: str) -> None:
+    make_strategy, kwargs = CASES[name]
+    kwargs = dict(kwargs)
+    manual = kwargs.pop("manual", False)
+    L.seed_everything(42, verbose=False)
+    model = TinyLM(manual=manual)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=make_strategy(),
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+    trainer.fit(model, data())
+    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    strategy = trainer.strategy
+    extra = {}
+    if isinstance(strategy, ZeroStrategy) and model.losses:
+        extra["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    torch.save(
+        {"losses": model.losses, "params": params, **extra},
+        os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    names = sys.argv[2:] or list(CASES)
+    for case in names:
+        run(case, out)
