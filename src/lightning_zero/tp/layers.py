@@ -1,0 +1,285 @@
+"""Tensor-parallel layers (Megatron-LM style) on one TP process group, in plain torch.
+
+Each layer holds only this rank's slice of the dense weight as an ordinary ``nn.Parameter``
+(ZeRO then flattens whatever each rank holds) and is built from a dense layer with
+``from_dense(layer, group)`` so that a TP model starts numerically equal to the dense one.
+
+[Note: TP regions] Activations between TP layers are either *replicated* (every TP rank holds the
+full ``[B, T, dim]`` tensor: the residual stream, norm outputs) or *split* on the last dim (the
+outputs of a column-parallel layer: heads of q/k/v, the FFN hidden units, the vocab logits).
+
+- ``copy_to_tp_region`` enters a split region: identity forward, all-reduce(SUM) of the input
+  gradient backward (each rank's columns contribute a partial ``dL/dx``).
+- ``reduce_from_tp_region`` leaves it: all-reduce(SUM) of the partial outputs forward (each rank
+  multiplied its slice of the input features), identity backward.
+
+A column layer calls ``copy_to_tp_region`` itself unless built with ``reduce_input_grad=False``;
+``parallelize_llama`` uses that to enter the region once for q/k/v (and once for w1/w3) through a
+hook on the norm before them, so a transformer block costs 2 all-reduces forward and 2 backward.
+
+Every all-reduce goes through ``lightning_zero.collectives`` labelled ``tp_all_reduce`` and counts
+its logical bytes in the layer's ``counter`` (a ``CommCounter`` or ``None``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero.collectives import CommCounter, all_reduce
+
+TP_LABEL = "tp_all_reduce"
+TP_SHARD_DIM_ATTR = "_tp_shard_dim"
+"""Parameter attribute: the dim along which the dense tensor is split over TP (``0`` or ``1``),
+or ``None`` for a replicated parameter (every TP rank holds the full tensor, e.g. norm weights)."""
+
+
+def tp_shard_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim ``param`` is split along over the TP group, or ``None`` if it is replicated."""
+    return getattr(param, TP_SHARD_DIM_ATTR, None)
+
+
+def mark_tp_param(param: torch.Tensor, shard_dim: Optional[int]) -> None:
+    """Record how ``param`` is laid out over TP (see ``TP_SHARD_DIM_ATTR``)."""
+    setattr(param, TP_SHARD_DIM_ATTR, shard_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# The two region functions
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    """Identity forward; all-reduce(SUM) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]):
+        ctx.group, ctx.counter = group, counter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_in = grad_out.clone(memory_format=torch.contiguous_format)
+        all_reduce(grad_in, ctx.group, counter=ctx.counter, label=TP_LABEL)
+        return grad_in, None, None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    """All-reduce(SUM) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]):
+        out = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(out, group, counter=counter, label=TP_LABEL)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out, None, None
+
+
+def copy_to_tp_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """Enter a TP-split region (see [Note: TP regions])."""
+    return _CopyToTPRegion.apply(x, group, counter)
+
+
+def reduce_from_tp_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """Leave a TP-split region by summing the partial results (see [Note: TP regions])."""
+    return _ReduceFromTPRegion.apply(x, group, counter)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+
+
+def shard_size(total: int, tp_size: int, what: str) -> int:
+    """``total // tp_size``, or a ``ValueError`` with both numbers if it does not divide."""
+    if total % tp_size != 0:
+        raise ValueError(f"tp({tp_size}) does not divide {what}({total})")
+    return total // tp_size
+
+
+def local_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's contiguous slice of ``full`` along ``dim`` (a copy, contiguous)."""
+    size = shard_size(full.shape[dim], tp_size, f"dim {dim} of a {tuple(full.shape)} tensor")
+    return full.narrow(dim, tp_rank * size, size).clone()
+
+
+class _TPModule(nn.Module):
+    """Holds the TP group, this rank's index in it and the optional byte counter."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_rank = dist.get_rank(group)
+        self.tp_size = dist.get_world_size(group)
+        self.counter = counter
+
+
+class _ParallelLinear(_TPModule):
+    """Storage shared by the column and row layers: this rank's slice of a dense ``nn.Linear``.
+
+    ``weight`` is the dense ``[out_features, in_features]`` split along ``shard_dim``; ``bias``
+    (``[out_features]``) is split with it for a column layer and replicated for a row layer.
+    """
+
+    shard_dim: int  # 0: column (out_features split), 1: row (in_features split)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: dist.ProcessGroup,
+        *,
+        bias: bool = False,
+        counter: Optional[CommCounter] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(group, counter)
+        self.in_features = in_features
+        self.out_features = out_features
+        shape = [out_features, in_features]
+        split_name = ("out_features", "in_features")[self.shard_dim]
+        shape[self.shard_dim] = shard_size(shape[self.shard_dim], self.tp_size, split_name)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
+        _init_uniform(self.weight, self.bias, fan_in=in_features)
+        mark_tp_param(self.weight, self.shard_dim)
+        if self.bias is not None:
+            mark_tp_param(self.bias, 0 if self.shard_dim == 0 else None)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs: Any):
+        """A layer holding this rank's slice of ``linear`` (keyword args go to the constructor)."""
+        layer = cls(
+            linear.in_features, linear.out_features, group, bias=linear.bias is not None,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
+        )  # fmt: skip
+        with torch.no_grad():
+            layer.weight.copy_(local_slice(linear.weight, cls.shard_dim, layer.tp_rank, layer.tp_size))
+            if linear.bias is not None and cls.shard_dim == 0:
+                layer.bias.copy_(local_slice(linear.bias, 0, layer.tp_rank, layer.tp_size))
+            elif linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, local weight "
+            f"{tuple(self.weight.shape)} (tp {self.tp_rank}/{self.tp_size}), bias={self.bias is not None}"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with ``W`` (``[out_features, in_features]``) split on ``out_features``.
+
+    Input ``[..., in_features]`` replicated; output ``[..., out_features / tp]``, this rank's slice
+    of the output features (kept split: the next layer is row-parallel or the vocab-parallel loss).
+    Holds ``weight [out_features / tp, in_features]`` and ``bias [out_features / tp]``.
+
+    Args:
+        reduce_input_grad: all-reduce ``dL/dx`` over TP in backward (``copy_to_tp_region``). Set
+            ``False`` only when the caller enters the TP region itself (see [Note: TP regions]).
+    """
+
+    shard_dim = 0
+
+    def __init__(self, *args: Any, reduce_input_grad: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduce_input_grad = reduce_input_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce_input_grad:
+            x = copy_to_tp_region(x, self.group, self.counter)
+        return F.linear(x, self.weight, self.bias)  # [..., out_features / tp]
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with ``W`` (``[out_features, in_features]``) split on ``in_features``.
+
+    Input ``[..., in_features / tp]``, this rank's slice of the features (the output of a column
+    layer); output ``[..., out_features]`` replicated, the all-reduced sum of the partial products.
+    Holds ``weight [out_features, in_features / tp]`` and a replicated ``bias [out_features]``
+    added once after the all-reduce.
+    """
+
+    shard_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # [..., out_features], this rank's share of the sum
+        out = reduce_from_tp_region(partial, self.group, self.counter)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding table ``[num_embeddings, embedding_dim]`` split on rows (the vocabulary).
+
+    Rank ``r`` holds rows ``[r * V/tp, (r+1) * V/tp)``. Forward looks up the ids that fall in its
+    range, writes zeros for the others, and all-reduces(SUM): every id is found on exactly one
+    rank, so the sum is the dense lookup, replicated. Backward is identity: each rank's rows get
+    the gradient of the tokens it owns.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: dist.ProcessGroup,
+        *,
+        counter: Optional[CommCounter] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(group, counter)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        local_rows = shard_size(num_embeddings, self.tp_size, "vocab_size")
+        self.vocab_start = self.tp_rank * local_rows
+        self.vocab_end = self.vocab_start + local_rows
+        self.weight = nn.Parameter(torch.empty(local_rows, embedding_dim, device=device, dtype=dtype))
+        nn.init.normal_(self.weight)
+        mark_tp_param(self.weight, 0)
+
+    @classmethod
+    def from_dense(
+        cls, embedding: nn.Embedding, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
+    ) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding.weight``."""
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, group, counter=counter,
+            device=embedding.weight.device, dtype=embedding.weight.dtype,
+        )  # fmt: skip
+        with torch.no_grad():
+            layer.weight.copy_(local_slice(embedding.weight, 0, layer.tp_rank, layer.tp_size))
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)  # [B, T]
+        local_idx = (idx - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_idx, self.weight)  # [B, T, dim]
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(partial, self.group, self.counter)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (local rows [{self.vocab_start}, "
+            f"{self.vocab_end}), tp {self.tp_rank}/{self.tp_size})"
+        )
+
+
+def _init_uniform(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -> None:
+    """``nn.Linear``'s default init, with the fan-in of the dense layer (not of the slice)."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        nn.init.uniform_(weight, -bound, bound)
+        if bias is not None:
+            nn.init.uniform_(bias, -bound, bound)

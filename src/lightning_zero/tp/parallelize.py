@@ -1,0 +1,144 @@
+"""Apply tensor parallelism to ``lightning_zero.models.Llama``, and gather / shard its state dict.
+
+Layout (Megatron-LM), per transformer block, on a TP group of ``tp`` ranks:
+
+=========================  ==================  ===============================================
+module                     becomes             this rank holds
+=========================  ==================  ===============================================
+attention.wq / wk / wv     ColumnParallel      ``n_heads/tp`` q heads, ``n_kv_heads/tp`` kv heads
+attention.wo               RowParallel         the input columns of its heads
+feed_forward.w1 / w3       ColumnParallel      ``ffn_dim/tp`` hidden units (gate, up)
+feed_forward.w2            RowParallel         the input columns of those units (down)
+tok_embeddings             VocabParallel       ``vocab_size/tp`` rows
+output                     ColumnParallel      ``vocab_size/tp`` rows; logits stay vocab-split
+norms, RoPE buffers        replicated
+=========================  ==================  ===============================================
+
+Heads are contiguous in ``wq``/``wk``/``wv`` rows, so a contiguous row slice is a set of whole
+heads, and with GQA rank ``r``'s query heads map to exactly its own KV heads (both slices start at
+``r/tp`` of their range). Attention derives the head counts from shapes, so no attribute changes.
+
+``attention_norm`` and ``ffn_norm`` get a forward hook that enters the TP region once for the
+three (two) column layers after them (see [Note: TP regions] in ``tp/layers.py``).
+``model.loss_fn`` becomes :func:`vocab_parallel_cross_entropy` on the group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.mesh import check_model_divisible
+from lightning_zero.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    local_slice,
+    mark_tp_param,
+    tp_shard_dim,
+)
+from lightning_zero.tp.loss import vocab_parallel_cross_entropy
+
+TPGroupLike = Union[DeviceMesh, dist.ProcessGroup]
+
+
+def resolve_tp_group(tp: TPGroupLike) -> dist.ProcessGroup:
+    """The TP process group from a 1-D TP mesh, a 2-D ``("dp", "tp")`` mesh or a group."""
+    if isinstance(tp, DeviceMesh):
+        if tp.ndim == 1:
+            return tp.get_group()
+        return tp.get_group("tp")
+    return tp
+
+
+class _EnterTPRegion:
+    """Forward hook: route a module's (replicated) output through ``copy_to_tp_region``."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> None:
+        self.group, self.counter = group, counter
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp_region(output, self.group, self.counter)
+
+
+def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[CommCounter] = None) -> nn.Module:
+    """Swap ``model``'s layers for TP layers holding this rank's slices; returns ``model``.
+
+    Call on the dense model (real or same-seed weights on every TP rank): each TP layer copies its
+    rank's slice, so the TP model computes what the dense one does. Every parameter ends up with
+    ``_tp_shard_dim`` set (``0``/``1`` split, ``None`` replicated), see :mod:`lightning_zero.tp.grad_norm`.
+    With a group of size 1 this returns ``model`` unchanged.
+    """
+    group = resolve_tp_group(tp)
+    tp_size = dist.get_world_size(group)
+    if tp_size == 1:
+        return model
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_model_divisible(tp_size, config)
+
+    enter_region = _EnterTPRegion(group, counter)
+    for block in model.layers:
+        attention, ffn = block.attention, block.feed_forward
+        for name in ("wq", "wk", "wv"):
+            dense = getattr(attention, name)
+            setattr(attention, name, ColumnParallelLinear.from_dense(dense, group, reduce_input_grad=False, counter=counter))
+        attention.wo = RowParallelLinear.from_dense(attention.wo, group, counter=counter)
+        for name in ("w1", "w3"):
+            dense = getattr(ffn, name)
+            setattr(ffn, name, ColumnParallelLinear.from_dense(dense, group, reduce_input_grad=False, counter=counter))
+        ffn.w2 = RowParallelLinear.from_dense(ffn.w2, group, counter=counter)
+        block.attention_norm.register_forward_hook(enter_region)
+        block.ffn_norm.register_forward_hook(enter_region)
+
+    model.tok_embeddings = VocabParallelEmbedding.from_dense(model.tok_embeddings, group, counter=counter)
+    model.output = ColumnParallelLinear.from_dense(model.output, group, counter=counter)
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, counter=counter)
+
+    for param in model.parameters():
+        if not hasattr(param, "_tp_shard_dim"):
+            mark_tp_param(param, None)  # replicated: norm weights
+    return model
+
+
+def gather_tp_state_dict(
+    model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
+) -> dict[str, torch.Tensor]:
+    """The plain (dense) state dict of a TP model, full tensors on every rank of ``group``.
+
+    Keys and shapes are those of the un-parallelized model, so the result loads into ``Llama``.
+    A collective: every rank of ``group`` must call it.
+    """
+    params = dict(model.named_parameters())
+    tp_size = dist.get_world_size(group)
+    full: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        dim = tp_shard_dim(params[name]) if name in params else None
+        if dim is None or tp_size == 1:
+            full[name] = tensor.detach().clone()
+            continue
+        local = tensor.detach().movedim(dim, 0).contiguous()  # split dim first
+        gathered = torch.empty((tp_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        all_gather(gathered, local, group, counter=counter, label="tp_all_gather")
+        full[name] = gathered.movedim(0, dim).contiguous()
+    return full
+
+
+def shard_dense_state_dict(
+    model: nn.Module, dense_state_dict: dict[str, torch.Tensor], group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """This rank's slices of a dense state dict, ready for ``model.load_state_dict`` on a TP model."""
+    params = dict(model.named_parameters())
+    tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
+    local: dict[str, torch.Tensor] = {}
+    for name, tensor in dense_state_dict.items():
+        dim = tp_shard_dim(params[name]) if name in params else None
+        local[name] = tensor if dim is None else local_slice(tensor, dim, tp_rank, tp_size)
+    return local
