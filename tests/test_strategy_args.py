@@ -1,0 +1,63 @@
+"""ZeroStrategy's constructor and precision checks: errors name the argument and the fix, before any process starts."""
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import ZeroStrategy
+from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stage": 0}, "stage"),
+        ({"stage": 4}, "stage"),
+        ({"stage": "2"}, "stage"),
+        ({"bucket_mb": 0}, "bucket_mb"),
+        ({"bucket_mb": -1.0}, "bucket_mb"),
+        ({"bucket_mb": "big"}, "bucket_mb"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": "two"}, "tensor_parallel_size"),
+        ({"prefetch_blocks": -1}, "prefetch_blocks"),
+        ({"max_buckets_in_flight": 0}, "max_buckets_in_flight"),
+        ({"offload_optimizer": True}, "offload_optimizer"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for stage in (1, 2):
+        strategy = StrategyRegistry.get(f"zero{stage}")
+        assert isinstance(strategy, ZeroStrategy) and strategy.stage == stage
+    assert lightning_zero.ZeroStrategy is ZeroStrategy
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+def test_unsupported_precision_fails_at_trainer_construction(precision):
+    with pytest.raises(ValueError, match="precision"):
+        L.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision=precision, logger=False)
+
+
+@pytest.mark.parametrize("precision, plugin", [("32-true", ZeroPrecision), ("bf16-mixed", ZeroBf16Precision)])
+def test_supported_precision_maps_to_engine_plugins(precision, plugin):
+    trainer = L.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision=precision, logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, plugin)
+    expected = torch.float32 if precision == "32-true" else torch.bfloat16
+    assert trainer.strategy.compute_dtype == expected
+
+
+def test_optimizer_over_foreign_tensors_is_rejected():
+    from lightning_zero.zero.engine import check_optimizer_params
+
+    model = torch.nn.Linear(2, 2)
+    stray = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    with pytest.raises(ValueError, match="not a parameter of the LightningModule"):
+        check_optimizer_params(model, [opt])
