@@ -134,18 +134,7 @@ def default_strategy() -> str:
 
 @pytest.mark.slow
 def test_train_two_cpu_processes_writes_metrics_and_config(tmp_path):
-    # DDP is covered by the multirun test below; this one runs the default strategy.
     run_dir = tmp_path / "run"
     result = run_cli(["train", f"strategy={default_strategy()}", *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert_trained(result, run_dir, steps=3)
     assert "lightning-zero: 3 steps" in result.stdout
-
-
-@pytest.mark.slow
-def test_multirun_sweep_relaunches_each_job_into_its_own_dir(tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    args = ["train", "-m", "strategy=ddp", "trainer.max_steps=2,3", *FAST[1:], f"hydra.sweep.dir={sweep_dir}"]
-    args = [arg.replace("trainer.val_check_interval=3", "trainer.val_check_interval=2") for arg in args]
-    result = run_cli(args, cwd=tmp_path, timeout=300)
-    for job, steps in (("0", 2), ("1", 3)):
-        assert_trained(result, sweep_dir / job, steps=steps)

@@ -232,15 +232,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="logs", version=""))
     except ModuleNotFoundError:  # tensorboard is optional
         pass
-    callbacks = [
-        ModelCheckpoint(
-            dirpath=str(run_dir / "checkpoints"),
-            every_n_train_steps=cfg.checkpoint.every_n_train_steps,
-            save_last=cfg.checkpoint.save_last,
-            save_top_k=cfg.checkpoint.save_top_k,
-        ),
-        LearningRateMonitor(logging_interval="step"),
-    ]
+    checkpoint = ModelCheckpoint(
+        dirpath=str(run_dir / "checkpoints"),
+        every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+        save_last=cfg.checkpoint.save_last,
+        save_top_k=cfg.checkpoint.save_top_k,
+    )
+    callbacks = [checkpoint, LearningRateMonitor(logging_interval="step")]
+    if cfg.checkpoint.save_last:
+        callbacks.append(_save_last_on_train_end(checkpoint))
     strategy = instantiate(cfg.strategy)
     return instantiate(
         cfg.trainer,
@@ -249,6 +249,23 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
         callbacks=callbacks,
         default_root_dir=str(run_dir),
     )
+
+
+def _save_last_on_train_end(checkpoint: Any) -> Any:
+    """A callback that saves ``last.ckpt`` when fit ends on a step ``checkpoint`` did not save
+    (``max_steps`` rarely falls on ``every_n_train_steps``), so ``ckpt_path=last`` resumes there."""
+    from lightning.pytorch.callbacks import Callback
+
+    class SaveLastOnTrainEnd(Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if checkpoint._last_global_step_saved == trainer.global_step or trainer.global_step == 0:
+                return
+            path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
+            trainer.save_checkpoint(path)
+            checkpoint.last_model_path = path
+            checkpoint._last_global_step_saved = trainer.global_step
+
+    return SaveLastOnTrainEnd()
 
 
 def write_resolved_config(cfg: DictConfig, run_dir: Path) -> Path:

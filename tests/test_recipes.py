@@ -1,0 +1,211 @@
+"""Recipes: each fits its stated cluster, follows the Llama 2 schedule, shrinks to 2 CPU ranks,
+trains and resumes from its own checkpoint; the launch scripts are valid and map to Lightning."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.config import RECIPES_DIR, available_recipes, compose
+from tests.test_cli import run_cli
+
+BIG_RECIPES = ("llama7b", "llama13b", "llama70b")
+LAUNCH_DIR = RECIPES_DIR / "launch"
+LAUNCH_SCRIPTS = (LAUNCH_DIR / "torchrun.sh", LAUNCH_DIR / "slurm.sbatch")
+# Shrink any recipe to the tiny model on 2 CPU processes, a few short steps, no accumulation.
+SHRINK = [
+    "model=tiny",
+    "trainer=cpu",
+    "data.seq_len=64",
+    "data.batch_size=2",
+    "trainer.accumulate_grad_batches=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def _tp(cfg) -> int:
+    tp = cfg.strategy.get("tensor_parallel_size", 1)
+    return cfg.trainer.devices if tp == "auto" else int(tp)
+
+
+def test_every_shipped_recipe_is_tested():
+    assert set(available_recipes()) == {"tiny", *BIG_RECIPES}
+
+
+@pytest.mark.parametrize("recipe", BIG_RECIPES)
+def test_recipe_fits_its_stated_cluster(recipe):
+    from lightning_zero.planner import plan_run
+
+    try:
+        from lightning_zero.planner_report import plan_kwargs_from_config
+    except ImportError:
+        from lightning_zero.planner import plan_kwargs_from_config
+
+    cfg = compose([f"recipe={recipe}"])
+    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
+    plan = plan_run(model_config, **kwargs)
+    assert plan.fits, plan.verdict
+    assert plan.memory_bytes <= 80 * 10**9 + 6 * 2**30  # an 80 GB GPU
+
+    # The header comment states the cluster shape the trainer group sets.
+    header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)
+    assert shape, f"{recipe}.yaml does not state its cluster shape"
+    assert (int(shape.group(1)), int(shape.group(2))) == (cfg.trainer.num_nodes, cfg.trainer.devices)
+    assert f"ZeRO-{cfg.strategy.stage}" in header
+
+
+@pytest.mark.parametrize("recipe", BIG_RECIPES)
+def test_recipe_sizes_divide(recipe):
+    from lightning_zero.models import LlamaConfig
+
+    cfg = compose([f"recipe={recipe}"])
+    arch = LlamaConfig.from_name(cfg.model.name)
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    tp = _tp(cfg)
+    assert arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0
+    assert world % tp == 0 and cfg.trainer.devices % tp == 0  # tp stays inside a node
+    dp = world // tp
+    global_batch_tokens = dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len
+    assert global_batch_tokens == 4 * 2**20  # Llama 2: 4M tokens per step
+
+
+@pytest.mark.parametrize("recipe", BIG_RECIPES)
+def test_recipe_uses_the_llama2_schedule(recipe):
+    cfg = compose([f"recipe={recipe}"])
+    assert list(cfg.optim.betas) == [0.9, 0.95]
+    assert (cfg.optim.weight_decay, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio) == (0.1, 2000, 0.1)
+    assert cfg.trainer.gradient_clip_val == 1.0
+    assert cfg.data.seq_len == 4096 and cfg.model.max_seq_len == 4096
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.model.activation_checkpointing is True
+    assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy"
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_recipe_shrinks_to_two_cpu_ranks(recipe):
+    cfg = compose([f"recipe={recipe}", *SHRINK])
+    assert (cfg.model.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == (
+        "tiny", "cpu", 2, 1
+    )
+    assert cfg.trainer.precision == "32-true"
+    assert 2 % _tp(cfg) == 0
+
+
+def _strategy_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("lightning_zero.strategy") is not None
+
+
+@pytest.mark.slow
+def test_every_recipe_trains_shrunk_and_resumes_from_its_checkpoint(tmp_path):
+    if not _strategy_available():
+        pytest.skip("the recipes use ZeroStrategy, which is not written yet")
+    sweep_dir = tmp_path / "sweep"
+    recipes = ",".join(available_recipes())
+    common = ["train", "-m", f"recipe={recipes}", *SHRINK, "data=synthetic", f"hydra.sweep.dir={sweep_dir}"]
+    first = run_cli([*common, "trainer.max_steps=2"], cwd=tmp_path, timeout=420)
+    assert first.returncode == 0, first.stdout[-6000:]
+    second = run_cli([*common, "trainer.max_steps=3", "ckpt_path=last"], cwd=tmp_path, timeout=420)
+    assert second.returncode == 0, second.stdout[-6000:]
+    for job, recipe in enumerate(available_recipes()):
+        job_dir = sweep_dir / str(job)
+        assert (job_dir / "resolved_config.yaml").exists(), recipe
+        # The multirun relaunch (cli [Note: relaunch]) ran local rank 1 in this job's own dir.
+        assert (job_dir / "train_ddp_process_1.log").exists(), recipe
+        assert (job_dir / "checkpoints" / "last.ckpt").exists(), recipe
+        assert f"checkpoint path at {job_dir / 'checkpoints' / 'last.ckpt'}" in second.stdout, recipe
+    assert second.stdout.count("lightning-zero: 3 steps") == len(available_recipes())
+
+
+# --------------------------------------------------------------------------------------------
+# Launch scripts
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS, ids=lambda path: path.name)
+def test_launch_script_parses(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+
+
+def _fake_command(path: Path) -> Path:
+    """An executable that prints its arguments, one per line, instead of launching anything."""
+    path.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_torchrun_script_passes_cluster_shape(tmp_path):
+    fake_python = _fake_command(tmp_path / "python")
+    env = dict(os.environ, PYTHON=str(fake_python), NNODES="8", NODE_RANK="3", MASTER_ADDR="node0")
+    result = subprocess.run(
+        ["bash", str(LAUNCH_DIR / "torchrun.sh"), "recipe=llama70b"], env=env, capture_output=True, text=True
+    )
+    args = result.stdout.splitlines()
+    assert result.returncode == 0, result.stderr
+    assert args[:2] == ["-m", "torch.distributed.run"]
+    for expected in ("--nnodes=8", "--node-rank=3", "--master-addr=node0", "--nproc-per-node=8"):
+        assert expected in args
+    assert args[args.index("--module") + 1 :][:2] == ["lightning_zero", "train"]
+    assert {"trainer.devices=8", "trainer.num_nodes=8", "recipe=llama70b"} <= set(args)
+    assert "hydra.run.dir=outputs/torchrun_node0_29500" in args  # the same on every node
+
+
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "lightning-zero",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_NTASKS": "16",
+    "SLURM_NTASKS_PER_NODE": "8(x2)",
+    "SLURM_PROCID": "11",
+    "SLURM_LOCALID": "3",
+    "SLURM_NODEID": "1",
+    "SLURM_NODELIST": "gpu[017-018]",
+}
+
+
+def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    # 1) The script hands srun the shape SLURM allocated.
+    _fake_command(tmp_path / "srun")
+    env = dict(os.environ, **SLURM_ENV, PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python")
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        ["bash", str(LAUNCH_DIR / "slurm.sbatch"), "recipe=llama13b"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    args = result.stdout.splitlines()
+    assert args[:5] == ["--kill-on-bad-exit=1", "python", "-m", "lightning_zero", "train"]
+    assert {"trainer.devices=8", "trainer.num_nodes=2", "hydra.run.dir=outputs/slurm_4242"} <= set(args)
+    header = (LAUNCH_DIR / "slurm.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=8" in header and "#SBATCH --gpus-per-node=8" in header
+
+    # 2) Under that environment (what srun gives rank 11), Lightning picks SLURMEnvironment with
+    #    the ranks SLURM assigned, and accepts the devices/num_nodes the script passes.
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SLURM_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", "24242")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=8, num_nodes=2, strategy="ddp", logger=False, enable_checkpointing=False
+    )
+    environment = trainer.strategy.cluster_environment
+    assert isinstance(environment, SLURMEnvironment)
+    assert (environment.global_rank(), environment.local_rank(), environment.node_rank()) == (11, 3, 1)
+    assert environment.world_size() == 16
+    assert environment.main_address == "gpu017"
+    assert environment.main_port == 24242
+    assert trainer.global_rank == 11 and trainer.world_size == 16
