@@ -13,6 +13,7 @@ gradients (stage 1: full, stage 2: sharded), and ``zero/stage3.py`` for paramete
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -47,6 +48,39 @@ def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> di
                         " `self.parameters()` (or named submodules) inside `configure_optimizers`."
                     )
     return names
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """A run of one parameter's flattened elements whose master (and optimizer state) this rank owns.
+
+    ``master[chunk_lo:chunk_hi]`` holds elements ``[param_lo, param_hi)`` of
+    ``param.reshape(-1)``; the optimizer state tensors of ``master`` (same shape as ``master``)
+    slice the same way. Checkpoints save and reshard through these ranges.
+    """
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    param_lo: int
+    param_hi: int
+    master: nn.Parameter
+    chunk_lo: int
+    chunk_hi: int
+
+
+def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
+    """Every (parameter, element range) whose master this rank owns, in layout order."""
+    for group in groups:
+        for bucket, master in zip(group.layout.buckets, group.masters):
+            start = bucket.shard_start(group.dp_rank)
+            end = start + bucket.shard_numel
+            for slot in bucket.slots:
+                lo, hi = max(start, slot.offset), min(end, slot.end)
+                if lo < hi:
+                    yield OwnedRange(
+                        slot.name, slot.param, slot.shape, lo - slot.offset, hi - slot.offset, master, lo - start, hi - start
+                    )
 
 
 class ZeroEngine:
@@ -183,6 +217,10 @@ class ZeroEngine:
             "optimizer_state": state,
             "total": params + grads + master + state,
         }
+
+    def owned_ranges(self) -> Iterator[OwnedRange]:
+        """See :class:`OwnedRange`; names are the module's ``named_parameters`` names."""
+        return owned_ranges(self.groups)
 
     def num_params(self) -> int:
         """Unpadded parameter count managed by the engine (one dp replica)."""
