@@ -63,6 +63,7 @@ class ZeroStrategyConf:
     prefetch_blocks: int = 1
     offload_optimizer: bool = False
     defer_grad_reduce: bool = False
+    max_buckets_in_flight: int = 2
     monitor: bool = True
 
 
