@@ -24,9 +24,11 @@ from lightning_zero.tp import (
     parallelize_llama,
     shard_dense_state_dict,
     tp_grad_norm,
+    tp_grad_norm_weight,
     tp_shard_dim,
     vocab_parallel_cross_entropy,
 )
+from lightning_zero.tp.layers import shard_size
 from tests.distributed import run_ranks
 
 ATOL = 1e-5
@@ -44,6 +46,11 @@ def _gather(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def test_uneven_split_error_shows_numbers():
+    with pytest.raises(ValueError, match=r"tp\(4\) does not divide vocab_size\(50\)"):
+        shard_size(50, 4, "vocab_size")
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,6 +237,21 @@ def _two_rank_body(rank: int, world_size: int) -> None:
     plain.load_state_dict(full)
     _close(fresh(idx), _slice(plain(idx), -1, rank, world_size), "reloaded logits")
 
+    # meta-device path (Lightning's empty init, then to_empty + reset_parameters per module): the
+    # materialized TP model equals the materialized dense one with the same seed
+    from lightning.fabric.utilities.init import _materialize_meta_tensors
+
+    with torch.device("meta"):
+        dense_meta, tp_meta = Llama(cfg), Llama(cfg)
+    parallelize_llama(tp_meta, group)
+    for seeded in (dense_meta, tp_meta):
+        torch.manual_seed(7)
+        _materialize_meta_tensors(seeded, torch.device("cpu"))
+    assert tp_shard_dim(tp_meta.output.weight) == 0 and tp_shard_dim(tp_meta.layers[1].attention.wo.weight) == 1
+    materialized = gather_tp_state_dict(tp_meta, group)
+    for name, tensor in dense_meta.state_dict().items():
+        assert torch.equal(materialized[name], tensor), f"meta-materialized {name}"
+
 
 def test_layers_and_llama_tp2_match_dense():
     run_ranks(_two_rank_body, world_size=2, timeout_s=90)
@@ -242,9 +264,15 @@ def _four_rank_body(rank: int, world_size: int) -> None:
     # tp=2 x dp=2 on the (dp, tp) mesh vs a dense model trained on both dp ranks' batches
     from lightning_zero.models import Llama
 
-    mesh = build_mesh(ParallelDims(world_size=world_size, devices_per_node=2, tp=2), "cpu")
-    tp_group, _ = tp_group_and_rank(mesh)
+    dims = ParallelDims(world_size=world_size, devices_per_node=2, tp=2)
+    mesh = build_mesh(dims, "cpu")
+    tp_group, tp_rank = tp_group_and_rank(mesh)
     dp_group, dp_rank = dp_group_and_rank(mesh)
+    # mesh layout: TP = consecutive ranks (one node), DP = same local position across nodes
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    assert dist.get_process_group_ranks(tp_group) == dims.tp_ranks(rank) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_process_group_ranks(dp_group) == dims.dp_ranks(rank) == [rank % 2, rank % 2 + 2]
+    assert (dp_rank, tp_rank) == divmod(rank, 2)
     cfg = _tiny_config()
     torch.manual_seed(0)
     dense = Llama(cfg)
@@ -261,9 +289,22 @@ def _four_rank_body(rank: int, world_size: int) -> None:
         mean_loss = loss_tp.clone()
         dist.all_reduce(mean_loss, group=dp_group)
         _close(mean_loss / 2, loss_dense, f"dp-mean loss at step {step}")
+        _check_zero_style_grad_norm(model, dense, dp_rank, dp_size=2, tp_size=2)
     full = gather_tp_state_dict(model, tp_group)
     for name, tensor in dense.state_dict().items():
         _close(full[name], tensor, f"param {name} after 2 SGD steps")
+
+
+def _check_zero_style_grad_norm(model: nn.Module, dense: nn.Module, dp_rank: int, dp_size: int, tp_size: int) -> None:
+    """The documented rule under ZeRO-2: each rank holds a dp chunk of every local gradient;
+    sum tp_grad_norm_weight(p) * ||chunk||^2 and all-reduce over the whole world."""
+    local_sq = torch.zeros(())
+    for param in model.parameters():
+        grad_shard = param.grad.flatten().chunk(dp_size)[dp_rank]
+        local_sq += tp_grad_norm_weight(param, tp_size) * grad_shard.pow(2).sum()
+    dist.all_reduce(local_sq)
+    expected = nn.utils.get_total_norm([p.grad for p in dense.parameters()])
+    _close(local_sq.sqrt(), expected, "ZeRO-style TP grad norm")
 
 
 def test_layers_tp4_and_llama_tp2_dp2_match_dense():

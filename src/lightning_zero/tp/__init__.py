@@ -15,8 +15,10 @@ from lightning_zero.tp.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp_region,
+    mark_tp_params,
     reduce_from_tp_region,
     tp_shard_dim,
+    tp_shard_dims,
 )
 from lightning_zero.tp.loss import vocab_parallel_cross_entropy
 from lightning_zero.tp.parallelize import (
@@ -35,6 +37,7 @@ __all__ = [
     "gather_tp_state_dict",
     "grad_norm_sq_contributions",
     "is_tp_sharded",
+    "mark_tp_params",
     "parallelize_llama",
     "reduce_from_tp_region",
     "resolve_tp_group",
@@ -42,5 +45,6 @@ __all__ = [
     "tp_grad_norm",
     "tp_grad_norm_weight",
     "tp_shard_dim",
+    "tp_shard_dims",
     "vocab_parallel_cross_entropy",
 ]

@@ -114,7 +114,17 @@ def local_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> tor
 
 
 class _TPModule(nn.Module):
-    """Holds the TP group, this rank's index in it and the optional byte counter."""
+    """Holds the TP group, this rank's index in it and the optional byte counter.
+
+    [Note: TP init] ``reset_parameters`` draws the *dense* tensor with the dense layer's default
+    init and keeps this rank's slice. Every TP rank runs the same RNG stream, so a TP model
+    materialized from the meta device (Lightning calls ``to_empty`` then ``reset_parameters`` per
+    module) equals the same dense model materialized with the same seed, and no two ranks hold
+    identical slices. It costs one dense-sized temporary per layer, freed right after.
+    It also re-marks the parameters: ``to_empty`` from meta makes new ``nn.Parameter`` objects.
+    """
+
+    shard_dims: dict[str, Optional[int]] = {}  # parameter name -> dim split over TP (None: replicated)
 
     def __init__(self, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> None:
         super().__init__()
@@ -122,6 +132,28 @@ class _TPModule(nn.Module):
         self.tp_rank = dist.get_rank(group)
         self.tp_size = dist.get_world_size(group)
         self.counter = counter
+
+    def mark_params(self) -> None:
+        """Set ``_tp_shard_dim`` on this module's parameters (see ``TP_SHARD_DIM_ATTR``)."""
+        for name, param in self.named_parameters(recurse=False):
+            mark_tp_param(param, self.shard_dims[name])
+
+    def _copy_dense_slices(self, dense: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slice of each dense tensor (``dense`` maps parameter name -> tensor)."""
+        with torch.no_grad():
+            for name, param in self.named_parameters(recurse=False):
+                dim = self.shard_dims[name]
+                full = dense[name]
+                param.copy_(full if dim is None else local_slice(full, dim, self.tp_rank, self.tp_size))
+        self.mark_params()
+
+    @classmethod
+    def _build_from_dense(cls, dense: nn.Module, *args: Any, **kwargs: Any):
+        """Construct on meta (no init), allocate like ``dense``, copy this rank's slices."""
+        layer = cls(*args, device="meta", dtype=dense.weight.dtype, **kwargs)
+        layer.to_empty(device=dense.weight.device)
+        layer._copy_dense_slices(dict(dense.named_parameters(recurse=False)))
+        return layer
 
 
 class _ParallelLinear(_TPModule):
@@ -141,36 +173,36 @@ class _ParallelLinear(_TPModule):
         *,
         bias: bool = False,
         counter: Optional[CommCounter] = None,
-        device: Optional[torch.device] = None,
+        device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(group, counter)
         self.in_features = in_features
         self.out_features = out_features
+        self.shard_dims = {"weight": self.shard_dim, "bias": 0 if self.shard_dim == 0 else None}
         shape = [out_features, in_features]
         split_name = ("out_features", "in_features")[self.shard_dim]
         shape[self.shard_dim] = shard_size(shape[self.shard_dim], self.tp_size, split_name)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
-        _init_uniform(self.weight, self.bias, fan_in=in_features)
-        mark_tp_param(self.weight, self.shard_dim)
-        if self.bias is not None:
-            mark_tp_param(self.bias, 0 if self.shard_dim == 0 else None)
+        self.reset_parameters()
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs: Any):
         """A layer holding this rank's slice of ``linear`` (keyword args go to the constructor)."""
-        layer = cls(
-            linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
-        )  # fmt: skip
-        with torch.no_grad():
-            layer.weight.copy_(local_slice(linear.weight, cls.shard_dim, layer.tp_rank, layer.tp_size))
-            if linear.bias is not None and cls.shard_dim == 0:
-                layer.bias.copy_(local_slice(linear.bias, 0, layer.tp_rank, layer.tp_size))
-            elif linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        return cls._build_from_dense(
+            linear, linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs
+        )
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init of the dense weight, sliced (see [Note: TP init])."""
+        factory = dict(device=self.weight.device, dtype=self.weight.dtype)
+        dense = {"weight": torch.empty(self.out_features, self.in_features, **factory)}
+        nn.init.kaiming_uniform_(dense["weight"], a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+            dense["bias"] = torch.empty(self.out_features, **factory).uniform_(-bound, bound)
+        self._copy_dense_slices(dense)
 
     def extra_repr(self) -> str:
         return (
@@ -229,6 +261,8 @@ class VocabParallelEmbedding(_TPModule):
     the gradient of the tokens it owns.
     """
 
+    shard_dims = {"weight": 0}
+
     def __init__(
         self,
         num_embeddings: int,
@@ -236,7 +270,7 @@ class VocabParallelEmbedding(_TPModule):
         group: dist.ProcessGroup,
         *,
         counter: Optional[CommCounter] = None,
-        device: Optional[torch.device] = None,
+        device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(group, counter)
@@ -246,21 +280,21 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = self.tp_rank * local_rows
         self.vocab_end = self.vocab_start + local_rows
         self.weight = nn.Parameter(torch.empty(local_rows, embedding_dim, device=device, dtype=dtype))
-        nn.init.normal_(self.weight)
-        mark_tp_param(self.weight, 0)
+        self.reset_parameters()
 
     @classmethod
     def from_dense(
         cls, embedding: nn.Embedding, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
     ) -> "VocabParallelEmbedding":
         """This rank's rows of ``embedding.weight``."""
-        layer = cls(
-            embedding.num_embeddings, embedding.embedding_dim, group, counter=counter,
-            device=embedding.weight.device, dtype=embedding.weight.dtype,
-        )  # fmt: skip
-        with torch.no_grad():
-            layer.weight.copy_(local_slice(embedding.weight, 0, layer.tp_rank, layer.tp_size))
-        return layer
+        return cls._build_from_dense(
+            embedding, embedding.num_embeddings, embedding.embedding_dim, group, counter=counter
+        )
+
+    def reset_parameters(self) -> None:
+        """``nn.Embedding``'s default N(0, 1) init of the dense table, sliced (see [Note: TP init])."""
+        dense = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
+        self._copy_dense_slices({"weight": nn.init.normal_(dense)})
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)  # [B, T]
@@ -276,10 +310,27 @@ class VocabParallelEmbedding(_TPModule):
         )
 
 
-def _init_uniform(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -> None:
-    """``nn.Linear``'s default init, with the fan-in of the dense layer (not of the slice)."""
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    with torch.no_grad():
-        nn.init.uniform_(weight, -bound, bound)
-        if bias is not None:
-            nn.init.uniform_(bias, -bound, bound)
+def tp_shard_dims(model: nn.Module) -> dict[str, Optional[int]]:
+    """Parameter name -> dim split over TP (``None``: replicated), from the module types.
+
+    The source of truth (``_tp_shard_dim`` attributes are a cache on the parameter objects).
+    """
+    dims: dict[str, Optional[int]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{param_name}" if module_name else param_name
+            dims[full_name] = module.shard_dims[param_name] if isinstance(module, _TPModule) else None
+    return dims
+
+
+def mark_tp_params(model: nn.Module) -> None:
+    """(Re)set ``_tp_shard_dim`` on every parameter of ``model`` from the module types.
+
+    Call after anything that replaces parameter objects (e.g. ``to_empty`` from meta).
+    """
+    for module in model.modules():
+        if isinstance(module, _TPModule):
+            module.mark_params()
+        else:
+            for param in module.parameters(recurse=False):
+                mark_tp_param(param, None)

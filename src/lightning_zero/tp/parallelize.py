@@ -41,8 +41,8 @@ from lightning_zero.tp.layers import (
     VocabParallelEmbedding,
     copy_to_tp_region,
     local_slice,
-    mark_tp_param,
-    tp_shard_dim,
+    mark_tp_params,
+    tp_shard_dims,
 )
 from lightning_zero.tp.loss import vocab_parallel_cross_entropy
 
@@ -71,30 +71,37 @@ class _EnterTPRegion:
 def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[CommCounter] = None) -> nn.Module:
     """Swap ``model``'s layers for TP layers holding this rank's slices; returns ``model``.
 
-    Call on the dense model (real or same-seed weights on every TP rank): each TP layer copies its
-    rank's slice, so the TP model computes what the dense one does. Every parameter ends up with
-    ``_tp_shard_dim`` set (``0``/``1`` split, ``None`` replicated), see :mod:`lightning_zero.tp.grad_norm`.
+    Call on the dense model with the same weights on every TP rank (same seed), or on a meta-device
+    model: each TP layer copies its rank's slice, so the TP model computes what the dense one does,
+    and a meta model materialized afterwards (``to_empty`` + ``reset_parameters`` per module) equals
+    the dense one materialized with the same seed (see [Note: TP init] in ``tp/layers.py``).
+    Do not re-run a whole-tensor init such as ``Llama.init_weights`` afterwards: with the same RNG
+    on every TP rank it would give every rank the *same* slice.
+
+    Every parameter ends up with ``_tp_shard_dim`` set (``0``/``1`` split, ``None`` replicated), see
+    :mod:`lightning_zero.tp.grad_norm`; :func:`tp_shard_dims` gives the same from module types.
     With a group of size 1 this returns ``model`` unchanged.
     """
     group = resolve_tp_group(tp)
     tp_size = dist.get_world_size(group)
     if tp_size == 1:
         return model
+    if isinstance(model.tok_embeddings, VocabParallelEmbedding):
+        raise ValueError("parallelize_llama: the model is already tensor-parallel; call it once per model")
     config = getattr(model, "config", None)
     if config is not None:
         check_model_divisible(tp_size, config)
 
+    # q/k/v and w1/w3 skip their own input-grad all-reduce: the norm before them enters once
+    column = functools.partial(ColumnParallelLinear.from_dense, group=group, reduce_input_grad=False, counter=counter)
+    row = functools.partial(RowParallelLinear.from_dense, group=group, counter=counter)
     enter_region = _EnterTPRegion(group, counter)
     for block in model.layers:
         attention, ffn = block.attention, block.feed_forward
-        for name in ("wq", "wk", "wv"):
-            dense = getattr(attention, name)
-            setattr(attention, name, ColumnParallelLinear.from_dense(dense, group, reduce_input_grad=False, counter=counter))
-        attention.wo = RowParallelLinear.from_dense(attention.wo, group, counter=counter)
-        for name in ("w1", "w3"):
-            dense = getattr(ffn, name)
-            setattr(ffn, name, ColumnParallelLinear.from_dense(dense, group, reduce_input_grad=False, counter=counter))
-        ffn.w2 = RowParallelLinear.from_dense(ffn.w2, group, counter=counter)
+        attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
+        attention.wo = row(attention.wo)
+        ffn.w1, ffn.w3 = column(ffn.w1), column(ffn.w3)
+        ffn.w2 = row(ffn.w2)
         block.attention_norm.register_forward_hook(enter_region)
         block.ffn_norm.register_forward_hook(enter_region)
 
@@ -102,9 +109,7 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
     model.output = ColumnParallelLinear.from_dense(model.output, group, counter=counter)
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, counter=counter)
 
-    for param in model.parameters():
-        if not hasattr(param, "_tp_shard_dim"):
-            mark_tp_param(param, None)  # replicated: norm weights
+    mark_tp_params(model)  # split: from the TP layers; replicated (norm weights): None
     return model
 
 
@@ -116,11 +121,11 @@ def gather_tp_state_dict(
     Keys and shapes are those of the un-parallelized model, so the result loads into ``Llama``.
     A collective: every rank of ``group`` must call it.
     """
-    params = dict(model.named_parameters())
+    shard_dims = tp_shard_dims(model)
     tp_size = dist.get_world_size(group)
     full: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        dim = tp_shard_dim(params[name]) if name in params else None
+        dim = shard_dims.get(name)  # buffers: replicated
         if dim is None or tp_size == 1:
             full[name] = tensor.detach().clone()
             continue
@@ -135,10 +140,10 @@ def shard_dense_state_dict(
     model: nn.Module, dense_state_dict: dict[str, torch.Tensor], group: dist.ProcessGroup
 ) -> dict[str, torch.Tensor]:
     """This rank's slices of a dense state dict, ready for ``model.load_state_dict`` on a TP model."""
-    params = dict(model.named_parameters())
+    shard_dims = tp_shard_dims(model)
     tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
     local: dict[str, torch.Tensor] = {}
     for name, tensor in dense_state_dict.items():
-        dim = tp_shard_dim(params[name]) if name in params else None
+        dim = shard_dims.get(name)
         local[name] = tensor if dim is None else local_slice(tensor, dim, tp_rank, tp_size)
     return local
