@@ -314,8 +314,8 @@ def _is_global_rank_zero() -> bool:
 
 
 def _print_summary(trainer: Any, run_dir: Path) -> None:
-    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    shown = ", ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()))
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if "/" not in key}
+    shown = ", ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()) if not key.startswith("lr"))
     print(f"lightning-zero: {trainer.global_step} steps; {shown}; run dir: {run_dir}")
 
 
