@@ -25,6 +25,9 @@ PAIRS = {
     "zero2_acc_defer": "ddp_acc",
     "zero2_value_clip": "ddp_value_clip",
     "zero2_manual": "ddp_manual",
+    "zero3": "ddp",
+    "zero3_acc": "ddp_acc",
+    "zero3_value_clip": "ddp_value_clip",
 }
 
 

@@ -40,11 +40,6 @@ def _check_args(
 ) -> None:
     if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"ZeroStrategy(stage={stage!r}): stage must be 1, 2 or 3.")
-    if stage == 3:
-        raise ValueError(
-            "ZeroStrategy(stage=3): parameter sharding is not available in this version yet;"
-            " use stage=2 (optimizer state and gradients sharded) meanwhile."
-        )
     if not (tensor_parallel_size == "auto" or (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1)):
         raise ValueError(
             f"ZeroStrategy(tensor_parallel_size={tensor_parallel_size!r}): give a positive int or 'auto'"
@@ -89,18 +84,25 @@ def _tp_norm_weights(engine: "ZeroEngine", tp: int) -> dict[int, torch.Tensor]:
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO data parallelism (stages 1-2) as a Lightning strategy.
+    """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
     Args:
         stage: 1 shards fp32 master weights and optimizer state over the dp ranks; 2 also keeps
-            only each rank's shard of the reduced gradients (``2 P / dp`` bytes in bf16).
+            only each rank's shard of the reduced gradients (``2 P / dp`` bytes in bf16); 3 also
+            keeps only each rank's shard of the parameters, gathering each unit (block) just in
+            time (``16 P / dp`` bytes of model state in bf16-mixed). Under stage 3 a model built
+            in ``configure_model`` is created on the meta device and materialized one unit at a
+            time, each rank keeping only its shard.
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node. ``dp = world_size // tensor_parallel_size``.
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async
             reduce-scatter over dp.
         overlap_comm: launch bucket reduce-scatters during backward (``True``) or only once
             backward ended (``False``, for comparison).
-        prefetch_blocks: stage 3: blocks whose parameters are all-gathered ahead.
+        prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
+            one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
+        wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
+            children of every ``nn.ModuleList``, embeddings, and a linear head beside a block list.
         offload_optimizer: keep fp32 master and optimizer shards in CPU memory (not available yet).
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
             across micro batches and reduce once at the last one (stage-1 gradient memory, one
@@ -125,6 +127,7 @@ class ZeroStrategy(DDPStrategy):
         defer_grad_reduce: bool = False,
         max_buckets_in_flight: int = 2,
         monitor: bool = True,
+        wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -156,6 +159,12 @@ class ZeroStrategy(DDPStrategy):
         self.defer_grad_reduce = defer_grad_reduce
         self.max_buckets_in_flight = max_buckets_in_flight
         self.monitor = monitor
+        self.wrap_policy = wrap_policy
+        if stage == 3 and defer_grad_reduce:
+            raise ValueError(
+                "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
+                " stage 3 never holds; use stage=2 for deferred reduction."
+            )
         self.engine: Optional["ZeroEngine"] = None
         self._device_mesh: Optional["DeviceMesh"] = None
         self._dims: Any = None
@@ -229,15 +238,40 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
-        self.model_to_device()
+        self._move_real_tensors_to_device()
         self._broadcast_module_states()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
-            self._build_engine()
+        if fitting or self.stage == 3:
+            self._build_engine(self.optimizers if fitting else [])
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and self.monitor:
+        if fitting and self.monitor:
             self._attach_monitor(trainer)
+
+    def _move_real_tensors_to_device(self) -> None:
+        """``model_to_device`` for everything not on the meta device (stage 3 materializes those)."""
+        assert self.model is not None
+        with torch.no_grad():
+            for module in self.model.modules():
+                for key, param in module._parameters.items():
+                    if param is not None and not param.is_meta and param.device != self.root_device:
+                        param.data = param.data.to(self.root_device)
+                for key, buffer in module._buffers.items():
+                    if buffer is not None and not buffer.is_meta:
+                        module._buffers[key] = buffer.to(self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Stage 3: configure_model builds on the meta device; setup materializes one unit at a time.
+        if self.stage == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
 
     @override
     def configure_ddp(self) -> None:  # no DistributedDataParallel wrapper: the engine reduces
@@ -250,9 +284,10 @@ class ZeroStrategy(DDPStrategy):
         src = dist.get_global_rank(group, 0) if group is not None else 0
         with torch.no_grad():
             for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(tensor.data, src=src, group=group)
+                if not tensor.is_meta:
+                    dist.broadcast(tensor.data, src=src, group=group)
 
-    def _build_engine(self) -> None:
+    def _build_engine(self, optimizers: list) -> None:
         from lightning_zero.zero.engine import ZeroEngine
 
         if self.engine is not None:
@@ -260,7 +295,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         self.engine = ZeroEngine(
             self.lightning_module,
-            self.optimizers,
+            optimizers,
             stage=self.stage,
             dp_group=self.dp_group,
             compute_dtype=self.compute_dtype,
@@ -268,7 +303,10 @@ class ZeroStrategy(DDPStrategy):
             overlap_comm=self.overlap_comm,
             defer_grad_reduce=self.defer_grad_reduce,
             max_buckets_in_flight=self.max_buckets_in_flight,
-            norm_group=None,  # the world: dp chunks differ, and so do tp shards
+            norm_group=dist.group.WORLD,  # dp chunks differ, and so do tp shards
+            prefetch_blocks=self.prefetch_blocks,
+            device=self.root_device,
+            wrap_policy=self.wrap_policy,
         )
         if self._device_mesh is not None:
             weights = _tp_norm_weights(self.engine, self._dims.tp)
@@ -291,9 +329,50 @@ class ZeroStrategy(DDPStrategy):
         with self.engine.no_sync():
             yield None
 
+    # -- stage 3: the root unit around every step --------------------------------------------
+    def _begin_step(self) -> None:
+        if self.engine is not None and self.engine.stage3 is not None:
+            self.engine.stage3.begin_step()
+
+    def _end_eval_step(self) -> None:
+        if self.engine is not None and self.engine.stage3 is not None:
+            self.engine.stage3.end_eval_step()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
     @override
     def teardown(self) -> None:
         if self.engine is not None:
+            if self.engine.stage3 is not None:
+                # Leave the module usable outside the Trainer (forward, state_dict): full parameters.
+                self.engine.unshard_parameters()
             self.engine.close()
             self.engine = None
         super().teardown()

@@ -74,6 +74,9 @@ CASES = {
     "zero2_acc_defer": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, defer_grad_reduce=True), ACC),
     "ddp_value_clip": (lambda: "ddp", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "zero2_value_clip": (lambda: "zero2", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "zero3": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {}),
+    "zero3_acc": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004, prefetch_blocks=2), ACC),
+    "zero3_value_clip": (lambda: "zero3", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "ddp_manual": (lambda: "ddp", {"manual": True}),
     "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
 }

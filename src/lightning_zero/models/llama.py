@@ -269,6 +269,23 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def build_llama(config: LlamaConfig) -> "Llama":
+    """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
+
+    The modules are created on the meta device (no default init draws random numbers), then,
+    unless the caller asked for meta (``with torch.device("meta")``, as ZeRO-3's sharded init
+    does), materialized on the current default device and initialized. Every strategy therefore
+    starts from the same weights for the same seed.
+    """
+    target = torch.get_default_device()
+    with torch.device("meta"):
+        model = Llama(config)
+    if target.type != "meta":
+        model.to_empty(device=target)
+        model.init_weights()
+    return model
+
+
 class Llama(nn.Module):
     """Llama decoder. ``forward(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 
@@ -313,24 +330,48 @@ class Llama(nn.Module):
         Same ``generator`` state (or global seed when ``None``) -> same weights. The scheme follows
         torchtitan's Llama: embeddings N(0, 1); wq/wk/wv/w1 truncated N(0, 0.02); wo/w2/w3 scaled
         down with depth, 0.02 / sqrt(2 (layer + 1)); output truncated N(0, dim^-0.5); norms 1.
-        ``generator`` must live on the parameters' device.
+        ``generator`` must live on the parameters' device. The order is that of
+        :meth:`init_module` over ``tok_embeddings, layers..., norm, output``, so a strategy that
+        materializes one unit at a time (ZeRO-3's sharded init) draws the same numbers.
+        """
+        for module in (self.tok_embeddings, *self.layers, self.norm, self.output, self):
+            self.init_module(module, generator)
+
+    @torch.no_grad()
+    def init_module(self, module: nn.Module, generator: Optional[torch.Generator] = None) -> bool:
+        """Initialize one of this model's units as :meth:`init_weights` does.
+
+        Returns True when ``module``'s whole subtree was initialized (embedding, a block, the
+        final norm, the head); for the model itself only the rotary tables are recomputed and
+        False is returned (its children are separate units). Unknown modules: False.
         """
 
         def trunc_normal(weight: torch.Tensor, std: float) -> None:
             nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
 
-        nn.init.normal_(self.tok_embeddings.weight, generator=generator)
+        if module is self.tok_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight, generator=generator)
+            return True
+        if module is self.output:
+            trunc_normal(self.output.weight, self.config.dim**-0.5)
+            return True
+        if module is self.norm:
+            self.norm.reset_parameters()
+            return True
+        if module is self:
+            self.reset_parameters()
+            return False
         for layer_id, layer in enumerate(self.layers):
-            depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-            for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
-                trunc_normal(linear.weight, 0.02)
-            for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
-                trunc_normal(linear.weight, depth_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        trunc_normal(self.output.weight, self.config.dim**-0.5)
-        self.reset_parameters()
+            if module is layer:
+                depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
+                    trunc_normal(linear.weight, 0.02)
+                for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
+                    trunc_normal(linear.weight, depth_std)
+                layer.attention_norm.reset_parameters()
+                layer.ffn_norm.reset_parameters()
+                return True
+        return False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.size(1)
@@ -454,7 +495,7 @@ class LlamaLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = Llama(self.config)
+            self.model = build_llama(self.config)
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
         mesh = self.device_mesh
         if mesh is None or self._tp_applied or "tp" not in (mesh.mesh_dim_names or ()):

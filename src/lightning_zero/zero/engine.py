@@ -84,10 +84,11 @@ def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
 
 
 class ZeroEngine:
-    """ZeRO stages 1 and 2 for ``module`` trained by ``optimizers`` on one data-parallel rank.
+    """ZeRO stages 1, 2 and 3 for ``module`` trained by ``optimizers`` on one data-parallel rank.
 
     Args:
-        stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients.
+        stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients; 3 also
+            shards parameters (``zero/stage3.py``: units gathered just in time).
         dp_group: data-parallel process group (``None``: the default group).
         compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
             or ``torch.bfloat16``); master weights and optimizer state are fp32 either way.
@@ -97,6 +98,11 @@ class ZeroEngine:
             once at the last one (stage-1 gradient memory, 1/N of the communication).
         max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
         norm_group: group to sum gradient norms over (default: ``dp_group``).
+        prefetch_blocks: stage 3: units whose all-gather starts ahead of the one running.
+        device: where parameters live (default: that of the module's first parameter; stage 3
+            materializes meta parameters there, one unit at a time).
+        wrap_policy: stage 3: ``(module, parent) -> bool`` picks the units (default:
+            ``stage3.default_wrap_policy``).
     """
 
     def __init__(
@@ -112,9 +118,14 @@ class ZeroEngine:
         defer_grad_reduce: bool = False,
         max_buckets_in_flight: int = 2,
         norm_group: Optional[dist.ProcessGroup] = None,
+        prefetch_blocks: int = 1,
+        device: Optional[torch.device] = None,
+        wrap_policy=None,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroEngine handles stages 1 and 2, got stage={stage}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
+        if stage == 3 and defer_grad_reduce:
+            raise ValueError("ZeroEngine: defer_grad_reduce keeps full gradients, which stage 3 never holds; use stage=2")
         self.module = module
         self.stage = stage
         self.dp_group = dp_group
@@ -124,42 +135,20 @@ class ZeroEngine:
         self.counter = CommCounter()
         names = check_optimizer_params(module, optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
-        device = next(module.parameters()).device
-
-        self.groups: list[FlatParamGroup] = []
-        flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
-        managed: set[int] = set()
-        for optimizer in optimizers:
-            per_param_group = []
-            for param_group in optimizer.param_groups:
-                params = sorted(
-                    (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
-                )
-                groups = []
-                if params:
-                    layout = FlatLayout(
-                        params,
-                        [names[id(p)] for p in params],
-                        dp=self.dp_size,
-                        bucket_numel=bucket_numel_for(bucket_mb, compute_dtype),
-                    )
-                    groups.append(
-                        FlatParamGroup(layout, dp_rank=self.dp_rank, compute_dtype=compute_dtype, device=device)
-                    )
-                    managed.update(id(p) for p in params)
-                per_param_group.append(groups)
-                self.groups.extend(groups)
-            flat_groups_per_optimizer.append(per_param_group)
-
-        # Parameters no optimizer steps (frozen) are cast for compute and otherwise left alone.
-        for param in module.parameters():
-            if id(param) not in managed and param.is_floating_point():
-                param.data = param.data.to(compute_dtype)
+        if device is None:
+            device = next(module.parameters()).device
+        self.stage3 = None
+        if stage == 3:
+            flat_groups_per_optimizer = self._build_stage3(
+                module, optimizers, names, order, device, bucket_numel_for(bucket_mb, compute_dtype), prefetch_blocks, wrap_policy
+            )
+        else:
+            flat_groups_per_optimizer = self._build_flat(module, optimizers, names, order, device, bucket_mb)
 
         use_full = stage == 1 or defer_grad_reduce
         storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
         self.reducer = GradReducer(
-            self.groups,
+            [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)],
             storage,
             dp_group=dp_group,
             dp_size=self.dp_size,
@@ -176,12 +165,67 @@ class ZeroEngine:
                 dp_size=self.dp_size,
                 counter=self.counter,
                 norm_group=norm_group,
+                gather_params=stage != 3,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
         self.reducer.grads_were_zeroed = lambda: any(s.grads_were_zeroed() for s in self.optimizers)
+
+    def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
+        from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
+
+        units, per_optimizer = build_units(
+            module,
+            optimizers,
+            names=names,
+            order=order,
+            dp_group=self.dp_group,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
+            compute_dtype=self.compute_dtype,
+            device=device,
+            bucket_numel=bucket_numel,
+            policy=wrap_policy or default_wrap_policy,
+        )
+        self.groups = [group for unit in units for group in unit.groups]
+        self.stage3 = Stage3Runtime(
+            units, clone_dp_group(self.dp_group), prefetch_blocks=prefetch_blocks, counter=self.counter
+        )
+        return per_optimizer
+
+    def _build_flat(self, module, optimizers, names, order, device, bucket_mb):
+        self.groups: list[FlatParamGroup] = []
+        flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
+        managed: set[int] = set()
+        for optimizer in optimizers:
+            per_param_group = []
+            for param_group in optimizer.param_groups:
+                params = sorted(
+                    (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
+                )
+                groups = []
+                if params:
+                    layout = FlatLayout(
+                        params,
+                        [names[id(p)] for p in params],
+                        dp=self.dp_size,
+                        bucket_numel=bucket_numel_for(bucket_mb, self.compute_dtype),
+                    )
+                    groups.append(
+                        FlatParamGroup(layout, dp_rank=self.dp_rank, compute_dtype=self.compute_dtype, device=device)
+                    )
+                    managed.update(id(p) for p in params)
+                per_param_group.append(groups)
+                self.groups.extend(groups)
+            flat_groups_per_optimizer.append(per_param_group)
+
+        # Parameters no optimizer steps (frozen) are cast for compute and otherwise left alone.
+        for param in module.parameters():
+            if id(param) not in managed and param.is_floating_point():
+                param.data = param.data.to(self.compute_dtype)
+        return flat_groups_per_optimizer
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -229,7 +273,14 @@ class ZeroEngine:
     def padding_numel(self) -> int:
         return sum(group.layout.padding_numel for group in self.groups)
 
+    def unshard_parameters(self) -> None:
+        """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
+        if self.stage3 is not None:
+            self.stage3.unshard()
+
     def close(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.remove_hooks()
         self.reducer.remove_hooks()
         for sharded in self.optimizers:
             sharded.remove_hooks()
