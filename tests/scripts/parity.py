@@ -82,7 +82,55 @@ CASES = {
 }
 
 
+class RecordLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def run_llama(name: str, out_dir: str) -> None:
+    """A tiny Llama (blocks, embeddings, head: real ZeRO-3 units), then validate and predict."""
+    from lightning_zero.data import TokenDataModule
+    from lightning_zero.models import LlamaLM
+
+    make_strategy, kwargs = LLAMA_CASES[name]
+    kwargs = dict(kwargs)
+    checkpointing = kwargs.pop("activation_checkpointing", False)
+    L.seed_everything(42, verbose=False)
+    config = dict(name="tiny", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    model = LlamaLM(config, lr=1e-2, warmup_steps=1, max_steps=4, activation_checkpointing=checkpointing)
+    data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
+    record = RecordLosses()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=make_strategy(), max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=2, callbacks=[record], **kwargs,
+    )
+    trainer.fit(model, data)
+    val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    torch.save(
+        {"losses": record.losses, "params": params, "val_loss": float(val)},
+        os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
+    )
+
+
+LLAMA_CASES = {
+    "llama_ddp": (lambda: "ddp", {}),
+    "llama_zero3": (lambda: ZeroStrategy(stage=3, bucket_mb=0.01), {}),
+    "llama_zero3_p0_acc": (lambda: ZeroStrategy(stage=3, prefetch_blocks=0), {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+    "llama_ddp_acc": (lambda: "ddp", {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+    "llama_ddp_ckpt": (lambda: "ddp", {"activation_checkpointing": True}),
+    "llama_zero3_ckpt": (lambda: ZeroStrategy(stage=3, prefetch_blocks=2), {"activation_checkpointing": True}),
+}
+
+
 def run(name: str, out_dir: str) -> None:
+    if name in LLAMA_CASES:
+        run_llama(name, out_dir)
+        return
     make_strategy, kwargs = CASES[name]
     kwargs = dict(kwargs)
     manual = kwargs.pop("manual", False)
@@ -114,6 +162,6 @@ def run(name: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    names = sys.argv[2:] or list(CASES)
+    names = sys.argv[2:] or [*CASES, *LLAMA_CASES]
     for case in names:
         run(case, out)
