@@ -130,10 +130,59 @@ def _odd_control_flow(rank, world):
     engine.close()
 
 
+def _sharded_init_memory(rank, world):
+    """Materializing from meta one unit at a time: no process ever holds the whole model."""
+    from lightning_zero.models import LlamaConfig
+    from lightning_zero.models.llama import build_llama
+    from lightning_zero.zero.engine import ZeroEngine
+
+    config = LlamaConfig.from_name("tiny", **{**CFG, "n_layers": 12, "dim": 64, "ffn_dim": 128})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_llama(config)
+    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    largest_unit = 4 * max(
+        sum(p.numel() for p in unit.parameters()) for unit in (model.tok_embeddings, model.output, *model.layers)
+    )
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=3, device=torch.device("cpu"))
+    padding = 4 * engine.padding_numel()
+    assert engine.init_peak_param_bytes <= full_bytes // world + largest_unit + padding
+    assert engine.init_peak_param_bytes < 0.7 * full_bytes
+    # ... and the values equal the single-process init with the same seed.
+    torch.manual_seed(0)
+    reference = build_llama(config)
+    got = _gathered_state(engine, model)
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(got[name], value.detach(), rtol=0, atol=0)
+    engine.close()
+
+
+def _disagreeing_first_step(rank, world):
+    """A module run on one rank only in the first step: an error naming it, on every rank, no hang."""
+    from torch import nn
+
+    from lightning_zero.zero.engine import ZeroEngine
+
+    blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    engine = ZeroEngine(blocks, [torch.optim.SGD(blocks.parameters(), lr=0.1)], stage=3)
+    x = torch.ones(2, 4)
+    try:
+        x = blocks[0](x)
+        if rank == 0:
+            x = blocks[1](x)
+        blocks[2](x).sum().backward()
+    except RuntimeError as err:
+        assert "ranks disagree" in str(err) and "dp rank 0: 1" in str(err), str(err)
+    else:
+        raise AssertionError("expected a RuntimeError naming the module")
+
+
 def _all(rank, world, expected):
     for case, want in expected.items():
         _train(rank, world, *case, want)
     _odd_control_flow(rank, world)
+    _sharded_init_memory(rank, world)
+    _disagreeing_first_step(rank, world)
 
 
 def test_stage3_matches_single_process():

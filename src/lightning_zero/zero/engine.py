@@ -176,7 +176,7 @@ class ZeroEngine:
     def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
 
-        units, per_optimizer = build_units(
+        units, per_optimizer, self.init_peak_param_bytes = build_units(
             module,
             optimizers,
             names=names,

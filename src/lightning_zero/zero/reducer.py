@@ -31,8 +31,9 @@ do.
 - :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
   A gradient is copied into a full-size bucket buffer taken from a small pool, ``param.grad`` is
   dropped at once, and the bucket buffer goes back to the pool when its reduce-scatter finishes,
-  so peak gradient memory is the chunk plus ``max_buckets_in_flight`` bucket buffers. Every
-  backward (every micro batch) reduces; the chunk accumulates.
+  so peak gradient memory is the chunk plus ``max_buckets_in_flight`` bucket buffers; once
+  backward ends the pool is released, so between steps only the chunks remain. Every backward
+  (every micro batch) reduces; the chunk accumulates.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class GradStorage:
 
 
     def after_reduce(self, bucket: Bucket) -> None:
+        pass
+
+    def after_sync(self) -> None:
         pass
 
     def zero_grad(self) -> None:
@@ -219,6 +223,14 @@ class ShardedGradStorage(GradStorage):
             return
         base = full._base if full._base is not None else full
         self.free.setdefault((base.dtype, base.numel()), []).append(base)
+
+    def after_sync(self) -> None:
+        """Backward is over: hand the bucket buffers back to the allocator (only chunks persist)."""
+        for buffers in self.free.values():
+            for buffer in buffers:
+                self._alive_bytes -= buffer.numel() * buffer.element_size()
+                self.allocated -= 1
+        self.free.clear()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -404,6 +416,7 @@ class GradReducer:
                 self._launch(self.buckets[self._next_launch])
             while self._in_flight:
                 self._complete(self._in_flight[0])
+        self.storage.after_sync()
         self._synced_since_reset = True
         for callback in self.on_grads_reduced:
             callback()

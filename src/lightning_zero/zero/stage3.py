@@ -501,7 +501,7 @@ def build_units(
     device: torch.device,
     bucket_numel: int,
     policy: WrapPolicy = default_wrap_policy,
-) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]]]:
+) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]], int]:
     """Cut ``module`` into units and shard each one's parameters, one unit at a time.
 
     Meta-device parameters are materialized, initialized and broadcast from dp rank 0 one unit at
@@ -530,6 +530,7 @@ def build_units(
     ]
 
     units: list[Unit] = []
+    peak_bytes = 0
     for index in range(root_index + 1):
         if index < root_index:
             name, unit_module = unit_modules[index]
@@ -541,6 +542,7 @@ def build_units(
         if _materialize(modules, device):
             _init(modules, init_owner)
             _broadcast(modules, dp_group)
+        peak_bytes = max(peak_bytes, live_parameter_bytes(module))
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
         for param in params:
@@ -561,4 +563,14 @@ def build_units(
                 opt_index, group_index = key
                 per_optimizer[opt_index][group_index].append(group)
         units.append(unit)
-    return units, per_optimizer
+    return units, per_optimizer, peak_bytes
+
+
+def live_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of real (non-meta) storage behind ``module``'s parameters, each storage counted once."""
+    seen: dict[int, int] = {}
+    for param in module.parameters():
+        if not param.is_meta:
+            storage = param.untyped_storage()
+            seen[storage.data_ptr() if storage.nbytes() else id(storage)] = storage.nbytes()
+    return sum(seen.values())
