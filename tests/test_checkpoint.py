@@ -380,3 +380,28 @@ def test_malicious_pickles_are_not_executed(saved_dp2, tmp_path, monkeypatch):
     assert not (tmp_path / "PWNED").exists()
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
+
+
+def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+    """Single process, no engine: an unwritable target names the path; an existing one survives."""
+    from lightning_zero.checkpoint import CheckpointWriteError, Layout, save_checkpoint
+    from lightning_zero.models.llama import Llama
+
+    model, before = _fresh_model_and_params()
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointWriteError, match="not_a_dir"):
+        save_checkpoint(blocker / "last.ckpt", {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+    # publishing over an existing checkpoint replaces it whole; a stale temp dir is never "last"
+    target = tmp_path / "last.ckpt"
+    save_checkpoint(target, {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout())
+    (tmp_path / "last.ckpt.tmp-dead").mkdir()  # what a rank killed mid-write leaves behind
+    other = Llama(_config())
+    save_checkpoint(target, {"global_step": 2}, module=other, engine=None, optimizers=[], layout=Layout())
+    reloaded = Llama(_config())
+    _load_dense(target, reloaded)
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, other.state_dict()[name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "not_a_dir"]

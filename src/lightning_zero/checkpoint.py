@@ -568,9 +568,21 @@ def load_model(
         for destination, staged in targets.copies:
             destination.copy_(staged.view(destination.shape).to(destination.dtype))
     if engine is not None:
-        for sharded in engine.optimizers:
-            sharded.all_gather_params()
+        _refresh_params_from_masters(engine)
     return targets.optimizer_states
+
+
+def _refresh_params_from_masters(engine: Any) -> None:
+    """Compute parameters from the loaded fp32 masters: stages 1-2 all-gather the full
+    parameters; stage 3 only refreshes each rank's parameter shard (gathered on use)."""
+    if getattr(engine, "stage3", None) is not None:
+        for group in engine.groups:
+            copy = getattr(group, "copy_masters_to_params", None)
+            if copy is not None:
+                copy()
+        return
+    for sharded in engine.optimizers:
+        sharded.all_gather_params()
 
 
 def apply_optimizer_state(

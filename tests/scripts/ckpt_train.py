@@ -1,0 +1,78 @@
+"""Lightning + ZeroStrategy checkpoint cases on CPU gloo ranks; each rank writes its results.
+
+Usage: python tests/scripts/ckpt_train.py OUT_DIR DEVICES CASE [CASE ...]
+Launched by tests/test_checkpoint_lightning.py (Lightning's launcher re-runs it for the other
+ranks). Cases:
+  full<s>          stage s, 8 steps uninterrupted; ModelCheckpoint every 3 steps + last
+  resume<s>        stage s from full<s>'s step-3 checkpoint to step 8
+  last<s>          stage s from full<s>'s ckpt_path="last" (step 6) to step 8
+  from<s>to<t>     stage t at DEVICES ranks from full<s>'s step-3 checkpoint, 1 step
+Each writes OUT_DIR/<case>.d<DEVICES>.rank<r>.pt: per-step losses, a global-RNG draw per step, first batch.
+"""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import lightning_zero  # noqa: E402,F401
+from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero.data import TokenDataModule  # noqa: E402
+from lightning_zero.models.llama import LlamaLM  # noqa: E402
+
+CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+class Recorder(LlamaLM):
+    def __init__(self) -> None:
+        super().__init__(CONFIG, lr=1e-2, warmup_steps=2, max_steps=8)
+        self.record = {"losses": [], "draws": [], "first_batch": None}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.record["first_batch"] is None:
+            self.record["first_batch"] = batch.clone()
+        self.record["losses"].append(loss.item())
+        self.record["draws"].append(torch.rand(1).item())  # the global RNG continues exactly too
+        return loss
+
+
+def data() -> TokenDataModule:
+    # 24 windows of 8 tokens: 6 batches of 2 per rank per epoch at dp 2, so step 3 is mid-epoch
+    return TokenDataModule("synthetic", seq_len=8, batch_size=2, vocab_size=64, val_fraction=0.0, synthetic_tokens=200)
+
+
+def run(case: str, out: str, devices: int) -> None:
+    ckpt_dir = os.path.join(out, "ckpts", case[-1] if case.startswith(("full", "resume", "last")) else case[4])
+    stage = int(case[-1])
+    max_steps, ckpt_path, callbacks = 8, None, []
+    if case.startswith("full"):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, save_last=True)]
+    elif case.startswith("resume"):
+        ckpt_path = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
+    elif case.startswith("last"):
+        callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=True)]
+        ckpt_path = "last"
+    else:
+        ckpt_path = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
+        max_steps = 4
+    L.seed_everything(7, verbose=False)
+    model = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=stage, bucket_mb=0.01), max_steps=max_steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
+    torch.save(model.record, os.path.join(out, f"{case}.d{devices}.rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    out_dir, devices = sys.argv[1], int(sys.argv[2])
+    for name in sys.argv[3:]:
+        run(name, out_dir, devices)
