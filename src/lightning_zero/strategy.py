@@ -377,6 +377,75 @@ class ZeroStrategy(DDPStrategy):
             self.engine = None
         super().teardown()
 
+    # -- checkpoints (logic in checkpoint.py) -----------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (masters, optimizer shards) must exist before a load
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # tensors are written shard by shard in save_checkpoint, never gathered
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # likewise: each rank writes the optimizer state it owns
+
+    def _checkpoint_layout(self) -> Any:
+        from lightning_zero.checkpoint import Layout
+
+        tp = self._dims.tp if self._dims is not None else 1
+        tp_rank = self._device_mesh["tp"].get_local_rank() if self._device_mesh is not None else 0
+        precision = getattr(self.precision_plugin, "precision", str(self.compute_dtype))
+        return Layout(self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): not supported.")
+        from lightning_zero.checkpoint import save_checkpoint
+
+        assert self.lightning_module is not None
+        save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
+                        optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_zero.checkpoint import open_checkpoint
+
+        self._opened_checkpoint = open_checkpoint(checkpoint_path, self._checkpoint_layout())
+        self._loaded_optimizer_states: list = []
+        return self._opened_checkpoint.lightning_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        opened = getattr(self, "_opened_checkpoint", None)
+        if opened is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        from lightning_zero.checkpoint import load_model
+
+        assert self.lightning_module is not None
+        self._loaded_optimizer_states = load_model(opened, self.lightning_module, engine=self.engine,
+                                                   optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        opened = getattr(self, "_opened_checkpoint", None)
+        if opened is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        from lightning_zero.checkpoint import apply_optimizer_state, restore_rng
+
+        apply_optimizer_state(opened, self.optimizers, self._loaded_optimizer_states)
+        restore_rng(opened)  # last restore step before the loop runs
+        self._opened_checkpoint, self._loaded_optimizer_states = None, []
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            from lightning_zero.checkpoint import remove_checkpoint
+
+            remove_checkpoint(filepath)
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
