@@ -1,6 +1,6 @@
 """ZeroStrategy(tensor_parallel_size=2) through Lightning on CPU (gloo).
 
-tp=2 (dp=1) matches a single process; tp=2 x dp=2 matches dp=2 under ZeRO-1 and ZeRO-2 (with norm
+tp=2 (dp=1) matches a single process; tp=2 x dp=2 matches dp=2 under ZeRO-1, 2 and 3 (with norm
 clipping, which must count each parameter once); TP peers see the same batches, dp peers do not.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2"])]
+LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"])]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def _load(results, case, rank=0):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case, reference",
-    [("tp2", "single"), ("tp2dp2_zero1", "dp2_zero1"), ("tp2dp2_zero2", "dp2_zero2")],
+    [("tp2", "single"), ("tp2dp2_zero1", "dp2_zero1"), ("tp2dp2_zero2", "dp2_zero2"), ("tp2dp2_zero3", "dp2_zero2")],
 )
 def test_tp_matches_reference(results, case, reference):
     got, want = _load(results, case), _load(results, reference)

@@ -27,6 +27,7 @@ CASES = {
     "dp2_zero2": (lambda: ZeroStrategy(stage=2, bucket_mb=0.01), CLIP),
     "tp2dp2_zero1": (lambda: ZeroStrategy(stage=1, tensor_parallel_size=2), CLIP),
     "tp2dp2_zero2": (lambda: ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.01), CLIP),
+    "tp2dp2_zero3": (lambda: ZeroStrategy(stage=3, tensor_parallel_size=2, bucket_mb=0.01), CLIP),
 }
 
 
@@ -56,7 +57,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[record], **kwargs,
     )
     trainer.fit(model, data)
-    mesh = getattr(trainer.strategy, "device_mesh", None)
+    mesh = getattr(trainer.strategy, "device_mesh", None)  # (ZeRO-3 unshards at the end of fit)
     if mesh is not None:
         from lightning_zero.tp import gather_tp_state_dict
 

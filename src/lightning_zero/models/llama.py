@@ -269,6 +269,23 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
+    """Initialize ``layer.weight`` with ``draw``; for a tensor-parallel layer, draw the dense
+    weight and keep this rank's slice, so every TP rank consumes the same random numbers and the
+    result equals the dense model's init (what ZeRO-3's sharded init relies on under TP)."""
+    weight = layer.weight
+    dim = getattr(weight, "_tp_shard_dim", None)
+    tp_size = getattr(layer, "tp_size", 1)
+    if dim is None or tp_size == 1:
+        draw(weight)
+        return
+    shape = list(weight.shape)
+    shape[dim] *= tp_size
+    dense = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    draw(dense)
+    weight.copy_(dense.narrow(dim, layer.tp_rank * weight.shape[dim], weight.shape[dim]))
+
+
 def build_llama(config: LlamaConfig) -> "Llama":
     """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
 
@@ -346,14 +363,14 @@ class Llama(nn.Module):
         False is returned (its children are separate units). Unknown modules: False.
         """
 
-        def trunc_normal(weight: torch.Tensor, std: float) -> None:
-            nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std, generator=generator)
+        def trunc_normal(layer: nn.Module, std: float) -> None:
+            _draw_dense(layer, lambda w: nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=generator))
 
         if module is self.tok_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight, generator=generator)
+            _draw_dense(module, lambda w: nn.init.normal_(w, generator=generator))
             return True
         if module is self.output:
-            trunc_normal(self.output.weight, self.config.dim**-0.5)
+            trunc_normal(self.output, self.config.dim**-0.5)
             return True
         if module is self.norm:
             self.norm.reset_parameters()
@@ -365,9 +382,9 @@ class Llama(nn.Module):
             if module is layer:
                 depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
                 for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
-                    trunc_normal(linear.weight, 0.02)
+                    trunc_normal(linear, 0.02)
                 for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
-                    trunc_normal(linear.weight, depth_std)
+                    trunc_normal(linear, depth_std)
                 layer.attention_norm.reset_parameters()
                 layer.ffn_norm.reset_parameters()
                 return True

@@ -48,12 +48,16 @@ WrapPolicy = Callable[[nn.Module, nn.Module], bool]  # (module, parent) -> is a 
 
 
 def default_wrap_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
-    """Blocks of a ModuleList, embeddings, and linear heads that sit beside a block list."""
+    """Blocks of a ModuleList, embeddings, and linear heads that sit beside a block list.
+
+    Embeddings and linears are recognized by shape attributes (``num_embeddings``,
+    ``in_features``/``out_features``), so tensor-parallel versions count too.
+    """
     if isinstance(parent, nn.ModuleList):
         return True
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, nn.Embedding) or hasattr(module, "num_embeddings"):
         return True
-    if isinstance(module, nn.Linear) and parent is not None:
+    if hasattr(module, "in_features") and hasattr(module, "out_features") and parent is not None:
         return any(isinstance(child, nn.ModuleList) for child in parent.children())
     return False
 
@@ -455,6 +459,7 @@ def _materialize(modules: list[nn.Module], device: torch.device) -> bool:
                 if isinstance(tensor, nn.Parameter):
                     # Same Python object (the optimizer holds it), new device: swap the tensors.
                     real = nn.Parameter(torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor.requires_grad)
+                    real.__dict__.update(tensor.__dict__)  # keep marks such as _tp_shard_dim
                     torch.utils.swap_tensors(tensor, real)
                 else:
                     owner[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
@@ -529,19 +534,44 @@ def build_units(
         [[] for _ in optimizer.param_groups] for optimizer in optimizers
     ]
 
-    units: list[Unit] = []
+    # [Note: init order] Materialize and initialize in module pre-order, as a single process
+    # building the model would: a unit when its module comes up, root modules as they come up
+    # (the root stays whole until the end), so random draws happen in the same order.
+    unit_at = {id(unit_module): index for index, (_, unit_module) in enumerate(unit_modules)}
+    root_ids = {id(m) for m in root_modules}
+    ready: set[int] = set()
     peak_bytes = 0
-    for index in range(root_index + 1):
+
+    def materialize(modules: list[nn.Module]) -> None:
+        if _materialize(modules, device):
+            _init(modules, init_owner)
+            _broadcast(modules, dp_group)
+
+    walk: list[tuple[int, Optional[nn.Module]]] = []
+    for candidate in module.modules():
+        if id(candidate) in unit_at:
+            walk.append((unit_at[id(candidate)], None))
+        elif id(candidate) in root_ids:
+            walk.append((root_index, candidate))
+    walk.append((root_index, None))  # the root is sharded last
+
+    units: list[Optional[Unit]] = [None] * (root_index + 1)
+    for index, root_module in walk:
+        if root_module is not None:
+            materialize([root_module])
+            peak_bytes = max(peak_bytes, live_parameter_bytes(module))
+            continue
+        if index in ready:
+            continue
+        ready.add(index)
         if index < root_index:
             name, unit_module = unit_modules[index]
             modules = list(unit_module.modules())
             params = list(unit_module.parameters())
+            materialize(modules)
         else:
             name, unit_module, modules = "<root>", None, root_modules
             params = [p for p in module.parameters() if id(p) not in unit_of]
-        if _materialize(modules, device):
-            _init(modules, init_owner)
-            _broadcast(modules, dp_group)
         peak_bytes = max(peak_bytes, live_parameter_bytes(module))
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
@@ -562,8 +592,8 @@ def build_units(
             if managed:
                 opt_index, group_index = key
                 per_optimizer[opt_index][group_index].append(group)
-        units.append(unit)
-    return units, per_optimizer, peak_bytes
+        units[index] = unit
+    return [unit for unit in units if unit is not None], per_optimizer, peak_bytes
 
 
 def live_parameter_bytes(module: nn.Module) -> int:
