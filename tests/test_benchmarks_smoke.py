@@ -1,0 +1,43 @@
+"""The benchmark scripts keep working: each runs on a 2-step tiny config and writes its JSON.
+
+Not a timing test (numbers on 2 shared cores mean nothing here); it checks the plumbing: the
+driver starts a fresh 2-process Lightning run per case, each rank probes and writes its results,
+the driver merges them into the table and ``--out`` JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+QUICK = ["--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1", "--bucket-mb", "0.05"]
+
+
+@pytest.mark.slow
+def test_bench_zero12_runs_and_writes_json(tmp_path):
+    out = tmp_path / "zero12.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_zero12.py"), "--cases", "zero2", "ddp", *TINY, *QUICK,
+         "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "did not run" not in proc.stdout, proc.stdout
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"zero2", "ddp"}
+    for row in rows.values():
+        assert row["step_s_median"] > 0
+        assert len(row["peak_rss_bytes"]) == 2
+    zero2 = rows["zero2"]
+    # The engine's own counter and the tapped torch.distributed calls agree, and both equal
+    # the ZeRO-2 formula 2 (dp-1)/dp * 4 B * P up to padding.
+    tapped = sum(zero2["sent_bytes_per_step"][0].values())
+    assert tapped == pytest.approx(zero2["engine_sent_bytes_per_step"])
+    assert tapped == pytest.approx(zero2["predicted_sent_bytes_per_step"], rel=0.02)
+    assert zero2["state_bytes"][0]["optimizer"] == pytest.approx(zero2["predicted_state_bytes"]["optimizer"], rel=0.02)
