@@ -11,8 +11,11 @@ its own):
 - ``zero/sent_bytes/<kind>``: logical bytes this rank sent in the step, per collective kind
   (see [Note: logical bytes] in ``collectives.py``);
 - ``zero/comm_s``, ``zero/exposed_comm_s``, ``zero/overlap_fraction``: gradient collective time
-  (launch to completion), the part spent blocked after backward ended, and
-  ``1 - exposed / comm``.
+  (each bucket's launch to completion), the part of it after backward ended (not hidden behind
+  backward compute), and the hidden fraction ``(comm - exposed) / comm`` (see
+  ``reducer.SyncTimeline``). On CPU/gloo this checks ordering more than speed;
+- ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
+  while backward was still running.
 
 It warns once when ``overlap_comm=True`` but less than half of the collective time was hidden,
 and prints a summary table when fit ends.
@@ -101,10 +104,10 @@ class ZeroMonitor(Callback):
             sent_total += sent
         metrics["zero/sent_bytes_total"] = sent_total
         timeline = engine.reducer.timeline
-        comm, exposed = timeline.comm_s, timeline.exposed_wait_s
+        comm, exposed = timeline.comm_s, timeline.exposed_s
         metrics["zero/comm_s"] = comm
         metrics["zero/exposed_comm_s"] = exposed
-        metrics["zero/overlap_fraction"] = (1.0 - exposed / comm) if comm > 0 else 0.0
+        metrics["zero/overlap_fraction"] = (timeline.hidden_s / comm) if comm > 0 else 0.0
         launch, end = timeline.index_of("launch"), timeline.index_of("backward_end")
         metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
         self.history.append(metrics)

@@ -242,19 +242,43 @@ class ShardedGradStorage(GradStorage):
 
 @dataclass
 class SyncTimeline:
-    """What happened during the last backward, in order (for overlap checks and the monitor)."""
+    """What happened during the last backward, in order (for overlap checks and the monitor).
+
+    ``comm_s`` sums each bucket's collective time, from its launch to the end of its wait.
+    ``hidden_s`` is the part of it that ran before backward ended (overlapped with backward
+    compute); ``exposed_s = comm_s - hidden_s``. With ``overlap_comm=False`` every launch comes
+    after backward ends, so all of it is exposed.
+    """
 
     events: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, bucket, time)
-    exposed_wait_s: float = 0.0  # time finish_grad_sync spent blocked on collectives
-    comm_s: float = 0.0  # launch-to-completion time summed over buckets
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (launch, done) per bucket
+    backward_end: Optional[float] = None
 
     def add(self, kind: str, bucket: int) -> None:
-        self.events.append((kind, bucket, time.perf_counter()))
+        now = time.perf_counter()
+        self.events.append((kind, bucket, now))
+        if kind == "backward_end":
+            self.backward_end = now
 
     def clear(self) -> None:
         self.events.clear()
-        self.exposed_wait_s = 0.0
-        self.comm_s = 0.0
+        self.spans.clear()
+        self.backward_end = None
+
+    @property
+    def comm_s(self) -> float:
+        return sum(done - launch for launch, done in self.spans)
+
+    @property
+    def hidden_s(self) -> float:
+        end = self.backward_end
+        if end is None:
+            return 0.0
+        return sum(max(0.0, min(done, end) - launch) for launch, done in self.spans)
+
+    @property
+    def exposed_s(self) -> float:
+        return self.comm_s - self.hidden_s
 
     def index_of(self, kind: str) -> int:
         for i, event in enumerate(self.events):
@@ -367,11 +391,8 @@ class GradReducer:
         assert bucket.pending is not None
         output, work = bucket.pending
         with record_function("lightning_zero::wait_reduce_scatter"):
-            started = time.perf_counter()
             work.wait()
-            done = time.perf_counter()
-        self.timeline.exposed_wait_s += done - started
-        self.timeline.comm_s += done - self._launch_times.pop(id(bucket), started)
+        self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
         chunk = bucket.grad_chunk
         assert chunk is not None
         # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp.
