@@ -3,7 +3,7 @@
 Multi-process parts save a tiny Llama trained by ``ZeroEngine`` on 2 gloo ranks and load it at
 other layouts (dp 1 / 4, the other ZeRO stage, tp 2 -> 1); each rank dumps the dense values of
 what it owns (master, Adam moments) and the test compares the assembled tensors exactly.
-Adding ZeRO-3: append 3 to ``STAGES``.
+``STAGES`` lists the ZeRO stages saved (one 2-rank launch) and resharded between.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lightning_zero.checkpoint_format import CheckpointError, range_pieces, read
 from lightning_zero.checkpoint_state import decode, encode
 from tests.distributed import run_ranks
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
@@ -170,6 +170,8 @@ def _save_body(rank, world, out, stage, tp):
     for _ in range(2):
         batch = torch.randint(0, 64, (dp, 2, 9), generator=gen)[dp_rank]
         opt.zero_grad()
+        if engine.stage3 is not None:
+            engine.stage3.begin_step()
         model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
         opt.step()
     layout = Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage)
@@ -181,27 +183,40 @@ def _save_body(rank, world, out, stage, tp):
 
         dense = gather_tp_state_dict(model, tp_group)
     else:
+        engine.unshard_parameters()  # stage 3: parameters are views of freed storage until gathered
         dense = {k: v.clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(dense, Path(out, "dense.pt"))
+    engine.close()
 
 
-def _load_body(rank, world, out, tag, stage):
+def _save_stages(rank, world, out, stages):
+    """One launch: a dp=2 checkpoint per stage under ``out/s<stage>``."""
+    for stage in stages:
+        Path(out, f"s{stage}").mkdir(exist_ok=True)
+        _save_body(rank, world, str(Path(out, f"s{stage}")), stage, 1)
+
+
+def _load_body(rank, world, out, cases):
+    """``cases``: (checkpoint dir, tag, stage) loaded one after another in this launch."""
     from lightning_zero.checkpoint import Layout, apply_optimizer_state, load_model, open_checkpoint
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
 
-    torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
-    model = Llama(_config())
-    opt = _optimizer(model)
-    engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.003)
-    layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
-    opened = open_checkpoint(Path(out, "ckpt"), layout)
-    states = load_model(opened, model, engine=engine, optimizers=[opt], layout=layout)
-    apply_optimizer_state(opened, [opt], states)
-    _dump_owned(engine, opt, Path(out, f"{tag}.rank{rank}.pt"))
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out, f"{tag}.params.pt"))
+    for src, tag, stage in cases:
+        torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
+        model = Llama(_config())
+        opt = _optimizer(model)
+        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.003)
+        layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
+        opened = open_checkpoint(Path(src, "ckpt"), layout)
+        states = load_model(opened, model, engine=engine, optimizers=[opt], layout=layout)
+        apply_optimizer_state(opened, [opt], states)
+        _dump_owned(engine, opt, Path(out, f"{tag}.rank{rank}.pt"))
+        engine.unshard_parameters()  # stage 3: gathers the refreshed shards
+        if rank == 0:
+            torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out, f"{tag}.params.pt"))
+        engine.close()
 
 
 def _assemble(files, shapes, tp_dims=None, tp=1):
@@ -234,34 +249,62 @@ def _assert_same_dense(got, want):
 
 
 @pytest.fixture(scope="module")
-def saved_dp2(tmp_path_factory):
+def saved(tmp_path_factory):
+    """dp=2 checkpoints of every stage (one launch): ``saved / "s<stage>"``."""
     out = tmp_path_factory.mktemp("ckpt_dp2")
-    run_ranks(_save_body, world_size=2, args=(str(out), 2, 1), timeout_s=90)
+    run_ranks(_save_stages, world_size=2, args=(str(out), STAGES), timeout_s=90)
     return out
+
+
+@pytest.fixture(scope="module")
+def saved_dp2(saved):
+    return saved / "s2"
 
 
 def _shapes(out):
     return {k: tuple(v.shape) for k, v in torch.load(Path(out, "dense.pt")).items()}
 
 
-@pytest.mark.parametrize("world,stage", [(1, 1), (2, 1), (4, 2)])
-def test_reshard_dp_and_stage(saved_dp2, world, stage):
-    """dp 2 -> 1 / 2 / 4 and stage 2 -> 1 / 2: every master value and Adam moment lands where it was."""
-    tag = f"load_w{world}_s{stage}"
-    run_ranks(_load_body, world_size=world, args=(str(saved_dp2), tag, stage), timeout_s=90)
-    shapes = _shapes(saved_dp2)
-    want = _assemble(sorted(saved_dp2.glob("saved.rank*.pt")), shapes)
-    got = _assemble(sorted(saved_dp2.glob(f"{tag}.rank*.pt")), shapes)
+# (world, saved stage, loaded stage): dp 2 -> 1 / 2 / 4 and every stage to another; one launch per world
+RESHARD = [(1, 2, 1), (1, 3, 3), (2, 2, 1), (2, 2, 3), (2, 3, 2), (2, 3, 1), (4, 2, 2), (4, 3, 3)]
+
+
+@pytest.fixture(scope="module")
+def resharded(saved):
+    out = saved / "load"
+    out.mkdir()
+    for world in sorted({w for w, _, _ in RESHARD}):
+        cases = [(str(saved / f"s{s}"), f"w{w}_s{s}_to{t}", t) for w, s, t in RESHARD if w == world]
+        run_ranks(_load_body, world_size=world, args=(str(out), cases), timeout_s=120)
+    return out
+
+
+@pytest.mark.parametrize("world,saved_stage,stage", RESHARD)
+def test_reshard_dp_and_stage(saved, resharded, world, saved_stage, stage):
+    """dp 2 -> 1 / 2 / 4 and stage s -> t: every master value and Adam moment lands where it was."""
+    tag = f"w{world}_s{saved_stage}_to{stage}"
+    src = saved / f"s{saved_stage}"
+    shapes = _shapes(src)
+    want = _assemble(sorted(src.glob("saved.rank*.pt")), shapes)
+    got = _assemble(sorted(resharded.glob(f"{tag}.rank*.pt")), shapes)
     _assert_same_dense(got, want)
-    params = torch.load(Path(saved_dp2, f"{tag}.params.pt"))
+    params = torch.load(Path(resharded, f"{tag}.params.pt"))
     for name, value in params.items():
         assert torch.equal(value, want[name]["master"]), name  # compute params refreshed from masters
+
+
+def test_saved_weights_agree_across_stages(saved):
+    """The same training at stage 1 / 2 / 3 gives the same weights (so resharding compares like with like)."""
+    dense = {stage: torch.load(Path(saved, f"s{stage}", "dense.pt")) for stage in STAGES}
+    for stage in STAGES[1:]:
+        for name, value in dense[STAGES[0]].items():
+            torch.testing.assert_close(dense[stage][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {name}: {m}")
 
 
 def test_reshard_tp2_to_dense(tmp_path):
     """tp 2 (dp 1) -> tp 1: row- and column-split weights and their Adam moments reassemble."""
     run_ranks(_save_body, world_size=2, args=(str(tmp_path), 1, 2), timeout_s=90)
-    run_ranks(_load_body, world_size=1, args=(str(tmp_path), "dense", 1), timeout_s=90)
+    run_ranks(_load_body, world_size=1, args=(str(tmp_path), [(str(tmp_path), "dense", 1)]), timeout_s=90)
     dense = torch.load(Path(tmp_path, "dense.pt"))
     shapes = {k: tuple(v.shape) for k, v in dense.items()}
     meta = json.loads(Path(tmp_path, "ckpt", "meta.json").read_text())

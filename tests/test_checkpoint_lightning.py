@@ -1,8 +1,8 @@
 """ZeroStrategy checkpoints through Lightning (ModelCheckpoint, fit(ckpt_path=...), "last"), CPU gloo.
 
 One 2-rank launch of tests/scripts/ckpt_train.py trains each stage uninterrupted, resumes it from
-the step-3 checkpoint and from ``ckpt_path="last"``, and resumes stage 2's checkpoint at stage 1;
-one 1-rank launch resumes at dp 1. Adding ZeRO-3: append 3 to ``STAGES``.
+the step-3 checkpoint and from ``ckpt_path="last"``, and resumes checkpoints at another stage
+(1 -> 2, 3 -> 2, 2 -> 3); one 1-rank launch resumes at dp 1 (stage 2 -> 1, 3 -> 3).
 """
 
 import os
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = (1, 2)
-RESHARD = [(2, 1, 2), (1, 2, 1), (1, 2, 2)]  # (devices, saved stage, loaded stage)
+STAGES = (1, 2, 3)
+RESHARD = [(2, 1, 2), (2, 3, 2), (2, 2, 3), (1, 2, 1), (1, 3, 3)]  # (devices, saved stage, loaded stage)
 
 
 def _launch(out: Path, devices: int, cases: list[str]) -> None:

@@ -235,7 +235,9 @@ def _engine_entries(
             _add(targets.tensors, f"model.{owned.name}", size, _pieces_over(staged, pieces))
         else:
             _add(targets.tensors, f"model.{owned.name}", size, _pieces_over(master[lo:hi].cpu(), pieces))
-        index = which[id(owned.master)]
+        index = which.get(id(owned.master))
+        if index is None:  # stage 3: a frozen parameter's shard (no optimizer steps it)
+            continue
         if load:
             state = targets.optimizer_states[index].setdefault(id(owned.master), {})
             for key, (kind, dtype) in state_kinds[index].items():
