@@ -377,9 +377,15 @@ def save_checkpoint(
         if layout.rank == 0:
             mine.append(tmp / DCP_METADATA_FILE)
         files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
-        all_files = _all_gather_object(files, "ckpt_manifest")
-        all_kinds = _all_gather_object(kinds, "ckpt_state_kinds")
-        all_params = _all_gather_object(_managed_info(engine, layout) if engine is not None else {}, "ckpt_params")
+        try:
+            all_files = _all_gather_object(files, "ckpt_manifest")
+            all_kinds = _all_gather_object(kinds, "ckpt_state_kinds")
+            all_params = _all_gather_object(_managed_info(engine, layout) if engine is not None else {}, "ckpt_params")
+        except RuntimeError as exc:  # a peer died or timed out mid-write (gloo/NCCL errors are RuntimeErrors)
+            raise CheckpointWriteError(
+                f"writing {str(target)!r}: a rank failed before every rank had written its shards ({exc});"
+                " nothing was published, the previous checkpoint of that name is untouched"
+            ) from exc
 
         error = None
         if layout.rank == 0:

@@ -7,11 +7,16 @@ ranks). Cases:
   resume<s>        stage s from full<s>'s step-3 checkpoint to step 8
   last<s>          stage s from full<s>'s ckpt_path="last" (step 6) to step 8
   from<s>to<t>     stage t at DEVICES ranks from full<s>'s step-3 checkpoint, 1 step
+  kill<s>          stage s like full<s> (checkpoints in ckpts/kill), but rank 1 SIGKILLs itself after
+                   step 5; rank 0 must fail within the 30 s process-group timeout (tests/test_checkpoint_faults.py)
+  after<s>         stage s from ckpts/kill's ckpt_path="last" (what kill<s> left) to step 8
 Each writes OUT_DIR/<case>.d<DEVICES>.rank<r>.pt: per-step losses, a global-RNG draw per step, first batch.
 """
 
 import os
+import signal
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -42,20 +47,39 @@ class Recorder(LlamaLM):
         return loss
 
 
+class KillRank1(L.Callback):
+    """SIGKILL rank 1 at the end of training step ``step`` (no cleanup, no goodbye to its peers)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def data() -> TokenDataModule:
     # 24 windows of 8 tokens: 6 batches of 2 per rank per epoch at dp 2, so step 3 is mid-epoch
     return TokenDataModule("synthetic", seq_len=8, batch_size=2, vocab_size=64, val_fraction=0.0, synthetic_tokens=200)
 
 
 def run(case: str, out: str, devices: int) -> None:
-    ckpt_dir = os.path.join(out, "ckpts", case[-1] if case.startswith(("full", "resume", "last")) else case[4])
+    kind = case.rstrip("0123456789")
+    if kind in ("kill", "after"):
+        ckpt_dir = os.path.join(out, "ckpts", "kill")
+    else:
+        ckpt_dir = os.path.join(out, "ckpts", case[-1] if kind in ("full", "resume", "last") else case[4])
     stage = int(case[-1])
-    max_steps, ckpt_path, callbacks = 8, None, []
-    if case.startswith("full"):
+    max_steps, ckpt_path, callbacks, timeout = 8, None, [], timedelta(seconds=60)
+    if kind in ("full", "kill"):
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, save_last=True)]
-    elif case.startswith("resume"):
+        if kind == "kill":
+            callbacks.append(KillRank1(5))
+            timeout = timedelta(seconds=30)
+    elif kind == "resume":
         ckpt_path = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
-    elif case.startswith("last"):
+    elif kind in ("last", "after"):
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=True)]
         ckpt_path = "last"
     else:
@@ -64,7 +88,8 @@ def run(case: str, out: str, devices: int) -> None:
     L.seed_everything(7, verbose=False)
     model = Recorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=stage, bucket_mb=0.01), max_steps=max_steps,
+        accelerator="cpu", devices=devices, max_steps=max_steps,
+        strategy=ZeroStrategy(stage=stage, bucket_mb=0.01, timeout=timeout),
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=bool(callbacks), callbacks=callbacks,
     )  # fmt: skip
