@@ -1,7 +1,7 @@
 """Sharded checkpoints at the function level (no Lightning): format pieces, resharding, export, safety.
 
-Multi-process parts save a tiny Llama trained by ``ZeroEngine`` on 2 gloo ranks and load it at
-other layouts (dp 1 / 4, the other ZeRO stage, tp 2 -> 1); each rank dumps the dense values of
+Multi-process parts (three launches: 2, 1 and 4 ranks) save a tiny Llama trained by ``ZeroEngine``
+on 2 gloo ranks and load it at other layouts (dp 1 / 4, the other ZeRO stage, tp 2 -> 1); each rank dumps the dense values of
 what it owns (master, Adam moments) and the test compares the assembled tensors exactly.
 ``STAGES`` lists the ZeRO stages saved (one 2-rank launch) and resharded between.
 """
@@ -190,11 +190,15 @@ def _save_body(rank, world, out, stage, tp):
     engine.close()
 
 
-def _save_stages(rank, world, out, stages):
-    """One launch: a dp=2 checkpoint per stage under ``out/s<stage>``."""
+def _save_stages(rank, world, out, stages, loads):
+    """One 2-rank launch: a dp=2 checkpoint per stage under ``out/s<stage>``, a tp=2 one under
+    ``out/tp``, then the 2-rank ``loads`` (see :func:`_load_body`)."""
     for stage in stages:
         Path(out, f"s{stage}").mkdir(exist_ok=True)
         _save_body(rank, world, str(Path(out, f"s{stage}")), stage, 1)
+    Path(out, "tp").mkdir(exist_ok=True)
+    _save_body(rank, world, str(Path(out, "tp")), 1, 2)
+    _load_body(rank, world, str(Path(out, "load")), loads)
 
 
 def _load_body(rank, world, out, cases):
@@ -248,11 +252,21 @@ def _assert_same_dense(got, want):
         assert got[name]["step"] == want[name]["step"]
 
 
+def _cases(out, world):
+    cases = [(str(out / f"s{s}"), f"w{w}_s{s}_to{t}", t) for w, s, t in RESHARD if w == world]
+    if world == 1:
+        cases.append((str(out / "tp"), "tp_to_dense", 1))
+    return cases
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """dp=2 checkpoints of every stage (one launch): ``saved / "s<stage>"``."""
+    """dp=2 checkpoints of every stage and a tp=2 one, loaded at dp 1 / 2 / 4: one launch per world size."""
     out = tmp_path_factory.mktemp("ckpt_dp2")
-    run_ranks(_save_stages, world_size=2, args=(str(out), STAGES), timeout_s=90)
+    (out / "load").mkdir()
+    run_ranks(_save_stages, world_size=2, args=(str(out), STAGES, _cases(out, 2)), timeout_s=120)
+    for world in (1, 4):
+        run_ranks(_load_body, world_size=world, args=(str(out / "load"), _cases(out, world)), timeout_s=120)
     return out
 
 
@@ -265,30 +279,20 @@ def _shapes(out):
     return {k: tuple(v.shape) for k, v in torch.load(Path(out, "dense.pt")).items()}
 
 
-# (world, saved stage, loaded stage): dp 2 -> 1 / 2 / 4 and every stage to another; one launch per world
+# (world, saved stage, loaded stage): dp 2 -> 1 / 2 / 4 and every stage to another
 RESHARD = [(1, 2, 1), (1, 3, 3), (2, 2, 1), (2, 2, 3), (2, 3, 2), (2, 3, 1), (4, 2, 2), (4, 3, 3)]
 
 
-@pytest.fixture(scope="module")
-def resharded(saved):
-    out = saved / "load"
-    out.mkdir()
-    for world in sorted({w for w, _, _ in RESHARD}):
-        cases = [(str(saved / f"s{s}"), f"w{w}_s{s}_to{t}", t) for w, s, t in RESHARD if w == world]
-        run_ranks(_load_body, world_size=world, args=(str(out), cases), timeout_s=120)
-    return out
-
-
 @pytest.mark.parametrize("world,saved_stage,stage", RESHARD)
-def test_reshard_dp_and_stage(saved, resharded, world, saved_stage, stage):
+def test_reshard_dp_and_stage(saved, world, saved_stage, stage):
     """dp 2 -> 1 / 2 / 4 and stage s -> t: every master value and Adam moment lands where it was."""
     tag = f"w{world}_s{saved_stage}_to{stage}"
     src = saved / f"s{saved_stage}"
     shapes = _shapes(src)
     want = _assemble(sorted(src.glob("saved.rank*.pt")), shapes)
-    got = _assemble(sorted(resharded.glob(f"{tag}.rank*.pt")), shapes)
+    got = _assemble(sorted(saved.glob(f"load/{tag}.rank*.pt")), shapes)
     _assert_same_dense(got, want)
-    params = torch.load(Path(resharded, f"{tag}.params.pt"))
+    params = torch.load(Path(saved, "load", f"{tag}.params.pt"))
     for name, value in params.items():
         assert torch.equal(value, want[name]["master"]), name  # compute params refreshed from masters
 
@@ -301,19 +305,18 @@ def test_saved_weights_agree_across_stages(saved):
             torch.testing.assert_close(dense[stage][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {name}: {m}")
 
 
-def test_reshard_tp2_to_dense(tmp_path):
+def test_reshard_tp2_to_dense(saved):
     """tp 2 (dp 1) -> tp 1: row- and column-split weights and their Adam moments reassemble."""
-    run_ranks(_save_body, world_size=2, args=(str(tmp_path), 1, 2), timeout_s=90)
-    run_ranks(_load_body, world_size=1, args=(str(tmp_path), [(str(tmp_path), "dense", 1)]), timeout_s=90)
-    dense = torch.load(Path(tmp_path, "dense.pt"))
+    src = saved / "tp"
+    dense = torch.load(Path(src, "dense.pt"))
     shapes = {k: tuple(v.shape) for k, v in dense.items()}
-    meta = json.loads(Path(tmp_path, "ckpt", "meta.json").read_text())
+    meta = json.loads(Path(src, "ckpt", "meta.json").read_text())
     tp_dims = {name: info["tp_dim"] for name, info in meta["params"].items()}
     assert tp_dims["layers.0.attention.wo.weight"] == 1 and tp_dims["layers.0.attention.wq.weight"] == 0
-    want = _assemble(sorted(tmp_path.glob("saved.rank*.pt")), shapes, tp_dims, tp=2)
-    got = _assemble(sorted(tmp_path.glob("dense.rank*.pt")), shapes)
+    want = _assemble(sorted(src.glob("saved.rank*.pt")), shapes, tp_dims, tp=2)
+    got = _assemble(sorted(saved.glob("load/tp_to_dense.rank*.pt")), shapes)
     _assert_same_dense(got, want)
-    for name, value in torch.load(Path(tmp_path, "dense.params.pt")).items():
+    for name, value in torch.load(Path(saved, "load", "tp_to_dense.params.pt")).items():
         assert torch.equal(value, dense[name]), name
 
 
