@@ -6,8 +6,9 @@ and Lightning's launcher re-runs that command line for rank 1. A fresh pair per 
 makes *peak RSS* mean something: ``ru_maxrss`` is a high-water mark over a process's life, and
 freed tensors stay in the allocator's arenas, so cases sharing a process would inherit each
 other's peaks. To keep time ratios fair on a shared machine, cases run in ``--rounds`` rounds,
-alternating forward and reverse order, and a case's step time is the median over all its
-measured steps in every round.
+alternating forward and reverse order; a case's step time is the median over all its measured
+steps in every round, and its ratio to the baseline case is the median over rounds of the ratio
+of the two cases' medians within that round (:func:`step_ratio`).
 
 Each rank:
 
@@ -423,11 +424,18 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         return {"case": case, "error": rounds[0].get("error", "no result") if rounds else "not run"}
     # A step takes as long as its slower rank; median over every timed step of every round.
     step_times = [max(times) for ranks in good for times in zip(*(rank["step_s"] for rank in ranks))]
+    round_medians = [
+        statistics.median(max(times) for times in zip(*(rank["step_s"] for rank in r["ranks"])))
+        if "ranks" in r
+        else None
+        for r in rounds
+    ]
     first = good[-1]
     row: dict[str, Any] = {
         "case": case,
         "label": first[0]["label"],
         "step_s_median": statistics.median(step_times) if step_times else float("nan"),
+        "step_s_round_medians": round_medians,
         "step_s_all": step_times,
         "peak_rss_bytes": [max(ranks[r]["peak_rss_bytes"] for ranks in good) for r in range(2)],
         "rss_before_fit_bytes": [ranks_r["rss_before_fit_bytes"] for ranks_r in first],
@@ -452,8 +460,22 @@ def _mb(value: Optional[float]) -> str:
     return "-" if value is None else f"{value / MIB:,.1f}"
 
 
+def step_ratio(row: dict, base: dict) -> float:
+    """Median over rounds of (this case's median step time / the baseline's) in the same round.
+
+    The load of a shared machine drifts over minutes; a ratio within one round compares cases
+    that ran a minute apart, and the median over rounds drops the round a burst of load hit.
+    """
+    ratios = [
+        mine / theirs
+        for mine, theirs in zip(row["step_s_round_medians"], base["step_s_round_medians"])
+        if mine is not None and theirs is not None
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def format_table(rows: list[dict], baseline: str) -> str:
-    """The side-by-side table: one row per case, ratios against ``baseline``'s median step time."""
+    """The side-by-side table: one row per case; step-time ratios to ``baseline`` by :func:`step_ratio`."""
     base = next((r for r in rows if r["case"] == baseline and "error" not in r), None)
     header = (
         f"{'case':<18}{'step s':>8}{'x ' + baseline:>9}{'peak RSS MiB r0/r1':>20}"
@@ -465,7 +487,7 @@ def format_table(rows: list[dict], baseline: str) -> str:
             lines.append(f"{row['case']:<18}  did not run: {row['error']}")
             continue
         state = row["state_bytes"][0]
-        ratio = row["step_s_median"] / base["step_s_median"] if base else float("nan")
+        ratio = step_ratio(row, base) if base else float("nan")
         rss = "/".join(f"{b / MIB:,.0f}" for b in row["peak_rss_bytes"])
         predicted = row.get("predicted_state_bytes")
         sent = sum(row["sent_bytes_per_step"][0].values())

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import MIB, bench_main, drive, model_config, run_worker  # noqa: E402
+from _harness import MIB, bench_main, drive, model_config, run_worker, step_ratio  # noqa: E402
 from bench_zero12 import zero_at_end, zero_state_bytes, zero_step_extra  # noqa: E402
 
 CASES = {"tp2": 2, "dp2": 1}  # case -> tensor_parallel_size
@@ -81,7 +81,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
         )
         row["predicted_sent_bytes_per_step_by_group"] = want
     if "tp2" in by_case and "dp2" in by_case:
-        ratio = by_case["tp2"]["step_s_median"] / by_case["dp2"]["step_s_median"]
+        ratio = step_ratio(by_case["tp2"], by_case["dp2"])
         lines.append(f"tp=2 step time {ratio:.3f}x dp=2 at the same per-rank batch (half the tokens per step)")
     return lines
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import bench_main, comm_table, drive, run_worker, state_vs_formula  # noqa: E402
+from _harness import bench_main, comm_table, drive, run_worker, state_vs_formula, step_ratio  # noqa: E402
 from bench_zero12 import _deepspeed, zero_at_end, zero_state_bytes, zero_step_extra  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def report(rows: list[dict]) -> list[str]:
             continue
         lines.append(state_vs_formula(row))
         if fsdp2:
-            time_ratio = row["step_s_median"] / fsdp2["step_s_median"]
+            time_ratio = step_ratio(row, fsdp2)
             rss_ratio = max(row["peak_rss_bytes"]) / max(fsdp2["peak_rss_bytes"])
             met = time_ratio <= 1 and rss_ratio <= 1
             lines.append(
