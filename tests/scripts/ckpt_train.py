@@ -16,6 +16,7 @@ Each writes OUT_DIR/<case>.d<DEVICES>.rank<r>.pt: per-step losses, a global-RNG 
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -50,11 +51,13 @@ class Recorder(LlamaLM):
 class KillRank1(L.Callback):
     """SIGKILL rank 1 at the end of training step ``step`` (no cleanup, no goodbye to its peers)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker  # marker: file that gets the wall-clock time of the kill
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == 1 and trainer.global_step == self.step:
+            with open(self.marker, "w") as handle:
+                handle.write(repr(time.time()))
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -75,7 +78,7 @@ def run(case: str, out: str, devices: int) -> None:
     if kind in ("full", "kill"):
         callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1, save_last=True)]
         if kind == "kill":
-            callbacks.append(KillRank1(5))
+            callbacks.append(KillRank1(5, os.path.join(out, "killed_at")))
             timeout = timedelta(seconds=30)
     elif kind == "resume":
         ckpt_path = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
