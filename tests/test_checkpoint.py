@@ -1,6 +1,6 @@
 """Sharded checkpoints at the function level (no Lightning): format pieces, resharding, export, safety.
 
-Multi-process parts (three launches: 2, 1 and 4 ranks) save a tiny Llama trained by ``ZeroEngine``
+Multi-process parts (two launches: 2 and 4 ranks) save a tiny Llama trained by ``ZeroEngine``
 on 2 gloo ranks and load it at other layouts (dp 1 / 4, the other ZeRO stage, tp 2 -> 1); each rank dumps the dense values of
 what it owns (master, Adam moments) and the test compares the assembled tensors exactly.
 ``STAGES`` lists the ZeRO stages saved (one 2-rank launch) and resharded between.
@@ -202,21 +202,28 @@ def _save_stages(rank, world, out, stages, loads):
 
 
 def _load_body(rank, world, out, cases):
-    """``cases``: (checkpoint dir, tag, stage) loaded one after another in this launch."""
+    """``cases``: (checkpoint dir, tag, stage, dp) loaded one after another in this launch; dp is
+    ``world`` or 1 (every rank its own dp=1 replica; rank 0 dumps)."""
+    import torch.distributed as dist
+
     from lightning_zero.checkpoint import Layout, apply_optimizer_state, load_model, open_checkpoint
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
 
-    for src, tag, stage in cases:
+    singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [None]  # every rank makes every group
+    for src, tag, stage, dp in cases:
         torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
         model = Llama(_config())
         opt = _optimizer(model)
-        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.003)
-        layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
+        dp_group = None if dp == world else singles[rank]
+        engine = ZeroEngine(model, [opt], stage=stage, dp_group=dp_group, bucket_mb=0.003)
+        dp_rank = rank if dp == world else 0
+        layout = Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
         opened = open_checkpoint(Path(src, "ckpt"), layout)
         states = load_model(opened, model, engine=engine, optimizers=[opt], layout=layout)
         apply_optimizer_state(opened, [opt], states)
-        _dump_owned(engine, opt, Path(out, f"{tag}.rank{rank}.pt"))
+        if dp == world or rank == 0:
+            _dump_owned(engine, opt, Path(out, f"{tag}.rank{dp_rank}.pt"))
         engine.unshard_parameters()  # stage 3: gathers the refreshed shards
         if rank == 0:
             torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out, f"{tag}.params.pt"))
@@ -253,20 +260,20 @@ def _assert_same_dense(got, want):
 
 
 def _cases(out, world):
-    cases = [(str(out / f"s{s}"), f"w{w}_s{s}_to{t}", t) for w, s, t in RESHARD if w == world]
+    cases = [(str(out / f"s{s}"), f"w{w}_s{s}_to{t}", t, w) for w, s, t in RESHARD if w == world]
     if world == 1:
-        cases.append((str(out / "tp"), "tp_to_dense", 1))
+        cases.append((str(out / "tp"), "tp_to_dense", 1, 1))
     return cases
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """dp=2 checkpoints of every stage and a tp=2 one, loaded at dp 1 / 2 / 4: one launch per world size."""
+    """dp=2 checkpoints of every stage and a tp=2 one, loaded at dp 2 and dp 1 (each of the 2 ranks
+    its own replica) in the same launch, then at dp 4: two launches."""
     out = tmp_path_factory.mktemp("ckpt_dp2")
     (out / "load").mkdir()
-    run_ranks(_save_stages, world_size=2, args=(str(out), STAGES, _cases(out, 2)), timeout_s=120)
-    for world in (1, 4):
-        run_ranks(_load_body, world_size=world, args=(str(out / "load"), _cases(out, world)), timeout_s=120)
+    run_ranks(_save_stages, world_size=2, args=(str(out), STAGES, _cases(out, 2) + _cases(out, 1)), timeout_s=120)
+    run_ranks(_load_body, world_size=4, args=(str(out / "load"), _cases(out, 4)), timeout_s=120)
     return out
 
 
