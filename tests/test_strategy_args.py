@@ -22,7 +22,8 @@ from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
         ({"tensor_parallel_size": "two"}, "tensor_parallel_size"),
         ({"prefetch_blocks": -1}, "prefetch_blocks"),
         ({"max_buckets_in_flight": 0}, "max_buckets_in_flight"),
-        ({"offload_optimizer": True}, "offload_optimizer"),
+        ({"offload_optimizer": "yes"}, "offload_optimizer"),
+        ({"stage": 3, "defer_grad_reduce": True}, "defer_grad_reduce"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

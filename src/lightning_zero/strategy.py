@@ -52,11 +52,8 @@ def _check_args(
         )
     if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
         raise ValueError(f"ZeroStrategy(prefetch_blocks={prefetch_blocks!r}): must be an int >= 0.")
-    if offload_optimizer:
-        raise ValueError(
-            "ZeroStrategy(offload_optimizer=True): CPU offload of the optimizer shards is not available"
-            " in this version; leave it False."
-        )
+    if not isinstance(offload_optimizer, bool):
+        raise ValueError(f"ZeroStrategy(offload_optimizer={offload_optimizer!r}): must be True or False.")
 
 
 def _tp_norm_weights(engine: "ZeroEngine", tp: int) -> dict[int, torch.Tensor]:
@@ -103,7 +100,8 @@ class ZeroStrategy(DDPStrategy):
             one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
         wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
             children of every ``nn.ModuleList``, embeddings, and a linear head beside a block list.
-        offload_optimizer: keep fp32 master and optimizer shards in CPU memory (not available yet).
+        offload_optimizer: keep the fp32 master and optimizer-state shards in CPU memory; the
+            optimizer steps on the CPU and the updated chunk is copied back to the device.
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
             across micro batches and reduce once at the last one (stage-1 gradient memory, one
             reduce-scatter per step instead of one per micro batch). Stage 1 always defers.
@@ -307,6 +305,7 @@ class ZeroStrategy(DDPStrategy):
             prefetch_blocks=self.prefetch_blocks,
             device=self.root_device,
             wrap_policy=self.wrap_policy,
+            offload_optimizer=self.offload_optimizer,
         )
         if self._device_mesh is not None:
             weights = _tp_norm_weights(self.engine, self._dims.tp)

@@ -77,6 +77,12 @@ CASES = {
     "zero3": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {}),
     "zero3_acc": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004, prefetch_blocks=2), ACC),
     "zero3_value_clip": (lambda: "zero3", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "zero2_offload": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, offload_optimizer=True), {}),
+    "zero3_offload_acc": (lambda: ZeroStrategy(stage=3, offload_optimizer=True), ACC),
+    "ddp_bf16": (lambda: "ddp", {"precision": "bf16-mixed"}),
+    "zero1_bf16": (lambda: ZeroStrategy(stage=1, bucket_mb=0.004), {"precision": "bf16-mixed"}),
+    "zero2_bf16": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"precision": "bf16-mixed"}),
+    "zero3_bf16": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "ddp_manual": (lambda: "ddp", {"manual": True}),
     "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
 }

@@ -103,6 +103,9 @@ class ZeroEngine:
             materializes meta parameters there, one unit at a time).
         wrap_policy: stage 3: ``(module, parent) -> bool`` picks the units (default:
             ``stage3.default_wrap_policy``).
+        offload_optimizer: keep the fp32 master chunks and the optimizer state in CPU memory;
+            each step copies the gradient chunk to CPU, steps there, and copies the updated
+            chunk back (``4 + K`` bytes per shard parameter leave the device).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class ZeroEngine:
         prefetch_blocks: int = 1,
         device: Optional[torch.device] = None,
         wrap_policy=None,
+        offload_optimizer: bool = False,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -132,6 +136,7 @@ class ZeroEngine:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.compute_dtype = compute_dtype
+        self.offload_optimizer = offload_optimizer
         self.counter = CommCounter()
         names = check_optimizer_params(module, optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
@@ -166,6 +171,7 @@ class ZeroEngine:
                 counter=self.counter,
                 norm_group=norm_group,
                 gather_params=stage != 3,
+                comm_device=device,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
@@ -188,6 +194,7 @@ class ZeroEngine:
             device=device,
             bucket_numel=bucket_numel,
             policy=wrap_policy or default_wrap_policy,
+            offload=self.offload_optimizer,
         )
         self.groups = [group for unit in units for group in unit.groups]
         self.stage3 = Stage3Runtime(
@@ -214,7 +221,13 @@ class ZeroEngine:
                         bucket_numel=bucket_numel_for(bucket_mb, self.compute_dtype),
                     )
                     groups.append(
-                        FlatParamGroup(layout, dp_rank=self.dp_rank, compute_dtype=self.compute_dtype, device=device)
+                        FlatParamGroup(
+                            layout,
+                            dp_rank=self.dp_rank,
+                            compute_dtype=self.compute_dtype,
+                            device=device,
+                            offload=self.offload_optimizer,
+                        )
                     )
                     managed.update(id(p) for p in params)
                 per_param_group.append(groups)

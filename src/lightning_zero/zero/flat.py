@@ -127,7 +127,8 @@ class FlatParamGroup:
     view into it. ``masters[b]``: the fp32 chunk of bucket ``b`` this rank owns, as an
     ``nn.Parameter`` the optimizer steps. When ``compute_dtype`` is fp32 the master *is* the chunk
     of ``param_buffer`` (no extra copy); otherwise it is an fp32 copy taken from the original
-    parameter values before they are cast.
+    parameter values before they are cast. With ``offload=True`` the masters are always separate
+    fp32 copies in CPU memory (the optimizer state follows them there).
     """
 
     def __init__(
@@ -138,18 +139,21 @@ class FlatParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         master_dtype: torch.dtype = torch.float32,
+        offload: bool = False,
     ) -> None:
         self.layout = layout
         self.dp_rank = dp_rank
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
-        self.masters_alias_params = compute_dtype == master_dtype
+        # offload: masters (and so the optimizer state made like them) live in CPU memory.
+        master_device = torch.device("cpu") if offload else device
+        self.masters_alias_params = compute_dtype == master_dtype and not offload
 
         masters: list[nn.Parameter] = []
         if not self.masters_alias_params:
             for bucket in layout.buckets:
                 start = bucket.shard_start(dp_rank)
-                chunk = torch.empty(bucket.shard_numel, dtype=master_dtype, device=device)
+                chunk = torch.empty(bucket.shard_numel, dtype=master_dtype, device=master_device)
                 layout.copy_range_from_params(start, start + bucket.shard_numel, chunk)
                 masters.append(nn.Parameter(chunk))
 

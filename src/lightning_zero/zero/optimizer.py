@@ -53,6 +53,7 @@ class ShardedOptimizer:
         counter: CommCounter,
         norm_group: Optional[dist.ProcessGroup] = None,
         gather_params: bool = True,
+        comm_device: Optional[torch.device] = None,
     ) -> None:
         if any(len(state) for state in optimizer.state.values()):
             raise ValueError(
@@ -66,6 +67,7 @@ class ShardedOptimizer:
         self.counter = counter
         self.norm_group = norm_group if norm_group is not None else dp_group
         self.gather_params = gather_params
+        self.comm_device = comm_device  # where collectives run (masters may be offloaded to CPU)
         self.replicated_weight: dict[int, torch.Tensor] = {}  # master id -> per-element 1/tp weights
 
         for param_group, groups in zip(optimizer.param_groups, flat_groups):
@@ -89,7 +91,8 @@ class ShardedOptimizer:
             master = bucket.group.masters[bucket.layout.index]
             chunk = bucket.grad_chunk
             assert chunk is not None
-            master.grad = chunk if chunk.dtype == master.dtype else chunk.to(master.dtype)
+            same = chunk.dtype == master.dtype and chunk.device == master.device
+            master.grad = chunk if same else chunk.to(device=master.device, dtype=master.dtype)
         self._remember_grads()
 
     def _remember_grads(self) -> None:
@@ -110,16 +113,18 @@ class ShardedOptimizer:
         return False
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self.gather_params:
+        for groups in self.flat_groups:
+            for group in groups:
+                group.copy_masters_to_params()
+        if self.gather_params:  # stage 3 gathers lazily, at the next forward
             self.all_gather_params()
 
     def all_gather_params(self) -> None:
-        """Copy updated masters into the compute chunks, then all-gather every bucket over dp."""
+        """All-gather every bucket's updated chunk over dp (stages 1-2)."""
         with record_function("lightning_zero::all_gather_params"):
             works = []
             for groups in self.flat_groups:
                 for group in groups:
-                    group.copy_masters_to_params()
                     for bucket in group.layout.buckets:
                         work = all_gather(
                             group.param_bucket(bucket),
@@ -142,15 +147,19 @@ class ShardedOptimizer:
             local = torch.zeros((), dtype=torch.float32, device=device)
             for _, grad in grads:
                 local = torch.maximum(local, grad.detach().abs().max().float())
-            all_reduce(local, self.norm_group, op=dist.ReduceOp.MAX, counter=self.counter, label="all_reduce_grad_norm")
-            return local
+            return self._all_reduce_scalar(local, dist.ReduceOp.MAX)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for master, grad in grads:
             values = grad.detach().float().abs().pow(norm_type)
             weight = self.replicated_weight.get(id(master))
             local += (values * weight).sum() if weight is not None else values.sum()
-        all_reduce(local, self.norm_group, counter=self.counter, label="all_reduce_grad_norm")
-        return local.pow(1.0 / norm_type)
+        return self._all_reduce_scalar(local, dist.ReduceOp.SUM).pow(1.0 / norm_type)
+
+    def _all_reduce_scalar(self, local: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        device = self.comm_device or local.device
+        value = local.to(device)
+        all_reduce(value, self.norm_group, op=op, counter=self.counter, label="all_reduce_grad_norm")
+        return value.to(local.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every master gradient so the global norm is at most ``max_norm`` (as torch does)."""

@@ -94,12 +94,15 @@ class ShardedFlatParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         master_dtype: torch.dtype = torch.float32,
+        offload: bool = False,
     ) -> None:
         self.layout = layout
         self.dp_rank = dp_rank
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
-        self.masters_alias_params = compute_dtype == master_dtype
+        # offload: masters (and so the optimizer state made like them) live in CPU memory.
+        master_device = torch.device("cpu") if offload else device
+        self.masters_alias_params = compute_dtype == master_dtype and not offload
         shard_numel = sum(bucket.shard_numel for bucket in layout.buckets)
         self.shard_buffer = torch.zeros(shard_numel, dtype=compute_dtype, device=device)
         self._shard_offsets: list[int] = []
@@ -111,7 +114,7 @@ class ShardedFlatParamGroup:
             if self.masters_alias_params:
                 layout.copy_range_from_params(start, start + bucket.shard_numel, self.param_shard(bucket))
             else:
-                master = torch.empty(bucket.shard_numel, dtype=master_dtype, device=device)
+                master = torch.empty(bucket.shard_numel, dtype=master_dtype, device=master_device)
                 layout.copy_range_from_params(start, start + bucket.shard_numel, master)
                 self.param_shard(bucket).copy_(master)
                 masters.append(nn.Parameter(master))
@@ -506,6 +509,7 @@ def build_units(
     device: torch.device,
     bucket_numel: int,
     policy: WrapPolicy = default_wrap_policy,
+    offload: bool = False,
 ) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]], int]:
     """Cut ``module`` into units and shard each one's parameters, one unit at a time.
 
@@ -587,6 +591,7 @@ def build_units(
                 compute_dtype=compute_dtype if managed or members[0].is_floating_point() else members[0].dtype,
                 device=device,
                 master_dtype=torch.float32 if managed else (compute_dtype if members[0].is_floating_point() else members[0].dtype),
+                offload=offload and managed,
             )
             unit.groups.append(group)
             if managed:
