@@ -62,3 +62,17 @@ def test_optimizer_over_foreign_tensors_is_rejected():
     opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
     with pytest.raises(ValueError, match="not a parameter of the LightningModule"):
         check_optimizer_params(model, [opt])
+
+
+def test_import_is_cheap_and_registers_whenever_lightning_loads():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_zero\n"
+        "assert 'lightning.pytorch' not in sys.modules, 'import lightning_zero must not import Lightning'\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert all(f'zero{s}' in StrategyRegistry for s in (1, 2, 3))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,7 +1,9 @@
 """lightning_zero: ZeRO stages 1-3 and node-local tensor parallelism for PyTorch Lightning.
 
 ``import lightning_zero`` registers the strategies ``"zero1"``, ``"zero2"`` and ``"zero3"`` in
-Lightning's strategy registry. Everything else is imported lazily, so the import stays cheap.
+Lightning's strategy registry: at once when Lightning is already imported, else the moment it is
+(so the engine, ``lightning_zero.zero``, can be used without importing Lightning at all).
+Everything else is imported lazily, so the import stays cheap.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _register_strategies() -> None:
-    from lightning_zero._registry import register
+    from lightning_zero._registry import register_now_or_on_import
 
-    register()
+    register_now_or_on_import()
 
 
 _register_strategies()
