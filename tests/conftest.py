@@ -1,7 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# Test the checkout these tests live in, whatever copy of the package pip installed last.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Keep every test process small: 2 cores are shared by all ranks.
 torch.set_num_threads(1)

@@ -83,3 +83,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+
+
+def run_script(argv: list[str], *, cwd, env: dict, timeout_s: float) -> "subprocess.CompletedProcess[str]":
+    """Run a multi-process Lightning script in its own session; on timeout kill the whole group.
+
+    Lightning's launcher starts rank 1 as a child of the script: killing only the script would
+    leave that rank behind, blocked in a collective.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[run_script] killed after {timeout_s:.0f}s"
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)

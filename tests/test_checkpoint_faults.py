@@ -28,7 +28,7 @@ BOUND_S = 120  # the survivor's whole run (startup + 5 steps + the 30 s process-
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1", **extra}
 
 
 def _lightning(out: Path, cases: list[str]) -> subprocess.Popen:

@@ -19,7 +19,7 @@ RESHARD = [(2, 1, 2), (2, 3, 2), (2, 2, 3), (1, 2, 1), (1, 3, 3)]  # (devices, s
 
 
 def _launch(out: Path, devices: int, cases: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/scripts/ckpt_train.py"), str(out), str(devices), *cases],
         cwd=out, env=env, capture_output=True, text=True, timeout=300,

@@ -1,12 +1,13 @@
 """ZeroMonitor's numbers against the engine's counters, and the planner against a real run."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -16,10 +17,10 @@ from monitor_run import CASES, CONFIG  # noqa: E402
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    proc = run_script(
         [sys.executable, str(ROOT / "tests/scripts/monitor_run.py"), str(out)],
-        cwd=out, env=env, capture_output=True, text=True, timeout=500,
+        cwd=out, env=env, timeout_s=500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

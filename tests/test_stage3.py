@@ -84,12 +84,13 @@ def _train(rank, world, prefetch, micro, clip, expected):
         # Between steps only the shards live: P * 4 / dp (+ padding).
         assert engine.measured_bytes()["params"] == padded * 4 // world
         if step > 0 and micro == 1:
-            # Forward and backward each gather every unit; the root unit (here only the final
-            # norm) stays gathered from forward to the end of backward: 3 P (dp-1)/dp minus one root.
-            root = sum(group.layout.numel for group in runtime.root.groups)
+            # Forward and backward each gather every unit (the Llama leaves no parameter in the
+            # root unit), the gradients are reduce-scattered once: 3 P (dp-1)/dp in all.
+            assert not runtime.root.groups
             sent = engine.counter.elements
-            assert sent["all_gather_params"] == (2 * padded - root) * (world - 1) / world, (sent, padded, root)
+            assert sent["all_gather_params"] == 2 * padded * (world - 1) / world, (sent, padded)
             assert sent["reduce_scatter_grads"] == padded * (world - 1) / world
+            assert engine.counter.total_elements() == 3 * padded * (world - 1) / world
     assert runtime.high_water_forward <= prefetch + 1, runtime.high_water_forward
     got = _gathered_state(engine, model)
     for name, want in expected.items():

@@ -5,12 +5,13 @@ losses and final parameters of each zero case with its ddp twin to 1e-5.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,10 +40,10 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    proc = run_script(
         [sys.executable, str(ROOT / "tests/scripts/parity.py"), str(out)],
-        cwd=out, env=env, capture_output=True, text=True, timeout=600,
+        cwd=out, env=env, timeout_s=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

@@ -5,12 +5,13 @@ clipping, which must count each parameter once); TP peers see the same batches, 
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"])]
@@ -19,11 +20,11 @@ LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
     for devices, cases in LAUNCHES:
-        proc = subprocess.run(
+        proc = run_script(
             [sys.executable, str(ROOT / "tests/scripts/tp_parity.py"), str(out), str(devices), *cases],
-            cwd=out, env=env, capture_output=True, text=True, timeout=400,
+            cwd=out, env=env, timeout_s=400,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

@@ -3,8 +3,8 @@
 What stage 3 does differently from stage 2 is all in this file:
 
 - **Units.** The module is cut into units (by default: every child of an ``nn.ModuleList`` -- the
-  repeated blocks --, every ``nn.Embedding``, and every ``nn.Linear`` that is a sibling of a
-  block list -- the LM head); whatever is left belongs to the *root* unit. Each unit's
+  repeated blocks --, every ``nn.Embedding``, and every module with parameters beside a block
+  list -- the final norm and the LM head); whatever is left belongs to the *root* unit. Each unit's
   parameters form :class:`ShardedFlatParamGroup` s (one per optimizer param group) with the same
   bucket layout as stages 1-2 ([Note: flat layout] in ``flat.py``), but only this rank's chunk of
   each bucket persists. Parameters are views into a full-size buffer whose *storage* is
@@ -48,16 +48,18 @@ WrapPolicy = Callable[[nn.Module, nn.Module], bool]  # (module, parent) -> is a 
 
 
 def default_wrap_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
-    """Blocks of a ModuleList, embeddings, and linear heads that sit beside a block list.
+    """Blocks of a ModuleList, embeddings, and every module with parameters that sits beside a
+    block list (for a decoder: the embedding, the final norm and the LM head).
 
-    Embeddings and linears are recognized by shape attributes (``num_embeddings``,
-    ``in_features``/``out_features``), so tensor-parallel versions count too.
+    Embeddings are recognized by shape (``num_embeddings``), so tensor-parallel versions count.
     """
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False  # containers have no forward to hook; their children may be units
     if isinstance(parent, nn.ModuleList):
         return True
     if isinstance(module, nn.Embedding) or hasattr(module, "num_embeddings"):
         return True
-    if hasattr(module, "in_features") and hasattr(module, "out_features") and parent is not None:
+    if parent is not None and any(True for _ in module.parameters()):
         return any(isinstance(child, nn.ModuleList) for child in parent.children())
     return False
 
@@ -70,6 +72,11 @@ def find_units(root: nn.Module, policy: WrapPolicy = default_wrap_policy) -> lis
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             if policy(child, module):
+                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                    raise ValueError(
+                        f"ZeRO-3 wrap policy chose {path!r}, a {type(child).__name__}: containers are never"
+                        " called, so their parameters would never be gathered. Choose their children."
+                    )
                 units.append((path, child))
             else:
                 visit(child, path)
