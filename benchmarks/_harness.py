@@ -223,8 +223,12 @@ def make_probe(
     state_bytes: Callable[[Any], dict[str, int]],
     extra_step: Optional[Callable[[Any], dict[str, float]]] = None,
     at_end: Optional[Callable[[Any], dict[str, Any]]] = None,
+    profile_path: Optional[Path] = None,
 ) -> Any:
     """A Lightning callback timing steps, counting sent bytes and (last step) model-state bytes.
+
+    Steps run in this order: ``warmup`` untimed, the timed ones, with ``profile_path`` one
+    untimed step under ``torch.profiler`` (its op table is written there), and the probe step.
 
     ``state_bytes(trainer)`` returns ``{"params", "grads", "optimizer"}`` bytes this rank holds;
     ``extra_step(trainer)`` adds per-step numbers (our engine's overlap timeline);
@@ -242,11 +246,23 @@ def make_probe(
             self.live_bytes = 0
             self.end: dict[str, Any] = {}
             self._start = 0.0
-            self._probing = False
+            self._role = "warmup"
+            self._profiler: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self._probing = trainer.global_step == trainer.max_steps - 1
-            tap.active = not self._probing and trainer.global_step >= warmup
+            step, last = trainer.global_step, trainer.max_steps - 1
+            if step == last:
+                self._role = "probe"
+            elif profile_path is not None and step == last - 1:
+                self._role = "profile"
+                from torch.profiler import ProfilerActivity, profile
+
+                self._profiler = profile(activities=[ProfilerActivity.CPU])
+                self._profiler.__enter__()
+            else:
+                self._role = "timed" if step >= warmup else "warmup"
+            self._probing = self._role == "probe"
+            tap.active = self._role == "timed"
             tap.bytes.clear()
             tap.calls.clear()
             self._start = time.perf_counter()
@@ -265,7 +281,13 @@ def make_probe(
             if self._probing:
                 self.states["after_step"] = state_bytes(trainer)
                 return
-            if trainer.global_step - 1 < warmup:  # global_step counts the step just taken
+            if self._role == "profile":
+                self._profiler.__exit__(None, None, None)
+                table = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                assert profile_path is not None
+                profile_path.write_text(f"one step, {elapsed:.3f} s wall (profiled)\n{table}")
+                return
+            if self._role != "timed":
                 return
             tap.active = False
             self.step_s.append(elapsed)
@@ -317,6 +339,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]
     parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for every strategy")
     parser.add_argument("--out", type=str, default=None, help="write the merged results as JSON here")
+    parser.add_argument(
+        "--profile", action="store_true", help="one extra untimed step under torch.profiler per case (op table in --log-dir)"
+    )
     parser.add_argument("--log-dir", type=str, default=None, help="keep each case's log and rank JSON here")
     parser.add_argument("--case-timeout", type=int, default=900, help="seconds one case may run")
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
@@ -553,7 +578,7 @@ def run_worker(
 
     config = model_config(args)
     num_params = config.num_params()
-    max_steps = args.warmup + args.steps + 1  # + the untimed probe step
+    max_steps = args.warmup + args.steps + int(args.profile) + 1  # + the untimed probe step
     strategy = make_strategy()
     L.seed_everything(1234, verbose=False)
     module = make_module(config) if make_module is not None else LlamaLM(config, lr=3e-4, warmup_steps=1)
@@ -571,6 +596,9 @@ def run_worker(
         state_bytes=state_bytes,
         extra_step=extra_step,
         at_end=(lambda trainer: at_end(trainer, max_steps)) if at_end is not None else None,
+        profile_path=Path(args.worker_dir) / f"{args.worker}.rank{os.environ.get('LOCAL_RANK', '0')}.profile.txt"
+        if args.profile
+        else None,
     )
     rss_before = rss_bytes()
     trainer = L.Trainer(
