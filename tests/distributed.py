@@ -85,6 +85,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
                 proc.join(5)
 
 
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+
+
+def script_env(root, **extra: str) -> dict:
+    """Environment for a Lightning script launched from a test: the checkout on the path, one
+    thread per rank, and none of the launcher variables an earlier test may have left behind
+    (they would make Lightning think it runs under torchrun or SLURM and wait forever)."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _LAUNCH_VARS and not key.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))
+    }
+    env.update(PYTHONPATH=f"{root}{os.pathsep}{root / 'src'}", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
 def run_script(argv: list[str], *, cwd, env: dict, timeout_s: float) -> "subprocess.CompletedProcess[str]":
     """Run a multi-process Lightning script in its own session; on timeout kill the whole group.
 

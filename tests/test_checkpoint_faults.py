@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import free_port, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = 3
@@ -28,7 +28,7 @@ BOUND_S = 120  # the survivor's whole run (startup + 5 steps + the 30 s process-
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1", **extra}
+    return script_env(ROOT, **extra)
 
 
 def _lightning(out: Path, cases: list[str]) -> subprocess.Popen:

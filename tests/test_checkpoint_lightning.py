@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed import script_env
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (1, 2, 3)
 RESHARD = [(2, 1, 2), (2, 3, 2), (2, 2, 3), (1, 2, 1), (1, 3, 3)]  # (devices, saved stage, loaded stage)
 
 
 def _launch(out: Path, devices: int, cases: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    env = script_env(ROOT)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/scripts/ckpt_train.py"), str(out), str(devices), *cases],
         cwd=out, env=env, capture_output=True, text=True, timeout=300,

@@ -19,6 +19,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_zero.cli import RESOLVED_CONFIG, main
+from tests.distributed import script_env
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A few steps of the tiny model on short sequences: seconds per step on 2 shared cores.
 FAST = [
@@ -34,7 +37,7 @@ FAST = [
 
 def run_cli(args: Sequence[str], cwd: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Run ``python -m lightning_zero ARGS``; on timeout kill its whole process group and fail."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    env = script_env(ROOT, HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_zero", *args],
         cwd=cwd,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_script
+from tests.distributed import run_script, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -17,7 +17,7 @@ from monitor_run import CASES, CONFIG  # noqa: E402
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    env = script_env(ROOT)
     proc = run_script(
         [sys.executable, str(ROOT / "tests/scripts/monitor_run.py"), str(out)],
         cwd=out, env=env, timeout_s=500,

@@ -195,7 +195,10 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
     # 2) Under that environment (what srun gives rank 11), Lightning picks SLURMEnvironment with
     #    the ranks SLURM assigned, and accepts the devices/num_nodes the script passes.
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "GROUP_RANK"):
-        monkeypatch.delenv(key, raising=False)
+        # set first, so monkeypatch restores the original state even for keys Lightning writes
+        # into os.environ itself (SLURMEnvironment sets MASTER_ADDR)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key, value in SLURM_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_PORT", "24242")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_script
+from tests.distributed import run_script, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    env = script_env(ROOT)
     proc = run_script(
         [sys.executable, str(ROOT / "tests/scripts/parity.py"), str(out)],
         cwd=out, env=env, timeout_s=600,

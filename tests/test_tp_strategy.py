@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_script
+from tests.distributed import run_script, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"])]
@@ -20,7 +20,7 @@ LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
+    env = script_env(ROOT)
     for devices, cases in LAUNCHES:
         proc = run_script(
             [sys.executable, str(ROOT / "tests/scripts/tp_parity.py"), str(out), str(devices), *cases],
