@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -108,7 +109,6 @@ def run_script(argv: list[str], *, cwd, env: dict, timeout_s: float) -> "subproc
     leave that rank behind, blocked in a collective.
     """
     import signal
-    import subprocess
 
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -120,3 +120,20 @@ def run_script(argv: list[str], *, cwd, env: dict, timeout_s: float) -> "subproc
         stdout, stderr = proc.communicate()
         stderr += f"\n[run_script] killed after {timeout_s:.0f}s"
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def launch(script: str, out_dir, *args: str, timeout_s: float) -> None:
+    """Run ``tests/scripts/<script> OUT_DIR ARGS...`` (a Lightning multi-process script) from
+    ``out_dir``; fail with the tail of its output if it exits non-zero or times out."""
+    import sys
+
+    proc = run_script(
+        [sys.executable, str(ROOT / "tests" / "scripts" / script), str(out_dir), *map(str, args)],
+        cwd=out_dir,
+        env=script_env(ROOT),
+        timeout_s=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -11,7 +11,6 @@ The two dying launches run concurrently, then one launch runs the uninterrupted 
 """
 
 import json
-import os
 import subprocess
 import sys
 import time

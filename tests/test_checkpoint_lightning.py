@@ -5,7 +5,6 @@ the step-3 checkpoint and from ``ckpt_path="last"``, and resumes checkpoints at 
 (1 -> 2, 3 -> 2, 2 -> 3); one 1-rank launch resumes at dp 1 (stage 2 -> 1, 3 -> 3).
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path

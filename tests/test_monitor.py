@@ -1,13 +1,12 @@
 """ZeroMonitor's numbers against the engine's counters, and the planner against a real run."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_script, script_env
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -17,12 +16,7 @@ from monitor_run import CASES, CONFIG  # noqa: E402
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor")
-    env = script_env(ROOT)
-    proc = run_script(
-        [sys.executable, str(ROOT / "tests/scripts/monitor_run.py"), str(out)],
-        cwd=out, env=env, timeout_s=500,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launch("monitor_run.py", out, timeout_s=500)
     return out
 
 

@@ -176,6 +176,8 @@ def _disagreeing_first_step(rank, world):
         assert "ranks disagree" in str(err) and "dp rank 0: 1" in str(err), str(err)
     else:
         raise AssertionError("expected a RuntimeError naming the module")
+    finally:
+        engine.close()
 
 
 def _all(rank, world, expected):

@@ -4,14 +4,12 @@ One script run (tests/scripts/parity.py) trains every case in sequence; here we 
 losses and final parameters of each zero case with its ddp twin to 1e-5.
 """
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_script, script_env
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,12 +38,7 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    env = script_env(ROOT)
-    proc = run_script(
-        [sys.executable, str(ROOT / "tests/scripts/parity.py"), str(out)],
-        cwd=out, env=env, timeout_s=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launch("parity.py", out, timeout_s=600)
     return out
 
 

@@ -4,14 +4,12 @@ tp=2 (dp=1) matches a single process; tp=2 x dp=2 matches dp=2 under ZeRO-1, 2 a
 clipping, which must count each parameter once); TP peers see the same batches, dp peers do not.
 """
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_script, script_env
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"])]
@@ -20,13 +18,8 @@ LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = script_env(ROOT)
     for devices, cases in LAUNCHES:
-        proc = run_script(
-            [sys.executable, str(ROOT / "tests/scripts/tp_parity.py"), str(out), str(devices), *cases],
-            cwd=out, env=env, timeout_s=400,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        launch("tp_parity.py", out, devices, *cases, timeout_s=400)
     return out
 
 

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from lightning_zero.collectives import CommCounter, all_gather
 
 
 @dataclass
@@ -120,15 +123,15 @@ class FlatLayout:
             out[lo - start : hi - start].copy_(flat_param[lo - slot.offset : hi - slot.offset])
 
 
-class FlatParamGroup:
-    """One rank's storage for a :class:`FlatLayout` (stages 1 and 2: the full parameters stay).
+class ChunkedParamGroup:
+    """What every stage's storage shares: the layout, this rank's chunk of every bucket, and the
+    fp32 master chunks the optimizer steps (``masters[b]`` for bucket ``b``).
 
-    ``param_buffer``: the whole group in ``compute_dtype``; every parameter's ``.data`` becomes a
-    view into it. ``masters[b]``: the fp32 chunk of bucket ``b`` this rank owns, as an
-    ``nn.Parameter`` the optimizer steps. When ``compute_dtype`` is fp32 the master *is* the chunk
-    of ``param_buffer`` (no extra copy); otherwise it is an fp32 copy taken from the original
-    parameter values before they are cast. With ``offload=True`` the masters are always separate
-    fp32 copies in CPU memory (the optimizer state follows them there).
+    When ``compute_dtype`` equals ``master_dtype`` (fp32 training) the master *is* the compute
+    chunk (no extra copy); otherwise (bf16-mixed) it is an fp32 copy taken from the original
+    parameter values before they are cast. ``offload=True`` keeps the masters (and so the
+    optimizer state made like them) as separate fp32 copies in CPU memory.
+    Subclasses define where the chunks and the full buckets live (``param_shard``/``param_bucket``).
     """
 
     def __init__(
@@ -145,27 +148,81 @@ class FlatParamGroup:
         self.dp_rank = dp_rank
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
-        # offload: masters (and so the optimizer state made like them) live in CPU memory.
-        master_device = torch.device("cpu") if offload else device
+        self.master_device = torch.device("cpu") if offload else device
         self.masters_alias_params = compute_dtype == master_dtype and not offload
+        self.masters: list[nn.Parameter] = []
 
-        masters: list[nn.Parameter] = []
-        if not self.masters_alias_params:
-            for bucket in layout.buckets:
-                start = bucket.shard_start(dp_rank)
-                chunk = torch.empty(bucket.shard_numel, dtype=master_dtype, device=master_device)
-                layout.copy_range_from_params(start, start + bucket.shard_numel, chunk)
-                masters.append(nn.Parameter(chunk))
+    def param_bucket(self, bucket: BucketLayout) -> torch.Tensor:
+        raise NotImplementedError
 
+    def param_shard(self, bucket: BucketLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _masters_from_params(self) -> list[nn.Parameter]:
+        """Separate fp32 master chunks read straight from the parameters (call before moving them)."""
+        masters = []
+        for bucket in self.layout.buckets:
+            start = bucket.shard_start(self.dp_rank)
+            chunk = torch.empty(bucket.shard_numel, dtype=self.master_dtype, device=self.master_device)
+            self.layout.copy_range_from_params(start, start + bucket.shard_numel, chunk)
+            masters.append(nn.Parameter(chunk))
+        return masters
+
+    def _masters_aliasing_chunks(self) -> list[nn.Parameter]:
+        return [nn.Parameter(self.param_shard(bucket)) for bucket in self.layout.buckets]
+
+    def copy_masters_to_params(self) -> None:
+        """Write the updated master chunks into this rank's compute chunks (no-op when aliased)."""
+        if self.masters_alias_params:
+            return
+        for bucket, master in zip(self.layout.buckets, self.masters):
+            self.param_shard(bucket).copy_(master.detach())
+
+    def start_all_gather(self, group: Optional[dist.ProcessGroup], counter: CommCounter) -> list:
+        """Async all-gather of every bucket's chunks into the full buckets; returns the works."""
+        return [
+            all_gather(
+                self.param_bucket(bucket),
+                self.param_shard(bucket),
+                group,
+                async_op=True,
+                counter=counter,
+                label="all_gather_params",
+            )
+            for bucket in self.layout.buckets
+        ]
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master copies held *in addition* to the parameters (0 when they alias)."""
+        if self.masters_alias_params:
+            return 0
+        return sum(master.numel() * master.element_size() for master in self.masters)
+
+
+class FlatParamGroup(ChunkedParamGroup):
+    """Stages 1 and 2: the full parameters stay, in one ``param_buffer`` of ``compute_dtype``;
+    every parameter's ``.data`` is a view into it and this rank's chunks are slices of it."""
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        *,
+        dp_rank: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        master_dtype: torch.dtype = torch.float32,
+        offload: bool = False,
+    ) -> None:
+        super().__init__(
+            layout, dp_rank=dp_rank, compute_dtype=compute_dtype, device=device, master_dtype=master_dtype, offload=offload
+        )
+        separate = [] if self.masters_alias_params else self._masters_from_params()
         self.param_buffer = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
         for slot in layout.slots:
             view = self.param_buffer[slot.offset : slot.end]
             view.copy_(slot.param.detach().reshape(-1))
             slot.param.data = view.view(slot.shape)
-
-        if self.masters_alias_params:
-            masters = [nn.Parameter(self.param_shard(bucket)) for bucket in layout.buckets]
-        self.masters = masters
+        self.masters = self._masters_aliasing_chunks() if self.masters_alias_params else separate
 
     def param_bucket(self, bucket: BucketLayout) -> torch.Tensor:
         return self.param_buffer[bucket.start : bucket.end]
@@ -174,18 +231,5 @@ class FlatParamGroup:
         start = bucket.shard_start(self.dp_rank)
         return self.param_buffer[start : start + bucket.shard_numel]
 
-    def copy_masters_to_params(self) -> None:
-        """bf16-mixed: write the updated fp32 master chunks into this rank's compute chunks."""
-        if self.masters_alias_params:
-            return
-        for bucket, master in zip(self.layout.buckets, self.masters):
-            self.param_shard(bucket).copy_(master.detach())
-
     def param_bytes(self) -> int:
         return self.param_buffer.numel() * self.param_buffer.element_size()
-
-    def master_bytes(self) -> int:
-        """Bytes of fp32 master copies held *in addition* to the parameters (0 when they alias)."""
-        if self.masters_alias_params:
-            return 0
-        return sum(master.numel() * master.element_size() for master in self.masters)

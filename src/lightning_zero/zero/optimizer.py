@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_gather, all_reduce
+from lightning_zero.collectives import CommCounter, all_reduce
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.reducer import Bucket
 
@@ -122,19 +122,12 @@ class ShardedOptimizer:
     def all_gather_params(self) -> None:
         """All-gather every bucket's updated chunk over dp (stages 1-2)."""
         with record_function("lightning_zero::all_gather_params"):
-            works = []
-            for groups in self.flat_groups:
-                for group in groups:
-                    for bucket in group.layout.buckets:
-                        work = all_gather(
-                            group.param_bucket(bucket),
-                            group.param_shard(bucket),
-                            self.dp_group,
-                            async_op=True,
-                            counter=self.counter,
-                            label="all_gather_params",
-                        )
-                        works.append(work)
+            works = [
+                work
+                for groups in self.flat_groups
+                for group in groups
+                for work in group.start_all_gather(self.dp_group, self.counter)
+            ]
             for work in works:
                 work.wait()
 

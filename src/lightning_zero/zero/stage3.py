@@ -42,7 +42,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_gather
-from lightning_zero.zero.flat import BucketLayout, FlatLayout
+from lightning_zero.zero.flat import BucketLayout, ChunkedParamGroup, FlatLayout
 
 WrapPolicy = Callable[[nn.Module, nn.Module], bool]  # (module, parent) -> is a unit
 
@@ -85,12 +85,11 @@ def find_units(root: nn.Module, policy: WrapPolicy = default_wrap_policy) -> lis
     return [(name, module) for name, module in units if any(True for _ in module.parameters())]
 
 
-class ShardedFlatParamGroup:
+class ShardedFlatParamGroup(ChunkedParamGroup):
     """Stage-3 storage for a :class:`FlatLayout`: only this rank's chunk of every bucket persists.
 
     ``shard_buffer`` holds the rank's chunks (compute dtype) end to end; ``full_buffer`` is the
     whole group, its storage allocated only while gathered; parameters are views into it.
-    ``masters`` alias the chunks in fp32, or are fp32 copies under bf16-mixed.
     """
 
     def __init__(
@@ -103,32 +102,23 @@ class ShardedFlatParamGroup:
         master_dtype: torch.dtype = torch.float32,
         offload: bool = False,
     ) -> None:
-        self.layout = layout
-        self.dp_rank = dp_rank
-        self.compute_dtype = compute_dtype
-        self.master_dtype = master_dtype
-        # offload: masters (and so the optimizer state made like them) live in CPU memory.
-        master_device = torch.device("cpu") if offload else device
-        self.masters_alias_params = compute_dtype == master_dtype and not offload
-        shard_numel = sum(bucket.shard_numel for bucket in layout.buckets)
-        self.shard_buffer = torch.zeros(shard_numel, dtype=compute_dtype, device=device)
+        super().__init__(
+            layout, dp_rank=dp_rank, compute_dtype=compute_dtype, device=device, master_dtype=master_dtype, offload=offload
+        )
         self._shard_offsets: list[int] = []
         offset = 0
-        masters = []
         for bucket in layout.buckets:
             self._shard_offsets.append(offset)
-            start = bucket.shard_start(dp_rank)
-            if self.masters_alias_params:
-                layout.copy_range_from_params(start, start + bucket.shard_numel, self.param_shard(bucket))
-            else:
-                master = torch.empty(bucket.shard_numel, dtype=master_dtype, device=master_device)
-                layout.copy_range_from_params(start, start + bucket.shard_numel, master)
-                self.param_shard(bucket).copy_(master)
-                masters.append(nn.Parameter(master))
             offset += bucket.shard_numel
+        self.shard_buffer = torch.zeros(offset, dtype=compute_dtype, device=device)
         if self.masters_alias_params:
-            masters = [nn.Parameter(self.param_shard(bucket)) for bucket in layout.buckets]
-        self.masters = masters
+            for bucket in layout.buckets:
+                start = bucket.shard_start(dp_rank)
+                layout.copy_range_from_params(start, start + bucket.shard_numel, self.param_shard(bucket))
+            self.masters = self._masters_aliasing_chunks()
+        else:
+            self.masters = self._masters_from_params()
+            self.copy_masters_to_params()
 
         self.full_buffer = torch.empty(layout.numel, dtype=compute_dtype, device=device)
         self.full_nbytes = self.full_buffer.untyped_storage().nbytes()
@@ -155,20 +145,9 @@ class ShardedFlatParamGroup:
         offset = self._shard_offsets[bucket.index]
         return self.shard_buffer[offset : offset + bucket.shard_numel]
 
-    def copy_masters_to_params(self) -> None:
-        if self.masters_alias_params:
-            return
-        for bucket, master in zip(self.layout.buckets, self.masters):
-            self.param_shard(bucket).copy_(master.detach())
-
     def param_bytes(self) -> int:
         shard = self.shard_buffer.numel() * self.shard_buffer.element_size()
         return shard + self.full_buffer.untyped_storage().nbytes()
-
-    def master_bytes(self) -> int:
-        if self.masters_alias_params:
-            return 0
-        return sum(master.numel() * master.element_size() for master in self.masters)
 
 
 @dataclass
@@ -234,16 +213,7 @@ class Stage3Runtime:
         with record_function(f"lightning_zero::all_gather_unit::{unit.name}"):
             for group in unit.groups:
                 group.allocate()
-                for bucket in group.layout.buckets:
-                    work = all_gather(
-                        group.param_bucket(bucket),
-                        group.param_shard(bucket),
-                        self.ag_group,
-                        async_op=True,
-                        counter=self.counter,
-                        label="all_gather_params",
-                    )
-                    unit.works.append(work)
+                unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
         unit.gathered = True
 
     def _wait(self, unit: Unit) -> None:
