@@ -34,11 +34,11 @@ class Case:
     family: str  # "zero", "ddp", "fsdp", "deepspeed"
 
 
-def _zero(stage: int, overlap: bool = True) -> Callable[[argparse.Namespace], Any]:
+def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse.Namespace], Any]:
     def make(args: argparse.Namespace) -> Any:
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=stage, bucket_mb=args.bucket_mb, overlap_comm=overlap, monitor=False)
+        return ZeroStrategy(stage=stage, bucket_mb=args.bucket_mb, overlap_comm=overlap, monitor=False, **kwargs)
 
     return make
 
@@ -76,6 +76,8 @@ CASES: dict[str, Case] = {
     "zero1": Case("ZeroStrategy(stage=1)", 1, _zero(1), "zero"),
     "zero2": Case("ZeroStrategy(stage=2)", 2, _zero(2), "zero"),
     "zero2_no_overlap": Case("ZeroStrategy(stage=2, overlap_comm=False)", 2, _zero(2, overlap=False), "zero"),
+    # stage 2 blocks in backward when max_buckets_in_flight buffers are out; 4 of ~6 buckets
+    "zero2_inflight4": Case("ZeroStrategy(stage=2, max_buckets_in_flight=4)", 2, _zero(2, max_buckets_in_flight=4), "zero"),
     "ddp": Case("DDPStrategy", 0, _ddp, "ddp"),
     "fsdp_grad_op": Case('FSDPStrategy("SHARD_GRAD_OP"), per block', 2, _fsdp, "fsdp"),
     "deepspeed1": Case("DeepSpeedStrategy(stage=1)", 1, _deepspeed(1), "deepspeed"),
