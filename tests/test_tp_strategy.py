@@ -48,3 +48,12 @@ def test_tp_peers_share_batches_dp_peers_do_not(results):
     # ... and dp rank r sees what dp rank r sees without TP.
     assert batches[0] == _load(results, "dp2_zero2", 0)["batches"]
     assert batches[2] == _load(results, "dp2_zero2", 1)["batches"]
+
+
+@pytest.mark.slow
+def test_tp_and_dp_traffic_counted_together(results):
+    tp_only = _load(results, "tp2")["sent"]  # dp = 1: no dp collective is issued at all
+    assert tp_only.get("tp_all_reduce", 0) > 0
+    assert "reduce_scatter_grads" not in tp_only and "all_gather_params" not in tp_only
+    both = _load(results, "tp2dp2_zero2")["sent"]
+    assert both["tp_all_reduce"] > 0 and both["reduce_scatter_grads"] > 0 and both["all_gather_params"] > 0

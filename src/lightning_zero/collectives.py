@@ -11,6 +11,9 @@ group of ``n`` ranks, an all-gather whose output holds ``N`` elements sends ``(n
 reduce-scatter whose input holds ``N`` elements sends ``(n-1)/n * N``; an all-reduce of ``N``
 elements sends ``2 (n-1)/n * N``. On gloo a reduce-scatter runs as an all-reduce underneath, so
 wall time on CPU says little; these counts are what the ZeRO paper's formulas talk about.
+
+A group of one rank (dp=1 under tensor parallelism, a single process) issues no collective at
+all: the result is computed locally and a completed work handle is returned.
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
+class _Done:
+    """The work handle of a collective over one rank: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _local(output: torch.Tensor, input: torch.Tensor, async_op: bool):
+    """A one-rank group: the result is the input (copied unless it is already in place)."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input.view_as(output))
+    return _Done() if async_op else None
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -69,6 +89,8 @@ def reduce_scatter(
 ):
     """Sum ``input`` over the group and leave chunk ``rank`` of the sum in ``output``."""
     size = _group_size(group)
+    if size == 1:
+        return _local(output, input, async_op)
     if counter is not None:
         counter.add(label, input.numel() * (size - 1) / size, input.element_size())
     with record_function(f"lightning_zero::{label}"):
@@ -86,6 +108,8 @@ def all_gather(
 ):
     """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``)."""
     size = _group_size(group)
+    if size == 1:
+        return _local(output, input, async_op)
     if counter is not None:
         counter.add(label, output.numel() * (size - 1) / size, output.element_size())
     with record_function(f"lightning_zero::{label}"):
@@ -103,6 +127,8 @@ def all_reduce(
 ):
     """In-place all-reduce of ``tensor`` over the group."""
     size = _group_size(group)
+    if size == 1:
+        return _Done() if async_op else None
     if counter is not None:
         counter.add(label, 2 * tensor.numel() * (size - 1) / size, tensor.element_size())
     with record_function(f"lightning_zero::{label}"):

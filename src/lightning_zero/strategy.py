@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero.collectives import CommCounter
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -164,6 +165,8 @@ class ZeroStrategy(DDPStrategy):
                 " stage 3 never holds; use stage=2 for deferred reduction."
             )
         self.engine: Optional["ZeroEngine"] = None
+        # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
+        self.comm_counter = CommCounter()
         self._device_mesh: Optional["DeviceMesh"] = None
         self._dims: Any = None
 
@@ -306,6 +309,7 @@ class ZeroStrategy(DDPStrategy):
             device=self.root_device,
             wrap_policy=self.wrap_policy,
             offload_optimizer=self.offload_optimizer,
+            counter=self.comm_counter,
         )
         if self._device_mesh is not None:
             weights = _tp_norm_weights(self.engine, self._dims.tp)

@@ -65,7 +65,12 @@ def run(name: str, devices: int, out_dir: str) -> None:
     else:
         params = model.model.state_dict()
     torch.save(
-        {"losses": record.losses, "batches": record.batches, "params": {k: v.float() for k, v in params.items()}},
+        {
+            "losses": record.losses,
+            "batches": record.batches,
+            "params": {k: v.float() for k, v in params.items()},
+            "sent": dict(getattr(trainer.strategy, "comm_counter", None).bytes) if name != "single" else {},
+        },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

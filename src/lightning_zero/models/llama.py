@@ -520,7 +520,9 @@ class LlamaLM(L.LightningModule):
         if mesh["tp"].size() > 1:
             from lightning_zero.tp import parallelize_llama
 
-            parallelize_llama(self.model, mesh["tp"])
+            # The strategy's counter, when it has one, so tp traffic is counted beside dp's.
+            counter = getattr(self._trainer.strategy, "comm_counter", None) if self._trainer is not None else None
+            parallelize_llama(self.model, mesh["tp"], counter=counter)
             self._tp_applied = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

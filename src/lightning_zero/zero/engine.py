@@ -106,6 +106,8 @@ class ZeroEngine:
         offload_optimizer: keep the fp32 master chunks and the optimizer state in CPU memory;
             each step copies the gradient chunk to CPU, steps there, and copies the updated
             chunk back (``4 + K`` bytes per shard parameter leave the device).
+        counter: where logical bytes sent are counted (share one with tensor parallelism so a
+            step's dp and tp traffic show up together).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class ZeroEngine:
         device: Optional[torch.device] = None,
         wrap_policy=None,
         offload_optimizer: bool = False,
+        counter: Optional[CommCounter] = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -137,7 +140,7 @@ class ZeroEngine:
         self.dp_rank = dist.get_rank(dp_group)
         self.compute_dtype = compute_dtype
         self.offload_optimizer = offload_optimizer
-        self.counter = CommCounter()
+        self.counter = counter if counter is not None else CommCounter()
         names = check_optimizer_params(module, optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
