@@ -52,8 +52,10 @@ def test_matches_ddp(results, case):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6)
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
-        if "val_loss" in want:  # validate() after fit, on the trained weights
+        if "val_loss" in want:  # validate() and predict() after fit, and a plain forward
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+            torch.testing.assert_close(got["predict"], want["predict"], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got["outside"], want["outside"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

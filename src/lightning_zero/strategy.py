@@ -346,29 +346,24 @@ class ZeroStrategy(DDPStrategy):
         self._begin_step()
         return super().training_step(*args, **kwargs)
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         self._begin_step()
         try:
-            return super().validation_step(*args, **kwargs)
+            return step(*args, **kwargs)
         finally:
             self._end_eval_step()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        try:
-            return super().test_step(*args, **kwargs)
-        finally:
-            self._end_eval_step()
+        return self._eval_step(super().test_step, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        try:
-            return super().predict_step(*args, **kwargs)
-        finally:
-            self._end_eval_step()
+        return self._eval_step(super().predict_step, *args, **kwargs)
 
     @override
     def teardown(self) -> None:

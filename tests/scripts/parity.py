@@ -116,9 +116,13 @@ def run_llama(name: str, out_dir: str) -> None:
     )
     trainer.fit(model, data)
     val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(5))
+    predicted = torch.cat(trainer.predict(model, DataLoader(tokens, batch_size=2)))  # sharded predict
+    with torch.no_grad():
+        outside = model.model(tokens)  # a forward outside the Trainer, after fit
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     torch.save(
-        {"losses": record.losses, "params": params, "val_loss": float(val)},
+        {"losses": record.losses, "params": params, "val_loss": float(val), "predict": predicted, "outside": outside},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 
