@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
 from lightning_zero.models import Llama, LlamaConfig
-from lightning_zero.planner import GiB, MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
+from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
 
 H100 = "h100_80gb"
 RUN_70B = dict(world_size=64, devices_per_node=8, tp=8, precision="bf16-mixed", micro_batch=1, seq_len=4096,
