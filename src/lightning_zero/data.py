@@ -27,7 +27,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -378,13 +378,11 @@ class TokenDataModule(L.LightningDataModule):
                 f"on each of {dp_size} data-parallel ranks; lower batch_size or seq_len, or add tokens"
             )
         sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=self.seed, drop_last=True)
-        return ResumableDataLoader(
+        return self._loader(
             dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
+            sampler,
             drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            loader_cls=ResumableDataLoader,
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds; keeps the global RNG untouched
         )
 
@@ -397,14 +395,22 @@ class TokenDataModule(L.LightningDataModule):
         sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False, drop_last=False)
         return self._loader(dataset, sampler, drop_last=False)
 
-    def _loader(self, dataset: TokenWindows, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(
+        self,
+        dataset: TokenWindows,
+        sampler: DistributedSampler,
+        drop_last: bool,
+        loader_cls: type = DataLoader,
+        **extra: Any,
+    ) -> DataLoader:
+        return loader_cls(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            **extra,
         )
 
     def _require(self, dataset: Optional[TokenWindows]) -> TokenWindows:
@@ -438,9 +444,6 @@ class ResumableSampler(DistributedSampler):
         if epoch != self.epoch:
             self.start_position = 0
         super().set_epoch(epoch)
-
-    def _usable_positions(self) -> int:
-        return self.total_size  # DistributedSampler's (drop_last-trimmed) positions per epoch
 
     def __iter__(self):
         if self.shuffle:

@@ -74,7 +74,8 @@ def to_zero_precision(plugin: Optional[Precision]) -> Optional[Precision]:
         return ZeroBf16Precision(device=plugin.device)
     name = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(
-        f"ZeroStrategy does not support precision={name!r}. Use precision='32-true' (fp32 params,"
+        f"ZeroStrategy does not support precision={name!r} (supported: {', '.join(SUPPORTED_PRECISION)})."
+        " Use precision='32-true' (fp32 params,"
         " grads and Adam state) or precision='bf16-mixed' (bf16 params and grads, fp32 master and"
         " optimizer state in the shards)."
     )

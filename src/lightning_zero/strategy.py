@@ -443,11 +443,3 @@ class ZeroStrategy(DDPStrategy):
             from lightning_zero.checkpoint import remove_checkpoint
 
             remove_checkpoint(filepath)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}", cls, description=f"lightning_zero ZeRO stage {stage}", stage=stage, override=True
-            )

@@ -65,15 +65,9 @@ class Bucket:
     layout: BucketLayout
     grad_chunk: Optional[torch.Tensor] = None  # reduced gradient this rank owns (numel = shard)
     ready: int = 0
-    launched: bool = False
     full_grad: Optional[torch.Tensor] = None  # full-size gradient while the bucket is filled
     pending: Optional[PendingReduce] = None
     chunk_is_fresh: bool = True  # next reduce overwrites the chunk instead of adding to it
-    launch_seq: list[int] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return f"bucket {self.layout.index} of group {id(self.group) % 10_000}"
 
 
 class GradStorage:
@@ -382,7 +376,6 @@ class GradReducer:
             output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
         )
         bucket.pending = PendingReduce(output, work)
-        bucket.launched = True
         self._launch_times[id(bucket)] = time.perf_counter()
         self._in_flight.append(bucket)
         self._next_launch += 1
@@ -424,7 +417,6 @@ class GradReducer:
     def _reset_readiness(self) -> None:
         for bucket in self.buckets:
             bucket.ready = 0
-            bucket.launched = False
         self._next_launch = 0
 
     def finish_grad_sync(self) -> None:
@@ -446,7 +438,8 @@ class GradReducer:
         if self._in_flight:
             raise RuntimeError(
                 f"lightning_zero: zero_grad() called with {len(self._in_flight)} gradient"
-                " reduce-scatters still in flight; finish_grad_sync() must run first."
+                " reduce-scatters still in flight; finish_grad_sync() must run first"
+                f" ({self.describe_progress()})."
             )
         self.storage.zero_grad()
         for bucket in self.buckets:
