@@ -87,7 +87,7 @@ def test_unknown_recipe_fails_fast_listing_available_ones():
         (["strategy.bucket_mb=big"], r"strategy\.bucket_mb.*Float"),
         (["model.activation_checkpointing=maybe"], r"model\.activation_checkpointing.*not a valid bool"),
         (["optim.lr=fast"], r"optim\.lr"),
-        (["strategy.tensor_parallel_size=0"], r"tensor_parallel_size must be an int >= 1 or 'auto'"),
+        (["strategy.tensor_parallel_size=0"], r"strategy\.tensor_parallel_size.*positive int or .auto."),
         (["+flavour=vanilla"], r"unknown top-level config key\(s\) \['flavour'\]"),
         (["strategy._target_=torch.nn.Linear"], r"strategy\._target_='torch\.nn\.Linear' has no schema"),
     ],

@@ -17,19 +17,23 @@ its own):
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
   while backward was still running.
 
-It warns once when ``overlap_comm=True`` but less than half of the collective time was hidden,
-and prints a summary table when fit ends.
+It warns once (on global rank 0, through Lightning's ``rank_zero_warn``) when ``overlap_comm=True``
+but less than half of the collective time was hidden -- or, when the whole model fits in one gradient
+bucket, says once that nothing can overlap and which ``bucket_mb`` would -- and logs a summary table
+when fit ends (``rank_zero_info``).
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-import warnings
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_zero._lightning_compat import is_accumulating
 
 from lightning_zero.ledger import model_state_bytes
 
@@ -88,7 +92,7 @@ class ZeroMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine(trainer)
-        if engine is None or trainer.fit_loop._should_accumulate():
+        if engine is None or is_accumulating(trainer):
             return
         metrics: dict[str, float] = {}
         measured = engine.measured_bytes()
@@ -103,7 +107,7 @@ class ZeroMonitor(Callback):
             metrics[f"zero/sent_bytes/{kind}"] = sent
             sent_total += sent
         metrics["zero/sent_bytes_total"] = sent_total
-        timeline = engine.reducer.timeline
+        timeline = engine.timeline
         comm, exposed = timeline.comm_s, timeline.exposed_s
         metrics["zero/comm_s"] = comm
         metrics["zero/exposed_comm_s"] = exposed
@@ -112,23 +116,31 @@ class ZeroMonitor(Callback):
         metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
         self.history.append(metrics)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
-        if (
-            engine.reducer.overlap_comm
-            and not self._warned
-            and comm > 0
-            and metrics["zero/overlap_fraction"] < self.warn_overlap_below
-            and len(self.history) > 1
-        ):
+        self._maybe_warn_overlap(engine, metrics, comm, trainer.global_step)
+
+    def _maybe_warn_overlap(self, engine: Any, metrics: dict[str, float], comm: float, step: int) -> None:
+        if not engine.overlap_comm or self._warned or comm <= 0 or len(self.history) < 2:
+            return
+        if engine.bucket_count() == 1:
+            # One bucket fills only when backward ends: overlap is impossible, not a slow link.
             self._warned = True
-            warnings.warn(
+            grad_mib = engine.num_params() * torch.empty((), dtype=engine.compute_dtype).element_size() / 2**20
+            rank_zero_warn(
+                f"lightning_zero: the whole model's gradients ({grad_mib:.1f} MiB) fit in one bucket, so its"
+                " reduce-scatter can only start when backward ends (no overlap). For overlap, set"
+                f" bucket_mb to about {max(grad_mib / 4, 0.25):.2g} (a quarter of the gradients).",
+            )
+            return
+        if metrics["zero/overlap_fraction"] < self.warn_overlap_below:
+            self._warned = True
+            rank_zero_warn(
                 f"lightning_zero: overlap_comm=True but only {metrics['zero/overlap_fraction']:.0%} of the"
                 f" gradient collective time ({comm * 1e3:.1f} ms) was hidden behind backward in step"
-                f" {trainer.global_step}. Smaller buckets (bucket_mb) start collectives earlier.",
-                stacklevel=2,
+                f" {step}. Smaller buckets (bucket_mb) start collectives earlier.",
             )
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self.summary or not self.history or trainer.global_rank != 0:
+        if not self.summary or not self.history:
             return
         last = self.history[-1]
         rows = [
@@ -139,4 +151,4 @@ class ZeroMonitor(Callback):
         lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
         lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
         lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
-        print("\n".join(lines))
+        rank_zero_info("\n".join(lines))

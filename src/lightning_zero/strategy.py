@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -34,27 +35,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.zero.engine import ZeroEngine
-
-
-def _check_args(
-    stage: Any, tensor_parallel_size: Any, bucket_mb: Any, prefetch_blocks: Any, offload_optimizer: Any
-) -> None:
-    if stage not in (1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"ZeroStrategy(stage={stage!r}): stage must be 1, 2 or 3.")
-    if not (tensor_parallel_size == "auto" or (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1)):
-        raise ValueError(
-            f"ZeroStrategy(tensor_parallel_size={tensor_parallel_size!r}): give a positive int or 'auto'"
-            " (= devices per node)."
-        )
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise ValueError(
-            f"ZeroStrategy(bucket_mb={bucket_mb!r}): the gradient bucket size must be a number of MiB > 0"
-            " (25 is a good start; larger buckets mean fewer, bigger reduce-scatters)."
-        )
-    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
-        raise ValueError(f"ZeroStrategy(prefetch_blocks={prefetch_blocks!r}): must be an int >= 0.")
-    if not isinstance(offload_optimizer, bool):
-        raise ValueError(f"ZeroStrategy(offload_optimizer={offload_optimizer!r}): must be True or False.")
 
 
 def _tp_norm_weights(engine: "ZeroEngine", tp: int) -> dict[int, torch.Tensor]:
@@ -117,15 +97,15 @@ class ZeroStrategy(DDPStrategy):
 
     def __init__(
         self,
-        stage: int = 2,
-        tensor_parallel_size: Union[int, Literal["auto"]] = 1,
-        bucket_mb: float = 25.0,
-        overlap_comm: bool = True,
-        prefetch_blocks: int = 1,
-        offload_optimizer: bool = False,
-        defer_grad_reduce: bool = False,
-        max_buckets_in_flight: int = 2,
-        monitor: bool = True,
+        stage: int = ZERO_DEFAULTS.stage,
+        tensor_parallel_size: Union[int, Literal["auto"]] = ZERO_DEFAULTS.tensor_parallel_size,
+        bucket_mb: float = ZERO_DEFAULTS.bucket_mb,
+        overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
+        prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
+        offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,
+        defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+        max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
+        monitor: bool = ZERO_DEFAULTS.monitor,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -136,9 +116,18 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        _check_args(stage, tensor_parallel_size, bucket_mb, prefetch_blocks, offload_optimizer)
-        if not isinstance(max_buckets_in_flight, int) or max_buckets_in_flight < 1:
-            raise ValueError(f"ZeroStrategy(max_buckets_in_flight={max_buckets_in_flight!r}): must be an int >= 1.")
+        # Validates every knob (the one validator, shared with the Hydra schema and the planner).
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            tensor_parallel_size=tensor_parallel_size,
+            bucket_mb=bucket_mb,
+            overlap_comm=overlap_comm,
+            prefetch_blocks=prefetch_blocks,
+            offload_optimizer=offload_optimizer,
+            defer_grad_reduce=defer_grad_reduce,
+            max_buckets_in_flight=max_buckets_in_flight,
+            monitor=monitor,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -159,11 +148,6 @@ class ZeroStrategy(DDPStrategy):
         self.max_buckets_in_flight = max_buckets_in_flight
         self.monitor = monitor
         self.wrap_policy = wrap_policy
-        if stage == 3 and defer_grad_reduce:
-            raise ValueError(
-                "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
-                " stage 3 never holds; use stage=2 for deferred reduction."
-            )
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
         self.comm_counter = CommCounter()
@@ -247,7 +231,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting or self.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if fitting and self.monitor:
             self._attach_monitor(trainer)

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import CommCounter
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup
 from lightning_zero.zero.optimizer import ShardedOptimizer
-from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage
+from lightning_zero.zero.reducer import SyncTimeline, FullGradStorage, GradReducer, ShardedGradStorage
 
 MIB = 1024 * 1024
 
@@ -288,6 +288,21 @@ class ZeroEngine:
 
     def padding_numel(self) -> int:
         return sum(group.layout.padding_numel for group in self.groups)
+
+    # -- what the monitor reads (the engine's public surface; nothing outside zero/ walks buckets)
+    @property
+    def overlap_comm(self) -> bool:
+        """Whether bucket collectives launch during backward."""
+        return self.reducer.overlap_comm
+
+    @property
+    def timeline(self) -> "SyncTimeline":
+        """Launch/done/backward-end times of the last gradient sync (see ``reducer.SyncTimeline``)."""
+        return self.reducer.timeline
+
+    def bucket_count(self) -> int:
+        """Gradient buckets per backward, each one reduce-scatter; with one, nothing can overlap."""
+        return len(self.reducer.buckets)
 
     def unshard_parameters(self) -> None:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
