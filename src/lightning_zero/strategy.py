@@ -91,6 +91,19 @@ class ZeroStrategy(DDPStrategy):
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
+
+    [Note: why DDPStrategy is the base] Lightning's own FSDP and model-parallel strategies derive
+    from ``ParallelStrategy``; this one derives from ``DDPStrategy`` on purpose, because ZeRO *is*
+    data parallelism and everything DDP does besides wrapping the module is what we need, unchanged:
+    the launchers (``popen`` re-runs the script per local rank, ``spawn``/``fork``), torchrun and
+    SLURM cluster environments, ``setup_distributed`` with the backend choice and ``timeout``,
+    ``set_world_ranks``, ``distributed_sampler_kwargs``, ``barrier``/``broadcast``/``reduce``,
+    ``model_to_device``, ``on_exception`` and ``teardown``, plus Lightning's accumulation contract
+    (``block_backward_sync`` on non-final micro batches). What DDP adds and this class replaces:
+    ``configure_ddp`` (no ``DistributedDataParallel`` wrapper: the engine's hooks reduce),
+    ``block_backward_sync`` (the engine's ``no_sync``), ``setup`` (engine, precision) and the
+    checkpoint methods; DDP's comm hooks and model averaging are never reached because no DDP
+    module is ever built.
     """
 
     strategy_name = "zero"
