@@ -119,6 +119,7 @@ class ZeroConfig:
         for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
+        object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         if self.stage == 3 and self.defer_grad_reduce:
             raise ValueError(
                 "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"

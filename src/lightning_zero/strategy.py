@@ -130,17 +130,8 @@ class ZeroStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            tensor_parallel_size=tensor_parallel_size,
-            bucket_mb=bucket_mb,
-            overlap_comm=overlap_comm,
-            prefetch_blocks=prefetch_blocks,
-            offload_optimizer=offload_optimizer,
-            defer_grad_reduce=defer_grad_reduce,
-            max_buckets_in_flight=max_buckets_in_flight,
-            monitor=monitor,
-        )
+        knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
+        self.zero_config = ZeroConfig(**knobs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -151,15 +142,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.stage = stage
-        self.tensor_parallel_size = tensor_parallel_size
-        self.bucket_mb = float(bucket_mb)
-        self.overlap_comm = overlap_comm
-        self.prefetch_blocks = prefetch_blocks
-        self.offload_optimizer = offload_optimizer
-        self.defer_grad_reduce = defer_grad_reduce
-        self.max_buckets_in_flight = max_buckets_in_flight
-        self.monitor = monitor
+        for name, value in self.zero_config.as_dict().items():  # self.stage, self.bucket_mb, ...
+            setattr(self, name, value)
         self.wrap_policy = wrap_policy
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
