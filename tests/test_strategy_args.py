@@ -26,6 +26,7 @@ from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
         ({"tensor_parallel_size": True}, r"ZeroStrategy\(tensor_parallel_size=True\)"),
         ({"overlap_comm": 1}, r"ZeroStrategy\(overlap_comm=1\): must be True or False"),
         ({"prefetch_blocks": 1.5}, "prefetch_blocks"),
+        ({"collective_timeout": 0}, r"ZeroStrategy\(collective_timeout=0\)"),
         ({"stage": 3, "defer_grad_reduce": True}, "defer_grad_reduce"),
     ],
 )

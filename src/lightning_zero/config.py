@@ -85,6 +85,11 @@ class ZeroConfig:
             reduce once at the last (stage-1 gradient memory, one reduce-scatter per step).
         max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
+        collective_timeout: seconds any wait of the engine on a collective (gradient
+            reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
+            saying what this rank waited on and how far its backward got ("5/12 params ready in
+            bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
+            default). ``None`` leaves only the process group's timeout.
     """
 
     stage: int = 2
@@ -96,6 +101,7 @@ class ZeroConfig:
     defer_grad_reduce: bool = False
     max_buckets_in_flight: int = 2
     monitor: bool = True
+    collective_timeout: Optional[float] = 300.0
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -119,7 +125,12 @@ class ZeroConfig:
         for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
+        timeout = self.collective_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            fail("collective_timeout", "give a number of seconds > 0 (default 300) or None for the process group's own timeout.")
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
+        if timeout is not None:
+            object.__setattr__(self, "collective_timeout", float(timeout))
         if self.stage == 3 and self.defer_grad_reduce:
             raise ValueError(
                 "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"

@@ -119,6 +119,7 @@ class ZeroStrategy(DDPStrategy):
         defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
+        collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
