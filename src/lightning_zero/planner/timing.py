@@ -178,7 +178,7 @@ def _llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, act
     def add(name: str, numel: int, unit: int, group: int, backward_s: float) -> None:
         tensors.append(Tensor(name, numel, len(tensors), unit, group, backward_s))
 
-    add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, tp_all_reduce)
+    add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
     for layer in range(config.n_layers):
         unit = layer + 1
         recompute = block_forward if activation_checkpointing else 0.0
