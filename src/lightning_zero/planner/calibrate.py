@@ -10,13 +10,15 @@
   them); the bandwidth the planner uses is the all-reduce's, and every other kind gets a
   ``collective_time_factor`` (its measured time over what that bandwidth predicts), so a backend
   that runs a reduce-scatter as a full all-reduce (gloo does) is planned as it really runs;
-- **overlap**: the same matmul loop alone, an all-reduce alone, and the all-reduce launched
-  asynchronously while the matmul loop runs; ``overlap_efficiency = (alone_sum - together) /
-  min(matmul, all_reduce)``: 1 when communication runs beside compute for free (a GPU with its
-  copy engines), about 0 when both share one core;
-- **compute**: fp32 (and bf16) matmul FLOP/s on one thread (``peak_*_tflops``), and ``mfu``: the
-  model FLOPs of a forward + backward of a Llama of the given shape (single process) over its
-  time at that peak;
+- **overlap**: a matmul loop alone, a bucket-sized reduce-scatter alone, and the reduce-scatter
+  launched asynchronously while the matmul loop runs (what backward does);
+  ``overlap_efficiency = (alone_sum - together) / min(matmul, reduce_scatter)``: 1 when
+  communication runs beside compute for free (a GPU with its copy engines), about 0 when both
+  share one core;
+- **compute**, on both processes at once (so they share memory bandwidth as a benchmark's ranks
+  do; the slower rank's number is kept): fp32 (and bf16) matmul FLOP/s on one thread
+  (``peak_*_tflops``), and ``mfu``: the model FLOPs of a forward + backward of a Llama of the
+  given shape (no communication) over its time at that peak;
 - **memory bandwidth**: an AdamW step over ``numel`` fp32 parameters, at the planner's count of
   28 bytes touched per parameter (``memory_gb_per_s``).
 
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 OPTIMIZER_BYTES_PER_PARAM_FP32 = 28  # AdamW, fp32: param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
-DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 32.0)
+DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 25.0)  # 25 MiB: the default bucket
 QUICK_SIZES_MB = (0.0625, 1.0)
 
 
@@ -115,7 +117,7 @@ def _matmul_loop(size: int, iterations: int):
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes_mb: Sequence[float], repeats: int,
-                       overlap_mb: float, out_dir: str) -> None:
+                       overlap_mb: float, out_dir: str, compute: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -146,25 +148,37 @@ def _collective_worker(rank: int, world: int, port: int, sizes_mb: Sequence[floa
                 rows.append({"payload_bytes": numel * 4, "seconds": seconds})
             result["collectives"][kind] = rows
 
-        # Overlap: matmuls alone, an all-reduce alone, both at once (async all-reduce).
-        buffer = torch.ones(max(world, int(overlap_mb * 2**20) // 4))
+        # Overlap: matmuls alone, a reduce-scatter alone (what backward overlaps), both at once.
+        numel = max(world, int(overlap_mb * 2**20) // 4 // world * world)
+        full, shard = torch.ones(numel), torch.ones(numel // world)
         dist.barrier()
-        comm_s = _timed(lambda: all_reduce(buffer, None), repeats)
+        comm_s = _timed(lambda: reduce_scatter(shard, full, None), repeats)
         size = 256
         probe = _timed(_matmul_loop(size, 4), 3) / 4
         iterations = max(1, int(comm_s / max(probe, 1e-6)))
-        compute = _matmul_loop(size, iterations)
+        matmuls = _matmul_loop(size, iterations)
         dist.barrier()
-        compute_s = _timed(compute, repeats)
+        compute_s = _timed(matmuls, repeats)
 
         def both() -> None:
-            work = all_reduce(buffer, None, async_op=True)
-            compute()
+            work = reduce_scatter(shard, full, None, async_op=True)
+            matmuls()
             work.wait()
 
         dist.barrier()
         both_s = _timed(both, repeats)
         result["overlap"] = {"compute_s": compute_s, "comm_s": comm_s, "together_s": both_s}
+
+        # Compute and memory, on every rank at once (as a benchmark's ranks run: they share memory bandwidth).
+        dist.barrier()
+        result["matmul_fp32_flops"] = measure_matmul_flops("float32", repeats=repeats)
+        result["matmul_bf16_flops"] = measure_matmul_flops("bfloat16", repeats=repeats)
+        dist.barrier()
+        result["adamw_bytes_per_s"] = measure_adamw_bytes_per_s(compute["adamw_numel"], repeats=repeats)
+        dist.barrier()
+        result["model"] = measure_model_mfu(compute["model"], micro_batch=compute["micro_batch"],
+                                            seq_len=compute["seq_len"], peak_flops=result["matmul_fp32_flops"],
+                                            repeats=max(2, repeats // 2))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -176,16 +190,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 5, overlap_mb: float = 8.0,
-                        world: int = 2, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Time the collectives and the overlap probe on ``world`` local gloo processes (rank 0's view)."""
+def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 5, overlap_mb: float = 25.0,
+                        world: int = 2, timeout_s: float = 600.0, compute: Optional[dict[str, Any]] = None
+                        ) -> dict[str, Any]:
+    """Time the collectives, the overlap probe and (``compute``: model, micro_batch, seq_len,
+    adamw_numel) the compute rates on ``world`` local gloo processes; per number, the slower rank's."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="lz_calibrate_") as out_dir:
         port = _free_port()
         processes = [context.Process(target=_collective_worker,
-                                     args=(rank, world, port, list(sizes_mb), repeats, overlap_mb, out_dir))
+                                     args=(rank, world, port, list(sizes_mb), repeats, overlap_mb, out_dir,
+                                           compute))
                      for rank in range(world)]
         for process in processes:
             process.start()
@@ -209,6 +226,14 @@ def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: i
             for i, row in enumerate(rows)
         ]
     merged["overlap"] = {key: max(r["overlap"][key] for r in ranks) for key in ranks[0]["overlap"]}
+    slowest_model = max((r["model"] for r in ranks), key=lambda m: m["seconds"])
+    merged["compute"] = {
+        "matmul_fp32_flops": min(r["matmul_fp32_flops"] for r in ranks),
+        "matmul_bf16_flops": min(r["matmul_bf16_flops"] for r in ranks),
+        "adamw_bytes_per_s": min(r["adamw_bytes_per_s"] for r in ranks),
+        "model": {**slowest_model, "mfu": slowest_model["flops"] / slowest_model["seconds"]
+                  / min(r["matmul_fp32_flops"] for r in ranks)},
+    }
     return merged
 
 
@@ -307,24 +332,17 @@ BENCH_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, v
 
 def calibrate(*, name: str = "cpu_calibrated", sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 5,
               model: Optional[dict[str, int]] = None, micro_batch: int = 2, seq_len: int = 128,
-              adamw_numel: int = 4_000_000, overlap_mb: float = 8.0) -> dict[str, Any]:
+              adamw_numel: int = 4_000_000, overlap_mb: float = 25.0) -> dict[str, Any]:
     """Measure everything (see module docstring); return ``{"hardware": {...}, "measured": {...}}``."""
     import psutil
 
     model = dict(model or BENCH_MODEL)
-    collectives = measure_collectives(sizes_mb, repeats=repeats, overlap_mb=overlap_mb)
+    collectives = measure_collectives(sizes_mb, repeats=repeats, overlap_mb=overlap_mb, compute=dict(
+        model=model, micro_batch=micro_batch, seq_len=seq_len, adamw_numel=adamw_numel))
     links = summarize_collectives(collectives)
-    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    try:
-        _pin(0)
-        fp32 = measure_matmul_flops("float32", repeats=repeats)
-        bf16 = measure_matmul_flops("bfloat16", repeats=repeats)
-        memory_bps = measure_adamw_bytes_per_s(adamw_numel, repeats=repeats)
-        compute = measure_model_mfu(model, micro_batch=micro_batch, seq_len=seq_len, peak_flops=fp32,
-                                    repeats=max(2, repeats // 2))
-    finally:
-        if saved:
-            os.sched_setaffinity(0, saved)
+    rates = collectives["compute"]
+    fp32, bf16, memory_bps = rates["matmul_fp32_flops"], rates["matmul_bf16_flops"], rates["adamw_bytes_per_s"]
+    compute = rates["model"]
     gb = links["bytes_per_s"] / 1e9
     latency_us = links["latency_s"] * 1e6
     hardware = {
