@@ -262,7 +262,7 @@ def plan_run(
     attention: str = "fused",
     reserved_gib: float = 2.0,
     suggest: bool = True,
-    simulate: bool = True,
+    simulate: Union[bool, str] = True,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -288,7 +288,8 @@ def plan_run(
         attention: ``"fused"`` (SDPA flash kernels, what the model runs) or ``"math"``.
         reserved_gib: per-GPU memory not available to tensors (CUDA context, allocator slack).
         suggest: when it does not fit, search for changes that would make it fit.
-        simulate: simulate the step (``False``: bytes only, seconds 0; what the search does first).
+        simulate: simulate the step (``False``: bytes only, seconds 0; ``"if_fits"``: only when it
+            fits, what the layout search does).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers.
@@ -361,7 +362,8 @@ def plan_run(
     tokens_per_step = micro_batch * seq_len * accumulate_grad_batches * dp
     model_flops = accumulate_grad_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
     simulated = None
-    if simulate:
+    fits = memory.total <= hw.memory_bytes - int(reserved_gib * GiB)
+    if simulate is True or (simulate == "if_fits" and fits):
         simulated = step_time(
             workload, stage=stage, dp=dp, micro_batches=accumulate_grad_batches,
             dp_link=hw.link(inter_node=crosses_nodes), grad_bytes=dtype.grad, param_bytes=dtype.param,

@@ -7,7 +7,7 @@ with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` sta
 global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing, ``bucket_mb`` and, for
 stage 3, ``prefetch_blocks``. Hybrid sharding and compressed communication are not in the engine,
 so they are not searched. Each layout is first planned for bytes only (no simulation); only those
-that fit are simulated (:mod:`lightning_zero.planner.timing`).
+that fit are simulated (:mod:`lightning_zero.planner.timing`; ``plan_run(simulate="if_fits")``).
 """
 
 from __future__ import annotations
@@ -154,13 +154,13 @@ def search_layouts(
                                              activation_checkpointing=bool(checkpoint), bucket_mb=float(bucket_mb),
                                              prefetch_blocks=ahead, **common)
                                 try:
-                                    sized = plan_run(config, simulate=False, **knobs)
+                                    plan = plan_run(config, simulate="if_fits", **knobs)
                                 except ValueError:  # a tp that does not divide the model's heads, ...
                                     continue
                                 evaluated += 1
-                                if not sized.fits:
+                                if not plan.fits:
                                     rejected += 1
                                     continue
-                                ranked.append(Ranked(layout, plan_run(config, **knobs)))
+                                ranked.append(Ranked(layout, plan))
     ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
     return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)

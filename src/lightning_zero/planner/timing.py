@@ -142,6 +142,7 @@ class Workload:
     compute_forward_s: float
     compute_backward_s: float
     tp_s: float  # part of the two above spent in tp all-reduces (blocking)
+    shape_key: tuple = ()  # equal for workloads with the same tensors (bucket layouts can be shared)
 
 
 _WORKLOADS: dict[tuple, "Workload"] = {}
@@ -205,6 +206,7 @@ def _llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, act
         compute_forward_s=sum(unit_forward),
         compute_backward_s=sum(t.backward_s for t in tensors),
         tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
+        shape_key=(repr(config), tp),
     )
 
 
@@ -223,21 +225,34 @@ def flat_buckets(tensors: Sequence[Tensor], indices: Sequence[int], *, bucket_nu
     buckets: list[Bucket] = []
     current: list[int] = []
     used = 0
-    for index in reversed(list(indices)):
+    for index in reversed(list(indices)):  # registration order, reversed: the earliest comes last
         current.append(index)
         used += tensors[index].numel
         if used >= bucket_numel:
-            buckets.append(Bucket(tuple(current), -(-used // dp) * dp, min(tensors[i].reg_index for i in current)))
+            buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
             current, used = [], 0
     if current:
-        buckets.append(Bucket(tuple(current), -(-used // dp) * dp, min(tensors[i].reg_index for i in current)))
+        buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
     return buckets
+
+
+_BUCKETS: dict[tuple, list[Bucket]] = {}
 
 
 def engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
     """Buckets in launch order. ZeRO: one layout per optimizer param group (per unit under stage 3),
     launched by descending first registration index (``reducer.GradReducer``). DDP (stage 0): one
-    layout over every parameter in reverse order."""
+    layout over every parameter in reverse order. Memoized by tensor shapes (the search asks for the
+    same layouts for every micro batch and checkpointing choice)."""
+    key = (workload.shape_key or id(workload), stage, bucket_numel, dp)
+    if not workload.shape_key or key not in _BUCKETS:
+        if len(_BUCKETS) > 1024:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+    return _BUCKETS[key]
+
+
+def _engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
     tensors = workload.tensors
     if stage == 0:
         return flat_buckets(tensors, range(len(tensors)), bucket_numel=bucket_numel, dp=1)
