@@ -116,7 +116,8 @@ def previous_runs(paths: list[str]) -> dict[str, dict[str, float]]:
 
 
 def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) -> tuple[list[str], dict[str, Any]]:
-    header = f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}{'optim':>8}{'copies':>8}{'post-AG':>8}"
+    header = (f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}"
+              f"{'optim':>8}{'copies':>8}{'post-AG':>8}")
     lines = [header, "-" * len(header)]
     errors = {}
     for case, timing in predicted.items():
@@ -130,7 +131,8 @@ def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) ->
     predicted_order = [CASES[c][2] for c in ranking({c: t["step_s"] for c, t in predicted.items()})]
     measured_order = [CASES[c][2] for c in ranking({c: measured[c] for c in predicted if c in measured})]
     within = all(abs(e) <= TOLERANCE for e in errors.values() if e == e) and len(measured) == len(predicted)
-    lines.append(f"ranking, fastest first: predicted {' < '.join(predicted_order)}; measured {' < '.join(measured_order)}")
+    lines.append(f"ranking, fastest first: predicted {' < '.join(predicted_order)}; "
+                 f"measured {' < '.join(measured_order)}")
     lines.append(f"goal: every case within {TOLERANCE:.0%}: {'met' if within else 'NOT met'}; "
                  f"same ranking: {'met' if predicted_order == measured_order else 'NOT met'}")
     return lines, {"errors": errors, "predicted_order": predicted_order, "measured_order": measured_order,
@@ -174,7 +176,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         payload["previous"] = previous
         for key in ("median_s", "quietest_round_s"):
             lines, verdict = compare(predicted, {case: row[key] for case, row in previous.items()})
-            report += ["", f"against earlier runs ({key}): " + "; ".join(sorted({r['source'] for r in previous.values()}))]
+            sources = "; ".join(sorted({r["source"] for r in previous.values()}))
+            report += ["", f"against earlier runs ({key}): {sources}"]
             report += lines
             payload[f"verdict_previous_{key}"] = verdict
     if not report:

@@ -39,9 +39,7 @@ def test_every_shipped_recipe_is_tested():
 
 @pytest.mark.parametrize("recipe", BIG_RECIPES)
 def test_recipe_fits_its_stated_cluster(recipe):
-    from lightning_zero.planner import plan_run
-
-    from lightning_zero.planner import plan_kwargs_from_config
+    from lightning_zero.planner import plan_kwargs_from_config, plan_run
 
     cfg = compose([f"recipe={recipe}"])
     model_config, kwargs, _ = plan_kwargs_from_config(cfg)

@@ -45,7 +45,8 @@ class Layout:
             out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
         if self.stage == 3:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
-        out += [f"data.batch_size={self.micro_batch}", f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
+        out += [f"data.batch_size={self.micro_batch}",
+                f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
                 f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
         return out
 
