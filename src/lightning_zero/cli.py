@@ -1,7 +1,8 @@
 """``lightning-zero`` command line: ``train``, ``plan`` and ``export``.
 
     lightning-zero train [OVERRIDES]      compose conf/ (+ recipe=NAME) with Hydra and run Trainer.fit
-    lightning-zero plan  [OVERRIDES]      print the predicted bytes per rank for the same config
+    lightning-zero plan  [OVERRIDES]      print the predicted bytes and step time per rank for the same config
+    lightning-zero plan calibrate [...]   measure this machine's links and compute into a hardware YAML
     lightning-zero export CKPT OUT        consolidate a sharded checkpoint into one state dict
 
 ``python -m lightning_zero ...`` is the same. ``train`` and ``plan`` take Hydra overrides and
@@ -32,7 +33,8 @@ usage: lightning-zero COMMAND [ARGS]
 
 commands:
   train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
-  plan  [OVERRIDES]    print the planned bytes per rank (params, grads, optimizer, comm) for a config
+  plan  [OVERRIDES]    print the planned bytes per rank and step time (plan.search=true: rank layouts)
+  plan calibrate [--out FILE.yaml] [--quick]   measure this machine into a hardware config
   export CKPT OUT      consolidate a (sharded) checkpoint into one plain state dict at OUT
 
 Hydra flags work after train/plan: -m (multirun sweep), --cfg job (print the config), --help.
@@ -68,6 +70,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     command, rest = args[0], args[1:]
     if command == "train":
         _run_hydra(command, _train_task, rest)
+    elif command == "plan" and rest[:1] == ["calibrate"]:
+        from lightning_zero.planner.calibrate import main as calibrate
+
+        calibrate(rest[1:])
     elif command == "plan":
         # A plan writes nothing: no run directory, no log files (the user's overrides still win).
         quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]

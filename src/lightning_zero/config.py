@@ -15,9 +15,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_MODULE = "lightning_zero.conf"
@@ -239,16 +239,55 @@ class CheckpointConf:
     save_top_k: int = 1
 
 
+@dataclass
+class HardwareConf:
+    """``hardware/``: one accelerator in its node, for the planner (``planner.hardware.Hardware``).
+
+    Bandwidths per device, one direction, GB/s; latencies per ring step, microseconds.
+    """
+
+    name: str = MISSING
+    memory_bytes: int = MISSING
+    intra_node_gb_per_s: float = MISSING
+    inter_node_gb_per_s: float = MISSING
+    peak_bf16_tflops: float = MISSING
+    peak_fp32_tflops: Optional[float] = None  # None: bf16 peak / 16
+    devices_per_node: int = 8
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 10.0
+    memory_gb_per_s: Optional[float] = None  # None: memory-bound work is free
+    overlap_efficiency: float = 1.0
+    mfu: Optional[float] = None  # None: plan.mfu decides
+    collective_time_factor: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PlanConf:
+    """``plan/``: options of ``lightning-zero plan`` (conf/plan/default.yaml says what each does)."""
+
+    format: str = "table"
+    plot: Optional[str] = None
+    mfu: Optional[float] = None
+    stages: str = "all"
+    reserved_gib: float = 2.0
+    attention: str = "fused"
+    search: bool = False
+    top: int = 10
+    overlap_param_gather: bool = False
+
+
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConf,
     "data": DataConf,
     "trainer": TrainerConf,
     "optim": OptimConf,
     "checkpoint": CheckpointConf,
+    "hardware": HardwareConf,
+    "plan": PlanConf,
 }
 
-# Top-level keys besides the groups. ``hardware`` and ``plan`` belong to the planner.
-TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", "hardware", "plan", *GROUP_SCHEMAS}
+# Top-level keys besides the groups.
+TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", *GROUP_SCHEMAS}
 
 
 # --------------------------------------------------------------------------------------------
