@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
+from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
 from lightning_zero.planner.ledger import (
@@ -250,11 +251,11 @@ def plan_run(
     micro_batch: int = 1,
     seq_len: Optional[int] = None,
     activation_checkpointing: bool = False,
-    bucket_mb: float = 25.0,
-    prefetch_blocks: int = 1,
-    defer_grad_reduce: bool = False,
-    overlap_comm: bool = True,
-    max_buckets_in_flight: int = 2,
+    bucket_mb: float = ZERO_DEFAULTS.bucket_mb,
+    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
+    defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+    overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
+    max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
     overlap_param_gather: bool = False,
     hardware: Union[str, Hardware, Mapping[str, Any], None] = None,
     mfu: Optional[float] = None,

@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from lightning_zero.config import ZERO_DEFAULTS, PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
 from lightning_zero.planner.search import SearchResult, search_layouts
 
-PLAN_DEFAULTS = {"format": "table", "plot": None, "mfu": None, "stages": "all", "reserved_gib": 2.0,
-                 "attention": "fused", "search": False, "top": 10, "overlap_param_gather": False}
+PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
 # --------------------------------------------------------------------------------------------
 # Config in: the composed Hydra config of `lightning-zero plan`
@@ -68,16 +68,16 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         stage=int(stage),
         world_size=devices * num_nodes,
         devices_per_node=devices,
-        tp=strategy.get("tensor_parallel_size", 1),
+        tp=strategy.get("tensor_parallel_size", ZERO_DEFAULTS.tensor_parallel_size),
         precision=str(trainer.get("precision") or "bf16-mixed"),
         micro_batch=int(data.get("batch_size") or 1),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
-        bucket_mb=float(strategy.get("bucket_mb", 25.0)),
-        prefetch_blocks=int(strategy.get("prefetch_blocks", 1)),
-        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", False)) and int(stage) == 2,
-        overlap_comm=bool(strategy.get("overlap_comm", True)),
-        max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", 2)),
+        bucket_mb=float(strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb)),
+        prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
+        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
+        overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
+        max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
         overlap_param_gather=bool(plan_options["overlap_param_gather"]),
         hardware=hardware,
         mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),

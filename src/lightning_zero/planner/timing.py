@@ -42,6 +42,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from lightning_zero.config import ZERO_DEFAULTS
+
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -437,7 +439,7 @@ def step_time(
     overlap_comm: bool = True,
     defer_grad_reduce: bool = False,
     max_buckets_in_flight: int = 2,
-    prefetch_blocks: int = 1,
+    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
     overlap_param_gather: bool = False,
     efficiency: float = 1.0,
     optimizer_bytes_per_param: float = 28.0,
