@@ -111,6 +111,11 @@ class ZeroStrategy(DDPStrategy):
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
+        collective_timeout: seconds any wait of the engine on a collective (gradient
+            reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
+            saying what this rank waited on and how far its backward got ("5/12 params ready in
+            bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
+            default). ``None`` leaves only the process group's timeout.
     """
 
     strategy_name = "zero"
@@ -135,8 +140,16 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        collective_timeout: Optional[float] = 300.0,
     ) -> None:
         _check_args(stage, tensor_parallel_size, bucket_mb, prefetch_blocks, offload_optimizer)
+        if collective_timeout is not None and (
+            isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or not collective_timeout > 0
+        ):
+            raise ValueError(
+                f"ZeroStrategy(collective_timeout={collective_timeout!r}): give a number of seconds > 0"
+                " (default 300) or None for the process group's own timeout."
+            )
         if not isinstance(max_buckets_in_flight, int) or max_buckets_in_flight < 1:
             raise ValueError(f"ZeroStrategy(max_buckets_in_flight={max_buckets_in_flight!r}): must be an int >= 1.")
         super().__init__(
@@ -159,6 +172,7 @@ class ZeroStrategy(DDPStrategy):
         self.max_buckets_in_flight = max_buckets_in_flight
         self.monitor = monitor
         self.wrap_policy = wrap_policy
+        self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         if stage == 3 and defer_grad_reduce:
             raise ValueError(
                 "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
@@ -310,6 +324,7 @@ class ZeroStrategy(DDPStrategy):
             wrap_policy=self.wrap_policy,
             offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
+            collective_timeout=self.collective_timeout,
         )
         if self._device_mesh is not None:
             weights = _tp_norm_weights(self.engine, self._dims.tp)
@@ -331,6 +346,19 @@ class ZeroStrategy(DDPStrategy):
             return
         with self.engine.no_sync():
             yield None
+
+    # -- gradient sync: always finished after a backward ([Note: end of backward], reducer.py) --
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.pre_backward()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.post_backward()
 
     # -- stage 3: the root unit around every step --------------------------------------------
     def _begin_step(self) -> None:

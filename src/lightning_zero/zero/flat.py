@@ -17,7 +17,7 @@ buffer (parameters become views into it) and the fp32 master chunks the optimize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -114,13 +114,23 @@ class FlatLayout:
         Padding reads as zero. Used to build fp32 master chunks straight from the original
         parameters, so no full fp32 flat copy is ever made.
         """
+        self.copy_range_from(start, end, out, lambda slot: slot.param.detach())
+
+    def copy_range_from(
+        self, start: int, end: int, out: torch.Tensor, tensor_of: Callable[[ParamSlot], Optional[torch.Tensor]]
+    ) -> None:
+        """Fill ``out`` with the elements at ``[start, end)`` of the run made by laying
+        ``tensor_of(slot)`` (shaped like the slot's parameter; ``None``: zeros) at each slot."""
         out.zero_()
         for slot in self.slots:
             lo, hi = max(start, slot.offset), min(end, slot.end)
             if lo >= hi:
                 continue
-            flat_param = slot.param.detach().reshape(-1)
-            out[lo - start : hi - start].copy_(flat_param[lo - slot.offset : hi - slot.offset])
+            tensor = tensor_of(slot)
+            if tensor is None:
+                continue
+            flat = tensor.reshape(-1)
+            out[lo - start : hi - start].copy_(flat[lo - slot.offset : hi - slot.offset])
 
 
 class ChunkedParamGroup:
