@@ -81,6 +81,10 @@ class ShardedOptimizer:
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
 
     @property
+    def _poll(self) -> bool:
+        return self.comm_device is None or torch.device(self.comm_device).type == "cpu"
+
+    @property
     def masters(self) -> list[torch.nn.Parameter]:
         return [master for groups in self.flat_groups for group in groups for master in group.masters]
 
@@ -177,6 +181,7 @@ class ShardedOptimizer:
                     self.collective_timeout,
                     lambda index=index: f"the parameter all-gather {index + 1} of {len(works)} after"
                     f" {type(self.optimizer).__name__}.step()",
+                    poll=self._poll,
                 )
 
     # -- gradient clipping over shards ---------------------------------------------------------
@@ -200,7 +205,7 @@ class ShardedOptimizer:
         device = self.comm_device or local.device
         value = local.to(device)
         work = all_reduce(value, self.norm_group, op=op, async_op=True, counter=self.counter, label="all_reduce_grad_norm")
-        wait_work(work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping")
+        wait_work(work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping", poll=self._poll)
         return value.to(local.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

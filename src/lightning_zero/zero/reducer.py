@@ -65,6 +65,7 @@ group's default (30 minutes).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,28 +78,57 @@ from torch.profiler import record_function
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 
+_BACKWARD_OF_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _inside_nested_backward() -> bool:
+    """True inside a backward run from an autograd Function's backward (reentrant checkpointing)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _BACKWARD_OF_FUNCTION:
+            return True
+        frame = frame.f_back
+    return False
+
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective of the engine did not finish within ``collective_timeout`` seconds."""
 
 
-def wait_work(work: Any, timeout_s: Optional[float], describe: Callable[[], str]) -> None:
-    """Wait on ``work`` for at most ``timeout_s`` seconds; on timeout raise naming what we waited on."""
-    if timeout_s is None or work.is_completed():
-        work.wait()
+def wait_work(work: Any, timeout_s: Optional[float], describe: Callable[[], str], *, poll: bool = True) -> None:
+    """Wait on ``work`` for at most ``timeout_s`` seconds; on timeout raise naming what we waited on.
+
+    ``poll=True`` (CPU/gloo, where ``wait`` blocks anyway) checks ``is_completed()`` with a short
+    sleep, since gloo ignores ``wait(timeout=...)`` for some collectives. ``poll=False`` (GPU) only
+    calls ``wait()``: polling would block the CPU until the GPU catches up, so there the process
+    group's own timeout (NCCL watchdog) applies.
+    """
+    if timeout_s is None or not poll or work.is_completed():
+        _wait_or_explain(work, describe, 0.0)
         return
     started = time.perf_counter()
+    deadline = started + timeout_s
+    delay = 1e-5
+    while not work.is_completed():
+        now = time.perf_counter()
+        if now > deadline:
+            raise CollectiveTimeoutError(
+                f"lightning_zero: collective_timeout: waited {now - started:.1f} s (limit {timeout_s:g} s) for"
+                f" {describe()}. Another rank is most likely stuck before this collective or issued a different"
+                " one (an exception on that rank, a skipped or extra backward/optimizer step, different control"
+                " flow per rank); see its own error. Raise ZeroStrategy(collective_timeout=...) if a collective"
+                " legitimately takes this long."
+            )
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    _wait_or_explain(work, describe, time.perf_counter() - started)
+
+
+def _wait_or_explain(work: Any, describe: Callable[[], str], waited: float) -> None:
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        waited = time.perf_counter() - started
-        raise CollectiveTimeoutError(
-            f"lightning_zero: collective_timeout: waited {waited:.1f} s (limit {timeout_s:g} s) for {describe()}."
-            " Another rank is most likely stuck before this collective or issued a different one (an exception"
-            " on that rank, a skipped or extra backward/optimizer step, different control flow per rank); see"
-            " its own error. Raise ZeroStrategy(collective_timeout=...) if a collective legitimately takes"
-            f" this long. Underlying error: {err}"
-        ) from err
+        work.wait()
+    except RuntimeError as err:  # the collective failed (a peer went away, the group timed out)
+        raise RuntimeError(f"lightning_zero: {describe()} failed after {waited:.1f} s: {err}") from err
 
 
 class PendingReduce(NamedTuple):
@@ -405,6 +435,7 @@ class GradReducer:
         self._last_hit: dict[int, int] = {}  # param id -> sequence number of its last gradient
         self._hit_seq = 0
         self._expected_hits: dict[int, int] = {}  # learned; empty before the first sync
+        self._nested_seen = False  # first backward: a gradient arrived in a nested backward
 
         buckets = [Bucket(group, layout) for group in groups for layout in group.layout.buckets]
         self._layout_index = {id(bucket): i for i, bucket in enumerate(buckets)}
@@ -484,13 +515,16 @@ class GradReducer:
             )
         with record_function("lightning_zero::grad_ready"):
             self.storage.on_param_ready(bucket, slot)
+        if not self.learned_order and not self._nested_seen:
+            self._nested_seen = _inside_nested_backward()
         hits = self._hits.get(key, 0) + 1
         self._hits[key] = hits
         self._hit_seq += 1
         self._last_hit[key] = self._hit_seq
         if hits == self._expected_hits.get(key, 1) and (self.learned_order or hits == 1):
             bucket.ready += 1
-        if syncing and self.overlap_comm and bucket.ready == self._complete_count(bucket):
+        early = self.learned_order or not self._nested_seen
+        if syncing and self.overlap_comm and early and bucket.ready == self._complete_count(bucket):
             self._launch_ready_in_order()
 
     def _complete_count(self, bucket: Bucket) -> int:
@@ -538,6 +572,7 @@ class GradReducer:
                     f" {len(self.buckets)}) in backward {self.finished_backwards + 1} on dp rank {self.dp_rank};"
                     f" this rank's progress: {self.describe_progress()}"
                 ),
+                poll=self.device.type == "cpu",
             )
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
         chunk = bucket.grad_chunk
@@ -570,9 +605,9 @@ class GradReducer:
             self._begin_backward()
         self.timeline.add("backward_end", -1)
         if self._syncing():
+            self.finish_grad_sync()
             if not self.learned_order:
                 self._learn_order()
-            self.finish_grad_sync()
         self._reset_readiness()
         self._backward_open = False
         self.finished_backwards += 1
@@ -582,23 +617,23 @@ class GradReducer:
             bucket.ready = 0
             bucket.launched = False
         self._hits.clear()
+        self._nested_seen = False
         self._next_launch = 0
 
     def _learn_order(self) -> None:
         """Agree on the launch order and per-parameter gradient counts (see [Note: launch order]).
 
-        One all-reduce (MAX) of ``len(buckets) + num_params`` int64s: dp rank 0 contributes the
-        order its buckets completed in, every rank its gradient count per parameter.
+        Runs after the first synchronized backward's reduce-scatters, so every rank issues it at
+        the same point: one all-reduce (MAX) of ``len(buckets) + num_params`` int64s, where dp
+        rank 0 contributes the order its buckets completed in and every rank its gradient count
+        per parameter.
         """
         unseen = self._hit_seq + 1
         observed = []
         for position, bucket in enumerate(self.buckets):
-            if bucket.launched:  # launched early: it completed when it launched
-                continue
             seqs = [self._last_hit.get(id(s.param)) for s in bucket.layout.slots]
             observed.append((max(seqs) if all(q is not None for q in seqs) else unseen, position))
-        early = [p for p, b in enumerate(self.buckets) if b.launched]
-        proposal = early + [position for _, position in sorted(observed)]
+        proposal = [position for _, position in sorted(observed)]
         slots = [slot for bucket in self.buckets for slot in bucket.layout.slots]
         mine = torch.tensor(
             (proposal if self.dp_rank == 0 else [-1] * len(proposal)) + [self._hits.get(id(s.param), 0) for s in slots],
@@ -611,13 +646,12 @@ class GradReducer:
                 work,
                 self.collective_timeout,
                 lambda: f"the bucket-order agreement at the end of the first backward on dp rank {self.dp_rank}",
+                poll=self.device.type == "cpu",
             )
         agreed = mine.tolist()
         order, counts = agreed[: len(proposal)], agreed[len(proposal) :]
         self._expected_hits = {id(slot.param): count for slot, count in zip(slots, counts)}
-        launched = self._next_launch
         self.buckets[:] = [self.buckets[position] for position in order]  # same list the storage holds
-        self._next_launch = launched  # the early ones stay first, in the order they launched
         self.learned_order = True
 
     def finish_grad_sync(self) -> None:
