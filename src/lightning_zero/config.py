@@ -65,6 +65,7 @@ class ZeroStrategyConf:
     defer_grad_reduce: bool = False
     max_buckets_in_flight: int = 2
     monitor: bool = True
+    collective_timeout: Optional[float] = 300.0  # seconds a collective wait may take before it raises
 
 
 @dataclass

@@ -60,7 +60,11 @@ torch's do.
 [Note: collective timeout] Every wait on a collective of the engine uses ``collective_timeout``
 seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
 what this rank was waiting on and how far its backward got, instead of hanging for the process
-group's default (30 minutes).
+group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
+``wait(timeout=...)`` and completes an async reduce-scatter only inside ``wait()``, so there a
+bucket is reduced with an in-place all-reduce of the bucket instead (what gloo runs underneath
+a reduce-scatter anyway; the logical bytes counted are still the reduce-scatter's). On GPU the
+process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
 """
 
 from __future__ import annotations
@@ -422,6 +426,8 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.counter = counter if counter is not None else CommCounter()
         self.collective_timeout = collective_timeout
+        # [Note: collective timeout]: on gloo only an all-reduce can be waited on with a limit.
+        self._reduce_by_all_reduce = collective_timeout is not None and device.type == "cpu"
         self.storage = storage
         self.timeline = SyncTimeline()
         self.sync_enabled = True
@@ -550,9 +556,14 @@ class GradReducer:
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
         output = full[start : start + bucket.layout.shard_numel]
         self.timeline.add("launch", self._layout_index[id(bucket)])
-        work = reduce_scatter(
-            output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
-        )
+        if self._reduce_by_all_reduce and self.dp_size > 1:
+            self.counter.add("reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size())
+            with record_function("lightning_zero::reduce_scatter_grads"):
+                work = all_reduce(full, self.dp_group, async_op=True)  # ``output`` is a view of it
+        else:
+            work = reduce_scatter(
+                output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
+            )
         bucket.pending = PendingReduce(output, work)
         bucket.launched = True
         self._launch_times[id(bucket)] = time.perf_counter()
