@@ -222,7 +222,7 @@ def _timeout(rank, world, out_dir):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=2.0)
+    ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=2.0)  # hooks stay on the model
     marker = os.path.join(out_dir, "timeout.txt")
     if rank == 0:
         started = time.perf_counter()
@@ -237,6 +237,34 @@ def _timeout(rank, world, out_dir):
     while not os.path.exists(marker) and time.time() < deadline:
         time.sleep(0.2)
     os._exit(0)
+
+
+class ExtraUse(SharedSegments):
+    """On rank 1 from step 2 on, ``shared`` runs in one more reentrant segment than it learned."""
+
+    extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        if self.extra:
+            h = h + checkpoint(self.shared, torch.tanh(h @ torch.ones(3, 16)), use_reentrant=True).sum()
+        return h
+
+
+def _divergence(rank, world):
+    """Rank 1 diverges (an extra gradient after its bucket launched) and raises; rank 0 must raise
+    too, within seconds, instead of waiting for the process group's timeout."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = ExtraUse(reentrant=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=20)
+    for step, x in enumerate(_batches(2)):
+        model.extra = rank == 1 and step == 1
+        opt.zero_grad()
+        engine.backward(model(x[rank]).pow(2).mean())
+        opt.step()
 
 
 def _groups_destroyed(rank, world):
@@ -276,6 +304,16 @@ def test_collective_timeout_names_what_it_waited_on(tmp_path):
     assert 1.5 < float(elapsed) < 20, elapsed
     assert "collective_timeout" in message and "reduce-scatter of bucket" in message, message
     assert "params ready in bucket" in message and "dp rank 0" in message, message
+
+
+def test_divergence_raises_on_every_rank(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_divergence, 2, timeout_s=60)
+    report = str(failure.value)
+    assert "--- rank 1 ---" in report and "received another gradient in this backward" in report, report
+    assert "--- rank 0 ---" in report and "lightning_zero:" in report.split("--- rank 0 ---")[1], report
+    assert time.perf_counter() - started < 80
 
 
 def test_non_elementwise_optimizer_is_rejected():

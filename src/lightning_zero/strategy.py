@@ -399,6 +399,8 @@ class ZeroStrategy(DDPStrategy):
             if self.engine.stage3 is not None:
                 # Leave the module usable outside the Trainer (forward, state_dict): full parameters.
                 self.engine.unshard_parameters()
+            else:
+                self.engine.restore_master_params()  # bf16-mixed: fp32 weights again, as under ddp
             self.engine.close()
             self.engine = None
         super().teardown()

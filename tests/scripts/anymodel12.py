@@ -170,9 +170,11 @@ class CountReduceScatters(L.Callback):
     def __init__(self) -> None:
         self.per_step: list[int] = []
         self.num_buckets = 0
+        self.train_dtypes: dict[str, str] = {}  # parameter and buffer dtypes during training
         self._seen = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.train_dtypes = {n: str(t.dtype) for n, t in [*pl_module.named_parameters(), *pl_module.named_buffers()]}
         strategy = trainer.strategy
         if not isinstance(strategy, ZeroStrategy):
             return
@@ -247,7 +249,7 @@ def run(name: str, out_dir: str) -> None:
     buffers = {n: b.detach().float().clone() for n, b in model.named_buffers()}
     dtypes.update({n: str(b.dtype) for n, b in model.named_buffers()})
     torch.save(
-        {"losses": model.losses, "params": params, "dtypes": dtypes, "buffers": buffers, "outside": outside, **extra},
+        {"losses": model.losses, "params": params, "dtypes": dtypes, "train_dtypes": counter.train_dtypes, "buffers": buffers, "outside": outside, **extra},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

@@ -384,6 +384,22 @@ class ZeroEngine:
         if self.stage3 is not None:
             self.stage3.unshard()
 
+    def restore_master_params(self) -> None:
+        """Stages 1-2 under bf16-mixed: parameters become the full fp32 masters again (one
+        all-gather over dp), so a forward outside the Trainer, a second ``fit`` or a
+        ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Collective over dp."""
+        if self.stage == 3:
+            return
+        from lightning_zero.zero.reducer import wait_work
+
+        poll = next(iter(self.groups), None) is not None and self.groups[0].param_buffer.device.type == "cpu"
+        for group in self.groups:
+            group.restore_master_params(
+                self.dp_group,
+                self.counter,
+                lambda work: wait_work(work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll),
+            )
+
     def close(self) -> None:
         """Remove every hook and destroy the process groups the engine created."""
         if self.stage3 is not None:
@@ -396,5 +412,8 @@ class ZeroEngine:
         self._step_pre_hooks.clear()
         for group in self._owned_groups:
             if dist.is_initialized():
-                dist.destroy_process_group(group)
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # already destroyed by its other user
+                    pass
         self._owned_groups.clear()

@@ -243,3 +243,28 @@ class FlatParamGroup(ChunkedParamGroup):
 
     def param_bytes(self) -> int:
         return self.param_buffer.numel() * self.param_buffer.element_size()
+
+    def restore_master_params(self, group: Optional[dist.ProcessGroup], counter: CommCounter, wait) -> None:
+        """Make every parameter a view of the full fp32 masters (all-gathered over dp), so the module
+        leaves the engine in the dtype it came in (bf16-mixed keeps fp32 weights outside training).
+        ``wait(work)`` waits on one collective. No-op when the masters are the parameters."""
+        if self.masters_alias_params:
+            return
+        device = self.param_buffer.device
+        full = torch.empty(self.layout.numel, dtype=self.master_dtype, device=device)
+        works = [
+            all_gather(
+                full[bucket.start : bucket.end],
+                master.detach().to(device),
+                group,
+                async_op=True,
+                counter=counter,
+                label="all_gather_masters",
+            )
+            for bucket, master in zip(self.layout.buckets, self.masters)
+        ]
+        for work in works:
+            wait(work)
+        for slot in self.layout.slots:
+            slot.param.data = full[slot.offset : slot.end].view(slot.shape)
+        self.param_buffer = full

@@ -72,7 +72,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -479,6 +478,7 @@ class GradReducer:
     def _begin_backward(self) -> None:
         self._backward_open = True
         self.timeline.clear()
+        self._last_hit.clear()
         for callback in self.on_backward_begin:
             callback()
 
