@@ -324,3 +324,12 @@ def test_non_elementwise_optimizer_is_rejected():
         check_elementwise([torch.optim.Adafactor(model.parameters())])
     check_elementwise([torch.optim.Adagrad(model.parameters()), torch.optim.RMSprop(model.parameters())])
 
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "5", True])
+def test_collective_timeout_argument_is_checked(value):
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match="collective_timeout"):
+        ZeroStrategy(collective_timeout=value)
+    assert ZeroStrategy().collective_timeout == 300.0 and ZeroStrategy(collective_timeout=None).collective_timeout is None
