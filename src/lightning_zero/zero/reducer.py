@@ -573,16 +573,20 @@ class GradReducer:
     def _complete(self, bucket: Bucket) -> None:
         assert bucket.pending is not None
         output, work = bucket.pending
-        position = self.buckets.index(bucket)
+
+        def waiting_on() -> str:
+            position = self.buckets.index(bucket)
+            return (
+                f"the gradient reduce-scatter of bucket {position} (launch {position + 1} of {len(self.buckets)})"
+                f" in backward {self.finished_backwards + 1} on dp rank {self.dp_rank}; this rank's progress:"
+                f" {self.describe_progress()}"
+            )
+
         with record_function("lightning_zero::wait_reduce_scatter"):
             wait_work(
                 work,
                 self.collective_timeout,
-                lambda: (
-                    f"the gradient reduce-scatter of bucket {position} (launch {position + 1} of"
-                    f" {len(self.buckets)}) in backward {self.finished_backwards + 1} on dp rank {self.dp_rank};"
-                    f" this rank's progress: {self.describe_progress()}"
-                ),
+                waiting_on,
                 poll=self.device.type == "cpu",
             )
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
