@@ -292,6 +292,7 @@ class ZeroStrategy(DDPStrategy):
             wrap_policy=self.wrap_policy,
             offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
+            collective_timeout=self.collective_timeout,
         )
         if self._device_mesh is not None:
             weights = _tp_norm_weights(self.engine, self._dims.tp)
@@ -313,6 +314,19 @@ class ZeroStrategy(DDPStrategy):
             return
         with self.engine.no_sync():
             yield None
+
+    # -- gradient sync: always finished after a backward ([Note: end of backward], reducer.py) --
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.pre_backward()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.post_backward()
 
     # -- stage 3: the root unit around every step --------------------------------------------
     def _begin_step(self) -> None:
@@ -353,6 +367,8 @@ class ZeroStrategy(DDPStrategy):
             if self.engine.stage3 is not None:
                 # Leave the module usable outside the Trainer (forward, state_dict): full parameters.
                 self.engine.unshard_parameters()
+            else:
+                self.engine.restore_master_params()  # bf16-mixed: fp32 weights again, as under ddp
             self.engine.close()
             self.engine = None
         super().teardown()

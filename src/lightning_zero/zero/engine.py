@@ -34,6 +34,41 @@ def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
     return max(1, int(bucket_mb * MIB) // torch.empty((), dtype=dtype).element_size())
 
 
+# Optimizers whose update of an element depends on other elements of the same parameter (factored
+# second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
+NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+
+
+def check_elementwise(optimizers: list[Optimizer]) -> None:
+    """ValueError for optimizers the sharded step cannot reproduce (see ``NON_ELEMENTWISE_OPTIMIZERS``)."""
+    for index, optimizer in enumerate(optimizers):
+        name = type(optimizer).__name__
+        if name in NON_ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on other"
+                " elements of the same parameter (factored moments / whole-tensor norms); ZeRO stages shard"
+                " parameters by element ranges, so its step would differ from the unsharded one. Use an"
+                " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
+                " or Lightning's ddp/fsdp strategies for this optimizer."
+            )
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """Norm layers with running statistics keep fp32 parameters under bf16-mixed.
+
+    Their running statistics stay fp32 (buffers are never cast); the layer needs its weight and
+    bias in the statistics' dtype, as FSDP's MixedPrecision keeps ``_BatchNorm`` in fp32.
+    """
+    return isinstance(module, nn.modules.batchnorm._NormBase) or (
+        "running_mean" in module._buffers and "running_var" in module._buffers
+    )
+
+
+def fp32_parameter_ids(module: nn.Module) -> set[int]:
+    """Ids of the parameters held by :func:`keeps_fp32` modules."""
+    return {id(p) for m in module.modules() if keeps_fp32(m) for p in m.parameters(recurse=False)}
+
+
 def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:
     """Names of the module's parameters by id; ValueError if an optimizer holds a foreign tensor."""
     names = {id(param): name for name, param in module.named_parameters()}
@@ -108,6 +143,13 @@ class ZeroEngine:
             chunk back (``4 + K`` bytes per shard parameter leave the device).
         counter: where logical bytes sent are counted (share one with tensor parallelism so a
             step's dp and tp traffic show up together).
+        collective_timeout: seconds any wait of the engine on a collective may take before it
+            raises an error naming what this rank waited on (``None``: the process group's own
+            timeout). See [Note: collective timeout] in ``reducer.py``.
+
+    Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
+    are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
+    parameters of norm layers with running statistics (BatchNorm) stay fp32.
     """
 
     def __init__(
@@ -128,6 +170,7 @@ class ZeroEngine:
         wrap_policy=None,
         offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
+        collective_timeout: Optional[float] = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -141,7 +184,10 @@ class ZeroEngine:
         self.compute_dtype = compute_dtype
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
+        self.collective_timeout = collective_timeout
+        self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
+        check_elementwise(optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
@@ -164,6 +210,7 @@ class ZeroEngine:
             overlap_comm=overlap_comm,
             counter=self.counter,
             param_order=order,
+            collective_timeout=collective_timeout,
         )
         self.optimizers = [
             ShardedOptimizer(
@@ -175,12 +222,44 @@ class ZeroEngine:
                 norm_group=norm_group,
                 gather_params=stage != 3,
                 comm_device=device,
+                collective_timeout=collective_timeout,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
-        self.reducer.grads_were_zeroed = lambda: any(s.grads_were_zeroed() for s in self.optimizers)
+        self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
+        self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
+        self._finished_at_pre_backward = 0
+
+    # -- backward boundaries (see [Note: end of backward] in reducer.py) -----------------------
+    def _zero_grads_zeroed_by_optimizers(self) -> None:
+        """[Note: zero_grad detection]: reset only the buckets of optimizers that zeroed their grads."""
+        for sharded in self.optimizers:
+            if sharded.grads_were_zeroed():
+                self.reducer.zero_grad([b for b in self.reducer.buckets if sharded.owns(b)])
+                sharded.forget_handed_out_grads()
+
+    def pre_backward(self) -> None:
+        """Call before a backward (the strategy does): lets :meth:`post_backward` tell whether
+        this backward reached this rank's parameters at all."""
+        self._finished_at_pre_backward = self.reducer.finished_backwards
+
+    def post_backward(self) -> None:
+        """Call after a backward (the strategy does): finishes the gradient sync if the backward
+        did not already (no gradient reached this rank: every bucket launches with zeros)."""
+        if self.reducer.finished_backwards == self._finished_at_pre_backward:
+            self.reducer.finish_backward()
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward(**kwargs)`` with the gradient sync always finished afterwards."""
+        self.pre_backward()
+        loss.backward(**kwargs)
+        self.post_backward()
+
+    def _before_step(self, optimizer: Optimizer, args, kwargs) -> None:
+        if self.reducer._backward_open:  # a backward whose end was never seen: finish it now
+            self.reducer.finish_backward()
 
     def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
@@ -200,15 +279,16 @@ class ZeroEngine:
             offload=self.offload_optimizer,
         )
         self.groups = [group for unit in units for group in unit.groups]
-        self.stage3 = Stage3Runtime(
-            units, clone_dp_group(self.dp_group), prefetch_blocks=prefetch_blocks, counter=self.counter
-        )
+        ag_group = clone_dp_group(self.dp_group)
+        self._owned_groups.append(ag_group)
+        self.stage3 = Stage3Runtime(units, ag_group, prefetch_blocks=prefetch_blocks, counter=self.counter)
         return per_optimizer
 
     def _build_flat(self, module, optimizers, names, order, device, bucket_mb):
         self.groups: list[FlatParamGroup] = []
         flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
         managed: set[int] = set()
+        fp32_ids = fp32_parameter_ids(module) if self.compute_dtype != torch.float32 else set()
         for optimizer in optimizers:
             per_param_group = []
             for param_group in optimizer.param_groups:
@@ -216,31 +296,33 @@ class ZeroEngine:
                     (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
                 )
                 groups = []
-                if params:
+                # One flat group per compute dtype: norm layers with running stats stay fp32.
+                kept_fp32 = [p for p in params if id(p) in fp32_ids]
+                rest = [p for p in params if id(p) not in fp32_ids]
+                for members, dtype in ((rest, self.compute_dtype), (kept_fp32, torch.float32)):
+                    if not members:
+                        continue
                     layout = FlatLayout(
-                        params,
-                        [names[id(p)] for p in params],
+                        members,
+                        [names[id(p)] for p in members],
                         dp=self.dp_size,
-                        bucket_numel=bucket_numel_for(bucket_mb, self.compute_dtype),
+                        bucket_numel=bucket_numel_for(bucket_mb, dtype),
                     )
                     groups.append(
                         FlatParamGroup(
                             layout,
                             dp_rank=self.dp_rank,
-                            compute_dtype=self.compute_dtype,
+                            compute_dtype=dtype,
                             device=device,
                             offload=self.offload_optimizer,
                         )
                     )
-                    managed.update(id(p) for p in params)
+                managed.update(id(p) for p in params)
                 per_param_group.append(groups)
                 self.groups.extend(groups)
             flat_groups_per_optimizer.append(per_param_group)
-
-        # Parameters no optimizer steps (frozen) are cast for compute and otherwise left alone.
-        for param in module.parameters():
-            if id(param) not in managed and param.is_floating_point():
-                param.data = param.data.to(self.compute_dtype)
+        # Parameters no optimizer steps (frozen, any dtype) are left exactly as they are.
+        self.frozen_params = [p for p in module.parameters() if id(p) not in managed]
         return flat_groups_per_optimizer
 
     @contextmanager
@@ -265,7 +347,7 @@ class ZeroEngine:
 
     def measured_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds now: params, grads, optimizer (master + state)."""
-        params = sum(group.param_bytes() for group in self.groups)
+        params = sum(group.param_bytes() for group in self.groups) + self.frozen_param_bytes()
         grads = self.reducer.storage.grad_bytes()
         master = sum(group.master_bytes() for group in self.groups)
         state = sum(sharded.state_bytes() for sharded in self.optimizers)
@@ -277,6 +359,14 @@ class ZeroEngine:
             "optimizer_state": state,
             "total": params + grads + master + state,
         }
+
+    def frozen_param_bytes(self) -> int:
+        """Bytes of the parameters no optimizer steps (stages 1-2: kept as they are, in full)."""
+        seen: dict[int, int] = {}
+        for param in getattr(self, "frozen_params", []):
+            storage = param.untyped_storage()
+            seen[storage.data_ptr() if storage.nbytes() else id(storage)] = storage.nbytes()
+        return sum(seen.values())
 
     def owned_ranges(self) -> Iterator[OwnedRange]:
         """See :class:`OwnedRange`; names are the module's ``named_parameters`` names."""
@@ -309,9 +399,36 @@ class ZeroEngine:
         if self.stage3 is not None:
             self.stage3.unshard()
 
+    def restore_master_params(self) -> None:
+        """Stages 1-2 under bf16-mixed: parameters become the full fp32 masters again (one
+        all-gather over dp), so a forward outside the Trainer, a second ``fit`` or a
+        ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Collective over dp."""
+        if self.stage == 3:
+            return
+        from lightning_zero.zero.reducer import wait_work
+
+        poll = next(iter(self.groups), None) is not None and self.groups[0].param_buffer.device.type == "cpu"
+        for group in self.groups:
+            group.restore_master_params(
+                self.dp_group,
+                self.counter,
+                lambda work: wait_work(work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll),
+            )
+
     def close(self) -> None:
+        """Remove every hook and destroy the process groups the engine created."""
         if self.stage3 is not None:
             self.stage3.remove_hooks()
         self.reducer.remove_hooks()
         for sharded in self.optimizers:
             sharded.remove_hooks()
+        for handle in self._step_pre_hooks:
+            handle.remove()
+        self._step_pre_hooks.clear()
+        for group in self._owned_groups:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # already destroyed by its other user
+                    pass
+        self._owned_groups.clear()
