@@ -332,26 +332,31 @@ class ZeroStrategy(DDPStrategy):
         with self.engine.no_sync():
             yield None
 
-    # -- stage 3: the root unit around every step --------------------------------------------
-    def _begin_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.begin_step()
-
-    def _end_eval_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.end_eval_step()
+    # -- stage 3: the phase of every step ([Note: phases] in zero/stage3/runtime.py) ----------
+    @property
+    def _stage3(self) -> Any:
+        return self.engine.stage3 if self.engine is not None else None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        return super().training_step(*args, **kwargs)
+        runtime = self._stage3
+        if runtime is None:
+            return super().training_step(*args, **kwargs)
+        runtime.begin_step("train")
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            runtime.end_step_call()  # the step's backward may still follow (automatic optimization)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
+        runtime = self._stage3
+        if runtime is None:
+            return step(*args, **kwargs)
+        runtime.begin_step("eval")
         try:
             return step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            runtime.end_eval_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -364,6 +369,26 @@ class ZeroStrategy(DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
+
+    def _end_eval_loop(self) -> None:
+        # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
+        if self._stage3 is not None:
+            self._stage3.end_eval_loop()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_loop()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_loop()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_loop()
+        super().on_predict_end()
 
     @override
     def teardown(self) -> None:

@@ -344,13 +344,19 @@ class GradReducer:
         ]
 
     # -- backward -------------------------------------------------------------------------------
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def begin_backward(self) -> None:
+        """A backward started: queue the end-of-sync on it (idempotent). Stage 3 calls this from
+        the first hook that sees the outermost backward, so a reentrant checkpoint's nested
+        backward (where the first gradient may arrive) never ends the sync early."""
         if not self._callback_queued:
             self._callback_queued = True
             self.timeline.clear()
             if self._synced_since_reset and self.grads_were_zeroed():
                 self.zero_grad()
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self.begin_backward()
         bucket, slot = self._bucket_of_param[id(param)]
         syncing = self.sync_enabled or self.storage.reduces_every_backward
         with record_function("lightning_zero::grad_ready"):
