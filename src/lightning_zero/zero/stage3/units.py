@@ -61,10 +61,10 @@ def default_wrap_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
     """
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return False  # containers have no forward to hook; their children may be units
+    if parent is not None and is_block_container(parent):
+        return _has_params(module)  # a block (even a Sequential of repeated layers itself)
     if isinstance(module, nn.Sequential) and is_block_container(module):
         return False  # its blocks become the units
-    if parent is not None and is_block_container(parent):
-        return _has_params(module)
     if isinstance(module, nn.Embedding) or hasattr(module, "num_embeddings"):
         return True
     if parent is not None and _has_params(module):
