@@ -100,7 +100,9 @@ class ZeroStrategy(DDPStrategy):
         prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
             one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
         wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
-            children of every ``nn.ModuleList``, embeddings, and a linear head beside a block list.
+            children of every ``nn.ModuleList`` (and of a ``ModuleDict``/``Sequential`` of repeated
+            blocks), embeddings, and modules with parameters beside a block container
+            (``zero/stage3/units.py``; docs/stage3.md).
         offload_optimizer: keep the fp32 master and optimizer-state shards in CPU memory; the
             optimizer steps on the CPU and the updated chunk is copied back to the device.
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
