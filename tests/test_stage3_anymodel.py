@@ -243,14 +243,14 @@ def _lora(rank, world):
     for reentrant in (None, True, False):
         checks = []
 
-        def per_step(engine, model):
+        def per_step(engine, model, checks=checks):
             trainable = sum(g.layout.numel for g in engine.groups if g.compute_dtype.is_floating_point and any(
                 s.param.requires_grad for s in g.layout.slots))  # fmt: skip
             # one reduce-scatter per bucket per backward, frozen weights never in gradient buffers
             checks.append(engine.counter.elements["reduce_scatter_grads"] == trainable * (world - 1) / world)
             checks.append(engine.stage3.high_water_backward <= 3)
 
-        model, engine, got = _train(_lora_llama(reentrant), batches, _lm_loss, rank, sharded=True, steps_with=per_step)
+        _, engine, got = _train(_lora_llama(reentrant), batches, _lm_loss, rank, sharded=True, steps_with=per_step)
         _close(got, want, f"lora reentrant={reentrant}")
         assert all(checks), (reentrant, checks)
         frozen = [s.param for g in engine.groups for s in g.layout.slots if not s.param.requires_grad]
@@ -299,13 +299,13 @@ def _blocks(rank, world):
     for holder, reentrant in (("dict", None), ("seq", None), ("list", True), ("list", False)):
         sent = []
 
-        def per_step(engine, model):
+        def per_step(engine, model, sent=sent):
             padded = sum(g.layout.numel for g in engine.groups)
             sent.append((engine.counter.total_elements(), 3 * padded * (world - 1) / world))
             sent.append((engine.counter.elements["reduce_scatter_grads"], padded * (world - 1) / world))
 
-        model, engine, got = _train(lambda: _Blocks(holder, reentrant), batches, _blocks_loss, rank, sharded=True,
-                                    steps_with=per_step, bucket_mb=0.0002)  # fmt: skip
+        _, engine, got = _train(lambda h=holder, r=reentrant: _Blocks(h, r), batches, _blocks_loss, rank, sharded=True,
+                                steps_with=per_step, bucket_mb=0.0002)  # fmt: skip
         _close(got, want, f"blocks {holder} reentrant={reentrant}")
         assert all(a == b for a, b in sent), (holder, reentrant, sent)  # exactly 3 P (dp-1)/dp per step
         assert not engine.stage3.root.groups

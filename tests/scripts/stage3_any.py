@@ -16,11 +16,11 @@ from torch.nn import functional as F
 
 torch.set_num_threads(1)
 
-import lightning as L  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_zero  # noqa: E402,F401
-from lightning_zero import ZeroStrategy  # noqa: E402
+import lightning_zero  # noqa: F401
+from lightning_zero import ZeroStrategy
 
 OUT = sys.argv[1]
 
