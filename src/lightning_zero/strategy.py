@@ -80,7 +80,9 @@ class ZeroStrategy(DDPStrategy):
         prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
             one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
         wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
-            children of every ``nn.ModuleList``, embeddings, and a linear head beside a block list.
+            children of every ``nn.ModuleList`` (and of a ``ModuleDict``/``Sequential`` of repeated
+            blocks), embeddings, and modules with parameters beside a block container
+            (``zero/stage3/units.py``; docs/stage3.md).
         offload_optimizer: keep the fp32 master and optimizer-state shards in CPU memory; the
             optimizer steps on the CPU and the updated chunk is copied back to the device.
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
@@ -328,26 +330,31 @@ class ZeroStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.post_backward()
 
-    # -- stage 3: the root unit around every step --------------------------------------------
-    def _begin_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.begin_step()
-
-    def _end_eval_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.end_eval_step()
+    # -- stage 3: the phase of every step ([Note: phases] in zero/stage3/runtime.py) ----------
+    @property
+    def _stage3(self) -> Any:
+        return self.engine.stage3 if self.engine is not None else None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        return super().training_step(*args, **kwargs)
+        runtime = self._stage3
+        if runtime is None:
+            return super().training_step(*args, **kwargs)
+        runtime.begin_step("train")
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            runtime.end_step_call()  # the step's backward may still follow (automatic optimization)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
+        runtime = self._stage3
+        if runtime is None:
+            return step(*args, **kwargs)
+        runtime.begin_step("eval")
         try:
             return step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            runtime.end_eval_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -360,6 +367,26 @@ class ZeroStrategy(DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
+
+    def _end_eval_loop(self) -> None:
+        # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
+        if self._stage3 is not None:
+            self._stage3.end_eval_loop()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_loop()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_loop()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_loop()
+        super().on_predict_end()
 
     @override
     def teardown(self) -> None:

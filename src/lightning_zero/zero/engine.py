@@ -7,7 +7,7 @@ Plain torch.distributed; usable without Lightning::
     optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
 
 Stages differ in one place each: which :class:`~lightning_zero.zero.reducer.GradStorage` keeps the
-gradients (stage 1: full, stage 2: sharded), and ``zero/stage3.py`` for parameters.
+gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class ZeroEngine:
 
     Args:
         stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients; 3 also
-            shards parameters (``zero/stage3.py``: units gathered just in time).
+            shards parameters (``zero/stage3/``: units gathered just in time).
         dp_group: data-parallel process group (``None``: the default group).
         compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
             or ``torch.bfloat16``); master weights and optimizer state are fp32 either way.
@@ -226,6 +226,8 @@ class ZeroEngine:
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
+        if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
+            self.stage3.on_backward_begin = self.reducer.begin_backward
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
@@ -264,7 +266,7 @@ class ZeroEngine:
     def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
 
-        units, per_optimizer, self.init_peak_param_bytes = build_units(
+        units, per_optimizer, self.init_peak_param_bytes, root_holders = build_units(
             module,
             optimizers,
             names=names,
@@ -280,8 +282,16 @@ class ZeroEngine:
         )
         self.groups = [group for unit in units for group in unit.groups]
         ag_group = clone_dp_group(self.dp_group)
-        self._owned_groups.append(ag_group)
-        self.stage3 = Stage3Runtime(units, ag_group, prefetch_blocks=prefetch_blocks, counter=self.counter)
+        self._owned_groups.append(ag_group)  # destroyed in close()
+        self.stage3 = Stage3Runtime(
+            units,
+            ag_group,
+            prefetch_blocks=prefetch_blocks,
+            counter=self.counter,
+            top=module,
+            root_holders=root_holders,
+            optimizers=optimizers,
+        )
         return per_optimizer
 
     def _build_flat(self, module, optimizers, names, order, device, bucket_mb):

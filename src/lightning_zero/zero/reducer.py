@@ -503,6 +503,15 @@ class GradReducer:
     def _after_outer_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_task_end)
 
+    def begin_backward(self) -> None:
+        """A backward reached this engine's parameters (idempotent). Stage 3 calls it from the first
+        pre-backward hook of a unit, which runs in the outermost backward's graph task, so the
+        end-of-backward callback is queued there (see [Note: end of backward])."""
+        if not self._backward_open:
+            self._begin_backward()
+        if not self._callback_armed:
+            self._arm_end_callback()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._backward_open:
             self._begin_backward()
