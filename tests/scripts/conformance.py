@@ -586,7 +586,9 @@ def run_one(run: str) -> dict[str, Any]:
     val = loader(case.data(seed=4, samples=2 * BATCH * WORLD)) if case.val else None
     trainer.fit(module, loader(data), val)
     module.eval()
-    with torch.no_grad():
+    # A bf16-mixed model is run as Lightning runs it: under autocast (ZeRO keeps bf16 parameters).
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed")
+    with torch.no_grad(), autocast:
         probe = module.probe().float().clone()
         extra = dict(module.extra())
     extra["sent_per_step"] = counter.sent
