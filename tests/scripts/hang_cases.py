@@ -14,8 +14,10 @@ Hazards (issue 11):
   rank 1 contributing zero gradients; ddp itself hangs on this, so its reference run adds the
   model's output times zero to the loss: same loss, same zero gradients).
 - ``uneven_val``: rank 0 has 3 validation batches, rank 1 has 2 (expected: works, like ddp).
-- ``divergence``: from step 2 on, rank 1 skips a block the other rank runs (expected: an error on
-  both ranks naming the module, the step and the rank).
+- ``divergence_extra``: from step 2 on, rank 1 runs the block ``extra.0`` twice (expected: an
+  error on both ranks naming the module, the step and the rank).
+- ``divergence_skip``: from step 2 on, rank 1 skips ``extra.0`` (expected: no hang -- it trains
+  as if the block were unused on that rank, or errors on both ranks naming the module).
 - ``stuck_collective``: at step 2 rank 1 is stuck in user code for 15 s while rank 0 waits in a
   collective; ``collective_timeout=3`` (expected: rank 0 raises within seconds naming what it
   waited on; rank 1 then fails too).
@@ -55,7 +57,8 @@ HAZARD_AT: list[float] = []  # monotonic time the hazard began on this rank
 RUNS = [
     *(f"no_trainable-{s}" for s in ("ddp", "zero1", "zero2", "zero3")),
     *(f"uneven_val-{s}" for s in ("ddp", "zero1", "zero2", "zero3")),
-    "divergence-zero3",
+    "divergence_skip-zero3",
+    "divergence_extra-zero3",
     "stuck_collective-zero2",
     "stuck_collective-zero3",
 ]
@@ -75,11 +78,11 @@ class HazardNet(L.LightningModule):
         self.train_losses: list[float] = []
         self.val_losses: list[float] = []
 
-    def forward(self, x: torch.Tensor, run_extra: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra_runs: int = 1) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
             x = block(x)
-        if run_extra:
+        for _ in range(extra_runs):
             x = self.extra[0](x)
         return self.head(x)
 
@@ -96,9 +99,11 @@ class HazardNet(L.LightningModule):
             # the graph connected with a zero weight: the same loss, exactly zero gradients.
             connect = 0.0 * out.mean() if self.reference else 0.0
             loss = (out.detach().mean() + start + connect).pow(2).mean()
-        elif self.hazard == "divergence":
-            skip = batch_idx >= 1 and self.global_rank == 1
-            loss = nn.functional.cross_entropy(self(x, run_extra=not skip), y)
+        elif self.hazard.startswith("divergence"):
+            extra_runs = 1
+            if batch_idx >= 1 and self.global_rank == 1:
+                extra_runs = 2 if self.hazard == "divergence_extra" else 0
+            loss = nn.functional.cross_entropy(self(x, extra_runs=extra_runs), y)
         else:
             if self.hazard == "stuck_collective" and hazard_step and self.global_rank == 1:
                 time.sleep(STUCK_S)  # stuck in user code (a slow loader, a debugger) while rank 0 waits
