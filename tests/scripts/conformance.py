@@ -110,6 +110,8 @@ class Recorded(L.LightningModule):
             return torch.optim.Adagrad(params, lr=0.05)
         if self.optimizer_name == "sgd_momentum":
             return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+        if self.optimizer_name == "rmsprop":
+            return torch.optim.RMSprop(params, lr=1e-2, momentum=0.5, centered=True)
         raise ValueError(self.optimizer_name)
 
     def probe(self) -> torch.Tensor:
@@ -474,6 +476,48 @@ def vector_data(dim_in: int = 16, classes: int = 8, samples: int = STEPS * BATCH
     return TensorDataset(x, (x[:, :classes].argmax(1)))
 
 
+class QuantLinear(nn.Module):
+    """A frozen int8 weight with a frozen fp32 per-row scale (a quantized base layer), plus
+    trainable low-rank adapters."""
+
+    def __init__(self, dim: int = 16, rank: int = 4) -> None:
+        super().__init__()
+        self.qweight = nn.Parameter(torch.randint(-127, 128, (dim, dim), dtype=torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(torch.full((dim, 1), 0.01), requires_grad=False)
+        self.lora_a = nn.Parameter(0.1 * torch.randn(rank, dim))
+        self.lora_b = nn.Parameter(0.1 * torch.randn(dim, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.qweight.to(x.dtype) * self.scale.to(x.dtype)
+        return torch.tanh(x @ weight.t() + x @ self.lora_a.t().to(x.dtype) @ self.lora_b.t().to(x.dtype))
+
+
+class Int8Base(Recorded):
+    """Frozen int8 base layers (in a ModuleList) with adapters and a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(QuantLinear() for _ in range(2))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def probe(self) -> torch.Tensor:
+        return self(torch.randn(3, 16, generator=_gen(11)))
+
+    def extra(self) -> dict[str, Any]:
+        # Frozen parameters are never cast (int8 stays int8, the fp32 scale stays fp32 under
+        # bf16-mixed, as under ddp) and never change.
+        return {"frozen": {n: (str(p.dtype), p.detach().clone()) for n, p in self.named_parameters() if not p.requires_grad}}
+
+
 class HeldBlocks(Recorded):
     """Every parameter lives in one of three blocks held by an ``nn.ModuleDict`` or ``nn.Sequential``
     (torchtitan's layout): stage 3 should shard per block and send 3 P (dp-1)/dp per step."""
@@ -531,6 +575,9 @@ CASES: dict[str, Case] = {
     "gan_two_optimizers_manual": Case(GAN, gan_data, ddp=lambda: DDPStrategy(find_unused_parameters=True)),
     "adagrad": Case(lambda: BlockMLP("adagrad"), vector_data),
     "sgd_momentum": Case(lambda: BlockMLP("sgd_momentum"), vector_data),
+    "rmsprop": Case(lambda: BlockMLP("rmsprop"), vector_data),
+    "int8_frozen_base": Case(Int8Base, vector_data),
+    "int8_frozen_base_bf16": Case(Int8Base, vector_data, precision="bf16-mixed"),
     "blocks_in_moduledict": Case(lambda: HeldBlocks("moduledict"), regression_data),
     "blocks_in_sequential": Case(lambda: HeldBlocks("sequential"), regression_data),
 }

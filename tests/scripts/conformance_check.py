@@ -42,7 +42,7 @@ BF16_PROBE_TOL = {"rtol": 2e-2, "atol": 2e-2}  # a bf16 forward (under autocast)
 # BatchNorm running statistics: ddp broadcasts rank 0's buffers at every forward, ZeRO (like FSDP)
 # keeps each rank's own; the eval-mode plain forward is compared on rank 0 only.
 RANK0_PROBE_ONLY = {"cnn_batchnorm", "cnn_batchnorm_bf16"}
-BF16_CASES = {"cnn_batchnorm_bf16"}
+BF16_CASES = {"cnn_batchnorm_bf16", "int8_frozen_base_bf16"}
 # Cases whose stage-3 run must send exactly 3 P (dp-1)/dp elements per step (steps after the first).
 COMM_CASES = {"blocks_in_moduledict", "blocks_in_sequential"}
 
@@ -294,6 +294,10 @@ def _extra_checks(case: str, strategy: str, got: dict, want: dict, rank: int) ->
                 if issue:
                     problems.append(issue)
                     break
+    for name, (dtype, value) in ref.get("frozen", {}).items():
+        got_dtype, got_value = extra.get("frozen", {}).get(name, ("missing", None))
+        if got_dtype != dtype or got_value is None or not torch.equal(got_value, value):
+            problems.append(f"rank {rank}: frozen {name} is {got_dtype} after fit (ddp: {dtype}, unchanged)")
     if "trainable" in ref and extra.get("trainable") != ref["trainable"]:
         problems.append(f"rank {rank}: trainable parameters differ from ddp's")
     if "agreement" in ref and len(extra.get("agreement", [])) != len(ref["agreement"]):
