@@ -86,15 +86,17 @@ def launch_ranks(argv: list[str], *, cwd: Path, env: dict, timeout_s: float, wor
                                           start_new_session=True))  # fmt: skip
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for proc, code in zip(procs, codes):
-        if code is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    try:
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:  # also when interrupted (pytest-timeout, Ctrl-C): never leave a rank behind
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     tails = []
     for rank, log_path in enumerate(logs):
         text = log_path.read_text(errors="replace")
