@@ -1,0 +1,57 @@
+"""Conformance matrix (issue 11): third-party and odd-shaped models under ZeRO stages 1-3 vs ddp.
+
+One launch of tests/scripts/conformance.py (2 gloo CPU ranks) trains every case under ddp, zero1,
+zero2 and zero3 with the same seed and data; each test here judges one case x stage from its
+records (tests/scripts/conformance_check.py ``judge``): per-step losses to 1e-5 in fp32,
+validation losses, the plain forward after fit, parameters after fit, ties after fit and the
+case's own checks (rotary buffer, callback forwards, bytes sent per step).
+
+``LZ_TEST_SRC=/path/to/checkout/src`` runs the matrix against another checkout's engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scripts.conformance_check import (
+    BF16_CASES,
+    ZERO,
+    all_runs,
+    cases_of,
+    judge,
+    run_matrix,
+)
+
+CASES = cases_of(all_runs())
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("conformance")
+    run_matrix(out, budget_s=540)  # under pytest-timeout's 600 s
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ZERO)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_ddp(matrix, case, stage):
+    verdict = judge(matrix, case, stage)
+    assert verdict.ok, f"{case} under {stage}:\n  " + "\n  ".join(verdict.problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_reference_trains(matrix, case):
+    """The reference itself ran and learned something (else every comparison above is moot)."""
+    import torch
+
+    from tests.scripts.conformance_check import _failures, _load
+
+    records = _load(matrix, f"{case}-ddp")
+    assert not _failures(records), _failures(records)
+    for record in records:
+        losses = torch.tensor(record["losses"])
+        assert len(losses) == 4 and torch.isfinite(losses).all()
+    if case not in BF16_CASES:
+        assert records[0]["losses"][-1] != records[0]["losses"][0]
