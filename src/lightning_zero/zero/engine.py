@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import CommCounter
-from lightning_zero.zero.flat import FlatLayout, FlatParamGroup
+from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.reducer import SyncTimeline, FullGradStorage, GradReducer, ShardedGradStorage
 
@@ -51,22 +51,6 @@ def check_elementwise(optimizers: list[Optimizer]) -> None:
                 " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
                 " or Lightning's ddp/fsdp strategies for this optimizer."
             )
-
-
-def keeps_fp32(module: nn.Module) -> bool:
-    """Norm layers with running statistics keep fp32 parameters under bf16-mixed.
-
-    Their running statistics stay fp32 (buffers are never cast); the layer needs its weight and
-    bias in the statistics' dtype, as FSDP's MixedPrecision keeps ``_BatchNorm`` in fp32.
-    """
-    return isinstance(module, nn.modules.batchnorm._NormBase) or (
-        "running_mean" in module._buffers and "running_var" in module._buffers
-    )
-
-
-def fp32_parameter_ids(module: nn.Module) -> set[int]:
-    """Ids of the parameters held by :func:`keeps_fp32` modules."""
-    return {id(p) for m in module.modules() if keeps_fp32(m) for p in m.parameters(recurse=False)}
 
 
 def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:

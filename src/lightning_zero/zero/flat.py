@@ -268,3 +268,19 @@ class FlatParamGroup(ChunkedParamGroup):
         for slot in self.layout.slots:
             slot.param.data = full[slot.offset : slot.end].view(slot.shape)
         self.param_buffer = full
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """Norm layers with running statistics keep fp32 parameters under bf16-mixed.
+
+    Their running statistics stay fp32 (buffers are never cast); the layer needs its weight and
+    bias in the statistics' dtype, as FSDP's MixedPrecision keeps ``_BatchNorm`` in fp32.
+    """
+    return isinstance(module, nn.modules.batchnorm._NormBase) or (
+        "running_mean" in module._buffers and "running_var" in module._buffers
+    )
+
+
+def fp32_parameter_ids(module: nn.Module) -> set[int]:
+    """Ids of the parameters held by :func:`keeps_fp32` modules."""
+    return {id(p) for m in module.modules() if keeps_fp32(m) for p in m.parameters(recurse=False)}

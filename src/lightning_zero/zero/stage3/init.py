@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.zero.flat import FlatLayout
+from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
 from lightning_zero.zero.stage3.runtime import Unit
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import WrapPolicy, assign_params, default_wrap_policy, find_units, warn_if_single_unit
@@ -218,14 +218,17 @@ def build_units(
         peak_bytes = max(peak_bytes, live_parameter_bytes(module))
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
+        keep_fp32 = fp32_parameter_ids(unit_module or module) if compute_dtype != torch.float32 else set()
         for param in params:
             key = slot_of.get(id(param), ("frozen", param.dtype))
+            if key[0] != "frozen" and id(param) in keep_fp32:
+                key = (*key, torch.float32)  # norm layers with running stats stay fp32 (as in stages 1-2)
             by_key.setdefault(key, []).append(param)
         for key, members in by_key.items():
             members.sort(key=lambda p: order[id(p)])
             layout = FlatLayout(members, [names[id(p)] for p in members], dp=dp_size, bucket_numel=bucket_numel)
             managed = key[0] != "frozen"
-            dtype = compute_dtype if managed else members[0].dtype
+            dtype = (key[2] if len(key) == 3 else compute_dtype) if managed else members[0].dtype
             group = ShardedFlatParamGroup(
                 layout,
                 dp_rank=dp_rank,
@@ -236,7 +239,7 @@ def build_units(
             )
             unit.groups.append(group)
             if managed:
-                opt_index, group_index = key
+                opt_index, group_index = key[:2]
                 per_optimizer[opt_index][group_index].append(group)
         built[index] = unit
     # Units left without parameters (all theirs were shared) disappear; indices are positions.
