@@ -35,10 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero._lightning_compat import is_accumulating
 
-from lightning_zero.ledger import model_state_bytes
-
-_OPTIM_STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4}
-
+from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory on ``device``, or this process's peak resident set size on CPU."""
@@ -49,20 +46,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """The ledger's per-rank model-state bytes for what ``engine`` manages."""
-    element = torch.empty((), dtype=engine.compute_dtype).element_size()
-    name = type(optimizer).__name__
-    state = _OPTIM_STATE_BYTES.get(name, 8)
-    if name == "SGD" and any(group.get("momentum", 0) for group in optimizer.param_groups):
-        state = 4
-    master = 0 if engine.compute_dtype == torch.float32 else 4
+    """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
+    parameter come from the ledger's one table: ``PRECISIONS`` and ``optimizer_state_bytes``)."""
+    precision = "32-true" if engine.compute_dtype == torch.float32 else "bf16-mixed"
+    per_param = PRECISIONS[precision]
     return model_state_bytes(
         engine.num_params(),
         stage=engine.stage,
         dp=engine.dp_size,
-        param_bytes=element,
-        grad_bytes=element,
-        optim_bytes_per_param=master + state,
+        param_bytes=per_param.param,
+        grad_bytes=per_param.grad,
+        optim_bytes_per_param=per_param.master + optimizer_state_bytes(optimizer),
     ).as_dict()
 
 

@@ -26,7 +26,9 @@ from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
 from lightning_zero.planner.ledger import (
+    PRECISIONS,
     ActivationBytes,
+    PrecisionBytes,
     llama_activation_bytes,
     llama_param_counts,
     model_state_bytes,
@@ -49,31 +51,6 @@ DEFAULT_MFU = 0.4
 # --------------------------------------------------------------------------------------------
 # Inputs: precision
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    """Bytes per parameter (and per activation element) of a Lightning precision with Adam."""
-
-    param: int  # compute copy
-    grad: int
-    master: int  # fp32 master copy, only as a shard inside the optimizer (0: the param is its own)
-    moments: int  # Adam exp_avg + exp_avg_sq
-    activation: int
-    optimizer_step_bytes: int  # bytes the AdamW step moves per stepped parameter (timing)
-
-    @property
-    def optimizer(self) -> int:
-        return self.master + self.moments
-
-
-# Exactly the precisions ZeroStrategy accepts (precision.SUPPORTED_PRECISION; a test keeps them equal).
-# Optimizer step traffic: fp32 AdamW reads/writes param, exp_avg, exp_avg_sq and reads the grad
-# (28 B); bf16-mixed adds the grad-shard cast to fp32 (2 + 4 B) and the master -> bf16 copy (4 + 2 B).
-PRECISIONS: dict[str, PrecisionBytes] = {
-    "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4, optimizer_step_bytes=28),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40),
-}
 
 
 def precision_bytes(precision: str) -> PrecisionBytes:

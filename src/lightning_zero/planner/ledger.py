@@ -76,6 +76,50 @@ def model_state_bytes(
 
 
 # --------------------------------------------------------------------------------------------
+# Bytes per parameter: the one table the planner, the monitor and the tests read
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per parameter (and per activation element) of a Lightning precision with Adam."""
+
+    param: int  # compute copy
+    grad: int
+    master: int  # fp32 master copy, only as a shard inside the optimizer (0: the param is its own)
+    moments: int  # Adam exp_avg + exp_avg_sq
+    activation: int
+    optimizer_step_bytes: int  # bytes the AdamW step moves per stepped parameter (timing)
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.moments
+
+
+# Exactly the precisions ZeroStrategy accepts (precision.SUPPORTED_PRECISION; a test keeps them equal).
+# Optimizer step traffic: fp32 AdamW reads/writes param, exp_avg, exp_avg_sq and reads the grad
+# (28 B); bf16-mixed adds the grad-shard cast to fp32 (2 + 4 B) and the master -> bf16 copy (4 + 2 B).
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4, optimizer_step_bytes=28),
+    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40),
+}
+
+# Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``
+# adds on top of the fp32 master copy. SGD holds momentum only when ``momentum != 0``.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4,
+}
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """State bytes per parameter ``optimizer`` keeps (fp32); unknown optimizers count as Adam."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 4 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
+    return OPTIMIZER_STATE_BYTES.get(name, 8)
+
+
+# --------------------------------------------------------------------------------------------
 # Llama shapes: parameter counts, activations, communication (used by the planner).
 # Every function here is arithmetic on a config object; nothing allocates a tensor.
 # The formulas are written out in docs/planner.md.
