@@ -37,30 +37,6 @@ if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
 
 
-def _tp_norm_weights(engine: "ZeroEngine", tp: int) -> dict[int, torch.Tensor]:
-    """Per-element weights of each master chunk's squared gradient in the world-wide norm sum.
-
-    See [Note: TP grad norm] in ``tp/grad_norm.py``: elements of TP-split parameters count 1,
-    elements of parameters replicated over tp (norm gains) count ``1/tp``. Only chunks that
-    hold replicated elements get a weight tensor.
-    """
-    from lightning_zero.tp.grad_norm import tp_grad_norm_weight
-
-    weights: dict[int, torch.Tensor] = {}
-    for group in engine.groups:
-        for bucket, master in zip(group.layout.buckets, group.masters):
-            start = bucket.shard_start(group.dp_rank)
-            end = start + bucket.shard_numel
-            weight = torch.ones(bucket.shard_numel, dtype=torch.float32, device=master.device)
-            for slot in bucket.slots:
-                lo, hi = max(start, slot.offset), min(end, slot.end)
-                if lo < hi:
-                    weight[lo - start : hi - start] = tp_grad_norm_weight(slot.param, tp)
-            if bool((weight != 1).any()):
-                weights[id(master)] = weight
-    return weights
-
-
 class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
@@ -297,7 +273,11 @@ class ZeroStrategy(DDPStrategy):
             collective_timeout=self.collective_timeout,
         )
         if self._device_mesh is not None:
-            weights = _tp_norm_weights(self.engine, self._dims.tp)
+            from lightning_zero.tp.grad_norm import tp_grad_norm_weight
+
+            # [Note: TP grad norm] in tp/grad_norm.py: replicated elements count 1/tp in the norm.
+            tp = self._dims.tp
+            weights = self.engine.master_chunk_weights(lambda param: tp_grad_norm_weight(param, tp))
             for sharded in self.engine.optimizers:
                 sharded.replicated_weight = weights
         self.precision_plugin.engine = self.engine  # type: ignore[attr-defined]
@@ -330,31 +310,25 @@ class ZeroStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.post_backward()
 
-    # -- stage 3: the phase of every step ([Note: phases] in zero/stage3/runtime.py) ----------
-    @property
-    def _stage3(self) -> Any:
-        return self.engine.stage3 if self.engine is not None else None
-
+    # -- the phase of every step (stage 3 gathers by it: [Note: phases] in zero/stage3/runtime.py)
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._stage3
-        if runtime is None:
+        if self.engine is None:
             return super().training_step(*args, **kwargs)
-        runtime.begin_step("train")
+        self.engine.begin_step("train")
         try:
             return super().training_step(*args, **kwargs)
         finally:
-            runtime.end_step_call()  # the step's backward may still follow (automatic optimization)
+            self.engine.end_step_call()  # the step's backward may still follow (automatic optimization)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._stage3
-        if runtime is None:
+        if self.engine is None:
             return step(*args, **kwargs)
-        runtime.begin_step("eval")
+        self.engine.begin_step("eval")
         try:
             return step(*args, **kwargs)
         finally:
-            runtime.end_eval_step()
+            self.engine.end_eval_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -370,8 +344,8 @@ class ZeroStrategy(DDPStrategy):
 
     def _end_eval_loop(self) -> None:
         # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
-        if self._stage3 is not None:
-            self._stage3.end_eval_loop()
+        if self.engine is not None:
+            self.engine.end_eval_loop()
 
     @override
     def on_validation_end(self) -> None:
@@ -391,11 +365,9 @@ class ZeroStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            if self.engine.stage3 is not None:
-                # Leave the module usable outside the Trainer (forward, state_dict): full parameters.
-                self.engine.unshard_parameters()
-            else:
-                self.engine.restore_master_params()  # bf16-mixed: fp32 weights again, as under ddp
+            # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
+            # fp32 under bf16-mixed as under ddp.
+            self.engine.release_module()
             self.engine.close()
             self.engine = None
         super().teardown()

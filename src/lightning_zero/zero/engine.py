@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -392,6 +392,69 @@ class ZeroEngine:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
         if self.stage3 is not None:
             self.stage3.unshard()
+
+    # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
+    def begin_step(self, kind: str) -> None:
+        """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
+        if self.stage3 is not None:
+            self.stage3.begin_step(kind)
+
+    def end_step_call(self) -> None:
+        """The training-step call returned (its backward may still follow)."""
+        if self.stage3 is not None:
+            self.stage3.end_step_call()
+
+    def end_eval_step(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.end_eval_step()
+
+    def end_eval_loop(self) -> None:
+        """An evaluation loop ended on this rank; ranks with fewer batches serve the others."""
+        if self.stage3 is not None:
+            self.stage3.end_eval_loop()
+
+    def release_module(self) -> None:
+        """Leave the module usable outside the engine (forward, ``state_dict``, another fit):
+        stage 3 unshards every parameter, stages 1-2 put the fp32 masters back. Collective."""
+        if self.stage3 is not None:
+            self.unshard_parameters()
+        else:
+            self.restore_master_params()
+
+    # -- what checkpoints and tensor parallelism read -----------------------------------------
+    def managed_param_names(self) -> set[str]:
+        """Names of the parameters whose fp32 masters the engine's optimizers step."""
+        return {slot.name for group in self.groups for slot in group.layout.slots}
+
+    def refresh_params_from_masters(self) -> None:
+        """Compute parameters from the fp32 masters (after loading them): stages 1-2 all-gather
+        the full parameters; stage 3 refreshes each rank's shard (gathered on use)."""
+        if self.stage3 is not None:
+            for group in self.groups:
+                copy = getattr(group, "copy_masters_to_params", None)
+                if copy is not None:
+                    copy()
+            return
+        for sharded in self.optimizers:
+            sharded.all_gather_params()
+
+    def master_chunk_weights(self, weight_of: "Callable[[nn.Parameter], float]") -> dict[int, torch.Tensor]:
+        """Per-element weights of each master chunk, ``weight_of(param)`` for the elements of
+        ``param``; only chunks holding an element whose weight is not 1 get a tensor (keyed by
+        ``id(master)``). Tensor parallelism uses it to weigh replicated elements in the norm."""
+        weights: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            for bucket, master in zip(group.layout.buckets, group.masters):
+                start = bucket.shard_start(group.dp_rank)
+                end = start + bucket.shard_numel
+                weight = torch.ones(bucket.shard_numel, dtype=torch.float32, device=master.device)
+                for slot in bucket.slots:
+                    lo, hi = max(start, slot.offset), min(end, slot.end)
+                    if lo < hi:
+                        weight[lo - start : hi - start] = weight_of(slot.param)
+                if bool((weight != 1).any()):
+                    weights[id(master)] = weight
+        return weights
 
     def restore_master_params(self) -> None:
         """Stages 1-2 under bf16-mixed: parameters become the full fp32 masters again (one
