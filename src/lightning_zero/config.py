@@ -77,6 +77,9 @@ class ZeroConfig:
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node; ``dp = world_size // tensor_parallel_size``.
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async reduce-scatter.
+            ``"auto"``: a quarter of the model's gradient bytes, between 1 and 25 MiB
+            (:func:`resolve_bucket_mb`; the default): a small model still has several buckets
+            whose reduce-scatters start while backward runs, a large one gets 25 MiB buckets.
         overlap_comm: launch bucket collectives during backward (``False``: only after it ends).
         prefetch_blocks: stage 3: units all-gathered ahead of the one computing (at most
             ``prefetch_blocks + 1`` gathered at once).
@@ -94,7 +97,7 @@ class ZeroConfig:
 
     stage: int = 2
     tensor_parallel_size: Union[int, str] = 1
-    bucket_mb: float = 25.0
+    bucket_mb: Union[float, str] = "auto"
     overlap_comm: bool = True
     prefetch_blocks: int = 1
     offload_optimizer: bool = False
@@ -112,11 +115,12 @@ class ZeroConfig:
         tp = self.tensor_parallel_size
         if not (tp == "auto" or (_is_int(tp) and tp >= 1)):
             fail("tensor_parallel_size", "give a positive int or 'auto' (= devices per node).")
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+        bucket = self.bucket_mb
+        if bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0):
             fail(
                 "bucket_mb",
-                "the gradient bucket size must be a number of MiB > 0 (25 is a good start; larger buckets"
-                " mean fewer, bigger reduce-scatters).",
+                "the gradient bucket size must be a number of MiB > 0 or 'auto' (25 is a good start; larger"
+                " buckets mean fewer, bigger reduce-scatters).",
             )
         if not _is_int(self.prefetch_blocks) or self.prefetch_blocks < 0:
             fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
@@ -128,7 +132,8 @@ class ZeroConfig:
         timeout = self.collective_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
             fail("collective_timeout", "give a number of seconds > 0 (default 300) or None for the process group's own timeout.")
-        object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
+        if bucket != "auto":
+            object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:
             object.__setattr__(self, "collective_timeout", float(timeout))
         if self.stage == 3 and self.defer_grad_reduce:
@@ -139,6 +144,19 @@ class ZeroConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
+
+
+def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
+    """The bucket size in MiB for ``bucket_mb``; ``"auto"`` is a quarter of ``grad_bytes`` (the
+    gradients one rank reduces per backward), clamped to ``AUTO_BUCKET_MB``. The engine and the
+    planner both size buckets through this function."""
+    if bucket_mb != "auto":
+        return float(bucket_mb)
+    low, high = AUTO_BUCKET_MB
+    return min(high, max(low, grad_bytes / 4 / 2**20))
 
 
 ZERO_DEFAULTS = ZeroConfig()

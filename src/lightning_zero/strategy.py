@@ -50,7 +50,8 @@ class ZeroStrategy(DDPStrategy):
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node. ``dp = world_size // tensor_parallel_size``.
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async
-            reduce-scatter over dp.
+            reduce-scatter over dp. ``"auto"`` (default): a quarter of the gradient bytes, between
+            1 and 25 MiB, so even a small model's reduce-scatters start during backward.
         overlap_comm: launch bucket reduce-scatters during backward (``True``) or only once
             backward ended (``False``, for comparison).
         prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
@@ -66,6 +67,9 @@ class ZeroStrategy(DDPStrategy):
             reduce-scatter per step instead of one per micro batch). Stage 1 always defers.
         max_buckets_in_flight: stage 2: full-size bucket buffers alive at once (bounds gradient
             memory to the shard plus this many buckets).
+        collective_timeout: seconds any wait of the engine on a collective may take before it
+            raises an error naming what this rank waited on (``None``: the process group's
+            ``timeout`` only). See docs/troubleshooting.md.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
@@ -90,7 +94,7 @@ class ZeroStrategy(DDPStrategy):
         self,
         stage: int = ZERO_DEFAULTS.stage,
         tensor_parallel_size: Union[int, Literal["auto"]] = ZERO_DEFAULTS.tensor_parallel_size,
-        bucket_mb: float = ZERO_DEFAULTS.bucket_mb,
+        bucket_mb: Union[float, Literal["auto"]] = ZERO_DEFAULTS.bucket_mb,
         overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
         prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
         offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,

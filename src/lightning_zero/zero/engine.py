@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import CommCounter
+from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.reducer import SyncTimeline, FullGradStorage, GradReducer, ShardedGradStorage
@@ -144,7 +145,7 @@ class ZeroEngine:
         stage: int,
         dp_group: Optional[dist.ProcessGroup] = None,
         compute_dtype: torch.dtype = torch.float32,
-        bucket_mb: float = 25.0,
+        bucket_mb: Union[float, str] = "auto",
         overlap_comm: bool = True,
         defer_grad_reduce: bool = False,
         max_buckets_in_flight: int = 2,
@@ -171,10 +172,15 @@ class ZeroEngine:
         self.collective_timeout = collective_timeout
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
+        trainable = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad}
+        grad_bytes = sum(p.numel() for p in trainable.values()) * torch.empty((), dtype=compute_dtype).element_size()
+        bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
+        self.bucket_mb = bucket_mb
         check_elementwise(optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
+        self.device = device
         self.stage3 = None
         if stage == 3:
             flat_groups_per_optimizer = self._build_stage3(
@@ -185,8 +191,9 @@ class ZeroEngine:
 
         use_full = stage == 1 or defer_grad_reduce
         storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
+        self._reduced_groups = [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)]
         self.reducer = GradReducer(
-            [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)],
+            self._reduced_groups,
             storage,
             dp_group=dp_group,
             dp_size=self.dp_size,
@@ -385,8 +392,13 @@ class ZeroEngine:
         return self.reducer.timeline
 
     def bucket_count(self) -> int:
-        """Gradient buckets per backward, each one reduce-scatter; with one, nothing can overlap."""
+        """Gradient buckets per backward, each one reduce-scatter."""
         return len(self.reducer.buckets)
+
+    def overlap_possible(self) -> bool:
+        """False when every reduced flat group is a single bucket: each bucket is complete only
+        when its group's last gradient arrives, so no reduce-scatter can start before the end."""
+        return self.bucket_count() > len(self._reduced_groups)
 
     def unshard_parameters(self) -> None:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
