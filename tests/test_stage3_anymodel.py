@@ -435,11 +435,17 @@ def test_wrap_policy_warns_for_a_large_single_unit(monkeypatch):
     from lightning_zero.zero.stage3 import units
 
     monkeypatch.setattr(units, "SINGLE_UNIT_WARN_NUMEL", 10)
+    monkeypatch.setattr(units, "_warned_single_unit", set())
     with pytest.warns(UserWarning, match="no repeated blocks"):
         units.warn_if_single_unit(_GAN(), 0, units.default_wrap_policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        units.warn_if_single_unit(_GAN(), 2, units.default_wrap_policy)
+        units.warn_if_single_unit(_GAN(), 0, units.default_wrap_policy)  # once
+        units.warn_if_single_unit(_Blocks(), 3, units.default_wrap_policy)  # has blocks
+    monkeypatch.setattr(units, "SINGLE_UNIT_WARN_NUMEL", 10**9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        units.warn_if_single_unit(_Quantized(), 0, units.default_wrap_policy)  # small model
 
 
 def test_stage3_any_model():

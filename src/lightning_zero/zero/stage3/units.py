@@ -27,6 +27,7 @@ WrapPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]  # (module, parent
 # A model above this many parameters whose default wrap policy finds no unit besides the root
 # gets a warning: stage 3 would hold the whole model gathered during each step.
 SINGLE_UNIT_WARN_NUMEL = 50_000_000
+_warned_single_unit: set[str] = set()  # model class names already warned about (once per process)
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -131,6 +132,9 @@ def warn_if_single_unit(root: nn.Module, unit_count: int, policy: WrapPolicy) ->
         return
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    if type(root).__name__ in _warned_single_unit:
+        return
+    _warned_single_unit.add(type(root).__name__)
     warnings.warn(
         f"lightning_zero ZeRO-3: the default wrap policy found no repeated blocks in"
         f" {type(root).__name__} ({numel:,} parameters): everything is one root unit, gathered whole for"
