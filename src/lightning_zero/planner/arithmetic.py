@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
-from lightning_zero.config import ZERO_DEFAULTS
+from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
 from lightning_zero.planner.ledger import (
@@ -228,7 +228,7 @@ def plan_run(
     micro_batch: int = 1,
     seq_len: Optional[int] = None,
     activation_checkpointing: bool = False,
-    bucket_mb: float = ZERO_DEFAULTS.bucket_mb,
+    bucket_mb: Union[float, str] = ZERO_DEFAULTS.bucket_mb,
     prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
     defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
@@ -292,6 +292,8 @@ def plan_run(
         mfu = hw.mfu if hw.mfu is not None else DEFAULT_MFU
     if not 0 < mfu <= 1:
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
+    if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
+        bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * precision_bytes(precision).grad)
     if bucket_mb <= 0 or prefetch_blocks < 0:
         raise ValueError(
             f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning_zero.config import ZERO_DEFAULTS, PlanConf, resolve_bucket_mb
+from lightning_zero.config import ZERO_DEFAULTS, PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
 from lightning_zero.planner.hardware import load_hardware
-from lightning_zero.planner.ledger import ATTENTION_KERNELS, PRECISIONS, llama_param_counts
+from lightning_zero.planner.ledger import ATTENTION_KERNELS
 from lightning_zero.planner.search import SearchResult, search_layouts
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
@@ -73,7 +73,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         micro_batch=int(data.get("batch_size") or 1),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
-        bucket_mb=_bucket_mb(strategy, model_config, trainer, devices),
+        bucket_mb=strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb),  # "auto" resolved by plan_run
         prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
         defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
         overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
@@ -88,18 +88,6 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
     return model_config, kwargs, plan_options
-
-
-def _bucket_mb(strategy: Mapping, model_config: Any, trainer: Mapping, devices: int) -> float:
-    """``strategy.bucket_mb`` in MiB, ``"auto"`` resolved as the engine does (from the gradient
-    bytes of one tp rank's parameters)."""
-    bucket_mb = strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb)
-    if bucket_mb != "auto":
-        return float(bucket_mb)
-    tp = strategy.get("tensor_parallel_size", ZERO_DEFAULTS.tensor_parallel_size)
-    tp = devices if tp == "auto" else int(tp)
-    grad_bytes = llama_param_counts(model_config, tp=tp).total * PRECISIONS[str(trainer.get("precision") or "bf16-mixed")].grad
-    return resolve_bucket_mb(bucket_mb, grad_bytes)
 
 
 def _to_container(cfg: Any) -> dict[str, Any]:
