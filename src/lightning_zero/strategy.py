@@ -221,7 +221,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.model is not None
         with torch.no_grad():
             for module in self.model.modules():
-                for key, param in module._parameters.items():
+                for param in module._parameters.values():
                     if param is not None and not param.is_meta and param.device != self.root_device:
                         param.data = param.data.to(self.root_device)
                 for key, buffer in module._buffers.items():
