@@ -297,9 +297,7 @@ def test_any_model_engine(tmp_path):
 
 
 def test_collective_timeout_names_what_it_waited_on(tmp_path):
-    started = time.perf_counter()
-    run_ranks(_timeout, 2, args=(str(tmp_path),), timeout_s=60)
-    assert time.perf_counter() - started < 50
+    run_ranks(_timeout, 2, args=(str(tmp_path),), timeout_s=60)  # a hang fails here
     elapsed, message = (tmp_path / "timeout.txt").read_text().split("\n", 1)
     assert 1.5 < float(elapsed) < 20, elapsed
     assert "collective_timeout" in message and "reduce-scatter of bucket" in message, message
