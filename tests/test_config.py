@@ -125,8 +125,8 @@ def test_schemas_match_the_signatures_they_feed():
     # DDPStrategy hands its extra keyword arguments to torch's DistributedDataParallel.
     assert keys(lzconfig.DDPStrategyConf) <= _parameters(DDPStrategy) | _parameters(DistributedDataParallel)
     llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    assert keys(lzconfig.ModelConf) - {"activation_checkpointing"} <= llama_fields
-    assert "activation_checkpointing" in _parameters(LlamaLM)
+    assert keys(lzconfig.ModelConf) - {"activation_checkpointing", "init_from"} <= llama_fields
+    assert {"activation_checkpointing", "init_from"} <= _parameters(LlamaLM)
 
 
 def test_zero_strategy_schema_matches_its_signature():

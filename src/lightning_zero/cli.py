@@ -33,7 +33,11 @@ usage: lightning-zero COMMAND [ARGS]
 commands:
   train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
   plan  [OVERRIDES]    print the planned bytes per rank (params, grads, optimizer, comm) for a config
-  export CKPT OUT      consolidate a (sharded) checkpoint into one plain state dict at OUT
+  export CKPT OUT [--format hf] [--dtype bf16|fp32] [--max-shard-size 5GB]
+                       consolidate a (sharded) checkpoint into one plain state dict at OUT, or
+                       write a Hugging Face Llama directory (--format hf)
+  prepare-data INPUT... OUT --tokenizer PATH
+                       tokenize text files into the token file data=memmap reads
 
 Hydra flags work after train/plan: -m (multirun sweep), --cfg job (print the config), --help.
 Docs: README.md, docs/cli.md.
@@ -174,6 +178,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
     _set_threads(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
+    module.strict_loading = bool(cfg.get("strict_loading", True))  # see [Note: strict loading] in checkpoint.py
     datamodule = build_datamodule(cfg, vocab_size=module.config.vocab_size)
     trainer = build_trainer(cfg, run_dir)
     if _is_global_rank_zero():
@@ -201,6 +206,7 @@ def build_module(cfg: DictConfig) -> Any:
     return LlamaLM(
         config=model_conf.llama_fields(),
         activation_checkpointing=model_conf.activation_checkpointing,
+        init_from=model_conf.init_from,
         max_steps=max_steps,
         **optim,
     )
@@ -352,13 +358,30 @@ def _export(args: list[str]) -> None:
         description="Consolidate a (sharded) lightning_zero checkpoint into one plain state dict.",
     )
     parser.add_argument("ckpt", help="checkpoint path (a sharded checkpoint directory or a .ckpt file)")
-    parser.add_argument("out", help="output file for the consolidated state dict")
+    parser.add_argument("out", help="output: a file (--format plain) or a directory (--format hf)")
+    parser.add_argument(
+        "--format", choices=("plain", "hf"), default="plain",
+        help="plain: one state dict with Llama's own keys; hf: a Hugging Face Llama directory "
+        "(config.json, safetensors shards, index) that transformers loads",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="--format hf: tensor dtype (default: the saved fp32)")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 5GB)")
     parsed = parser.parse_args(args)
+    if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
+        _fail("--dtype and --max-shard-size apply to --format hf only")
+    from lightning_zero.checkpoint import export, export_hf
+    from lightning_zero.checkpoint_format import CheckpointError
+
     try:
-        from lightning_zero.checkpoint import export
-    except ImportError as error:
-        _fail(f"export needs lightning_zero.checkpoint.export, which is not available ({error})")
-    path = export(parsed.ckpt, parsed.out)
+        if parsed.format == "hf":
+            path = export_hf(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
+        else:
+            path = export(parsed.ckpt, parsed.out)
+    except (CheckpointError, ValueError) as error:
+        print(f"lightning-zero export: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(f"lightning-zero: exported {parsed.ckpt} -> {path if path is not None else parsed.out}")
 
 

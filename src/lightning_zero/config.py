@@ -30,7 +30,11 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 @dataclass
 class ModelConf:
-    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's)."""
+    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's).
+
+    ``init_from``: a Hugging Face Llama directory to start from (``model=hf``: its config.json
+    gives the shape; a preset must agree with it).
+    """
 
     name: str = "tiny"
     vocab_size: Optional[int] = None
@@ -43,11 +47,13 @@ class ModelConf:
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
     activation_checkpointing: bool = False
+    init_from: Optional[str] = None
 
     def llama_fields(self) -> dict[str, Any]:
         """The mapping ``LlamaLM(config=...)`` takes: the preset name and the fields set here."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.pop("activation_checkpointing")
+        values.pop("init_from")
         return {key: value for key, value in values.items() if value is not None}
 
 
@@ -148,7 +154,7 @@ GROUP_SCHEMAS: dict[str, type] = {
 }
 
 # Top-level keys besides the groups. ``hardware`` and ``plan`` belong to the planner.
-TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", "hardware", "plan", *GROUP_SCHEMAS}
+TOP_LEVEL_KEYS = {"seed", "ckpt_path", "strict_loading", "threads", "strategy", "hardware", "plan", *GROUP_SCHEMAS}
 
 
 # --------------------------------------------------------------------------------------------
