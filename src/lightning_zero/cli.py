@@ -78,8 +78,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _run_hydra(command, _plan_task, [*quiet, *rest])
     elif command == "export":
         _export(rest)
+    elif command == "prepare-data":
+        _prepare_data(rest)
     else:
-        _fail(f"unknown command {command!r}; expected train, plan or export")
+        _fail(f"unknown command {command!r}; expected train, plan, export or prepare-data")
 
 
 def _fail(message: str) -> None:
@@ -383,6 +385,35 @@ def _export(args: list[str]) -> None:
         print(f"lightning-zero export: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"lightning-zero: exported {parsed.ckpt} -> {path if path is not None else parsed.out}")
+
+
+def _prepare_data(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero prepare-data",
+        description="Tokenize text into the token file data=memmap reads (raw uint16/uint32 ids + OUT.json).",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files (one per line)")
+    parser.add_argument("out", help="the token file to write, e.g. data/train.bin")
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(8, cpus))")
+    parser.add_argument("--text-key", default="text", help="field of a .jsonl line holding the text (default: text)")
+    parser.add_argument("--eos-token", default=None, help="end-of-document token (default: </s>, <|endoftext|>, ...)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parsed = parser.parse_args(args)
+    from lightning_zero.data import prepare_tokens
+
+    try:
+        meta = prepare_tokens(parsed.inputs, parsed.out, parsed.tokenizer, workers=parsed.workers, text_key=parsed.text_key,
+                              eos_token=parsed.eos_token, progress=not parsed.no_progress)  # fmt: skip
+    except ValueError as error:
+        print(f"lightning-zero prepare-data: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(
+        f"lightning-zero: {meta['num_documents']} documents -> {meta['num_tokens']} tokens ({meta['dtype']}, vocab "
+        f"{meta['vocab_size']}) in {parsed.out}; train with data=memmap data.path={parsed.out}"
+    )
 
 
 if __name__ == "__main__":
