@@ -360,3 +360,62 @@ def test_partial_load_only_with_strict_loading_false(launched):
         for name, value in module.model.state_dict().items():
             want = saved.get(name, before[name])  # what the checkpoint lacks keeps its value
             assert torch.equal(value, want), name
+
+
+# --------------------------------------------------------------------------------------------
+# Fine-tuning recipes
+# --------------------------------------------------------------------------------------------
+
+FINETUNE = ("llama7b_finetune", "llama13b_finetune", "llama70b_finetune")
+
+
+@pytest.mark.parametrize("recipe", FINETUNE)
+def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
+    import re
+
+    from omegaconf import OmegaConf
+
+    from lightning_zero.config import RECIPES_DIR, compose
+    from lightning_zero.planner import plan_run
+    from lightning_zero.planner_report import plan_kwargs_from_config
+
+    from lightning_zero.cli import build_module
+
+    cfg = compose([f"recipe={recipe}"])
+    assert cfg.model.init_from == "required" and OmegaConf.is_missing(cfg.data, "path")
+    with pytest.raises(ValueError, match="model.init_from=required: this recipe fine-tunes published weights"):
+        build_module(cfg)
+    assert cfg.data.source == "memmap" and cfg.data.seq_len == 4096 and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.optim.lr <= 3e-5 and cfg.optim.warmup_steps == 100 and cfg.trainer.max_steps == 2000
+    tp = cfg.trainer.devices if cfg.strategy.get("tensor_parallel_size", 1) == "auto" else 1
+    dp = cfg.trainer.devices * cfg.trainer.num_nodes // tp
+    assert dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == 64  # sequences per step
+    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
+    plan = plan_run(model_config, **kwargs)
+    assert plan.fits, plan.verdict
+    header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)
+    assert (int(shape.group(1)), int(shape.group(2))) == (cfg.trainer.num_nodes, cfg.trainer.devices)
+    stated = float(re.search(r"ZeRO-2 holds ([\d.]+) GiB", header).group(1))
+    assert f"fits: {stated} GiB" in plan.verdict  # the comment quotes the planner
+
+
+@pytest.mark.slow
+def test_finetune_recipes_train_shrunk_from_a_tiny_checkpoint(tmp_path):
+    from tests.test_cli import run_cli
+    from tests.test_recipes import SHRINK
+
+    tiny = LlamaConfig.from_name("tiny")  # the shape `model=tiny` asks for: config.json must agree
+    model = _hf_model(vocab_size=tiny.vocab_size, hidden_size=tiny.dim, intermediate_size=tiny.ffn_dim,
+                      num_hidden_layers=tiny.n_layers, num_attention_heads=tiny.n_heads,
+                      num_key_value_heads=tiny.n_kv_heads, max_position_embeddings=512, rope_theta=10000.0)  # fmt: skip
+    model.save_pretrained(tmp_path / "tiny_hf")
+    sweep = tmp_path / "sweep"
+    # 13b shrinks exactly like 7b (only the trainer group differs, which SHRINK replaces); 70b runs tp=2
+    recipes = ("llama7b_finetune", "llama70b_finetune")
+    proc = run_cli(["train", "-m", f"recipe={','.join(recipes)}", *SHRINK, "data=synthetic", "trainer.max_steps=2",
+                    f"model.init_from={tmp_path / 'tiny_hf'}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert proc.stdout.count("lightning-zero: 2 steps") == len(recipes)
+    for job in range(len(recipes)):
+        assert (sweep / str(job) / "checkpoints" / "last.ckpt").exists()

@@ -196,6 +196,11 @@ def build_module(cfg: DictConfig) -> Any:
     from lightning_zero.models import LlamaLM
 
     model_conf = OmegaConf.to_object(cfg.model)
+    if model_conf.init_from == "required":  # what the *_finetune recipes set: no silent random init
+        raise ValueError(
+            "model.init_from=required: this recipe fine-tunes published weights; set "
+            "model.init_from=/path/to/a/Hugging-Face/Llama/directory (config.json + safetensors)"
+        )
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     max_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else None
     if max_steps is not None and optim["warmup_steps"] > max_steps:

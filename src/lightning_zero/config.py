@@ -181,7 +181,13 @@ def _merge_into(schema: type, node: Any, where: str) -> DictConfig:
     if not isinstance(node, DictConfig):
         raise ValueError(f"config '{where}' must be a mapping, got {node!r}")
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        # A required value (``???``, e.g. a recipe's model.init_from) stays required: merging it
+        # onto the schema's default would silently keep the default (None: random init).
+        for key in node:
+            if OmegaConf.is_missing(node, key):
+                merged[key] = "???"
+        return merged
     except OmegaConfBaseException as error:
         raise _config_error(error, where, schema) from None
 
