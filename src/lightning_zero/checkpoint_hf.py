@@ -271,7 +271,7 @@ def load_module_params(module: nn.Module, prefix: str, files: WeightFiles, plan:
                 dim, tensor = None, files.read(source.key)
             else:
                 local = param.shape[dim]
-                tensor = files.read(source.key, dim, getattr(sub, "tp_rank") * local, local)
+                tensor = files.read(source.key, dim, sub.tp_rank * local, local)
             if source.transform is not None:
                 tensor = source.transform(tensor, dim)
             if tuple(tensor.shape) != tuple(param.shape):
