@@ -106,6 +106,12 @@ def test_lightning_module_and_hydra_config_take_the_shape_from_config_json(hf):
     _logits_match(module.model, hf["model"], HF_SHAPE["vocab_size"])
     assert module.hparams.init_from == path
 
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(LlamaLM(init_from=path)))  # start_method="spawn" pickles the module
+    clone.configure_model()
+    _logits_match(clone.model, hf["model"], HF_SHAPE["vocab_size"])
+
     cfg = compose(["model=hf", f"model.init_from={path}", "data.seq_len=32"])
     built = build_module(cfg)
     assert (built.config.dim, built.config.n_layers, built.config.max_seq_len) == (64, 2, 32)

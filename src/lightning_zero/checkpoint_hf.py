@@ -194,6 +194,11 @@ class WeightFiles:
     def keys(self) -> list[str]:
         return list(self.infos)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_bin_cache"] = (None, {})  # memory-mapped tensors: re-opened where needed, never pickled
+        return state
+
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None) -> torch.Tensor:
         """Tensor ``key``, or elements ``[start, start + length)`` of it along ``dim`` (a new tensor)."""
         info = self.infos.get(key)

@@ -402,7 +402,8 @@ class Llama(nn.Module):
         With :attr:`weight_source` set, the unit's tensors are read from it instead of drawn.
         """
         if self.weight_source is not None and module is not self:
-            prefix = self._unit_names().get(id(module))
+            # Any submodule (a unit of another wrap policy too): read its tensors by their names.
+            prefix = next((name for name, candidate in self.named_modules() if candidate is module), None)
             if prefix is None:
                 return False
             self.weight_source.load(module, prefix)
@@ -434,12 +435,6 @@ class Llama(nn.Module):
                 layer.ffn_norm.reset_parameters()
                 return True
         return False
-
-    def _unit_names(self) -> dict[int, str]:
-        """``id(unit module) -> its name``: the embedding, each block, the final norm, the head."""
-        units = {id(self.tok_embeddings): "tok_embeddings", id(self.norm): "norm", id(self.output): "output"}
-        units.update({id(layer): f"layers.{i}" for i, layer in enumerate(self.layers)})
-        return units
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.size(1)

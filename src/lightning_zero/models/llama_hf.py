@@ -34,6 +34,7 @@ the embedding and trains on its own; export then writes ``lm_head.weight`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -209,13 +210,11 @@ def unpermute_from_hf(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     return weight.reshape(rows // head_dim, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def _rope_rows(head_dim: int, to_hf: bool):
-    def transform(tensor: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-        if dim not in (None, 0):
-            raise ValueError(f"q/k projections split along dim {dim}: the rotary permutation needs whole heads (rows)")
-        return permute_for_hf(tensor, head_dim) if to_hf else unpermute_from_hf(tensor, head_dim)
-
-    return transform
+def _rope_rows(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf: bool) -> torch.Tensor:
+    """A :class:`Source` transform: (un)permute q/k rows; ``dim``: the TP split dim of the slice."""
+    if dim not in (None, 0):
+        raise ValueError(f"q/k projections split along dim {dim}: the rotary permutation needs whole heads (rows)")
+    return permute_for_hf(tensor, head_dim) if to_hf else unpermute_from_hf(tensor, head_dim)
 
 
 def hf_names(config: LlamaConfig, tied: bool = False) -> dict[str, str]:
@@ -265,7 +264,7 @@ def tensor_plan(config: LlamaConfig, *, tied: bool = False, to_hf: bool = False)
     """``{our parameter name: Source}``: the Hugging Face key, the dense shape, the q/k permutation
     (towards ours when loading, towards Hugging Face's with ``to_hf``)."""
     shapes = dense_shapes(config)
-    rope = _rope_rows(config.head_dim, to_hf)
+    rope = functools.partial(_rope_rows, head_dim=config.head_dim, to_hf=to_hf)  # picklable (spawn)
     return {
         name: Source(key, shapes[name], rope if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None)
         for name, key in hf_names(config, tied).items()
