@@ -45,17 +45,48 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+class _FileWindow(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own, so
+    ``torch.load`` reads a saved rectangle straight into its tensor (no copy of the payload)."""
+
+    def __init__(self, handle: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._offset, self._length, self._position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(0, base + position), self._length)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(buffer), self._length - self._position)
+        if wanted <= 0:
+            return 0
+        self._handle.seek(self._offset + self._position)
+        got = self._handle.readinto(memoryview(buffer)[:wanted])
+        self._position += got
+        return got
+
+
 def _read_rectangle(root: Path, storage: Any) -> torch.Tensor:
     path = root / storage.relative_path
     with open(path, "rb") as handle:
-        handle.seek(storage.offset)
-        payload = handle.read(storage.length)
-    if len(payload) != storage.length:
-        raise CheckpointError(f"{path}: truncated (wanted {storage.length} bytes at offset {storage.offset})")
-    try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable tensor at offset {storage.offset} ({exc})") from exc
+        if path.stat().st_size < storage.offset + storage.length:
+            raise CheckpointError(f"{path}: truncated (wanted {storage.length} bytes at offset {storage.offset})")
+        try:
+            return torch.load(io.BufferedReader(_FileWindow(handle, storage.offset, storage.length)),
+                              map_location="cpu", weights_only=True)  # fmt: skip
+        except Exception as exc:
+            raise CheckpointError(f"{path}: unreadable tensor at offset {storage.offset} ({exc})") from exc
 
 
 def _assemble(root: Path, metadata: Any, key: str) -> torch.Tensor:

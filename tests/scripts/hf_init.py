@@ -14,7 +14,7 @@ Launched by tests/test_hf.py (Lightning's launcher re-runs it for rank 1). Cases
   shallow-zero2
                a 1-layer model resuming from deep/last.ckpt: must fail strictly on every rank;
                writes the error and whether the masters changed
-Each writes OUT_DIR/<case>.rank<r>.pt.
+Each writes OUT_DIR/<case>.rank<r>.pt. Buckets: $HF_INIT_BUCKET_MB MiB (default 0.05: many buckets on tiny models).
 """
 
 import os
@@ -134,7 +134,8 @@ def run(case: str, out: str, hf_dir: str) -> None:
         ckpt_path = os.path.join(out, "deep", "last.ckpt")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=max_steps,
-        strategy=ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=0.05, timeout=timedelta(seconds=120)),
+        strategy=ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=float(os.environ.get("HF_INIT_BUCKET_MB", 0.05)),
+                              timeout=timedelta(seconds=120)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=kind in ("tune", "deep", "shallow"), callbacks=callbacks,
     )  # fmt: skip
