@@ -5,8 +5,8 @@ Launched by tests/test_hf.py (Lightning's launcher re-runs it for rank 1). Cases
   first-zero1 / first-zero2 / first-zero3 / first-tp2z2 / first-tp2z3
                LlamaLM(init_from=HF_DIR) under that layout (tp2z<s>: tp=2, ZeRO-s over dp=1),
                1 step: first loss and batch per rank
-  mem-zero3    LlamaLM(init_from=HF_DIR) under ZeRO-3: peak RSS growth from setup() to on_fit_start
-               (model build + sharded load), current RSS before and after, parameter count
+  mem-zero3    LlamaLM(init_from=HF_DIR) under ZeRO-3: peak RSS from setup() to the last unit's
+               load and to on_fit_start (model build + sharded load), what the engine keeps
   memrandom-zero3
                the same measurement for the same shape with random init (the baseline)
   tune-zero2   fine-tune HF_DIR for 3 steps under ZeRO-2, save OUT_DIR/tune/last.ckpt
@@ -14,7 +14,7 @@ Launched by tests/test_hf.py (Lightning's launcher re-runs it for rank 1). Cases
   shallow-zero2
                a 1-layer model resuming from deep/last.ckpt: must fail strictly on every rank;
                writes the error and whether the masters changed
-Each writes OUT_DIR/<case>.rank<r>.pt. Buckets: $HF_INIT_BUCKET_MB MiB (default 0.05: many buckets on tiny models).
+Each writes OUT_DIR/<case>.rank<r>.pt. Buckets: $HF_INIT_BUCKET_MB MiB (default 0.05).
 """
 
 import os
@@ -84,6 +84,16 @@ class LoadMemory(L.Callback):
         self.record["reset"] = reset_peak_rss()
         self.record["rss_before"] = rss_bytes()
         self.record["peak_before"] = peak_rss_bytes()
+        self.record["peak_at_loads"] = 0  # peak RSS when each unit's weights were just read
+        source = pl_module.pretrained
+        if source is not None:
+            load = source.load
+
+            def measured_load(module, prefix):
+                load(module, prefix)
+                self.record["peak_at_loads"] = max(self.record["peak_at_loads"], peak_rss_bytes())
+
+            source.load = measured_load
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.record["peak_load"] = peak_rss_bytes()
@@ -132,9 +142,10 @@ def run(case: str, out: str, hf_dir: str) -> None:
     if kind == "shallow":
         callbacks.append(watch := Masters(model.record))
         ckpt_path = os.path.join(out, "deep", "last.ckpt")
+    bucket_mb = float(os.environ.get("HF_INIT_BUCKET_MB", 0.05))  # tiny: many buckets, every buffer touched
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=max_steps,
-        strategy=ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=float(os.environ.get("HF_INIT_BUCKET_MB", 0.05)),
+        strategy=ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=bucket_mb,
                               timeout=timedelta(seconds=120)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=kind in ("tune", "deep", "shallow"), callbacks=callbacks,
