@@ -41,11 +41,22 @@ def _hf_model(seed: int = 0, **overrides) -> "transformers.LlamaForCausalLM":
     return model
 
 
-def _save_bin(model, path: Path) -> Path:
-    """The legacy layout: config.json + pytorch_model.bin (a torch.save'd state dict)."""
+def _save_bin(model, path: Path, shards: int = 1) -> Path:
+    """The legacy layout: config.json + pytorch_model.bin (a torch.save'd state dict), or
+    ``shards`` pytorch_model-0000i-of-0000n.bin files + pytorch_model.bin.index.json."""
     path.mkdir(parents=True)
     model.config.to_json_file(str(path / "config.json"))
-    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, path / "pytorch_model.bin")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return path
+    keys, weight_map = list(state), {}
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: state[k] for k in keys[i::shards]}
+        torch.save(part, path / name)
+        weight_map |= {k: name for k in part}
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
 
 
@@ -56,6 +67,7 @@ def hf(tmp_path_factory):
     model.save_pretrained(root / "single")
     model.save_pretrained(root / "sharded", max_shard_size="40KB")
     _save_bin(model, root / "bin")
+    _save_bin(model, root / "bin_sharded", shards=3)
     return {"model": model, "root": root}
 
 
@@ -70,7 +82,7 @@ def _logits_match(ours: Llama, theirs, vocab: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["single", "sharded", "bin"])
+@pytest.mark.parametrize("layout", ["single", "sharded", "bin", "bin_sharded"])
 def test_logits_match_transformers(hf, layout):
     path = hf["root"] / layout
     if layout == "sharded":
