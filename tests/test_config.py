@@ -39,6 +39,8 @@ def test_every_group_option_composes(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("data", "memmap"):
         overrides.append("data.path=/tmp/tokens.bin")
+    if (group, option) == ("model", "hf"):
+        overrides.append("model.init_from=/tmp/llama-hf")
     cfg = compose(overrides)
     assert group in cfg
     assert not OmegaConf.missing_keys(cfg)
@@ -54,7 +56,8 @@ def test_every_group_has_the_options_the_docs_promise():
 
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_every_recipe_composes(recipe):
-    cfg = compose([f"recipe={recipe}"])
+    # fine-tuning recipes need the token file (and model.init_from, checked when the model is built)
+    cfg = compose([f"recipe={recipe}"] + (["data.path=/tmp/tokens.bin"] if recipe.endswith("_finetune") else []))
     assert not OmegaConf.missing_keys(cfg)
 
 
@@ -125,8 +128,8 @@ def test_schemas_match_the_signatures_they_feed():
     # DDPStrategy hands its extra keyword arguments to torch's DistributedDataParallel.
     assert keys(lzconfig.DDPStrategyConf) <= _parameters(DDPStrategy) | _parameters(DistributedDataParallel)
     llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    assert keys(lzconfig.ModelConf) - {"activation_checkpointing"} <= llama_fields
-    assert "activation_checkpointing" in _parameters(LlamaLM)
+    assert keys(lzconfig.ModelConf) - {"activation_checkpointing", "init_from"} <= llama_fields
+    assert {"activation_checkpointing", "init_from"} <= _parameters(LlamaLM)
 
 
 def test_zero_strategy_schema_matches_its_signature():

@@ -67,6 +67,7 @@ __all__ = [
     "Layout",
     "OpenedCheckpoint",
     "export",
+    "export_hf",
     "is_checkpoint",
     "load_model",
     "open_checkpoint",
@@ -176,7 +177,7 @@ class _Targets:
     """Tensors a rank saves or loads, plus where loaded values go afterwards."""
 
     tensors: dict[str, Any] = field(default_factory=dict)
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, staged)
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (name, destination, staged)
     optimizer_states: list[dict[int, dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
@@ -193,7 +194,7 @@ def _module_entries(module: nn.Module, skip: set[str], layout: Layout, targets: 
         pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=tp_dim, tp_rank=layout.tp_rank)
         if load:
             staged = torch.empty(tensor.numel(), dtype=tensor.dtype)
-            targets.copies.append((tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
+            targets.copies.append((name, tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
             flat = staged
         else:
             flat = tensor.reshape(-1).cpu()
@@ -231,7 +232,7 @@ def _engine_entries(
         master = owned.master.detach()
         if load:
             staged = torch.empty(hi - lo, dtype=master.dtype)
-            targets.copies.append((master[lo:hi], staged))
+            targets.copies.append((owned.name, master[lo:hi], staged))
             _add(targets.tensors, f"model.{owned.name}", size, _pieces_over(staged, pieces))
         else:
             _add(targets.tensors, f"model.{owned.name}", size, _pieces_over(master[lo:hi].cpu(), pieces))
@@ -550,6 +551,7 @@ def load_model(
     engine: Any = None,
     optimizers: Optional[list[Optimizer]] = None,
     layout: Optional[Layout] = None,
+    strict: bool = True,
 ) -> list[dict[int, dict[str, torch.Tensor]]]:
     """Load the weights (and, with an engine, the optimizer state of the owned ranges).
 
@@ -557,6 +559,14 @@ def load_model(
     when the whole read succeeded. With ``engine`` the compute parameters are refreshed from the
     masters (the engine's all-gather). Returns the optimizer states per optimizer (master id ->
     state) for :func:`apply_optimizer_state`.
+
+    [Note: strict loading] The checkpoint's tensors (names and dense shapes in ``meta.json``) must
+    be exactly the module's: a tensor the module lacks (a checkpoint of a deeper model), one the
+    checkpoint lacks, or one of another shape raises ``CheckpointError`` on every rank, listing
+    them with the shapes on both sides, before anything is read. ``strict=False`` (Lightning
+    passes ``LightningModule.strict_loading``) is the deliberate partial load: tensors the module
+    lacks are skipped, tensors the checkpoint lacks keep their current values (and fresh optimizer
+    state); a shape mismatch still fails.
     """
     layout = layout or Layout()
     optimizers = optimizers or []
@@ -571,13 +581,71 @@ def load_model(
         _module_entries(module, managed_names(engine), layout, targets, load=True)
     else:
         _module_entries(module, set(), layout, targets, load=True)
+    missing = _check_fits(opened, _expected_params(module, engine, layout), strict)
+    if missing:  # strict=False: leave what the checkpoint lacks as it is
+        targets.tensors = {k: v for k, v in targets.tensors.items() if _param_of_key(k) not in missing}
+        targets.copies = [copy for copy in targets.copies if copy[0] not in missing]
     _dcp_load(opened, targets.tensors)
     with torch.no_grad():
-        for destination, staged in targets.copies:
+        for _, destination, staged in targets.copies:
             destination.copy_(staged.view(destination.shape).to(destination.dtype))
     if engine is not None:
         engine.refresh_params_from_masters()
     return targets.optimizer_states
+
+
+def _expected_params(module: nn.Module, engine: Any, layout: Layout) -> dict[str, list[int]]:
+    """``{name: dense shape}`` of every tensor the module saves (what ``meta.json`` lists)."""
+    expected: dict[str, list[int]] = {}
+    if engine is not None:
+        for name, param in engine.managed_parameters().items():
+            expected[name] = list(dense_shape(param.shape, _tp_dim(param, layout), layout.tp_size))
+    params = dict(module.named_parameters())
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name not in expected and isinstance(tensor, torch.Tensor):
+            expected[name] = list(dense_shape(tensor.shape, _tp_dim(params.get(name), layout), layout.tp_size))
+    return expected
+
+
+def _param_of_key(key: str) -> str:
+    """The parameter name in a tensor key: ``model.<name>`` or ``optim.<i>.<name>.<state key>``."""
+    if key.startswith("model."):
+        return key[len("model.") :]
+    return key.split(".", 2)[2].rsplit(".", 1)[0]
+
+
+def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict: bool) -> set[str]:
+    """See [Note: strict loading]; returns the names the checkpoint lacks (non-strict only)."""
+    saved = {name: list(info["shape"]) for name, info in opened.meta["params"].items()}
+    unexpected = sorted(set(saved) - set(expected))
+    missing = sorted(set(expected) - set(saved))
+    mismatched = sorted(name for name in set(saved) & set(expected) if saved[name] != expected[name])
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch: " + ", ".join(f"{n} checkpoint {saved[n]} vs model {expected[n]}" for n in mismatched))
+    if strict and unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected tensor(s) in the checkpoint that the model lacks: "
+            + ", ".join(f"{n} {saved[n]}" for n in unexpected)
+        )
+    if strict and missing:
+        problems.append(
+            f"{len(missing)} tensor(s) of the model missing from the checkpoint: " + ", ".join(f"{n} {expected[n]}" for n in missing)
+        )
+    error = None
+    if problems:
+        error = f"{opened.path}: does not fit the model, nothing was loaded; " + "; ".join(problems)
+        if not mismatched:
+            error += (
+                ". To load only the matching tensors on purpose, set strict_loading = False on the LightningModule"
+                " (CLI: strict_loading=false)"
+            )
+    errors = _all_gather_object(error, "ckpt_check_fits")
+    distinct = sorted({e for e in errors if e})
+    if len(distinct) == 1:
+        raise CheckpointError(distinct[0])
+    _raise_any(errors, CheckpointError)
+    return set(missing)
 
 
 def apply_optimizer_state(
@@ -618,4 +686,4 @@ def remove_checkpoint(path: PathLike) -> None:
         path.unlink()
 
 
-from lightning_zero.checkpoint_export import export  # noqa: E402  (re-exported for the CLI)
+from lightning_zero.checkpoint_export import export, export_hf  # noqa: E402  (re-exported for the CLI)

@@ -35,7 +35,11 @@ commands:
   train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
   plan  [OVERRIDES]    print the planned bytes per rank and step time (plan.search=true: rank layouts)
   plan calibrate [--out FILE.yaml] [--quick]   measure this machine into a hardware config
-  export CKPT OUT      consolidate a (sharded) checkpoint into one plain state dict at OUT
+  export CKPT OUT [--format hf] [--dtype bf16|fp32] [--max-shard-size 5GB]
+                       consolidate a (sharded) checkpoint into one plain state dict at OUT, or
+                       write a Hugging Face Llama directory (--format hf)
+  prepare-data INPUT... OUT --tokenizer PATH
+                       tokenize text files into the token file data=memmap reads
 
 Hydra flags work after train/plan: -m (multirun sweep), --cfg job (print the config), --help.
 Docs: README.md, docs/cli.md.
@@ -80,8 +84,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _run_hydra(command, _plan_task, [*quiet, *rest])
     elif command == "export":
         _export(rest)
+    elif command == "prepare-data":
+        _prepare_data(rest)
     else:
-        _fail(f"unknown command {command!r}; expected train, plan or export")
+        _fail(f"unknown command {command!r}; expected train, plan, export or prepare-data")
 
 
 def _fail(message: str) -> None:
@@ -181,6 +187,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
     _set_threads(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
+    module.strict_loading = bool(cfg.get("strict_loading", True))  # see [Note: strict loading] in checkpoint.py
     datamodule = build_datamodule(cfg, vocab_size=module.config.vocab_size)
     trainer = build_trainer(cfg, run_dir)
     if _is_global_rank_zero():
@@ -196,6 +203,11 @@ def build_module(cfg: DictConfig) -> Any:
     from lightning_zero.models import LlamaLM
 
     model_conf = OmegaConf.to_object(cfg.model)
+    if model_conf.init_from == "required":  # what the *_finetune recipes set: no silent random init
+        raise ValueError(
+            "model.init_from=required: this recipe fine-tunes published weights; set "
+            "model.init_from=/path/to/a/Hugging-Face/Llama/directory (config.json + safetensors)"
+        )
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     max_steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else None
     if max_steps is not None and optim["warmup_steps"] > max_steps:
@@ -208,6 +220,7 @@ def build_module(cfg: DictConfig) -> Any:
     return LlamaLM(
         config=model_conf.llama_fields(),
         activation_checkpointing=model_conf.activation_checkpointing,
+        init_from=model_conf.init_from,
         max_steps=max_steps,
         **optim,
     )
@@ -373,14 +386,60 @@ def _export(args: list[str]) -> None:
         description="Consolidate a (sharded) lightning_zero checkpoint into one plain state dict.",
     )
     parser.add_argument("ckpt", help="checkpoint path (a sharded checkpoint directory or a .ckpt file)")
-    parser.add_argument("out", help="output file for the consolidated state dict")
+    parser.add_argument("out", help="output: a file (--format plain) or a directory (--format hf)")
+    parser.add_argument(
+        "--format", choices=("plain", "hf"), default="plain",
+        help="plain: one state dict with Llama's own keys; hf: a Hugging Face Llama directory "
+        "(config.json, safetensors shards, index) that transformers loads",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="--format hf: tensor dtype (default: the saved fp32)")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 5GB)")
     parsed = parser.parse_args(args)
+    if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
+        _fail("--dtype and --max-shard-size apply to --format hf only")
+    from lightning_zero.checkpoint import export, export_hf
+    from lightning_zero.checkpoint_format import CheckpointError
+
     try:
-        from lightning_zero.checkpoint import export
-    except ImportError as error:
-        _fail(f"export needs lightning_zero.checkpoint.export, which is not available ({error})")
-    path = export(parsed.ckpt, parsed.out)
+        if parsed.format == "hf":
+            path = export_hf(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
+        else:
+            path = export(parsed.ckpt, parsed.out)
+    except (CheckpointError, ValueError) as error:
+        print(f"lightning-zero export: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(f"lightning-zero: exported {parsed.ckpt} -> {path if path is not None else parsed.out}")
+
+
+def _prepare_data(args: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero prepare-data",
+        description="Tokenize text into the token file data=memmap reads (raw uint16/uint32 ids + OUT.json).",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files (one per line)")
+    parser.add_argument("out", help="the token file to write, e.g. data/train.bin")
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(8, cpus))")
+    parser.add_argument("--text-key", default="text", help="field of a .jsonl line holding the text (default: text)")
+    parser.add_argument("--eos-token", default=None, help="end-of-document token (default: </s>, <|endoftext|>, ...)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parsed = parser.parse_args(args)
+    from lightning_zero.data import prepare_tokens
+
+    try:
+        meta = prepare_tokens(parsed.inputs, parsed.out, parsed.tokenizer, workers=parsed.workers, text_key=parsed.text_key,
+                              eos_token=parsed.eos_token, progress=not parsed.no_progress)  # fmt: skip
+    except ValueError as error:
+        print(f"lightning-zero prepare-data: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(
+        f"lightning-zero: {meta['num_documents']} documents -> {meta['num_tokens']} tokens ({meta['dtype']}, vocab "
+        f"{meta['vocab_size']}) in {parsed.out}; train with data=memmap data.path={parsed.out}"
+    )
 
 
 if __name__ == "__main__":

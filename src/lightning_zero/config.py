@@ -31,7 +31,11 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 @dataclass
 class ModelConf:
-    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's)."""
+    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's).
+
+    ``init_from``: a Hugging Face Llama directory to start from (``model=hf``: its config.json
+    gives the shape; a preset must agree with it).
+    """
 
     name: str = "tiny"
     vocab_size: Optional[int] = None
@@ -44,11 +48,13 @@ class ModelConf:
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
     activation_checkpointing: bool = False
+    init_from: Optional[str] = None
 
     def llama_fields(self) -> dict[str, Any]:
         """The mapping ``LlamaLM(config=...)`` takes: the preset name and the fields set here."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.pop("activation_checkpointing")
+        values.pop("init_from")
         return {key: value for key, value in values.items() if value is not None}
 
 
@@ -305,7 +311,7 @@ GROUP_SCHEMAS: dict[str, type] = {
 }
 
 # Top-level keys besides the groups.
-TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", *GROUP_SCHEMAS}
+TOP_LEVEL_KEYS = {"seed", "ckpt_path", "strict_loading", "threads", "strategy", *GROUP_SCHEMAS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,7 +345,13 @@ def _merge_into(schema: type, node: Any, where: str) -> DictConfig:
             f" ({schema.__name__}): {', '.join(_schema_keys(schema))}"
         )
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        # A required value (``???``, e.g. a recipe's model.init_from) stays required: merging it
+        # onto the schema's default would silently keep the default (None: random init).
+        for key in node:
+            if OmegaConf.is_missing(node, key):
+                merged[key] = "???"
+        return merged
     except OmegaConfBaseException as error:
         raise _config_error(error, where, schema) from None
 

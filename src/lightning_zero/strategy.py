@@ -425,7 +425,8 @@ class ZeroStrategy(DDPStrategy):
 
         assert self.lightning_module is not None
         self._loaded_optimizer_states = load_model(opened, self.lightning_module, engine=self.engine,
-                                                   optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+                                                   optimizers=self.optimizers, layout=self._checkpoint_layout(),
+                                                   strict=strict)  # fmt: skip
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -109,6 +110,15 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @classmethod
+    def from_hf(cls, path: Union[str, "os.PathLike[str]"]) -> "LlamaConfig":
+        """The shape in a Hugging Face Llama directory's ``config.json`` (``hidden_size``,
+        ``num_key_value_heads``, ``rope_theta``, ``rms_norm_eps``, ...); other architectures,
+        biases and rope scaling are refused by name (see ``models/llama_hf.py``)."""
+        from lightning_zero.models.llama_hf import config_from_hf
+
+        return config_from_hf(path)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "LlamaConfig":
@@ -286,17 +296,19 @@ def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
     weight.copy_(dense.narrow(dim, layer.tp_rank * weight.shape[dim], weight.shape[dim]))
 
 
-def build_llama(config: LlamaConfig) -> "Llama":
+def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Llama":
     """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
 
     The modules are created on the meta device (no default init draws random numbers), then,
     unless the caller asked for meta (``with torch.device("meta")``, as ZeRO-3's sharded init
     does), materialized on the current default device and initialized. Every strategy therefore
-    starts from the same weights for the same seed.
+    starts from the same weights for the same seed. With ``weight_source`` (pretrained weights,
+    see :attr:`Llama.weight_source`) initialization reads them instead of drawing random values.
     """
     target = torch.get_default_device()
     with torch.device("meta"):
         model = Llama(config)
+    model.weight_source = weight_source
     if target.type != "meta":
         model.to_empty(device=target)
         model.init_weights()
@@ -313,6 +325,9 @@ class Llama(nn.Module):
         loss_fn: ``(logits, targets) -> mean loss``; tensor parallelism swaps in a vocab-parallel one.
         activation_checkpointing: recompute each block in backward instead of keeping its
             activations (saves about ``n_layers`` blocks' activations for one more forward).
+        weight_source: ``None`` (random init), or pretrained weights with a
+            ``load(module, prefix)`` method (``models.llama_hf.HFLlamaWeights``): then
+            :meth:`init_module` reads each unit's tensors (this rank's TP slices) from it.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -328,7 +343,30 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         self.activation_checkpointing = False
+        self.weight_source: Optional[Any] = None
         self.init_weights()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Union[str, "os.PathLike[str]"], dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+    ) -> "Llama":
+        """The Llama in a Hugging Face directory (``config.json`` + safetensors or ``.bin`` weights,
+        single or sharded), with parameters in ``dtype`` on ``device``; in fp32 its logits equal
+        ``transformers.LlamaForCausalLM.from_pretrained(path)``'s. See ``models/llama_hf.py``."""
+        from lightning_zero.models.llama_hf import HFLlamaWeights
+
+        config = LlamaConfig.from_hf(path)
+        weights = HFLlamaWeights(path, config)
+        with torch.device("meta"):
+            model = cls(config)
+            for module in model.modules():
+                for key, param in module._parameters.items():
+                    if param is not None:
+                        module._parameters[key] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+        model.to_empty(device=device)
+        model.weight_source = weights
+        model.init_weights()
+        return model
 
     def reset_parameters(self) -> None:
         """Recompute the rotary tables this module owns directly (Lightning's meta-device
@@ -361,7 +399,15 @@ class Llama(nn.Module):
         Returns True when ``module``'s whole subtree was initialized (embedding, a block, the
         final norm, the head); for the model itself only the rotary tables are recomputed and
         False is returned (its children are separate units). Unknown modules: False.
+        With :attr:`weight_source` set, the unit's tensors are read from it instead of drawn.
         """
+        if self.weight_source is not None and module is not self:
+            # Any submodule (a unit of another wrap policy too): read its tensors by their names.
+            prefix = next((name for name, candidate in self.named_modules() if candidate is module), None)
+            if prefix is None:
+                return False
+            self.weight_source.load(module, prefix)
+            return True
 
         def trunc_normal(layer: nn.Module, std: float) -> None:
             _draw_dense(layer, lambda w: nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=generator))
@@ -455,7 +501,8 @@ class LlamaLM(L.LightningModule):
 
     Args:
         config: a preset name (``tiny``, ``7b``, ``13b``, ``70b``), a ``LlamaConfig``, or a mapping
-            (preset ``name`` plus overrides, or every field).
+            (preset ``name`` plus overrides, or every field); ``None``: ``tiny``, or with
+            ``init_from`` the shape in its ``config.json``.
         lr: peak learning rate of AdamW, reached after ``warmup_steps`` optimizer steps.
         weight_decay: AdamW decoupled decay on matrices and embeddings (never on norm gains).
         betas: AdamW (beta1, beta2).
@@ -464,6 +511,12 @@ class LlamaLM(L.LightningModule):
             takes the trainer's estimate of total steps.
         min_lr_ratio: final learning rate as a fraction of ``lr``, in [0, 1].
         activation_checkpointing: recompute each transformer block in backward.
+        init_from: a Hugging Face Llama directory (``config.json`` + safetensors/``.bin``) to
+            start from instead of random init. The shape comes from its ``config.json``; a
+            ``config`` that sets a disagreeing shape field raises ``ValueError`` (``max_seq_len``
+            may differ). Config, file headers, names and shapes are checked here, before
+            anything trains; the tensors are read when the model is built, each rank reading
+            only what it keeps, one unit at a time (see docs/pretrained.md).
 
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
@@ -472,7 +525,7 @@ class LlamaLM(L.LightningModule):
 
     def __init__(
         self,
-        config: Union[LlamaConfig, str, Mapping[str, Any]] = "tiny",
+        config: Union[None, LlamaConfig, str, Mapping[str, Any]] = None,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: Sequence[float] = (0.9, 0.95),
@@ -480,9 +533,18 @@ class LlamaLM(L.LightningModule):
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
         activation_checkpointing: bool = False,
+        init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.config = resolve_config(config)
+        self.pretrained: Optional[Any] = None  # models.llama_hf.HFLlamaWeights when init_from is set
+        if init_from is not None:
+            from lightning_zero.models.llama_hf import HFLlamaWeights, pretrained_config
+
+            init_from = str(init_from)
+            self.config = pretrained_config(config, init_from)
+            self.pretrained = HFLlamaWeights(init_from, self.config)
+        else:
+            self.config = resolve_config("tiny" if config is None else config)
         betas = tuple(float(beta) for beta in betas)
         if not lr > 0:
             raise ValueError(f"LlamaLM: lr must be > 0, got {lr}")
@@ -511,19 +573,39 @@ class LlamaLM(L.LightningModule):
         )
 
     def configure_model(self) -> None:
+        tp_mesh = self._tp_mesh()
         if self.model is None:
-            self.model = build_llama(self.config)
-        self.model.activation_checkpointing = self.hparams.activation_checkpointing
-        mesh = self.device_mesh
-        if mesh is None or self._tp_applied or "tp" not in (mesh.mesh_dim_names or ()):
-            return
-        if mesh["tp"].size() > 1:
-            from lightning_zero.tp import parallelize_llama
+            target = torch.get_default_device()
+            if self.pretrained is not None and tp_mesh is not None and target.type != "meta":
+                # Pretrained under TP: split on the meta device, then read only this rank's slices.
+                from lightning_zero.tp.layers import mark_tp_params
 
-            # The strategy's counter, when it has one, so tp traffic is counted beside dp's.
-            counter = getattr(self._trainer.strategy, "comm_counter", None) if self._trainer is not None else None
-            parallelize_llama(self.model, mesh["tp"], counter=counter)
-            self._tp_applied = True
+                with torch.device("meta"):
+                    self.model = build_llama(self.config, self.pretrained)
+                self._parallelize(tp_mesh)
+                self.model.to_empty(device=target)
+                mark_tp_params(self.model)  # to_empty made new Parameter objects
+                self.model.init_weights()
+            else:
+                self.model = build_llama(self.config, self.pretrained)
+        self.model.activation_checkpointing = self.hparams.activation_checkpointing
+        if tp_mesh is not None and not self._tp_applied:
+            self._parallelize(tp_mesh)
+
+    def _tp_mesh(self) -> Optional[Any]:
+        """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""
+        mesh = self.device_mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+            return None
+        return mesh["tp"]
+
+    def _parallelize(self, tp_mesh: Any) -> None:
+        from lightning_zero.tp import parallelize_llama
+
+        # The strategy's counter, when it has one, so tp traffic is counted beside dp's.
+        counter = getattr(self._trainer.strategy, "comm_counter", None) if self._trainer is not None else None
+        parallelize_llama(self.model, tp_mesh, counter=counter)
+        self._tp_applied = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self._built_model()(idx)

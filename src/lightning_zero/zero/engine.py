@@ -434,9 +434,14 @@ class ZeroEngine:
             self.restore_master_params()
 
     # -- what checkpoints and tensor parallelism read -----------------------------------------
+    def managed_parameters(self) -> dict[str, nn.Parameter]:
+        """``{name: parameter}`` of every parameter in the engine's flat groups (what a sharded
+        checkpoint saves from the engine rather than from the module)."""
+        return {slot.name: slot.param for group in self.groups for slot in group.layout.slots}
+
     def managed_param_names(self) -> set[str]:
         """Names of the parameters whose fp32 masters the engine's optimizers step."""
-        return {slot.name for group in self.groups for slot in group.layout.slots}
+        return set(self.managed_parameters())
 
     def refresh_params_from_masters(self) -> None:
         """Compute parameters from the fp32 masters (after loading them): stages 1-2 all-gather

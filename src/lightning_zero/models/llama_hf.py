@@ -1,0 +1,297 @@
+"""The Hugging Face Llama layout: config.json fields, tensor names and the q/k rotary permutation.
+
+Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here; the
+reading, slicing and shard writing are model-agnostic (``lightning_zero.checkpoint_hf``).
+
+[Note: rotary permutation] Meta's Llama (and ours, see ``apply_rope``) rotates *adjacent* channel
+pairs ``(0, 1), (2, 3), ...`` of each head; ``transformers`` rotates the two *halves*
+``(i, i + head_dim / 2)``. Meta's conversion script therefore permutes the rows of ``wq`` and
+``wk`` within every head so the half-split rotation computes the same attention:
+``hf = w.view(heads, head_dim / 2, 2, dim).transpose(1, 2)``. Loading applies the inverse,
+``w.view(heads, 2, head_dim / 2, dim).transpose(1, 2)``; export applies it forward. The
+permutation never crosses a head, so a tensor-parallel slice of whole heads is permuted on its own.
+
+Name map (``i`` = layer):
+
+==========================================  ==================================
+Hugging Face                                ``Llama``
+==========================================  ==================================
+model.embed_tokens.weight                   tok_embeddings.weight
+model.layers.i.input_layernorm.weight       layers.i.attention_norm.weight
+model.layers.i.self_attn.{q,k}_proj.weight  layers.i.attention.w{q,k}.weight (permuted)
+model.layers.i.self_attn.{v,o}_proj.weight  layers.i.attention.w{v,o}.weight
+model.layers.i.post_attention_layernorm     layers.i.ffn_norm.weight
+model.layers.i.mlp.{gate,up,down}_proj      layers.i.feed_forward.w{1,3,2}.weight
+model.norm.weight                           norm.weight
+lm_head.weight                              output.weight (tied: model.embed_tokens.weight)
+==========================================  ==================================
+
+Tied embeddings (``tie_word_embeddings: true``) are loaded *untied*: ``output`` starts as a copy of
+the embedding and trains on its own; export then writes ``lm_head.weight`` and
+``tie_word_embeddings: false``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_zero.checkpoint_hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
+from lightning_zero.models.llama import LlamaConfig, preset_names
+
+PathLike = Union[str, os.PathLike]
+CONFIG_FILE = "config.json"
+ARCHITECTURE = "LlamaForCausalLM"
+# Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
+IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+# LlamaConfig fields that config.json decides (max_seq_len, the rotary table length, may differ).
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta")
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of the model directory ``path``."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{config_path}: missing; init_from needs a Hugging Face model directory (config.json + weights)")
+    try:
+        values = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_path}: unreadable ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    return values
+
+
+def _rope_type(values: Mapping[str, Any]) -> str:
+    scaling = values.get("rope_scaling") or {}
+    parameters = values.get("rope_parameters") or {}
+    return str(scaling.get("rope_type") or scaling.get("type") or parameters.get("rope_type") or "default")
+
+
+def config_from_hf(path: PathLike) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face Llama directory, refusing what ``Llama`` cannot compute."""
+    values = read_hf_config(path)
+    where = Path(path) / CONFIG_FILE
+    model_type = values.get("model_type")
+    architectures = values.get("architectures") or [ARCHITECTURE]
+    if model_type != "llama" or any(arch != ARCHITECTURE for arch in architectures):
+        raise ValueError(
+            f"{where}: model_type {model_type!r}, architectures {architectures}: only Llama checkpoints "
+            f"(model_type 'llama', {ARCHITECTURE}) can be loaded"
+        )
+    rope_type = _rope_type(values)
+    if rope_type != "default":
+        raise ValueError(
+            f"{where}: rope scaling {rope_type!r} is not supported (only the default rotary embedding, "
+            "as in Llama 2 and Llama 3.0); Llama 3.1+ 'llama3', 'linear', 'dynamic' and 'yarn' scaling are not implemented"
+        )
+    refusals = {
+        "attention_bias": (values.get("attention_bias", False), False),
+        "mlp_bias": (values.get("mlp_bias", False), False),
+        "hidden_act": (values.get("hidden_act", "silu"), "silu"),
+    }
+    for key, (got, want) in refusals.items():
+        if got != want:
+            raise ValueError(f"{where}: {key} = {got!r} is not supported (Llama uses {want!r})")
+    try:
+        dim, n_heads = int(values["hidden_size"]), int(values["num_attention_heads"])
+        head_dim = values.get("head_dim") or dim // n_heads
+        if head_dim * n_heads != dim:
+            raise ValueError(f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported")
+        theta = values.get("rope_theta") or (values.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        return LlamaConfig(
+            name=f"hf:{Path(path).resolve().name}",
+            vocab_size=int(values["vocab_size"]),
+            dim=dim,
+            n_layers=int(values["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(values.get("num_key_value_heads") or n_heads),
+            ffn_dim=int(values["intermediate_size"]),
+            max_seq_len=int(values.get("max_position_embeddings", 4096)),
+            norm_eps=float(values.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{where}: missing field {exc.args[0]!r}") from exc
+
+
+def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """``config.json`` for ``config``; ``base`` (the source checkpoint's config.json, when known)
+    contributes the fields we do not own (token ids, ``max_position_embeddings`` if larger)."""
+    values = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")}
+    values.update(
+        architectures=[ARCHITECTURE],
+        model_type="llama",
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max(config.max_seq_len, int((base or {}).get("max_position_embeddings", 0))),
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        rope_scaling=None,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    return values
+
+
+def pretrained_config(requested: Union[None, str, LlamaConfig, Mapping[str, Any]], path: PathLike) -> LlamaConfig:
+    """The shape of ``path``'s config.json, checked against what the caller asked for.
+
+    ``requested``: ``None`` or a name that is not a preset (``"hf"``): take config.json's shape;
+    a preset name or mapping: every shape field it sets must agree with config.json (else
+    ``ValueError`` listing the disagreements). ``max_seq_len`` (rotary table length) may differ.
+    """
+    loaded = config_from_hf(path)
+    if requested is None:
+        return loaded
+    if isinstance(requested, LlamaConfig):
+        requested = dataclasses.asdict(requested)
+    if isinstance(requested, str):
+        requested = {"name": requested}
+    values = {str(k): v for k, v in requested.items() if v is not None}
+    name = values.pop("name", None)
+    if name is not None and str(name).lower() in preset_names():
+        values = {**dataclasses.asdict(LlamaConfig.from_name(name)), **values}
+        values.pop("name")
+    max_seq_len = int(values.pop("max_seq_len", loaded.max_seq_len))
+    unknown = sorted(set(values) - set(SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"model config: unknown field(s) {unknown}")
+    disagree = []
+    for field_name, wanted in values.items():
+        have = getattr(loaded, field_name)
+        same = math.isclose(float(wanted), float(have), rel_tol=1e-9) if isinstance(have, float) else wanted == have
+        if not same:
+            disagree.append(f"{field_name} {wanted!r} (config.json: {have!r})")
+    if disagree:
+        raise ValueError(
+            f"model {name!r} disagrees with {Path(path) / CONFIG_FILE}: {', '.join(disagree)}. With init_from the "
+            "shape comes from config.json: use model=hf (or the matching preset) and drop the shape overrides"
+        )
+    return dataclasses.replace(loaded, max_seq_len=max_seq_len)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------
+
+
+def permute_for_hf(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Our (Meta) q/k rows -> Hugging Face's (see [Note: rotary permutation])."""
+    rows = weight.shape[0]
+    return weight.reshape(rows // head_dim, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_from_hf(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Hugging Face q/k rows -> ours (see [Note: rotary permutation])."""
+    rows = weight.shape[0]
+    return weight.reshape(rows // head_dim, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _rope_rows(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf: bool) -> torch.Tensor:
+    """A :class:`Source` transform: (un)permute q/k rows; ``dim``: the TP split dim of the slice."""
+    if dim not in (None, 0):
+        raise ValueError(f"q/k projections split along dim {dim}: the rotary permutation needs whole heads (rows)")
+    return permute_for_hf(tensor, head_dim) if to_hf else unpermute_from_hf(tensor, head_dim)
+
+
+def hf_names(config: LlamaConfig, tied: bool = False) -> dict[str, str]:
+    """``{our parameter name: Hugging Face key}`` in Hugging Face's order."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        names |= {
+            ours + "attention_norm.weight": theirs + "input_layernorm.weight",
+            ours + "attention.wq.weight": theirs + "self_attn.q_proj.weight",
+            ours + "attention.wk.weight": theirs + "self_attn.k_proj.weight",
+            ours + "attention.wv.weight": theirs + "self_attn.v_proj.weight",
+            ours + "attention.wo.weight": theirs + "self_attn.o_proj.weight",
+            ours + "ffn_norm.weight": theirs + "post_attention_layernorm.weight",
+            ours + "feed_forward.w1.weight": theirs + "mlp.gate_proj.weight",
+            ours + "feed_forward.w3.weight": theirs + "mlp.up_proj.weight",
+            ours + "feed_forward.w2.weight": theirs + "mlp.down_proj.weight",
+        }
+    names["norm.weight"] = "model.norm.weight"
+    names["output.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    return names
+
+
+def dense_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """``{our parameter name: dense shape}`` from the config alone."""
+    kv_dim = config.n_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "attention_norm.weight": (config.dim,),
+            p + "attention.wq.weight": (config.n_heads * config.head_dim, config.dim),
+            p + "attention.wk.weight": (kv_dim, config.dim),
+            p + "attention.wv.weight": (kv_dim, config.dim),
+            p + "attention.wo.weight": (config.dim, config.n_heads * config.head_dim),
+            p + "ffn_norm.weight": (config.dim,),
+            p + "feed_forward.w1.weight": (config.ffn_dim, config.dim),
+            p + "feed_forward.w3.weight": (config.ffn_dim, config.dim),
+            p + "feed_forward.w2.weight": (config.dim, config.ffn_dim),
+        }
+    shapes["norm.weight"] = (config.dim,)
+    shapes["output.weight"] = (config.vocab_size, config.dim)
+    return shapes
+
+
+def tensor_plan(config: LlamaConfig, *, tied: bool = False, to_hf: bool = False) -> dict[str, Source]:
+    """``{our parameter name: Source}``: the Hugging Face key, the dense shape, the q/k permutation
+    (towards ours when loading, towards Hugging Face's with ``to_hf``)."""
+    shapes = dense_shapes(config)
+    rope = functools.partial(_rope_rows, head_dim=config.head_dim, to_hf=to_hf)  # picklable (spawn)
+    return {
+        name: Source(key, shapes[name], rope if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None)
+        for name, key in hf_names(config, tied).items()
+    }
+
+
+class HFLlamaWeights:
+    """The weights of a Hugging Face Llama directory, checked against ``config`` and ready to fill
+    ``Llama`` units one at a time (the source ``Llama.init_module`` reads from when set).
+
+    Opening reads config.json and the file headers only; any missing or truncated shard, missing
+    or unexpected tensor, or wrong shape raises ``CheckpointError`` naming the file and tensor.
+    """
+
+    def __init__(self, path: PathLike, config: LlamaConfig) -> None:
+        self.path = Path(path)
+        hf_config = read_hf_config(path)
+        self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.files: WeightFiles = open_weight_files(path)
+        self.plan = tensor_plan(config, tied=self.tied)
+        ignore = list(IGNORABLE_KEYS) + (["lm_head\\.weight"] if self.tied else [])
+        check_plan(self.files, self.plan, ignore=ignore)
+        self.bytes_read = 0
+
+    def load(self, module: nn.Module, prefix: str) -> None:
+        """Fill ``module`` (the model's submodule named ``prefix``) with its (TP-local) weights."""
+        self.bytes_read += load_module_params(module, prefix, self.files, self.plan)
+
+    def __repr__(self) -> str:
+        return f"HFLlamaWeights({str(self.path)!r}, {len(self.files.infos)} tensors, {self.files.format})"
