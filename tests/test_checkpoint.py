@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.checkpoint_format import CheckpointError, range_pieces, read_dcp_metadata, storage_shape
-from lightning_zero.checkpoint_state import decode, encode
+from lightning_zero.checkpoint.dcp import CheckpointError, range_pieces, read_dcp_metadata, storage_shape
+from lightning_zero.checkpoint.state import decode, encode
 from tests.distributed import run_ranks
 
 STAGES = (1, 2, 3)
@@ -358,7 +358,7 @@ def _copy(src, dst):
 
 
 def _rehash(ckpt, name):
-    from lightning_zero.checkpoint import _sha256
+    from lightning_zero.checkpoint.publish import sha256_of as _sha256
 
     meta = json.loads(Path(ckpt, "meta.json").read_text())
     path = Path(ckpt, name)

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_zero.checkpoint_format import CheckpointError  # noqa: E402
+from lightning_zero.checkpoint.dcp import CheckpointError  # noqa: E402
 from lightning_zero.models import Llama, LlamaConfig  # noqa: E402
 from lightning_zero.models.llama import LlamaLM, cross_entropy_loss  # noqa: E402
 from tests.distributed import launch  # noqa: E402
@@ -235,7 +235,7 @@ def test_bad_input_fails_clearly_before_training(hf, tmp_path, case):
 
 
 def test_slice_reads_match_whole_tensors(hf):
-    from lightning_zero.checkpoint_hf import open_weight_files
+    from lightning_zero.checkpoint.hf import open_weight_files
 
     for layout in ("sharded", "bin"):
         files = open_weight_files(hf["root"] / layout)
@@ -246,7 +246,7 @@ def test_slice_reads_match_whole_tensors(hf):
 
 
 def test_shard_writer_streams_within_the_shard_size(tmp_path):
-    from lightning_zero.checkpoint_hf import TensorSpec, open_weight_files, parse_size, write_safetensors_shards
+    from lightning_zero.checkpoint.hf import TensorSpec, open_weight_files, parse_size, write_safetensors_shards
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(123) == 123
     with pytest.raises(ValueError, match="size '5 parsecs'"):

@@ -187,7 +187,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
     _set_threads(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
-    module.strict_loading = bool(cfg.get("strict_loading", True))  # see [Note: strict loading] in checkpoint.py
+    module.strict_loading = bool(cfg.get("strict_loading", True))  # see [Note: strict loading] in checkpoint/load.py
     datamodule = build_datamodule(cfg, vocab_size=module.config.vocab_size)
     trainer = build_trainer(cfg, run_dir)
     if _is_global_rank_zero():
@@ -400,7 +400,7 @@ def _export(args: list[str]) -> None:
     if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
         _fail("--dtype and --max-shard-size apply to --format hf only")
     from lightning_zero.checkpoint import export, export_hf
-    from lightning_zero.checkpoint_format import CheckpointError
+    from lightning_zero.checkpoint.dcp import CheckpointError
 
     try:
         if parsed.format == "hf":

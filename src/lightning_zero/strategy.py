@@ -376,7 +376,7 @@ class ZeroStrategy(DDPStrategy):
             self.engine = None
         super().teardown()
 
-    # -- checkpoints (logic in checkpoint.py) -----------------------------------------------------
+    # -- checkpoints (logic in checkpoint/) -----------------------------------------------------
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:

@@ -23,6 +23,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero import checkpoint  # noqa: E402
+from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
 from lightning_zero.models.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_zero.zero.engine import ZeroEngine  # noqa: E402
 
@@ -62,7 +63,7 @@ def main(out: Path, stage: int) -> None:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint._fault_hook = die
+    checkpoint_save._fault_hook = die
     start = time.monotonic()
     result = {"raised": False, "error": None}
     try:

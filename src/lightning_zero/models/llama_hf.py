@@ -1,7 +1,7 @@
 """The Hugging Face Llama layout: config.json fields, tensor names and the q/k rotary permutation.
 
 Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here; the
-reading, slicing and shard writing are model-agnostic (``lightning_zero.checkpoint_hf``).
+reading, slicing and shard writing are model-agnostic (``lightning_zero.checkpoint.hf``).
 
 [Note: rotary permutation] Meta's Llama (and ours, see ``apply_rope``) rotates *adjacent* channel
 pairs ``(0, 1), (2, 3), ...`` of each head; ``transformers`` rotates the two *halves*
@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint_hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
+from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
 from lightning_zero.models.llama import LlamaConfig, preset_names
 
 PathLike = Union[str, os.PathLike]

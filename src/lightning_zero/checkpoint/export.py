@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from lightning_zero.checkpoint_format import CheckpointError, read_dcp_metadata, storage_shape
+from lightning_zero.checkpoint.dcp import CheckpointError, read_dcp_metadata, storage_shape
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -178,7 +178,7 @@ def export(ckpt: Union[str, os.PathLike], out: Union[str, os.PathLike], *, prefi
     fp32 master weights (buffers and frozen parameters in their own dtype), in dense shapes
     whatever dp/tp layout wrote them. Every file is verified (size, sha256) first.
     """
-    from lightning_zero.checkpoint import open_checkpoint
+    from lightning_zero.checkpoint.load import open_checkpoint
 
     opened = open_checkpoint(ckpt)
     meta = opened.meta
@@ -225,8 +225,8 @@ def export_hf(
     rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
     one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
     """
-    from lightning_zero.checkpoint import open_checkpoint
-    from lightning_zero.checkpoint_hf import TensorSpec, parse_size, write_safetensors_shards
+    from lightning_zero.checkpoint.load import open_checkpoint
+    from lightning_zero.checkpoint.hf import TensorSpec, parse_size, write_safetensors_shards
     from lightning_zero.models.llama import resolve_config
     from lightning_zero.models.llama_hf import CONFIG_FILE, hf_config_dict, read_hf_config, tensor_plan
 

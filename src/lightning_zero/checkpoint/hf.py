@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint_format import CheckpointError
+from lightning_zero.checkpoint.dcp import CheckpointError
 
 PathLike = Union[str, os.PathLike]
 

@@ -1,0 +1,257 @@
+"""Opening, verifying and loading a sharded checkpoint into any layout; strict by default
+([Note: strict loading])."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.dcp import (
+    CheckpointError,
+    ChunkLoadPlanner,
+    SafeFileSystemReader,
+    dense_shape,
+    read_dcp_metadata,
+)
+from lightning_zero.checkpoint.publish import DCP_METADATA_FILE, FORMAT, META_FILE, PathLike, sha256_of
+from lightning_zero.checkpoint.ranks import all_gather_object, labelled, raise_any
+from lightning_zero.checkpoint.state import decode, set_rng_state
+from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, managed_names, module_entries, tp_dim_of
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    """True for a directory holding a lightning_zero checkpoint's ``meta.json``."""
+    return Path(path, META_FILE).is_file()
+
+
+@dataclass
+class OpenedCheckpoint:
+    """A verified checkpoint: its ``meta.json`` and Lightning state, ready to load from."""
+
+    path: Path
+    meta: dict[str, Any]
+    state: dict[str, Any]
+    rank_state: Optional[dict[str, Any]]
+
+    def lightning_dict(self) -> dict[str, Any]:
+        """What Lightning expects back from ``Strategy.load_checkpoint`` (tensors stay on disk)."""
+        out = dict(self.state)
+        out["state_dict"] = {}
+        if self.meta["optimizers"]:
+            out["optimizer_states"] = [{} for _ in self.meta["optimizers"]]
+        return out
+
+
+def _verify_file(root: Path, name: str, info: dict[str, Any], with_hash: bool) -> Optional[str]:
+    path = root / name
+    if not path.is_file():
+        return f"{path}: missing"
+    size = path.stat().st_size
+    if size != info["size"]:
+        return f"{path}: {size} bytes, expected {info['size']} (truncated or replaced)"
+    if with_hash and sha256_of(path) != info["sha256"]:
+        return f"{path}: sha256 does not match meta.json (corrupted or tampered with)"
+    return None
+
+
+def open_checkpoint(path: PathLike, layout: Optional[Layout] = None) -> OpenedCheckpoint:
+    """Read and verify the checkpoint directory ``path``; a collective when a process group exists.
+
+    Every file's size is checked on every rank; the sha256 checks are split over the ranks.
+    Raises :class:`CheckpointError` naming the first bad file; nothing is loaded anywhere.
+    """
+    root = Path(path)
+    layout = layout or Layout()
+    with labelled("ckpt_open"):
+        error = None
+        meta: dict[str, Any] = {}
+        try:
+            meta = _read_meta(root)
+            names = sorted(meta["files"])
+            if DCP_METADATA_FILE not in names:
+                raise CheckpointError(f"{root / META_FILE}: lists no {DCP_METADATA_FILE}")
+            for index, name in enumerate(names):
+                problem = _verify_file(root, name, meta["files"][name], index % layout.world_size == layout.rank)
+                if problem:
+                    raise CheckpointError(problem)
+            read_dcp_metadata(str(root / DCP_METADATA_FILE))
+        except CheckpointError as exc:
+            error = str(exc)
+        raise_any(all_gather_object(error, "ckpt_verify"), CheckpointError)
+        rank_file = root / f"rank{layout.rank}.json"
+        rank_state = None
+        if meta["layout"]["world_size"] == layout.world_size and rank_file.is_file():
+            rank_state = decode(json.loads(rank_file.read_text()))
+        return OpenedCheckpoint(root, meta, decode(meta["trainer_state"]), rank_state)
+
+
+def _read_meta(root: Path) -> dict[str, Any]:
+    meta_path = root / META_FILE
+    if not root.exists():
+        raise CheckpointError(f"{root}: no such checkpoint")
+    if not root.is_dir():
+        raise CheckpointError(
+            f"{root}: a file, not a lightning_zero checkpoint (a directory with {META_FILE});"
+            " load single-file Lightning checkpoints with a non-ZeRO strategy"
+        )
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path}: missing; {root} is not a complete lightning_zero checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
+    for key in ("layout", "params", "optimizers", "trainer_state", "files"):
+        if key not in meta:
+            raise CheckpointError(f"{meta_path}: missing {key!r}")
+    return meta
+
+
+def _dcp_load(opened: OpenedCheckpoint, tensors: dict[str, Any]) -> None:
+    try:
+        with labelled("ckpt_dcp_load"):
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(opened.path)), planner=ChunkLoadPlanner())
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"{opened.path}: loading failed, nothing was changed: {exc}") from exc
+
+
+def load_model(
+    opened: OpenedCheckpoint,
+    module: nn.Module,
+    *,
+    engine: Any = None,
+    optimizers: Optional[list[Optimizer]] = None,
+    layout: Optional[Layout] = None,
+    strict: bool = True,
+) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Load the weights (and, with an engine, the optimizer state of the owned ranges).
+
+    Everything is read into fresh tensors first and copied into the module and the masters only
+    when the whole read succeeded. With ``engine`` the compute parameters are refreshed from the
+    masters (the engine's all-gather). Returns the optimizer states per optimizer (master id ->
+    state) for :func:`apply_optimizer_state`.
+
+    [Note: strict loading] The checkpoint's tensors (names and dense shapes in ``meta.json``) must
+    be exactly the module's: a tensor the module lacks (a checkpoint of a deeper model), one the
+    checkpoint lacks, or one of another shape raises ``CheckpointError`` on every rank, listing
+    them with the shapes on both sides, before anything is read. ``strict=False`` (Lightning
+    passes ``LightningModule.strict_loading``) is the deliberate partial load: tensors the module
+    lacks are skipped, tensors the checkpoint lacks keep their current values (and fresh optimizer
+    state); a shape mismatch still fails.
+    """
+    layout = layout or Layout()
+    optimizers = optimizers or []
+    targets = Targets()
+    kinds = [opt_meta["state"] for opt_meta in opened.meta["optimizers"]]
+    if engine is not None:
+        if kinds and len(kinds) != len(optimizers):
+            raise CheckpointError(
+                f"{opened.path}: saved with {len(kinds)} optimizer(s), the module configures {len(optimizers)}"
+            )
+        engine_entries(engine, optimizers, layout, targets, load=True, state_kinds=kinds or [{} for _ in optimizers])
+        module_entries(module, managed_names(engine), layout, targets, load=True)
+    else:
+        module_entries(module, set(), layout, targets, load=True)
+    missing = _check_fits(opened, _expected_params(module, engine, layout), strict)
+    if missing:  # strict=False: leave what the checkpoint lacks as it is
+        targets.tensors = {k: v for k, v in targets.tensors.items() if _param_of_key(k) not in missing}
+        targets.copies = [copy for copy in targets.copies if copy[0] not in missing]
+    _dcp_load(opened, targets.tensors)
+    with torch.no_grad():
+        for _, destination, staged in targets.copies:
+            destination.copy_(staged.view(destination.shape).to(destination.dtype))
+    if engine is not None:
+        engine.refresh_params_from_masters()
+    return targets.optimizer_states
+
+
+def _expected_params(module: nn.Module, engine: Any, layout: Layout) -> dict[str, list[int]]:
+    """``{name: dense shape}`` of every tensor the module saves (what ``meta.json`` lists)."""
+    expected: dict[str, list[int]] = {}
+    if engine is not None:
+        for name, param in engine.managed_parameters().items():
+            expected[name] = list(dense_shape(param.shape, tp_dim_of(param, layout), layout.tp_size))
+    params = dict(module.named_parameters())
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name not in expected and isinstance(tensor, torch.Tensor):
+            expected[name] = list(dense_shape(tensor.shape, tp_dim_of(params.get(name), layout), layout.tp_size))
+    return expected
+
+
+def _param_of_key(key: str) -> str:
+    """The parameter name in a tensor key: ``model.<name>`` or ``optim.<i>.<name>.<state key>``."""
+    if key.startswith("model."):
+        return key[len("model.") :]
+    return key.split(".", 2)[2].rsplit(".", 1)[0]
+
+
+def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict: bool) -> set[str]:
+    """See [Note: strict loading]; returns the names the checkpoint lacks (non-strict only)."""
+    saved = {name: list(info["shape"]) for name, info in opened.meta["params"].items()}
+    unexpected = sorted(set(saved) - set(expected))
+    missing = sorted(set(expected) - set(saved))
+    mismatched = sorted(name for name in set(saved) & set(expected) if saved[name] != expected[name])
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch: " + ", ".join(f"{n} checkpoint {saved[n]} vs model {expected[n]}" for n in mismatched))
+    if strict and unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected tensor(s) in the checkpoint that the model lacks: "
+            + ", ".join(f"{n} {saved[n]}" for n in unexpected)
+        )
+    if strict and missing:
+        problems.append(
+            f"{len(missing)} tensor(s) of the model missing from the checkpoint: " + ", ".join(f"{n} {expected[n]}" for n in missing)
+        )
+    error = None
+    if problems:
+        error = f"{opened.path}: does not fit the model, nothing was loaded; " + "; ".join(problems)
+        if not mismatched:
+            error += (
+                ". To load only the matching tensors on purpose, set strict_loading = False on the LightningModule"
+                " (CLI: strict_loading=false)"
+            )
+    errors = all_gather_object(error, "ckpt_check_fits")
+    distinct = sorted({e for e in errors if e})
+    if len(distinct) == 1:
+        raise CheckpointError(distinct[0])
+    raise_any(errors, CheckpointError)
+    return set(missing)
+
+
+def apply_optimizer_state(
+    opened: OpenedCheckpoint, optimizers: list[Optimizer], states: list[dict[int, dict[str, torch.Tensor]]]
+) -> None:
+    """Install loaded optimizer state and the saved param-group hyperparameters (lr, betas, ...)."""
+    saved = opened.meta["optimizers"]
+    if not saved:
+        return
+    for index, (optimizer, opt_meta) in enumerate(zip(optimizers, saved)):
+        groups = decode(opt_meta["param_groups"])
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"{opened.path}: optimizer {index} was saved with {len(groups)} param groups,"
+                f" now has {len(optimizer.param_groups)}"
+            )
+        for group, saved_group in zip(optimizer.param_groups, groups):
+            group.update(saved_group)
+        masters = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        for master_id, state in (states[index] if index < len(states) else {}).items():
+            optimizer.state[masters[master_id]] = state
+
+
+def restore_rng(opened: OpenedCheckpoint) -> bool:
+    """Restore this rank's RNG states if the checkpoint was saved at the same world size."""
+    if opened.rank_state is None:
+        return False
+    set_rng_state(opened.rank_state["rng"])
+    return True

@@ -1,0 +1,45 @@
+"""Rank agreement for checkpoint I/O: object collectives (labelled, no-ops without a process group)
+and raising one error on every rank when any rank failed."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch.distributed as dist
+from torch.profiler import record_function
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextmanager
+def labelled(name: str) -> Iterator[None]:
+    with record_function(f"lightning_zero::{name}"):
+        yield
+
+
+def all_gather_object(value: Any, label: str) -> list[Any]:
+    if not distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    with labelled(label):
+        dist.all_gather_object(out, value)
+    return out
+
+
+def broadcast_object(value: Any, label: str) -> Any:
+    if not distributed():
+        return value
+    box = [value]
+    with labelled(label):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def raise_any(errors: list[Optional[str]], kind: type[Exception]) -> None:
+    """Raise ``kind`` on every rank if any rank reported an error (after an all-gather)."""
+    messages = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
+    if messages:
+        raise kind("; ".join(messages))

@@ -1,0 +1,140 @@
+"""``save_checkpoint``: every rank writes what it owns; rank 0 publishes the directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.dcp import (
+    ChunkSavePlanner,
+    dense_shape,
+)
+from lightning_zero.checkpoint.publish import (
+    DCP_METADATA_FILE,
+    FORMAT,
+    META_FILE,
+    CheckpointWriteError,
+    PathLike,
+    begin_write,
+    fsync_write,
+    publish,
+    sha256_of,
+    write_rank_file,
+)
+from lightning_zero.checkpoint.ranks import all_gather_object, broadcast_object, labelled, raise_any
+from lightning_zero.checkpoint.state import encode
+from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, managed_names, module_entries, tp_dim_of
+
+# Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
+_fault_hook: Optional[Callable[[str], None]] = None
+
+
+def save_checkpoint(
+    path: PathLike,
+    checkpoint: dict[str, Any],
+    *,
+    module: nn.Module,
+    engine: Any,
+    optimizers: list[Optimizer],
+    layout: Layout,
+) -> Path:
+    """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
+
+    ``checkpoint``: Lightning's checkpoint dict; its ``state_dict`` and ``optimizer_states`` are
+    ignored (tensors come from the engine: each rank writes only the ranges it owns), the rest is
+    stored as JSON. When it has no ``optimizer_states`` (``save_weights_only``) no optimizer
+    state is written. A collective over the default process group: every rank must call it.
+    Raises :class:`CheckpointWriteError` on every rank if any rank cannot write; the previous
+    checkpoint at ``path`` is then untouched.
+    """
+    target = Path(path)
+    with labelled("ckpt_save"):
+        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
+        tmp = begin_write(target, layout)
+        raise_any(all_gather_object(write_rank_file(tmp, layout), "ckpt_rank_files"), CheckpointWriteError)
+
+        targets = Targets()
+        with_optimizer = "optimizer_states" in checkpoint
+        kinds: list[dict] = [{} for _ in optimizers]
+        skip: set[str] = set()
+        if engine is not None:
+            engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
+            skip = managed_names(engine)
+        params = module_entries(module, skip, layout, targets, load=False)
+        try:
+            with labelled("ckpt_dcp_save"):
+                dcp.save(targets.tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkSavePlanner())
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointWriteError(f"writing the shards of {str(target)!r} failed: {exc}") from exc
+        if _fault_hook is not None:
+            _fault_hook("shards_written")
+
+        mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"]
+        if layout.rank == 0:
+            mine.append(tmp / DCP_METADATA_FILE)
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in mine}
+        try:
+            all_files = all_gather_object(files, "ckpt_manifest")
+            all_kinds = all_gather_object(kinds, "ckpt_state_kinds")
+            all_params = all_gather_object(_managed_info(engine, layout) if engine is not None else {}, "ckpt_params")
+        except RuntimeError as exc:  # a peer died or timed out mid-write (gloo/NCCL errors are RuntimeErrors)
+            raise CheckpointWriteError(
+                f"writing {str(target)!r}: a rank failed before every rank had written its shards ({exc});"
+                " nothing was published, the previous checkpoint of that name is untouched"
+            ) from exc
+
+        error = None
+        if layout.rank == 0:
+            try:
+                for rank_params in all_params:
+                    params.update(rank_params)
+                meta = {
+                    "format": FORMAT,
+                    "layout": asdict(layout),
+                    "params": params,
+                    "optimizers": _optimizer_meta(optimizers, all_kinds) if with_optimizer else [],
+                    "export_prefix": _export_prefix(module, params),
+                    "trainer_state": encoded_state,
+                    "files": {name: info for rank_files in all_files for name, info in rank_files.items()},
+                }
+                fsync_write(tmp / META_FILE, json.dumps(meta))
+                publish(tmp, target)
+            except OSError as exc:
+                error = f"publishing {str(target)!r} failed: {exc}"
+        raise_any([broadcast_object(error, "ckpt_publish")], CheckpointWriteError)
+        return target
+
+
+def _managed_info(engine: Any, layout: Layout) -> dict[str, Any]:
+    info = {}
+    for owned in engine.owned_ranges():
+        tp_dim = tp_dim_of(owned.param, layout)
+        info[owned.name] = {"shape": list(dense_shape(owned.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
+    return info
+
+
+def _optimizer_meta(optimizers: list[Optimizer], all_kinds: list[list[dict]]) -> list[dict[str, Any]]:
+    meta = []
+    for index, optimizer in enumerate(optimizers):
+        kinds: dict[str, Any] = {}
+        for rank_kinds in all_kinds:
+            kinds.update(rank_kinds[index])
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        meta.append({"type": type(optimizer).__name__, "param_groups": encode(groups, f"optimizer {index}"), "state": kinds})
+    return meta
+
+
+def _export_prefix(module: nn.Module, params: dict[str, Any]) -> str:
+    """``"model."`` when every entry lives under ``module.model`` (``LlamaLM``), else ``""``."""
+    inner = getattr(module, "model", None)
+    if isinstance(inner, nn.Module) and params and all(name.startswith("model.") for name in params):
+        return "model."
+    return ""

@@ -1,0 +1,157 @@
+"""Which tensors a rank holds, as DCP entries in dense coordinates (module state, fp32 masters,
+optimizer state), for save and load alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.dcp import (
+    DenseChunks,
+    dense_shape,
+    range_pieces,
+    storage_shape,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: global rank, dp and tp coordinates, ZeRO stage, precision."""
+
+    world_size: int = 1
+    rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    stage: int = 0
+    precision: str = "32-true"
+
+
+def tp_dim_of(param: Optional[torch.Tensor], layout: Layout) -> Optional[int]:
+    if param is None or layout.tp_size == 1:
+        return None
+    return getattr(param, "_tp_shard_dim", None)
+
+
+def managed_names(engine: Any) -> set[str]:
+    """Names of the parameters whose fp32 masters the engine's optimizers step."""
+    return engine.managed_param_names()
+
+
+def add_chunks(state: dict[str, Any], key: str, size: tuple[int, ...], pieces: list) -> None:
+    existing = state.get(key)
+    if existing is None:
+        state[key] = DenseChunks(size, pieces)
+    else:
+        existing.pieces.extend(pieces)
+
+
+def pieces_over(flat: torch.Tensor, pieces: list) -> list:
+    """(offsets, view) per piece: ``flat`` holds the run the pieces were cut from."""
+    return [(piece.offsets, flat[piece.start : piece.start + piece.numel].view(piece.sizes)) for piece in pieces]
+
+
+@dataclass
+class Targets:
+    """Tensors a rank saves or loads, plus where loaded values go afterwards."""
+
+    tensors: dict[str, Any] = field(default_factory=dict)
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (name, destination, staged)
+    optimizer_states: list[dict[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+def module_entries(module: nn.Module, skip: set[str], layout: Layout, targets: Targets, *, load: bool) -> dict:
+    """``model.<name>`` for every module state-dict entry not in ``skip`` (whole local tensors)."""
+    params = dict(module.named_parameters())
+    info = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name in skip or not isinstance(tensor, torch.Tensor):
+            continue
+        tensor = tensor.detach()
+        tp_dim = tp_dim_of(params.get(name), layout)
+        size = storage_shape(dense_shape(tensor.shape, tp_dim, layout.tp_size))
+        pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=tp_dim, tp_rank=layout.tp_rank)
+        if load:
+            staged = torch.empty(tensor.numel(), dtype=tensor.dtype)
+            targets.copies.append((name, tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
+            flat = staged
+        else:
+            flat = tensor.reshape(-1).cpu()
+        add_chunks(targets.tensors, f"model.{name}", size, pieces_over(flat, pieces))
+        info[name] = {"shape": list(dense_shape(tensor.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
+    return info
+
+
+def optimizer_index(optimizers: list[Optimizer]) -> dict[int, int]:
+    return {id(p): i for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]}
+
+
+def engine_entries(
+    engine: Any,
+    optimizers: list[Optimizer],
+    layout: Layout,
+    targets: Targets,
+    *,
+    load: bool,
+    state_kinds: list,
+    with_state: bool = True,
+) -> None:
+    """``model.<name>`` from the fp32 masters and ``optim.<i>.<name>.<key>`` for owned ranges.
+
+    ``state_kinds[i]``: ``{key: "chunk" | "scalar"}`` of optimizer ``i`` (when loading, from the
+    checkpoint; when saving, filled in from the live state).
+    """
+    which = optimizer_index(optimizers)
+    targets.optimizer_states = [{} for _ in optimizers]
+    for owned in engine.owned_ranges():
+        tp_dim = tp_dim_of(owned.param, layout)
+        size = storage_shape(dense_shape(owned.shape, tp_dim, layout.tp_size))
+        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=tp_dim, tp_rank=layout.tp_rank)
+        lo, hi = owned.chunk_lo, owned.chunk_hi
+        master = owned.master.detach()
+        if load:
+            staged = torch.empty(hi - lo, dtype=master.dtype)
+            targets.copies.append((owned.name, master[lo:hi], staged))
+            add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(staged, pieces))
+        else:
+            add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(master[lo:hi].cpu(), pieces))
+        index = which.get(id(owned.master))
+        if index is None:  # stage 3: a frozen parameter's shard (no optimizer steps it)
+            continue
+        if load:
+            state = targets.optimizer_states[index].setdefault(id(owned.master), {})
+            for key, (kind, dtype) in state_kinds[index].items():
+                if key not in state:
+                    shape = master.shape if kind == "chunk" else ()
+                    state[key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=master.device)
+                if kind == "chunk":
+                    flat = state[key][lo:hi]
+                    add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))
+                else:
+                    targets.tensors[f"optim.{index}.{owned.name}.{key}"] = state[key]
+            continue
+        live = optimizers[index].state.get(owned.master, {}) if with_state else {}
+        for key, value in live.items():
+            if not torch.is_tensor(value):
+                raise TypeError(
+                    f"lightning_zero checkpoint: optimizer {index} state {key!r} is a {type(value).__name__};"
+                    " only tensor optimizer state can be sharded"
+                )
+            if value.shape == master.shape:
+                kind = "chunk"
+                flat = value.detach()[lo:hi].cpu()
+                add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))
+            elif value.numel() == 1:
+                kind = "scalar"
+                targets.tensors[f"optim.{index}.{owned.name}.{key}"] = value.detach().reshape(()).cpu()
+            else:
+                raise TypeError(
+                    f"lightning_zero checkpoint: optimizer {index} state {key!r} has shape {tuple(value.shape)},"
+                    f" neither the master chunk's {tuple(master.shape)} nor a scalar"
+                )
+            state_kinds[index][key] = [kind, str(value.dtype).removeprefix("torch.")]
