@@ -24,10 +24,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from _harness import StorageLedger, optimizer_state_tensors
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch import nn
-
-from _harness import StorageLedger, optimizer_state_tensors
 
 # --------------------------------------------------------------------------------------------
 # FSDP (FSDP1, Lightning's FSDPStrategy) on CPU

@@ -58,9 +58,9 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 
 def test_planner_reads_the_same_defaults():
+    from lightning_zero.config import PlanConf
     from lightning_zero.planner.arithmetic import plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
-    from lightning_zero.config import PlanConf
 
     parameters = inspect.signature(plan_run).parameters
     for name in ("bucket_mb", "prefetch_blocks", "defer_grad_reduce", "overlap_comm", "max_buckets_in_flight"):

@@ -34,8 +34,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero._lightning_compat import is_accumulating
-
 from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory on ``device``, or this process's peak resident set size on CPU."""

@@ -208,6 +208,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+        self._adopt_tp_counter()
         if fitting or self.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
@@ -215,6 +216,16 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting and self.monitor:
             self._attach_monitor(trainer)
+
+    def _adopt_tp_counter(self) -> None:
+        """Count dp and tp traffic in one place: a tensor-parallel model keeps the counter its TP
+        layers count into (``tp_comm_counter``, see ``tp.parallelize_llama``); use it."""
+        assert self.model is not None
+        for module in self.model.modules():
+            counter = getattr(module, "tp_comm_counter", None)
+            if isinstance(counter, CommCounter):
+                self.comm_counter = counter
+                return
 
     def _move_real_tensors_to_device(self) -> None:
         """``model_to_device`` for everything not on the meta device (stage 3 materializes those)."""

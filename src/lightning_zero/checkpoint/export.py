@@ -225,10 +225,10 @@ def export_hf(
     rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
     one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
     """
-    from lightning_zero.checkpoint.load import open_checkpoint
     from lightning_zero.checkpoint.hf import TensorSpec, parse_size, write_safetensors_shards
+    from lightning_zero.checkpoint.load import open_checkpoint
     from lightning_zero.models.llama import resolve_config
-    from lightning_zero.models.llama_hf import CONFIG_FILE, hf_config_dict, read_hf_config, tensor_plan
+    from lightning_zero.models.llama.hf import CONFIG_FILE, hf_config_dict, read_hf_config, tensor_plan
 
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")

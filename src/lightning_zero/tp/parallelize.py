@@ -81,6 +81,10 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
     Every parameter ends up with ``_tp_shard_dim`` set (``0``/``1`` split, ``None`` replicated), see
     :mod:`lightning_zero.tp.grad_norm`; :func:`tp_shard_dims` gives the same from module types.
     With a group of size 1 this returns ``model`` unchanged.
+
+    The TP collectives count their logical bytes into ``counter`` (a new :class:`CommCounter` when
+    ``None``), kept as ``model.tp_comm_counter``: a strategy that counts its own traffic adopts it,
+    so dp and tp bytes land in one counter without the model knowing the strategy.
     """
     group = resolve_tp_group(tp)
     tp_size = dist.get_world_size(group)
@@ -91,6 +95,8 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
     config = getattr(model, "config", None)
     if config is not None:
         check_model_divisible(tp_size, config)
+    counter = counter if counter is not None else CommCounter()
+    model.tp_comm_counter = counter
 
     # q/k/v and w1/w3 skip their own input-grad all-reduce: the norm before them enters once
     column = functools.partial(ColumnParallelLinear.from_dense, group=group, reduce_input_grad=False, counter=counter)

@@ -25,7 +25,7 @@ from lightning_zero.collectives import CommCounter
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.optimizer import ShardedOptimizer
-from lightning_zero.zero.reducer import SyncTimeline, FullGradStorage, GradReducer, ShardedGradStorage
+from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
 
 MIB = 1024 * 1024
 

@@ -24,7 +24,13 @@ from torch import nn
 from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
 from lightning_zero.zero.stage3.runtime import Unit
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
-from lightning_zero.zero.stage3.units import WrapPolicy, assign_params, default_wrap_policy, find_units, warn_if_single_unit
+from lightning_zero.zero.stage3.units import (
+    WrapPolicy,
+    assign_params,
+    default_wrap_policy,
+    find_units,
+    warn_if_single_unit,
+)
 
 
 def _direct_tensors(module: nn.Module) -> list[tuple[dict, str]]:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
-from lightning_zero.models.llama import LlamaConfig, preset_names
+from lightning_zero.models.llama.config import LlamaConfig, preset_names
 
 PathLike = Union[str, os.PathLike]
 CONFIG_FILE = "config.json"

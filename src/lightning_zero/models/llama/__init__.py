@@ -1,0 +1,37 @@
+"""Llama 2, one job a module: ``config`` (shapes and presets), ``model`` (the decoder with Meta's
+module names), ``lightning`` (``LlamaLM``) and ``hf`` (the Hugging Face layout: config fields, name
+map, the q/k rotary permutation), so the generic weight reader in ``checkpoint/hf.py`` stays
+model-agnostic."""
+
+from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
+from lightning_zero.models.llama.lightning import LlamaLM, PerplexityFromLoss, WarmupCosine, split_batch
+from lightning_zero.models.llama.model import (
+    Attention,
+    FeedForward,
+    Llama,
+    RMSNorm,
+    TransformerBlock,
+    apply_rope,
+    build_llama,
+    cross_entropy_loss,
+    rope_tables,
+)
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "LlamaLM",
+    "PerplexityFromLoss",
+    "RMSNorm",
+    "TransformerBlock",
+    "WarmupCosine",
+    "apply_rope",
+    "build_llama",
+    "cross_entropy_loss",
+    "preset_names",
+    "resolve_config",
+    "rope_tables",
+    "split_batch",
+]

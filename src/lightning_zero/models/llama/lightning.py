@@ -1,0 +1,225 @@
+"""``LlamaLM``: the LightningModule around :class:`~lightning_zero.models.llama.model.Llama`
+(AdamW with warmup + cosine, validation loss and perplexity, activation checkpointing, pretrained
+init through ``init_from``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_zero.models.llama.config import LlamaConfig, resolve_config
+from lightning_zero.models.llama.model import Llama, build_llama
+
+
+@dataclass
+class WarmupCosine:
+    """LR multiplier per optimizer step: linear warmup to 1 over ``warmup_steps``, then cosine
+    decay to ``min_lr_ratio`` at ``max_steps``, flat after. A plain object, so ``LambdaLR``
+    saves and restores it in checkpoints."""
+
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.max_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class PerplexityFromLoss(MeanMetric):
+    """``exp`` of the (token-weighted) mean cross entropy, over all ranks."""
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(super().compute())
+
+
+def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T+1]`` token ids -> inputs ``[:, :-1]`` and targets ``[:, 1:]``."""
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.size(1) < 2 or batch.is_floating_point():
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(
+            f"LlamaLM expects an integer token batch of shape [B, T+1] with T >= 1, got {shape}; "
+            "use lightning_zero.data.TokenDataModule or yield such tensors"
+        )
+    return batch[:, :-1], batch[:, 1:]
+
+
+class LlamaLM(L.LightningModule):
+    """Next-token language modelling on a :class:`Llama`.
+
+    Args:
+        config: a preset name (``tiny``, ``7b``, ``13b``, ``70b``), a ``LlamaConfig``, or a mapping
+            (preset ``name`` plus overrides, or every field); ``None``: ``tiny``, or with
+            ``init_from`` the shape in its ``config.json``.
+        lr: peak learning rate of AdamW, reached after ``warmup_steps`` optimizer steps.
+        weight_decay: AdamW decoupled decay on matrices and embeddings (never on norm gains).
+        betas: AdamW (beta1, beta2).
+        warmup_steps: optimizer steps of linear warmup.
+        max_steps: optimizer step where the cosine decay reaches ``min_lr_ratio * lr``; ``None``
+            takes the trainer's estimate of total steps.
+        min_lr_ratio: final learning rate as a fraction of ``lr``, in [0, 1].
+        activation_checkpointing: recompute each transformer block in backward.
+        init_from: a Hugging Face Llama directory (``config.json`` + safetensors/``.bin``) to
+            start from instead of random init. The shape comes from its ``config.json``; a
+            ``config`` that sets a disagreeing shape field raises ``ValueError`` (``max_seq_len``
+            may differ). Config, file headers, names and shapes are checked here, before
+            anything trains; the tensors are read when the model is built, each rank reading
+            only what it keeps, one unit at a time (see docs/pretrained.md).
+
+    The model is built in ``configure_model`` (so a strategy can build it on the meta device or
+    sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
+    parallelized there with :func:`lightning_zero.tp.parallelize_llama`.
+    """
+
+    def __init__(
+        self,
+        config: Union[None, LlamaConfig, str, Mapping[str, Any]] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        activation_checkpointing: bool = False,
+        init_from: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.pretrained: Optional[Any] = None  # models.llama_hf.HFLlamaWeights when init_from is set
+        if init_from is not None:
+            from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
+
+            init_from = str(init_from)
+            self.config = pretrained_config(config, init_from)
+            self.pretrained = HFLlamaWeights(init_from, self.config)
+        else:
+            self.config = resolve_config("tiny" if config is None else config)
+        betas = tuple(float(beta) for beta in betas)
+        if not lr > 0:
+            raise ValueError(f"LlamaLM: lr must be > 0, got {lr}")
+        if weight_decay < 0:
+            raise ValueError(f"LlamaLM: weight_decay must be >= 0, got {weight_decay}")
+        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"LlamaLM: betas must be two numbers in [0, 1), got {betas}")
+        if warmup_steps < 0:
+            raise ValueError(f"LlamaLM: warmup_steps must be >= 0, got {warmup_steps}")
+        if max_steps is not None and max_steps < max(1, warmup_steps):
+            raise ValueError(
+                f"LlamaLM: max_steps ({max_steps}) must be >= warmup_steps ({warmup_steps}) and >= 1; "
+                "lower warmup_steps or pass max_steps=None to follow the trainer"
+            )
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"LlamaLM: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        # save_hyperparameters() records the constructor's locals: rebind them to plain types so
+        # checkpoints, loggers' hparams and load_from_checkpoint see a dict and a list.
+        config, betas = dataclasses.asdict(self.config), list(betas)
+        self.save_hyperparameters()
+        self.model: Optional[Llama] = None
+        self._tp_applied = False
+        self.eval_metrics = nn.ModuleDict(
+            {f"{stage}_loss": MeanMetric() for stage in ("val", "test")}
+            | {f"{stage}_ppl": PerplexityFromLoss() for stage in ("val", "test")}
+        )
+
+    def configure_model(self) -> None:
+        tp_mesh = self._tp_mesh()
+        if self.model is None:
+            target = torch.get_default_device()
+            if self.pretrained is not None and tp_mesh is not None and target.type != "meta":
+                # Pretrained under TP: split on the meta device, then read only this rank's slices.
+                from lightning_zero.tp.layers import mark_tp_params
+
+                with torch.device("meta"):
+                    self.model = build_llama(self.config, self.pretrained)
+                self._parallelize(tp_mesh)
+                self.model.to_empty(device=target)
+                mark_tp_params(self.model)  # to_empty made new Parameter objects
+                self.model.init_weights()
+            else:
+                self.model = build_llama(self.config, self.pretrained)
+        self.model.activation_checkpointing = self.hparams.activation_checkpointing
+        if tp_mesh is not None and not self._tp_applied:
+            self._parallelize(tp_mesh)
+
+    def _tp_mesh(self) -> Optional[Any]:
+        """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""
+        mesh = self.device_mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+            return None
+        return mesh["tp"]
+
+    def _parallelize(self, tp_mesh: Any) -> None:
+        from lightning_zero.tp import parallelize_llama
+
+        parallelize_llama(self.model, tp_mesh)  # counts into model.tp_comm_counter (the strategy adopts it)
+        self._tp_applied = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self._built_model()(idx)
+
+    def _built_model(self) -> Llama:
+        if self.model is None:
+            raise RuntimeError("LlamaLM.model is not built yet; the Trainer calls configure_model(), or call it")
+        return self.model
+
+    def _loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        inputs, targets = split_batch(batch)
+        model = self._built_model()
+        return model.loss_fn(model(inputs), targets), targets.numel()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: torch.Tensor, stage: str) -> None:
+        loss, num_tokens = self._loss(batch)
+        for kind in ("loss", "ppl"):
+            metric = self.eval_metrics[f"{stage}_{kind}"]
+            metric.update(loss.detach(), weight=num_tokens)
+            # Logging the metric object lets Lightning compute (synced over ranks) and reset it per epoch.
+            self.log(f"{stage}_{kind}", metric, prog_bar=kind == "loss")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for param in self._built_model().parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+            betas=tuple(self.hparams.betas),
+        )
+        schedule = WarmupCosine(self.hparams.warmup_steps, self._total_steps(), self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _total_steps(self) -> int:
+        if self.hparams.max_steps is not None:
+            return self.hparams.max_steps
+        estimate = self.trainer.estimated_stepping_batches
+        if not math.isfinite(estimate):
+            raise ValueError(
+                "LlamaLM: max_steps=None needs a finite training length; set Trainer(max_steps=...) "
+                "or max_epochs, or pass LlamaLM(max_steps=...)"
+            )
+        return max(1, int(estimate))

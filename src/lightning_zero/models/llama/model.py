@@ -1,0 +1,331 @@
+"""Llama 2 decoder with Meta's module names: ``Llama`` and its blocks, ``build_llama``.
+
+The module tree matches Meta's reference implementation, so its checkpoints' keys line up
+(``tok_embeddings``, ``layers.N.attention.wq``, ``layers.N.feed_forward.w1``, ``norm``, ``output``):
+
+    Llama
+      tok_embeddings   nn.Embedding(vocab_size, dim)
+      layers[i]        TransformerBlock
+        attention_norm   RMSNorm(dim)
+        attention        Attention: wq, wk, wv, wo (nn.Linear, no bias)
+        ffn_norm         RMSNorm(dim)
+        feed_forward     FeedForward: w1 (gate), w3 (up), w2 (down) (nn.Linear, no bias)
+      norm             RMSNorm(dim)
+      output           nn.Linear(dim, vocab_size, no bias), not tied to tok_embeddings
+
+[Note: tensor-parallel friendly] ``Attention`` never stores a head count: it reshapes with ``-1``
+heads and derives the grouped-query repeat factor from the shapes of q and k. Tensor parallelism
+(``lightning_zero.tp.parallelize_llama``) can therefore split heads by swapping the Linear layers
+for column/row-parallel ones and swap ``Llama.loss_fn`` for a vocab-parallel cross entropy,
+without touching any attribute here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+from lightning_zero.models.llama.config import LlamaConfig
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned per-channel gain, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: Optional[torch.device] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each ``(max_seq_len, head_dim // 2)``, fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (Meta's interleaved layout) of ``x`` ``(B, T, heads, head_dim)``
+    by position; ``cos``/``sin`` are ``(T, head_dim // 2)``."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, heads, head_dim/2, 2)
+    even, odd = pairs.unbind(-1)
+    cos = cos[None, :, None, :]  # (1, T, 1, head_dim/2)
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped-query key/value heads.
+
+    Head counts come from tensor shapes (see [Note: tensor-parallel friendly]).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (B, T, q_heads, head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # (B, T, kv_heads, head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = q.size(2) // k.size(2)
+        if repeats > 1:  # query head h reads kv head h // repeats, as in Meta's repeat_kv
+            k = k.repeat_interleave(repeats, dim=2)
+            v = v.repeat_interleave(repeats, dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, q_heads * head_dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then feed-forward."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``logits`` ``(B, T, vocab)`` against ``targets`` ``(B, T)``, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
+    """Initialize ``layer.weight`` with ``draw``; for a tensor-parallel layer, draw the dense
+    weight and keep this rank's slice, so every TP rank consumes the same random numbers and the
+    result equals the dense model's init (what ZeRO-3's sharded init relies on under TP)."""
+    weight = layer.weight
+    dim = getattr(weight, "_tp_shard_dim", None)
+    tp_size = getattr(layer, "tp_size", 1)
+    if dim is None or tp_size == 1:
+        draw(weight)
+        return
+    shape = list(weight.shape)
+    shape[dim] *= tp_size
+    dense = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    draw(dense)
+    weight.copy_(dense.narrow(dim, layer.tp_rank * weight.shape[dim], weight.shape[dim]))
+
+
+def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Llama":
+    """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
+
+    The modules are created on the meta device (no default init draws random numbers), then,
+    unless the caller asked for meta (``with torch.device("meta")``, as ZeRO-3's sharded init
+    does), materialized on the current default device and initialized. Every strategy therefore
+    starts from the same weights for the same seed. With ``weight_source`` (pretrained weights,
+    see :attr:`Llama.weight_source`) initialization reads them instead of drawing random values.
+    """
+    target = torch.get_default_device()
+    with torch.device("meta"):
+        model = Llama(config)
+    model.weight_source = weight_source
+    if target.type != "meta":
+        model.to_empty(device=target)
+        model.init_weights()
+    return model
+
+
+class Llama(nn.Module):
+    """Llama decoder. ``forward(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab)``.
+
+    Builds on whatever device is current, so ``with torch.device("meta"): Llama(cfg)`` allocates
+    nothing; materialize with ``model.to_empty(device=...)`` then ``model.init_weights()``.
+
+    Attributes:
+        loss_fn: ``(logits, targets) -> mean loss``; tensor parallelism swaps in a vocab-parallel one.
+        activation_checkpointing: recompute each block in backward instead of keeping its
+            activations (saves about ``n_layers`` blocks' activations for one more forward).
+        weight_source: ``None`` (random init), or pretrained weights with a
+            ``load(module, prefix)`` method (``models.llama_hf.HFLlamaWeights``): then
+            :meth:`init_module` reads each unit's tensors (this rank's TP slices) from it.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        # Derived from the config, so not saved: the state dict holds only Meta's parameter keys.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
+        self.activation_checkpointing = False
+        self.weight_source: Optional[Any] = None
+        self.init_weights()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Union[str, "os.PathLike[str]"], dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+    ) -> "Llama":
+        """The Llama in a Hugging Face directory (``config.json`` + safetensors or ``.bin`` weights,
+        single or sharded), with parameters in ``dtype`` on ``device``; in fp32 its logits equal
+        ``transformers.LlamaForCausalLM.from_pretrained(path)``'s. See ``models/llama_hf.py``."""
+        from lightning_zero.models.llama.hf import HFLlamaWeights
+
+        config = LlamaConfig.from_hf(path)
+        weights = HFLlamaWeights(path, config)
+        with torch.device("meta"):
+            model = cls(config)
+            for module in model.modules():
+                for key, param in module._parameters.items():
+                    if param is not None:
+                        module._parameters[key] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+        model.to_empty(device=device)
+        model.weight_source = weights
+        model.init_weights()
+        return model
+
+    def reset_parameters(self) -> None:
+        """Recompute the rotary tables this module owns directly (Lightning's meta-device
+        materialization calls this per module; children reset their own parameters)."""
+        cos, sin = rope_tables(
+            self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
+        )
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """(Re)initialize every parameter and the rotary tables, in a fixed order.
+
+        Same ``generator`` state (or global seed when ``None``) -> same weights. The scheme follows
+        torchtitan's Llama: embeddings N(0, 1); wq/wk/wv/w1 truncated N(0, 0.02); wo/w2/w3 scaled
+        down with depth, 0.02 / sqrt(2 (layer + 1)); output truncated N(0, dim^-0.5); norms 1.
+        ``generator`` must live on the parameters' device. The order is that of
+        :meth:`init_module` over ``tok_embeddings, layers..., norm, output``, so a strategy that
+        materializes one unit at a time (ZeRO-3's sharded init) draws the same numbers.
+        """
+        for module in (self.tok_embeddings, *self.layers, self.norm, self.output, self):
+            self.init_module(module, generator)
+
+    @torch.no_grad()
+    def init_module(self, module: nn.Module, generator: Optional[torch.Generator] = None) -> bool:
+        """Initialize one of this model's units as :meth:`init_weights` does.
+
+        Returns True when ``module``'s whole subtree was initialized (embedding, a block, the
+        final norm, the head); for the model itself only the rotary tables are recomputed and
+        False is returned (its children are separate units). Unknown modules: False.
+        With :attr:`weight_source` set, the unit's tensors are read from it instead of drawn.
+        """
+        if self.weight_source is not None and module is not self:
+            # Any submodule (a unit of another wrap policy too): read its tensors by their names.
+            prefix = next((name for name, candidate in self.named_modules() if candidate is module), None)
+            if prefix is None:
+                return False
+            self.weight_source.load(module, prefix)
+            return True
+
+        def trunc_normal(layer: nn.Module, std: float) -> None:
+            _draw_dense(layer, lambda w: nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=generator))
+
+        if module is self.tok_embeddings:
+            _draw_dense(module, lambda w: nn.init.normal_(w, generator=generator))
+            return True
+        if module is self.output:
+            trunc_normal(self.output, self.config.dim**-0.5)
+            return True
+        if module is self.norm:
+            self.norm.reset_parameters()
+            return True
+        if module is self:
+            self.reset_parameters()
+            return False
+        for layer_id, layer in enumerate(self.layers):
+            if module is layer:
+                depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
+                    trunc_normal(linear, 0.02)
+                for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
+                    trunc_normal(linear, depth_std)
+                layer.attention_norm.reset_parameters()
+                layer.ffn_norm.reset_parameters()
+                return True
+        return False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.size(1)
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_seq_len ({self.config.max_seq_len}) of {self.config.name!r}; "
+                "shorten the sequences or raise model max_seq_len"
+            )
+        h = self.tok_embeddings(idx)  # (B, T, dim)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Call the module (not .forward) so hooks on the block, e.g. ZeRO-3's
+                # gather/free, run again during the recompute.
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.output(self.norm(h))  # (B, T, vocab)
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning
+# --------------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
