@@ -161,6 +161,11 @@ class ChunkedParamGroup:
         self.master_device = torch.device("cpu") if offload else device
         self.masters_alias_params = compute_dtype == master_dtype and not offload
         self.masters: list[nn.Parameter] = []
+        self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> None:
+        """Create the storage (compute buffers, masters) and point the parameters into it."""
+        raise NotImplementedError
 
     def param_bucket(self, bucket: BucketLayout) -> torch.Tensor:
         raise NotImplementedError
@@ -213,21 +218,10 @@ class FlatParamGroup(ChunkedParamGroup):
     """Stages 1 and 2: the full parameters stay, in one ``param_buffer`` of ``compute_dtype``;
     every parameter's ``.data`` is a view into it and this rank's chunks are slices of it."""
 
-    def __init__(
-        self,
-        layout: FlatLayout,
-        *,
-        dp_rank: int,
-        compute_dtype: torch.dtype,
-        device: torch.device,
-        master_dtype: torch.dtype = torch.float32,
-        offload: bool = False,
-    ) -> None:
-        super().__init__(
-            layout, dp_rank=dp_rank, compute_dtype=compute_dtype, device=device, master_dtype=master_dtype, offload=offload
-        )
+    def _allocate(self, device: torch.device) -> None:
+        layout = self.layout
         separate = [] if self.masters_alias_params else self._masters_from_params()
-        self.param_buffer = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
+        self.param_buffer = torch.zeros(layout.numel, dtype=self.compute_dtype, device=device)
         for slot in layout.slots:
             view = self.param_buffer[slot.offset : slot.end]
             view.copy_(slot.param.detach().reshape(-1))

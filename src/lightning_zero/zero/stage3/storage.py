@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_zero.zero.flat import BucketLayout, ChunkedParamGroup, FlatLayout
+from lightning_zero.zero.flat import BucketLayout, ChunkedParamGroup
 
 
 class ShardedFlatParamGroup(ChunkedParamGroup):
@@ -18,19 +18,8 @@ class ShardedFlatParamGroup(ChunkedParamGroup):
     and its "masters" are plain, gradient-free views of the chunks (what checkpoints read).
     """
 
-    def __init__(
-        self,
-        layout: FlatLayout,
-        *,
-        dp_rank: int,
-        compute_dtype: torch.dtype,
-        device: torch.device,
-        master_dtype: torch.dtype = torch.float32,
-        offload: bool = False,
-    ) -> None:
-        super().__init__(
-            layout, dp_rank=dp_rank, compute_dtype=compute_dtype, device=device, master_dtype=master_dtype, offload=offload
-        )
+    def _allocate(self, device: torch.device) -> None:
+        layout, dp_rank, compute_dtype = self.layout, self.dp_rank, self.compute_dtype
         self._shard_offsets: list[int] = []
         offset = 0
         for bucket in layout.buckets:
