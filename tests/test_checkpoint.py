@@ -458,3 +458,14 @@ def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tm
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, other.state_dict()[name])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "not_a_dir"]
+
+
+def test_load_from_checkpoint_on_a_sharded_directory_names_export(tmp_path):
+    from lightning_zero.checkpoint.publish import META_FILE
+    from lightning_zero.models import LlamaLM
+
+    sharded = tmp_path / "last.ckpt"
+    sharded.mkdir()
+    (sharded / META_FILE).write_text("{}")
+    with pytest.raises(ValueError, match=r"sharded lightning_zero checkpoint.*lightning-zero export"):
+        LlamaLM.load_from_checkpoint(str(sharded))

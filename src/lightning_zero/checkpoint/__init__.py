@@ -42,6 +42,7 @@ from lightning_zero.checkpoint.load import (
     is_checkpoint,
     load_model,
     open_checkpoint,
+    refuse_plain_load,
     restore_rng,
 )
 from lightning_zero.checkpoint.publish import CheckpointWriteError, remove_checkpoint
@@ -59,6 +60,7 @@ __all__ = [
     "is_checkpoint",
     "load_model",
     "open_checkpoint",
+    "refuse_plain_load",
     "remove_checkpoint",
     "restore_rng",
     "save_checkpoint",

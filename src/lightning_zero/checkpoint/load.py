@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +31,19 @@ from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, m
 def is_checkpoint(path: PathLike) -> bool:
     """True for a directory holding a lightning_zero checkpoint's ``meta.json``."""
     return Path(path, META_FILE).is_file()
+
+
+def refuse_plain_load(path: PathLike) -> None:
+    """``ValueError`` when ``path`` is a sharded checkpoint that a plain ``torch.load`` (as in
+    ``LightningModule.load_from_checkpoint``) cannot read, saying what to run instead."""
+    if isinstance(path, (str, os.PathLike)) and is_checkpoint(path):
+        raise ValueError(
+            f"{path} is a sharded lightning_zero checkpoint (a directory: each rank's shard plus meta.json),"
+            " which load_from_checkpoint cannot read. Resume it with a ZeRO strategy"
+            " (Trainer(strategy=ZeroStrategy(...)).fit(model, ckpt_path=...); any stage, tp or number of ranks),"
+            f" or consolidate it first: `lightning-zero export {path} model.safetensors` (one state dict) or"
+            f" `lightning-zero export {path} OUT_DIR --format hf` (a Hugging Face Llama directory)."
+        )
 
 
 @dataclass

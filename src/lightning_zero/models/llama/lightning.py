@@ -82,6 +82,15 @@ class LlamaLM(L.LightningModule):
     parallelized there with :func:`lightning_zero.tp.parallelize_llama`.
     """
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "LlamaLM":  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint`` for single-file checkpoints; a sharded
+        lightning_zero checkpoint directory raises an error naming ``lightning-zero export``."""
+        from lightning_zero.checkpoint import refuse_plain_load
+
+        refuse_plain_load(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
     def __init__(
         self,
         config: Union[None, LlamaConfig, str, Mapping[str, Any]] = None,
