@@ -31,9 +31,9 @@ the engine really achieves, simulated bucket by bucket.
   where gloo's threads share the core with compute. ``exposed = simulated_exposed + (1 - e) x
   simulated_hidden``.
 - **Memory-bound work**: the optimizer step touches ``bytes_per_param`` (28 for fp32 AdamW, 40
-  for bf16-mixed with its casts) per parameter it steps, and backward copies each gradient into
-  the engine's buckets (``3 x grad_bytes`` per parameter: read, zero/read, write), both at the
-  hardware's ``memory_gb_per_s``.
+  for bf16-mixed with its casts) per parameter it steps, at ``optimizer_gb_per_s`` (default: the
+  memory bandwidth), and backward copies each gradient into the engine's buckets (``3 x
+  grad_bytes`` per parameter: zero or read, read, write) at ``memory_gb_per_s``.
 """
 
 from __future__ import annotations
@@ -442,6 +442,7 @@ def step_time(
     efficiency: float = 1.0,
     optimizer_bytes_per_param: float = 28.0,
     memory_bytes_per_s: float = math.inf,
+    optimizer_bytes_per_s: Optional[float] = None,
     tokens_per_step: int = 0,
     model_flops_per_rank: float = 0.0,
     peak_flops: float = 1.0,
@@ -484,7 +485,7 @@ def step_time(
         tp_s=micro_batches * workload.tp_s,
         dp_comm_s=dp_comm,
         exposed_comm_s=exposed,
-        optimizer_s=optimizer_bytes_per_param * stepped / memory_bytes_per_s,
+        optimizer_s=optimizer_bytes_per_param * stepped / (optimizer_bytes_per_s or memory_bytes_per_s),
         grad_copy_s=micro_batches * 3 * grad_bytes * local_numel / memory_bytes_per_s,
         post_step_gather_s=post,
         tokens_per_step=tokens_per_step,
