@@ -59,7 +59,10 @@ class Link:
     time_factor: tuple[tuple[str, float], ...] = ()  # per collective kind, from a calibration
 
     def factor(self, kind: str) -> float:
-        return dict(self.time_factor).get(kind, 1.0)
+        for name, value in self.time_factor:
+            if name == kind:
+                return value
+        return 1.0
 
 
 def ring_steps(kind: str, ranks: int) -> int:
@@ -451,13 +454,21 @@ def step_time(
     """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP)."""
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
     kind = "all_reduce" if stage == 0 else "reduce_scatter"
-    bucket_s = [collective_seconds(kind, b.numel * grad_bytes, dp, dp_link) for b in buckets]
+    seconds: dict[tuple[str, int], float] = {}  # buckets repeat their sizes: one formula per size
+
+    def bucket_seconds(collective: str, numel: int, element_bytes: int) -> float:
+        key = (collective, numel)
+        if key not in seconds:
+            seconds[key] = collective_seconds(collective, numel * element_bytes, dp, dp_link)
+        return seconds[key]
+
+    bucket_s = [bucket_seconds(kind, b.numel, grad_bytes) for b in buckets]
     gather_s = None
     if stage == 3:
         per_unit = [0.0] * len(workload.unit_forward_s)
         for bucket in buckets:
             unit = workload.tensors[bucket.tensors[0]].unit
-            per_unit[unit] += collective_seconds("all_gather", bucket.numel * param_bytes, dp, dp_link)
+            per_unit[unit] += bucket_seconds("all_gather", bucket.numel, param_bytes)
         gather_s = per_unit
     pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
     common = dict(overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks,
@@ -474,7 +485,7 @@ def step_time(
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
     post = 0.0
     if stage in (1, 2) and dp > 1:
-        gather = sum(collective_seconds("all_gather", b.numel * param_bytes, dp, dp_link) for b in buckets)
+        gather = sum(bucket_seconds("all_gather", b.numel, param_bytes) for b in buckets)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
