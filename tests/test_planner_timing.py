@@ -4,6 +4,7 @@ the calibration command, and the planner package's structure."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import time
@@ -209,16 +210,16 @@ def test_cli_search_prints_json(capsys):
 # ---------------------------------------------------------------------------- calibration
 
 
+@pytest.mark.slow
 def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
     from omegaconf import OmegaConf
 
     from lightning_zero.config import HardwareConf
 
     out = tmp_path / "this_machine.yaml"
-    env_path = f"{SRC}"
-    result = subprocess.run(
+    result = subprocess.run(  # 2 gloo processes, small sizes, a tiny model: seconds
         [sys.executable, "-m", "lightning_zero", "plan", "calibrate", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": env_path},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "wrote" in result.stdout

@@ -280,6 +280,7 @@ class HardwareConf:
     intra_node_latency_us: float = 5.0
     inter_node_latency_us: float = 10.0
     memory_gb_per_s: Optional[float] = None  # None: memory-bound work is free
+    optimizer_gb_per_s: Optional[float] = None  # None: memory_gb_per_s
     overlap_efficiency: float = 1.0
     mfu: Optional[float] = None  # None: plan.mfu decides
     collective_time_factor: Dict[str, float] = field(default_factory=dict)

@@ -351,6 +351,7 @@ def plan_run(
             max_buckets_in_flight=max_buckets_in_flight, prefetch_blocks=prefetch_blocks,
             overlap_param_gather=overlap_param_gather, efficiency=hw.overlap_efficiency,
             optimizer_bytes_per_param=dtype.optimizer_step_bytes, memory_bytes_per_s=hw.memory_bytes_per_s,
+            optimizer_bytes_per_s=hw.optimizer_bytes_per_s or hw.memory_bytes_per_s,
             tokens_per_step=tokens_per_step, model_flops_per_rank=model_flops, peak_flops=peak,
             world_size=world_size,
         )

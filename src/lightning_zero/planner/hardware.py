@@ -47,7 +47,8 @@ class Hardware:
     devices_per_node: int = 8
     intra_node_latency_s: float = DEFAULT_LATENCY_US["intra"] * 1e-6  # per ring step
     inter_node_latency_s: float = DEFAULT_LATENCY_US["inter"] * 1e-6
-    memory_bytes_per_s: float = float("inf")  # device memory bandwidth (optimizer step, copies)
+    memory_bytes_per_s: float = float("inf")  # device memory bandwidth (gradient copies; optimizer step)
+    optimizer_bytes_per_s: Optional[float] = None  # the optimizer step's own rate (None: memory_bytes_per_s)
     overlap_efficiency: float = DEFAULT_OVERLAP_EFFICIENCY  # [Note: step-time model] in timing.py
     mfu: Optional[float] = None  # calibrated compute efficiency (plan.mfu=null uses it)
     collective_time_factor: tuple[tuple[str, float], ...] = ()
@@ -73,6 +74,7 @@ class Hardware:
         if not 0.0 <= efficiency <= 1.0:
             raise ValueError(f"hardware.overlap_efficiency must be in [0, 1], got {efficiency}")
         memory_gbps = number("memory_gb_per_s")
+        optimizer_gbps = number("optimizer_gb_per_s")
         return cls(
             name=str(values["name"]),
             memory_bytes=int(number("memory_bytes")),
@@ -84,6 +86,7 @@ class Hardware:
             intra_node_latency_s=float(number("intra_node_latency_us", DEFAULT_LATENCY_US["intra"])) * 1e-6,
             inter_node_latency_s=float(number("inter_node_latency_us", DEFAULT_LATENCY_US["inter"])) * 1e-6,
             memory_bytes_per_s=float(memory_gbps) * 1e9 if memory_gbps is not None else float("inf"),
+            optimizer_bytes_per_s=float(optimizer_gbps) * 1e9 if optimizer_gbps is not None else None,
             overlap_efficiency=efficiency,
             mfu=None if values.get("mfu") is None else float(number("mfu")),
             collective_time_factor=tuple(sorted((str(k), float(v)) for k, v in dict(factors).items())),

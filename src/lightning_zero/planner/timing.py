@@ -31,9 +31,9 @@ the engine really achieves, simulated bucket by bucket.
   where gloo's threads share the core with compute. ``exposed = simulated_exposed + (1 - e) x
   simulated_hidden``.
 - **Memory-bound work**: the optimizer step touches ``bytes_per_param`` (28 for fp32 AdamW, 40
-  for bf16-mixed with its casts) per parameter it steps, and backward copies each gradient into
-  the engine's buckets (``3 x grad_bytes`` per parameter: read, zero/read, write), both at the
-  hardware's ``memory_gb_per_s``.
+  for bf16-mixed with its casts) per parameter it steps, at ``optimizer_gb_per_s`` (default: the
+  memory bandwidth), and backward copies each gradient into the engine's buckets (``3 x
+  grad_bytes`` per parameter: zero or read, read, write) at ``memory_gb_per_s``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ class Link:
     time_factor: tuple[tuple[str, float], ...] = ()  # per collective kind, from a calibration
 
     def factor(self, kind: str) -> float:
-        return dict(self.time_factor).get(kind, 1.0)
+        for name, value in self.time_factor:
+            if name == kind:
+                return value
+        return 1.0
 
 
 def ring_steps(kind: str, ranks: int) -> int:
@@ -444,6 +447,7 @@ def step_time(
     efficiency: float = 1.0,
     optimizer_bytes_per_param: float = 28.0,
     memory_bytes_per_s: float = math.inf,
+    optimizer_bytes_per_s: Optional[float] = None,
     tokens_per_step: int = 0,
     model_flops_per_rank: float = 0.0,
     peak_flops: float = 1.0,
@@ -452,13 +456,21 @@ def step_time(
     """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP)."""
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
     kind = "all_reduce" if stage == 0 else "reduce_scatter"
-    bucket_s = [collective_seconds(kind, b.numel * grad_bytes, dp, dp_link) for b in buckets]
+    seconds: dict[tuple[str, int], float] = {}  # buckets repeat their sizes: one formula per size
+
+    def bucket_seconds(collective: str, numel: int, element_bytes: int) -> float:
+        key = (collective, numel)
+        if key not in seconds:
+            seconds[key] = collective_seconds(collective, numel * element_bytes, dp, dp_link)
+        return seconds[key]
+
+    bucket_s = [bucket_seconds(kind, b.numel, grad_bytes) for b in buckets]
     gather_s = None
     if stage == 3:
         per_unit = [0.0] * len(workload.unit_forward_s)
         for bucket in buckets:
             unit = workload.tensors[bucket.tensors[0]].unit
-            per_unit[unit] += collective_seconds("all_gather", bucket.numel * param_bytes, dp, dp_link)
+            per_unit[unit] += bucket_seconds("all_gather", bucket.numel, param_bytes)
         gather_s = per_unit
     pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
     common = dict(overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks,
@@ -475,7 +487,7 @@ def step_time(
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
     post = 0.0
     if stage in (1, 2) and dp > 1:
-        gather = sum(collective_seconds("all_gather", b.numel * param_bytes, dp, dp_link) for b in buckets)
+        gather = sum(bucket_seconds("all_gather", b.numel, param_bytes) for b in buckets)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
@@ -486,7 +498,7 @@ def step_time(
         tp_s=micro_batches * workload.tp_s,
         dp_comm_s=dp_comm,
         exposed_comm_s=exposed,
-        optimizer_s=optimizer_bytes_per_param * stepped / memory_bytes_per_s,
+        optimizer_s=optimizer_bytes_per_param * stepped / (optimizer_bytes_per_s or memory_bytes_per_s),
         grad_copy_s=micro_batches * 3 * grad_bytes * local_numel / memory_bytes_per_s,
         post_step_gather_s=post,
         tokens_per_step=tokens_per_step,
