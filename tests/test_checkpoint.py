@@ -126,7 +126,7 @@ def _dump_owned(engine, opt, path, tp_rank=0):
     rows = []
     for r in engine.owned_ranges():
         state = opt.state.get(r.master, {})
-        get = lambda k: state[k][r.chunk_lo : r.chunk_hi].clone() if k in state else None  # noqa: E731
+        get = lambda k, state=state, r=r: state[k][r.chunk_lo : r.chunk_hi].clone() if k in state else None  # noqa: E731
         rows.append((r.name, r.param_lo, r.param_hi, r.master.detach()[r.chunk_lo : r.chunk_hi].clone(),
                      get("exp_avg"), get("exp_avg_sq"), float(state["step"]) if "step" in state else None, tp_rank))  # fmt: skip
     torch.save(rows, path)
@@ -309,7 +309,7 @@ def test_saved_weights_agree_across_stages(saved):
     dense = {stage: torch.load(Path(saved, f"s{stage}", "dense.pt")) for stage in STAGES}
     for stage in STAGES[1:]:
         for name, value in dense[STAGES[0]].items():
-            torch.testing.assert_close(dense[stage][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {name}: {m}")
+            torch.testing.assert_close(dense[stage][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, stage=stage, name=name: f"stage {stage} {name}: {m}")
 
 
 def test_reshard_tp2_to_dense(saved):

@@ -74,3 +74,44 @@ def test_planner_model_states_equal_measured(results, case):
     assert 0 <= measured["master"] - plan.memory.master_weights <= pad * 4
     slack = pad * 8 + 4 * 64
     assert 0 <= measured["optimizer_state"] - plan.memory.optimizer_moments <= slack
+
+
+class _FakeEngine:
+    def __init__(self, overlap_possible: bool, device: str) -> None:
+        import torch
+
+        self.overlap_comm = True
+        self._possible = overlap_possible
+        self.device = torch.device(device)
+        self.compute_dtype = torch.float32
+        self.bucket_mb = 25.0
+
+    def overlap_possible(self) -> bool:
+        return self._possible
+
+    def num_params(self) -> int:
+        return 3_279_104
+
+
+def _warnings_for(engine, fraction, monkeypatch):
+    import lightning_zero.monitor as monitor_module
+
+    seen = []
+    monkeypatch.setattr(monitor_module, "rank_zero_warn", lambda message, **_: seen.append(message))
+    monitor = monitor_module.ZeroMonitor()
+    monitor.history = [{}, {}]
+    for step in range(3):
+        monitor._maybe_warn_overlap(engine, {"zero/overlap_fraction": fraction}, comm=0.01, step=step)
+    return seen
+
+
+def test_single_bucket_per_group_warns_once_naming_the_fix(monkeypatch):
+    seen = _warnings_for(_FakeEngine(overlap_possible=False, device="cpu"), 0.0, monkeypatch)
+    assert len(seen) == 1
+    assert "fit in one bucket" in seen[0] and "bucket_mb to about 3.1" in seen[0]
+
+
+def test_low_hidden_fraction_warns_on_cuda_only(monkeypatch):
+    assert _warnings_for(_FakeEngine(overlap_possible=True, device="cpu"), 0.1, monkeypatch) == []
+    seen = _warnings_for(_FakeEngine(overlap_possible=True, device="cuda"), 0.1, monkeypatch)
+    assert len(seen) == 1 and "only 10%" in seen[0]

@@ -70,7 +70,10 @@ def test_plan_model_states_equal_ledger(stage, precision, bytes_per_param):
 
 def test_engine_buffers_by_stage():
     plans = compare_stages("7b", world_size=8, devices_per_node=8, seq_len=512, bucket_mb=25.0, prefetch_blocks=2)
-    assert [p.memory.bucket_buffers for p in plans] == [0, 0, 2 * 25 * 2**20, 2 * 25 * 2**20]
+    # The engine's pool holds max_buckets_in_flight (2) buffers of its largest bucket: a tensor never
+    # straddles buckets, so the 32000 x 4096 output head (and embedding) is a bucket of its own.
+    largest_bucket = 32000 * 4096
+    assert [p.memory.bucket_buffers for p in plans] == [0, 0, 2 * largest_bucket * 2, 2 * largest_bucket * 2]
     block = llama_param_counts(LlamaConfig.from_name("7b")).block
     assert [p.memory.prefetch_buffers for p in plans] == [0, 0, 0, 3 * block * 2]
 
@@ -89,8 +92,14 @@ def test_dp_and_tp_bytes_follow_the_ring_formulas():
     # 4 all-reduces of B*T*dim per block (2 fwd, 2 bwd) + embedding + head, ring 2(tp-1)/tp each
     tokens_dim_bytes = 1 * 4096 * 8192 * 2
     assert plans[3].traffic.tp_all_reduce_bytes == pytest.approx((4 * 80 + 2) * 2 * 7 / 8 * tokens_dim_bytes)
-    # compute: 6 P tokens / tp at peak * mfu
-    assert plans[3].traffic.compute_s == pytest.approx(6 * 68_976_648_192 * 4096 / 8 / (989e12 * 0.4))
+    # compute: 6 x matmul params (all but the embedding lookup and the norm gains) x tokens / tp, plus
+    # causal attention 3 x 2 B T^2 d / tp per block, at peak * mfu; plus the blocking tp all-reduces
+    # (14 ring steps of 5 us + 2 * 7/8 * B T d * 2 bytes at 450 GB/s each).
+    matmul_params = 68_976_648_192 - 32000 * 8192 - (2 * 80 + 1) * 8192
+    flops = 6 * matmul_params * 4096 / 8 + 80 * 3 * 2 * 4096**2 * 8192 / 8
+    tp_s = (4 * 80 + 2) * (14 * 5e-6 + 2 * 7 / 8 * tokens_dim_bytes / 450e9)
+    assert plans[3].traffic.tp_s == pytest.approx(tp_s)
+    assert plans[3].traffic.compute_s == pytest.approx(flops / (989e12 * 0.4) + tp_s)
     assert plans[3].traffic.dp_link == "inter_node"
 
 

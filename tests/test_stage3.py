@@ -94,7 +94,7 @@ def _train(rank, world, prefetch, micro, clip, expected):
     assert runtime.high_water_forward <= prefetch + 1, runtime.high_water_forward
     got = _gathered_state(engine, model)
     for name, want in expected.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"prefetch={prefetch} micro={micro} clip={clip} {name}: {m}")
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"prefetch={prefetch} micro={micro} clip={clip} {name}: {m}")
     engine.close()
 
 

@@ -23,6 +23,10 @@ from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
         ({"prefetch_blocks": -1}, "prefetch_blocks"),
         ({"max_buckets_in_flight": 0}, "max_buckets_in_flight"),
         ({"offload_optimizer": "yes"}, "offload_optimizer"),
+        ({"tensor_parallel_size": True}, r"ZeroStrategy\(tensor_parallel_size=True\)"),
+        ({"overlap_comm": 1}, r"ZeroStrategy\(overlap_comm=1\): must be True or False"),
+        ({"prefetch_blocks": 1.5}, "prefetch_blocks"),
+        ({"collective_timeout": 0}, r"ZeroStrategy\(collective_timeout=0\)"),
         ({"stage": 3, "defer_grad_reduce": True}, "defer_grad_reduce"),
     ],
 )

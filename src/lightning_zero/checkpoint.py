@@ -155,7 +155,7 @@ def _tp_dim(param: Optional[torch.Tensor], layout: Layout) -> Optional[int]:
 
 def managed_names(engine: Any) -> set[str]:
     """Names of the parameters whose fp32 masters the engine's optimizers step."""
-    return {slot.name for group in engine.groups for slot in group.layout.slots}
+    return engine.managed_param_names()
 
 
 def _add(state: dict[str, Any], key: str, size: tuple[int, ...], pieces: list) -> None:
@@ -576,21 +576,8 @@ def load_model(
         for destination, staged in targets.copies:
             destination.copy_(staged.view(destination.shape).to(destination.dtype))
     if engine is not None:
-        _refresh_params_from_masters(engine)
+        engine.refresh_params_from_masters()
     return targets.optimizer_states
-
-
-def _refresh_params_from_masters(engine: Any) -> None:
-    """Compute parameters from the loaded fp32 masters: stages 1-2 all-gather the full
-    parameters; stage 3 only refreshes each rank's parameter shard (gathered on use)."""
-    if getattr(engine, "stage3", None) is not None:
-        for group in engine.groups:
-            copy = getattr(group, "copy_masters_to_params", None)
-            if copy is not None:
-                copy()
-        return
-    for sharded in engine.optimizers:
-        sharded.all_gather_params()
 
 
 def apply_optimizer_state(

@@ -66,7 +66,7 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
             return {key: encode(item, f"{path}.{key}") for key, item in value.items()}
         return {"__dict__": [[encode(key, f"{path}<key>"), encode(item, f"{path}.{key}")] for key, item in value.items()]}
     if _lenient(path):
-        warnings.warn(f"lightning_zero checkpoint: {path} ({type(value).__name__}) is stored as its repr")
+        warnings.warn(f"lightning_zero checkpoint: {path} ({type(value).__name__}) is stored as its repr", stacklevel=2)
         return {"__repr__": repr(value)}
     raise TypeError(
         f"{path}: cannot store a {type(value).__module__}.{type(value).__qualname__} in a lightning_zero"

@@ -1,7 +1,8 @@
 """``lightning-zero`` command line: ``train``, ``plan`` and ``export``.
 
     lightning-zero train [OVERRIDES]      compose conf/ (+ recipe=NAME) with Hydra and run Trainer.fit
-    lightning-zero plan  [OVERRIDES]      print the predicted bytes per rank for the same config
+    lightning-zero plan  [OVERRIDES]      print the predicted bytes and step time per rank for the same config
+    lightning-zero plan calibrate [...]   measure this machine's links and compute into a hardware YAML
     lightning-zero export CKPT OUT        consolidate a sharded checkpoint into one state dict
 
 ``python -m lightning_zero ...`` is the same. ``train`` and ``plan`` take Hydra overrides and
@@ -32,7 +33,8 @@ usage: lightning-zero COMMAND [ARGS]
 
 commands:
   train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
-  plan  [OVERRIDES]    print the planned bytes per rank (params, grads, optimizer, comm) for a config
+  plan  [OVERRIDES]    print the planned bytes per rank and step time (plan.search=true: rank layouts)
+  plan calibrate [--out FILE.yaml] [--quick]   measure this machine into a hardware config
   export CKPT OUT      consolidate a (sharded) checkpoint into one plain state dict at OUT
 
 Hydra flags work after train/plan: -m (multirun sweep), --cfg job (print the config), --help.
@@ -68,6 +70,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     command, rest = args[0], args[1:]
     if command == "train":
         _run_hydra(command, _train_task, rest)
+    elif command == "plan" and rest[:1] == ["calibrate"]:
+        from lightning_zero.planner.calibrate import main as calibrate
+
+        calibrate(rest[1:])
     elif command == "plan":
         # A plan writes nothing: no run directory, no log files (the user's overrides still win).
         quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
@@ -171,6 +177,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
     """Build model, data, strategy and trainer from a validated config; fit; return the trainer."""
     import lightning as L
 
+    _log_lightning_once()
     _set_threads(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
@@ -239,6 +246,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
         save_top_k=cfg.checkpoint.save_top_k,
     )
     callbacks = [checkpoint, LearningRateMonitor(logging_interval="step")]
+    if cfg.trainer.enable_progress_bar:
+        from lightning_zero._lightning_compat import step_progress_bar
+
+        callbacks.append(step_progress_bar())  # "Step 40/300", not Lightning's "Epoch 0/-2"
     if cfg.checkpoint.save_last:
         callbacks.append(_save_last_on_train_end(checkpoint))
     strategy = instantiate(cfg.strategy)
@@ -258,12 +269,13 @@ def _save_last_on_train_end(checkpoint: Any) -> Any:
 
     class SaveLastOnTrainEnd(Callback):
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            if checkpoint._last_global_step_saved == trainer.global_step or trainer.global_step == 0:
+            from lightning_zero._lightning_compat import last_saved_step, mark_saved
+
+            if last_saved_step(checkpoint) == trainer.global_step or trainer.global_step == 0:
                 return
             path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
             trainer.save_checkpoint(path)
-            checkpoint.last_model_path = path
-            checkpoint._last_global_step_saved = trainer.global_step
+            mark_saved(checkpoint, trainer.global_step, path)
 
     return SaveLastOnTrainEnd()
 
@@ -305,6 +317,15 @@ def _set_threads(cfg: DictConfig) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # Lightning's launcher then leaves it alone
+
+
+def _log_lightning_once() -> None:
+    """Lightning's logger prints through its own console handler *and* propagates to the root
+    logger Hydra configured, so every Lightning message (and the monitor's table) showed twice.
+    Keep Lightning's handler (its plain format) and stop the propagation."""
+    lightning_logger = logging.getLogger("lightning")
+    if lightning_logger.handlers:
+        lightning_logger.propagate = False
 
 
 def _is_global_rank_zero() -> bool:

@@ -78,6 +78,27 @@ def _local(output: torch.Tensor, input: torch.Tensor, async_op: bool):
     return _Done() if async_op else None
 
 
+def _chunked(
+    op,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    full: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+    counter: Optional[CommCounter],
+    label: str,
+):
+    """Run a collective between a full tensor and its per-rank chunk; ``full`` (the group-sized
+    side) is what [Note: logical bytes] counts: ``(n-1)/n`` of its elements leave each rank."""
+    size = _group_size(group)
+    if size == 1:
+        return _local(output, input, async_op)
+    if counter is not None:
+        counter.add(label, full.numel() * (size - 1) / size, full.element_size())
+    with record_function(f"lightning_zero::{label}"):
+        return op(output, input, group=group, async_op=async_op)
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -88,13 +109,7 @@ def reduce_scatter(
     label: str = "reduce_scatter",
 ):
     """Sum ``input`` over the group and leave chunk ``rank`` of the sum in ``output``."""
-    size = _group_size(group)
-    if size == 1:
-        return _local(output, input, async_op)
-    if counter is not None:
-        counter.add(label, input.numel() * (size - 1) / size, input.element_size())
-    with record_function(f"lightning_zero::{label}"):
-        return _reduce_scatter(output, input, group=group, async_op=async_op)
+    return _chunked(_reduce_scatter, output, input, input, group, async_op, counter, label)
 
 
 def all_gather(
@@ -107,13 +122,7 @@ def all_gather(
     label: str = "all_gather",
 ):
     """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``)."""
-    size = _group_size(group)
-    if size == 1:
-        return _local(output, input, async_op)
-    if counter is not None:
-        counter.add(label, output.numel() * (size - 1) / size, output.element_size())
-    with record_function(f"lightning_zero::{label}"):
-        return _all_gather(output, input, group=group, async_op=async_op)
+    return _chunked(_all_gather, output, input, output, group, async_op, counter, label)
 
 
 def all_reduce(

@@ -12,11 +12,12 @@ Hydra's ``ConfigStore`` under the group ``recipe`` so ``recipe=NAME`` selects on
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONF_MODULE = "lightning_zero.conf"
@@ -51,20 +52,137 @@ class ModelConf:
         return {key: value for key, value in values.items() if value is not None}
 
 
-@dataclass
-class ZeroStrategyConf:
-    """``strategy/zero{1,2,3}``: the knobs of :class:`lightning_zero.ZeroStrategy`."""
+# --------------------------------------------------------------------------------------------
+# The engine's knobs: one frozen object, the one place their defaults and validation live
+# --------------------------------------------------------------------------------------------
 
-    _target_: str = "lightning_zero.ZeroStrategy"
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Every knob of :class:`lightning_zero.ZeroStrategy` that is plain data, with its default.
+
+    ``ZeroStrategy``'s signature, the Hydra schema of the ``strategy`` group
+    (:class:`ZeroStrategyConf`, generated from this class) and the planner all read their defaults
+    from :data:`ZERO_DEFAULTS`, so each default is written once, here. Construction validates; every
+    error names the argument as ``ZeroStrategy(name=value)`` and says what to pass instead.
+
+    Attributes:
+        stage: 1 shards fp32 master weights and optimizer state over the dp ranks; 2 also keeps only
+            each rank's shard of the reduced gradients; 3 also shards the parameters, gathering each
+            unit (block) just in time.
+        tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
+            ``"auto"`` for devices per node; ``dp = world_size // tensor_parallel_size``.
+        bucket_mb: gradient bucket size in MiB; each full bucket launches one async reduce-scatter.
+            ``"auto"``: a quarter of the model's gradient bytes, between 1 and 25 MiB
+            (:func:`resolve_bucket_mb`; the default): a small model still has several buckets
+            whose reduce-scatters start while backward runs, a large one gets 25 MiB buckets.
+        overlap_comm: launch bucket collectives during backward (``False``: only after it ends).
+        prefetch_blocks: stage 3: units all-gathered ahead of the one computing (at most
+            ``prefetch_blocks + 1`` gathered at once).
+        offload_optimizer: keep fp32 master and optimizer-state shards in CPU memory.
+        defer_grad_reduce: stage 2 with accumulation: keep full gradients over micro batches and
+            reduce once at the last (stage-1 gradient memory, one reduce-scatter per step).
+        max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
+        monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
+        collective_timeout: seconds any wait of the engine on a collective (gradient
+            reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
+            saying what this rank waited on and how far its backward got ("5/12 params ready in
+            bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
+            default). ``None`` leaves only the process group's timeout.
+    """
+
     stage: int = 2
-    tensor_parallel_size: Any = 1  # int >= 1 or "auto" (= devices per node)
-    bucket_mb: float = 25.0
+    tensor_parallel_size: Union[int, str] = 1
+    bucket_mb: Union[float, str] = "auto"
     overlap_comm: bool = True
     prefetch_blocks: int = 1
     offload_optimizer: bool = False
     defer_grad_reduce: bool = False
     max_buckets_in_flight: int = 2
     monitor: bool = True
+    collective_timeout: Optional[float] = 300.0
+
+    def __post_init__(self) -> None:
+        def fail(name: str, fix: str) -> None:
+            raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}): {fix}")
+
+        if not _is_int(self.stage) or self.stage not in (1, 2, 3):
+            fail("stage", "stage must be 1, 2 or 3.")
+        tp = self.tensor_parallel_size
+        if not (tp == "auto" or (_is_int(tp) and tp >= 1)):
+            fail("tensor_parallel_size", "give a positive int or 'auto' (= devices per node).")
+        bucket = self.bucket_mb
+        if bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket > 0):
+            fail(
+                "bucket_mb",
+                "the gradient bucket size must be a number of MiB > 0 or 'auto' (25 is a good start; larger"
+                " buckets mean fewer, bigger reduce-scatters).",
+            )
+        if not _is_int(self.prefetch_blocks) or self.prefetch_blocks < 0:
+            fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
+        if not _is_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
+            fail("max_buckets_in_flight", "must be an int >= 1.")
+        for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be True or False.")
+        timeout = self.collective_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            fail("collective_timeout", "give a number of seconds > 0 (default 300) or None for the process group's own timeout.")
+        if bucket != "auto":
+            object.__setattr__(self, "bucket_mb", float(bucket))
+        if timeout is not None:
+            object.__setattr__(self, "collective_timeout", float(timeout))
+        if self.stage == 3 and self.defer_grad_reduce:
+            raise ValueError(
+                "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
+                " stage 3 never holds; use stage=2 for deferred reduction."
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
+
+
+def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
+    """The bucket size in MiB for ``bucket_mb``; ``"auto"`` is a quarter of ``grad_bytes`` (the
+    gradients one rank reduces per backward), clamped to ``AUTO_BUCKET_MB``. The engine and the
+    planner both size buckets through this function."""
+    if bucket_mb != "auto":
+        return float(bucket_mb)
+    low, high = AUTO_BUCKET_MB
+    return min(high, max(low, grad_bytes / 4 / 2**20))
+
+
+ZERO_DEFAULTS = ZeroConfig()
+"""The defaults of every :class:`ZeroConfig` knob (what ``ZeroStrategy()`` uses)."""
+
+
+def _schema_type(annotation: Any) -> Any:
+    """The OmegaConf field type for a ``ZeroConfig`` annotation (unions become ``Any``)."""
+    return annotation if annotation in (int, float, bool, str) else Any
+
+
+def _zero_strategy_schema() -> type:
+    hints = typing.get_type_hints(ZeroConfig)
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default="lightning_zero.ZeroStrategy"))]
+    for knob in dataclasses.fields(ZeroConfig):
+        fields.append((knob.name, _schema_type(hints[knob.name]), field(default=getattr(ZERO_DEFAULTS, knob.name))))
+    schema = dataclasses.make_dataclass("ZeroStrategyConf", fields)
+    schema.__module__ = __name__
+    schema.__doc__ = (
+        "``strategy/zero{1,2,3}``: the Hydra schema of :class:`lightning_zero.ZeroStrategy`, generated"
+        " from :class:`ZeroConfig` (same fields, same defaults) plus ``_target_``."
+    )
+    return schema
+
+
+ZeroStrategyConf = _zero_strategy_schema()
 
 
 @dataclass
@@ -139,16 +257,55 @@ class CheckpointConf:
     save_top_k: int = 1
 
 
+@dataclass
+class HardwareConf:
+    """``hardware/``: one accelerator in its node, for the planner (``planner.hardware.Hardware``).
+
+    Bandwidths per device, one direction, GB/s; latencies per ring step, microseconds.
+    """
+
+    name: str = MISSING
+    memory_bytes: int = MISSING
+    intra_node_gb_per_s: float = MISSING
+    inter_node_gb_per_s: float = MISSING
+    peak_bf16_tflops: float = MISSING
+    peak_fp32_tflops: Optional[float] = None  # None: bf16 peak / 16
+    devices_per_node: int = 8
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 10.0
+    memory_gb_per_s: Optional[float] = None  # None: memory-bound work is free
+    overlap_efficiency: float = 1.0
+    mfu: Optional[float] = None  # None: plan.mfu decides
+    collective_time_factor: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PlanConf:
+    """``plan/``: options of ``lightning-zero plan`` (conf/plan/default.yaml says what each does)."""
+
+    format: str = "table"
+    plot: Optional[str] = None
+    mfu: Optional[float] = None
+    stages: str = "all"
+    reserved_gib: float = 2.0
+    attention: str = "fused"
+    search: bool = False
+    top: int = 10
+    overlap_param_gather: bool = False
+
+
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConf,
     "data": DataConf,
     "trainer": TrainerConf,
     "optim": OptimConf,
     "checkpoint": CheckpointConf,
+    "hardware": HardwareConf,
+    "plan": PlanConf,
 }
 
-# Top-level keys besides the groups. ``hardware`` and ``plan`` belong to the planner.
-TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", "hardware", "plan", *GROUP_SCHEMAS}
+# Top-level keys besides the groups.
+TOP_LEVEL_KEYS = {"seed", "ckpt_path", "threads", "strategy", *GROUP_SCHEMAS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +331,13 @@ def _merge_into(schema: type, node: Any, where: str) -> DictConfig:
     """Merge ``node`` into ``schema``; raise ``ValueError`` naming the key and the allowed ones."""
     if not isinstance(node, DictConfig):
         raise ValueError(f"config '{where}' must be a mapping, got {node!r}")
+    unknown = sorted(set(node.keys()) - set(_schema_keys(schema)))
+    if unknown:
+        # A node typed by a schema (strategy/zero_schema) still takes keys added with ``+key=``.
+        raise ValueError(
+            f"invalid config at '{where}.{unknown[0]}': no such key. Allowed keys in '{where}'"
+            f" ({schema.__name__}): {', '.join(_schema_keys(schema))}"
+        )
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as error:
@@ -214,18 +378,23 @@ def validate(cfg: DictConfig) -> DictConfig:
     except OmegaConfBaseException as error:
         group = str(getattr(error, "full_key", "") or "").split(".")[0]
         raise _config_error(error, "", schemas.get(group)) from None
-    if "strategy" in schemas:
-        _check_tensor_parallel_size(cfg.strategy.get("tensor_parallel_size", 1))
+    if schemas.get("strategy") is ZeroStrategyConf:
+        _check_zero_knobs(cfg.strategy)
     OmegaConf.set_struct(cfg, True)
     return cfg
 
 
-def _check_tensor_parallel_size(value: Any) -> None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return
-    raise ValueError(
-        f"strategy.tensor_parallel_size must be an int >= 1 or 'auto' (= devices per node), got {value!r}"
-    )
+def _check_zero_knobs(strategy: DictConfig) -> None:
+    """Validate a ``ZeroStrategy`` config node through :class:`ZeroConfig` (the one validator)."""
+    knobs = {f.name: strategy[f.name] for f in dataclasses.fields(ZeroConfig) if f.name in strategy}
+    try:
+        ZeroConfig(**knobs)
+    except ValueError as error:
+        message = str(error)
+        if message.startswith("ZeroStrategy(") and "=" in message:
+            name = message[len("ZeroStrategy(") : message.index("=")]
+            message = f"invalid config at 'strategy.{name}': {message}"
+        raise ValueError(message) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,10 +408,12 @@ def available_recipes() -> list[str]:
 
 
 def register_recipes() -> None:
-    """Store every recipe in Hydra's ConfigStore as option ``recipe=NAME`` (package ``_global_``)."""
+    """Store every recipe in Hydra's ConfigStore as option ``recipe=NAME`` (package ``_global_``),
+    and :class:`ZeroStrategyConf` as ``strategy/zero_schema``, the base of the ``zero{1,2,3}`` YAMLs."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    store.store(group="strategy", name="zero_schema", node=ZeroStrategyConf, provider="lightning_zero")
     for name in available_recipes():
         node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
         store.store(group="recipe", name=name, node=node, package="_global_", provider="lightning_zero")
@@ -280,7 +451,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     overrides = list(overrides)
     check_recipe_overrides(overrides)
     register_recipes()
+    from hydra.errors import ConfigCompositionException
+
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=overrides)
+        try:
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        except ConfigCompositionException as error:
+            # A typed group (strategy/zero_schema) rejects a bad value while composing already.
+            cause = str(error.__cause__).splitlines()[0] if error.__cause__ is not None else ""
+            raise ValueError(f"{error}: {cause}" if cause else str(error)) from None
     return validate(cfg)
 

@@ -17,24 +17,25 @@ its own):
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
   while backward was still running.
 
-It warns once when ``overlap_comm=True`` but less than half of the collective time was hidden,
-and prints a summary table when fit ends.
+It warns once (on global rank 0, through Lightning's ``rank_zero_warn``) when every parameter
+group's gradients fit in one bucket (nothing can overlap; it says which ``bucket_mb`` would), or, on
+CUDA, when ``overlap_comm=True`` but less than half of the collective time was hidden; it logs a
+summary table when fit ends (``rank_zero_info``).
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-import warnings
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_zero.ledger import model_state_bytes
+from lightning_zero._lightning_compat import is_accumulating
 
-_OPTIM_STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4}
-
+from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory on ``device``, or this process's peak resident set size on CPU."""
@@ -45,20 +46,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """The ledger's per-rank model-state bytes for what ``engine`` manages."""
-    element = torch.empty((), dtype=engine.compute_dtype).element_size()
-    name = type(optimizer).__name__
-    state = _OPTIM_STATE_BYTES.get(name, 8)
-    if name == "SGD" and any(group.get("momentum", 0) for group in optimizer.param_groups):
-        state = 4
-    master = 0 if engine.compute_dtype == torch.float32 else 4
+    """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
+    parameter come from the ledger's one table: ``PRECISIONS`` and ``optimizer_state_bytes``)."""
+    precision = "32-true" if engine.compute_dtype == torch.float32 else "bf16-mixed"
+    per_param = PRECISIONS[precision]
     return model_state_bytes(
         engine.num_params(),
         stage=engine.stage,
         dp=engine.dp_size,
-        param_bytes=element,
-        grad_bytes=element,
-        optim_bytes_per_param=master + state,
+        param_bytes=per_param.param,
+        grad_bytes=per_param.grad,
+        optim_bytes_per_param=per_param.master + optimizer_state_bytes(optimizer),
     ).as_dict()
 
 
@@ -88,7 +86,7 @@ class ZeroMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine(trainer)
-        if engine is None or trainer.fit_loop._should_accumulate():
+        if engine is None or is_accumulating(trainer):
             return
         metrics: dict[str, float] = {}
         measured = engine.measured_bytes()
@@ -103,7 +101,7 @@ class ZeroMonitor(Callback):
             metrics[f"zero/sent_bytes/{kind}"] = sent
             sent_total += sent
         metrics["zero/sent_bytes_total"] = sent_total
-        timeline = engine.reducer.timeline
+        timeline = engine.timeline
         comm, exposed = timeline.comm_s, timeline.exposed_s
         metrics["zero/comm_s"] = comm
         metrics["zero/exposed_comm_s"] = exposed
@@ -112,23 +110,34 @@ class ZeroMonitor(Callback):
         metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
         self.history.append(metrics)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
-        if (
-            engine.reducer.overlap_comm
-            and not self._warned
-            and comm > 0
-            and metrics["zero/overlap_fraction"] < self.warn_overlap_below
-            and len(self.history) > 1
-        ):
+        self._maybe_warn_overlap(engine, metrics, comm, trainer.global_step)
+
+    def _maybe_warn_overlap(self, engine: Any, metrics: dict[str, float], comm: float, step: int) -> None:
+        if not engine.overlap_comm or self._warned or comm <= 0 or len(self.history) < 2:
+            return
+        if not engine.overlap_possible():
+            # One bucket per group fills only when backward ends: a layout fact, on any device.
             self._warned = True
-            warnings.warn(
+            grad_mib = engine.num_params() * torch.empty((), dtype=engine.compute_dtype).element_size() / 2**20
+            rank_zero_warn(
+                f"lightning_zero: every parameter group's gradients fit in one bucket (bucket_mb="
+                f"{engine.bucket_mb:g}, {grad_mib:.1f} MiB of gradients), so no reduce-scatter can start"
+                f" before backward ends. For overlap, set bucket_mb to about {max(grad_mib / 4, 0.25):.2g}"
+                " or leave it at 'auto'.",
+            )
+            return
+        # Host timers measure hidden time only where collectives run beside compute on the same
+        # clock; on CPU (gloo shares the cores with backward) the fraction is logged, not judged.
+        if engine.device.type == "cuda" and metrics["zero/overlap_fraction"] < self.warn_overlap_below:
+            self._warned = True
+            rank_zero_warn(
                 f"lightning_zero: overlap_comm=True but only {metrics['zero/overlap_fraction']:.0%} of the"
                 f" gradient collective time ({comm * 1e3:.1f} ms) was hidden behind backward in step"
-                f" {trainer.global_step}. Smaller buckets (bucket_mb) start collectives earlier.",
-                stacklevel=2,
+                f" {step}. Smaller buckets (bucket_mb) start collectives earlier.",
             )
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self.summary or not self.history or trainer.global_rank != 0:
+        if not self.summary or not self.history:
             return
         last = self.history[-1]
         rows = [
@@ -139,4 +148,4 @@ class ZeroMonitor(Callback):
         lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
         lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
         lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
-        print("\n".join(lines))
+        rank_zero_info("\n".join(lines))

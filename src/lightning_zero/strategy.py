@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -34,51 +35,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.zero.engine import ZeroEngine
-
-
-def _check_args(
-    stage: Any, tensor_parallel_size: Any, bucket_mb: Any, prefetch_blocks: Any, offload_optimizer: Any
-) -> None:
-    if stage not in (1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"ZeroStrategy(stage={stage!r}): stage must be 1, 2 or 3.")
-    if not (tensor_parallel_size == "auto" or (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1)):
-        raise ValueError(
-            f"ZeroStrategy(tensor_parallel_size={tensor_parallel_size!r}): give a positive int or 'auto'"
-            " (= devices per node)."
-        )
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise ValueError(
-            f"ZeroStrategy(bucket_mb={bucket_mb!r}): the gradient bucket size must be a number of MiB > 0"
-            " (25 is a good start; larger buckets mean fewer, bigger reduce-scatters)."
-        )
-    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
-        raise ValueError(f"ZeroStrategy(prefetch_blocks={prefetch_blocks!r}): must be an int >= 0.")
-    if not isinstance(offload_optimizer, bool):
-        raise ValueError(f"ZeroStrategy(offload_optimizer={offload_optimizer!r}): must be True or False.")
-
-
-def _tp_norm_weights(engine: "ZeroEngine", tp: int) -> dict[int, torch.Tensor]:
-    """Per-element weights of each master chunk's squared gradient in the world-wide norm sum.
-
-    See [Note: TP grad norm] in ``tp/grad_norm.py``: elements of TP-split parameters count 1,
-    elements of parameters replicated over tp (norm gains) count ``1/tp``. Only chunks that
-    hold replicated elements get a weight tensor.
-    """
-    from lightning_zero.tp.grad_norm import tp_grad_norm_weight
-
-    weights: dict[int, torch.Tensor] = {}
-    for group in engine.groups:
-        for bucket, master in zip(group.layout.buckets, group.masters):
-            start = bucket.shard_start(group.dp_rank)
-            end = start + bucket.shard_numel
-            weight = torch.ones(bucket.shard_numel, dtype=torch.float32, device=master.device)
-            for slot in bucket.slots:
-                lo, hi = max(start, slot.offset), min(end, slot.end)
-                if lo < hi:
-                    weight[lo - start : hi - start] = tp_grad_norm_weight(slot.param, tp)
-            if bool((weight != 1).any()):
-                weights[id(master)] = weight
-    return weights
 
 
 class ZeroStrategy(DDPStrategy):
@@ -94,13 +50,16 @@ class ZeroStrategy(DDPStrategy):
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node. ``dp = world_size // tensor_parallel_size``.
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async
-            reduce-scatter over dp.
+            reduce-scatter over dp. ``"auto"`` (default): a quarter of the gradient bytes, between
+            1 and 25 MiB, so even a small model's reduce-scatters start during backward.
         overlap_comm: launch bucket reduce-scatters during backward (``True``) or only once
             backward ended (``False``, for comparison).
         prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
             one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
         wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
-            children of every ``nn.ModuleList``, embeddings, and a linear head beside a block list.
+            children of every ``nn.ModuleList`` (and of a ``ModuleDict``/``Sequential`` of repeated
+            blocks), embeddings, and modules with parameters beside a block container
+            (``zero/stage3/units.py``; docs/stage3.md).
         offload_optimizer: keep the fp32 master and optimizer-state shards in CPU memory; the
             optimizer steps on the CPU and the updated chunk is copied back to the device.
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
@@ -108,24 +67,41 @@ class ZeroStrategy(DDPStrategy):
             reduce-scatter per step instead of one per micro batch). Stage 1 always defers.
         max_buckets_in_flight: stage 2: full-size bucket buffers alive at once (bounds gradient
             memory to the shard plus this many buckets).
+        collective_timeout: seconds any wait of the engine on a collective may take before it
+            raises an error naming what this rank waited on (``None``: the process group's
+            ``timeout`` only). See docs/troubleshooting.md.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
+
+    [Note: why DDPStrategy is the base] Lightning's own FSDP and model-parallel strategies derive
+    from ``ParallelStrategy``; this one derives from ``DDPStrategy`` on purpose, because ZeRO *is*
+    data parallelism and everything DDP does besides wrapping the module is what we need, unchanged:
+    the launchers (``popen`` re-runs the script per local rank, ``spawn``/``fork``), torchrun and
+    SLURM cluster environments, ``setup_distributed`` with the backend choice and ``timeout``,
+    ``set_world_ranks``, ``distributed_sampler_kwargs``, ``barrier``/``broadcast``/``reduce``,
+    ``model_to_device``, ``on_exception`` and ``teardown``, plus Lightning's accumulation contract
+    (``block_backward_sync`` on non-final micro batches). What DDP adds and this class replaces:
+    ``configure_ddp`` (no ``DistributedDataParallel`` wrapper: the engine's hooks reduce),
+    ``block_backward_sync`` (the engine's ``no_sync``), ``setup`` (engine, precision) and the
+    checkpoint methods; DDP's comm hooks and model averaging are never reached because no DDP
+    module is ever built.
     """
 
     strategy_name = "zero"
 
     def __init__(
         self,
-        stage: int = 2,
-        tensor_parallel_size: Union[int, Literal["auto"]] = 1,
-        bucket_mb: float = 25.0,
-        overlap_comm: bool = True,
-        prefetch_blocks: int = 1,
-        offload_optimizer: bool = False,
-        defer_grad_reduce: bool = False,
-        max_buckets_in_flight: int = 2,
-        monitor: bool = True,
+        stage: int = ZERO_DEFAULTS.stage,
+        tensor_parallel_size: Union[int, Literal["auto"]] = ZERO_DEFAULTS.tensor_parallel_size,
+        bucket_mb: Union[float, Literal["auto"]] = ZERO_DEFAULTS.bucket_mb,
+        overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
+        prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
+        offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,
+        defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+        max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
+        monitor: bool = ZERO_DEFAULTS.monitor,
+        collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -136,9 +112,9 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        _check_args(stage, tensor_parallel_size, bucket_mb, prefetch_blocks, offload_optimizer)
-        if not isinstance(max_buckets_in_flight, int) or max_buckets_in_flight < 1:
-            raise ValueError(f"ZeroStrategy(max_buckets_in_flight={max_buckets_in_flight!r}): must be an int >= 1.")
+        # Validates every knob (the one validator, shared with the Hydra schema and the planner).
+        knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
+        self.zero_config = ZeroConfig(**knobs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -149,21 +125,9 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.stage = stage
-        self.tensor_parallel_size = tensor_parallel_size
-        self.bucket_mb = float(bucket_mb)
-        self.overlap_comm = overlap_comm
-        self.prefetch_blocks = prefetch_blocks
-        self.offload_optimizer = offload_optimizer
-        self.defer_grad_reduce = defer_grad_reduce
-        self.max_buckets_in_flight = max_buckets_in_flight
-        self.monitor = monitor
+        for name, value in self.zero_config.as_dict().items():  # self.stage, self.bucket_mb, ...
+            setattr(self, name, value)
         self.wrap_policy = wrap_policy
-        if stage == 3 and defer_grad_reduce:
-            raise ValueError(
-                "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
-                " stage 3 never holds; use stage=2 for deferred reduction."
-            )
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
         self.comm_counter = CommCounter()
@@ -247,7 +211,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting or self.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if fitting and self.monitor:
             self._attach_monitor(trainer)
@@ -257,7 +221,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.model is not None
         with torch.no_grad():
             for module in self.model.modules():
-                for key, param in module._parameters.items():
+                for param in module._parameters.values():
                     if param is not None and not param.is_meta and param.device != self.root_device:
                         param.data = param.data.to(self.root_device)
                 for key, buffer in module._buffers.items():
@@ -310,9 +274,14 @@ class ZeroStrategy(DDPStrategy):
             wrap_policy=self.wrap_policy,
             offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
+            collective_timeout=self.collective_timeout,
         )
         if self._device_mesh is not None:
-            weights = _tp_norm_weights(self.engine, self._dims.tp)
+            from lightning_zero.tp.grad_norm import tp_grad_norm_weight
+
+            # [Note: TP grad norm] in tp/grad_norm.py: replicated elements count 1/tp in the norm.
+            tp = self._dims.tp
+            weights = self.engine.master_chunk_weights(lambda param: tp_grad_norm_weight(param, tp))
             for sharded in self.engine.optimizers:
                 sharded.replicated_weight = weights
         self.precision_plugin.engine = self.engine  # type: ignore[attr-defined]
@@ -332,26 +301,38 @@ class ZeroStrategy(DDPStrategy):
         with self.engine.no_sync():
             yield None
 
-    # -- stage 3: the root unit around every step --------------------------------------------
-    def _begin_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.begin_step()
-
-    def _end_eval_step(self) -> None:
-        if self.engine is not None and self.engine.stage3 is not None:
-            self.engine.stage3.end_eval_step()
+    # -- gradient sync: always finished after a backward ([Note: end of backward], reducer.py) --
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.pre_backward()
 
     @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.post_backward()
+
+    # -- the phase of every step (stage 3 gathers by it: [Note: phases] in zero/stage3/runtime.py)
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        return super().training_step(*args, **kwargs)
+        if self.engine is None:
+            return super().training_step(*args, **kwargs)
+        self.engine.begin_step("train")
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.engine.end_step_call()  # the step's backward may still follow (automatic optimization)
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
+        if self.engine is None:
+            return step(*args, **kwargs)
+        self.engine.begin_step("eval")
         try:
             return step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            self.engine.end_eval_step()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,12 +346,32 @@ class ZeroStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
 
+    def _end_eval_loop(self) -> None:
+        # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
+        if self.engine is not None:
+            self.engine.end_eval_loop()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_loop()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_loop()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_loop()
+        super().on_predict_end()
+
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            if self.engine.stage3 is not None:
-                # Leave the module usable outside the Trainer (forward, state_dict): full parameters.
-                self.engine.unshard_parameters()
+            # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
+            # fp32 under bf16-mixed as under ddp.
+            self.engine.release_module()
             self.engine.close()
             self.engine = None
         super().teardown()

@@ -7,14 +7,14 @@ Plain torch.distributed; usable without Lightning::
     optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
 
 Stages differ in one place each: which :class:`~lightning_zero.zero.reducer.GradStorage` keeps the
-gradients (stage 1: full, stage 2: sharded), and ``zero/stage3.py`` for parameters.
+gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,9 +22,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import CommCounter
-from lightning_zero.zero.flat import FlatLayout, FlatParamGroup
+from lightning_zero.config import resolve_bucket_mb
+from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.optimizer import ShardedOptimizer
-from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage
+from lightning_zero.zero.reducer import SyncTimeline, FullGradStorage, GradReducer, ShardedGradStorage
 
 MIB = 1024 * 1024
 
@@ -32,6 +33,25 @@ MIB = 1024 * 1024
 def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1)."""
     return max(1, int(bucket_mb * MIB) // torch.empty((), dtype=dtype).element_size())
+
+
+# Optimizers whose update of an element depends on other elements of the same parameter (factored
+# second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
+NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+
+
+def check_elementwise(optimizers: list[Optimizer]) -> None:
+    """ValueError for optimizers the sharded step cannot reproduce (see ``NON_ELEMENTWISE_OPTIMIZERS``)."""
+    for index, optimizer in enumerate(optimizers):
+        name = type(optimizer).__name__
+        if name in NON_ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on other"
+                " elements of the same parameter (factored moments / whole-tensor norms); ZeRO stages shard"
+                " parameters by element ranges, so its step would differ from the unsharded one. Use an"
+                " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
+                " or Lightning's ddp/fsdp strategies for this optimizer."
+            )
 
 
 def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:
@@ -88,7 +108,7 @@ class ZeroEngine:
 
     Args:
         stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients; 3 also
-            shards parameters (``zero/stage3.py``: units gathered just in time).
+            shards parameters (``zero/stage3/``: units gathered just in time).
         dp_group: data-parallel process group (``None``: the default group).
         compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
             or ``torch.bfloat16``); master weights and optimizer state are fp32 either way.
@@ -108,6 +128,13 @@ class ZeroEngine:
             chunk back (``4 + K`` bytes per shard parameter leave the device).
         counter: where logical bytes sent are counted (share one with tensor parallelism so a
             step's dp and tp traffic show up together).
+        collective_timeout: seconds any wait of the engine on a collective may take before it
+            raises an error naming what this rank waited on (``None``: the process group's own
+            timeout). See [Note: collective timeout] in ``reducer.py``.
+
+    Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
+    are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
+    parameters of norm layers with running statistics (BatchNorm) stay fp32.
     """
 
     def __init__(
@@ -118,7 +145,7 @@ class ZeroEngine:
         stage: int,
         dp_group: Optional[dist.ProcessGroup] = None,
         compute_dtype: torch.dtype = torch.float32,
-        bucket_mb: float = 25.0,
+        bucket_mb: Union[float, str] = "auto",
         overlap_comm: bool = True,
         defer_grad_reduce: bool = False,
         max_buckets_in_flight: int = 2,
@@ -128,6 +155,7 @@ class ZeroEngine:
         wrap_policy=None,
         offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
+        collective_timeout: Optional[float] = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -141,10 +169,18 @@ class ZeroEngine:
         self.compute_dtype = compute_dtype
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
+        self.collective_timeout = collective_timeout
+        self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
+        trainable = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad}
+        grad_bytes = sum(p.numel() for p in trainable.values()) * torch.empty((), dtype=compute_dtype).element_size()
+        bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
+        self.bucket_mb = bucket_mb
+        check_elementwise(optimizers)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
+        self.device = device
         self.stage3 = None
         if stage == 3:
             flat_groups_per_optimizer = self._build_stage3(
@@ -155,8 +191,9 @@ class ZeroEngine:
 
         use_full = stage == 1 or defer_grad_reduce
         storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
+        self._reduced_groups = [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)]
         self.reducer = GradReducer(
-            [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)],
+            self._reduced_groups,
             storage,
             dp_group=dp_group,
             dp_size=self.dp_size,
@@ -164,6 +201,7 @@ class ZeroEngine:
             overlap_comm=overlap_comm,
             counter=self.counter,
             param_order=order,
+            collective_timeout=collective_timeout,
         )
         self.optimizers = [
             ShardedOptimizer(
@@ -175,17 +213,51 @@ class ZeroEngine:
                 norm_group=norm_group,
                 gather_params=stage != 3,
                 comm_device=device,
+                collective_timeout=collective_timeout,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
+        if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
+            self.stage3.on_backward_begin = self.reducer.begin_backward
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
-        self.reducer.grads_were_zeroed = lambda: any(s.grads_were_zeroed() for s in self.optimizers)
+        self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
+        self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
+        self._finished_at_pre_backward = 0
+
+    # -- backward boundaries (see [Note: end of backward] in reducer.py) -----------------------
+    def _zero_grads_zeroed_by_optimizers(self) -> None:
+        """[Note: zero_grad detection]: reset only the buckets of optimizers that zeroed their grads."""
+        for sharded in self.optimizers:
+            if sharded.grads_were_zeroed():
+                self.reducer.zero_grad([b for b in self.reducer.buckets if sharded.owns(b)])
+                sharded.forget_handed_out_grads()
+
+    def pre_backward(self) -> None:
+        """Call before a backward (the strategy does): lets :meth:`post_backward` tell whether
+        this backward reached this rank's parameters at all."""
+        self._finished_at_pre_backward = self.reducer.finished_backwards
+
+    def post_backward(self) -> None:
+        """Call after a backward (the strategy does): finishes the gradient sync if the backward
+        did not already (no gradient reached this rank: every bucket launches with zeros)."""
+        if self.reducer.finished_backwards == self._finished_at_pre_backward:
+            self.reducer.finish_backward()
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward(**kwargs)`` with the gradient sync always finished afterwards."""
+        self.pre_backward()
+        loss.backward(**kwargs)
+        self.post_backward()
+
+    def _before_step(self, optimizer: Optimizer, args, kwargs) -> None:
+        if self.reducer._backward_open:  # a backward whose end was never seen: finish it now
+            self.reducer.finish_backward()
 
     def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
 
-        units, per_optimizer, self.init_peak_param_bytes = build_units(
+        units, per_optimizer, self.init_peak_param_bytes, root_holders = build_units(
             module,
             optimizers,
             names=names,
@@ -200,8 +272,16 @@ class ZeroEngine:
             offload=self.offload_optimizer,
         )
         self.groups = [group for unit in units for group in unit.groups]
+        ag_group = clone_dp_group(self.dp_group)
+        self._owned_groups.append(ag_group)  # destroyed in close()
         self.stage3 = Stage3Runtime(
-            units, clone_dp_group(self.dp_group), prefetch_blocks=prefetch_blocks, counter=self.counter
+            units,
+            ag_group,
+            prefetch_blocks=prefetch_blocks,
+            counter=self.counter,
+            top=module,
+            root_holders=root_holders,
+            optimizers=optimizers,
         )
         return per_optimizer
 
@@ -209,6 +289,7 @@ class ZeroEngine:
         self.groups: list[FlatParamGroup] = []
         flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
         managed: set[int] = set()
+        fp32_ids = fp32_parameter_ids(module) if self.compute_dtype != torch.float32 else set()
         for optimizer in optimizers:
             per_param_group = []
             for param_group in optimizer.param_groups:
@@ -216,31 +297,33 @@ class ZeroEngine:
                     (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
                 )
                 groups = []
-                if params:
+                # One flat group per compute dtype: norm layers with running stats stay fp32.
+                kept_fp32 = [p for p in params if id(p) in fp32_ids]
+                rest = [p for p in params if id(p) not in fp32_ids]
+                for members, dtype in ((rest, self.compute_dtype), (kept_fp32, torch.float32)):
+                    if not members:
+                        continue
                     layout = FlatLayout(
-                        params,
-                        [names[id(p)] for p in params],
+                        members,
+                        [names[id(p)] for p in members],
                         dp=self.dp_size,
-                        bucket_numel=bucket_numel_for(bucket_mb, self.compute_dtype),
+                        bucket_numel=bucket_numel_for(bucket_mb, dtype),
                     )
                     groups.append(
                         FlatParamGroup(
                             layout,
                             dp_rank=self.dp_rank,
-                            compute_dtype=self.compute_dtype,
+                            compute_dtype=dtype,
                             device=device,
                             offload=self.offload_optimizer,
                         )
                     )
-                    managed.update(id(p) for p in params)
+                managed.update(id(p) for p in params)
                 per_param_group.append(groups)
                 self.groups.extend(groups)
             flat_groups_per_optimizer.append(per_param_group)
-
-        # Parameters no optimizer steps (frozen) are cast for compute and otherwise left alone.
-        for param in module.parameters():
-            if id(param) not in managed and param.is_floating_point():
-                param.data = param.data.to(self.compute_dtype)
+        # Parameters no optimizer steps (frozen, any dtype) are left exactly as they are.
+        self.frozen_params = [p for p in module.parameters() if id(p) not in managed]
         return flat_groups_per_optimizer
 
     @contextmanager
@@ -265,7 +348,7 @@ class ZeroEngine:
 
     def measured_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds now: params, grads, optimizer (master + state)."""
-        params = sum(group.param_bytes() for group in self.groups)
+        params = sum(group.param_bytes() for group in self.groups) + self.frozen_param_bytes()
         grads = self.reducer.storage.grad_bytes()
         master = sum(group.master_bytes() for group in self.groups)
         state = sum(sharded.state_bytes() for sharded in self.optimizers)
@@ -278,6 +361,14 @@ class ZeroEngine:
             "total": params + grads + master + state,
         }
 
+    def frozen_param_bytes(self) -> int:
+        """Bytes of the parameters no optimizer steps (stages 1-2: kept as they are, in full)."""
+        seen: dict[int, int] = {}
+        for param in getattr(self, "frozen_params", []):
+            storage = param.untyped_storage()
+            seen[storage.data_ptr() if storage.nbytes() else id(storage)] = storage.nbytes()
+        return sum(seen.values())
+
     def owned_ranges(self) -> Iterator[OwnedRange]:
         """See :class:`OwnedRange`; names are the module's ``named_parameters`` names."""
         return owned_ranges(self.groups)
@@ -289,14 +380,124 @@ class ZeroEngine:
     def padding_numel(self) -> int:
         return sum(group.layout.padding_numel for group in self.groups)
 
+    # -- what the monitor reads (the engine's public surface; nothing outside zero/ walks buckets)
+    @property
+    def overlap_comm(self) -> bool:
+        """Whether bucket collectives launch during backward."""
+        return self.reducer.overlap_comm
+
+    @property
+    def timeline(self) -> "SyncTimeline":
+        """Launch/done/backward-end times of the last gradient sync (see ``reducer.SyncTimeline``)."""
+        return self.reducer.timeline
+
+    def bucket_count(self) -> int:
+        """Gradient buckets per backward, each one reduce-scatter."""
+        return len(self.reducer.buckets)
+
+    def overlap_possible(self) -> bool:
+        """False when every reduced flat group is a single bucket: each bucket is complete only
+        when its group's last gradient arrives, so no reduce-scatter can start before the end."""
+        return self.bucket_count() > len(self._reduced_groups)
+
     def unshard_parameters(self) -> None:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
         if self.stage3 is not None:
             self.stage3.unshard()
 
+    # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
+    def begin_step(self, kind: str) -> None:
+        """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
+        if self.stage3 is not None:
+            self.stage3.begin_step(kind)
+
+    def end_step_call(self) -> None:
+        """The training-step call returned (its backward may still follow)."""
+        if self.stage3 is not None:
+            self.stage3.end_step_call()
+
+    def end_eval_step(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.end_eval_step()
+
+    def end_eval_loop(self) -> None:
+        """An evaluation loop ended on this rank; ranks with fewer batches serve the others."""
+        if self.stage3 is not None:
+            self.stage3.end_eval_loop()
+
+    def release_module(self) -> None:
+        """Leave the module usable outside the engine (forward, ``state_dict``, another fit):
+        stage 3 unshards every parameter, stages 1-2 put the fp32 masters back. Collective."""
+        if self.stage3 is not None:
+            self.unshard_parameters()
+        else:
+            self.restore_master_params()
+
+    # -- what checkpoints and tensor parallelism read -----------------------------------------
+    def managed_param_names(self) -> set[str]:
+        """Names of the parameters whose fp32 masters the engine's optimizers step."""
+        return {slot.name for group in self.groups for slot in group.layout.slots}
+
+    def refresh_params_from_masters(self) -> None:
+        """Compute parameters from the fp32 masters (after loading them): stages 1-2 all-gather
+        the full parameters; stage 3 refreshes each rank's shard (gathered on use)."""
+        if self.stage3 is not None:
+            for group in self.groups:
+                copy = getattr(group, "copy_masters_to_params", None)
+                if copy is not None:
+                    copy()
+            return
+        for sharded in self.optimizers:
+            sharded.all_gather_params()
+
+    def master_chunk_weights(self, weight_of: "Callable[[nn.Parameter], float]") -> dict[int, torch.Tensor]:
+        """Per-element weights of each master chunk, ``weight_of(param)`` for the elements of
+        ``param``; only chunks holding an element whose weight is not 1 get a tensor (keyed by
+        ``id(master)``). Tensor parallelism uses it to weigh replicated elements in the norm."""
+        weights: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            for bucket, master in zip(group.layout.buckets, group.masters):
+                start = bucket.shard_start(group.dp_rank)
+                end = start + bucket.shard_numel
+                weight = torch.ones(bucket.shard_numel, dtype=torch.float32, device=master.device)
+                for slot in bucket.slots:
+                    lo, hi = max(start, slot.offset), min(end, slot.end)
+                    if lo < hi:
+                        weight[lo - start : hi - start] = weight_of(slot.param)
+                if bool((weight != 1).any()):
+                    weights[id(master)] = weight
+        return weights
+
+    def restore_master_params(self) -> None:
+        """Stages 1-2 under bf16-mixed: parameters become the full fp32 masters again (one
+        all-gather over dp), so a forward outside the Trainer, a second ``fit`` or a
+        ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Collective over dp."""
+        if self.stage == 3:
+            return
+        from lightning_zero.zero.reducer import wait_work
+
+        poll = next(iter(self.groups), None) is not None and self.groups[0].param_buffer.device.type == "cpu"
+        for group in self.groups:
+            group.restore_master_params(
+                self.dp_group,
+                self.counter,
+                lambda work: wait_work(work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll),
+            )
+
     def close(self) -> None:
+        """Remove every hook and destroy the process groups the engine created."""
         if self.stage3 is not None:
             self.stage3.remove_hooks()
         self.reducer.remove_hooks()
         for sharded in self.optimizers:
             sharded.remove_hooks()
+        for handle in self._step_pre_hooks:
+            handle.remove()
+        self._step_pre_hooks.clear()
+        for group in self._owned_groups:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):  # already destroyed by its other user
+                    pass
+        self._owned_groups.clear()

@@ -17,7 +17,7 @@ buffer (parameters become views into it) and the fp32 master chunks the optimize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -114,13 +114,23 @@ class FlatLayout:
         Padding reads as zero. Used to build fp32 master chunks straight from the original
         parameters, so no full fp32 flat copy is ever made.
         """
+        self.copy_range_from(start, end, out, lambda slot: slot.param.detach())
+
+    def copy_range_from(
+        self, start: int, end: int, out: torch.Tensor, tensor_of: Callable[[ParamSlot], Optional[torch.Tensor]]
+    ) -> None:
+        """Fill ``out`` with the elements at ``[start, end)`` of the run made by laying
+        ``tensor_of(slot)`` (shaped like the slot's parameter; ``None``: zeros) at each slot."""
         out.zero_()
         for slot in self.slots:
             lo, hi = max(start, slot.offset), min(end, slot.end)
             if lo >= hi:
                 continue
-            flat_param = slot.param.detach().reshape(-1)
-            out[lo - start : hi - start].copy_(flat_param[lo - slot.offset : hi - slot.offset])
+            tensor = tensor_of(slot)
+            if tensor is None:
+                continue
+            flat = tensor.reshape(-1)
+            out[lo - start : hi - start].copy_(flat[lo - slot.offset : hi - slot.offset])
 
 
 class ChunkedParamGroup:
@@ -233,3 +243,44 @@ class FlatParamGroup(ChunkedParamGroup):
 
     def param_bytes(self) -> int:
         return self.param_buffer.numel() * self.param_buffer.element_size()
+
+    def restore_master_params(self, group: Optional[dist.ProcessGroup], counter: CommCounter, wait) -> None:
+        """Make every parameter a view of the full fp32 masters (all-gathered over dp), so the module
+        leaves the engine in the dtype it came in (bf16-mixed keeps fp32 weights outside training).
+        ``wait(work)`` waits on one collective. No-op when the masters are the parameters."""
+        if self.masters_alias_params:
+            return
+        device = self.param_buffer.device
+        full = torch.empty(self.layout.numel, dtype=self.master_dtype, device=device)
+        works = [
+            all_gather(
+                full[bucket.start : bucket.end],
+                master.detach().to(device),
+                group,
+                async_op=True,
+                counter=counter,
+                label="all_gather_masters",
+            )
+            for bucket, master in zip(self.layout.buckets, self.masters)
+        ]
+        for work in works:
+            wait(work)
+        for slot in self.layout.slots:
+            slot.param.data = full[slot.offset : slot.end].view(slot.shape)
+        self.param_buffer = full
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """Norm layers with running statistics keep fp32 parameters under bf16-mixed.
+
+    Their running statistics stay fp32 (buffers are never cast); the layer needs its weight and
+    bias in the statistics' dtype, as FSDP's MixedPrecision keeps ``_BatchNorm`` in fp32.
+    """
+    return isinstance(module, nn.modules.batchnorm._NormBase) or (
+        "running_mean" in module._buffers and "running_var" in module._buffers
+    )
+
+
+def fp32_parameter_ids(module: nn.Module) -> set[int]:
+    """Ids of the parameters held by :func:`keeps_fp32` modules."""
+    return {id(p) for m in module.modules() if keeps_fp32(m) for p in m.parameters(recurse=False)}

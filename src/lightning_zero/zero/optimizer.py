@@ -13,7 +13,11 @@ Around ``optimizer.step()``:
 - a step post-hook writes the updated chunks back into the compute parameters and all-gathers
   every bucket, so each rank holds the full updated parameters again (:meth:`all_gather_params`);
 - ``optimizer.zero_grad()`` needs no patching: the reducer notices dropped master gradients
-  ([Note: zero_grad detection] in ``reducer.py``).
+  ([Note: zero_grad detection] in ``reducer.py``), per optimizer.
+
+Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) are accepted: their
+per-element state tensors are cut into the same chunks as the parameters (padding reads zero)
+and scalar state (``step``) is copied, so the sharded step starts where the unsharded would.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce
 from lightning_zero.zero.flat import FlatParamGroup
-from lightning_zero.zero.reducer import Bucket
+from lightning_zero.zero.reducer import Bucket, wait_work
 
 
 class ShardedOptimizer:
@@ -36,7 +40,7 @@ class ShardedOptimizer:
 
     Args:
         optimizer: any element-wise ``torch.optim`` optimizer over the module's parameters; it
-            must not have taken a step yet.
+            must not have taken a step yet (state made in its ``__init__`` is sharded).
         flat_groups: for each of ``optimizer.param_groups``, the flat groups holding its params.
         dp_group / dp_size: the data-parallel group the parameters are sharded over.
         norm_groups: process groups whose ranks hold *different* gradient chunks (dp, plus tp
@@ -54,12 +58,9 @@ class ShardedOptimizer:
         norm_group: Optional[dist.ProcessGroup] = None,
         gather_params: bool = True,
         comm_device: Optional[torch.device] = None,
+        collective_timeout: Optional[float] = None,
     ) -> None:
-        if any(len(state) for state in optimizer.state.values()):
-            raise ValueError(
-                f"lightning_zero: the optimizer {type(optimizer).__name__} already holds state."
-                " Create it fresh in `configure_optimizers`; the strategy shards it before the first step."
-            )
+        eager_state = {param: state for param, state in optimizer.state.items() if len(state)}
         self.optimizer = optimizer
         self.flat_groups = flat_groups
         self.dp_group = dp_group
@@ -68,13 +69,20 @@ class ShardedOptimizer:
         self.norm_group = norm_group if norm_group is not None else dp_group
         self.gather_params = gather_params
         self.comm_device = comm_device  # where collectives run (masters may be offloaded to CPU)
+        self.collective_timeout = collective_timeout
         self.replicated_weight: dict[int, torch.Tensor] = {}  # master id -> per-element 1/tp weights
 
         for param_group, groups in zip(optimizer.param_groups, flat_groups):
             param_group["params"] = [master for group in groups for master in group.masters]
         optimizer.state.clear()
+        if eager_state:
+            self._shard_eager_state(eager_state)
         self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
+
+    @property
+    def _poll(self) -> bool:
+        return self.comm_device is None or torch.device(self.comm_device).type == "cpu"
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
@@ -94,6 +102,45 @@ class ShardedOptimizer:
             same = chunk.dtype == master.dtype and chunk.device == master.device
             master.grad = chunk if same else chunk.to(device=master.device, dtype=master.dtype)
         self._remember_grads()
+
+    def _shard_eager_state(self, state_of_param: dict) -> None:
+        """State made before the engine existed (Adagrad's ``sum``): cut it like the parameters."""
+        name = type(self.optimizer).__name__
+        for groups in self.flat_groups:
+            for group in groups:
+                for bucket, master in zip(group.layout.buckets, group.masters):
+                    states = [(slot, state_of_param.get(slot.param)) for slot in bucket.slots]
+                    keys = {key for _, state in states if state for key in state}
+                    if not keys:
+                        continue
+                    sharded: dict[str, Any] = {}
+                    for key in sorted(keys):
+                        values = [(slot, state[key]) for slot, state in states if state and key in state]
+                        sample = values[0][1]
+                        if torch.is_tensor(sample) and sample.dim() > 0:
+                            for slot, value in values:
+                                if value.shape != slot.shape:
+                                    raise ValueError(
+                                        f"lightning_zero: {name} holds state {key!r} of shape {tuple(value.shape)}"
+                                        f" for parameter {slot.name!r} of shape {tuple(slot.shape)}: only state"
+                                        " shaped like its parameter (element-wise optimizers) can be sharded."
+                                    )
+                            by_param = {id(slot.param): value for slot, value in values}
+                            chunk = torch.zeros(master.shape, dtype=sample.dtype, device=master.device)
+                            group.layout.copy_range_from(
+                                bucket.shard_start(group.dp_rank),
+                                bucket.shard_start(group.dp_rank) + bucket.shard_numel,
+                                chunk,
+                                lambda slot: by_param.get(id(slot.param)),
+                            )
+                            sharded[key] = chunk
+                        else:
+                            sharded[key] = sample.clone() if torch.is_tensor(sample) else sample
+                    self.optimizer.state[master] = sharded
+
+    def forget_handed_out_grads(self) -> None:
+        """After the engine reset this optimizer's gradients: nothing handed out is pending."""
+        self._handed_out = {}
 
     def _remember_grads(self) -> None:
         self._handed_out = {id(m): (m.grad, m.grad._version) for m in self.masters if m.grad is not None}
@@ -128,8 +175,14 @@ class ShardedOptimizer:
                 for group in groups
                 for work in group.start_all_gather(self.dp_group, self.counter)
             ]
-            for work in works:
-                work.wait()
+            for index, work in enumerate(works):
+                wait_work(
+                    work,
+                    self.collective_timeout,
+                    lambda index=index: f"the parameter all-gather {index + 1} of {len(works)} after"
+                    f" {type(self.optimizer).__name__}.step()",
+                    poll=self._poll,
+                )
 
     # -- gradient clipping over shards ---------------------------------------------------------
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -151,7 +204,8 @@ class ShardedOptimizer:
     def _all_reduce_scalar(self, local: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         device = self.comm_device or local.device
         value = local.to(device)
-        all_reduce(value, self.norm_group, op=op, counter=self.counter, label="all_reduce_grad_norm")
+        work = all_reduce(value, self.norm_group, op=op, async_op=True, counter=self.counter, label="all_reduce_grad_norm")
+        wait_work(work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping", poll=self._poll)
         return value.to(local.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -1,17 +1,36 @@
-"""Gradient hooks -> buckets -> async reduce-scatter over dp; ``finish_grad_sync()`` waits.
+"""Gradient hooks -> buckets -> async reduce-scatter over dp; ``finish_backward()`` ends a backward.
 
 This is the one place where gradients are reduced. The collective API is a pair, as in
 Megatron-Core: buckets start their reduce-scatter as soon as every parameter in them has its
 gradient (``overlap_comm=True``), or all at the end of backward (``overlap_comm=False``);
-``finish_grad_sync()`` (queued to run when autograd's backward ends) launches whatever is left,
-waits on every bucket in launch order, divides by dp and hands each rank's fp32 gradient chunk to
-its master parameter.
+``finish_grad_sync()`` launches whatever is left, waits on every bucket in launch order, divides
+by dp and hands each rank's fp32 gradient chunk to its master parameter.
+
+[Note: end of backward] A backward ends once, whatever runs inside it. The first gradient of a
+backward queues a callback on the autograd graph task it arrives in. Reentrant activation
+checkpointing (``use_reentrant=True``) runs a *nested* backward per segment, and a callback
+queued from inside one fires when that segment ends, not when the whole backward does; so the
+callback first asks autograd which node is running (``torch._C._current_autograd_node()``): if
+one is (we are nested inside it), it registers a post-hook on that outer node which re-queues
+the callback on the outer graph task, and so on up to the outermost backward. Readiness counts
+therefore never reset mid-backward. The strategy's ``post_backward`` calls
+:meth:`GradReducer.finish_backward` as well, which is a no-op when the callback already
+finished this backward and otherwise finishes it: a rank whose loss reached no trainable
+parameter (no hook ever fired) still launches every bucket, with zeros, so its peers never wait
+for it.
 
 [Note: launch order] Every rank must issue the same collectives in the same order, even when a
-parameter got no gradient on one rank. Buckets therefore launch strictly in a fixed global order
-(the order their last gradient is expected in backward): a bucket that is ready early waits for
-the ones before it. Buckets with missing gradients launch at the end of backward with zeros for
-the missing parameters, so unused parameters never hang a step.
+parameter got no gradient on one rank. Buckets therefore launch strictly in one global order: a
+bucket that is ready early waits for the ones before it; buckets with missing gradients launch at
+the end of backward with zeros for the missing parameters. The first synchronized backward
+launches in the order guessed from registration (reverse registration order) and *records* the
+order its buckets actually completed in and how many gradients each parameter received
+(reentrant checkpointing accumulates a parameter used in several segments several times). At its
+end all ranks agree on dp rank 0's observed order and on the largest count per parameter (one
+small all-reduce), as DDP rebuilds its buckets after the first iteration; later backwards launch
+in that order, a bucket once each of its parameters received its learned number of gradients.
+So a layer registered late but used first in forward no longer holds back every launch. (The
+flat layout itself, i.e. which parameters share a bucket, stays the one from registration order.)
 
 Where the gradients live between backward and the reduce-scatter is the one thing stages 1 and 2
 do differently, and it lives in the two :class:`GradStorage` classes below:
@@ -20,34 +39,99 @@ do differently, and it lives in the two :class:`GradStorage` classes below:
   full-size gradient buffer per group; each parameter's gradient is added into it as it arrives
   (and ``param.grad`` dropped), so micro batches accumulate and nothing is communicated until the
   last one. The reduce-scatter runs in place: afterwards this rank's chunk of the buffer holds the
-  reduced gradient.
+  reduced gradient. A bucket that gets more gradients after its reduction without a ``zero_grad``
+  in between (two backwards before a step, e.g. a GAN's generator loss reaching the
+  discriminator) is *re-armed* first: the parts other ranks own are zeroed and this rank's chunk
+  is scaled back to the sum, so the next reduction yields the accumulated average.
+- :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
+  A gradient is copied into a bucket buffer taken from a small pool, ``param.grad`` is dropped at
+  once, and the buffer goes back to the pool when its reduce-scatter finishes, so peak gradient
+  memory is the chunk plus ``max_buckets_in_flight`` bucket buffers, each sized to the bucket it
+  serves; once backward ends the pool is released, so between steps only the chunks remain.
+  Every backward (every micro batch) reduces; the chunk accumulates.
 
 [Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
-users) call it through wrappers. Instead, at the first gradient of a backward that follows a
-sync, the reducer asks ``grads_were_zeroed()`` (the engine checks whether the master chunks'
-``.grad`` were set to None or changed in place since it handed them out) and, if so, resets the
-gradient storage before adding anything. Without a ``zero_grad``, gradients accumulate as torch's
-do.
-- :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
-  A gradient is copied into a full-size bucket buffer taken from a small pool, ``param.grad`` is
-  dropped at once, and the bucket buffer goes back to the pool when its reduce-scatter finishes,
-  so peak gradient memory is the chunk plus ``max_buckets_in_flight`` bucket buffers; once
-  backward ends the pool is released, so between steps only the chunks remain. Every backward
-  (every micro batch) reduces; the chunk accumulates.
+users) call it through wrappers. Instead, when a backward begins, the engine asks each sharded
+optimizer whether the master gradients it handed out were dropped or changed in place since,
+and resets the gradient storage of *that optimizer's* buckets only (``optA.zero_grad()`` leaves
+optimizer B's accumulated gradients alone). Without a ``zero_grad``, gradients accumulate as
+torch's do.
+
+[Note: collective timeout] Every wait on a collective of the engine uses ``collective_timeout``
+seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
+what this rank was waiting on and how far its backward got, instead of hanging for the process
+group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
+``wait(timeout=...)`` and completes an async reduce-scatter only inside ``wait()``, so there a
+bucket is reduced with an in-place all-reduce of the bucket instead (what gloo runs underneath
+a reduce-scatter anyway; the logical bytes counted are still the reduce-scatter's). On GPU the
+process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, reduce_scatter
+from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
+
+_BACKWARD_OF_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _inside_nested_backward() -> bool:
+    """True inside a backward run from an autograd Function's backward (reentrant checkpointing)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _BACKWARD_OF_FUNCTION:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of the engine did not finish within ``collective_timeout`` seconds."""
+
+
+def wait_work(work: Any, timeout_s: Optional[float], describe: Callable[[], str], *, poll: bool = True) -> None:
+    """Wait on ``work`` for at most ``timeout_s`` seconds; on timeout raise naming what we waited on.
+
+    ``poll=True`` (CPU/gloo, where ``wait`` blocks anyway) checks ``is_completed()`` with a short
+    sleep, since gloo ignores ``wait(timeout=...)`` for some collectives. ``poll=False`` (GPU) only
+    calls ``wait()``: polling would block the CPU until the GPU catches up, so there the process
+    group's own timeout (NCCL watchdog) applies.
+    """
+    if timeout_s is None or not poll or work.is_completed():
+        _wait_or_explain(work, describe, 0.0)
+        return
+    started = time.perf_counter()
+    deadline = started + timeout_s
+    delay = 1e-5
+    while not work.is_completed():
+        now = time.perf_counter()
+        if now > deadline:
+            raise CollectiveTimeoutError(
+                f"lightning_zero: collective_timeout: waited {now - started:.1f} s (limit {timeout_s:g} s) for"
+                f" {describe()}. Another rank is most likely stuck before this collective or issued a different"
+                " one (an exception on that rank, a skipped or extra backward/optimizer step, different control"
+                " flow per rank); see its own error. Raise ZeroStrategy(collective_timeout=...) if a collective"
+                " legitimately takes this long."
+            )
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    _wait_or_explain(work, describe, time.perf_counter() - started)
+
+
+def _wait_or_explain(work: Any, describe: Callable[[], str], waited: float) -> None:
+    try:
+        work.wait()
+    except RuntimeError as err:  # the collective failed (a peer went away, the group timed out)
+        raise RuntimeError(f"lightning_zero: {describe()} failed after {waited:.1f} s: {err}") from err
 
 
 class PendingReduce(NamedTuple):
@@ -64,10 +148,12 @@ class Bucket:
     group: FlatParamGroup
     layout: BucketLayout
     grad_chunk: Optional[torch.Tensor] = None  # reduced gradient this rank owns (numel = shard)
-    ready: int = 0
+    ready: int = 0  # parameters that received all their gradients in this backward
+    launched: bool = False  # reduce-scatter started in this backward
     full_grad: Optional[torch.Tensor] = None  # full-size gradient while the bucket is filled
     pending: Optional[PendingReduce] = None
     chunk_is_fresh: bool = True  # next reduce overwrites the chunk instead of adding to it
+    reduced_in_place: bool = False  # stage 1: the full buffer holds a reduced chunk (see re-arm)
 
 
 class GradStorage:
@@ -84,14 +170,13 @@ class GradStorage:
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
         raise NotImplementedError
 
-
     def after_reduce(self, bucket: Bucket) -> None:
         pass
 
     def after_sync(self) -> None:
         pass
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
         raise NotImplementedError
 
     def grad_bytes(self) -> int:
@@ -104,51 +189,60 @@ class FullGradStorage(GradStorage):
     def __init__(self) -> None:
         self.buffers: dict[int, torch.Tensor] = {}
         self.buckets: list[Bucket] = []
-        self.reduced_since_zero = False
+        self.dp_size = 1
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets
         for bucket in buckets:
             group = bucket.group
             if id(group) not in self.buffers:
-                self.buffers[id(group)] = torch.zeros(
-                    group.layout.numel, dtype=group.compute_dtype, device=device
-                )
+                self.buffers[id(group)] = torch.zeros(group.layout.numel, dtype=group.compute_dtype, device=device)
             buffer = self.buffers[id(group)]
             start = bucket.layout.shard_start(group.dp_rank)
             bucket.grad_chunk = buffer[start : start + bucket.layout.shard_numel]
             for slot in bucket.layout.slots:
                 slot.param.grad = None
 
+    def _bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffers[id(bucket.group)][bucket.layout.start : bucket.layout.end]
+
+    def _rearm(self, bucket: Bucket) -> None:
+        """More gradients for an already reduced bucket: keep our chunk's sum, zero the rest."""
+        if not bucket.reduced_in_place:
+            return
+        full = self._bucket_buffer(bucket)
+        start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
+        full[:start].zero_()
+        full[start + bucket.layout.shard_numel :].zero_()
+        assert bucket.grad_chunk is not None
+        bucket.grad_chunk.mul_(self.dp_size)  # the average back to the sum the next reduce adds to
+        bucket.reduced_in_place = False
+
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
-        if self.reduced_since_zero:
-            raise RuntimeError(
-                "lightning_zero: a synchronized backward ran after the gradients of this step were"
-                " already reduce-scattered (stage 1 reduces in place). Call optimizer.step() and"
-                " optimizer.zero_grad() in between, or run the earlier micro batches inside"
-                " `strategy.block_backward_sync()` (Lightning's accumulate_grad_batches does this)."
-            )
+        self._rearm(bucket)
         buffer = self.buffers[id(bucket.group)]
         buffer[slot.offset : slot.end].add_(slot.param.grad.reshape(-1))
         slot.param.grad = None
 
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffers[id(bucket.group)][bucket.layout.start : bucket.layout.end]
+        self._rearm(bucket)
+        return self._bucket_buffer(bucket)
 
     def after_reduce(self, bucket: Bucket) -> None:
-        self.reduced_since_zero = True
+        bucket.reduced_in_place = True
 
-    def zero_grad(self) -> None:
-        for buffer in self.buffers.values():
-            buffer.zero_()
-        self.reduced_since_zero = False
+    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
+        for bucket in self.buckets if buckets is None else buckets:
+            self._bucket_buffer(bucket).zero_()
+            bucket.reduced_in_place = False
 
     def grad_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
 
 class ShardedGradStorage(GradStorage):
-    """Stage 2: persistent reduced chunks plus a bounded pool of full-size bucket buffers."""
+    """Stage 2: persistent reduced chunks plus a bounded pool of bucket buffers, each sized to
+    the bucket it serves (a buffer is reused for a bucket no larger than it)."""
 
     reduces_every_backward = True
 
@@ -156,13 +250,14 @@ class ShardedGradStorage(GradStorage):
         if max_buckets_in_flight < 1:
             raise ValueError(f"max_buckets_in_flight must be >= 1, got {max_buckets_in_flight}")
         self.max_buckets_in_flight = max_buckets_in_flight
-        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.free: list[torch.Tensor] = []  # pool buffers not serving a bucket right now
         self.allocated = 0  # pool buffers that exist right now
         self.high_water = 0  # most pool buffers alive at once
-        self.pool_bytes_high_water = 0
+        self.pool_bytes_high_water = 0  # most bytes of pool buffers alive at once
         self._alive_bytes = 0
         self.buckets: list[Bucket] = []
         self.chunk_bytes = 0
+        self.max_bucket_numel = 0
         self.reducer: Optional["GradReducer"] = None
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
@@ -170,29 +265,41 @@ class ShardedGradStorage(GradStorage):
         self.device = device
         self.max_bucket_numel = max((b.layout.numel for b in buckets), default=0)
         for bucket in buckets:
-            bucket.grad_chunk = torch.zeros(
-                bucket.layout.shard_numel, dtype=bucket.group.compute_dtype, device=device
-            )
+            bucket.grad_chunk = torch.zeros(bucket.layout.shard_numel, dtype=bucket.group.compute_dtype, device=device)
             self.chunk_bytes += bucket.grad_chunk.numel() * bucket.grad_chunk.element_size()
         for bucket in buckets:
             for slot in bucket.layout.slots:
                 slot.param.grad = None
 
+    def _take_free(self, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
+        fitting = [b for b in self.free if b.dtype == dtype and b.numel() >= numel]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda b: b.numel())
+        self.free.remove(best)
+        return best
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        self._alive_bytes -= buffer.numel() * buffer.element_size()
+        self.allocated -= 1
+
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
-        dtype = bucket.group.compute_dtype
-        key = (dtype, self.max_bucket_numel)
-        while not self.free.get(key) and self.allocated >= self.max_buckets_in_flight:
+        dtype, numel = bucket.group.compute_dtype, bucket.layout.numel
+        buffer = self._take_free(dtype, numel)
+        while buffer is None and self.allocated >= self.max_buckets_in_flight:
+            if self.free:  # free buffers of the wrong size: give one back, allocate the right size
+                self._release(self.free.pop(0))
+                break
             if self.reducer is None or not self.reducer.complete_oldest():
                 break  # every buffer belongs to a bucket still being filled: allocate beyond the pool
-        if self.free.get(key):
-            buffer = self.free[key].pop()
-        else:
-            buffer = torch.empty(self.max_bucket_numel, dtype=dtype, device=self.device)
+            buffer = self._take_free(dtype, numel)
+        if buffer is None:
+            buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self.allocated += 1
             self._alive_bytes += buffer.numel() * buffer.element_size()
             self.high_water = max(self.high_water, self.allocated)
             self.pool_bytes_high_water = max(self.pool_bytes_high_water, self._alive_bytes)
-        view = buffer[: bucket.layout.numel]
+        view = buffer[:numel]
         view.zero_()
         return view
 
@@ -204,7 +311,7 @@ class ShardedGradStorage(GradStorage):
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
         full = self._ensure_full_grad(bucket)
         start = slot.offset - bucket.layout.start
-        full[start : start + slot.numel].copy_(slot.param.grad.reshape(-1))
+        full[start : start + slot.numel].add_(slot.param.grad.reshape(-1))
         slot.param.grad = None
 
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
@@ -215,19 +322,16 @@ class ShardedGradStorage(GradStorage):
         bucket.full_grad = None
         if full is None:
             return
-        base = full._base if full._base is not None else full
-        self.free.setdefault((base.dtype, base.numel()), []).append(base)
+        self.free.append(full._base if full._base is not None else full)
 
     def after_sync(self) -> None:
         """Backward is over: hand the bucket buffers back to the allocator (only chunks persist)."""
-        for buffers in self.free.values():
-            for buffer in buffers:
-                self._alive_bytes -= buffer.numel() * buffer.element_size()
-                self.allocated -= 1
+        for buffer in self.free:
+            self._release(buffer)
         self.free.clear()
 
-    def zero_grad(self) -> None:
-        for bucket in self.buckets:
+    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
+        for bucket in self.buckets if buckets is None else buckets:
             bucket.chunk_is_fresh = True
 
     def grad_bytes(self) -> int:
@@ -241,7 +345,8 @@ class SyncTimeline:
     ``comm_s`` sums each bucket's collective time, from its launch to the end of its wait.
     ``hidden_s`` is the part of it that ran before backward ended (overlapped with backward
     compute); ``exposed_s = comm_s - hidden_s``. With ``overlap_comm=False`` every launch comes
-    after backward ends, so all of it is exposed.
+    after backward ends, so all of it is exposed. ``launch`` events carry the bucket's index in
+    the flat layout (``(group position, bucket index)`` flattened by the reducer).
     """
 
     events: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, bucket, time)
@@ -280,6 +385,9 @@ class SyncTimeline:
                 return i
         return -1
 
+    def launched_buckets(self) -> list[int]:
+        return [bucket for kind, bucket, _ in self.events if kind == "launch"]
+
 
 class GradReducer:
     """Marks gradients ready, launches bucket reduce-scatters in order, waits and averages.
@@ -291,6 +399,10 @@ class GradReducer:
         overlap_comm: launch each bucket as soon as it is ready (``True``) or only once backward
             ended (``False``).
         counter: logical bytes sent are added here.
+        param_order: registration position per parameter id: the launch order of the first
+            backward (see [Note: launch order]).
+        collective_timeout: seconds any wait on a reduce-scatter may take before it raises
+            (``None``: the process group's timeout); see [Note: collective timeout].
     """
 
     def __init__(
@@ -304,27 +416,41 @@ class GradReducer:
         overlap_comm: bool = True,
         counter: Optional[CommCounter] = None,
         param_order: Optional[dict[int, int]] = None,
+        collective_timeout: Optional[float] = None,
     ) -> None:
         self.dp_group = dp_group
         self.dp_size = dp_size
+        self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+        self.device = device
         self.overlap_comm = overlap_comm
         self.counter = counter if counter is not None else CommCounter()
+        self.collective_timeout = collective_timeout
+        # [Note: collective timeout]: on gloo only an all-reduce can be waited on with a limit.
+        self._reduce_by_all_reduce = collective_timeout is not None and device.type == "cpu"
         self.storage = storage
         self.timeline = SyncTimeline()
         self.sync_enabled = True
-        self._callback_queued = False
-        self.on_grads_reduced: list = []  # callbacks run after finish_grad_sync
-        self.grads_were_zeroed = lambda: True  # set by the engine, see [Note: zero_grad detection]
-        self._synced_since_reset = False
+        self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
+        self.on_backward_begin: list[Callable[[], None]] = []  # run when a backward begins
+        self.finished_backwards = 0  # backwards ended so far (see [Note: end of backward])
+        self.learned_order = False
+        self._backward_open = False
+        self._callback_armed = False
+        self._hits: dict[int, int] = {}  # param id -> gradients received in this backward
+        self._last_hit: dict[int, int] = {}  # param id -> sequence number of its last gradient
+        self._hit_seq = 0
+        self._expected_hits: dict[int, int] = {}  # learned; empty before the first sync
+        self._nested_seen = False  # first backward: a gradient arrived in a nested backward
 
         buckets = [Bucket(group, layout) for group in groups for layout in group.layout.buckets]
-        # [Note: launch order]: expected readiness = the earliest-registered parameter in the
-        # bucket (its gradient comes last in backward). Later-registered buckets launch first.
+        self._layout_index = {id(bucket): i for i, bucket in enumerate(buckets)}
+        # [Note: launch order]: before anything is learned, expected readiness = the
+        # earliest-registered parameter in the bucket (its gradient comes last in backward).
         order = param_order or {}
 
         def expected_ready(bucket: Bucket) -> tuple[int, int]:
             first = min(order.get(id(s.param), 0) for s in bucket.layout.slots)
-            return (-first, bucket.layout.index)
+            return (-first, self._layout_index[id(bucket)])
 
         self.buckets = sorted(buckets, key=expected_ready)
         self._bucket_of_param: dict[int, tuple[Bucket, ParamSlot]] = {}
@@ -334,6 +460,8 @@ class GradReducer:
         self._next_launch = 0
         self._in_flight: list[Bucket] = []
         self._launch_times: dict[int, float] = {}
+        if isinstance(storage, FullGradStorage):
+            storage.dp_size = dp_size
         storage.bind(self.buckets, device)
         if isinstance(storage, ShardedGradStorage):
             storage.reducer = self
@@ -344,25 +472,90 @@ class GradReducer:
         ]
 
     # -- backward -------------------------------------------------------------------------------
+    def _syncing(self) -> bool:
+        return self.sync_enabled or self.storage.reduces_every_backward
+
+    def _begin_backward(self) -> None:
+        self._backward_open = True
+        self.timeline.clear()
+        self._last_hit.clear()
+        for callback in self.on_backward_begin:
+            callback()
+
+    def _arm_end_callback(self) -> None:
+        self._callback_armed = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_task_end)
+
+    def _on_graph_task_end(self) -> None:
+        """See [Note: end of backward]: finish only when the outermost backward ends."""
+        outer = torch._C._current_autograd_node()
+        if outer is not None:  # a nested (reentrant) backward ended inside the node ``outer``
+            try:
+                outer.register_hook(self._after_outer_node)
+                return
+            except (RuntimeError, AttributeError, TypeError):
+                self._callback_armed = False  # the next gradient in the outer task re-arms
+                return
+        self._callback_armed = False
+        if self._backward_open:
+            self.finish_backward()
+
+    def _after_outer_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_graph_task_end)
+
+    def begin_backward(self) -> None:
+        """A backward reached this engine's parameters (idempotent). Stage 3 calls it from the first
+        pre-backward hook of a unit, which runs in the outermost backward's graph task, so the
+        end-of-backward callback is queued there (see [Note: end of backward])."""
+        if not self._backward_open:
+            self._begin_backward()
+        if not self._callback_armed:
+            self._arm_end_callback()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.timeline.clear()
-            if self._synced_since_reset and self.grads_were_zeroed():
-                self.zero_grad()
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if not self._backward_open:
+            self._begin_backward()
+        if not self._callback_armed:
+            self._arm_end_callback()
         bucket, slot = self._bucket_of_param[id(param)]
-        syncing = self.sync_enabled or self.storage.reduces_every_backward
+        key = id(param)
+        syncing = self._syncing()
+        if bucket.launched:
+            raise RuntimeError(
+                f"lightning_zero: parameter {slot.name!r} received another gradient in this backward after its"
+                f" bucket's reduce-scatter was launched (it received {self._hits.get(key, 0)} before, as many as"
+                f" the first backward taught: {self._expected_hits.get(key, 1)}). A parameter used in more"
+                " reentrant-checkpoint segments than in the first step? Use"
+                " torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or overlap_comm=False."
+            )
         with record_function("lightning_zero::grad_ready"):
             self.storage.on_param_ready(bucket, slot)
-        bucket.ready += 1
-        if syncing and self.overlap_comm and bucket.ready == len(bucket.layout.slots):
+        if not self.learned_order and not self._nested_seen:
+            self._nested_seen = _inside_nested_backward()
+        hits = self._hits.get(key, 0) + 1
+        self._hits[key] = hits
+        self._hit_seq += 1
+        self._last_hit[key] = self._hit_seq
+        if hits == self._expected_hits.get(key, 1) and (self.learned_order or hits == 1):
+            bucket.ready += 1
+        early = self.learned_order or not self._nested_seen
+        if syncing and self.overlap_comm and early and bucket.ready == self._complete_count(bucket):
             self._launch_ready_in_order()
+
+    def _complete_count(self, bucket: Bucket) -> int:
+        """Parameters that must be ready before ``bucket`` launches early (-1: never early).
+
+        After learning, a bucket holding a parameter no rank saw a gradient for in the first
+        backward only launches at the end of backward (its count is unknown).
+        """
+        if self.learned_order and any(self._expected_hits.get(id(s.param), 0) == 0 for s in bucket.layout.slots):
+            return -1
+        return len(bucket.layout.slots)
 
     def _launch_ready_in_order(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.layout.slots):
+            if bucket.ready != self._complete_count(bucket):
                 return
             self._launch(bucket)
 
@@ -371,11 +564,17 @@ class GradReducer:
         # In place: this rank's chunk of the full bucket receives the sum (NCCL and gloo allow it).
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
         output = full[start : start + bucket.layout.shard_numel]
-        self.timeline.add("launch", self._next_launch)
-        work = reduce_scatter(
-            output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
-        )
+        self.timeline.add("launch", self._layout_index[id(bucket)])
+        if self._reduce_by_all_reduce and self.dp_size > 1:
+            self.counter.add("reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size())
+            with record_function("lightning_zero::reduce_scatter_grads"):
+                work = all_reduce(full, self.dp_group, async_op=True)  # ``output`` is a view of it
+        else:
+            work = reduce_scatter(
+                output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
+            )
         bucket.pending = PendingReduce(output, work)
+        bucket.launched = True
         self._launch_times[id(bucket)] = time.perf_counter()
         self._in_flight.append(bucket)
         self._next_launch += 1
@@ -383,8 +582,22 @@ class GradReducer:
     def _complete(self, bucket: Bucket) -> None:
         assert bucket.pending is not None
         output, work = bucket.pending
+
+        def waiting_on() -> str:
+            position = self.buckets.index(bucket)
+            return (
+                f"the gradient reduce-scatter of bucket {position} (launch {position + 1} of {len(self.buckets)})"
+                f" in backward {self.finished_backwards + 1} on dp rank {self.dp_rank}; this rank's progress:"
+                f" {self.describe_progress()}"
+            )
+
         with record_function("lightning_zero::wait_reduce_scatter"):
-            work.wait()
+            wait_work(
+                work,
+                self.collective_timeout,
+                waiting_on,
+                poll=self.device.type == "cpu",
+            )
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
         chunk = bucket.grad_chunk
         assert chunk is not None
@@ -407,17 +620,63 @@ class GradReducer:
         self._complete(self._in_flight[0])
         return True
 
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
+    def finish_backward(self) -> None:
+        """End the current backward: finish the gradient sync (if this backward syncs) and reset
+        readiness. Called by the end-of-backward callback and by the strategy's post-backward; a
+        second call for the same backward does nothing (see [Note: end of backward]). With no
+        backward open (no gradient reached this rank) it still runs the sync, with zeros."""
+        if not self._backward_open:
+            self._begin_backward()
         self.timeline.add("backward_end", -1)
-        if self.sync_enabled or self.storage.reduces_every_backward:
+        if self._syncing():
             self.finish_grad_sync()
+            if not self.learned_order:
+                self._learn_order()
         self._reset_readiness()
+        self._backward_open = False
+        self.finished_backwards += 1
 
     def _reset_readiness(self) -> None:
         for bucket in self.buckets:
             bucket.ready = 0
+            bucket.launched = False
+        self._hits.clear()
+        self._nested_seen = False
         self._next_launch = 0
+
+    def _learn_order(self) -> None:
+        """Agree on the launch order and per-parameter gradient counts (see [Note: launch order]).
+
+        Runs after the first synchronized backward's reduce-scatters, so every rank issues it at
+        the same point: one all-reduce (MAX) of ``len(buckets) + num_params`` int64s, where dp
+        rank 0 contributes the order its buckets completed in and every rank its gradient count
+        per parameter.
+        """
+        unseen = self._hit_seq + 1
+        observed = []
+        for position, bucket in enumerate(self.buckets):
+            seqs = [self._last_hit.get(id(s.param)) for s in bucket.layout.slots]
+            observed.append((max(seqs) if all(q is not None for q in seqs) else unseen, position))
+        proposal = [position for _, position in sorted(observed)]
+        slots = [slot for bucket in self.buckets for slot in bucket.layout.slots]
+        mine = torch.tensor(
+            (proposal if self.dp_rank == 0 else [-1] * len(proposal)) + [self._hits.get(id(s.param), 0) for s in slots],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        with record_function("lightning_zero::agree_bucket_order"):
+            work = all_reduce(mine, self.dp_group, op=dist.ReduceOp.MAX, async_op=True)
+            wait_work(
+                work,
+                self.collective_timeout,
+                lambda: f"the bucket-order agreement at the end of the first backward on dp rank {self.dp_rank}",
+                poll=self.device.type == "cpu",
+            )
+        agreed = mine.tolist()
+        order, counts = agreed[: len(proposal)], agreed[len(proposal) :]
+        self._expected_hits = {id(slot.param): count for slot, count in zip(slots, counts)}
+        self.buckets[:] = [self.buckets[position] for position in order]  # same list the storage holds
+        self.learned_order = True
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (in order), wait for all, average over dp.
@@ -430,24 +689,27 @@ class GradReducer:
             while self._in_flight:
                 self._complete(self._in_flight[0])
         self.storage.after_sync()
-        self._synced_since_reset = True
         for callback in self.on_grads_reduced:
             callback()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
+        """Reset the gradients of ``buckets`` (default: all) before the next backward adds to them."""
         if self._in_flight:
             raise RuntimeError(
                 f"lightning_zero: zero_grad() called with {len(self._in_flight)} gradient"
                 " reduce-scatters still in flight; finish_grad_sync() must run first"
                 f" ({self.describe_progress()})."
             )
-        self.storage.zero_grad()
-        for bucket in self.buckets:
+        targets = self.buckets if buckets is None else buckets
+        self.storage.zero_grad(targets)
+        for bucket in targets:
             bucket.chunk_is_fresh = True
-        self._synced_since_reset = False
 
     def describe_progress(self) -> str:
-        parts = [f"{b.ready}/{len(b.layout.slots)} params ready in bucket {i}" for i, b in enumerate(self.buckets)]
+        parts = []
+        for i, bucket in enumerate(self.buckets):
+            state = "launched" if bucket.launched else "waiting"
+            parts.append(f"{bucket.ready}/{len(bucket.layout.slots)} params ready in bucket {i} ({state})")
         return ", ".join(parts)
 
     def remove_hooks(self) -> None:

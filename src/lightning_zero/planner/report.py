@@ -1,5 +1,6 @@
-"""The planner meets the outside world: the composed Hydra config in; rich tables, JSON, and a
-stacked bar chart of per-rank memory by stage out.
+"""The planner meets the outside world: the composed Hydra config in (:func:`run_plan`, what
+``lightning-zero plan`` calls); rich tables, JSON, a stacked bar chart of per-rank memory by
+stage, and the layout search's ranking out.
 
 Memory is shown in GiB (2**30 bytes, as GPU memory is sold and reported); traffic in GB (1e9
 bytes, as link bandwidths are quoted). matplotlib is imported only when a plot is asked for.
@@ -14,9 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning_zero.ledger import ATTENTION_KERNELS
+from lightning_zero.config import ZERO_DEFAULTS, PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
-from lightning_zero.planner import DEFAULT_HARDWARE, GiB, Plan, load_hardware
+from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
+from lightning_zero.planner.hardware import load_hardware
+from lightning_zero.planner.ledger import ATTENTION_KERNELS
+from lightning_zero.planner.search import SearchResult, search_layouts
+
+PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
 # --------------------------------------------------------------------------------------------
 # Config in: the composed Hydra config of `lightning-zero plan`
@@ -31,7 +37,9 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     Lightning's DDP counts as stage 0), ``trainer`` (``devices`` per node, ``num_nodes``,
     ``precision``, ``accumulate_grad_batches``), ``data`` (``batch_size``, ``seq_len``),
     ``hardware`` (a ``conf/hardware`` mapping or name) and ``plan`` (``format``, ``plot``,
-    ``mfu``, ``stages``, ``reserved_gib``, ``attention``). Missing groups take defaults.
+    ``mfu``, ``stages``, ``reserved_gib``, ``attention``, ``search``, ``top``,
+    ``overlap_param_gather``; see ``conf/plan/default.yaml``). Missing groups take defaults (the
+    hardware: ``conf/config.yaml``'s).
     """
 
     container = _to_container(cfg)
@@ -49,9 +57,8 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
-    plan_options = {"format": "table", "plot": None, "mfu": 0.4, "stages": "all", "reserved_gib": 2.0,
-                    "attention": "fused", **(container.get("plan") or {})}
-    hardware = load_hardware(container.get("hardware") or DEFAULT_HARDWARE)
+    plan_options = {**PLAN_DEFAULTS, **(container.get("plan") or {})}
+    hardware = load_hardware(container.get("hardware"))
 
     devices = trainer.get("devices", hardware.devices_per_node)
     if not isinstance(devices, int) or isinstance(devices, bool):
@@ -61,15 +68,19 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         stage=int(stage),
         world_size=devices * num_nodes,
         devices_per_node=devices,
-        tp=strategy.get("tensor_parallel_size", 1),
+        tp=strategy.get("tensor_parallel_size", ZERO_DEFAULTS.tensor_parallel_size),
         precision=str(trainer.get("precision") or "bf16-mixed"),
         micro_batch=int(data.get("batch_size") or 1),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
-        bucket_mb=float(strategy.get("bucket_mb", 25.0)),
-        prefetch_blocks=int(strategy.get("prefetch_blocks", 1)),
+        bucket_mb=strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb),  # "auto" resolved by plan_run
+        prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
+        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
+        overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
+        max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
+        overlap_param_gather=bool(plan_options["overlap_param_gather"]),
         hardware=hardware,
-        mfu=float(plan_options["mfu"]),
+        mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
         attention=str(plan_options["attention"]),
         reserved_gib=float(plan_options["reserved_gib"]),
@@ -136,7 +147,9 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
         ("activations / block", f"{_gib(acts.per_layer)} GiB saved, {_gib(acts.checkpointed_per_layer)} GiB "
                                 f"checkpointed (checkpointing={'on' if plan.activation_checkpointing else 'off'}, "
                                 f"attention={plan.attention})"),
-        ("engine", f"bucket_mb={plan.bucket_mb:g}, prefetch_blocks={plan.prefetch_blocks}"),
+        ("engine", f"bucket_mb={plan.bucket_mb:g}, prefetch_blocks={plan.prefetch_blocks}, "
+                   f"defer_grad_reduce={plan.defer_grad_reduce}, max_buckets_in_flight={plan.max_buckets_in_flight}, "
+                   f"overlap_param_gather={plan.overlap_param_gather}"),
         ("hardware", f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
                      f"mfu={plan.mfu:g}"),
     ]
@@ -152,14 +165,23 @@ def memory_rows(stages: Sequence[Plan]) -> list[list[str]]:
 
 
 def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
-    return [
+    rows = [
         ["dp bytes sent / step (GB)", *(_gb(p.traffic.dp_bytes) for p in stages)],
-        ["dp time", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
+        ["dp time on the link", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
         ["tp bytes sent / step (GB)", *(_gb(p.traffic.tp_all_reduce_bytes) for p in stages)],
-        ["tp time (NVLink)", *(_seconds(p.traffic.tp_s) for p in stages)],
-        ["compute time", *(_seconds(p.traffic.compute_s) for p in stages)],
-        ["step estimate", *(_seconds(p.traffic.step_s) for p in stages)],
+        ["tp time (NVLink, blocking)", *(_seconds(p.traffic.tp_s) for p in stages)],
+        ["compute time (incl. tp)", *(_seconds(p.traffic.compute_s) for p in stages)],
     ]
+    if all(p.timing is not None for p in stages):
+        rows += [
+            ["optimizer + grad copies", *(_seconds(p.timing.optimizer_s + p.timing.grad_copy_s)  # type: ignore[union-attr]
+                                          for p in stages)],
+            ["exposed comm", *(_seconds(p.traffic.exposed_comm_s) for p in stages)],
+            ["predicted step", *(_seconds(p.traffic.step_s) for p in stages)],
+            ["tokens/s (all ranks)", *(f"{p.tokens_per_s:,.0f}" for p in stages)],
+            ["MFU", *(f"{p.timing.mfu:.1%}" for p in stages)],  # type: ignore[union-attr]
+        ]
+    return rows
 
 
 def print_tables(plan: Plan, stages: Sequence[Plan], console: Any = None) -> None:
@@ -236,3 +258,95 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
     figure.savefig(path, format="png", dpi=100)
     plt.close(figure)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# The layout search
+# --------------------------------------------------------------------------------------------
+
+
+def search_rows(result: SearchResult, count: int) -> list[list[str]]:
+    rows = []
+    for rank, entry in enumerate(result.top(count), start=1):
+        timing = entry.plan.timing
+        assert timing is not None
+        rows.append([
+            str(rank),
+            f"{entry.plan.tokens_per_s:,.0f}",
+            f"{timing.step_s:.2f}",
+            f"{timing.mfu:.1%}",
+            f"{(timing.exposed_comm_s + timing.post_step_gather_s):.2f}",
+            f"{entry.plan.memory.total / GiB:.1f}",
+            " ".join(entry.layout.overrides()),
+        ])
+    return rows
+
+
+def print_search(result: SearchResult, count: int, plan: Plan, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"layout search: top {min(count, len(result.ranked))} of {len(result.ranked)} that fit "
+                        f"({result.evaluated} planned, {result.rejected_memory} over memory, {result.seconds:.1f} s); "
+                        f"{plan.model} on {layout_line(plan).split(':')[0]}, {result.global_batch} samples x "
+                        f"{plan.seq_len} tokens per step, {plan.hardware}")
+    for column in ("#", "tokens/s", "step s", "MFU", "exposed comm s", "GiB/rank", "overrides"):
+        table.add_column(column, justify="left" if column == "overrides" else "right")
+    for row in search_rows(result, count):
+        table.add_row(*row)
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI entry: `lightning-zero plan [overrides]`
+# --------------------------------------------------------------------------------------------
+
+
+def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
+    """``lightning-zero plan``: plan the configured run and, side by side, every stage.
+
+    Prints a rich table (``plan.format=table``) or JSON (``plan.format=json``) and, with
+    ``plan.plot=PATH.png``, writes the per-rank memory of each stage as a stacked bar chart. With
+    ``plan.search=true`` it also ranks every layout that fits (``plan.top`` shown).
+    Returns the JSON-ready dict (``{"plan": ..., "stages": [...], "search": {...}}``).
+    """
+    model_config, kwargs, options = plan_kwargs_from_config(cfg)
+    output_format = str(options.get("format", "table"))
+    if output_format not in ("table", "json"):
+        raise ValueError(f"plan.format must be 'table' or 'json', got {output_format!r}")
+    plan = plan_run(model_config, **kwargs)
+    only = str(options.get("stages", "all")) == "only"
+    stage_kwargs = {k: v for k, v in kwargs.items() if k != "stage"}
+    stages = [plan] if only else [
+        plan if s == plan.stage else plan_run(model_config, stage=s, **{
+            **stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s == 2})
+        for s in STAGES
+    ]
+    result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
+    search = None
+    if options.get("search"):
+        top = int(options.get("top") or 10)
+        search = search_layouts(
+            model_config, world_size=kwargs["world_size"], devices_per_node=kwargs["devices_per_node"],
+            global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches, seq_len=plan.seq_len,
+            precision=plan.precision, hardware=kwargs["hardware"], mfu=kwargs["mfu"], attention=plan.attention,
+            reserved_gib=kwargs["reserved_gib"], max_buckets_in_flight=plan.max_buckets_in_flight,
+            overlap_param_gather=plan.overlap_param_gather,
+        )
+        result["search"] = {
+            "evaluated": search.evaluated, "rejected_memory": search.rejected_memory, "fit": len(search.ranked),
+            "seconds": search.seconds, "global_batch": search.global_batch,
+            "top": [entry.as_dict() for entry in search.top(top)],
+        }
+    if options.get("plot"):
+        result["plot"] = str(plot_memory(stages, options["plot"]))
+    if output_format == "json":
+        print_json(result, console=console)
+    else:
+        print_tables(plan, stages, console=console)
+        if search is not None:
+            print_search(search, int(options.get("top") or 10), plan, console=console)
+        if "plot" in result:
+            print_line(f"plot: {result['plot']}", console=console)
+    return result

@@ -1,15 +1,14 @@
-"""Predict, before launch, the bytes every rank holds and sends for a Llama run under ZeRO.
+"""Predict, before launch, what every rank holds, sends and spends per step for a Llama run.
 
 :func:`plan_run` is pure arithmetic on a :class:`~lightning_zero.models.LlamaConfig` (formulas in
-:mod:`lightning_zero.ledger` and docs/planner.md): it never builds the model, so a 70B plan takes
-milliseconds. :func:`compare_stages` lays stages 0-3 side by side for one run; :func:`run_plan`
-is what ``lightning-zero plan [overrides]`` calls with the composed Hydra config, and renders a
-table, JSON or a bar chart (:mod:`lightning_zero.planner_report`).
+:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing` and docs/planner.md):
+it never builds the model, so a 70B plan takes milliseconds. :func:`compare_stages` lays stages
+0-3 side by side for one run.
 
 [Note: what a plan counts] Per rank, at the peak of one training step (the start of backward):
-model states (ZeRO paper), the engine's extra buffers (stage 2/3 gradient buckets in flight,
-stage 3 gathered blocks), activations saved for backward (or checkpointed block inputs plus
-one recomputed block) and the loss. Not counted: the CUDA context and allocator slack
+model states (ZeRO paper), the engine's extra buffers (stage 2/3 gradient bucket buffers in
+flight, stage 3 gathered blocks), activations saved for backward (or checkpointed block inputs
+plus one recomputed block) and the loss. Not counted: the CUDA context and allocator slack
 (``plan.reserved_gib`` is set aside for them), transient activation gradients (a few
 ``B x T x dim`` tensors), temporaries of the optimizer step, and the data loader.
 """
@@ -21,103 +20,43 @@ import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_zero.ledger import (
+from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
+from lightning_zero.mesh import ParallelDims
+from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
+from lightning_zero.planner.ledger import (
+    PRECISIONS,
     ActivationBytes,
+    PrecisionBytes,
     llama_activation_bytes,
     llama_param_counts,
     model_state_bytes,
 )
-from lightning_zero.mesh import ParallelDims
+from lightning_zero.planner.timing import (
+    StepTime,
+    Workload,
+    engine_buckets,
+    llama_workload,
+    step_time,
+    training_flops,
+)
 
-HARDWARE_DIR = Path(__file__).parent / "conf" / "hardware"
-DEFAULT_HARDWARE = "h100_80gb"
 STAGES = (0, 1, 2, 3)
 GiB = 1024**3
 MiB = 1024**2
+DEFAULT_MFU = 0.4
 
 
 # --------------------------------------------------------------------------------------------
-# Inputs: hardware and precision
+# Inputs: precision
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU model in its usual node. Bandwidths are per GPU, one direction, bytes/s."""
-
-    name: str
-    memory_bytes: int
-    intra_node_bytes_per_s: float  # NVLink: what TP collectives (and single-node dp) run at
-    inter_node_bytes_per_s: float  # network per GPU: what dp collectives across nodes run at
-    peak_bf16_flops: float
-    peak_fp32_flops: float
-    devices_per_node: int = 8
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "Hardware":
-        """From a ``conf/hardware/*.yaml`` mapping (GB/s and TFLOP/s, as written there)."""
-        required = ("name", "memory_bytes", "intra_node_gb_per_s", "inter_node_gb_per_s", "peak_bf16_tflops")
-        missing = [key for key in required if values.get(key) is None]
-        if missing:
-            raise ValueError(f"hardware config misses {missing}; see {HARDWARE_DIR}/h100_80gb.yaml for the keys")
-        return cls(
-            name=str(values["name"]),
-            memory_bytes=int(values["memory_bytes"]),
-            intra_node_bytes_per_s=float(values["intra_node_gb_per_s"]) * 1e9,
-            inter_node_bytes_per_s=float(values["inter_node_gb_per_s"]) * 1e9,
-            peak_bf16_flops=float(values["peak_bf16_tflops"]) * 1e12,
-            peak_fp32_flops=float(values.get("peak_fp32_tflops") or values["peak_bf16_tflops"] / 16) * 1e12,
-            devices_per_node=int(values.get("devices_per_node") or 8),
-        )
-
-
-def available_hardware() -> list[str]:
-    return sorted(path.stem for path in HARDWARE_DIR.glob("*.yaml"))
-
-
-def load_hardware(hardware: Union[str, Hardware, Mapping[str, Any]]) -> Hardware:
-    """A :class:`Hardware` from a name in ``conf/hardware`` (``h100_80gb``), a mapping, or itself."""
-    if isinstance(hardware, Hardware):
-        return hardware
-    if isinstance(hardware, Mapping):
-        return Hardware.from_mapping(hardware)
-    path = HARDWARE_DIR / f"{hardware}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown hardware {hardware!r}; pick one of {available_hardware()} (hardware=NAME)")
-    from omegaconf import OmegaConf
-
-    return Hardware.from_mapping(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    """Bytes per parameter (and per activation element) of a Lightning precision with Adam."""
-
-    param: int  # compute copy
-    grad: int
-    master: int  # fp32 master copy, only as a shard inside the optimizer (0: the param is its own)
-    moments: int  # Adam exp_avg + exp_avg_sq
-    activation: int
-
-    @property
-    def optimizer(self) -> int:
-        return self.master + self.moments
-
-
-PRECISIONS: dict[str, PrecisionBytes] = {
-    "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4),
-    "32": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2),
-    "16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2),
-}
 
 
 def precision_bytes(precision: str) -> PrecisionBytes:
     if str(precision) not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not planned; use one of {sorted(PRECISIONS)}")
+        raise ValueError(f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
+                         f"use one of {sorted(PRECISIONS)} (trainer.precision=...)")
     return PRECISIONS[str(precision)]
 
 
@@ -138,7 +77,7 @@ class MemoryPerRank:
     grads: float
     master_weights: float  # fp32 master shard (part of the optimizer state)
     optimizer_moments: float  # Adam exp_avg + exp_avg_sq shard
-    bucket_buffers: float  # stage 2/3: gradient buckets in flight
+    bucket_buffers: float  # stage 2/3: full-size gradient bucket buffers in flight
     prefetch_buffers: float  # stage 3: full params of the gathered blocks
     activations: float  # saved for backward by the transformer blocks and the final norm
     logits_and_loss: float
@@ -166,7 +105,12 @@ class MemoryPerRank:
 
 @dataclass(frozen=True)
 class TrafficPerRank:
-    """Bytes one rank sends per optimizer step (ring algorithm) and the time they take."""
+    """Bytes one rank sends per optimizer step (ring algorithm) and the time they take.
+
+    Seconds come from the step-time model (:class:`~lightning_zero.planner.timing.StepTime`,
+    [Note: step-time model]): ``dp_s`` is every dp collective's time on its link,
+    ``exposed_comm_s`` the part compute does not hide, ``step_s`` the predicted step.
+    """
 
     dp_reduce_scatter_bytes: float
     dp_all_gather_bytes: float
@@ -175,28 +119,19 @@ class TrafficPerRank:
     dp_link: str  # "intra_node" or "inter_node"
     dp_bytes_per_s: float
     tp_bytes_per_s: float
-    flops_per_rank: float
-    compute_s: float  # flops / (peak * mfu)
+    flops_per_rank: float  # matmul FLOPs per step, recompute included
+    compute_s: float  # flops / (peak * mfu), tp all-reduces included
+    dp_s: float
+    tp_s: float
+    exposed_comm_s: float
+    step_s: float
 
     @property
     def dp_bytes(self) -> float:
         return self.dp_reduce_scatter_bytes + self.dp_all_gather_bytes + self.dp_all_reduce_bytes
 
-    @property
-    def dp_s(self) -> float:
-        return self.dp_bytes / self.dp_bytes_per_s
-
-    @property
-    def tp_s(self) -> float:
-        return self.tp_all_reduce_bytes / self.tp_bytes_per_s if self.tp_all_reduce_bytes else 0.0
-
-    @property
-    def step_s(self) -> float:
-        """Estimate: compute + TP (blocking) + the part of dp traffic compute cannot hide."""
-        return self.compute_s + self.tp_s + max(0.0, self.dp_s - self.compute_s)
-
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "dp_bytes": self.dp_bytes, "dp_s": self.dp_s, "tp_s": self.tp_s, "step_s": self.step_s}
+        return {**asdict(self), "dp_bytes": self.dp_bytes}
 
 
 @dataclass(frozen=True)
@@ -222,12 +157,17 @@ class Plan:
     attention: str
     bucket_mb: float
     prefetch_blocks: int
+    defer_grad_reduce: bool
+    overlap_comm: bool
+    max_buckets_in_flight: int
+    overlap_param_gather: bool
     hardware: str
     memory_bytes: int
     reserved_bytes: int
     mfu: float
     memory: MemoryPerRank
     traffic: TrafficPerRank
+    timing: Optional[StepTime]
     activation_detail: ActivationBytes
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -239,6 +179,14 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.available_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.traffic.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
 
     @property
     def verdict(self) -> str:
@@ -253,6 +201,7 @@ class Plan:
         values.update(
             memory=self.memory.as_dict(),
             traffic=self.traffic.as_dict(),
+            timing=self.timing.as_dict() if self.timing is not None else None,
             activation_detail=self.activation_detail.as_dict(),
             suggestions=list(self.suggestions),
             notes=list(self.notes),
@@ -279,33 +228,46 @@ def plan_run(
     micro_batch: int = 1,
     seq_len: Optional[int] = None,
     activation_checkpointing: bool = False,
-    bucket_mb: float = 25.0,
-    prefetch_blocks: int = 1,
-    hardware: Union[str, Hardware, Mapping[str, Any]] = DEFAULT_HARDWARE,
-    mfu: float = 0.4,
+    bucket_mb: Union[float, str] = ZERO_DEFAULTS.bucket_mb,
+    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
+    defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+    overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
+    max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
+    overlap_param_gather: bool = False,
+    hardware: Union[str, Hardware, Mapping[str, Any], None] = None,
+    mfu: Optional[float] = None,
     accumulate_grad_batches: int = 1,
     attention: str = "fused",
     reserved_gib: float = 2.0,
     suggest: bool = True,
+    simulate: Union[bool, str] = True,
 ) -> Plan:
-    """Predict one rank's bytes (held and sent) for a Llama run; allocates nothing.
+    """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
     Args:
         model_config: a ``LlamaConfig`` (or a preset name such as ``"70b"``).
-        stage: ZeRO stage 1, 2 or 3 (0 = plain data parallel, for comparison).
+        stage: ZeRO stage 1, 2 or 3 (0 = Lightning's DDP, for comparison).
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
         precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param) or ``"32-true"`` (4 + 4 + 8).
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: keep only each block's input and recompute it in backward.
-        bucket_mb: gradient bucket size (MiB); stage 2/3 hold two buckets in flight.
-        prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks.
-        hardware: a name in ``conf/hardware`` (memory, link bandwidths, peak FLOP/s).
-        mfu: model FLOPs utilization assumed for the compute time.
+        bucket_mb: gradient bucket size (MiB): the reduce-scatter granularity.
+        prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
+        defer_grad_reduce: stage 2: full gradients over micro batches, one reduce-scatter at the last.
+        overlap_comm: launch each bucket's collective during backward (else all after backward).
+        max_buckets_in_flight: stage 2/3 bucket buffers alive at once (backward waits beyond).
+        overlap_param_gather: stages 1-2: hide the post-step parameter all-gather behind the next
+            forward (``False``: the engine as it is today, exposed).
+        hardware: a name in ``conf/hardware`` or a YAML path (default: ``conf/config.yaml``'s).
+        mfu: model FLOPs utilization assumed for compute (``None``: the hardware's calibrated
+            ``mfu``, else 0.4).
         accumulate_grad_batches: micro batches per optimizer step.
         attention: ``"fused"`` (SDPA flash kernels, what the model runs) or ``"math"``.
         reserved_gib: per-GPU memory not available to tensors (CUDA context, allocator slack).
         suggest: when it does not fit, search for changes that would make it fit.
+        simulate: simulate the step (``False``: bytes only, seconds 0; ``"if_fits"``: only when it
+            fits, what the layout search does).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers.
@@ -318,31 +280,49 @@ def plan_run(
     dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
     tp, dp = int(dims.tp), dims.dp
     seq_len = int(seq_len or config.max_seq_len)
-    _check_positive(micro_batch=micro_batch, seq_len=seq_len, accumulate_grad_batches=accumulate_grad_batches)
+    _check_positive(micro_batch=micro_batch, seq_len=seq_len, accumulate_grad_batches=accumulate_grad_batches,
+                    max_buckets_in_flight=max_buckets_in_flight)
     if seq_len > config.max_seq_len:
         raise ValueError(
             f"plan_run: seq_len({seq_len}) exceeds the model's max_seq_len({config.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
         )
+    hw = load_hardware(hardware)
+    if mfu is None:
+        mfu = hw.mfu if hw.mfu is not None else DEFAULT_MFU
     if not 0 < mfu <= 1:
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
+    if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
+        bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * precision_bytes(precision).grad)
     if bucket_mb <= 0 or prefetch_blocks < 0:
         raise ValueError(
             f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "
             f"prefetch_blocks={prefetch_blocks!r}"
         )
-    hw = load_hardware(hardware)
+    if defer_grad_reduce and stage != 2:
+        raise ValueError(f"plan_run: defer_grad_reduce applies to stage 2 only (stage 1 always defers, stage 3 "
+                         f"holds no full gradients), got stage={stage}")
     dtype = precision_bytes(precision)
     counts = llama_param_counts(config, tp=tp)
     local_params = counts.total
     padded = math.ceil(local_params / dp) * dp
     shard = padded // dp
 
-    states = model_state_bytes(padded, stage=stage, dp=dp, param_bytes=dtype.param, grad_bytes=dtype.grad,
+    peak = hw.peak_fp32_flops if str(precision).startswith("32") else hw.peak_bf16_flops
+    crosses_nodes = dims.world_size > dims.devices_per_node and dp > 1
+    workload = llama_workload(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
+                              activation_checkpointing=activation_checkpointing, flops_per_s=peak * mfu,
+                              tp_link=hw.link(inter_node=False), act_bytes=dtype.activation)
+    bucket_numel = max(1, int(bucket_mb * MiB) // dtype.grad)
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+
+    memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
+    states = model_state_bytes(padded, stage=memory_stage, dp=dp, param_bytes=dtype.param, grad_bytes=dtype.grad,
                                optim_bytes_per_param=dtype.optimizer)
     optimizer_numel = shard if stage >= 1 else padded
-    bucket_bytes = bucket_mb * MiB
-    buckets = min(2 * bucket_bytes, padded * dtype.grad) if stage >= 2 else 0.0
+    pooled = stage >= 2 and not defer_grad_reduce
+    bucket_buffers = (min(max_buckets_in_flight, len(buckets)) * max(b.numel for b in buckets) * dtype.grad
+                      if pooled and buckets else 0.0)
     gathered_unit = max(counts.block, counts.embedding, counts.output)
     prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
 
@@ -353,16 +333,31 @@ def plan_run(
         grads=states.grads,
         master_weights=optimizer_numel * dtype.master,
         optimizer_moments=optimizer_numel * dtype.moments,
-        bucket_buffers=float(buckets),
+        bucket_buffers=float(bucket_buffers),
         prefetch_buffers=float(prefetch),
         activations=acts.total(activation_checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
         step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master else 0.0,
     )
+    tokens_per_step = micro_batch * seq_len * accumulate_grad_batches * dp
+    model_flops = accumulate_grad_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    simulated = None
+    fits = memory.total <= hw.memory_bytes - int(reserved_gib * GiB)
+    if simulate is True or (simulate == "if_fits" and fits):
+        simulated = step_time(
+            workload, stage=stage, dp=dp, micro_batches=accumulate_grad_batches,
+            dp_link=hw.link(inter_node=crosses_nodes), grad_bytes=dtype.grad, param_bytes=dtype.param,
+            bucket_numel=bucket_numel, overlap_comm=overlap_comm, defer_grad_reduce=defer_grad_reduce,
+            max_buckets_in_flight=max_buckets_in_flight, prefetch_blocks=prefetch_blocks,
+            overlap_param_gather=overlap_param_gather, efficiency=hw.overlap_efficiency,
+            optimizer_bytes_per_param=dtype.optimizer_step_bytes, memory_bytes_per_s=hw.memory_bytes_per_s,
+            tokens_per_step=tokens_per_step, model_flops_per_rank=model_flops, peak_flops=peak,
+            world_size=world_size,
+        )
     traffic = _traffic(config, stage=stage, dims=dims, padded=padded, dtype=dtype, micro_batch=micro_batch,
-                       seq_len=seq_len, micro_batches=accumulate_grad_batches,
-                       activation_checkpointing=activation_checkpointing, hw=hw, mfu=mfu,
-                       precision=str(precision))
+                       seq_len=seq_len, micro_batches=accumulate_grad_batches, defer_grad_reduce=defer_grad_reduce,
+                       activation_checkpointing=activation_checkpointing, hw=hw, crosses_nodes=crosses_nodes,
+                       workload=workload, simulated=simulated)
     plan = Plan(
         model=config.name,
         num_params=config.num_params(),
@@ -378,19 +373,24 @@ def plan_run(
         micro_batch=micro_batch,
         seq_len=seq_len,
         accumulate_grad_batches=accumulate_grad_batches,
-        tokens_per_step=micro_batch * seq_len * accumulate_grad_batches * dp,
+        tokens_per_step=tokens_per_step,
         activation_checkpointing=bool(activation_checkpointing),
         attention=attention,
         bucket_mb=float(bucket_mb),
         prefetch_blocks=prefetch_blocks,
+        defer_grad_reduce=bool(defer_grad_reduce),
+        overlap_comm=bool(overlap_comm),
+        max_buckets_in_flight=max_buckets_in_flight,
+        overlap_param_gather=bool(overlap_param_gather),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),
-        mfu=mfu,
+        mfu=float(mfu),
         memory=memory,
         traffic=traffic,
+        timing=simulated,
         activation_detail=acts,
-        notes=_notes(stage, dp, attention, precision, accumulate_grad_batches),
+        notes=_notes(stage, dp, attention, accumulate_grad_batches, defer_grad_reduce),
     )
     if suggest and not plan.fits:
         plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(plan, config, hw)))
@@ -418,10 +418,12 @@ def _traffic(
     micro_batch: int,
     seq_len: int,
     micro_batches: int,
+    defer_grad_reduce: bool,
     activation_checkpointing: bool,
     hw: Hardware,
-    mfu: float,
-    precision: str,
+    crosses_nodes: bool,
+    workload: Workload,
+    simulated: Optional[StepTime],
 ) -> TrafficPerRank:
     dp, tp = dims.dp, int(dims.tp)
     ring = (dp - 1) / dp
@@ -429,7 +431,7 @@ def _traffic(
     reduce_scatter = all_gather = all_reduce = 0.0
     if stage == 0:
         all_reduce = 2 * ring * grad_bytes
-    elif stage == 1:  # full grads accumulate locally; one reduce-scatter + one all-gather per step
+    elif stage == 1 or (stage == 2 and defer_grad_reduce):  # full grads accumulate; one reduce-scatter per step
         reduce_scatter, all_gather = ring * grad_bytes, ring * param_bytes
     elif stage == 2:  # only a grad shard exists: reduce-scatter every micro batch
         reduce_scatter, all_gather = ring * grad_bytes * micro_batches, ring * param_bytes
@@ -441,9 +443,8 @@ def _traffic(
     per_layer = 6 if activation_checkpointing else 4
     tp_all_reduces = (per_layer * config.n_layers + 2) * micro_batches
     tp_bytes = tp_all_reduces * 2 * (tp - 1) / tp * tokens * config.dim * dtype.activation
-    flops = (8 if activation_checkpointing else 6) * config.num_params() * tokens * micro_batches / tp
-    peak = hw.peak_fp32_flops if precision.startswith("32") else hw.peak_bf16_flops
-    crosses_nodes = dims.world_size > dims.devices_per_node and dp > 1
+    flops = micro_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
+                                           activation_checkpointing=activation_checkpointing)
     return TrafficPerRank(
         dp_reduce_scatter_bytes=reduce_scatter,
         dp_all_gather_bytes=all_gather,
@@ -453,17 +454,21 @@ def _traffic(
         dp_bytes_per_s=hw.inter_node_bytes_per_s if crosses_nodes else hw.intra_node_bytes_per_s,
         tp_bytes_per_s=hw.intra_node_bytes_per_s,
         flops_per_rank=flops,
-        compute_s=flops / (peak * mfu),
+        compute_s=micro_batches * (workload.compute_forward_s + workload.compute_backward_s),
+        dp_s=simulated.dp_comm_s if simulated else 0.0,
+        tp_s=micro_batches * workload.tp_s,
+        exposed_comm_s=(simulated.exposed_comm_s + simulated.post_step_gather_s) if simulated else 0.0,
+        step_s=simulated.step_s if simulated else 0.0,
     )
 
 
-def _notes(stage: int, dp: int, attention: str, precision: str, micro_batches: int) -> tuple[str, ...]:
+def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool) -> tuple[str, ...]:
     notes = []
     if dp == 1 and stage > 0:
         notes.append("dp=1: ZeRO has nothing to shard over; every stage holds full states")
     if attention == "math":
         notes.append("attention=math keeps the (B, heads, T, T) probabilities of every block")
-    if micro_batches > 1 and stage >= 2:
+    if micro_batches > 1 and stage >= 2 and not defer_grad_reduce:
         notes.append(f"stage {stage} reduce-scatters gradients on each of the {micro_batches} micro batches")
     return tuple(notes)
 
@@ -476,7 +481,8 @@ def _notes(stage: int, dp: int, attention: str, precision: str, micro_batches: i
 def _knobs(plan: Plan) -> dict[str, Any]:
     """The :func:`plan_run` arguments that produced ``plan`` (but the model and the hardware)."""
     arguments = inspect.signature(plan_run).parameters
-    knobs = {name: getattr(plan, name) for name in arguments if name != "hardware" and hasattr(plan, name)}
+    knobs = {name: getattr(plan, name) for name in arguments
+             if name not in ("hardware", "timing") and hasattr(plan, name)}
     knobs["reserved_gib"] = plan.reserved_bytes / GiB
     return knobs
 
@@ -514,8 +520,11 @@ def _suggestions(plan: Plan, config: Any, hardware: Hardware, limit: int = 4) ->
     found: list[str] = []
     knobs = _knobs(plan)
     for label, change in _candidates(plan):
+        merged = {**knobs, **change}
+        if merged["stage"] != 2:
+            merged["defer_grad_reduce"] = False
         try:
-            other = plan_run(config, hardware=hardware, suggest=False, **{**knobs, **change})
+            other = plan_run(config, hardware=hardware, suggest=False, simulate=False, **merged)
         except ValueError:  # e.g. a tp that does not divide the heads
             continue
         if other.fits:
@@ -530,12 +539,12 @@ def _suggestions(plan: Plan, config: Any, hardware: Hardware, limit: int = 4) ->
 def _no_single_fix(plan: Plan, config: Any, hardware: Hardware, max_nodes: int = 512) -> str:
     """When no change on this cluster fits: the fewest nodes, or another GPU, where stage 3 with
     checkpointing at this tp would."""
-    knobs = {**_knobs(plan), "stage": 3, "activation_checkpointing": True}
+    knobs = {**_knobs(plan), "stage": 3, "activation_checkpointing": True, "defer_grad_reduce": False}
     nodes = plan.world_size // plan.devices_per_node
     options = [f"nothing on {nodes} node(s) of {plan.hardware} fits"]
     while nodes < max_nodes:
         nodes *= 2
-        bigger = plan_run(config, hardware=hardware, suggest=False,
+        bigger = plan_run(config, hardware=hardware, suggest=False, simulate=False,
                           **{**knobs, "world_size": nodes * plan.devices_per_node})
         if bigger.fits:
             options.append(f"stage=3 + activation_checkpointing=true on {nodes} nodes "
@@ -543,43 +552,8 @@ def _no_single_fix(plan: Plan, config: Any, hardware: Hardware, max_nodes: int =
             break
     for name in available_hardware():
         if name != plan.hardware:
-            other = plan_run(config, hardware=name, suggest=False, **knobs)
+            other = plan_run(config, hardware=name, suggest=False, simulate=False, **knobs)
             if other.fits:
                 options.append(f"stage=3 + activation_checkpointing=true on hardware={name} "
                                f"({other.memory.total / GiB:.1f} GiB)")
     return "; ".join(options)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI entry: `lightning-zero plan [overrides]`
-# --------------------------------------------------------------------------------------------
-
-
-def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
-    """``lightning-zero plan``: plan the configured run and, side by side, every stage.
-
-    Prints a rich table (``plan.format=table``) or JSON (``plan.format=json``) and, with
-    ``plan.plot=PATH.png``, writes the per-rank memory of each stage as a stacked bar chart.
-    Returns the JSON-ready dict (``{"plan": ..., "stages": [...]}``).
-    """
-    from lightning_zero import planner_report
-
-    model_config, kwargs, options = planner_report.plan_kwargs_from_config(cfg)
-    plan = plan_run(model_config, **kwargs)
-    only = str(options.get("stages", "all")) == "only"
-    stage_kwargs = {k: v for k, v in kwargs.items() if k != "stage"}
-    stages = [plan] if only else [plan if s == plan.stage else plan_run(model_config, stage=s, **stage_kwargs)
-                                  for s in STAGES]
-    output_format = str(options.get("format", "table"))
-    if output_format not in ("table", "json"):
-        raise ValueError(f"plan.format must be 'table' or 'json', got {output_format!r}")
-    result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
-    if options.get("plot"):
-        result["plot"] = str(planner_report.plot_memory(stages, options["plot"]))
-    if output_format == "json":
-        planner_report.print_json(result, console=console)
-    else:
-        planner_report.print_tables(plan, stages, console=console)
-        if "plot" in result:
-            planner_report.print_line(f"plot: {result['plot']}", console=console)
-    return result

@@ -1,0 +1,420 @@
+"""Measure this machine and write a ``conf/hardware`` YAML the step-time model can use.
+
+``lightning-zero plan calibrate [--out PATH] [--quick] [model options]`` (or
+``python benchmarks/calibrate.py``) runs, on this machine:
+
+- **collectives**: 2 processes over gloo (each pinned to its own core with one torch thread,
+  as the CPU benchmarks run), timing ``all_reduce``, ``reduce_scatter`` and ``all_gather`` at
+  several sizes. Each kind is fitted to ``time = steps * latency + logical_bytes / bandwidth``
+  (ring steps: ``n - 1``, twice that for all-reduce; logical bytes as ``CommCounter`` counts
+  them); the bandwidth the planner uses is the all-reduce's, and every other kind gets a
+  ``collective_time_factor`` (its measured time over what that bandwidth predicts), so a backend
+  that runs a reduce-scatter as a full all-reduce (gloo does) is planned as it really runs;
+- **overlap**: a matmul loop alone, a bucket-sized reduce-scatter alone, and the reduce-scatter
+  launched asynchronously while the matmul loop runs (what backward does);
+  ``overlap_efficiency = (alone_sum - together) / min(matmul, reduce_scatter)``: 1 when
+  communication runs beside compute for free (a GPU with its copy engines), about 0 when both
+  share one core;
+- **compute**, on both processes at once (so they share memory bandwidth as a benchmark's ranks
+  do; the slower rank's number is kept): fp32 (and bf16) matmul FLOP/s on one thread
+  (``peak_*_tflops``), and ``mfu``: the model FLOPs of a forward + backward of a Llama of the
+  given shape (no communication) over its time at that peak;
+- **memory bandwidth**: an AdamW step over ``numel`` fp32 parameters, at the planner's count of
+  28 bytes touched per parameter (``memory_gb_per_s``).
+
+Everything runs on the local machine (one node), so the intra- and inter-node links get the
+same numbers. The YAML is a plain hardware config: ``lightning-zero plan hardware=NAME`` after
+copying it into ``conf/hardware/``, or ``planner.load_hardware(path)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+OPTIMIZER_BYTES_PER_PARAM_FP32 = 28  # AdamW, fp32: param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
+DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 25.0)  # 25 MiB: the default bucket
+QUICK_SIZES_MB = (0.0625, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------------
+
+
+def ring_steps(kind: str, ranks: int) -> int:
+    """Latency-bound steps of a ring collective over ``ranks``: ``n - 1``; all-reduce twice that."""
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
+
+
+def fit_latency_bandwidth(points: Sequence[tuple[float, float]], steps: int) -> tuple[float, float]:
+    """Least squares of ``seconds = steps * latency + bytes / bandwidth`` over ``(bytes, seconds)``.
+
+    Returns ``(latency_s, bytes_per_s)``; latency is clipped at 0 and bandwidth kept positive.
+    """
+    if len(points) < 2:
+        raise ValueError("fit_latency_bandwidth: need at least two (bytes, seconds) points")
+    xs = [float(b) for b, _ in points]
+    ys = [float(s) for _, s in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0:  # noise swamped the size dependence: all of it is bandwidth through the origin
+        slope = sum(ys) / sum(xs)
+        intercept = 0.0
+    return max(0.0, intercept) / max(1, steps), 1.0 / slope
+
+
+def logical_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
+    """Bytes one rank sends (ring algorithm): all-reduce ``2 (n-1)/n``, the others ``(n-1)/n``."""
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (ranks - 1) / ranks * payload_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# The distributed part: 2 gloo processes
+# --------------------------------------------------------------------------------------------
+
+
+def _pin(rank: int) -> None:
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cores:
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_loop(size: int, iterations: int):
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+
+    def run() -> None:
+        for _ in range(iterations):
+            torch.mm(a, b)
+
+    return run
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes_mb: Sequence[float], repeats: int,
+                       overlap_mb: float, out_dir: str, compute: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_zero.collectives import all_gather, all_reduce, reduce_scatter
+
+    _pin(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result: dict[str, Any] = {"collectives": {}}
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            rows = []
+            for size_mb in sizes_mb:
+                numel = max(world, int(size_mb * 2**20) // 4 // world * world)
+                full = torch.ones(numel)
+                shard = torch.ones(numel // world)
+
+                def once(kind: str = kind, full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
+                    if kind == "all_reduce":
+                        all_reduce(full, None)
+                    elif kind == "reduce_scatter":
+                        reduce_scatter(shard, full, None)
+                    else:
+                        all_gather(full, shard, None)
+
+                once()  # warm the connection and buffers
+                dist.barrier()
+                seconds = _timed(once, repeats)
+                rows.append({"payload_bytes": numel * 4, "seconds": seconds})
+            result["collectives"][kind] = rows
+
+        # Overlap: matmuls alone, a reduce-scatter alone (what backward overlaps), both at once.
+        numel = max(world, int(overlap_mb * 2**20) // 4 // world * world)
+        full, shard = torch.ones(numel), torch.ones(numel // world)
+        dist.barrier()
+        comm_s = _timed(lambda: reduce_scatter(shard, full, None), repeats)
+        size = 256
+        probe = _timed(_matmul_loop(size, 4), 3) / 4
+        iterations = max(1, int(comm_s / max(probe, 1e-6)))
+        matmuls = _matmul_loop(size, iterations)
+        dist.barrier()
+        compute_s = _timed(matmuls, repeats)
+
+        def both() -> None:
+            work = reduce_scatter(shard, full, None, async_op=True)
+            matmuls()
+            work.wait()
+
+        dist.barrier()
+        both_s = _timed(both, repeats)
+        result["overlap"] = {"compute_s": compute_s, "comm_s": comm_s, "together_s": both_s}
+
+        # Compute and memory, on every rank at once (as a benchmark's ranks run: they share memory bandwidth).
+        dist.barrier()
+        result["matmul_fp32_flops"] = measure_matmul_flops("float32", repeats=repeats)
+        result["matmul_bf16_flops"] = measure_matmul_flops("bfloat16", repeats=repeats)
+        dist.barrier()
+        result["adamw_bytes_per_s"] = measure_adamw_bytes_per_s(compute["adamw_numel"], repeats=repeats)
+        dist.barrier()
+        result["model"] = measure_model_mfu(compute["model"], micro_batch=compute["micro_batch"],
+                                            seq_len=compute["seq_len"], peak_flops=result["matmul_fp32_flops"],
+                                            repeats=max(2, repeats // 2))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 5, overlap_mb: float = 25.0,
+                        world: int = 2, timeout_s: float = 600.0, compute: Optional[dict[str, Any]] = None
+                        ) -> dict[str, Any]:
+    """Time the collectives, the overlap probe and (``compute``: model, micro_batch, seq_len,
+    adamw_numel) the compute rates on ``world`` local gloo processes; per number, the slower rank's."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="lz_calibrate_") as out_dir:
+        port = _free_port()
+        processes = [context.Process(target=_collective_worker,
+                                     args=(rank, world, port, list(sizes_mb), repeats, overlap_mb, out_dir,
+                                           compute))
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(1.0, deadline - time.monotonic()))
+        alive = [p for p in processes if p.is_alive()]
+        for process in alive:
+            process.kill()
+        failed = [p.exitcode for p in processes if p.exitcode != 0]
+        if alive or failed:
+            raise RuntimeError(f"calibrate: collective processes failed (exit codes {failed}, "
+                               f"{len(alive)} killed after {timeout_s:.0f} s)")
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    # the slower rank is what a collective costs
+    merged: dict[str, Any] = {"collectives": {}, "world": world}
+    for kind, rows in ranks[0]["collectives"].items():
+        merged["collectives"][kind] = [
+            {"payload_bytes": row["payload_bytes"],
+             "seconds": max(r["collectives"][kind][i]["seconds"] for r in ranks)}
+            for i, row in enumerate(rows)
+        ]
+    merged["overlap"] = {key: max(r["overlap"][key] for r in ranks) for key in ranks[0]["overlap"]}
+    slowest_model = max((r["model"] for r in ranks), key=lambda m: m["seconds"])
+    merged["compute"] = {
+        "matmul_fp32_flops": min(r["matmul_fp32_flops"] for r in ranks),
+        "matmul_bf16_flops": min(r["matmul_bf16_flops"] for r in ranks),
+        "adamw_bytes_per_s": min(r["adamw_bytes_per_s"] for r in ranks),
+        "model": {**slowest_model, "mfu": slowest_model["flops"] / slowest_model["seconds"]
+                  / min(r["matmul_fp32_flops"] for r in ranks)},
+    }
+    return merged
+
+
+def summarize_collectives(measured: dict[str, Any]) -> dict[str, Any]:
+    """Latency, bandwidth and per-kind time factors from :func:`measure_collectives` output."""
+    world = int(measured["world"])
+    fits = {}
+    for kind, rows in measured["collectives"].items():
+        points = [(logical_bytes(kind, row["payload_bytes"], world), row["seconds"]) for row in rows]
+        fits[kind] = fit_latency_bandwidth(points, ring_steps(kind, world))
+    latency, bandwidth = fits["all_reduce"]
+    factors = {}
+    for kind, rows in measured["collectives"].items():
+        ratios = []
+        for row in rows:
+            sent = logical_bytes(kind, row["payload_bytes"], world)
+            model = ring_steps(kind, world) * latency + sent / bandwidth
+            ratios.append(row["seconds"] / model)
+        factors[kind] = max(ratios[-1], 0.05)  # the largest size: where bandwidth decides
+    overlap = measured["overlap"]
+    hideable = min(overlap["compute_s"], overlap["comm_s"])
+    efficiency = (overlap["compute_s"] + overlap["comm_s"] - overlap["together_s"]) / hideable if hideable else 0.0
+    return {
+        "latency_s": latency,
+        "bytes_per_s": bandwidth,
+        "fits": {kind: {"latency_s": lat, "bytes_per_s": bw} for kind, (lat, bw) in fits.items()},
+        "collective_time_factor": factors,
+        "overlap_efficiency": min(1.0, max(0.0, efficiency)),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Compute and memory (this process, one thread, pinned like a benchmark rank)
+# --------------------------------------------------------------------------------------------
+
+
+def measure_matmul_flops(dtype_name: str = "float32", size: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of ``size x size`` matmuls in ``dtype_name`` on this process's threads."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    iterations = 4
+    seconds = _timed(lambda: [torch.mm(a, b) for _ in range(iterations)], repeats)
+    return 2 * size**3 * iterations / seconds
+
+
+def measure_adamw_bytes_per_s(numel: int = 4_000_000, tensors: int = 8, repeats: int = 5) -> float:
+    """Bytes/s an AdamW step moves, at ``OPTIMIZER_BYTES_PER_PARAM_FP32`` bytes per parameter."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer.step()
+    seconds = _timed(optimizer.step, repeats)
+    return OPTIMIZER_BYTES_PER_PARAM_FP32 * sum(p.numel() for p in params) / seconds
+
+
+def measure_model_mfu(model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float,
+                      repeats: int = 3) -> dict[str, float]:
+    """Forward + backward of a Llama of shape ``model`` (single process, fp32): achieved fraction
+    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.model_flops`)."""
+    import torch
+
+    from lightning_zero.models import Llama, LlamaConfig
+    from lightning_zero.models.llama import cross_entropy_loss
+    from lightning_zero.planner.timing import training_flops
+
+    config = LlamaConfig.from_name("tiny", **model)
+    torch.manual_seed(0)
+    net = Llama(config)
+    idx = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+
+    def step() -> None:
+        loss = cross_entropy_loss(net(idx), idx)
+        loss.backward()
+        for param in net.parameters():
+            param.grad = None
+
+    step()
+    seconds = _timed(step, repeats)
+    flops = training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=1, activation_checkpointing=False)
+    return {"seconds": seconds, "flops": flops, "mfu": flops / seconds / peak_flops}
+
+
+# --------------------------------------------------------------------------------------------
+# The YAML
+# --------------------------------------------------------------------------------------------
+
+BENCH_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, max_seq_len=128)
+
+
+def calibrate(*, name: str = "cpu_calibrated", sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 5,
+              model: Optional[dict[str, int]] = None, micro_batch: int = 2, seq_len: int = 128,
+              adamw_numel: int = 4_000_000, overlap_mb: float = 25.0) -> dict[str, Any]:
+    """Measure everything (see module docstring); return ``{"hardware": {...}, "measured": {...}}``."""
+    import psutil
+
+    model = dict(model or BENCH_MODEL)
+    collectives = measure_collectives(sizes_mb, repeats=repeats, overlap_mb=overlap_mb, compute=dict(
+        model=model, micro_batch=micro_batch, seq_len=seq_len, adamw_numel=adamw_numel))
+    links = summarize_collectives(collectives)
+    rates = collectives["compute"]
+    fp32, bf16, memory_bps = rates["matmul_fp32_flops"], rates["matmul_bf16_flops"], rates["adamw_bytes_per_s"]
+    compute = rates["model"]
+    gb = links["bytes_per_s"] / 1e9
+    latency_us = links["latency_s"] * 1e6
+    hardware = {
+        "name": name,
+        "memory_bytes": int(psutil.virtual_memory().total // collectives["world"]),
+        "intra_node_gb_per_s": gb,
+        "inter_node_gb_per_s": gb,
+        "intra_node_latency_us": latency_us,
+        "inter_node_latency_us": latency_us,
+        "peak_bf16_tflops": bf16 / 1e12,
+        "peak_fp32_tflops": fp32 / 1e12,
+        "memory_gb_per_s": memory_bps / 1e9,
+        "overlap_efficiency": links["overlap_efficiency"],
+        "collective_time_factor": links["collective_time_factor"],
+        "mfu": compute["mfu"],
+        "devices_per_node": collectives["world"],
+    }
+    return {"hardware": hardware, "measured": {"collectives": collectives, "links": links, "compute": compute,
+                                               "model": model, "micro_batch": micro_batch, "seq_len": seq_len}}
+
+
+def hardware_yaml(hardware: dict[str, Any], measured: dict[str, Any]) -> str:
+    """The hardware config as YAML, with a header saying where each number came from."""
+    from omegaconf import OmegaConf
+
+    compute = measured["compute"]
+    header = [
+        f"# Calibrated on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by",
+        "# `lightning-zero plan calibrate` (lightning_zero/planner/calibrate.py): 2 gloo processes, each",
+        "# pinned to one core with one torch thread. Links: all-reduce fit of latency + bytes/bandwidth",
+        "# (one machine: intra = inter); collective_time_factor: each kind's measured time over that model;",
+        "# overlap_efficiency: how much of a collective hides behind matmuls running at the same time;",
+        f"# mfu: forward + backward of a Llama {measured['model']} at micro_batch={measured['micro_batch']},",
+        f"# seq_len={measured['seq_len']}: {compute['flops'] / 1e9:.2f} GFLOP in {compute['seconds']:.3f} s;",
+        "# memory_gb_per_s: an AdamW step at 28 bytes per fp32 parameter.",
+    ]
+    return "\n".join(header) + "\n" + OmegaConf.to_yaml(OmegaConf.create(hardware))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Path:
+    """``lightning-zero plan calibrate``: measure, write the YAML, print where it went."""
+    parser = argparse.ArgumentParser(prog="lightning-zero plan calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="cpu_calibrated.yaml", help="hardware YAML to write")
+    parser.add_argument("--name", default=None, help="hardware name inside the YAML (default: the file stem)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and a tiny model (seconds, for tests)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write every raw measurement to this JSON file")
+    for key, value in BENCH_MODEL.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out)
+    model = {key: getattr(args, key) for key in BENCH_MODEL}
+    if args.quick:
+        model = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=32)
+        result = calibrate(name=args.name or out.stem, sizes_mb=QUICK_SIZES_MB, repeats=2, model=model,
+                           micro_batch=1, seq_len=32, adamw_numel=200_000, overlap_mb=0.5)
+    else:
+        result = calibrate(name=args.name or out.stem, repeats=args.repeats, model=model,
+                           micro_batch=args.micro_batch, seq_len=args.seq_len)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(hardware_yaml(result["hardware"], result["measured"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    hw = result["hardware"]
+    print(f"lightning-zero: wrote {out}: link {hw['intra_node_gb_per_s']:.2f} GB/s, "
+          f"{hw['intra_node_latency_us']:.0f} us latency, overlap {hw['overlap_efficiency']:.2f}, "
+          f"fp32 {hw['peak_fp32_tflops'] * 1e3:.1f} GFLOP/s (mfu {hw['mfu']:.2f}), "
+          f"memory {hw['memory_gb_per_s']:.1f} GB/s")
+    return out
+
+
+if __name__ == "__main__":
+    main()

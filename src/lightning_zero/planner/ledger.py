@@ -1,0 +1,284 @@
+"""Bytes per rank: the ZeRO paper's formulas (predicted) and what the engine holds (measured).
+
+The paper (Rajbhandari et al., 2020, section 5) counts model states for mixed-precision Adam as
+``2 + 2 + K`` bytes per parameter with ``K = 12`` (fp32 master, momentum, variance), and divides
+them over ``Nd`` data-parallel ranks by stage:
+
+====== ============ ============ ==================
+stage  params       grads        optimizer states
+====== ============ ============ ==================
+0      2 P          2 P          K P
+1      2 P          2 P          K P / Nd
+2      2 P          2 P / Nd     K P / Nd
+3      2 P / Nd     2 P / Nd     K P / Nd
+====== ============ ============ ==================
+
+For ``precision="32-true"`` with Adam the same table holds with ``param_bytes=4, grad_bytes=4,
+optim_bytes_per_param=8`` (the parameter shard is its own master copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-rank bytes of model states."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+    def __getitem__(self, key: str) -> float:
+        return self.as_dict()[key]
+
+
+def model_state_bytes(
+    num_params: int,
+    *,
+    stage: int,
+    dp: int,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optim_bytes_per_param: int = 12,
+) -> ModelStateBytes:
+    """Per-rank bytes of parameters, gradients and optimizer state under ZeRO ``stage``.
+
+    ``stage=0`` is plain data parallelism. ``num_params`` is the count one data-parallel replica
+    holds (with tensor parallelism: the parameters of one tp rank). Returns a
+    :class:`ModelStateBytes` with ``params``, ``grads``, ``optimizer`` and ``total``; it also
+    supports ``result["total"]``.
+
+    Example (the paper's Figure 1: 7.5B parameters, 64 ranks, K = 12)::
+
+        >>> model_state_bytes(7_500_000_000, stage=3, dp=64).total / 1e9
+        1.875
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"model_state_bytes: stage must be 0, 1, 2 or 3, got stage={stage!r}")
+    if dp < 1:
+        raise ValueError(f"model_state_bytes: dp must be >= 1, got dp={dp!r}")
+    if num_params < 0:
+        raise ValueError(f"model_state_bytes: num_params must be >= 0, got {num_params!r}")
+    params = param_bytes * num_params / (dp if stage >= 3 else 1)
+    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
+    optimizer = optim_bytes_per_param * num_params / (dp if stage >= 1 else 1)
+    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per parameter: the one table the planner, the monitor and the tests read
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per parameter (and per activation element) of a Lightning precision with Adam."""
+
+    param: int  # compute copy
+    grad: int
+    master: int  # fp32 master copy, only as a shard inside the optimizer (0: the param is its own)
+    moments: int  # Adam exp_avg + exp_avg_sq
+    activation: int
+    optimizer_step_bytes: int  # bytes the AdamW step moves per stepped parameter (timing)
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.moments
+
+
+# Exactly the precisions ZeroStrategy accepts (precision.SUPPORTED_PRECISION; a test keeps them equal).
+# Optimizer step traffic: fp32 AdamW reads/writes param, exp_avg, exp_avg_sq and reads the grad
+# (28 B); bf16-mixed adds the grad-shard cast to fp32 (2 + 4 B) and the master -> bf16 copy (4 + 2 B).
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4, optimizer_step_bytes=28),
+    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40),
+}
+
+# Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``
+# adds on top of the fp32 master copy. SGD holds momentum only when ``momentum != 0``.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4,
+}
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """State bytes per parameter ``optimizer`` keeps (fp32); unknown optimizers count as Adam."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 4 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
+    return OPTIMIZER_STATE_BYTES.get(name, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama shapes: parameter counts, activations, communication (used by the planner).
+# Every function here is arithmetic on a config object; nothing allocates a tensor.
+# The formulas are written out in docs/planner.md.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaParamCounts:
+    """Parameter counts of a Llama model as one tensor-parallel rank holds them.
+
+    With ``tp > 1`` every weight matrix (q/k/v/o, w1/w2/w3, embedding, output head) is split
+    ``tp`` ways; the RMSNorm weights are replicated on every tp rank.
+    """
+
+    embedding: int  # tok_embeddings: vocab x dim (vocab-parallel)
+    block: int  # one transformer block: attention + feed_forward + 2 RMSNorms
+    n_layers: int
+    final_norm: int
+    output: int  # untied head: dim x vocab (column-parallel over vocab)
+
+    @property
+    def blocks(self) -> int:
+        return self.block * self.n_layers
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.blocks + self.final_norm + self.output
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "blocks": self.blocks, "total": self.total}
+
+
+def _kv_heads(config: Any) -> int:
+    return getattr(config, "n_kv_heads", None) or config.n_heads
+
+
+def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
+    """Parameters of ``config`` (a ``LlamaConfig``: vocab_size, dim, n_layers, n_heads,
+    n_kv_heads, ffn_dim) held by one of ``tp`` tensor-parallel ranks.
+
+    Per block: ``wq, wo: dim x dim``; ``wk, wv: dim x (n_kv_heads * head_dim)``;
+    ``w1, w3: dim x ffn_dim``, ``w2: ffn_dim x dim``; two RMSNorm weights of ``dim``.
+    No biases. ``tp`` must divide the split sizes (``mesh.check_model_divisible`` says which).
+
+        >>> # Llama 2 70B: 68,976,648,192 parameters
+    """
+    if tp < 1:
+        raise ValueError(f"llama_param_counts: tp must be >= 1, got tp={tp!r}")
+    dim, head_dim = config.dim, config.dim // config.n_heads
+    kv_dim = _kv_heads(config) * head_dim
+    attention = 2 * dim * dim + 2 * dim * kv_dim
+    feed_forward = 3 * dim * config.ffn_dim
+    return LlamaParamCounts(
+        embedding=config.vocab_size * dim // tp,
+        block=(attention + feed_forward) // tp + 2 * dim,
+        n_layers=config.n_layers,
+        final_norm=dim,
+        output=dim * config.vocab_size // tp,
+    )
+
+
+ATTENTION_KERNELS = ("fused", "math")
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes of activations one rank keeps for backward, for one micro batch.
+
+    ``terms`` itemizes one transformer block without checkpointing and ``per_layer`` is their sum;
+    ``checkpointed_per_layer`` is what a checkpointed block keeps (its input only). ``head`` is the
+    final RMSNorm; ``loss_saved`` the fp32 log-probabilities the loss keeps for backward and
+    ``logits_and_loss`` the peak around the loss (log-probabilities, their gradient and the
+    logits' gradient, all fp32). See docs/planner.md for each term.
+    """
+
+    terms: dict[str, float]
+    per_layer: float
+    checkpointed_per_layer: float
+    n_layers: int
+    head: float
+    loss_saved: float
+    logits_and_loss: float
+
+    def saved_after_forward(self, activation_checkpointing: bool) -> float:
+        """What autograd holds when forward has returned the loss (what a saved-tensor count sees)."""
+        per_layer = self.checkpointed_per_layer if activation_checkpointing else self.per_layer
+        return self.n_layers * per_layer + self.head + self.loss_saved
+
+    def total(self, activation_checkpointing: bool) -> float:
+        """Peak bytes: every block's saved tensors (or the checkpointed inputs plus one block
+        recomputed in backward), the final norm, and the logits/loss peak."""
+        blocks = self.n_layers * (self.checkpointed_per_layer if activation_checkpointing else self.per_layer)
+        recompute = self.per_layer if activation_checkpointing else 0.0
+        return blocks + recompute + self.head + self.logits_and_loss
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rms_norm_saved_bytes(tokens: int, dim: int, act_bytes: int) -> float:
+    # RMSNorm (computed in fp32) keeps: the fp32 input (the input itself in fp32, a copy
+    # otherwise), rsqrt per token (fp32), the normalized value cast back (for the gain's grad) and
+    # its output (kept by the Linear layers that read it).
+    return tokens * dim * (4 + 2 * act_bytes) + tokens * 4
+
+
+def llama_activation_bytes(
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int,
+    tp: int = 1,
+    attention: str = "fused",
+) -> ActivationBytes:
+    """Activation bytes the ``lightning_zero.models.Llama`` block keeps for backward, per tp rank.
+
+    Counts the tensors autograd saves in this implementation, for ``N = micro_batch * seq_len``
+    tokens and ``act_bytes`` per element of the compute dtype (2 bf16, 4 fp32):
+
+    - each RMSNorm: ``N * dim * (4 + 2 * act_bytes) + 4 N`` (fp32 input, normalized, output, rsqrt);
+    - rotary: nothing (its cos/sin tables need no grad, so its products keep no input);
+    - attention: the rotated q and the k, v that attention reads (repeated to the query heads under
+      grouped-query attention), and the attention output (``wo``'s input); plus, for
+      ``attention="fused"`` (SDPA's flash / memory-efficient kernels, what the model runs), a fp32
+      log-sum-exp per head and token; for ``"math"`` (SDPA's reference path) the ``(B, heads, T, T)``
+      softmax probabilities in the compute dtype;
+    - SwiGLU: ``4 * N * ffn_dim * act_bytes`` (w1 x, silu(w1 x), w3 x, their product).
+
+    With ``tp > 1`` (Megatron layout, no sequence parallelism) the norms' tensors are replicated
+    and everything between the column- and row-parallel layers is split by ``tp``.
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"llama_activation_bytes: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("act_bytes", act_bytes), ("tp", tp)):
+        if value < 1:
+            raise ValueError(f"llama_activation_bytes: {name} must be >= 1, got {value!r}")
+    tokens, dim, a = micro_batch * seq_len, config.dim, act_bytes
+    q_dim = dim // tp  # this rank's query heads * head_dim
+    kv_dim = _kv_heads(config) * (dim // config.n_heads) // tp
+    heads = config.n_heads // tp
+    terms: dict[str, float] = {
+        "attention_norm": _rms_norm_saved_bytes(tokens, dim, a),
+        "attention_q_k_v": tokens * (q_dim + 2 * max(q_dim, kv_dim)) * a,
+        "attention_output": tokens * q_dim * a,
+    }
+    if attention == "fused":
+        terms["attention_logsumexp"] = tokens * heads * 4
+    else:
+        terms["attention_probs"] = micro_batch * heads * seq_len * seq_len * a
+    terms["ffn_norm"] = _rms_norm_saved_bytes(tokens, dim, a)
+    terms["swiglu"] = 4 * tokens * (config.ffn_dim // tp) * a
+    vocab = config.vocab_size // tp
+    return ActivationBytes(
+        terms=terms,
+        per_layer=float(sum(terms.values())),
+        checkpointed_per_layer=float(tokens * dim * a),  # the block input, kept by checkpoint
+        n_layers=config.n_layers,
+        head=float(_rms_norm_saved_bytes(tokens, dim, a)),
+        loss_saved=float(tokens * vocab * 4 + tokens * 8),  # fp32 log-probs + int64 targets
+        logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
+    )

@@ -1,0 +1,167 @@
+"""Layout search: every layout the engine offers for a fixed cluster and global batch, ranked by
+predicted tokens/s, keeping only what fits (``lightning-zero plan plan.search=true``).
+
+Enumerated (the knobs that exist in the engine today): ZeRO stage (0 = Lightning DDP, tp 1 only),
+tensor-parallel size (powers of two up to the devices per node that divide the model), micro batch
+with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` stays the configured
+global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing, ``bucket_mb`` and, for
+stage 3, ``prefetch_blocks``. Hybrid sharding and compressed communication are not in the engine,
+so they are not searched. Each layout is first planned for bytes only (no simulation); only those
+that fit are simulated (:mod:`lightning_zero.planner.timing`; ``plan_run(simulate="if_fits")``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+from lightning_zero.planner.arithmetic import GiB, Plan, plan_run
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+BUCKET_MBS = (25.0, 100.0, 400.0)
+PREFETCH = (1, 2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One choice of every searched knob."""
+
+    stage: int
+    tp: int
+    micro_batch: int
+    accumulate_grad_batches: int
+    defer_grad_reduce: bool
+    activation_checkpointing: bool
+    bucket_mb: float
+    prefetch_blocks: int
+
+    def overrides(self) -> list[str]:
+        """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
+        out = ["strategy=ddp"] if self.stage == 0 else [f"strategy=zero{self.stage}",
+                                                       f"strategy.tensor_parallel_size={self.tp}",
+                                                       f"strategy.bucket_mb={self.bucket_mb:g}"]
+        if self.stage == 2:
+            out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
+        if self.stage == 3:
+            out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
+        out += [f"data.batch_size={self.micro_batch}",
+                f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
+                f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+        return out
+
+
+@dataclass(frozen=True)
+class Ranked:
+    layout: Layout
+    plan: Plan
+
+    def as_dict(self) -> dict[str, Any]:
+        timing = self.plan.timing
+        assert timing is not None
+        return {
+            "layout": asdict(self.layout),
+            "overrides": self.layout.overrides(),
+            "tokens_per_s": timing.tokens_per_s,
+            "step_s": timing.step_s,
+            "exposed_comm_s": timing.exposed_comm_s + timing.post_step_gather_s,
+            "dp_comm_s": timing.dp_comm_s,
+            "mfu": timing.mfu,
+            "memory_gib": self.plan.memory.total / GiB,
+            "available_gib": self.plan.available_bytes / GiB,
+            "timing": timing.as_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: tuple[Ranked, ...]  # every layout that fits, fastest first
+    evaluated: int  # layouts planned
+    rejected_memory: int  # planned but did not fit
+    seconds: float
+    global_batch: int  # samples per optimizer step (all dp ranks)
+
+    def top(self, count: int) -> list[Ranked]:
+        return list(self.ranked[:count])
+
+
+def _tp_sizes(devices_per_node: int) -> list[int]:
+    sizes, tp = [], 1
+    while tp <= devices_per_node:
+        sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def search_layouts(
+    model_config: Any,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    global_batch: int,
+    seq_len: Optional[int] = None,
+    precision: str = "bf16-mixed",
+    hardware: Any = None,
+    mfu: Optional[float] = None,
+    attention: str = "fused",
+    reserved_gib: float = 2.0,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    tp_sizes: Optional[Sequence[int]] = None,
+    micro_batches: Sequence[int] = MICRO_BATCHES,
+    bucket_mbs: Sequence[float] = BUCKET_MBS,
+    prefetch: Sequence[int] = PREFETCH,
+    checkpointing: Sequence[bool] = (False, True),
+    max_buckets_in_flight: int = 2,
+    overlap_param_gather: bool = False,
+) -> SearchResult:
+    """Plan every layout (module docstring) with ``global_batch`` samples per optimizer step; return
+    those that fit, ranked by predicted tokens/s (ties: less memory first)."""
+    from lightning_zero.models import resolve_config
+    from lightning_zero.planner.hardware import load_hardware
+
+    start = time.perf_counter()
+    config = resolve_config(model_config)
+    hw = load_hardware(hardware)
+    common = dict(world_size=world_size, devices_per_node=devices_per_node, seq_len=seq_len, precision=precision,
+                  hardware=hw, mfu=mfu, attention=attention, reserved_gib=reserved_gib,
+                  max_buckets_in_flight=max_buckets_in_flight, overlap_param_gather=overlap_param_gather,
+                  suggest=False)
+    ranked: list[Ranked] = []
+    evaluated = rejected = 0
+    for tp in tp_sizes or _tp_sizes(devices_per_node):
+        if world_size % tp:
+            continue
+        dp = world_size // tp
+        if global_batch % dp:
+            continue
+        for stage in stages:
+            if stage == 0 and tp > 1:
+                continue  # Lightning's DDP has no tensor parallelism
+            defers = (False, True) if stage == 2 else (False,)
+            prefetches = tuple(prefetch) if stage == 3 else (1,)
+            buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
+            for micro_batch in micro_batches:
+                if (global_batch // dp) % micro_batch:
+                    continue
+                accumulate = global_batch // dp // micro_batch
+                for checkpoint in checkpointing:
+                    for defer in defers:
+                        for bucket_mb in buckets:
+                            for ahead in prefetches:
+                                layout = Layout(stage, tp, micro_batch, accumulate, defer, bool(checkpoint),
+                                                float(bucket_mb), ahead)
+                                knobs = dict(stage=stage, tp=tp, micro_batch=micro_batch,
+                                             accumulate_grad_batches=accumulate, defer_grad_reduce=defer,
+                                             activation_checkpointing=bool(checkpoint), bucket_mb=float(bucket_mb),
+                                             prefetch_blocks=ahead, **common)
+                                try:
+                                    plan = plan_run(config, simulate="if_fits", **knobs)
+                                except ValueError:  # a tp that does not divide the model's heads, ...
+                                    continue
+                                evaluated += 1
+                                if not plan.fits:
+                                    rejected += 1
+                                    continue
+                                ranked.append(Ranked(layout, plan))
+    ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
+    return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)

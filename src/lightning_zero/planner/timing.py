@@ -1,0 +1,499 @@
+"""Step time: compute from FLOPs, collectives from latency + bytes / bandwidth, and the overlap
+the engine really achieves, simulated bucket by bucket.
+
+[Note: step-time model] One optimizer step of one rank is
+
+    A micro batches x (forward + backward)  +  optimizer step  +  post-step all-gather
+
+- **Compute**: matmul FLOPs (per tp rank) at ``peak x mfu`` (bf16 peak for bf16-mixed, fp32 for
+  32-true): forward ``2 N w`` per weight matrix of ``w`` elements and ``N`` tokens, backward
+  ``4 N w``; causal attention ``2 B T^2 d / tp`` forward, twice that backward; activation
+  checkpointing repeats each block's forward inside its backward. Embedding lookups and RMSNorm
+  gains add no matmul FLOPs; element-wise work is inside the ``mfu`` assumption (calibrated on CPU).
+- **Collectives**: ``factor(kind) x (steps x latency + logical_bytes / bandwidth)`` with ring
+  ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them;
+  dp collectives use the inter-node link when the dp group spans nodes, tp collectives the
+  intra-node one. ``factor`` is 1 unless a calibration measured otherwise.
+- **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3.py``): backward runs
+  parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
+  DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
+  time on the link; stage 2/3 stall backward when ``max_buckets_in_flight`` bucket buffers are
+  out (the oldest reduce-scatter must finish first); everything still in flight when backward's
+  compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
+  ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
+  on every micro batch. Stage 3 all-gathers a unit (embedding, each block, final norm, head)
+  before its forward and again before its backward, ``prefetch_blocks`` units ahead, on the same
+  link. Tensor-parallel all-reduces block compute. After the optimizer step, stages 1-2
+  all-gather the updated parameters: exposed (``overlap_param_gather=False``, today's engine) or
+  hidden behind the next forward (``True``).
+- **Overlap efficiency** ``e`` (hardware): what fraction of the time the simulation hides really
+  is hidden. 1 on GPUs (collectives on their own streams and copy engines); measured on CPU,
+  where gloo's threads share the core with compute. ``exposed = simulated_exposed + (1 - e) x
+  simulated_hidden``.
+- **Memory-bound work**: the optimizer step touches ``bytes_per_param`` (28 for fp32 AdamW, 40
+  for bf16-mixed with its casts) per parameter it steps, and backward copies each gradient into
+  the engine's buckets (``3 x grad_bytes`` per parameter: read, zero/read, write), both at the
+  hardware's ``memory_gb_per_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_zero.config import ZERO_DEFAULTS
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+# --------------------------------------------------------------------------------------------
+# One collective
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class as one rank sees it: per-step latency (s) and bandwidth (bytes/s, one way)."""
+
+    latency_s: float
+    bytes_per_s: float
+    time_factor: tuple[tuple[str, float], ...] = ()  # per collective kind, from a calibration
+
+    def factor(self, kind: str) -> float:
+        return dict(self.time_factor).get(kind, 1.0)
+
+
+def ring_steps(kind: str, ranks: int) -> int:
+    """Latency-bound steps of a ring collective: ``n - 1``; an all-reduce is two rings."""
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
+
+
+def sent_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
+    """Bytes one rank sends: all-reduce ``2 (n-1)/n x payload``, reduce-scatter / all-gather
+    ``(n-1)/n x payload`` (``payload`` = the full, unsharded tensor)."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"collective kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks * payload_bytes
+
+
+def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
+    """``factor x (steps x latency + sent_bytes / bandwidth)``; 0 for a group of one rank."""
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    return link.factor(kind) * (ring_steps(kind, ranks) * link.latency_s
+                                + sent_bytes(kind, payload_bytes, ranks) / link.bytes_per_s)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def _weights(config: Any, tp: int) -> dict[str, int]:
+    dim, head_dim = config.dim, config.dim // config.n_heads
+    kv_dim = (getattr(config, "n_kv_heads", None) or config.n_heads) * head_dim
+    return {
+        "wq": dim * dim // tp, "wk": dim * kv_dim // tp, "wv": dim * kv_dim // tp, "wo": dim * dim // tp,
+        "w1": dim * config.ffn_dim // tp, "w3": dim * config.ffn_dim // tp, "w2": config.ffn_dim * dim // tp,
+    }
+
+
+def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1) -> float:
+    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``)."""
+    return 2.0 * micro_batch * seq_len * seq_len * config.dim / tp
+
+
+def training_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1,
+                   activation_checkpointing: bool = False) -> float:
+    """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
+    ``6 x matmul params x tokens`` + attention, + one more block forward under checkpointing)."""
+    tokens = micro_batch * seq_len
+    block_weights = sum(_weights(config, tp).values())
+    block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
+    forward = config.n_layers * block_forward + head_forward
+    recompute = config.n_layers * block_forward if activation_checkpointing else 0.0
+    return 3 * forward + recompute
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's schedule, in plain numbers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as one tp rank holds it, with the compute its backward costs."""
+
+    name: str
+    numel: int
+    reg_index: int  # registration order (``model.named_parameters()``)
+    unit: int  # stage-3 unit, in forward order: 0 embedding, 1..L blocks, L+1 final norm, L+2 head
+    group: int  # optimizer param group: 0 weight matrices (decay), 1 norm gains (no decay)
+    backward_s: float  # compute (and blocking tp collectives) of its backward, recompute included
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one micro batch computes on one rank, in seconds, in the engine's order."""
+
+    tensors: tuple[Tensor, ...]  # in registration order
+    unit_forward_s: tuple[float, ...]  # per unit, forward order (tp all-reduces included)
+    compute_forward_s: float
+    compute_backward_s: float
+    tp_s: float  # part of the two above spent in tp all-reduces (blocking)
+    shape_key: tuple = ()  # equal for workloads with the same tensors (bucket layouts can be shared)
+
+
+_WORKLOADS: dict[tuple, "Workload"] = {}
+
+
+def llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, activation_checkpointing: bool,
+                   flops_per_s: float, tp_link: Link, act_bytes: int) -> Workload:
+    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank
+    (memoized on every input: the layout search asks for the same one many times)."""
+    key = (repr(config), micro_batch, seq_len, tp, bool(activation_checkpointing), float(flops_per_s), tp_link,
+           int(act_bytes))
+    workload = _WORKLOADS.get(key)
+    if workload is None:
+        if len(_WORKLOADS) > 256:
+            _WORKLOADS.clear()
+        workload = _WORKLOADS[key] = _llama_workload(
+            config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing,
+            flops_per_s=flops_per_s, tp_link=tp_link, act_bytes=act_bytes)
+    return workload
+
+
+def _llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, activation_checkpointing: bool,
+                   flops_per_s: float, tp_link: Link, act_bytes: int) -> Workload:
+    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank."""
+    tokens = micro_batch * seq_len
+    weights = _weights(config, tp)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp) / flops_per_s
+    tp_all_reduce = collective_seconds("all_reduce", tokens * config.dim * act_bytes, tp, tp_link)
+    block_forward = sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce
+    head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp / flops_per_s
+
+    tensors: list[Tensor] = []
+
+    def add(name: str, numel: int, unit: int, group: int, backward_s: float) -> None:
+        tensors.append(Tensor(name, numel, len(tensors), unit, group, backward_s))
+
+    add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
+    for layer in range(config.n_layers):
+        unit = layer + 1
+        recompute = block_forward if activation_checkpointing else 0.0
+        prefix = f"layers.{layer}."
+        # backward runs w2, w3, w1, ffn_norm, wo, (attention core), wv, wk, wq, attention_norm
+        backward = {name: 4.0 * tokens * numel / flops_per_s for name, numel in weights.items()}
+        backward["w2"] += recompute + tp_all_reduce  # recompute precedes the block's first grad
+        backward["wv"] += 2 * attention
+        backward["wo"] += tp_all_reduce
+        add(prefix + "attention_norm.weight", config.dim, unit, 1, 0.0)
+        for name in ("wq", "wk", "wv", "wo"):
+            add(prefix + f"attention.{name}.weight", weights[name], unit, 0, backward[name])
+        add(prefix + "ffn_norm.weight", config.dim, unit, 1, 0.0)
+        for name in ("w1", "w3", "w2"):
+            add(prefix + f"feed_forward.{name}.weight", weights[name], unit, 0, backward[name])
+    add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
+    add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0,
+        2 * head_forward + tp_all_reduce)
+    unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
+    per_layer_tp = (4 + (2 if activation_checkpointing else 0)) * tp_all_reduce
+    return Workload(
+        tensors=tuple(tensors),
+        unit_forward_s=unit_forward,
+        compute_forward_s=sum(unit_forward),
+        compute_backward_s=sum(t.backward_s for t in tensors),
+        tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
+        shape_key=(repr(config), tp),
+    )
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of tensors reduced by one collective (``FlatLayout``'s rule: fill until >= bucket_numel)."""
+
+    tensors: tuple[int, ...]  # indices into Workload.tensors, in the order their grads arrive
+    numel: int  # padded to a multiple of dp
+    first_reg_index: int  # the reducer launches later-registered buckets first
+
+
+def flat_buckets(tensors: Sequence[Tensor], indices: Sequence[int], *, bucket_numel: int, dp: int) -> list[Bucket]:
+    """``zero/flat.py``'s layout: ``indices`` (registration order) laid in reverse, a bucket closes once
+    it holds ``>= bucket_numel`` elements; a tensor never straddles two buckets."""
+    buckets: list[Bucket] = []
+    current: list[int] = []
+    used = 0
+    for index in reversed(list(indices)):  # registration order, reversed: the earliest comes last
+        current.append(index)
+        used += tensors[index].numel
+        if used >= bucket_numel:
+            buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
+            current, used = [], 0
+    if current:
+        buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
+    return buckets
+
+
+_BUCKETS: dict[tuple, list[Bucket]] = {}
+
+
+def engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
+    """Buckets in launch order. ZeRO: one layout per optimizer param group (per unit under stage 3),
+    launched by descending first registration index (``reducer.GradReducer``). DDP (stage 0): one
+    layout over every parameter in reverse order. Memoized by tensor shapes (the search asks for the
+    same layouts for every micro batch and checkpointing choice)."""
+    key = (workload.shape_key or id(workload), stage, bucket_numel, dp)
+    if not workload.shape_key or key not in _BUCKETS:
+        if len(_BUCKETS) > 1024:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+    return _BUCKETS[key]
+
+
+def _engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
+    tensors = workload.tensors
+    if stage == 0:
+        return flat_buckets(tensors, range(len(tensors)), bucket_numel=bucket_numel, dp=1)
+    layouts: dict[tuple[int, int], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        layouts.setdefault((tensor.unit if stage == 3 else 0, tensor.group), []).append(index)
+    buckets: list[Bucket] = []
+    for key in sorted(layouts):
+        buckets.extend(flat_buckets(tensors, layouts[key], bucket_numel=bucket_numel, dp=dp))
+    return sorted(buckets, key=lambda b: -b.first_reg_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Simulating one micro batch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One forward or backward: compute, collective time on the link, and what compute could not hide."""
+
+    compute_s: float
+    comm_s: float
+    exposed_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.exposed_s
+
+
+def _with_efficiency(compute_s: float, comm_s: float, simulated_exposed: float, efficiency: float) -> Phase:
+    hidden = max(0.0, comm_s - simulated_exposed)
+    return Phase(compute_s, comm_s, simulated_exposed + (1.0 - efficiency) * hidden)
+
+
+def simulate_forward(workload: Workload, *, gather_s: Optional[Sequence[float]], prefetch: int,
+                     efficiency: float) -> Phase:
+    """Forward of one micro batch. ``gather_s`` (stage 3): each unit's all-gather time; unit ``u``'s
+    pre-hook starts the gathers of ``u .. u + prefetch`` and waits for ``u``'s."""
+    compute = workload.compute_forward_s
+    if not gather_s:
+        return Phase(compute, 0.0, 0.0)
+    units = len(workload.unit_forward_s)
+    t = link_free = 0.0
+    gather_end: dict[int, float] = {}
+    for unit in range(units):
+        for ahead in range(unit, min(units, unit + prefetch + 1)):
+            if ahead not in gather_end:
+                link_free = max(t, link_free) + gather_s[ahead]
+                gather_end[ahead] = link_free
+        t = max(t, gather_end[unit]) + workload.unit_forward_s[unit]
+    return _with_efficiency(compute, sum(gather_s), t - compute, efficiency)
+
+
+def simulate_backward(workload: Workload, buckets: Sequence[Bucket], bucket_s: Sequence[float], *,
+                      sync: bool, overlap_comm: bool, pool: Optional[int], gather_s: Optional[Sequence[float]],
+                      prefetch: int, efficiency: float) -> Phase:
+    """Backward of one micro batch (see [Note: step-time model]).
+
+    ``buckets`` in launch order with their collective times ``bucket_s``; ``sync=False`` (a
+    micro batch inside ``no_sync``) launches nothing. ``pool``: stage 2/3's
+    ``max_buckets_in_flight`` (``None``: full-size gradients, no pool). ``gather_s`` (stage 3):
+    per-unit all-gather time; units are reached in reverse, ``prefetch`` ahead.
+    """
+    tensors = workload.tensors
+    compute = workload.compute_backward_s
+    n_units = len(workload.unit_forward_s)
+    t = link_free = 0.0
+    comm = 0.0
+    # stage 3: gathers in backward, units reached in reverse forward order
+    gather_end: dict[int, float] = {}
+    reverse_units = list(range(n_units - 1, -1, -1))
+
+    def reach(unit: int) -> None:
+        nonlocal t, link_free, comm
+        position = reverse_units.index(unit)
+        for ahead in reverse_units[position: position + prefetch + 1]:
+            if ahead not in gather_end:
+                link_free = max(t, link_free) + gather_s[ahead]  # type: ignore[index]
+                comm += gather_s[ahead]  # type: ignore[index]
+                gather_end[ahead] = link_free
+        t = max(t, gather_end[unit])
+
+    bucket_of = {index: b for b, bucket in enumerate(buckets) for index in bucket.tensors}
+    remaining = [len(bucket.tensors) for bucket in buckets]
+    started = [False] * len(buckets)
+    end: list[Optional[float]] = [None] * len(buckets)
+    next_launch = 0
+    in_flight: list[int] = []  # launched, not yet waited on (their buffers are still out)
+    allocated = 0
+
+    def launch(b: int) -> None:
+        nonlocal link_free, comm
+        link_free = max(t, link_free) + bucket_s[b]
+        comm += bucket_s[b]
+        end[b] = link_free
+        in_flight.append(b)
+
+    current_unit = None
+    for index in range(len(tensors) - 1, -1, -1):  # gradients arrive in reverse registration order
+        tensor = tensors[index]
+        if gather_s and tensor.unit != current_unit:
+            current_unit = tensor.unit
+            reach(tensor.unit)
+        t += tensor.backward_s
+        if not sync:
+            continue
+        b = bucket_of[index]
+        if pool is not None and not started[b]:
+            while allocated >= pool and in_flight:  # _acquire: wait for the oldest reduce-scatter
+                oldest = in_flight.pop(0)
+                t = max(t, end[oldest])  # type: ignore[arg-type]
+                allocated -= 1
+            allocated += 1
+        started[b] = True
+        remaining[b] -= 1
+        if overlap_comm:
+            while next_launch < len(buckets) and remaining[next_launch] == 0:
+                launch(next_launch)
+                next_launch += 1
+    if sync:  # finish_grad_sync: launch the rest in order, wait for everything
+        while next_launch < len(buckets):
+            launch(next_launch)
+            next_launch += 1
+        t = max([t, *(e for e in end if e is not None)])
+    return _with_efficiency(compute, comm, t - compute, efficiency)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole step
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step on one rank, and where they go."""
+
+    compute_s: float  # forward + backward FLOPs at peak x mfu (and blocking tp all-reduces), all micro batches
+    tp_s: float  # the tp all-reduce part of compute_s
+    dp_comm_s: float  # every dp collective's time on the link
+    exposed_comm_s: float  # the part of it compute did not hide (incl. stalls on bucket buffers)
+    optimizer_s: float  # the optimizer step (memory-bound)
+    grad_copy_s: float  # gradients copied into the engine's buckets (memory-bound)
+    post_step_gather_s: float  # stages 1-2: the parameter all-gather after the step (exposed part)
+    tokens_per_step: int  # over all dp ranks
+    model_flops_per_rank: float  # 6 P N + attention per rank per step, recompute excluded (for MFU)
+    peak_flops: float
+    world_size: int
+    forward: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
+    backward_sync: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
+    backward_no_sync: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.grad_copy_s + self.post_step_gather_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recompute) per second per rank over the peak."""
+        return self.model_flops_per_rank / self.step_s / self.peak_flops
+
+    def as_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values.update(step_s=self.step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        return values
+
+
+def step_time(
+    workload: Workload,
+    *,
+    stage: int,
+    dp: int,
+    micro_batches: int,
+    dp_link: Link,
+    grad_bytes: int,
+    param_bytes: int,
+    bucket_numel: int,
+    overlap_comm: bool = True,
+    defer_grad_reduce: bool = False,
+    max_buckets_in_flight: int = 2,
+    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
+    overlap_param_gather: bool = False,
+    efficiency: float = 1.0,
+    optimizer_bytes_per_param: float = 28.0,
+    memory_bytes_per_s: float = math.inf,
+    tokens_per_step: int = 0,
+    model_flops_per_rank: float = 0.0,
+    peak_flops: float = 1.0,
+    world_size: int = 1,
+) -> StepTime:
+    """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP)."""
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+    kind = "all_reduce" if stage == 0 else "reduce_scatter"
+    bucket_s = [collective_seconds(kind, b.numel * grad_bytes, dp, dp_link) for b in buckets]
+    gather_s = None
+    if stage == 3:
+        per_unit = [0.0] * len(workload.unit_forward_s)
+        for bucket in buckets:
+            unit = workload.tensors[bucket.tensors[0]].unit
+            per_unit[unit] += collective_seconds("all_gather", bucket.numel * param_bytes, dp, dp_link)
+        gather_s = per_unit
+    pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
+    common = dict(overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks,
+                  efficiency=efficiency)
+    forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
+    backward_sync = simulate_backward(workload, buckets, bucket_s, sync=dp > 1, **common)
+    every_micro_batch = stage == 3 or (stage == 2 and not defer_grad_reduce)
+    backward_no_sync = backward_sync if every_micro_batch else simulate_backward(
+        workload, buckets, bucket_s, sync=False, **common)
+    syncing = micro_batches if every_micro_batch else 1
+    quiet = micro_batches - syncing
+    compute = micro_batches * (forward.compute_s + backward_sync.compute_s)
+    exposed = micro_batches * forward.exposed_s + syncing * backward_sync.exposed_s + quiet * backward_no_sync.exposed_s
+    dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
+    post = 0.0
+    if stage in (1, 2) and dp > 1:
+        gather = sum(collective_seconds("all_gather", b.numel * param_bytes, dp, dp_link) for b in buckets)
+        dp_comm += gather
+        hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
+        post = gather - hidden
+    local_numel = sum(t.numel for t in workload.tensors)
+    stepped = local_numel / dp if stage >= 1 else local_numel
+    return StepTime(
+        compute_s=compute,
+        tp_s=micro_batches * workload.tp_s,
+        dp_comm_s=dp_comm,
+        exposed_comm_s=exposed,
+        optimizer_s=optimizer_bytes_per_param * stepped / memory_bytes_per_s,
+        grad_copy_s=micro_batches * 3 * grad_bytes * local_numel / memory_bytes_per_s,
+        post_step_gather_s=post,
+        tokens_per_step=tokens_per_step,
+        model_flops_per_rank=model_flops_per_rank,
+        peak_flops=peak_flops,
+        world_size=world_size,
+        forward=forward,
+        backward_sync=backward_sync,
+        backward_no_sync=backward_no_sync,
+    )

@@ -1,0 +1,53 @@
+"""ZeRO stage 3: parameters live only as each rank's shard; units are gathered just in time.
+
+What stage 3 does differently from stage 2 is all in this package:
+
+- ``units.py`` -- **Units.** The module is cut into units (by default: every parameter-holding
+  child of a block container -- a ``ModuleList``, or a ``ModuleDict``/``Sequential`` of repeated
+  blocks --, every ``nn.Embedding``, and every module with parameters beside a block container --
+  the final norm and the LM head); whatever is left belongs to the *root* unit, and so does every
+  parameter shared by several units ([Note: shared parameters]).
+- ``storage.py`` -- each unit's parameters form :class:`ShardedFlatParamGroup` s (one per
+  optimizer param group, one per dtype for frozen parameters) with the same bucket layout as
+  stages 1-2 ([Note: flat layout] in ``flat.py``), but only this rank's chunk of each bucket
+  persists. Parameters are views into a full-size buffer whose *storage* is allocated (and
+  all-gathered into) only while the unit runs, and resized to zero afterwards, so tensors
+  autograd saved in forward see the re-gathered values in backward.
+- ``runtime.py`` -- **Forward / backward.** A unit's forward pre-hook gathers it (prefetching
+  the next ``prefetch_blocks`` along the recorded schedule), its post-hook frees it; a hook on its
+  outputs gathers it again before its backward, and it is freed when its backward is done
+  ([Note: freeing in backward]). The strategy names the phase ([Note: phases]); schedules keep
+  every rank's all-gathers in step ([Note: gather schedule]). Gradients go through the same
+  bucketed async reduce-scatter as stage 2 (``reducer.ShardedGradStorage``). After the step
+  nothing is gathered: the optimizer writes the updated chunk, and the next use gathers it.
+- ``init.py`` -- **Sharded init.** A meta-device model is materialized, initialized (buffers
+  included, [Note: buffer init]) and sharded one unit at a time.
+"""
+
+from lightning_zero.zero.stage3.init import build_units, live_parameter_bytes
+from lightning_zero.zero.stage3.runtime import Schedule, Stage3Runtime, Unit, clone_dp_group
+from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
+from lightning_zero.zero.stage3.units import (
+    SINGLE_UNIT_WARN_NUMEL,
+    WrapPolicy,
+    assign_params,
+    default_wrap_policy,
+    find_units,
+    is_block_container,
+)
+
+__all__ = [
+    "SINGLE_UNIT_WARN_NUMEL",
+    "Schedule",
+    "ShardedFlatParamGroup",
+    "Stage3Runtime",
+    "Unit",
+    "WrapPolicy",
+    "assign_params",
+    "build_units",
+    "clone_dp_group",
+    "default_wrap_policy",
+    "find_units",
+    "is_block_container",
+    "live_parameter_bytes",
+]

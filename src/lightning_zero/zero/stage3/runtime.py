@@ -1,0 +1,570 @@
+"""Stage-3 runtime: gathers, prefetches and frees units around forward and backward.
+
+[Note: phases] The phase comes from the caller (the strategy), never from grad mode:
+:meth:`Stage3Runtime.begin_step` opens a *training* or *evaluation* step, and every all-gather
+until the step is closed belongs to that step's schedule -- ``no_grad`` forwards inside a training
+step (an EMA teacher, generation), several forward/backward pairs (manual optimization), the
+backward that follows. A step is closed by the next ``begin_step``, by the end of its backward once
+the step method returned, by :meth:`end_eval_step`, or by a forward outside the step methods.
+Such an out-of-step forward (a callback running the model) gathers each unit on demand with an
+agreement among ranks, and frees it after (the root: after the top module's forward, or at the next
+step / optimizer step at the latest).
+
+[Note: gather schedule] Every rank must issue the same all-gathers in the same order. The first
+step of each phase *records* the order units are gathered in, checking before every gather that
+all ranks agree (one tiny all-gather of ``(kind, unit index)``): a module run a different number
+of times, or skipped, on one rank raises an error naming the module on every rank instead of a
+hang. Later steps follow the recorded schedule (and prefetch ``prefetch_blocks`` ahead along it):
+a unit skipped on this rank is still gathered (and freed at once) when a later unit is reached,
+units left when the step closes are flushed, and a unit run more often than recorded raises --
+on this rank at once, and on every other rank within a fraction of a second: the raising rank
+posts the message in the process group's store, and ranks waiting on an all-gather poll it
+([Note: abort channel]). All-gathers run on their own process group (a clone of the dp group),
+so their order never interleaves with the gradient reduce-scatters'.
+
+[Note: abort channel] With gloo (CPU) a wait on an all-gather polls ``work.is_completed()`` and,
+every 50 ms, the store key of this runtime; a message there is raised as this rank's error.
+NCCL waits are left to the stream (no host-side polling); there a divergence after the first
+step ends in the process group's timeout.
+
+[Note: freeing in backward] A unit is gathered again by a hook on its forward outputs before its
+backward runs, and freed when its backward is done: an autograd function applied to the unit's
+inputs (those that require grad) runs when the gradient w.r.t. the inputs is computed -- after
+every use of the unit's weights, frozen ones included (a LoRA block still needs its frozen base
+to carry the gradient to its input after the adapters have their gradients). Units whose inputs
+need no gradient (the embedding) are freed when backward ends. This is FSDP2's
+``RegisterPostBackwardFunction``.
+
+[Note: activation checkpointing] A forward inside backward is a recompute: it gathers the unit
+(as a backward gather of the schedule) and never frees it; the post-backward function applied to
+the recomputed inputs frees it (``use_reentrant=True``: its nested backward runs it). The first
+hook that sees a backward queues the end-of-backward callback on that (outermost) backward and
+tells the gradient reducer, so a reentrant checkpoint's nested backward never ends the sync early:
+one reduce-scatter per bucket per backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
+
+# Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
+# collectives can pair messages of different lengths.
+_UNIT = 1  # value: the unit index about to be gathered
+_EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation loop ended
+_POLL_STORE_S = 0.05
+
+
+@dataclass
+class Unit:
+    """A module whose parameters are gathered and freed together, with its in-flight gathers."""
+
+    index: int
+    name: str
+    module: Optional[nn.Module]  # None for the root unit (parameters outside every unit module)
+    groups: list[ShardedFlatParamGroup] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
+    gathered: bool = False
+    prefetched: bool = False  # gathered ahead by the schedule; its entry not consumed yet
+    backward_uses: int = 0  # forward calls whose post-backward has not run yet (this backward)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [slot.param for group in self.groups for slot in group.layout.slots if slot.param.requires_grad]
+
+
+@dataclass
+class Schedule:
+    """The order units were gathered in during the first step of a phase ([Note: gather schedule])."""
+
+    order: list[int] = field(default_factory=list)
+    recorded: bool = False
+    position: int = 0
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward marks the unit's backward done."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: "Stage3Runtime", unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        ctx.runtime._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Stage3Runtime:
+    """Gathers, prefetches and frees units around forward and backward (see the notes above).
+
+    Args:
+        units: the units, root last.
+        ag_group: process group for parameter all-gathers (a clone of the dp group).
+        prefetch_blocks: units whose all-gather is started ahead of the one running.
+        counter: logical bytes sent are added here.
+        top: the module the engine wraps; a forward of it outside the step methods frees the
+            root it gathered.
+        root_holders: modules that directly register a root-stored parameter
+            ([Note: shared parameters] in ``units.py``); they gather the root on demand.
+        optimizers: torch optimizers stepping the shards; after each ``step()`` every gathered
+            unit is freed (its full parameters are stale), so the next use re-gathers.
+    """
+
+    def __init__(
+        self,
+        units: list[Unit],
+        ag_group: dist.ProcessGroup,
+        *,
+        prefetch_blocks: int,
+        counter: CommCounter,
+        top: Optional[nn.Module] = None,
+        root_holders: Iterable[nn.Module] = (),
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+    ) -> None:
+        self.units = units
+        self.root = units[-1]
+        self.ag_group = ag_group
+        self.prefetch_blocks = prefetch_blocks
+        self.counter = counter
+        self.schedules: dict[str, Schedule] = {}
+        self.phase: Optional[str] = None  # "train" / "eval" while the strategy runs a step method
+        self.open_kind: Optional[str] = None  # the schedule gathers belong to, until closed
+        self.in_backward = False
+        self.step = 0
+        self.high_water_forward = 0  # most non-root units gathered at once during forward
+        self.high_water_backward = 0
+        self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
+        self.dp_size = dist.get_world_size(ag_group)
+        self.dp_rank = dist.get_rank(ag_group)
+        self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
+        self._store, self._abort_key = self._abort_channel()
+        self._handles: list[Any] = []
+        for unit in units:
+            if unit.module is not None:
+                self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
+                self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        if self.root.groups:
+            holders = {id(m): m for m in root_holders}
+            if top is not None:
+                holders[id(top)] = top
+            for module in holders.values():
+                self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
+                self._handles.append(module.register_forward_hook(self._make_root_post_forward(module is top)))
+        for optimizer in optimizers:
+            self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    # -- abort channel ([Note: abort channel]) -------------------------------------------------
+    def _abort_channel(self) -> tuple[Any, str]:
+        if self.dp_size == 1 or dist.get_backend(self.ag_group) != "gloo":
+            return None, ""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: waits stay plain
+            return None, ""
+        return store, f"lightning_zero/stage3_abort/{self.ag_group.group_name}"
+
+    def _check_abort(self) -> None:
+        if self._store is not None and self._store.check([self._abort_key]):
+            message = self._store.get(self._abort_key).decode()
+            raise RuntimeError(f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}")
+
+    def _abort(self, message: str) -> None:
+        """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
+        if self._store is not None:
+            self._store.set(self._abort_key, message)
+        raise RuntimeError(message)
+
+    def _wait_work(self, work: Any) -> None:
+        if self._store is None:
+            work.wait()
+            return
+        next_check = time.monotonic() + _POLL_STORE_S
+        while not work.is_completed():
+            if time.monotonic() >= next_check:
+                self._check_abort()
+                next_check = time.monotonic() + _POLL_STORE_S
+            time.sleep(0.0002)
+        work.wait()
+
+    # -- gathering ------------------------------------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        with record_function(f"lightning_zero::all_gather_unit::{unit.name}"):
+            for group in unit.groups:
+                group.allocate()
+                unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
+        unit.gathered = True
+
+    def _gather_again(self, unit: Unit) -> None:
+        """Issue a gathered unit's all-gathers once more (a schedule entry skipped while in use)."""
+        self._wait(unit)
+        with record_function(f"lightning_zero::all_gather_unit::{unit.name}"):
+            for group in unit.groups:
+                unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
+        self._wait(unit)
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.works:
+            with record_function(f"lightning_zero::wait_all_gather::{unit.name}"):
+                for work in unit.works:
+                    self._wait_work(work)
+            unit.works.clear()
+
+    def _free(self, unit: Unit) -> None:
+        if not unit.gathered:
+            return
+        self._wait(unit)
+        with record_function(f"lightning_zero::free_unit::{unit.name}"):
+            for group in unit.groups:
+                group.free()
+        unit.gathered = False
+        unit.prefetched = False
+
+    def _free_all(self) -> None:
+        for unit in self.units:
+            self._free(unit)
+
+    def _gathered_blocks(self) -> int:
+        return sum(1 for unit in self.units[:-1] if unit.gathered)
+
+    # -- agreement ------------------------------------------------------------------------------
+    def _exchange(self, kind: int, value: int) -> list[tuple[int, int]]:
+        """Every dp rank's ``(kind, value)``, in dp rank order (collective over the gather group)."""
+        if self.dp_size == 1:
+            return [(kind, value)]
+        mine = torch.tensor([kind, value], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(2 * self.dp_size, dtype=torch.int64, device=self.device)
+        with record_function("lightning_zero::stage3_agree"):
+            self._wait_work(all_gather(everyone, mine, self.ag_group, async_op=True))
+        pairs = everyone.view(-1, 2).tolist()
+        return [(int(k), int(v)) for k, v in pairs]
+
+    def _describe(self, pair: tuple[int, int]) -> str:
+        kind, value = pair
+        if kind == _UNIT:
+            return self.units[value].name if 0 <= value < len(self.units) else "nothing"
+        if kind == _EVAL:
+            return "starting an evaluation step" if value else "evaluation loop ended"
+        return f"unknown message {pair}"
+
+    def _agree(self, unit: Unit, what: str) -> None:
+        """Every rank must be about to gather the same unit (first step of a phase, out-of-step)."""
+        everyone = self._exchange(_UNIT, unit.index)
+        if any(pair != (_UNIT, unit.index) for pair in everyone):
+            names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
+            raise RuntimeError(
+                f"lightning_zero ZeRO-3: ranks disagree on the next module to gather during {what} of step"
+                f" {self.step} ({names}). Every rank must run the same modules the same number of times"
+                " per step; a module skipped or run more often on one rank would deadlock the all-gathers."
+                " Make the control flow identical on all ranks (e.g. run the module with zero-weight input)."
+            )
+
+    # -- schedules ([Note: gather schedule]) ------------------------------------------------------
+    def _what(self) -> str:
+        if self.open_kind is None:
+            return "a forward outside the step methods"
+        phase = "training" if self.open_kind == "train" else "evaluation"
+        return f"{phase} {'backward' if self.in_backward else 'forward'}"
+
+    def _reach(self, unit: Unit) -> None:
+        """Gather ``unit`` (following the open schedule) and wait for it; prefetch the next ones."""
+        if not unit.groups:
+            return
+        if unit.gathered and not unit.prefetched:  # still gathered from an earlier use
+            self._wait(unit)
+            return
+        kind = self.open_kind
+        if kind is None:  # out of step: on demand, agreed every time
+            self._agree(unit, self._what())
+            self._start_gather(unit)
+            self._wait(unit)
+            return
+        schedule = self.schedules.setdefault(kind, Schedule())
+        if not schedule.recorded:
+            self._agree(unit, self._what())
+            schedule.order.append(unit.index)
+            self._start_gather(unit)
+            self._wait(unit)
+            return
+        order = schedule.order
+        try:
+            found = order.index(unit.index, schedule.position)
+        except ValueError:
+            self._abort(
+                f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ran module {unit.name!r} during {self._what()} of"
+                f" step {self.step} more often than in the first {kind} step (or out of the recorded order)."
+                " Every rank must run the same modules the same number of times per step."
+            )
+        for skipped in order[schedule.position : found]:  # ran on other ranks, not here: keep in step
+            self._consume_skipped(self.units[skipped])
+        schedule.position = found + 1
+        self._start_gather(unit)
+        unit.prefetched = False
+        for ahead in order[found + 1 : found + 1 + self.prefetch_blocks]:
+            ahead_unit = self.units[ahead]
+            if not ahead_unit.gathered:
+                self._start_gather(ahead_unit)
+                ahead_unit.prefetched = True
+        self._wait(unit)
+
+    def _consume_skipped(self, unit: Unit) -> None:
+        if unit.prefetched:
+            self._free(unit)
+        elif unit.gathered:
+            self._gather_again(unit)
+        else:
+            self._start_gather(unit)
+            self._free(unit)
+
+    def _close(self) -> None:
+        """Close the open step: flush what its schedule still expects, free everything."""
+        kind = self.open_kind
+        if kind is None:
+            return
+        schedule = self.schedules.setdefault(kind, Schedule())
+        if schedule.recorded:
+            for index in schedule.order[schedule.position :]:
+                self._consume_skipped(self.units[index])
+        schedule.recorded = True
+        schedule.position = 0
+        self.open_kind = None
+        for unit in self.units:
+            unit.backward_uses = 0
+        self._free_all()
+
+    # -- backward bookkeeping -------------------------------------------------------------------
+    def _note_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self.on_backward_begin is not None:
+            self.on_backward_begin()
+
+    def _on_backward_end(self) -> None:
+        for unit in self.units:
+            unit.backward_uses = 0
+        self._free_all()
+        self.in_backward = False
+        if self.phase is None:  # the step method returned: this backward ends the step
+            self._close()
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.backward_uses -= 1
+        if unit.backward_uses <= 0:  # a unit run twice is freed after its first use's backward
+            self._free(unit)
+
+    def _wrap_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(self, unit, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if _in_backward():  # activation-checkpoint recompute
+                self._note_backward()
+                self._reach(unit)
+                if unit.backward_uses == 0 and torch.is_grad_enabled():
+                    # The original forward ran without grad (use_reentrant=True): the nested
+                    # backward of this recompute is where the unit's backward happens.
+                    unit.backward_uses += 1
+                    return self._wrap_inputs(unit, args, kwargs)
+                return None  # non-reentrant: the original forward's post-backward frees it
+            else:
+                if self.open_kind is not None and self.phase is None and not self.in_backward:
+                    self._close()  # a forward after the step method returned: the step is over
+                self._reach(unit)
+                self.high_water_forward = max(self.high_water_forward, self._gathered_blocks())
+            if torch.is_grad_enabled():
+                # Every forward under grad counts; a use whose inputs need no gradient never
+                # reports its backward done, so such a unit is freed when backward ends.
+                unit.backward_uses += 1
+                return self._wrap_inputs(unit, args, kwargs)
+            return None
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output  # recompute: backward needs the unit; its post-backward frees it
+            if torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._make_pre_backward(unit))
+            self._free(unit)
+            return output
+
+        return hook
+
+    def _make_pre_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            self._note_backward()
+            self._reach(unit)
+            self.high_water_backward = max(self.high_water_backward, self._gathered_blocks())
+
+        return hook
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            self._note_backward()
+        elif self.open_kind is not None and self.phase is None and not self.in_backward:
+            self._close()
+        self._reach(self.root)
+
+    def _make_root_post_forward(self, is_top: bool):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output
+            if torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._root_pre_backward)
+            if is_top and self.open_kind is None and not self.in_backward:
+                self._free(self.root)  # an out-of-step forward of the whole model: freed after
+            return output
+
+        return hook
+
+    def _root_pre_backward(self, grad: torch.Tensor) -> None:
+        self._note_backward()
+        self._reach(self.root)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._free_all()  # gathered parameters are stale now; the next use gathers the new ones
+
+    # -- step boundaries (called by the strategy) ------------------------------------------------
+    def begin_step(self, phase: str = "train") -> None:
+        """Open a training (``"train"``) or evaluation (``"eval"``) step; closes the previous one
+        and gathers the root unit."""
+        if phase not in ("train", "eval"):
+            raise ValueError(f"Stage3Runtime.begin_step(phase={phase!r}): must be 'train' or 'eval'")
+        if self.in_backward:
+            return
+        self._close()
+        if phase == "eval":
+            self._eval_step_agreement()
+        self.step += 1
+        self.phase = phase
+        self.open_kind = phase
+        self._reach(self.root)
+
+    def end_step_call(self) -> None:
+        """The step method returned; its backward (automatic optimization) may still follow."""
+        self.phase = None
+
+    def end_eval_step(self) -> None:
+        """After an evaluation step: close its schedule and free everything."""
+        self.phase = None
+        if not self.in_backward:
+            self._close()
+
+    def _eval_step_agreement(self) -> None:
+        everyone = self._exchange(_EVAL, 1)
+        if any(kind != _EVAL for kind, _ in everyone):
+            names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
+            raise RuntimeError(
+                f"lightning_zero ZeRO-3: ranks are out of step at the start of evaluation step {self.step + 1} ({names})."
+            )
+
+    def end_eval_loop(self) -> None:
+        """This rank's evaluation loop ended. While other ranks still run evaluation steps (uneven
+        numbers of batches per rank), serve their all-gathers by replaying the recorded
+        evaluation schedule; return once every rank is done (collective over the gather group)."""
+        self.end_eval_step()
+        while True:
+            everyone = self._exchange(_EVAL, 0)
+            if all(pair == (_EVAL, 0) for pair in everyone):
+                return
+            schedule = self.schedules.get("eval")
+            running = [r for r, pair in enumerate(everyone) if pair == (_EVAL, 1)]
+            if schedule is None or not schedule.recorded or any(kind != _EVAL for kind, _ in everyone):
+                names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
+                self._abort(
+                    f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ended its evaluation loop while dp ranks"
+                    f" {running} still evaluate ({names}), and it ran no evaluation step to replay. Give every"
+                    " rank the same number of evaluation batches (a DistributedSampler pads them)."
+                )
+            for index in schedule.order:
+                unit = self.units[index]
+                self._start_gather(unit)
+                self._free(unit)
+
+    def unshard(self) -> None:
+        """Give every parameter its own full tensor again (after training; collective over dp)."""
+        if not self.in_backward:
+            self._close()
+        self.phase = None
+        for unit in self.units:
+            self._free(unit)
+            self._start_gather(unit)
+            self._wait(unit)
+            for group in unit.groups:
+                for slot in group.layout.slots:
+                    slot.param.data = slot.param.data.clone()
+            self._free(unit)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._store is not None:
+            try:
+                self._store.delete_key(self._abort_key)
+            except Exception:  # noqa: BLE001 - best effort; the key names a group no one reuses
+                pass
+
+
+def _tensors(output: Any) -> Iterable[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+    elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
+        yield from _tensors(output.to_tuple())
+
+
+def clone_dp_group(dp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """A new process group with the same ranks as ``dp_group`` (collective over the world).
+
+    The engine that asks for it destroys it in ``close()``.
+    """
+    mine = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(dist.get_world_size()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    unique = sorted({tuple(ranks) for ranks in everyone})
+    clone = None
+    for ranks in unique:
+        group = dist.new_group(list(ranks))
+        if tuple(mine) == ranks:
+            clone = group
+    if clone is None:
+        raise RuntimeError(f"clone_dp_group: this rank's dp ranks {mine} are not among {unique}")
+    return clone

@@ -1,0 +1,335 @@
+"""Engine-level (no Lightning) checks for any model under stages 1-2, on 2 gloo ranks.
+
+- reentrant checkpointing, including a parameter shared by every segment (several gradients per
+  backward): one reduce-scatter per bucket per step, parameters equal to one process;
+- a rank whose loss reaches no parameter finishes its sync (``engine.backward``), no hang;
+- bucket launch order learned from the first backward and agreed over ranks: a late-registered
+  first layer no longer holds back every launch, and stage-2 pool buffers are sized per bucket;
+- frozen int8 parameters plus LoRA adapters: measured bytes = ledger(trainable) + frozen bytes;
+- ``collective_timeout`` turns a stuck wait into an error naming the bucket and the progress;
+- process groups the engine creates are destroyed by ``close()``.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_zero.ledger import model_state_bytes
+from tests.distributed import run_ranks
+
+
+class SharedSegments(nn.Module):
+    """Three checkpointed segments; ``shared`` is used in every one of them."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def segment(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.blocks[index](h) + self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for index in range(len(self.blocks)):
+            h = checkpoint(self.segment, index, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _batches(steps: int):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 4, 6, generator=gen) for _ in range(steps)]
+
+
+def _reference_params(steps: int):
+    torch.manual_seed(0)
+    model = SharedSegments(reentrant=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x in _batches(steps):
+        opt.zero_grad()
+        model(x.reshape(-1, 6)).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _checkpointing(rank, world, expected):
+    from lightning_zero.zero.engine import ZeroEngine
+
+    for stage in (1, 2):
+        for reentrant in (True, False):
+            torch.manual_seed(0)
+            model = SharedSegments(reentrant)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0005)
+            buckets = len(engine.reducer.buckets)
+            assert buckets > 2
+            for x in _batches(3):
+                opt.zero_grad()
+                before = engine.counter.calls.get("reduce_scatter_grads", 0)
+                model(x[rank]).pow(2).mean().backward()  # the sync finishes when backward ends
+                assert engine.counter.calls["reduce_scatter_grads"] - before == buckets, (stage, reentrant)
+                opt.step()
+            shared = engine.reducer._expected_hits[id(model.shared.weight)]
+            assert shared == (3 if reentrant else 1), shared
+            for got, want in zip(model.parameters(), expected):
+                torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6, msg=f"stage {stage} reentrant {reentrant}")
+            engine.close()
+
+
+def _no_params_reached(rank, world):
+    """Rank 1's loss reaches no parameter (odd steps) or only the first layer (even steps)."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        reference = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        reference.load_state_dict(model.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0002, collective_timeout=30)
+        for step, x in enumerate(_batches(4)):
+            opt.zero_grad()
+            if rank == 1 and step % 2 == 1:
+                loss = torch.zeros((), requires_grad=True) * 1.0
+            elif rank == 1:
+                loss = model[0](x[1]).pow(2).mean()
+            else:
+                loss = model(x[0]).pow(2).mean()
+            engine.backward(loss)
+            opt.step()
+            # One process: the average of rank 0's loss and rank 1's (zero or partial) loss.
+            ref_opt.zero_grad()
+            ref_loss = reference(x[0]).pow(2).mean()
+            if step % 2 == 0:
+                ref_loss = ref_loss + reference[0](x[1]).pow(2).mean()
+            (ref_loss / 2).backward()
+            ref_opt.step()
+        for got, want in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6, msg=f"stage {stage}")
+        engine.close()
+
+
+class LateStem(nn.Module):
+    """The layer used first in forward is registered last (its gradient comes last in backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(32, 4)
+        self.stem = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def _learned_order(rank, world, out_dir):
+    from lightning_zero.zero.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = LateStem()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.004, max_buckets_in_flight=2)
+    reducer, storage = engine.reducer, engine.reducer.storage
+    layout_index = {id(b): reducer._layout_index[id(b)] for b in reducer.buckets}
+    # Which bucket completes when, seen from outside the engine.
+    ready_order: list[int] = []
+    bucket_of = {id(s.param): layout_index[id(b)] for b in reducer.buckets for s in b.layout.slots}
+    remaining: dict[int, int] = {}
+
+    def seen(param):
+        index = bucket_of[id(param)]
+        remaining[index] -= 1
+        if remaining[index] == 0:
+            ready_order.append(index)
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(seen)
+    gen = torch.Generator().manual_seed(rank)
+    pool_bytes = []
+    for step in range(3):
+        ready_order.clear()
+        remaining.update({layout_index[id(b)]: len(b.layout.slots) for b in reducer.buckets})
+        storage.pool_bytes_high_water = storage._alive_bytes
+        opt.zero_grad()
+        model(torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        pool_bytes.append(storage.pool_bytes_high_water)
+        timeline = reducer.timeline
+        if step >= 1:
+            assert timeline.launched_buckets() == ready_order, (timeline.launched_buckets(), ready_order)
+            assert timeline.index_of("launch") < timeline.index_of("backward_end")
+    stem_bucket = bucket_of[id(model.stem.weight)]
+    assert reducer.timeline.launched_buckets()[-1] == stem_bucket
+    sizes = sorted((b.layout.numel * 4 for b in reducer.buckets), reverse=True)
+    assert pool_bytes[2] <= sum(sizes[:2]), (pool_bytes, sizes)
+    if rank == 0:
+        torch.save({"pool_bytes": pool_bytes, "bucket_bytes": sizes}, os.path.join(out_dir, "pool.pt"))
+    engine.close()
+
+
+def _frozen_int8_bytes(rank, world):
+    from lightning_zero.zero.engine import ZeroEngine
+
+    for stage in (1, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            base = nn.ModuleList([nn.Linear(24, 24, bias=False) for _ in range(3)])
+            quantized = [nn.Parameter(torch.randint(-127, 127, (24, 24), dtype=torch.int8), requires_grad=False) for _ in base]
+            scales = [nn.Parameter(torch.rand(24, 1), requires_grad=False) for _ in base]
+            model = nn.Module()
+            model.qweights = nn.ParameterList(quantized)
+            model.scales = nn.ParameterList(scales)
+            model.adapters = nn.ModuleList([nn.Sequential(nn.Linear(24, 4, bias=False), nn.Linear(4, 24, bias=False)) for _ in base])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: torch skips them
+            engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=0.0005)
+            for _ in range(2):
+                opt.zero_grad()
+                h = torch.randn(8, 24, dtype=dtype)
+                for q, s, adapter in zip(model.qweights, model.scales, model.adapters):
+                    h = torch.tanh(F.linear(h, (q.float() * s).to(dtype)) + adapter(h))
+                h.float().pow(2).mean().backward()
+                opt.step()
+            assert all(q.dtype == torch.int8 for q in model.qweights) and all(s.dtype == torch.float32 for s in model.scales)
+            trainable = sum(p.numel() for p in model.adapters.parameters())
+            frozen_bytes = sum(p.numel() * p.element_size() for p in [*model.qweights, *model.scales])
+            elem = torch.empty((), dtype=dtype).element_size()
+            k = 8 if dtype == torch.float32 else 12
+            want = model_state_bytes(
+                trainable + engine.padding_numel(), stage=stage, dp=world, param_bytes=elem, grad_bytes=elem, optim_bytes_per_param=k
+            )
+            got = engine.measured_bytes()
+            step_counters = 4 * sum(len(g.masters) for g in engine.groups)
+            assert got["params"] == want.params + frozen_bytes, (stage, dtype, got, want)
+            assert got["grads"] == want.grads, (stage, dtype)
+            assert got["optimizer"] == want.optimizer + step_counters, (stage, dtype)
+            engine.close()
+
+
+def _timeout(rank, world, out_dir):
+    """Rank 1 never runs its backward; rank 0 must fail within collective_timeout, saying why."""
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.reducer import CollectiveTimeoutError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=2.0)  # hooks stay on the model
+    marker = os.path.join(out_dir, "timeout.txt")
+    if rank == 0:
+        started = time.perf_counter()
+        try:
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+        except CollectiveTimeoutError as err:
+            elapsed = time.perf_counter() - started
+            with open(marker, "w") as f:
+                f.write(f"{elapsed}\n{err}")
+        os._exit(0)  # a collective is still pending on this rank: leave without tearing gloo down
+    deadline = time.time() + 60
+    while not os.path.exists(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    os._exit(0)
+
+
+class ExtraUse(SharedSegments):
+    """On rank 1 from step 2 on, ``shared`` runs in one more reentrant segment than it learned."""
+
+    extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        if self.extra:
+            h = h + checkpoint(self.shared, torch.tanh(h @ torch.ones(3, 16)), use_reentrant=True).sum()
+        return h
+
+
+def _divergence(rank, world):
+    """Rank 1 diverges (an extra gradient after its bucket launched) and raises; rank 0 must raise
+    too, within seconds, instead of waiting for the process group's timeout."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = ExtraUse(reentrant=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=20)
+    for step, x in enumerate(_batches(2)):
+        model.extra = rank == 1 and step == 1
+        opt.zero_grad()
+        engine.backward(model(x[rank]).pow(2).mean())
+        opt.step()
+
+
+def _groups_destroyed(rank, world):
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_zero.zero.engine import ZeroEngine
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], stage=3, bucket_mb=0.001)
+    owned = list(engine._owned_groups)
+    assert owned and all(group in _world.pg_map for group in owned)
+    engine.close()
+    assert not any(group in _world.pg_map for group in owned)
+
+
+def _all(rank, world, expected, out_dir):
+    _checkpointing(rank, world, expected)
+    _no_params_reached(rank, world)
+    _learned_order(rank, world, out_dir)
+    _frozen_int8_bytes(rank, world)
+    _groups_destroyed(rank, world)
+
+
+def test_any_model_engine(tmp_path):
+    run_ranks(_all, 2, args=(_reference_params(3), str(tmp_path)), timeout_s=240)
+    pool = torch.load(tmp_path / "pool.pt")
+    # Step 1 learns the order (everything waits for the stem); afterwards at most two buffers.
+    assert pool["pool_bytes"][2] < pool["pool_bytes"][0], pool
+
+
+def test_collective_timeout_names_what_it_waited_on(tmp_path):
+    started = time.perf_counter()
+    run_ranks(_timeout, 2, args=(str(tmp_path),), timeout_s=60)
+    assert time.perf_counter() - started < 50
+    elapsed, message = (tmp_path / "timeout.txt").read_text().split("\n", 1)
+    assert 1.5 < float(elapsed) < 20, elapsed
+    assert "collective_timeout" in message and "reduce-scatter of bucket" in message, message
+    assert "params ready in bucket" in message and "dp rank 0" in message, message
+
+
+def test_divergence_raises_on_every_rank(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_divergence, 2, timeout_s=60)
+    report = str(failure.value)
+    assert "--- rank 1 ---" in report and "received another gradient in this backward" in report, report
+    assert "--- rank 0 ---" in report and "lightning_zero:" in report.split("--- rank 0 ---")[1], report
+    assert time.perf_counter() - started < 80
+
+
+def test_non_elementwise_optimizer_is_rejected():
+    from lightning_zero.zero.engine import check_elementwise
+
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="Adafactor"):
+        check_elementwise([torch.optim.Adafactor(model.parameters())])
+    check_elementwise([torch.optim.Adagrad(model.parameters()), torch.optim.RMSprop(model.parameters())])
+
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "5", True])
+def test_collective_timeout_argument_is_checked(value):
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match="collective_timeout"):
+        ZeroStrategy(collective_timeout=value)
+    assert ZeroStrategy().collective_timeout == 300.0 and ZeroStrategy(collective_timeout=None).collective_timeout is None
