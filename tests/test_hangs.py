@@ -54,8 +54,16 @@ def _failed_in_time(out: Path, run: str) -> list[str]:
         assert after is not None and after < ERROR_WITHIN_S, (
             f"{run}: rank {rank} failed {after} s after the hazard (limit {ERROR_WITHIN_S} s): {_error_lines(record, rank)}"
         )
-        messages.append(record["error"].strip().splitlines()[-1])
+        messages.append(_exception_lines(record["error"]))
     return messages
+
+
+def _exception_lines(traceback_text: str) -> str:
+    """The exception lines of a (possibly chained) traceback, joined: what the user reads."""
+    skip = ("Traceback", "During handling", "The above exception")
+    return " || ".join(
+        line for line in traceback_text.splitlines() if line.strip() and not line[0].isspace() and not line.startswith(skip)
+    )
 
 
 @pytest.mark.slow
