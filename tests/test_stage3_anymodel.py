@@ -2,7 +2,8 @@
 one process on the full batch): tied weights (GPT-2, T5), everything in the root unit with two
 optimizers (GAN), a frozen transformers Llama with LoRA adapters and reentrant checkpointing,
 frozen int8 weights, blocks in a ModuleDict / Sequential (bytes sent), sharded meta init of a
-transformers Llama (rotary buffers), a divergence after the first step (an error on every rank,
+transformers Llama (rotary buffers), a varying number of no_grad forwards of the trained model per
+step (kept out of the training schedule, exact bytes), a divergence after the first step (an error on every rank,
 within seconds). Lightning-level cases (phases, callbacks, uneven validation) live in
 test_stage3_lightning.py."""
 
