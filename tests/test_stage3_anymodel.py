@@ -2,7 +2,8 @@
 one process on the full batch): tied weights (GPT-2, T5), everything in the root unit with two
 optimizers (GAN), a frozen transformers Llama with LoRA adapters and reentrant checkpointing,
 frozen int8 weights, blocks in a ModuleDict / Sequential (bytes sent), sharded meta init of a
-transformers Llama (rotary buffers), a divergence after the first step (an error on every rank,
+transformers Llama (rotary buffers), a varying number of no_grad forwards of the trained model per
+step (kept out of the training schedule, exact bytes), a divergence after the first step (an error on every rank,
 within seconds). Lightning-level cases (phases, callbacks, uneven validation) live in
 test_stage3_lightning.py."""
 
@@ -394,6 +395,112 @@ def _meta_init(rank, world):
         _engine(bad, [torch.optim.SGD(bad.parameters(), lr=0.1)])
 
 
+# -- 5b. a varying number of no_grad forwards of the trained model per step --------------------------
+class _Sampled(nn.Module):
+    """Three blocks (units), a head beside them (a unit) and a bare scale (the root unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x) * self.scale
+
+
+NO_GRAD_FORWARDS = [1, 0, 2, 2, 0, 1, 2]  # per step; the first step (which records the schedule) has one
+
+
+def _no_grad_steps(sharded, rank, world):
+    """Train ``_Sampled`` with NO_GRAD_FORWARDS[step] no_grad forwards of the model itself per step
+    (the second also of one block alone, before the training forward; the first after the training
+    forward, while the schedule has units prefetched for backward). Returns the losses, the no_grad
+    outputs (summed over ranks), and per no_grad forward (units gathered before, after, elements
+    gathered) plus per step (elements gathered by the whole step, reduce-scattered)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _Sampled()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = _engine(model, [opt], prefetch_blocks=2) if sharded else None
+    gen = torch.Generator().manual_seed(11)
+    losses, samples, forwards, steps = [], [], [], []
+
+    def sample(fn, x):
+        if engine is None:
+            with torch.no_grad():
+                samples.append(fn(x).pow(2).sum().item())
+            return
+        runtime, sent = engine.stage3, engine.counter.elements
+        before, gathered_before = {u.index for u in runtime.units if u.gathered}, sent["all_gather_params"]
+        with torch.no_grad():
+            out = fn(x).pow(2).sum().reshape(1)
+        dist.all_reduce(out)
+        samples.append(out.item())
+        after = {u.index for u in runtime.units if u.gathered}
+        forwards.append((before, after, sent["all_gather_params"] - gathered_before))
+
+    for no_grad_forwards in NO_GRAD_FORWARDS:
+        batch = torch.randn(WORLD, 4, 8, generator=gen)
+        x = batch[rank] if sharded else batch.reshape(-1, 8)
+        opt.zero_grad()
+        if engine is not None:
+            engine.counter.reset()
+            engine.stage3.begin_step()
+        if no_grad_forwards >= 2:  # a teacher-style forward before the training forward, of one block too
+            sample(model, x)
+            sample(model.blocks[1], x)
+        loss = model(x).pow(2).mean()
+        if no_grad_forwards >= 1:  # generation after the training forward: some units are prefetched
+            sample(model, batch[rank, :2] if sharded else batch[:, :2].reshape(-1, 8))
+        loss.backward()
+        opt.step()
+        losses.append(_mean_over_ranks(loss.item()) if sharded else loss.item())
+        if engine is not None:
+            steps.append((engine.counter.elements["all_gather_params"], engine.counter.elements["reduce_scatter_grads"]))
+    return model, engine, losses, samples, forwards, steps
+
+
+def _no_grad_forwards(rank, world):
+    _, _, want, want_samples, _, _ = _no_grad_steps(False, rank, world)
+    model, engine, got, got_samples, forwards, steps = _no_grad_steps(True, rank, world)
+    _close(got, want, "no_grad forwards: training losses")
+    _close(got_samples, want_samples, "no_grad forwards: outputs")
+    runtime = engine.stage3
+    numel = {u.index: sum(g.layout.numel for g in u.groups) for u in runtime.units}
+    units = [u.index for u in runtime.units if u.groups]
+    assert runtime.root.groups and len(units) == 5, units
+    # The recorded training schedule holds the training forward and backward only: the root once,
+    # every other unit twice -- none of the first step's no_grad forward.
+    order = runtime.schedules["train"].order
+    assert sorted(order) == sorted([runtime.root.index] + 2 * units[:-1]), order
+    block1 = next(u.index for u in runtime.units if u.name == "blocks.1")
+    reaches = []  # the units each no_grad forward runs, in order
+    for no_grad_forwards in NO_GRAD_FORWARDS:
+        reaches += [units, [block1]] if no_grad_forwards >= 2 else []
+        reaches += [units] if no_grad_forwards >= 1 else []
+    assert len(reaches) == len(forwards), (len(reaches), len(forwards))
+    for reached, (before, after, sent) in zip(reaches, forwards):
+        # A no_grad forward gathers what is not gathered (exactly those bytes), frees what it
+        # gathered, and keeps the rest (the root held for the step; units prefetched for backward).
+        assert after == before, (before, after)
+        assert sent == sum(numel[i] for i in reached if i not in before) * (world - 1) / world, (reached, before, sent)
+    assert any(before - {runtime.root.index} for before, _, _ in forwards), "no no_grad forward met a prefetched unit"
+    # The training forward/backward sends what a step without no_grad forwards sends.
+    train_bytes = (numel[runtime.root.index] + 2 * sum(numel[i] for i in units[:-1])) * (world - 1) / world
+    reduce_bytes = sum(numel[i] for i in units) * (world - 1) / world
+    position = 0
+    for step, (no_grad_forwards, (gathered, reduced)) in enumerate(zip(NO_GRAD_FORWARDS, steps)):
+        mine = forwards[position : position + {0: 0, 1: 1, 2: 3}[no_grad_forwards]]
+        position += len(mine)
+        assert gathered - sum(sent for _, _, sent in mine) == train_bytes, (step, gathered, mine, train_bytes)
+        assert reduced == reduce_bytes, (step, reduced, reduce_bytes)
+    engine.close()
+
+
 # -- 6. divergence after the first step: an error on every rank, within seconds ----------------------
 def _divergence(rank, world):
     import torch.distributed as dist
@@ -449,7 +556,8 @@ def test_wrap_policy_warns_for_a_large_single_unit(monkeypatch):
 
 
 def test_stage3_any_model():
-    run_ranks(_all, WORLD, args=(["_tied", "_gan", "_lora", "_blocks", "_int8", "_meta_init"],), timeout_s=240)
+    cases = ["_tied", "_gan", "_lora", "_blocks", "_int8", "_meta_init", "_no_grad_forwards"]
+    run_ranks(_all, WORLD, args=(cases,), timeout_s=240)
 
 
 def test_stage3_divergence_raises_on_every_rank():

@@ -1,14 +1,26 @@
 """Stage-3 runtime: gathers, prefetches and frees units around forward and backward.
 
 [Note: phases] The phase comes from the caller (the strategy), never from grad mode:
-:meth:`Stage3Runtime.begin_step` opens a *training* or *evaluation* step, and every all-gather
-until the step is closed belongs to that step's schedule -- ``no_grad`` forwards inside a training
-step (an EMA teacher, generation), several forward/backward pairs (manual optimization), the
-backward that follows. A step is closed by the next ``begin_step``, by the end of its backward once
-the step method returned, by :meth:`end_eval_step`, or by a forward outside the step methods.
-Such an out-of-step forward (a callback running the model) gathers each unit on demand with an
-agreement among ranks, and frees it after (the root: after the top module's forward, or at the next
-step / optimizer step at the latest).
+:meth:`Stage3Runtime.begin_step` opens a *training* or *evaluation* step, and the all-gathers
+until the step is closed belong to that step's schedule -- several forward/backward pairs (manual
+optimization), the backward that follows, every forward of an evaluation step. A step is closed by
+the next ``begin_step``, by the end of its backward once the step method returned, by
+:meth:`end_eval_step`, or by a forward outside the step methods. Such an out-of-step forward (a
+callback running the model) gathers each unit on demand with an agreement among ranks, and frees
+it after (the root: after the top module's forward, or at the next step / optimizer step at the
+latest).
+
+[Note: no_grad forwards in a training step] A forward that runs with grad disabled inside a
+training step (an EMA teacher, sampling from the student every N steps) takes no part in backward,
+and how often it runs may change from step to step (the same on every rank). So it is kept out of
+the training schedule: each unit it reaches is gathered on demand, after an agreement among ranks
+(one tiny all-gather of ``(kind, unit index)``, as for out-of-step forwards), and freed after that
+unit's forward -- unless it was already gathered (prefetched along the schedule, or the root held
+for the step): then it is used as it is and left gathered, its schedule entry untouched. The
+recorded schedule, its prefetch and the bytes of the training forward/backward stay those of a
+step without such forwards. A grad-disabled forward whose inputs require grad is the first pass of
+a reentrant activation checkpoint (``torch.utils.checkpoint`` runs it under ``no_grad``) and
+follows the schedule as before.
 
 [Note: gather schedule] Every rank must issue the same all-gathers in the same order. The first
 step of each phase *records* the order units are gathered in, checking before every gather that
@@ -62,6 +74,8 @@ from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 # collectives can pair messages of different lengths.
 _UNIT = 1  # value: the unit index about to be gathered
 _EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation loop ended
+_DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
+_DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
 _POLL_STORE_S = 0.05
 
 
@@ -77,6 +91,10 @@ class Unit:
     gathered: bool = False
     prefetched: bool = False  # gathered ahead by the schedule; its entry not consumed yet
     backward_uses: int = 0  # forward calls whose post-backward has not run yet (this backward)
+    # One entry per forward of the unit in progress (outside backward), innermost last: whether its
+    # post-forward frees the unit (True/False: an on-demand no_grad forward that did / did not
+    # gather it; None: the usual rule).
+    forward_frees: list[Optional[bool]] = field(default_factory=list)
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -164,7 +182,7 @@ class Stage3Runtime:
             if top is not None:
                 holders[id(top)] = top
             for module in holders.values():
-                self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
+                self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._make_root_post_forward(module is top)))
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
@@ -262,19 +280,26 @@ class Stage3Runtime:
             return self.units[value].name if 0 <= value < len(self.units) else "nothing"
         if kind == _EVAL:
             return "starting an evaluation step" if value else "evaluation loop ended"
+        if kind in (_DEMAND, _DEMAND_HELD):
+            name = self.units[value].name if 0 <= value < len(self.units) else "nothing"
+            return f"{name} (no_grad forward)"
         return f"unknown message {pair}"
 
     def _agree(self, unit: Unit, what: str) -> None:
         """Every rank must be about to gather the same unit (first step of a phase, out-of-step)."""
         everyone = self._exchange(_UNIT, unit.index)
         if any(pair != (_UNIT, unit.index) for pair in everyone):
-            names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
-            raise RuntimeError(
-                f"lightning_zero ZeRO-3: ranks disagree on the next module to gather during {what} of step"
-                f" {self.step} ({names}). Every rank must run the same modules the same number of times"
-                " per step; a module skipped or run more often on one rank would deadlock the all-gathers."
-                " Make the control flow identical on all ranks (e.g. run the module with zero-weight input)."
-            )
+            self._disagree(everyone, what)
+
+    def _disagree(self, everyone: list[tuple[int, int]], what: str) -> None:
+        """Raise (on every rank: each saw the same exchange) naming what each rank was about to gather."""
+        names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
+        raise RuntimeError(
+            f"lightning_zero ZeRO-3: ranks disagree on the next module to gather during {what} of step"
+            f" {self.step} ({names}). Every rank must run the same modules the same number of times"
+            " per step; a module skipped or run more often on one rank would deadlock the all-gathers."
+            " Make the control flow identical on all ranks (e.g. run the module with zero-weight input)."
+        )
 
     # -- schedules ([Note: gather schedule]) ------------------------------------------------------
     def _what(self) -> str:
@@ -324,6 +349,33 @@ class Stage3Runtime:
                 ahead_unit.prefetched = True
         self._wait(unit)
 
+    def _off_schedule(self, args: Any, kwargs: Any) -> bool:
+        """A forward (not a recompute) that keeps out of the open training schedule
+        ([Note: no_grad forwards in a training step])."""
+        if self.open_kind != "train" or self.in_backward or torch.is_grad_enabled():
+            return False
+        flat, _ = tree_flatten((args, kwargs))
+        return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat)
+
+    def _gather_on_demand(self, unit: Unit) -> bool:
+        """Gather ``unit`` for a no_grad forward inside a training step, agreed among ranks; return
+        whether this call gathered it (then its forward frees it) or found it gathered already."""
+        if not unit.groups:
+            return False
+        held = unit.gathered
+        everyone = self._exchange(_DEMAND_HELD if held else _DEMAND, unit.index)
+        if any(kind not in (_DEMAND, _DEMAND_HELD) or value != unit.index for kind, value in everyone):
+            self._disagree(everyone, "a no_grad forward inside a training step")
+        if all(kind == _DEMAND_HELD for kind, _ in everyone):
+            self._wait(unit)
+            return False
+        if held:  # gathered here but not on some other rank: join its all-gather, keep the unit
+            self._gather_again(unit)
+            return False
+        self._start_gather(unit)
+        self._wait(unit)
+        return True
+
     def _consume_skipped(self, unit: Unit) -> None:
         if unit.prefetched:
             self._free(unit)
@@ -347,6 +399,7 @@ class Stage3Runtime:
         self.open_kind = None
         for unit in self.units:
             unit.backward_uses = 0
+            unit.forward_frees.clear()  # left by a forward that raised
         self._free_all()
 
     # -- backward bookkeeping -------------------------------------------------------------------
@@ -396,6 +449,11 @@ class Stage3Runtime:
             else:
                 if self.open_kind is not None and self.phase is None and not self.in_backward:
                     self._close()  # a forward after the step method returned: the step is over
+                if self._off_schedule(args, kwargs):  # no backward will follow: nothing to count
+                    unit.forward_frees.append(self._gather_on_demand(unit))
+                    self.high_water_forward = max(self.high_water_forward, self._gathered_blocks())
+                    return None
+                unit.forward_frees.append(None)
                 self._reach(unit)
                 self.high_water_forward = max(self.high_water_forward, self._gathered_blocks())
             if torch.is_grad_enabled():
@@ -415,7 +473,9 @@ class Stage3Runtime:
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._make_pre_backward(unit))
-            self._free(unit)
+            frees = unit.forward_frees.pop() if unit.forward_frees else None
+            if frees is None or frees:
+                self._free(unit)
             return output
 
         return hook
@@ -428,11 +488,16 @@ class Stage3Runtime:
 
         return hook
 
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _in_backward():
             self._note_backward()
-        elif self.open_kind is not None and self.phase is None and not self.in_backward:
-            self._close()
+        else:
+            if self.open_kind is not None and self.phase is None and not self.in_backward:
+                self._close()
+            if self._off_schedule(args, kwargs):
+                self.root.forward_frees.append(self._gather_on_demand(self.root))
+                return
+            self.root.forward_frees.append(None)
         self._reach(self.root)
 
     def _make_root_post_forward(self, is_top: bool):
@@ -443,7 +508,10 @@ class Stage3Runtime:
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._root_pre_backward)
-            if is_top and self.open_kind is None and not self.in_backward:
+            frees = self.root.forward_frees.pop() if self.root.forward_frees else None
+            if frees:  # a no_grad forward in a training step gathered it: freed after
+                self._free(self.root)
+            elif frees is None and is_top and self.open_kind is None and not self.in_backward:
                 self._free(self.root)  # an out-of-step forward of the whole model: freed after
             return output
 
