@@ -57,7 +57,7 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
                 raise ValueError(
                     f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on"
                     " whole rows/columns of its parameter; stage 3 shards the parameters themselves by"
-                    f" element ranges and cannot step it. Use ZeroStrategy(stage=1) or stage=2, which step"
+                    f" element ranges and cannot step it. Use ZeroStrategy(stage=1) or ZeroStrategy(stage=2), which step"
                     f" {name} on full fp32 copies of its parameters (replicated optimizer state), or an"
                     " element-wise optimizer (AdamW, SGD, Adagrad, ...) at stage 3."
                 )
