@@ -405,6 +405,13 @@ def test_non_elementwise_optimizers_are_checked_per_stage():
     with pytest.raises(ValueError, match="SparseAdam.*sparse"):
         check_elementwise([torch.optim.SparseAdam(list(model.parameters()))], 2)
     check_elementwise([torch.optim.Adagrad(model.parameters()), torch.optim.RMSprop(model.parameters())], 3)
+    from lightning_zero.tp.layers import mark_tp_param
+
+    split = nn.Linear(4, 4)
+    mark_tp_param(split.weight, 0)
+    with pytest.raises(ValueError, match="Adafactor over 1 tensor-parallel-split"):
+        check_elementwise([torch.optim.Adafactor(split.parameters())], 1)
+    check_elementwise([torch.optim.AdamW(split.parameters())], 1)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "5", True])

@@ -61,6 +61,16 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
                     f" {name} on full fp32 copies of its parameters (replicated optimizer state), or an"
                     " element-wise optimizer (AdamW, SGD, Adagrad, ...) at stage 3."
                 )
+            from lightning_zero.tp.layers import tp_shard_dim
+
+            split = [p for group in optimizer.param_groups for p in group["params"] if tp_shard_dim(p) is not None]
+            if split:
+                raise ValueError(
+                    f"lightning_zero: optimizer {index} is {name} over {len(split)} tensor-parallel-split"
+                    f" parameter(s) (the first of shape {tuple(split[0].shape)}): its factored row/column"
+                    " moments would be computed per tp shard, not over the dense weight. Use tp=1 with"
+                    f" {name}, or an element-wise optimizer (AdamW, SGD, ...) under tensor parallelism."
+                )
             continue
         if name in NON_ELEMENTWISE_OPTIMIZERS:
             why = {

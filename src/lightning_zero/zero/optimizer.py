@@ -18,6 +18,9 @@ Around ``optimizer.step()``:
 Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) are accepted: their
 per-element state tensors are cut into the same chunks as the parameters (padding reads zero)
 and scalar state (``step``) is copied, so the sharded step starts where the unsharded would.
+
+Optimizers that are not element-wise (Adafactor) use :class:`ReplicatedOptimizer` instead: full
+fp32 masters stepped identically on every rank (see [Note: non-element-wise optimizers]).
 """
 
 from __future__ import annotations
