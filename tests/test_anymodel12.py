@@ -3,7 +3,8 @@
 One launch of tests/scripts/anymodel12.py trains every case in sequence: reentrant and
 non-reentrant activation checkpointing over a frozen int8 base with LoRA adapters, a rank whose
 loss reaches no (or only some) parameters, Adagrad / SGD-momentum / RMSprop / fused Adam, two
-optimizers with separate zero_grad (GAN), a BatchNorm CNN in fp32 and bf16-mixed, and a model
+optimizers with separate zero_grad (GAN), Adafactor with
+gradient clipping (replicated full-master step, stages 1-2), a BatchNorm CNN in fp32 and bf16-mixed, and a model
 whose first layer is registered last. Per-step losses match ddp to 1e-5, and so does a plain
 forward after fit.
 """
@@ -29,6 +30,8 @@ PAIRS = {
     "zero1_bn": "ddp_bn",
     "zero2_bn": "ddp_bn",
     "zero2_late": "ddp_late",
+    "zero1_mlp_adafactor": "ddp_mlp_adafactor",
+    "zero2_mlp_adafactor": "ddp_mlp_adafactor",
 }
 RANKS = (0, 1)
 
@@ -82,7 +85,10 @@ def test_frozen_params_keep_their_dtype_under_bf16(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair", [("zero2_lora_reentrant_bf16", "zero1_lora_bf16"), ("zero2_bn_bf16", "zero1_bn_bf16")])
+@pytest.mark.parametrize(
+    "pair",
+    [("zero2_lora_reentrant_bf16", "zero1_lora_bf16"), ("zero2_bn_bf16", "zero1_bn_bf16"), ("zero2_mlp_adafactor_bf16", "zero1_mlp_adafactor_bf16")],
+)
 def test_bf16_stages_agree(results, pair):
     """bf16-mixed: stages 1 and 2 hold the same bf16 gradients and fp32 masters in different places."""
     case, reference = pair
@@ -105,3 +111,14 @@ def test_bf16_batchnorm_trains_like_ddp_bf16(results):
     assert during["m.net.0.weight"] == "torch.bfloat16"
     assert got["dtypes"]["m.net.0.weight"] == "torch.float32", "fp32 masters restored after fit"
     torch.testing.assert_close(got["outside"], want["outside"], rtol=0, atol=5e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero1_mlp_adafactor", "zero2_mlp_adafactor"])
+def test_adafactor_all_gathers_gradients_not_parameters(results, case):
+    """Adafactor (not element-wise) steps replicated full masters: after the reduce-scatter each
+    step all-gathers the reduced gradients (P (dp-1)/dp elements per bucket) and no parameters."""
+    for rank in RANKS:
+        sent = _load(results, case, rank)["sent_elements"]
+        assert sent["all_gather_grads_replicated"] == sent["reduce_scatter_grads"] > 0, sent
+        assert "all_gather_params" not in sent, sent

@@ -7,7 +7,8 @@
   first layer no longer holds back every launch, and stage-2 pool buffers are sized per bucket;
 - frozen int8 parameters plus LoRA adapters: measured bytes = ledger(trainable) + frozen bytes;
 - ``collective_timeout`` turns a stuck wait into an error naming the bucket and the progress;
-- process groups the engine creates are destroyed by ``close()``.
+- process groups the engine creates are destroyed by ``close()``;
+- Adafactor (not element-wise) at stages 1-2: replicated full-master step equals one process.
 """
 
 import os
@@ -281,12 +282,87 @@ def _groups_destroyed(rank, world):
     assert not any(group in _world.pg_map for group in owned)
 
 
+def _adafactor_reference(steps: int, clip: float):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=gen)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _adafactor(rank, world, out_dir):
+    """Adafactor (factored row/column moments) at stages 1-2, fp32 / bf16-mixed / offload: full
+    replicated masters equal one process with clipping; stage 3 refused; weights-only checkpoint
+    round trip, optimizer-state checkpoint refused."""
+    from pathlib import Path
+
+    from lightning_zero.checkpoint import Layout, load_model, open_checkpoint, save_checkpoint
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.optimizer import ReplicatedOptimizer
+
+    steps, clip = 3, 0.05
+    expected = [p.detach() for p in _adafactor_reference(steps, clip).parameters()]
+    for stage, dtype, offload in ((1, torch.float32, False), (2, torch.float32, False), (2, torch.float32, True), (1, torch.bfloat16, False), (2, torch.bfloat16, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
+        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0001, compute_dtype=dtype, offload_optimizer=offload)
+        sharded = engine.sharded_optimizer(opt)
+        assert isinstance(sharded, ReplicatedOptimizer)
+        gen = torch.Generator().manual_seed(2)
+        norms = []
+        for _ in range(steps):
+            x = torch.randn(8, 6, generator=gen)[rank * 4 : rank * 4 + 4]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss = model(x).pow(2).mean()
+            engine.backward(loss)
+            norms.append(float(sharded.clip_grad_norm_(clip)))
+            opt.step()
+            opt.zero_grad()
+        assert min(norms) > clip, ("the case should clip every step", norms)
+        assert len(engine.reducer.buckets) > 1, "the case should exercise several buckets"
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for got, want in zip(model.parameters(), expected):
+            torch.testing.assert_close(got.detach().float(), want, rtol=tol, atol=tol)
+        state = next(iter(opt.state.values()))
+        assert "row_var" in state or "variance" in state  # full (factored) state, not chunks
+        if stage == 2 and dtype == torch.float32 and not offload:
+            layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
+            target = Path(out_dir, "adafactor_ckpt")
+            with pytest.raises(ValueError, match="save_weights_only"):
+                save_checkpoint(target, {"global_step": steps, "optimizer_states": []}, module=model, engine=engine, optimizers=[opt], layout=layout)
+            save_checkpoint(target, {"global_step": steps}, module=model, engine=engine, optimizers=[opt], layout=layout)
+            saved = [p.detach().clone() for p in model.parameters()]
+            torch.manual_seed(5)
+            fresh = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+            fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=5e-2)
+            fresh_engine = ZeroEngine(fresh, [fresh_opt], stage=2, bucket_mb=0.0002, compute_dtype=torch.bfloat16)
+            load_model(open_checkpoint(target), fresh, engine=fresh_engine, optimizers=[fresh_opt], layout=layout)
+            for got, want in zip(fresh.parameters(), saved):  # bf16 compute params from the fp32 masters
+                torch.testing.assert_close(got.detach().float(), want, rtol=0, atol=1e-2)
+            fresh_engine.restore_master_params()  # the full fp32 masters themselves
+            for got, want in zip(fresh.parameters(), saved):
+                torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+            fresh_engine.close()
+        engine.close()
+    linear = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="Adafactor.*stage 3 shards the parameters"):
+        ZeroEngine(linear, [torch.optim.Adafactor(linear.parameters())], stage=3)
+
+
 def _all(rank, world, expected, out_dir):
     _checkpointing(rank, world, expected)
     _no_params_reached(rank, world)
     _learned_order(rank, world, out_dir)
     _frozen_int8_bytes(rank, world)
     _groups_destroyed(rank, world)
+    _adafactor(rank, world, out_dir)
 
 
 def test_any_model_engine(tmp_path):
@@ -314,14 +390,26 @@ def test_divergence_raises_on_every_rank(tmp_path):
     assert time.perf_counter() - started < 80
 
 
-def test_non_elementwise_optimizer_is_rejected():
+def test_non_elementwise_optimizers_are_checked_per_stage():
     from lightning_zero.zero.engine import check_elementwise
 
     model = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="Adafactor"):
-        check_elementwise([torch.optim.Adafactor(model.parameters())])
-    check_elementwise([torch.optim.Adagrad(model.parameters()), torch.optim.RMSprop(model.parameters())])
+    check_elementwise([torch.optim.Adafactor(model.parameters())], 1)  # replicated full-master step
+    check_elementwise([torch.optim.Adafactor(model.parameters())], 2)
+    with pytest.raises(ValueError, match=r"Adafactor.*stage 3.*ZeroStrategy\(stage=1\) or ZeroStrategy\(stage=2\)"):
+        check_elementwise([torch.optim.Adafactor(model.parameters())], 3)
+    with pytest.raises(ValueError, match=r"LBFGS.*closure"):
+        check_elementwise([torch.optim.LBFGS(model.parameters())], 1)
+    with pytest.raises(ValueError, match="SparseAdam.*sparse"):
+        check_elementwise([torch.optim.SparseAdam(list(model.parameters()))], 2)
+    check_elementwise([torch.optim.Adagrad(model.parameters()), torch.optim.RMSprop(model.parameters())], 3)
+    from lightning_zero.tp.layers import mark_tp_param
 
+    split = nn.Linear(4, 4)
+    mark_tp_param(split.weight, 0)
+    with pytest.raises(ValueError, match="Adafactor over 1 tensor-parallel-split"):
+        check_elementwise([torch.optim.Adafactor(split.parameters())], 1)
+    check_elementwise([torch.optim.AdamW(split.parameters())], 1)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "5", True])

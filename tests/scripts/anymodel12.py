@@ -82,6 +82,8 @@ OPTIMIZERS = {
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=5e-2, initial_accumulator_value=0.1),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+    # not element-wise (factored second moments of 2-D weights): replicated full-master step
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=5e-2, weight_decay=1e-3),
 }
 
 
@@ -190,6 +192,7 @@ def zero(stage: int, **kwargs):
 
 # name -> (strategy factory, model kwargs, trainer kwargs)
 BF16 = {"precision": "bf16-mixed"}
+CLIP = {"gradient_clip_val": 0.1}  # small enough to clip every step
 CASES = {
     "ddp_mlp_adagrad": (lambda: "ddp", dict(kind="mlp", optimizer="adagrad"), {}),
     "zero1_mlp_adagrad": (zero(1), dict(kind="mlp", optimizer="adagrad"), {}),
@@ -218,6 +221,11 @@ CASES = {
     "ddp_bn_bf16": (lambda: "ddp", dict(kind="bn"), BF16),
     "zero1_bn_bf16": (zero(1), dict(kind="bn"), BF16),
     "zero2_bn_bf16": (zero(2), dict(kind="bn"), BF16),
+    "ddp_mlp_adafactor": (lambda: "ddp", dict(kind="mlp", optimizer="adafactor"), CLIP),
+    "zero1_mlp_adafactor": (zero(1), dict(kind="mlp", optimizer="adafactor"), CLIP),
+    "zero2_mlp_adafactor": (zero(2), dict(kind="mlp", optimizer="adafactor"), CLIP),
+    "zero1_mlp_adafactor_bf16": (zero(1), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
+    "zero2_mlp_adafactor_bf16": (zero(2), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
     "ddp_late": (lambda: "ddp", dict(kind="late"), {}),
     "zero2_late": (zero(2), dict(kind="late"), {}),
 }
@@ -241,6 +249,7 @@ def run(name: str, out_dir: str) -> None:
     if isinstance(strategy, ZeroStrategy):
         extra["reduce_scatters_per_step"] = counter.per_step
         extra["num_buckets"] = counter.num_buckets
+        extra["sent_elements"] = dict(strategy.comm_counter.snapshot()["elements"])
     model.eval()
     with torch.no_grad():
         outside = model.plain_forward(x[:8]).float()  # a plain forward after fit, outside the Trainer

@@ -63,6 +63,14 @@ def save_checkpoint(
 
         targets = Targets()
         with_optimizer = "optimizer_states" in checkpoint
+        if with_optimizer and engine is not None and getattr(engine, "has_replicated_optimizers", lambda: False)():
+            names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
+            raise ValueError(
+                f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
+                " (see [Note: non-element-wise optimizers] in zero/optimizer.py); its factored state is not"
+                " saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
+                " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
+            )
         kinds: list[dict] = [{} for _ in optimizers]
         skip: set[str] = set()
         if engine is not None:

@@ -12,6 +12,7 @@ gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
@@ -24,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import CommCounter
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
-from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
 
 MIB = 1024 * 1024
@@ -38,20 +39,57 @@ def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
 # second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
 NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+# Of those, the ones stages 1-2 run with full, replicated fp32 masters and optimizer state
+# ([Note: non-element-wise optimizers] in optimizer.py). LBFGS (closure re-runs backward inside
+# step) and SparseAdam (needs sparse gradients) stay refused.
+REPLICATED_STEP_OPTIMIZERS = ("Adafactor",)
 
 
-def check_elementwise(optimizers: list[Optimizer]) -> None:
-    """ValueError for optimizers the sharded step cannot reproduce (see ``NON_ELEMENTWISE_OPTIMIZERS``)."""
+def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
+    """ValueError for optimizers the engine cannot step exactly at ``stage``.
+
+    Element-wise optimizers are sharded at every stage; ``REPLICATED_STEP_OPTIMIZERS`` run at
+    stages 1-2 with replicated state; the rest of ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
+    """
     for index, optimizer in enumerate(optimizers):
         name = type(optimizer).__name__
+        if name in REPLICATED_STEP_OPTIMIZERS:
+            if stage == 3:
+                raise ValueError(
+                    f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on"
+                    " whole rows/columns of its parameter; stage 3 shards the parameters themselves by"
+                    f" element ranges and cannot step it. Use ZeroStrategy(stage=1) or ZeroStrategy(stage=2), which step"
+                    f" {name} on full fp32 copies of its parameters (replicated optimizer state), or an"
+                    " element-wise optimizer (AdamW, SGD, Adagrad, ...) at stage 3."
+                )
+            from lightning_zero.tp.layers import tp_shard_dim
+
+            split = [p for group in optimizer.param_groups for p in group["params"] if tp_shard_dim(p) is not None]
+            if split:
+                raise ValueError(
+                    f"lightning_zero: optimizer {index} is {name} over {len(split)} tensor-parallel-split"
+                    f" parameter(s) (the first of shape {tuple(split[0].shape)}): its factored row/column"
+                    " moments would be computed per tp shard, not over the dense weight. Use tp=1 with"
+                    f" {name}, or an element-wise optimizer (AdamW, SGD, ...) under tensor parallelism."
+                )
+            continue
         if name in NON_ELEMENTWISE_OPTIMIZERS:
+            why = {
+                "LBFGS": "its step(closure) re-runs forward and backward several times per step, and each"
+                " backward is a gradient sync the engine's step does not expect",
+                "SparseAdam": "it needs sparse gradients, and ZeRO's flat gradient buffers are dense",
+            }.get(name, "its update of one element depends on other elements of the same parameter")
             raise ValueError(
-                f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on other"
-                " elements of the same parameter (factored moments / whole-tensor norms); ZeRO stages shard"
-                " parameters by element ranges, so its step would differ from the unsharded one. Use an"
-                " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...)"
-                " or Lightning's ddp/fsdp strategies for this optimizer."
+                f"lightning_zero: optimizer {index} is {name}, which ZeRO stages cannot run: {why}. Use an"
+                " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...),"
+                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} at stage 1 or 2, or Lightning's ddp/fsdp"
+                " strategies for this optimizer."
             )
+
+
+def replicated_step(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` steps full replicated masters ([Note: non-element-wise optimizers])."""
+    return type(optimizer).__name__ in REPLICATED_STEP_OPTIMIZERS
 
 
 def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:
@@ -176,7 +214,7 @@ class ZeroEngine:
         grad_bytes = sum(p.numel() for p in trainable.values()) * torch.empty((), dtype=compute_dtype).element_size()
         bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb
-        check_elementwise(optimizers)
+        check_elementwise(optimizers, stage)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
@@ -204,7 +242,7 @@ class ZeroEngine:
             collective_timeout=collective_timeout,
         )
         self.optimizers = [
-            ShardedOptimizer(
+            (ReplicatedOptimizer if replicated_step(optimizer) else ShardedOptimizer)(
                 optimizer,
                 flat_groups,
                 dp_group=dp_group,
@@ -217,6 +255,7 @@ class ZeroEngine:
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
+        self._warn_replicated(optimizers)
         if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
             self.stage3.on_backward_begin = self.reducer.begin_backward
         for sharded in self.optimizers:
@@ -224,6 +263,21 @@ class ZeroEngine:
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
         self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
         self._finished_at_pre_backward = 0
+
+    def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
+        names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
+        if names and self.dp_size > 1 and dist.get_rank() == 0:
+            warnings.warn(
+                f"lightning_zero: {', '.join(names)} is not element-wise: stage {self.stage} steps full fp32"
+                " copies of its parameters on every dp rank, so its optimizer state and fp32 masters are"
+                " replicated, not sharded (only the stage-2 gradient shard saves memory), and each step"
+                " all-gathers its reduced gradients. See [Note: non-element-wise optimizers].",
+                stacklevel=3,
+            )
+
+    def has_replicated_optimizers(self) -> bool:
+        """Whether some optimizer steps replicated full masters (its state cannot be range-saved)."""
+        return any(isinstance(sharded, ReplicatedOptimizer) for sharded in self.optimizers)
 
     # -- backward boundaries (see [Note: end of backward] in reducer.py) -----------------------
     def _zero_grads_zeroed_by_optimizers(self) -> None:
@@ -349,8 +403,9 @@ class ZeroEngine:
     def measured_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds now: params, grads, optimizer (master + state)."""
         params = sum(group.param_bytes() for group in self.groups) + self.frozen_param_bytes()
-        grads = self.reducer.storage.grad_bytes()
+        grads = self.reducer.storage.grad_bytes() + sum(sharded.extra_grad_bytes() for sharded in self.optimizers)
         master = sum(group.master_bytes() for group in self.groups)
+        master += sum(sharded.extra_master_bytes() for sharded in self.optimizers)
         state = sum(sharded.state_bytes() for sharded in self.optimizers)
         return {
             "params": params,

@@ -18,6 +18,9 @@ Around ``optimizer.step()``:
 Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) are accepted: their
 per-element state tensors are cut into the same chunks as the parameters (padding reads zero)
 and scalar state (``step``) is copied, so the sharded step starts where the unsharded would.
+
+Optimizers that are not element-wise (Adafactor) use :class:`ReplicatedOptimizer` instead: full
+fp32 masters stepped identically on every rank (see [Note: non-element-wise optimizers]).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_reduce
+from lightning_zero.collectives import CommCounter, all_gather, all_reduce
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.reducer import Bucket, wait_work
 
@@ -72,13 +75,17 @@ class ShardedOptimizer:
         self.collective_timeout = collective_timeout
         self.replicated_weight: dict[int, torch.Tensor] = {}  # master id -> per-element 1/tp weights
 
-        for param_group, groups in zip(optimizer.param_groups, flat_groups):
-            param_group["params"] = [master for group in groups for master in group.masters]
-        optimizer.state.clear()
-        if eager_state:
-            self._shard_eager_state(eager_state)
+        self._point_optimizer_at_masters(eager_state)
         self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
+
+    def _point_optimizer_at_masters(self, eager_state: dict) -> None:
+        """Each param group steps this rank's fp32 master chunks (one per bucket)."""
+        for param_group, groups in zip(self.optimizer.param_groups, self.flat_groups):
+            param_group["params"] = [master for group in groups for master in group.masters]
+        self.optimizer.state.clear()
+        if eager_state:
+            self._shard_eager_state(eager_state)
 
     @property
     def _poll(self) -> bool:
@@ -185,19 +192,22 @@ class ShardedOptimizer:
                 )
 
     # -- gradient clipping over shards ---------------------------------------------------------
+    def _norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(gradient values this rank counts in the global norm, their per-element weight or None)."""
+        return [(m.grad, self.replicated_weight.get(id(m))) for m in self.masters if m.grad is not None]
+
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm over every rank's chunks (one all-reduce of a scalar)."""
-        grads = [(m, m.grad) for m in self.masters if m.grad is not None]
-        device = grads[0][1].device if grads else torch.device("cpu")
+        grads = self._norm_terms()
+        device = grads[0][0].device if grads else torch.device("cpu")
         if norm_type == math.inf:
             local = torch.zeros((), dtype=torch.float32, device=device)
-            for _, grad in grads:
+            for grad, _ in grads:
                 local = torch.maximum(local, grad.detach().abs().max().float())
             return self._all_reduce_scalar(local, dist.ReduceOp.MAX)
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for master, grad in grads:
+        for grad, weight in grads:
             values = grad.detach().float().abs().pow(norm_type)
-            weight = self.replicated_weight.get(id(master))
             local += (values * weight).sum() if weight is not None else values.sum()
         return self._all_reduce_scalar(local, dist.ReduceOp.SUM).pow(1.0 / norm_type)
 
@@ -234,5 +244,198 @@ class ShardedOptimizer:
                     total += value.numel() * value.element_size()
         return total
 
+    def extra_grad_bytes(self) -> int:
+        """Gradient bytes held beyond the reducer's storage (see :class:`ReplicatedOptimizer`)."""
+        return 0
+
+    def extra_master_bytes(self) -> int:
+        """fp32 master bytes beyond the flat groups' own chunks (see :class:`ReplicatedOptimizer`)."""
+        return 0
+
     def remove_hooks(self) -> None:
         self._post_hook.remove()
+
+
+# [Note: non-element-wise optimizers]
+# Adafactor keeps, for every >= 2-D parameter, one second moment per row and one per column
+# (factored); its update of an element depends on whole rows and columns of the parameter. An
+# element-range chunk of the flat buffer ([Note: flat layout] in flat.py) cuts rows and whole
+# parameters apart, so the sharded step of ShardedOptimizer would compute other statistics than
+# the unsharded one. Such an optimizer (``REPLICATED_STEP_OPTIMIZERS`` in engine.py) therefore
+# steps *full* fp32 masters of its parameters, identically on every dp rank:
+#
+# - the gradient sync is unchanged (buckets reduce-scatter during backward, stage 2 still keeps
+#   only the chunk between backward and step); at the end of the sync one extra all-gather per
+#   bucket (``all_gather_grads_replicated``, P (dp-1)/dp elements of the compute dtype per step)
+#   gives every rank the full averaged gradient, cast to a fresh fp32 buffer that lives until
+#   the next backward (or the optimizer's zero_grad);
+# - the optimizer steps full masters shaped like the parameters: in fp32 they are views of the
+#   compute parameters (no copy); under bf16-mixed or optimizer offload they are views of one
+#   full fp32 buffer per flat group, copied (cast) into the compute parameters after the step.
+#   The flat group's master chunks become views of that buffer, so checkpoints read the
+#   updated fp32 values through ``owned_ranges`` as for element-wise optimizers. No parameter
+#   all-gather runs after the step: every rank already holds the same updated values;
+# - the optimizer state is replicated: ZeRO saves nothing on it (nor on the fp32 master),
+#   only the stage-2 gradient shard during backward. The engine warns about it at build;
+# - gradient clipping: the norm counts only this rank's owned element range of each full
+#   gradient (the same ranges the sharded path counts), summed over the norm group once, so it
+#   equals the global norm without counting any element dp times;
+# - checkpoints save the weights; saving this optimizer's (factored) state is refused with a
+#   ValueError that names the fix (``save_weights_only=True``), as it is not range-shardable.
+#
+# Stage 3 (parameters sharded) is refused at engine build for these optimizers. LBFGS stays
+# refused: its ``step(closure)`` re-runs forward and backward several times per step, each a
+# gradient sync the step hooks do not expect; SparseAdam needs sparse gradients, which flat
+# gradient buffers never are.
+
+
+class ReplicatedOptimizer(ShardedOptimizer):
+    """Steps full fp32 masters of its parameters on every dp rank (stages 1-2).
+
+    See [Note: non-element-wise optimizers]. Same constructor and surface as
+    :class:`ShardedOptimizer`; only the optimizer's params, the gradient hand-off, the post-step
+    update and the norm terms differ.
+    """
+
+    def _point_optimizer_at_masters(self, eager_state: dict) -> None:
+        self._full_masters: list[torch.Tensor] = []  # per flat group: fp32 buffer of layout.numel
+        self._master_of_param: dict[int, torch.nn.Parameter] = {}  # module param id -> full master
+        self._norm_slices: list[tuple[torch.nn.Parameter, int, int, torch.nn.Parameter, int]] = []
+        for param_group, groups in zip(self.optimizer.param_groups, self.flat_groups):
+            masters = []
+            for group in groups:
+                full = self._full_master_buffer(group)
+                self._full_masters.append(full)
+                for slot in group.layout.slots:
+                    master = torch.nn.Parameter(full[slot.offset : slot.end].view(slot.shape))
+                    self._master_of_param[id(slot.param)] = master
+                    masters.append(master)
+                for bucket, chunk_master in zip(group.layout.buckets, group.masters):
+                    start = bucket.shard_start(group.dp_rank)
+                    end = start + bucket.shard_numel
+                    for slot in bucket.slots:
+                        lo, hi = max(start, slot.offset), min(end, slot.end)
+                        if lo < hi:
+                            master = self._master_of_param[id(slot.param)]
+                            self._norm_slices.append((master, lo - slot.offset, hi - slot.offset, chunk_master, lo - start))
+            param_group["params"] = masters
+        self.optimizer.state.clear()
+        for groups in self.flat_groups:  # state made in __init__: the parameter's own, copied
+            for group in groups:
+                for slot in group.layout.slots:
+                    state = eager_state.get(slot.param)
+                    if state:
+                        master = self._master_of_param[id(slot.param)]
+                        self.optimizer.state[master] = {
+                            k: v.detach().clone().to(master.device) if torch.is_tensor(v) else v for k, v in state.items()
+                        }
+
+    def _full_master_buffer(self, group: FlatParamGroup) -> torch.Tensor:
+        """The full fp32 values of ``group`` on this rank; its master chunks become views of it."""
+        if group.masters_alias_params:
+            return group.param_buffer  # fp32: the masters are the parameters themselves
+        # bf16-mixed / offload: the fp32 values exist only as each rank's chunks: gather them once.
+        device = group.param_buffer.device
+        full = torch.zeros(group.layout.numel, dtype=group.master_dtype, device=device)
+        self._gather_chunks_into(group, full, [m.detach().to(device) for m in group.masters], "all_gather_masters")
+        full = full.to(group.master_device)
+        group.masters = [
+            torch.nn.Parameter(full[bucket.shard_start(group.dp_rank) : bucket.shard_start(group.dp_rank) + bucket.shard_numel])
+            for bucket in group.layout.buckets
+        ]
+        return full
+
+    def _gather_chunks_into(self, group: FlatParamGroup, full: torch.Tensor, chunks: list[torch.Tensor], label: str) -> None:
+        with record_function(f"lightning_zero::{label}"):
+            works = [
+                all_gather(full[bucket.start : bucket.end], chunk, self.dp_group, async_op=True, counter=self.counter, label=label)
+                for bucket, chunk in zip(group.layout.buckets, chunks)
+            ]
+            for index, work in enumerate(works):
+                wait_work(
+                    work,
+                    self.collective_timeout,
+                    lambda index=index: f"the {label} all-gather {index + 1} of {len(works)} for"
+                    f" {type(self.optimizer).__name__} (replicated step)",
+                    poll=self._poll,
+                )
+
+    @property
+    def masters(self) -> list[torch.nn.Parameter]:
+        return [master for group in self.optimizer.param_groups for master in group["params"]]
+
+    def prepare_master_grads(self, buckets: list[Bucket]) -> None:
+        """All-gather every owned bucket's reduced chunk: each full master gets the full average."""
+        by_group: dict[int, dict[int, torch.Tensor]] = {}
+        for bucket in buckets:
+            if self.owns(bucket):
+                assert bucket.grad_chunk is not None
+                by_group.setdefault(id(bucket.group), {})[bucket.layout.index] = bucket.grad_chunk
+        for groups in self.flat_groups:
+            for group in groups:
+                chunks = by_group.get(id(group))
+                if chunks is None or len(chunks) != len(group.layout.buckets):
+                    continue
+                sample = chunks[0]
+                gathered = torch.empty(group.layout.numel, dtype=sample.dtype, device=sample.device)
+                self._gather_chunks_into(group, gathered, [chunks[i] for i in range(len(chunks))], "all_gather_grads_replicated")
+                full_grad = gathered.to(device=group.master_device, dtype=group.master_dtype)
+                for slot in group.layout.slots:
+                    self._master_of_param[id(slot.param)].grad = full_grad[slot.offset : slot.end].view(slot.shape)
+        self._remember_grads()
+
+    def _norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Only this rank's owned element range of each full gradient (see the Note)."""
+        terms = []
+        for master, lo, hi, chunk_master, chunk_lo in self._norm_slices:
+            if master.grad is None:
+                continue
+            weight = self.replicated_weight.get(id(chunk_master))
+            terms.append((master.grad.reshape(-1)[lo:hi], None if weight is None else weight[chunk_lo : chunk_lo + hi - lo]))
+        return terms
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        index = 0
+        for groups in self.flat_groups:
+            for group in groups:
+                full = self._full_masters[index]
+                index += 1
+                if full is not group.param_buffer:
+                    group.param_buffer.copy_(full.detach())
+
+    def all_gather_params(self) -> None:
+        """After the chunk masters changed (checkpoint load): refresh the full masters and params."""
+        index = 0
+        for groups in self.flat_groups:
+            for group in groups:
+                full = self._full_masters[index]
+                index += 1
+                device = group.param_buffer.device
+                if full is group.param_buffer:
+                    chunks = [group.param_shard(bucket).clone() for bucket in group.layout.buckets]
+                    self._gather_chunks_into(group, full, chunks, "all_gather_params")
+                    continue
+                gathered = torch.empty(group.layout.numel, dtype=full.dtype, device=device)
+                self._gather_chunks_into(group, gathered, [m.detach().to(device) for m in group.masters], "all_gather_params")
+                full.copy_(gathered)
+                group.param_buffer.copy_(gathered)
+
+    def extra_grad_bytes(self) -> int:
+        """The full fp32 gradients handed to the masters (alive until zero_grad or the next backward)."""
+        storages = {}
+        for master in self.masters:
+            if master.grad is not None:
+                storage = master.grad.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def extra_master_bytes(self) -> int:
+        total = 0
+        index = 0
+        for groups in self.flat_groups:
+            for group in groups:
+                full = self._full_masters[index]
+                index += 1
+                if full is not group.param_buffer:
+                    total += (full.numel() - sum(m.numel() for m in group.masters)) * full.element_size()
+        return total
