@@ -32,7 +32,9 @@ def worker(args: argparse.Namespace) -> None:
     def make_strategy() -> Any:
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=2, tensor_parallel_size=tp, bucket_mb=args.bucket_mb, monitor=False)
+        return ZeroStrategy(  # collective_timeout=None: the path GPUs run (see bench_zero12.py)
+            stage=2, tensor_parallel_size=tp, bucket_mb=args.bucket_mb, monitor=False, collective_timeout=None
+        )
 
     run_worker(
         args,

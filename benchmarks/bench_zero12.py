@@ -38,7 +38,11 @@ def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse
     def make(args: argparse.Namespace) -> Any:
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=stage, bucket_mb=args.bucket_mb, overlap_comm=overlap, monitor=False, **kwargs)
+        # collective_timeout=None: the reduce-scatter path GPUs run (on gloo a finite timeout polls
+        # an all-reduce instead; see [Note: collective timeout] in zero/reducer.py)
+        return ZeroStrategy(
+            stage=stage, bucket_mb=args.bucket_mb, overlap_comm=overlap, monitor=False, collective_timeout=None, **kwargs
+        )
 
     return make
 

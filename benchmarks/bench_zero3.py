@@ -36,7 +36,9 @@ def _zero3(prefetch: int) -> Callable[[argparse.Namespace], Any]:
     def make(args: argparse.Namespace) -> Any:
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=3, bucket_mb=args.bucket_mb, prefetch_blocks=prefetch, monitor=False)
+        return ZeroStrategy(  # collective_timeout=None: the path GPUs run (see bench_zero12.py)
+            stage=3, bucket_mb=args.bucket_mb, prefetch_blocks=prefetch, monitor=False, collective_timeout=None
+        )
 
     return make
 
