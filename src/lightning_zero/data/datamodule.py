@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-SOURCES = ("corpus", "memmap", "synthetic")
 from lightning_zero.data.corpus import build_corpus, synthetic_tokens
 from lightning_zero.data.resumable import ResumableDataLoader, ResumableSampler
 from lightning_zero.data.tokens import (
@@ -24,33 +23,8 @@ from lightning_zero.data.tokens import (
     token_meta_path,
 )
 
-# --------------------------------------------------------------------------------------------
-# Token files
-# --------------------------------------------------------------------------------------------
 
-
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# Sources
-# --------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# Dataset and data module
-# --------------------------------------------------------------------------------------------
+SOURCES = ("corpus", "memmap", "synthetic")
 
 
 class TokenWindows(Dataset):
@@ -305,36 +279,5 @@ class TokenDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError("TokenDataModule: call setup() before asking for data loaders")
         return dataset
-
-
-# --------------------------------------------------------------------------------------------
-# Resumable position
-# --------------------------------------------------------------------------------------------
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizing text into a token file (``lightning-zero prepare-data``)
-# --------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 

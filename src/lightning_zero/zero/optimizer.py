@@ -138,7 +138,7 @@ class ShardedOptimizer:
                                 bucket.shard_start(group.dp_rank),
                                 bucket.shard_start(group.dp_rank) + bucket.shard_numel,
                                 chunk,
-                                lambda slot: by_param.get(id(slot.param)),
+                                lambda slot, by_param=by_param: by_param.get(id(slot.param)),
                             )
                             sharded[key] = chunk
                         else:
