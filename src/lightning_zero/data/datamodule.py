@@ -23,7 +23,6 @@ from lightning_zero.data.tokens import (
     token_meta_path,
 )
 
-
 SOURCES = ("corpus", "memmap", "synthetic")
 
 
