@@ -37,7 +37,25 @@ so their order never interleaves with the gradient reduce-scatters'.
 [Note: abort channel] With gloo (CPU) a wait on an all-gather polls ``work.is_completed()`` and,
 every 50 ms, the store key of this runtime; a message there is raised as this rank's error.
 NCCL waits are left to the stream (no host-side polling); there a divergence after the first
-step ends in the process group's timeout.
+step ends in the process group's timeout. A rank whose collective fails outright (gloo's
+"Connection closed by peer": the peer raised and exited) reads the key too (for up to a second)
+and raises the peer's message, naming module, step and rank (the reducer does the same for its
+reduce-scatters, through ``abort_message``). With ``collective_timeout`` a gloo all-gather wait
+that runs out raises naming the unit, and posts that message for the other ranks.
+
+[Note: skipped units and gradient buckets] The gradient reducer launches its buckets' reduce-scatters
+strictly in one global order and, with its pool of ``max_buckets_in_flight`` buffers full, waits for
+the oldest one before the next bucket fills. A rank that skips a unit's backward (a block skipped
+from step 2 on, or a loss reaching no trainable parameter) would launch that unit's bucket only at
+the end of backward -- after the backward all-gathers it still issues for the other ranks -- while
+those ranks, waiting in the pool on that very reduce-scatter, never issue the gathers: a deadlock
+across the two process groups. So when a rank consumes a *backward* entry of the schedule it did
+not reach, it tells the reducer (``on_unit_skipped_in_backward`` -> ``GradReducer.mark_absent``)
+that the unit's parameters get zero gradients in this backward, and their bucket launches right
+after that gather, where the other ranks launch it. A backward that reached no unit at all is
+flushed by the reducer before its final launches (``flush_backward``: the remaining backward
+entries are gathered, and their buckets launched, in schedule order). Every rank thus issues
+gathers and reduce-scatters in the same interleaving, and the pool stays bounded.
 
 [Note: freeing in backward] A unit is gathered again by a hook on its forward outputs before its
 backward runs, and freed when its backward is done: an autograd function applied to the unit's
@@ -68,6 +86,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.zero.reducer import CollectiveTimeoutError
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 
 # Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
@@ -106,6 +125,7 @@ class Schedule:
     """The order units were gathered in during the first step of a phase ([Note: gather schedule])."""
 
     order: list[int] = field(default_factory=list)
+    in_backward: list[bool] = field(default_factory=list)  # per entry: gathered for a backward
     recorded: bool = False
     position: int = 0
 
@@ -142,6 +162,8 @@ class Stage3Runtime:
             ([Note: shared parameters] in ``units.py``); they gather the root on demand.
         optimizers: torch optimizers stepping the shards; after each ``step()`` every gathered
             unit is freed (its full parameters are stale), so the next use re-gathers.
+        collective_timeout: seconds a wait on an all-gather may take before it raises naming the
+            unit (gloo only, [Note: abort channel]); ``None``: the process group's timeout.
     """
 
     def __init__(
@@ -154,6 +176,7 @@ class Stage3Runtime:
         top: Optional[nn.Module] = None,
         root_holders: Iterable[nn.Module] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        collective_timeout: Optional[float] = None,
     ) -> None:
         self.units = units
         self.root = units[-1]
@@ -168,6 +191,9 @@ class Stage3Runtime:
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
+        # The reducer's: the trainable parameters of a unit whose backward this rank skipped.
+        self.on_unit_skipped_in_backward: Optional[Callable[[list[nn.Parameter]], None]] = None
+        self.collective_timeout = collective_timeout
         self.dp_size = dist.get_world_size(ag_group)
         self.dp_rank = dist.get_rank(ag_group)
         self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
@@ -197,10 +223,35 @@ class Stage3Runtime:
             return None, ""
         return store, f"lightning_zero/stage3_abort/{self.ag_group.group_name}"
 
+    def abort_message(self) -> Optional[str]:
+        """The message another rank posted before it failed, or None."""
+        try:
+            if self._store is not None and self._store.check([self._abort_key]):
+                return self._store.get(self._abort_key).decode()
+        except Exception:  # noqa: BLE001 - the store itself is gone: nothing to report
+            return None
+        return None
+
     def _check_abort(self) -> None:
-        if self._store is not None and self._store.check([self._abort_key]):
-            message = self._store.get(self._abort_key).decode()
+        message = self.abort_message()
+        if message is not None:
             raise RuntimeError(f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}")
+
+    def explain_failure(self, err: BaseException) -> None:
+        """A collective failed (gloo: "Connection closed by peer"): if the failing peer posted why,
+        raise that instead (polling the store for up to a second: the peer posts before it exits)."""
+        if self._store is None:
+            return
+        deadline = time.monotonic() + 1.0
+        while True:
+            message = self.abort_message()
+            if message is not None:
+                raise RuntimeError(
+                    f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}"
+                ) from err
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(_POLL_STORE_S)
 
     def _abort(self, message: str) -> None:
         """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
@@ -208,17 +259,35 @@ class Stage3Runtime:
             self._store.set(self._abort_key, message)
         raise RuntimeError(message)
 
-    def _wait_work(self, work: Any) -> None:
+    def _wait_work(self, work: Any, what: str = "a stage-3 agreement") -> None:
         if self._store is None:
             work.wait()
             return
-        next_check = time.monotonic() + _POLL_STORE_S
+        started = time.monotonic()
+        next_check = started + _POLL_STORE_S
         while not work.is_completed():
-            if time.monotonic() >= next_check:
+            now = time.monotonic()
+            if now >= next_check:
                 self._check_abort()
-                next_check = time.monotonic() + _POLL_STORE_S
+                next_check = now + _POLL_STORE_S
+            if self.collective_timeout is not None and now - started > self.collective_timeout:
+                message = (
+                    f"lightning_zero: collective_timeout: dp rank {self.dp_rank} waited {now - started:.1f} s (limit"
+                    f" {self.collective_timeout:g} s) for {what} during {self._what()} of step {self.step}. Another"
+                    " rank is most likely stuck before this collective or issued a different one; see its own error."
+                    " Raise ZeroStrategy(collective_timeout=...) if a collective legitimately takes this long."
+                )
+                try:
+                    self._store.set(self._abort_key, message)
+                except Exception:  # noqa: BLE001 - best effort: this rank raises either way
+                    pass
+                raise CollectiveTimeoutError(message)
             time.sleep(0.0002)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as err:
+            self.explain_failure(err)
+            raise
 
     # -- gathering ------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -242,7 +311,7 @@ class Stage3Runtime:
         if unit.works:
             with record_function(f"lightning_zero::wait_all_gather::{unit.name}"):
                 for work in unit.works:
-                    self._wait_work(work)
+                    self._wait_work(work, f"the all-gather of unit {unit.name!r}")
             unit.works.clear()
 
     def _free(self, unit: Unit) -> None:
@@ -325,6 +394,7 @@ class Stage3Runtime:
         if not schedule.recorded:
             self._agree(unit, self._what())
             schedule.order.append(unit.index)
+            schedule.in_backward.append(self.in_backward)
             self._start_gather(unit)
             self._wait(unit)
             return
@@ -337,8 +407,8 @@ class Stage3Runtime:
                 f" step {self.step} more often than in the first {kind} step (or out of the recorded order)."
                 " Every rank must run the same modules the same number of times per step."
             )
-        for skipped in order[schedule.position : found]:  # ran on other ranks, not here: keep in step
-            self._consume_skipped(self.units[skipped])
+        for position in range(schedule.position, found):  # ran on other ranks, not here: keep in step
+            self._consume_skipped(self.units[order[position]], schedule.in_backward[position])
         schedule.position = found + 1
         self._start_gather(unit)
         unit.prefetched = False
@@ -376,7 +446,7 @@ class Stage3Runtime:
         self._wait(unit)
         return True
 
-    def _consume_skipped(self, unit: Unit) -> None:
+    def _consume_skipped(self, unit: Unit, backward_entry: bool = False) -> None:
         if unit.prefetched:
             self._free(unit)
         elif unit.gathered:
@@ -384,6 +454,22 @@ class Stage3Runtime:
         else:
             self._start_gather(unit)
             self._free(unit)
+        if backward_entry and self.on_unit_skipped_in_backward is not None:
+            # [Note: skipped units and gradient buckets]
+            self.on_unit_skipped_in_backward(unit.trainable)
+
+    def flush_backward(self) -> None:
+        """A backward ends that reached no unit on this rank (its loss reached no trainable
+        parameter), called by the reducer before it launches the remaining buckets: issue the
+        backward gathers the other ranks run now, in schedule order ([Note: skipped units and
+        gradient buckets])."""
+        schedule = self.schedules.get(self.open_kind) if self.open_kind == "train" else None
+        if self.in_backward or schedule is None or not schedule.recorded:
+            return
+        while schedule.position < len(schedule.order) and schedule.in_backward[schedule.position]:
+            position = schedule.position
+            schedule.position += 1
+            self._consume_skipped(self.units[schedule.order[position]], True)
 
     def _close(self) -> None:
         """Close the open step: flush what its schedule still expects, free everything."""
@@ -392,8 +478,8 @@ class Stage3Runtime:
             return
         schedule = self.schedules.setdefault(kind, Schedule())
         if schedule.recorded:
-            for index in schedule.order[schedule.position :]:
-                self._consume_skipped(self.units[index])
+            for position in range(schedule.position, len(schedule.order)):
+                self._consume_skipped(self.units[schedule.order[position]], schedule.in_backward[position])
         schedule.recorded = True
         schedule.position = 0
         self.open_kind = None
