@@ -40,7 +40,9 @@ NCCL waits are left to the stream (no host-side polling); there a divergence aft
 step ends in the process group's timeout. A rank whose collective fails outright (gloo's
 "Connection closed by peer": the peer raised and exited) reads the key too (for up to a second)
 and raises the peer's message, naming module, step and rank (the reducer does the same for its
-reduce-scatters, through ``abort_message``). With ``collective_timeout`` a gloo all-gather wait
+reduce-scatters, through ``abort_message``). A reader acknowledges it (``<key>/acks``); global rank
+0, which usually hosts the store (so its exit takes the message along), waits up to 2 s for every
+peer's acknowledgement before it raises -- peers in a polled wait read it within 50 ms. With ``collective_timeout`` a gloo all-gather wait
 that runs out raises naming the unit, and posts that message for the other ranks.
 
 [Note: skipped units and gradient buckets] The gradient reducer launches its buckets' reduce-scatters
@@ -96,6 +98,7 @@ _EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation 
 _DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
 _DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
 _POLL_STORE_S = 0.05
+_ABORT_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for peers to read its message
 
 
 @dataclass
@@ -198,6 +201,8 @@ class Stage3Runtime:
         self.dp_rank = dist.get_rank(ag_group)
         self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
         self._store, self._abort_key = self._abort_channel()
+        self._posted = False  # this rank posted an abort message
+        self._acked = False  # this rank acknowledged another rank's message
         self._handles: list[Any] = []
         for unit in units:
             if unit.module is not None:
@@ -224,18 +229,45 @@ class Stage3Runtime:
         return store, f"lightning_zero/stage3_abort/{self.ag_group.group_name}"
 
     def abort_message(self) -> Optional[str]:
-        """The message another rank posted before it failed, or None."""
+        """The message a rank (another one, or this one: then its later waits fail fast too)
+        posted before it failed, or None."""
+        if self._store is None:
+            return None
         try:
-            if self._store is not None and self._store.check([self._abort_key]):
-                return self._store.get(self._abort_key).decode()
+            if not self._store.check([self._abort_key]):
+                return None
+            message = self._store.get(self._abort_key).decode()
+            if not self._acked and not self._posted:  # tell the poster it may exit ([Note: abort channel])
+                self._acked = True
+                self._store.add(self._abort_key + "/acks", 1)
+            return message
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing to report
             return None
-        return None
+
+    def _post(self, message: str) -> None:
+        """Post ``message`` for the other ranks. Global rank 0 usually hosts the store, which dies
+        with it: there wait up to ``_ABORT_GRACE_S`` until every peer read it."""
+        if self._store is None or self._posted:
+            return
+        try:
+            self._store.set(self._abort_key, message)
+            self._posted = True
+            if dist.get_rank() != 0:
+                return
+            deadline = time.monotonic() + _ABORT_GRACE_S
+            while self._store.add(self._abort_key + "/acks", 0) < self.dp_size - 1 and time.monotonic() < deadline:
+                time.sleep(_POLL_STORE_S)
+        except Exception:  # noqa: BLE001 - best effort: this rank raises either way
+            pass
 
     def _check_abort(self) -> None:
         message = self.abort_message()
         if message is not None:
-            raise RuntimeError(f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}")
+            raise RuntimeError(f"{self._stops_because()}: {message}")
+
+    def _stops_because(self) -> str:
+        why = "after its own error" if self._posted else "because another rank failed"
+        return f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops {why}"
 
     def explain_failure(self, err: BaseException) -> None:
         """A collective failed (gloo: "Connection closed by peer"): if the failing peer posted why,
@@ -246,17 +278,14 @@ class Stage3Runtime:
         while True:
             message = self.abort_message()
             if message is not None:
-                raise RuntimeError(
-                    f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}"
-                ) from err
+                raise RuntimeError(f"{self._stops_because()}: {message}") from err
             if time.monotonic() >= deadline:
                 return
             time.sleep(_POLL_STORE_S)
 
     def _abort(self, message: str) -> None:
         """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
-        if self._store is not None:
-            self._store.set(self._abort_key, message)
+        self._post(message)
         raise RuntimeError(message)
 
     def _wait_work(self, work: Any, what: str = "a stage-3 agreement") -> None:
@@ -277,10 +306,7 @@ class Stage3Runtime:
                     " rank is most likely stuck before this collective or issued a different one; see its own error."
                     " Raise ZeroStrategy(collective_timeout=...) if a collective legitimately takes this long."
                 )
-                try:
-                    self._store.set(self._abort_key, message)
-                except Exception:  # noqa: BLE001 - best effort: this rank raises either way
-                    pass
+                self._post(message)
                 raise CollectiveTimeoutError(message)
             time.sleep(0.0002)
         try:
@@ -685,9 +711,10 @@ class Stage3Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._store is not None:
+        if self._store is not None and not self._posted:  # a posted message stays for the peers
             try:
                 self._store.delete_key(self._abort_key)
+                self._store.delete_key(self._abort_key + "/acks")
             except Exception:  # noqa: BLE001 - best effort; the key names a group no one reuses
                 pass
 
