@@ -258,6 +258,10 @@ class ZeroEngine:
         self._warn_replicated(optimizers)
         if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
             self.stage3.on_backward_begin = self.reducer.begin_backward
+            # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
+            self.stage3.on_unit_skipped_in_backward = self.reducer.mark_absent
+            self.reducer.before_final_launch.append(self.stage3.flush_backward)
+            self.reducer.peer_abort_message = self.stage3.abort_message
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
@@ -336,6 +340,7 @@ class ZeroEngine:
             top=module,
             root_holders=root_holders,
             optimizers=optimizers,
+            collective_timeout=self.collective_timeout,
         )
         return per_optimizer
 

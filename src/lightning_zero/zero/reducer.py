@@ -432,6 +432,11 @@ class GradReducer:
         self.sync_enabled = True
         self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
         self.on_backward_begin: list[Callable[[], None]] = []  # run when a backward begins
+        # Run by finish_backward before the remaining buckets launch (stage 3: flush_backward).
+        self.before_final_launch: list[Callable[[], None]] = []
+        # Why a peer failed, if it posted a message (stage 3's abort channel); see _complete.
+        self.peer_abort_message: Optional[Callable[[], Optional[str]]] = None
+        self._absent: set[int] = set()  # param ids counted ready without a gradient (mark_absent)
         self.finished_backwards = 0  # backwards ended so far (see [Note: end of backward])
         self.learned_order = False
         self._backward_open = False
@@ -520,6 +525,9 @@ class GradReducer:
         bucket, slot = self._bucket_of_param[id(param)]
         key = id(param)
         syncing = self._syncing()
+        if key in self._absent:  # counted ready without a gradient, and one arrived after all
+            self._absent.discard(key)
+            bucket.ready -= 1
         if bucket.launched:
             raise RuntimeError(
                 f"lightning_zero: parameter {slot.name!r} received another gradient in this backward after its"
@@ -540,6 +548,25 @@ class GradReducer:
             bucket.ready += 1
         early = self.learned_order or not self._nested_seen
         if syncing and self.overlap_comm and early and bucket.ready == self._complete_count(bucket):
+            self._launch_ready_in_order()
+
+    def mark_absent(self, params: list[torch.Tensor]) -> None:
+        """``params`` get no gradient in this backward on this rank (stage 3: their unit's backward
+        was skipped here): count them ready with zero gradients, so their buckets launch where the
+        other ranks launch them ([Note: skipped units and gradient buckets] in stage3/runtime.py).
+        Does nothing outside a backward."""
+        if not self._backward_open:
+            return
+        for param in params:
+            key = id(param)
+            if key not in self._bucket_of_param or key in self._hits or key in self._absent:
+                continue
+            bucket, _ = self._bucket_of_param[key]
+            if bucket.launched:
+                continue
+            self._absent.add(key)
+            bucket.ready += 1
+        if self._syncing() and self.overlap_comm and self.learned_order:
             self._launch_ready_in_order()
 
     def _complete_count(self, bucket: Bucket) -> int:
@@ -592,12 +619,23 @@ class GradReducer:
             )
 
         with record_function("lightning_zero::wait_reduce_scatter"):
-            wait_work(
-                work,
-                self.collective_timeout,
-                waiting_on,
-                poll=self.device.type == "cpu",
-            )
+            try:
+                wait_work(
+                    work,
+                    self.collective_timeout,
+                    waiting_on,
+                    poll=self.device.type == "cpu",
+                )
+            except RuntimeError as err:
+                if not isinstance(err, CollectiveTimeoutError) and self.peer_abort_message is not None:
+                    deadline = time.monotonic() + 1.0  # the failing peer posts its message before it exits
+                    while (message := self.peer_abort_message()) is None and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if message is not None:
+                        raise RuntimeError(
+                            f"lightning_zero (dp rank {self.dp_rank}) stops because another rank failed: {message}"
+                        ) from err
+                raise
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
         chunk = bucket.grad_chunk
         assert chunk is not None
@@ -629,6 +667,8 @@ class GradReducer:
             self._begin_backward()
         self.timeline.add("backward_end", -1)
         if self._syncing():
+            for callback in self.before_final_launch:
+                callback()
             self.finish_grad_sync()
             if not self.learned_order:
                 self._learn_order()
@@ -641,6 +681,7 @@ class GradReducer:
             bucket.ready = 0
             bucket.launched = False
         self._hits.clear()
+        self._absent.clear()
         self._nested_seen = False
         self._next_launch = 0
 

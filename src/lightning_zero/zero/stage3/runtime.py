@@ -37,7 +37,27 @@ so their order never interleaves with the gradient reduce-scatters'.
 [Note: abort channel] With gloo (CPU) a wait on an all-gather polls ``work.is_completed()`` and,
 every 50 ms, the store key of this runtime; a message there is raised as this rank's error.
 NCCL waits are left to the stream (no host-side polling); there a divergence after the first
-step ends in the process group's timeout.
+step ends in the process group's timeout. A rank whose collective fails outright (gloo's
+"Connection closed by peer": the peer raised and exited) reads the key too (for up to a second)
+and raises the peer's message, naming module, step and rank (the reducer does the same for its
+reduce-scatters, through ``abort_message``). A reader acknowledges it (``<key>/acks``); global rank
+0, which usually hosts the store (so its exit takes the message along), waits up to 2 s for every
+peer's acknowledgement before it raises -- peers in a polled wait read it within 50 ms. With ``collective_timeout`` a gloo all-gather wait
+that runs out raises naming the unit, and posts that message for the other ranks.
+
+[Note: skipped units and gradient buckets] The gradient reducer launches its buckets' reduce-scatters
+strictly in one global order and, with its pool of ``max_buckets_in_flight`` buffers full, waits for
+the oldest one before the next bucket fills. A rank that skips a unit's backward (a block skipped
+from step 2 on, or a loss reaching no trainable parameter) would launch that unit's bucket only at
+the end of backward -- after the backward all-gathers it still issues for the other ranks -- while
+those ranks, waiting in the pool on that very reduce-scatter, never issue the gathers: a deadlock
+across the two process groups. So when a rank consumes a *backward* entry of the schedule it did
+not reach, it tells the reducer (``on_unit_skipped_in_backward`` -> ``GradReducer.mark_absent``)
+that the unit's parameters get zero gradients in this backward, and their bucket launches right
+after that gather, where the other ranks launch it. A backward that reached no unit at all is
+flushed by the reducer before its final launches (``flush_backward``: the remaining backward
+entries are gathered, and their buckets launched, in schedule order). Every rank thus issues
+gathers and reduce-scatters in the same interleaving, and the pool stays bounded.
 
 [Note: freeing in backward] A unit is gathered again by a hook on its forward outputs before its
 backward runs, and freed when its backward is done: an autograd function applied to the unit's
@@ -68,6 +88,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.zero.reducer import CollectiveTimeoutError
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 
 # Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
@@ -77,6 +98,7 @@ _EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation 
 _DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
 _DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
 _POLL_STORE_S = 0.05
+_ABORT_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for peers to read its message
 
 
 @dataclass
@@ -106,6 +128,7 @@ class Schedule:
     """The order units were gathered in during the first step of a phase ([Note: gather schedule])."""
 
     order: list[int] = field(default_factory=list)
+    in_backward: list[bool] = field(default_factory=list)  # per entry: gathered for a backward
     recorded: bool = False
     position: int = 0
 
@@ -142,6 +165,8 @@ class Stage3Runtime:
             ([Note: shared parameters] in ``units.py``); they gather the root on demand.
         optimizers: torch optimizers stepping the shards; after each ``step()`` every gathered
             unit is freed (its full parameters are stale), so the next use re-gathers.
+        collective_timeout: seconds a wait on an all-gather may take before it raises naming the
+            unit (gloo only, [Note: abort channel]); ``None``: the process group's timeout.
     """
 
     def __init__(
@@ -154,6 +179,7 @@ class Stage3Runtime:
         top: Optional[nn.Module] = None,
         root_holders: Iterable[nn.Module] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        collective_timeout: Optional[float] = None,
     ) -> None:
         self.units = units
         self.root = units[-1]
@@ -168,10 +194,15 @@ class Stage3Runtime:
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
+        # The reducer's: the trainable parameters of a unit whose backward this rank skipped.
+        self.on_unit_skipped_in_backward: Optional[Callable[[list[nn.Parameter]], None]] = None
+        self.collective_timeout = collective_timeout
         self.dp_size = dist.get_world_size(ag_group)
         self.dp_rank = dist.get_rank(ag_group)
         self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
         self._store, self._abort_key = self._abort_channel()
+        self._posted = False  # this rank posted an abort message
+        self._acked = False  # this rank acknowledged another rank's message
         self._handles: list[Any] = []
         for unit in units:
             if unit.module is not None:
@@ -197,28 +228,92 @@ class Stage3Runtime:
             return None, ""
         return store, f"lightning_zero/stage3_abort/{self.ag_group.group_name}"
 
-    def _check_abort(self) -> None:
-        if self._store is not None and self._store.check([self._abort_key]):
+    def abort_message(self) -> Optional[str]:
+        """The message a rank (another one, or this one: then its later waits fail fast too)
+        posted before it failed, or None."""
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([self._abort_key]):
+                return None
             message = self._store.get(self._abort_key).decode()
-            raise RuntimeError(f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops because another rank failed: {message}")
+            if not self._acked and not self._posted:  # tell the poster it may exit ([Note: abort channel])
+                self._acked = True
+                self._store.add(self._abort_key + "/acks", 1)
+            return message
+        except Exception:  # noqa: BLE001 - the store itself is gone: nothing to report
+            return None
+
+    def _post(self, message: str) -> None:
+        """Post ``message`` for the other ranks. Global rank 0 usually hosts the store, which dies
+        with it: there wait up to ``_ABORT_GRACE_S`` until every peer read it."""
+        if self._store is None or self._posted:
+            return
+        try:
+            self._store.set(self._abort_key, message)
+            self._posted = True
+            if dist.get_rank() != 0:
+                return
+            deadline = time.monotonic() + _ABORT_GRACE_S
+            while self._store.add(self._abort_key + "/acks", 0) < self.dp_size - 1 and time.monotonic() < deadline:
+                time.sleep(_POLL_STORE_S)
+        except Exception:  # noqa: BLE001 - best effort: this rank raises either way
+            pass
+
+    def _check_abort(self) -> None:
+        message = self.abort_message()
+        if message is not None:
+            raise RuntimeError(f"{self._stops_because()}: {message}")
+
+    def _stops_because(self) -> str:
+        why = "after its own error" if self._posted else "because another rank failed"
+        return f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops {why}"
+
+    def explain_failure(self, err: BaseException) -> None:
+        """A collective failed (gloo: "Connection closed by peer"): if the failing peer posted why,
+        raise that instead (polling the store for up to a second: the peer posts before it exits)."""
+        if self._store is None:
+            return
+        deadline = time.monotonic() + 1.0
+        while True:
+            message = self.abort_message()
+            if message is not None:
+                raise RuntimeError(f"{self._stops_because()}: {message}") from err
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(_POLL_STORE_S)
 
     def _abort(self, message: str) -> None:
         """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
-        if self._store is not None:
-            self._store.set(self._abort_key, message)
+        self._post(message)
         raise RuntimeError(message)
 
-    def _wait_work(self, work: Any) -> None:
+    def _wait_work(self, work: Any, what: str = "a stage-3 agreement") -> None:
         if self._store is None:
             work.wait()
             return
-        next_check = time.monotonic() + _POLL_STORE_S
+        started = time.monotonic()
+        next_check = started + _POLL_STORE_S
         while not work.is_completed():
-            if time.monotonic() >= next_check:
+            now = time.monotonic()
+            if now >= next_check:
                 self._check_abort()
-                next_check = time.monotonic() + _POLL_STORE_S
+                next_check = now + _POLL_STORE_S
+            if self.collective_timeout is not None and now - started > self.collective_timeout:
+                message = (
+                    f"lightning_zero: collective_timeout: dp rank {self.dp_rank} waited {now - started:.1f} s (limit"
+                    f" {self.collective_timeout:g} s) for {what} during {self._what()} of step {self.step}. Another"
+                    " rank is most likely stuck before this collective or issued a different one; see its own error."
+                    " Raise ZeroStrategy(collective_timeout=...) if a collective legitimately takes this long."
+                )
+                self._post(message)
+                raise CollectiveTimeoutError(message)
             time.sleep(0.0002)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as err:
+            self.explain_failure(err)
+            raise
 
     # -- gathering ------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -242,7 +337,7 @@ class Stage3Runtime:
         if unit.works:
             with record_function(f"lightning_zero::wait_all_gather::{unit.name}"):
                 for work in unit.works:
-                    self._wait_work(work)
+                    self._wait_work(work, f"the all-gather of unit {unit.name!r}")
             unit.works.clear()
 
     def _free(self, unit: Unit) -> None:
@@ -325,6 +420,7 @@ class Stage3Runtime:
         if not schedule.recorded:
             self._agree(unit, self._what())
             schedule.order.append(unit.index)
+            schedule.in_backward.append(self.in_backward)
             self._start_gather(unit)
             self._wait(unit)
             return
@@ -337,8 +433,8 @@ class Stage3Runtime:
                 f" step {self.step} more often than in the first {kind} step (or out of the recorded order)."
                 " Every rank must run the same modules the same number of times per step."
             )
-        for skipped in order[schedule.position : found]:  # ran on other ranks, not here: keep in step
-            self._consume_skipped(self.units[skipped])
+        for position in range(schedule.position, found):  # ran on other ranks, not here: keep in step
+            self._consume_skipped(self.units[order[position]], schedule.in_backward[position])
         schedule.position = found + 1
         self._start_gather(unit)
         unit.prefetched = False
@@ -376,7 +472,7 @@ class Stage3Runtime:
         self._wait(unit)
         return True
 
-    def _consume_skipped(self, unit: Unit) -> None:
+    def _consume_skipped(self, unit: Unit, backward_entry: bool = False) -> None:
         if unit.prefetched:
             self._free(unit)
         elif unit.gathered:
@@ -384,6 +480,22 @@ class Stage3Runtime:
         else:
             self._start_gather(unit)
             self._free(unit)
+        if backward_entry and self.on_unit_skipped_in_backward is not None:
+            # [Note: skipped units and gradient buckets]
+            self.on_unit_skipped_in_backward(unit.trainable)
+
+    def flush_backward(self) -> None:
+        """A backward ends that reached no unit on this rank (its loss reached no trainable
+        parameter), called by the reducer before it launches the remaining buckets: issue the
+        backward gathers the other ranks run now, in schedule order ([Note: skipped units and
+        gradient buckets])."""
+        schedule = self.schedules.get(self.open_kind) if self.open_kind == "train" else None
+        if self.in_backward or schedule is None or not schedule.recorded:
+            return
+        while schedule.position < len(schedule.order) and schedule.in_backward[schedule.position]:
+            position = schedule.position
+            schedule.position += 1
+            self._consume_skipped(self.units[schedule.order[position]], True)
 
     def _close(self) -> None:
         """Close the open step: flush what its schedule still expects, free everything."""
@@ -392,8 +504,8 @@ class Stage3Runtime:
             return
         schedule = self.schedules.setdefault(kind, Schedule())
         if schedule.recorded:
-            for index in schedule.order[schedule.position :]:
-                self._consume_skipped(self.units[index])
+            for position in range(schedule.position, len(schedule.order)):
+                self._consume_skipped(self.units[schedule.order[position]], schedule.in_backward[position])
         schedule.recorded = True
         schedule.position = 0
         self.open_kind = None
@@ -599,9 +711,10 @@ class Stage3Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._store is not None:
+        if self._store is not None and not self._posted:  # a posted message stays for the peers
             try:
                 self._store.delete_key(self._abort_key)
+                self._store.delete_key(self._abort_key + "/acks")
             except Exception:  # noqa: BLE001 - best effort; the key names a group no one reuses
                 pass
 
