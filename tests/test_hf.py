@@ -397,7 +397,7 @@ def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
     from lightning_zero.cli import build_module
     from lightning_zero.config import RECIPES_DIR, compose
     from lightning_zero.planner import plan_run
-    from lightning_zero.planner_report import plan_kwargs_from_config
+    from lightning_zero.planner.report import plan_kwargs_from_config
 
     cfg = compose([f"recipe={recipe}"])
     assert cfg.model.init_from == "required" and OmegaConf.is_missing(cfg.data, "path")
