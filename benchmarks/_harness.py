@@ -196,7 +196,9 @@ class StorageLedger:
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[Any]:
-    return [value for state in optimizer.state.values() for value in state.values() if hasattr(value, "untyped_storage")]
+    return [
+        value for state in optimizer.state.values() for value in state.values() if hasattr(value, "untyped_storage")
+    ]
 
 
 def live_tensor_bytes() -> int:
@@ -340,7 +342,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for every strategy")
     parser.add_argument("--out", type=str, default=None, help="write the merged results as JSON here")
     parser.add_argument(
-        "--profile", action="store_true", help="one extra untimed step under torch.profiler per case (op table in --log-dir)"
+        "--profile",
+        action="store_true",
+        help="one extra untimed step under torch.profiler per case (op table in --log-dir)",
     )
     parser.add_argument("--log-dir", type=str, default=None, help="keep each case's log and rank JSON here")
     parser.add_argument("--case-timeout", type=int, default=900, help="seconds one case may run")
@@ -386,11 +390,16 @@ def snapshot_sources(script: str, work_dir: Path) -> tuple[str, dict[str, str], 
 def git_state(path: Path) -> dict[str, Any]:
     def git(*command: str) -> str:
         try:
-            return subprocess.run(["git", *command], cwd=path, capture_output=True, text=True, timeout=30).stdout.strip()
+            return subprocess.run(
+                ["git", *command], cwd=path, capture_output=True, text=True, timeout=30
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted_in_src": git("status", "--porcelain", "--", ".").splitlines()}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_in_src": git("status", "--porcelain", "--", ".").splitlines(),
+    }
 
 
 def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: Path) -> dict[str, Any]:

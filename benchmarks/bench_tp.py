@@ -90,7 +90,12 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def driver(args: argparse.Namespace, argv: list[str]) -> None:
     drive(
-        "tp", str(Path(__file__).resolve()), args, argv, known_cases=CASES, baseline="dp2",
+        "tp",
+        str(Path(__file__).resolve()),
+        args,
+        argv,
+        known_cases=CASES,
+        baseline="dp2",
         report=lambda rows: report(rows, args),
     )
 

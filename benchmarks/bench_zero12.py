@@ -41,7 +41,12 @@ def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse
         # collective_timeout=None: the reduce-scatter path GPUs run (on gloo a finite timeout polls
         # an all-reduce instead; see [Note: collective timeout] in zero/reducer.py)
         return ZeroStrategy(
-            stage=stage, bucket_mb=args.bucket_mb, overlap_comm=overlap, monitor=False, collective_timeout=None, **kwargs
+            stage=stage,
+            bucket_mb=args.bucket_mb,
+            overlap_comm=overlap,
+            monitor=False,
+            collective_timeout=None,
+            **kwargs,
         )
 
     return make
@@ -81,7 +86,9 @@ CASES: dict[str, Case] = {
     "zero2": Case("ZeroStrategy(stage=2)", 2, _zero(2), "zero"),
     "zero2_no_overlap": Case("ZeroStrategy(stage=2, overlap_comm=False)", 2, _zero(2, overlap=False), "zero"),
     # stage 2 blocks in backward when max_buckets_in_flight buffers are out; 4 of ~6 buckets
-    "zero2_inflight4": Case("ZeroStrategy(stage=2, max_buckets_in_flight=4)", 2, _zero(2, max_buckets_in_flight=4), "zero"),
+    "zero2_inflight4": Case(
+        "ZeroStrategy(stage=2, max_buckets_in_flight=4)", 2, _zero(2, max_buckets_in_flight=4), "zero"
+    ),
     "ddp": Case("DDPStrategy", 0, _ddp, "ddp"),
     "fsdp_grad_op": Case('FSDPStrategy("SHARD_GRAD_OP"), per block', 2, _fsdp, "fsdp"),
     "deepspeed1": Case("DeepSpeedStrategy(stage=1)", 1, _deepspeed(1), "deepspeed"),
@@ -168,7 +175,9 @@ def report(rows: list[dict]) -> list[str]:
         lines.append(f"goal: zero2 step time {ratio:.3f}x ddp (<= 1.05): {'met' if ratio <= 1.05 else 'NOT met'}")
     if zero2 and fsdp:
         ratio = step_ratio(zero2, fsdp)
-        lines.append(f"goal: zero2 step time {ratio:.3f}x FSDP SHARD_GRAD_OP (< 1): {'met' if ratio < 1 else 'NOT met'}")
+        lines.append(
+            f"goal: zero2 step time {ratio:.3f}x FSDP SHARD_GRAD_OP (< 1): {'met' if ratio < 1 else 'NOT met'}"
+        )
     for name in ("zero1", "zero2", "zero2_no_overlap"):
         row = by_case.get(name)
         if row:

@@ -42,8 +42,30 @@ CASES: dict[str, tuple[int, Any, str]] = {
     "zero2": (2, bench_zero12, "zero2"),
     "zero3_prefetch1": (3, bench_zero3, "zero3"),
 }
-QUICK = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "512",
-         "--seq", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+QUICK = [
+    "--dim",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--ffn",
+    "128",
+    "--vocab",
+    "512",
+    "--seq",
+    "32",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--rounds",
+    "1",
+]
 TOLERANCE = 0.25
 
 
@@ -68,11 +90,26 @@ def calibrated_hardware(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]
     if args.hardware:
         return Path(args.hardware), {}
     out = Path(args.hardware_out or (Path(__file__).resolve().parent / "results" / "cpu_calibrated.yaml"))
-    model = dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, ffn_dim=args.ffn,
-                 vocab_size=args.vocab, max_seq_len=max(args.seq, 16))
+    model = dict(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=args.ffn,
+        vocab_size=args.vocab,
+        max_seq_len=max(args.seq, 16),
+    )
     if args.quick:
-        result = calibrate.calibrate(name=out.stem, sizes_mb=calibrate.QUICK_SIZES_MB, repeats=2, model=model,
-                                     micro_batch=args.batch, seq_len=args.seq, adamw_numel=200_000, overlap_mb=0.5)
+        result = calibrate.calibrate(
+            name=out.stem,
+            sizes_mb=calibrate.QUICK_SIZES_MB,
+            repeats=2,
+            model=model,
+            micro_batch=args.batch,
+            seq_len=args.seq,
+            adamw_numel=200_000,
+            overlap_mb=0.5,
+        )
     else:
         result = calibrate.calibrate(name=out.stem, model=model, micro_batch=args.batch, seq_len=args.seq)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -90,9 +127,19 @@ def predict(args: argparse.Namespace, hardware: Path) -> dict[str, dict[str, Any
     out = {}
     for case in args.cases:
         stage = CASES[case][0]
-        plan = plan_run(config, stage=stage, world_size=2, devices_per_node=2, precision="32-true",
-                        micro_batch=args.batch, seq_len=args.seq, bucket_mb=args.bucket_mb, prefetch_blocks=1,
-                        hardware=hw, suggest=False)
+        plan = plan_run(
+            config,
+            stage=stage,
+            world_size=2,
+            devices_per_node=2,
+            precision="32-true",
+            micro_batch=args.batch,
+            seq_len=args.seq,
+            bucket_mb=args.bucket_mb,
+            prefetch_blocks=1,
+            hardware=hw,
+            suggest=False,
+        )
         assert plan.timing is not None
         out[case] = plan.timing.as_dict()
     return out
@@ -110,14 +157,19 @@ def previous_runs(paths: list[str]) -> dict[str, dict[str, float]]:
         for row in payload.get("rows", []):
             if row.get("case") in CASES and "step_s_median" in row:
                 rounds = [r for r in row.get("step_s_round_medians") or [] if r is not None]
-                found[row["case"]] = {"median_s": row["step_s_median"], "quietest_round_s": min(rounds) if rounds
-                                      else row["step_s_median"], "source": f"{path} ({payload['machine']['date']})"}
+                found[row["case"]] = {
+                    "median_s": row["step_s_median"],
+                    "quietest_round_s": min(rounds) if rounds else row["step_s_median"],
+                    "source": f"{path} ({payload['machine']['date']})",
+                }
     return found
 
 
 def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) -> tuple[list[str], dict[str, Any]]:
-    header = (f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}"
-              f"{'optim':>8}{'copies':>8}{'post-AG':>8}")
+    header = (
+        f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}"
+        f"{'optim':>8}{'copies':>8}{'post-AG':>8}"
+    )
     lines = [header, "-" * len(header)]
     errors = {}
     for case, timing in predicted.items():
@@ -125,18 +177,28 @@ def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) ->
         got = measured.get(case)
         error = (timing["step_s"] / got - 1) if got else float("nan")
         errors[case] = error
-        lines.append(f"{label:<8}{timing['step_s']:>12.3f}{(got or float('nan')):>12.3f}{error:>+9.1%}  "
-                     f"{timing['compute_s']:>8.3f}{timing['exposed_comm_s']:>9.3f}{timing['optimizer_s']:>8.3f}"
-                     f"{timing['grad_copy_s']:>8.3f}{timing['post_step_gather_s']:>8.3f}")
+        lines.append(
+            f"{label:<8}{timing['step_s']:>12.3f}{(got or float('nan')):>12.3f}{error:>+9.1%}  "
+            f"{timing['compute_s']:>8.3f}{timing['exposed_comm_s']:>9.3f}{timing['optimizer_s']:>8.3f}"
+            f"{timing['grad_copy_s']:>8.3f}{timing['post_step_gather_s']:>8.3f}"
+        )
     predicted_order = [CASES[c][2] for c in ranking({c: t["step_s"] for c, t in predicted.items()})]
     measured_order = [CASES[c][2] for c in ranking({c: measured[c] for c in predicted if c in measured})]
     within = all(abs(e) <= TOLERANCE for e in errors.values() if e == e) and len(measured) == len(predicted)
-    lines.append(f"ranking, fastest first: predicted {' < '.join(predicted_order)}; "
-                 f"measured {' < '.join(measured_order)}")
-    lines.append(f"goal: every case within {TOLERANCE:.0%}: {'met' if within else 'NOT met'}; "
-                 f"same ranking: {'met' if predicted_order == measured_order else 'NOT met'}")
-    return lines, {"errors": errors, "predicted_order": predicted_order, "measured_order": measured_order,
-                   "within_tolerance": within, "same_ranking": predicted_order == measured_order}
+    lines.append(
+        f"ranking, fastest first: predicted {' < '.join(predicted_order)}; measured {' < '.join(measured_order)}"
+    )
+    lines.append(
+        f"goal: every case within {TOLERANCE:.0%}: {'met' if within else 'NOT met'}; "
+        f"same ranking: {'met' if predicted_order == measured_order else 'NOT met'}"
+    )
+    return lines, {
+        "errors": errors,
+        "predicted_order": predicted_order,
+        "measured_order": measured_order,
+        "within_tolerance": within,
+        "same_ranking": predicted_order == measured_order,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -155,10 +217,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     hardware, calibration = calibrated_hardware(args)
     predicted = predict(args, hardware)
-    payload: dict[str, Any] = {"benchmark": "planner_check", "started": started, "hardware_yaml": str(hardware),
-                               "hardware": Path(hardware).read_text(), "calibration": calibration,
-                               "predicted": predicted, "args": {k: v for k, v in vars(args).items()
-                                                                if k not in ("worker", "worker_dir")}}
+    payload: dict[str, Any] = {
+        "benchmark": "planner_check",
+        "started": started,
+        "hardware_yaml": str(hardware),
+        "hardware": Path(hardware).read_text(),
+        "calibration": calibration,
+        "predicted": predicted,
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_dir")},
+    }
     report: list[str] = []
     if not args.no_measure:
         worker_argv = [a for a in (QUICK + argv if args.quick else argv) if a != "--quick"]
@@ -166,9 +233,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             run = run_cases(str(Path(__file__).resolve()), args, worker_argv, Path(tmp))
         rows = [summarize(case, run["results"][case]) for case in args.cases]
         measured = {row["case"]: row["step_s_median"] for row in rows if "error" not in row}
-        payload.update(measured={row["case"]: {k: row.get(k) for k in ("step_s_median", "step_s_round_medians",
-                                                                         "step_s_all", "error")} for row in rows},
-                       git=run["git"], machine=machine_note())
+        payload.update(
+            measured={
+                row["case"]: {k: row.get(k) for k in ("step_s_median", "step_s_round_medians", "step_s_all", "error")}
+                for row in rows
+            },
+            git=run["git"],
+            machine=machine_note(),
+        )
         report, verdict = compare(predicted, measured)
         payload["verdict"] = verdict
     if args.previous:

@@ -39,9 +39,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float
     os.environ["WORLD_SIZE"] = str(world_size)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down gloo while a peer still talks to it
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -59,9 +57,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
     port = free_port()
     procs = []
     for rank in range(world_size):
-        proc = ctx.Process(
-            target=_entry, args=(rank, fn, world_size, port, timeout_s, args, errors), daemon=True
-        )
+        proc = ctx.Process(target=_entry, args=(rank, fn, world_size, port, timeout_s, args, errors), daemon=True)
         proc.start()
         procs.append(proc)
     try:

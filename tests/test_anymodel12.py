@@ -64,7 +64,9 @@ def test_matches_ddp(results, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero1_lora_reentrant", "zero2_lora_reentrant", "zero2_lora_nonreentrant", "zero2_lora_reentrant_bf16"])
+@pytest.mark.parametrize(
+    "case", ["zero1_lora_reentrant", "zero2_lora_reentrant", "zero2_lora_nonreentrant", "zero2_lora_reentrant_bf16"]
+)
 def test_one_reduce_scatter_per_bucket_per_step(results, case):
     """Checkpointing (reentrant or not) syncs once per backward: one reduce-scatter per bucket."""
     for rank in RANKS:
@@ -87,7 +89,11 @@ def test_frozen_params_keep_their_dtype_under_bf16(results):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "pair",
-    [("zero2_lora_reentrant_bf16", "zero1_lora_bf16"), ("zero2_bn_bf16", "zero1_bn_bf16"), ("zero2_mlp_adafactor_bf16", "zero1_mlp_adafactor_bf16")],
+    [
+        ("zero2_lora_reentrant_bf16", "zero1_lora_bf16"),
+        ("zero2_bn_bf16", "zero1_bn_bf16"),
+        ("zero2_mlp_adafactor_bf16", "zero1_mlp_adafactor_bf16"),
+    ],
 )
 def test_bf16_stages_agree(results, pair):
     """bf16-mixed: stages 1 and 2 hold the same bf16 gradients and fp32 masters in different places."""
@@ -107,7 +113,9 @@ def test_bf16_batchnorm_trains_like_ddp_bf16(results):
     got, want = _load(results, "zero1_bn_bf16", 0), _load(results, "ddp_bn_bf16", 0)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=2e-2, atol=2e-2)
     during = got["train_dtypes"]
-    assert during["m.net.1.weight"] == during["m.net.1.running_mean"] == during["m.net.1.running_var"] == "torch.float32"
+    assert (
+        during["m.net.1.weight"] == during["m.net.1.running_mean"] == during["m.net.1.running_var"] == "torch.float32"
+    )
     assert during["m.net.0.weight"] == "torch.bfloat16"
     assert got["dtypes"]["m.net.0.weight"] == "torch.float32", "fp32 masters restored after fit"
     torch.testing.assert_close(got["outside"], want["outside"], rtol=0, atol=5e-2)

@@ -23,9 +23,22 @@ def test_bench_zero12_runs_and_writes_json(tmp_path):
     out = tmp_path / "zero12.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_zero12.py"), "--cases", "zero2", "ddp", *TINY, *QUICK,
-         "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_zero12.py"),
+            "--cases",
+            "zero2",
+            "ddp",
+            *TINY,
+            *QUICK,
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "did not run" not in proc.stdout, proc.stdout

@@ -118,7 +118,9 @@ def _config():
 def _optimizer(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+    )
 
 
 def _dump_owned(engine, opt, path, tp_rank=0):
@@ -174,7 +176,9 @@ def _save_body(rank, world, out, stage, tp):
             engine.stage3.begin_step()
         model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
         opt.step()
-    layout = Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage)
+    layout = Layout(
+        world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage
+    )
     save_checkpoint(Path(out, "ckpt"), {"global_step": 2, "optimizer_states": []}, module=model, engine=engine,
                     optimizers=[opt], layout=layout)  # fmt: skip
     _dump_owned(engine, opt, Path(out, f"saved.rank{rank}.pt"), tp_rank=rank % tp)
@@ -243,7 +247,11 @@ def _assemble(files, shapes, tp_dims=None, tp=1):
             for kind, values in (("master", master), ("m", m), ("v", v)):
                 local = torch.full(local_shape, float("nan"))
                 local.reshape(-1)[lo:hi] = values
-                target = entry[kind] if dim is None or tp == 1 else entry[kind].narrow(dim, tp_rank * local_shape[dim], local_shape[dim])
+                target = (
+                    entry[kind]
+                    if dim is None or tp == 1
+                    else entry[kind].narrow(dim, tp_rank * local_shape[dim], local_shape[dim])
+                )
                 mask = ~torch.isnan(local)
                 target[mask] = local[mask]
             entry["step"] = step
@@ -309,7 +317,13 @@ def test_saved_weights_agree_across_stages(saved):
     dense = {stage: torch.load(Path(saved, f"s{stage}", "dense.pt")) for stage in STAGES}
     for stage in STAGES[1:]:
         for name, value in dense[STAGES[0]].items():
-            torch.testing.assert_close(dense[stage][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, stage=stage, name=name: f"stage {stage} {name}: {m}")
+            torch.testing.assert_close(
+                dense[stage][name],
+                value,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, stage=stage, name=name: f"stage {stage} {name}: {m}",
+            )
 
 
 def test_reshard_tp2_to_dense(saved):
@@ -444,7 +458,9 @@ def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tm
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")
     with pytest.raises(CheckpointWriteError, match="not_a_dir"):
-        save_checkpoint(blocker / "last.ckpt", {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout())
+        save_checkpoint(
+            blocker / "last.ckpt", {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout()
+        )
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
     # publishing over an existing checkpoint replaces it whole; a stale temp dir is never "last"

@@ -42,8 +42,11 @@ def _write_fault(out: Path) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
             [sys.executable, str(ROOT / "tests/scripts/ckpt_write_fault.py"), str(out), str(STAGE)],
-            cwd=out, env=_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=out,
+            env=_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for r in range(2)
     ]
@@ -120,7 +123,9 @@ def test_rank_killed_during_checkpoint_write_publishes_nothing(faults):
     assert code0 == 0, f"rank 0 hung or crashed (code {code0}):\n{output0[-4000:]}"
     survivor = json.loads((out / "rank0.json").read_text())
     assert survivor["raised"] and survivor["seconds"] < 60, survivor  # within the 20 s timeout (+ slack)
-    assert survivor["error"].startswith("CheckpointWriteError") and "nothing was published" in survivor["error"], survivor
+    assert survivor["error"].startswith("CheckpointWriteError") and "nothing was published" in survivor["error"], (
+        survivor
+    )
     from lightning_zero.checkpoint import is_checkpoint, load_model, open_checkpoint
     from lightning_zero.models.llama import Llama, LlamaConfig
     from tests.scripts.ckpt_write_fault import CONFIG

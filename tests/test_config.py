@@ -32,9 +32,7 @@ def test_default_config_is_tiny_zero2_on_two_cpu_processes():
     assert cfg.model.max_seq_len == cfg.data.seq_len  # interpolations are resolved
 
 
-@pytest.mark.parametrize(
-    "group, option", [(group, option) for group in GROUPS for option in _options(group)]
-)
+@pytest.mark.parametrize("group, option", [(group, option) for group in GROUPS for option in _options(group)])
 def test_every_group_option_composes(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("data", "memmap"):

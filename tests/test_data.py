@@ -89,12 +89,16 @@ def test_validation_is_in_order_and_padded_to_equal_batches():
     assert make(val_fraction=0.0).val_dataloader() == []
 
 
-@pytest.mark.parametrize("suffix, vocab_size, dtype", [(".bin", 1000, "uint16"), (".bin", 70000, "uint32"), (".npy", 1000, "uint16")])
+@pytest.mark.parametrize(
+    "suffix, vocab_size, dtype", [(".bin", 1000, "uint16"), (".bin", 70000, "uint32"), (".npy", 1000, "uint16")]
+)
 def test_memmap_round_trip(tmp_path, suffix, vocab_size, dtype):
     tokens = np.random.default_rng(0).integers(0, vocab_size, size=1000)
     path = write_tokens(tmp_path / f"tokens{suffix}", tokens)
     assert path.stat().st_size >= 1000 * np.dtype(dtype).itemsize
-    module = make(source="memmap", path=str(path), vocab_size=vocab_size, synthetic_tokens=2, seq_len=10, val_fraction=0)
+    module = make(
+        source="memmap", path=str(path), vocab_size=vocab_size, synthetic_tokens=2, seq_len=10, val_fraction=0
+    )
     for index in (0, 7, len(module.train_set) - 1):
         np.testing.assert_array_equal(module.train_set[index].numpy(), tokens[index * 10 : index * 10 + 11])
     worker_loader = torch.utils.data.DataLoader(module.train_set, batch_size=4, num_workers=1)

@@ -1,6 +1,5 @@
 """Engine-level parity (no Lightning): ZeRO stages 1-2 vs one process on the full batch."""
 
-
 import torch
 from torch import nn
 

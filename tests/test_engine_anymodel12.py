@@ -81,7 +81,9 @@ def _checkpointing(rank, world, expected):
             shared = engine.reducer._expected_hits[id(model.shared.weight)]
             assert shared == (3 if reentrant else 1), shared
             for got, want in zip(model.parameters(), expected):
-                torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6, msg=f"stage {stage} reentrant {reentrant}")
+                torch.testing.assert_close(
+                    got.detach(), want, rtol=1e-5, atol=1e-6, msg=f"stage {stage} reentrant {reentrant}"
+                )
             engine.close()
 
 
@@ -184,12 +186,16 @@ def _frozen_int8_bytes(rank, world):
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             base = nn.ModuleList([nn.Linear(24, 24, bias=False) for _ in range(3)])
-            quantized = [nn.Parameter(torch.randint(-127, 127, (24, 24), dtype=torch.int8), requires_grad=False) for _ in base]
+            quantized = [
+                nn.Parameter(torch.randint(-127, 127, (24, 24), dtype=torch.int8), requires_grad=False) for _ in base
+            ]
             scales = [nn.Parameter(torch.rand(24, 1), requires_grad=False) for _ in base]
             model = nn.Module()
             model.qweights = nn.ParameterList(quantized)
             model.scales = nn.ParameterList(scales)
-            model.adapters = nn.ModuleList([nn.Sequential(nn.Linear(24, 4, bias=False), nn.Linear(4, 24, bias=False)) for _ in base])
+            model.adapters = nn.ModuleList(
+                [nn.Sequential(nn.Linear(24, 4, bias=False), nn.Linear(4, 24, bias=False)) for _ in base]
+            )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: torch skips them
             engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=0.0005)
             for _ in range(2):
@@ -199,13 +205,20 @@ def _frozen_int8_bytes(rank, world):
                     h = torch.tanh(F.linear(h, (q.float() * s).to(dtype)) + adapter(h))
                 h.float().pow(2).mean().backward()
                 opt.step()
-            assert all(q.dtype == torch.int8 for q in model.qweights) and all(s.dtype == torch.float32 for s in model.scales)
+            assert all(q.dtype == torch.int8 for q in model.qweights) and all(
+                s.dtype == torch.float32 for s in model.scales
+            )
             trainable = sum(p.numel() for p in model.adapters.parameters())
             frozen_bytes = sum(p.numel() * p.element_size() for p in [*model.qweights, *model.scales])
             elem = torch.empty((), dtype=dtype).element_size()
             k = 8 if dtype == torch.float32 else 12
             want = model_state_bytes(
-                trainable + engine.padding_numel(), stage=stage, dp=world, param_bytes=elem, grad_bytes=elem, optim_bytes_per_param=k
+                trainable + engine.padding_numel(),
+                stage=stage,
+                dp=world,
+                param_bytes=elem,
+                grad_bytes=elem,
+                optim_bytes_per_param=k,
             )
             got = engine.measured_bytes()
             step_counters = 4 * sum(len(g.masters) for g in engine.groups)
@@ -308,7 +321,13 @@ def _adafactor(rank, world, out_dir):
 
     steps, clip = 3, 0.05
     expected = [p.detach() for p in _adafactor_reference(steps, clip).parameters()]
-    for stage, dtype, offload in ((1, torch.float32, False), (2, torch.float32, False), (2, torch.float32, True), (1, torch.bfloat16, False), (2, torch.bfloat16, False)):
+    for stage, dtype, offload in (
+        (1, torch.float32, False),
+        (2, torch.float32, False),
+        (2, torch.float32, True),
+        (1, torch.bfloat16, False),
+        (2, torch.bfloat16, False),
+    ):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
@@ -336,8 +355,17 @@ def _adafactor(rank, world, out_dir):
             layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
             target = Path(out_dir, "adafactor_ckpt")
             with pytest.raises(ValueError, match="save_weights_only"):
-                save_checkpoint(target, {"global_step": steps, "optimizer_states": []}, module=model, engine=engine, optimizers=[opt], layout=layout)
-            save_checkpoint(target, {"global_step": steps}, module=model, engine=engine, optimizers=[opt], layout=layout)
+                save_checkpoint(
+                    target,
+                    {"global_step": steps, "optimizer_states": []},
+                    module=model,
+                    engine=engine,
+                    optimizers=[opt],
+                    layout=layout,
+                )
+            save_checkpoint(
+                target, {"global_step": steps}, module=model, engine=engine, optimizers=[opt], layout=layout
+            )
             saved = [p.detach().clone() for p in model.parameters()]
             torch.manual_seed(5)
             fresh = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -418,4 +446,6 @@ def test_collective_timeout_argument_is_checked(value):
 
     with pytest.raises(ValueError, match="collective_timeout"):
         ZeroStrategy(collective_timeout=value)
-    assert ZeroStrategy().collective_timeout == 300.0 and ZeroStrategy(collective_timeout=None).collective_timeout is None
+    assert (
+        ZeroStrategy().collective_timeout == 300.0 and ZeroStrategy(collective_timeout=None).collective_timeout is None
+    )

@@ -18,7 +18,9 @@ def _check(rank, world, stage, dtype, bucket_mb):
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(33, 24), *[nn.Sequential(nn.ReLU(), nn.Linear(24, 24)) for _ in range(5)], nn.Linear(24, 5))
+    model = nn.Sequential(
+        nn.Linear(33, 24), *[nn.Sequential(nn.ReLU(), nn.Linear(24, 24)) for _ in range(5)], nn.Linear(24, 5)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=bucket_mb)
     num_params = sum(p.numel() for p in model.parameters())
@@ -50,7 +52,9 @@ def _check(rank, world, stage, dtype, bucket_mb):
         assert 1 <= storage.high_water <= storage.max_buckets_in_flight
         assert storage.pool_bytes_high_water <= storage.max_buckets_in_flight * storage.max_bucket_numel * elem
     # Unpadded, the formulas agree up to the padding.
-    unpadded = model_state_bytes(num_params, stage=stage, dp=world, param_bytes=elem, grad_bytes=elem, optim_bytes_per_param=k)
+    unpadded = model_state_bytes(
+        num_params, stage=stage, dp=world, param_bytes=elem, grad_bytes=elem, optim_bytes_per_param=k
+    )
     assert 0 <= got["params"] - unpadded.params <= engine.padding_numel() * elem
 
     # Logical elements sent in one step: reduce-scatter + all-gather, each (dp-1)/dp of the padded size.

@@ -62,7 +62,9 @@ def _exception_lines(traceback_text: str) -> str:
     """The exception lines of a (possibly chained) traceback, joined: what the user reads."""
     skip = ("Traceback", "During handling", "The above exception")
     return " || ".join(
-        line for line in traceback_text.splitlines() if line.strip() and not line[0].isspace() and not line.startswith(skip)
+        line
+        for line in traceback_text.splitlines()
+        if line.strip() and not line[0].isspace() and not line.startswith(skip)
     )
 
 
@@ -74,9 +76,13 @@ def test_loss_reaching_no_trainable_parameter_finishes(hangs, stage):
     itself hangs when no gradient hook fires on a rank)."""
     got, want = _finished(hangs, f"no_trainable-{stage}"), _finished(hangs, "no_trainable-ddp")
     for rank in range(2):
-        torch.testing.assert_close(torch.tensor(got[rank]["losses"]), torch.tensor(want[rank]["losses"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(got[rank]["losses"]), torch.tensor(want[rank]["losses"]), rtol=1e-5, atol=1e-6
+        )
         for name, value in want[rank]["params"].items():
-            torch.testing.assert_close(got[rank]["params"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                got[rank]["params"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 @pytest.mark.slow
@@ -86,8 +92,12 @@ def test_uneven_validation_batches_work(hangs, stage):
     got, want = _finished(hangs, f"uneven_val-{stage}"), _finished(hangs, "uneven_val-ddp")
     for rank in range(2):
         assert len(want[rank]["val_losses"]) == 2 * (3 - rank)
-        torch.testing.assert_close(torch.tensor(got[rank]["val_losses"]), torch.tensor(want[rank]["val_losses"]), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(got[rank]["losses"]), torch.tensor(want[rank]["losses"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(got[rank]["val_losses"]), torch.tensor(want[rank]["val_losses"]), rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            torch.tensor(got[rank]["losses"]), torch.tensor(want[rank]["losses"]), rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.slow

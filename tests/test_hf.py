@@ -323,7 +323,6 @@ def test_zero3_load_peak_memory_below_the_full_model(launched):
         assert overhead < 0.5 * full_bytes, (overhead, full_bytes, record)
 
 
-
 def test_round_trip_fine_tune_export_hf_transformers_loads_strictly(hf, launched, tmp_path):
     from safetensors.torch import load_file
 
@@ -344,7 +343,9 @@ def test_round_trip_fine_tune_export_hf_transformers_loads_strictly(hf, launched
     main(["export", str(ckpt), str(tmp_path / "bf16"), "--format", "hf", "--dtype", "bf16"])
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = Llama.from_pretrained(tmp_path / "bf16")
-    assert torch.equal(back.layers[0].attention.wq.weight, ours.layers[0].attention.wq.weight.to(torch.bfloat16).float())
+    assert torch.equal(
+        back.layers[0].attention.wq.weight, ours.layers[0].attention.wq.weight.to(torch.bfloat16).float()
+    )
 
 
 def test_resume_with_unexpected_keys_fails_on_every_rank_and_changes_nothing(launched):

@@ -140,7 +140,9 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     for i in range(2):
         for name in ("wk", "wv"):
             weight = state[f"layers.{i}.attention.{name}.weight"]  # (kv_heads * head_dim, dim)
-            state[f"layers.{i}.attention.{name}.weight"] = weight.view(2, 16, 64).repeat_interleave(2, 0).reshape(64, 64)
+            state[f"layers.{i}.attention.{name}.weight"] = (
+                weight.view(2, 16, 64).repeat_interleave(2, 0).reshape(64, 64)
+            )
     mha.load_state_dict(state)
     idx = torch.randint(0, 64, (2, 12))
     with torch.no_grad():

@@ -51,7 +51,11 @@ def test_validates_llama70b_layout_in_one_process():
         (dict(world_size=8, devices_per_node=8, tp="two"), None, r"'two'"),
         (dict(world_size=0, devices_per_node=8), None, r"world_size.*0"),
         (dict(world_size=8, devices_per_node=8, tp=4), _config(n_heads=6), r"tp\(4\) does not divide n_heads\(6\)"),
-        (dict(world_size=8, devices_per_node=8, tp=4), _config(n_kv_heads=2), r"tp\(4\) does not divide n_kv_heads\(2\)"),
+        (
+            dict(world_size=8, devices_per_node=8, tp=4),
+            _config(n_kv_heads=2),
+            r"tp\(4\) does not divide n_kv_heads\(2\)",
+        ),
         (dict(world_size=8, devices_per_node=8, tp=8), _config(vocab_size=32003), r"vocab_size\(32003\)"),
         (dict(world_size=8, devices_per_node=8, tp=8), _config(ffn_dim=100), r"ffn_dim\(100\)"),
     ],

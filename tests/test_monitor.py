@@ -61,7 +61,12 @@ def test_planner_model_states_equal_measured(results, case):
     measured = _load(results, case)["measured"]
     plan = plan_run(
         LlamaConfig.from_name("tiny", **{k: v for k, v in CONFIG.items() if k != "name"}),
-        stage=stage, world_size=2, devices_per_node=2, precision=precision, micro_batch=2, seq_len=16,
+        stage=stage,
+        world_size=2,
+        devices_per_node=2,
+        precision=precision,
+        micro_batch=2,
+        seq_len=16,
         hardware="h100_80gb",
     )
     assert plan.num_params == measured["num_params"]

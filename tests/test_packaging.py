@@ -23,7 +23,18 @@ def test_package_reads_the_top_level_folders():
 @pytest.mark.slow
 def test_wheel_ships_conf_and_recipes(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
         check=True,
         timeout=300,
     )

@@ -21,8 +21,9 @@ from lightning_zero.models import Llama, LlamaConfig
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
 
 H100 = "h100_80gb"
-RUN_70B = dict(world_size=64, devices_per_node=8, tp=8, precision="bf16-mixed", micro_batch=1, seq_len=4096,
-               hardware=H100)
+RUN_70B = dict(
+    world_size=64, devices_per_node=8, tp=8, precision="bf16-mixed", micro_batch=1, seq_len=4096, hardware=H100
+)
 
 
 # ---------------------------------------------------------------------------- model states
@@ -35,9 +36,7 @@ def test_paper_figure_1_every_stage(stage, expected_gb):
     assert round(total / 1e9, 1) == pytest.approx(expected_gb, abs=0.05)
 
 
-@pytest.mark.parametrize(
-    "name, expected", [("7b", 6_738_415_616), ("13b", 13_015_864_320), ("70b", 68_976_648_192)]
-)
+@pytest.mark.parametrize("name, expected", [("7b", 6_738_415_616), ("13b", 13_015_864_320), ("70b", 68_976_648_192)])
 def test_exact_parameter_counts(name, expected):
     config = LlamaConfig.from_name(name)
     assert llama_param_counts(config).total == expected
@@ -59,13 +58,19 @@ def test_param_count_per_tp_rank_matches_meta_model():
 def test_plan_model_states_equal_ledger(stage, precision, bytes_per_param):
     plan = plan_run("7b", stage=stage, world_size=16, devices_per_node=8, precision=precision, seq_len=512)
     param_bytes, grad_bytes, optim_bytes = bytes_per_param
-    expected = model_state_bytes(plan.padded_params_per_tp_rank, stage=stage, dp=16, param_bytes=param_bytes,
-                                 grad_bytes=grad_bytes, optim_bytes_per_param=optim_bytes)
+    expected = model_state_bytes(
+        plan.padded_params_per_tp_rank,
+        stage=stage,
+        dp=16,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optim_bytes_per_param=optim_bytes,
+    )
     memory = plan.memory
-    assert (memory.params, memory.grads, memory.optimizer) == (expected.params, expected.grads,
-                                                                      expected.optimizer)
-    assert memory.master_weights == (0 if precision == "32-true" else 4 * plan.padded_params_per_tp_rank
-                                     / (16 if stage else 1))
+    assert (memory.params, memory.grads, memory.optimizer) == (expected.params, expected.grads, expected.optimizer)
+    assert memory.master_weights == (
+        0 if precision == "32-true" else 4 * plan.padded_params_per_tp_rank / (16 if stage else 1)
+    )
 
 
 def test_engine_buffers_by_stage():
@@ -149,16 +154,18 @@ def _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_le
 
 
 # bf16 + math is left out: SDPA's math path on CPU upcasts bf16 to fp32 (CUDA does not).
-@pytest.mark.parametrize("dtype, attention", [(torch.float32, "fused"), (torch.float32, "math"),
-                                              (torch.bfloat16, "fused")])
+@pytest.mark.parametrize(
+    "dtype, attention", [(torch.float32, "fused"), (torch.float32, "math"), (torch.bfloat16, "fused")]
+)
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("n_kv_heads", [4, 8])  # grouped-query (repeat_interleave) and plain
 def test_activation_formula_matches_saved_tensors(dtype, attention, checkpointing, n_kv_heads):
     config = LlamaConfig.from_name("tiny", n_layers=2, n_kv_heads=n_kv_heads)
     batch, seq_len = 2, 64
     measured = _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_len)
-    predicted = llama_activation_bytes(config, micro_batch=batch, seq_len=seq_len,
-                                       act_bytes=dtype.itemsize, attention=attention)
+    predicted = llama_activation_bytes(
+        config, micro_batch=batch, seq_len=seq_len, act_bytes=dtype.itemsize, attention=attention
+    )
     # Stated tolerance 1% (observed: exact but the 4-byte scalar loss and its 4-byte weight).
     assert measured == pytest.approx(predicted.saved_after_forward(checkpointing), rel=0.01)
 
@@ -182,13 +189,11 @@ def test_verdict_for_a_run_that_does_not_fit():
     assert any(s.startswith("activation_checkpointing=true") for s in plan.suggestions)
     assert "does NOT fit" in plan.verdict and "stage=2" in plan.verdict
     # every suggestion really fits
-    assert plan_run("7b", stage=2, world_size=8, devices_per_node=8, micro_batch=2, seq_len=4096,
-                    hardware=H100).fits
+    assert plan_run("7b", stage=2, world_size=8, devices_per_node=8, micro_batch=2, seq_len=4096, hardware=H100).fits
 
 
 def test_verdict_when_no_single_change_fits():
-    plan = plan_run("70b", stage=1, world_size=8, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096,
-                    hardware=H100)
+    plan = plan_run("70b", stage=1, world_size=8, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096, hardware=H100)
     assert not plan.fits and plan.dp == 1
     assert "nothing on 1 node(s)" in plan.verdict
     assert "stage=3 + activation_checkpointing=true on 4 nodes" in plan.verdict
@@ -231,8 +236,17 @@ def test_bad_layouts_and_arguments_raise_with_the_numbers(changes, match):
 def _compose(*overrides, strategy=("strategy=zero3", "strategy.tensor_parallel_size=8")):
     from lightning_zero.config import compose
 
-    return compose(["model=llama70b", "trainer=gpu_8x8", *strategy, "data.seq_len=4096", "data.batch_size=1",
-                    f"hardware={H100}", *overrides])
+    return compose(
+        [
+            "model=llama70b",
+            "trainer=gpu_8x8",
+            *strategy,
+            "data.seq_len=4096",
+            "data.batch_size=1",
+            f"hardware={H100}",
+            *overrides,
+        ]
+    )
 
 
 def test_70b_plan_is_fast_and_small(capsys):
@@ -256,7 +270,10 @@ def test_json_output_parses_and_has_every_field(capsys):
     expected = {f.name for f in dataclasses.fields(Plan)} | {"available_bytes", "fits", "verdict"}
     assert set(plan) == expected
     assert set(plan["memory"]) == {f.name for f in dataclasses.fields(MemoryPerRank)} | {
-        "optimizer", "model_states", "total"}
+        "optimizer",
+        "model_states",
+        "total",
+    }
     assert set(plan["traffic"]) >= {f.name for f in dataclasses.fields(TrafficPerRank)} | {"dp_bytes", "tp_s"}
     assert plan["num_params"] == 68_976_648_192 and plan["stage"] == 3 and plan["dp"] == 8
     assert [s["stage"] for s in printed["stages"]] == [0, 1, 2, 3]
@@ -270,8 +287,17 @@ def test_table_output_names_the_numbers():
     run_plan(_compose(), console=Console(file=buffer, width=140))
     text = buffer.getvalue()
     assert "68,976,648,192" in text and "dp=8 x tp=8" in text
-    for label in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "master weights", "stage-3 gathered blocks", "activations",
-                  "dp bytes sent", "compute time", "verdict"):
+    for label in (
+        "ZeRO-1",
+        "ZeRO-2",
+        "ZeRO-3",
+        "master weights",
+        "stage-3 gathered blocks",
+        "activations",
+        "dp bytes sent",
+        "compute time",
+        "verdict",
+    ):
         assert label in text
 
 
@@ -284,8 +310,12 @@ def test_plot_is_a_png(tmp_path, capsys):
 
 
 def test_plan_reads_precision_checkpointing_and_ddp_from_the_config(capsys):
-    overrides = ("plan.format=json", "trainer.precision=32-true", "model.activation_checkpointing=true",
-                 "plan.stages=only")
+    overrides = (
+        "plan.format=json",
+        "trainer.precision=32-true",
+        "model.activation_checkpointing=true",
+        "plan.stages=only",
+    )
     result = run_plan(_compose(*overrides, strategy=("strategy=ddp",)))
     capsys.readouterr()
     plan = result["plan"]

@@ -69,8 +69,17 @@ def _one_bucket_per_tensor(n):
 
 def _backward(backward_s, comm_s, *, pool=None, efficiency=1.0, sync=True):
     workload = _workload(backward_s)
-    return simulate_backward(workload, _one_bucket_per_tensor(len(backward_s)), comm_s, sync=sync, overlap_comm=True,
-                             pool=pool, gather_s=None, prefetch=1, efficiency=efficiency)
+    return simulate_backward(
+        workload,
+        _one_bucket_per_tensor(len(backward_s)),
+        comm_s,
+        sync=sync,
+        overlap_comm=True,
+        pool=pool,
+        gather_s=None,
+        prefetch=1,
+        efficiency=efficiency,
+    )
 
 
 def test_a_bucket_hides_behind_the_rest_of_backward_and_the_last_one_is_exposed():
@@ -122,8 +131,15 @@ def test_stage3_forward_prefetch_hides_all_but_the_first_gather():
 
 
 def test_stage2_communicates_every_micro_batch_stage1_and_defer_once():
-    common = dict(world_size=16, devices_per_node=8, seq_len=4096, micro_batch=1, accumulate_grad_batches=8,
-                  activation_checkpointing=True, hardware=H100)
+    common = dict(
+        world_size=16,
+        devices_per_node=8,
+        seq_len=4096,
+        micro_batch=1,
+        accumulate_grad_batches=8,
+        activation_checkpointing=True,
+        hardware=H100,
+    )
     stage1 = plan_run("7b", stage=1, **common).timing
     stage2 = plan_run("7b", stage=2, **common).timing
     deferred = plan_run("7b", stage=2, defer_grad_reduce=True, **common).timing
@@ -142,8 +158,17 @@ def test_stage2_communicates_every_micro_batch_stage1_and_defer_once():
 
 
 def test_tokens_per_second_and_mfu_follow_the_step_time():
-    plan = plan_run("7b", stage=2, world_size=8, devices_per_node=8, seq_len=4096, micro_batch=1,
-                    accumulate_grad_batches=4, hardware=H100, mfu=0.5)
+    plan = plan_run(
+        "7b",
+        stage=2,
+        world_size=8,
+        devices_per_node=8,
+        seq_len=4096,
+        micro_batch=1,
+        accumulate_grad_batches=4,
+        hardware=H100,
+        mfu=0.5,
+    )
     timing = plan.timing
     assert plan.tokens_per_s == pytest.approx(4 * 4096 * 8 / timing.step_s)
     assert timing.mfu == pytest.approx(timing.model_flops_per_rank / timing.step_s / 989e12)
@@ -181,11 +206,11 @@ def test_search_overrides_select_the_layout_they_describe():
     from lightning_zero.config import compose
     from lightning_zero.planner import plan_kwargs_from_config
 
-    result = search_layouts("13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096,
-                            hardware=H100)
+    result = search_layouts("13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096, hardware=H100)
     for entry in result.top(3):
-        cfg = compose(["model=llama13b", "trainer=gpu_2x8", "data.seq_len=4096", f"hardware={H100}",
-                       *entry.layout.overrides()])
+        cfg = compose(
+            ["model=llama13b", "trainer=gpu_2x8", "data.seq_len=4096", f"hardware={H100}", *entry.layout.overrides()]
+        )
         config, kwargs, _ = plan_kwargs_from_config(cfg)
         again = plan_run(config, **kwargs)
         assert again.fits
@@ -219,7 +244,10 @@ def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
     out = tmp_path / "this_machine.yaml"
     result = subprocess.run(  # 2 gloo processes, small sizes, a tiny model: seconds
         [sys.executable, "-m", "lightning_zero", "plan", "calibrate", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "wrote" in result.stdout
@@ -230,8 +258,9 @@ def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
     assert hardware.intra_node_bytes_per_s > 0 and hardware.peak_fp32_flops > 0 and 0 < hardware.mfu
     assert 0.0 <= hardware.overlap_efficiency <= 1.0 and hardware.memory_bytes_per_s > 0
     assert {kind for kind, _ in hardware.collective_time_factor} == {"all_reduce", "reduce_scatter", "all_gather"}
-    plan = plan_run("tiny", stage=2, world_size=2, devices_per_node=2, precision="32-true", micro_batch=2,
-                    seq_len=64, hardware=out)
+    plan = plan_run(
+        "tiny", stage=2, world_size=2, devices_per_node=2, precision="32-true", micro_batch=2, seq_len=64, hardware=out
+    )
     assert plan.timing.step_s > 0 and plan.mfu == pytest.approx(hardware.mfu)
 
 
@@ -266,8 +295,14 @@ def test_plan_attention_math_works_from_the_cli(capsys):
     assert math_plan["memory"]["activations"] > fused_plan["memory"]["activations"]
 
 
-@pytest.mark.parametrize("override, key", [("hardware.memory_bytes=abc", "hardware.memory_bytes"),
-                                           ("plan.top=many", "plan.top"), ("plan.search=maybe", "plan.search")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("hardware.memory_bytes=abc", "hardware.memory_bytes"),
+        ("plan.top=many", "plan.top"),
+        ("plan.search=maybe", "plan.search"),
+    ],
+)
 def test_bad_hardware_and_plan_values_fail_validation(override, key):
     from lightning_zero.config import compose
 

@@ -43,7 +43,12 @@ def corpus(tmp_path_factory):
     inputs[0].write_text(texts[0])
     inputs[1].write_text(texts[1])
     inputs[2].write_text("".join(json.dumps({"text": text, "id": i}) + "\n" for i, text in enumerate(texts[2:])))
-    return {"root": root, "tokenizer": Tokenizer.from_file(str(root / "tokenizer.json")), "texts": texts, "inputs": inputs}
+    return {
+        "root": root,
+        "tokenizer": Tokenizer.from_file(str(root / "tokenizer.json")),
+        "texts": texts,
+        "inputs": inputs,
+    }
 
 
 def _expected_ids(corpus) -> np.ndarray:
@@ -59,7 +64,18 @@ def test_prepare_data_ids_equal_the_tokenizers_encoding(corpus, capsys):
     from lightning_zero.cli import main
 
     out = corpus["root"] / "train.bin"
-    main(["prepare-data", *map(str, corpus["inputs"]), str(out), "--tokenizer", str(corpus["root"]), "--workers", "2", "--no-progress"])
+    main(
+        [
+            "prepare-data",
+            *map(str, corpus["inputs"]),
+            str(out),
+            "--tokenizer",
+            str(corpus["root"]),
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert "8 documents" in capsys.readouterr().out
     meta = read_token_meta(out)
     assert meta["vocab_size"] == corpus["tokenizer"].get_vocab_size() == VOCAB

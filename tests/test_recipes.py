@@ -92,9 +92,15 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     cfg = compose([f"recipe={recipe}"])
     model_config, kwargs, _ = plan_kwargs_from_config(cfg)
     plan = plan_run(model_config, **kwargs)
-    result = search_layouts(model_config, world_size=kwargs["world_size"], devices_per_node=kwargs["devices_per_node"],
-                            global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
-                            seq_len=plan.seq_len, precision=plan.precision, hardware=kwargs["hardware"])
+    result = search_layouts(
+        model_config,
+        world_size=kwargs["world_size"],
+        devices_per_node=kwargs["devices_per_node"],
+        global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
+        seq_len=plan.seq_len,
+        precision=plan.precision,
+        hardware=kwargs["hardware"],
+    )
     best = result.ranked[0].plan
     assert plan.fits and plan.tokens_per_s >= 0.995 * best.tokens_per_s, (plan.tokens_per_s, best.tokens_per_s)
     header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
@@ -105,7 +111,10 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
 def test_recipe_shrinks_to_two_cpu_ranks(recipe):
     cfg = compose([f"recipe={recipe}", *SHRINK])
     assert (cfg.model.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == (
-        "tiny", "cpu", 2, 1
+        "tiny",
+        "cpu",
+        2,
+        1,
     )
     assert cfg.trainer.precision == "32-true"
     assert 2 % _tp(cfg) == 0

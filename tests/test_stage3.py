@@ -22,7 +22,9 @@ def _batches(steps, world, micro):
 def _optimizer(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+    )
 
 
 def _loss(model, tokens):
@@ -94,7 +96,13 @@ def _train(rank, world, prefetch, micro, clip, expected):
     assert runtime.high_water_forward <= prefetch + 1, runtime.high_water_forward
     got = _gathered_state(engine, model)
     for name, want in expected.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"prefetch={prefetch} micro={micro} clip={clip} {name}: {m}")
+        torch.testing.assert_close(
+            got[name],
+            want,
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m, name=name: f"prefetch={prefetch} micro={micro} clip={clip} {name}: {m}",
+        )
     engine.close()
 
 

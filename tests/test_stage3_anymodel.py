@@ -119,7 +119,10 @@ def _tied(rank, world):
         rest = sum(g.layout.numel for u in runtime.units[:-1] for g in u.groups)
         sent = engine.counter.elements
         # The tie lives in the root: gathered once, reduced once; every block gathered twice.
-        checks.append(sent["all_gather_params"] == (root + 2 * rest) * (world - 1) / world or (sent["all_gather_params"], root, rest))
+        checks.append(
+            sent["all_gather_params"] == (root + 2 * rest) * (world - 1) / world
+            or (sent["all_gather_params"], root, rest)
+        )
         checks.append(sent["reduce_scatter_grads"] == (root + rest) * (world - 1) / world)
 
     model, engine, got = _train(_gpt2, batches, _lm_loss, rank, sharded=True, steps_with=bytes_per_step)
@@ -460,7 +463,9 @@ def _no_grad_steps(sharded, rank, world):
         opt.step()
         losses.append(_mean_over_ranks(loss.item()) if sharded else loss.item())
         if engine is not None:
-            steps.append((engine.counter.elements["all_gather_params"], engine.counter.elements["reduce_scatter_grads"]))
+            steps.append(
+                (engine.counter.elements["all_gather_params"], engine.counter.elements["reduce_scatter_grads"])
+            )
     return model, engine, losses, samples, forwards, steps
 
 
@@ -565,8 +570,16 @@ def test_stage3_divergence_raises_on_every_rank():
 
 
 # -- Lightning: phases, callbacks, manual optimization, configure_model, uneven validation ------------
-LIGHTNING_CASES = ["zero3_hf_llama", "ddp_hf_llama", "zero3_teacher", "ddp_teacher", "zero3_gan", "ddp_gan",
-                   "zero3_uneven", "ddp_uneven"]  # fmt: skip  (zero3_hf_llama writes the init ddp starts from)
+LIGHTNING_CASES = [
+    "zero3_hf_llama",
+    "ddp_hf_llama",
+    "zero3_teacher",
+    "ddp_teacher",
+    "zero3_gan",
+    "ddp_gan",
+    "zero3_uneven",
+    "ddp_uneven",
+]  # fmt: skip  (zero3_hf_llama writes the init ddp starts from)
 
 
 @pytest.fixture(scope="module")

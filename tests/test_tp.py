@@ -161,7 +161,9 @@ def _tiny_config():
     from lightning_zero.models import LlamaConfig
 
     # GQA (4 q heads, 2 kv heads) so tp=2 splits kv heads too
-    return LlamaConfig(name="tp-test", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return LlamaConfig(
+        name="tp-test", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16
+    )
 
 
 def _batch(step: int, dp_rank: int, batch: int = 2, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +211,11 @@ def _two_rank_body(rank: int, world_size: int) -> None:
     activation = idx.numel() * cfg.dim
     assert counter.calls["tp_all_reduce"] == 4 * cfg.n_layers + 2
     assert counter.bytes["tp_all_reduce"] == pytest.approx((4 * cfg.n_layers + 2) * 2 * (1 / 2) * activation * 4)
-    _close(tp_grad_norm(model.parameters(), group), nn.utils.get_total_norm([p.grad for p in dense.parameters()]), "grad norm")
+    _close(
+        tp_grad_norm(model.parameters(), group),
+        nn.utils.get_total_norm([p.grad for p in dense.parameters()]),
+        "grad norm",
+    )
 
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
     tp_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

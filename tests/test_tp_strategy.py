@@ -12,7 +12,11 @@ import torch
 from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHES = [(1, ["single"]), (2, ["tp2", "dp2_zero1", "dp2_zero2"]), (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"])]
+LAUNCHES = [
+    (1, ["single"]),
+    (2, ["tp2", "dp2_zero1", "dp2_zero2"]),
+    (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"]),
+]
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,9 @@ def step_progress_bar() -> Any:
                 description = label(self.trainer, current_epoch)
                 return f"{description:{len(self.validation_description)}}"
 
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            def on_train_batch_end(
+                self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            ) -> None:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
                 if self.progress is not None and self.train_progress_bar_id is not None:
                     description = self._get_train_description(trainer.current_epoch)

@@ -146,9 +146,7 @@ def child_argv(full_argv: Sequence[str], hydra_cfg: Any) -> list[str]:
             flags.append(arg)
         index += 1
     hydra_overrides = [
-        override
-        for override in hydra_cfg.overrides.hydra
-        if not override.lstrip("+~").startswith(_SWEEP_ONLY_PREFIXES)
+        override for override in hydra_cfg.overrides.hydra if not override.lstrip("+~").startswith(_SWEEP_ONLY_PREFIXES)
     ]
     return [program, command, *flags, *hydra_overrides, *hydra_cfg.overrides.task]
 
@@ -214,7 +212,9 @@ def build_module(cfg: DictConfig) -> Any:
         # A recipe shrunk for a smoke test (warmup 2000, max_steps 5) still runs its schedule shape.
         log.warning(
             "optim.warmup_steps (%d) > trainer.max_steps (%d): warming up over all %d steps",
-            optim["warmup_steps"], max_steps, max_steps,
+            optim["warmup_steps"],
+            max_steps,
+            max_steps,
         )
         optim["warmup_steps"] = max_steps
     return LlamaLM(
@@ -392,10 +392,17 @@ def _export(args: list[str]) -> None:
         help="plain: one state dict with Llama's own keys; hf: a Hugging Face Llama directory "
         "(config.json, safetensors shards, index) that transformers loads",
     )  # fmt: skip
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="--format hf: tensor dtype (default: the saved fp32)")
-    parser.add_argument("--max-shard-size", default=None,
-                        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 5GB)")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="--format hf: tensor dtype (default: the saved fp32)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 5GB)",
+    )
     parsed = parser.parse_args(args)
     if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
         _fail("--dtype and --max-shard-size apply to --format hf only")
@@ -420,7 +427,9 @@ def _prepare_data(args: list[str]) -> None:
         prog="lightning-zero prepare-data",
         description="Tokenize text into the token file data=memmap reads (raw uint16/uint32 ids + OUT.json).",
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files (one per line)")
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="text files (one document each) or .jsonl files (one per line)"
+    )
     parser.add_argument("out", help="the token file to write, e.g. data/train.bin")
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a model directory holding one")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: min(8, cpus))")

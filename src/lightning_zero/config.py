@@ -136,8 +136,13 @@ class ZeroConfig:
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
         timeout = self.collective_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-            fail("collective_timeout", "give a number of seconds > 0 (default 300) or None for the process group's own timeout.")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            fail(
+                "collective_timeout",
+                "give a number of seconds > 0 (default 300) or None for the process group's own timeout.",
+            )
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:
@@ -364,9 +369,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     """
     unknown = sorted(set(cfg.keys()) - TOP_LEVEL_KEYS)
     if unknown:
-        raise ValueError(
-            f"unknown top-level config key(s) {unknown}; allowed: {', '.join(sorted(TOP_LEVEL_KEYS))}"
-        )
+        raise ValueError(f"unknown top-level config key(s) {unknown}; allowed: {', '.join(sorted(TOP_LEVEL_KEYS))}")
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     schemas: dict[str, type] = {}
@@ -474,4 +477,3 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
             cause = str(error.__cause__).splitlines()[0] if error.__cause__ is not None else ""
             raise ValueError(f"{error}: {cause}" if cause else str(error)) from None
     return validate(cfg)
-

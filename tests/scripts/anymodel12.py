@@ -43,10 +43,16 @@ class LoRABlock(nn.Module):
 
 def build(kind: str) -> nn.ModuleDict:
     if kind in ("mlp", "unused"):
-        return nn.ModuleDict({"net": nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))})
+        return nn.ModuleDict(
+            {"net": nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))}
+        )
     if kind == "lora":
         return nn.ModuleDict(
-            {"inp": nn.Linear(8, 32), "blocks": nn.ModuleList([LoRABlock(32) for _ in range(3)]), "head": nn.Linear(32, 4)}
+            {
+                "inp": nn.Linear(8, 32),
+                "blocks": nn.ModuleList([LoRABlock(32) for _ in range(3)]),
+                "head": nn.Linear(32, 4),
+            }
         )
     if kind == "gan":
         return nn.ModuleDict(
@@ -258,7 +264,15 @@ def run(name: str, out_dir: str) -> None:
     buffers = {n: b.detach().float().clone() for n, b in model.named_buffers()}
     dtypes.update({n: str(b.dtype) for n, b in model.named_buffers()})
     torch.save(
-        {"losses": model.losses, "params": params, "dtypes": dtypes, "train_dtypes": counter.train_dtypes, "buffers": buffers, "outside": outside, **extra},
+        {
+            "losses": model.losses,
+            "params": params,
+            "dtypes": dtypes,
+            "train_dtypes": counter.train_dtypes,
+            "buffers": buffers,
+            "outside": outside,
+            **extra,
+        },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

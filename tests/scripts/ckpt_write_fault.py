@@ -54,7 +54,10 @@ def main(out: Path, stage: int) -> None:
 
     step()
     save(1)
-    good = {r.name: (r.param_lo, r.param_hi, r.master.detach()[r.chunk_lo : r.chunk_hi].clone()) for r in engine.owned_ranges()}
+    good = {
+        r.name: (r.param_lo, r.param_hi, r.master.detach()[r.chunk_lo : r.chunk_hi].clone())
+        for r in engine.owned_ranges()
+    }
     torch.save(good, out / f"good.rank{rank}.pt")
     step()
 

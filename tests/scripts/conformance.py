@@ -173,7 +173,9 @@ class CausalLM(Recorded):
     def ties(self) -> dict[str, bool]:
         if self.family != "gpt2":
             return {}
-        return {"lm_head.weight is transformer.wte.weight": self.model.lm_head.weight is self.model.transformer.wte.weight}
+        return {
+            "lm_head.weight is transformer.wte.weight": self.model.lm_head.weight is self.model.transformer.wte.weight
+        }
 
     def extra(self) -> dict[str, Any]:
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
@@ -281,7 +283,10 @@ class BatchNormCNN(Recorded):
 
     def extra(self) -> dict[str, Any]:
         bn = self.net[1]
-        return {"running_mean_dtype": str(bn.running_mean.dtype), "running_mean": bn.running_mean.detach().float().clone()}
+        return {
+            "running_mean_dtype": str(bn.running_mean.dtype),
+            "running_mean": bn.running_mean.detach().float().clone(),
+        }
 
 
 def image_data(samples: int = STEPS * BATCH * WORLD) -> TensorDataset:
@@ -376,7 +381,9 @@ class SampleEveryStep(L.Callback):
     def __init__(self) -> None:
         self.samples: list[torch.Tensor] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         with torch.no_grad():
             self.samples.append(pl_module.model(input_ids=probe_ids()[:1, :6]).logits.float().clone())
 
@@ -515,7 +522,9 @@ class Int8Base(Recorded):
     def extra(self) -> dict[str, Any]:
         # Frozen parameters are never cast (int8 stays int8, the fp32 scale stays fp32 under
         # bf16-mixed, as under ddp) and never change.
-        return {"frozen": {n: (str(p.dtype), p.detach().clone()) for n, p in self.named_parameters() if not p.requires_grad}}
+        return {
+            "frozen": {n: (str(p.dtype), p.detach().clone()) for n, p in self.named_parameters() if not p.requires_grad}
+        }
 
 
 class HeldBlocks(Recorded):
@@ -683,7 +692,14 @@ def _watchdog(out: str, run: str, done: threading.Event) -> None:
         faulthandler.dump_traceback(stacks, all_threads=True)
         stacks.seek(0)
         dump = stacks.read()
-    _write(out, run, {"ok": False, "error": f"hang: run {run} did not finish within {RUN_TIMEOUT_S:.0f}s on rank {_RANK[0]}\n{dump}"})
+    _write(
+        out,
+        run,
+        {
+            "ok": False,
+            "error": f"hang: run {run} did not finish within {RUN_TIMEOUT_S:.0f}s on rank {_RANK[0]}\n{dump}",
+        },
+    )
     with open(_status(out, run, _RANK[0]), "w") as status:
         status.write("fail")
     _exit(3)
@@ -770,7 +786,10 @@ def main(out: str, runs: list[str]) -> None:
         _write(out, run, record)
         with open(_status(out, run, _RANK[0]), "w") as status:
             status.write("ok" if record["ok"] else "fail")
-        print(f"[conformance] rank {_RANK[0]} {run}: {'ok' if record['ok'] else 'FAILED'} ({record['seconds']:.1f}s)", flush=True)
+        print(
+            f"[conformance] rank {_RANK[0]} {run}: {'ok' if record['ok'] else 'FAILED'} ({record['seconds']:.1f}s)",
+            flush=True,
+        )
         ok, record = record["ok"], None
         if not ok:
             _fresh_process_group(out, run)

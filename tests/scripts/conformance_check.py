@@ -191,7 +191,9 @@ def _error_lines(record: dict | None, rank: int) -> str:
 def _failures(records: list[dict | None]) -> list[str]:
     if all(r is None for r in records):
         return ["no record on any rank"]
-    problems = [_error_lines(record, rank) for rank, record in enumerate(records) if record is None or not record.get("ok")]
+    problems = [
+        _error_lines(record, rank) for rank, record in enumerate(records) if record is None or not record.get("ok")
+    ]
     texts = {p.split(": ", 1)[1] for p in problems}
     if len(problems) == len(records) and len(texts) == 1:
         return [f"every rank: {texts.pop()}"]
@@ -232,10 +234,18 @@ def _compare(got: dict, want: dict, rank: int, *, loss_tol: dict, probe: bool, p
         if issue:
             problems.append(issue)
     if params:
-        bad = [n for n in want["params"] if n not in got["params"] or _close(n, got["params"][n], want["params"][n], PARAM_TOL)]
+        bad = [
+            n
+            for n in want["params"]
+            if n not in got["params"] or _close(n, got["params"][n], want["params"][n], PARAM_TOL)
+        ]
         if bad:
             first = bad[0]
-            detail = "missing" if first not in got["params"] else _close(first, got["params"][first], want["params"][first], PARAM_TOL)
+            detail = (
+                "missing"
+                if first not in got["params"]
+                else _close(first, got["params"][first], want["params"][first], PARAM_TOL)
+            )
             problems.append(f"rank {rank} params after fit: {len(bad)} differ, e.g. {detail}")
     return problems, max_diff
 
@@ -283,7 +293,12 @@ def _extra_checks(case: str, strategy: str, got: dict, want: dict, rank: int) ->
     problems = []
     extra, ref = got["extra"], want["extra"]
     if "inv_freq" in ref:
-        issue = _close(f"rank {rank} rotary inv_freq", extra.get("inv_freq", torch.empty(0)), ref["inv_freq"], {"rtol": 0, "atol": 0})
+        issue = _close(
+            f"rank {rank} rotary inv_freq",
+            extra.get("inv_freq", torch.empty(0)),
+            ref["inv_freq"],
+            {"rtol": 0, "atol": 0},
+        )
         if issue:
             problems.append(issue)
     if "samples" in ref:
@@ -303,7 +318,9 @@ def _extra_checks(case: str, strategy: str, got: dict, want: dict, rank: int) ->
     if "trainable" in ref and extra.get("trainable") != ref["trainable"]:
         problems.append(f"rank {rank}: trainable parameters differ from ddp's")
     if "agreement" in ref and len(extra.get("agreement", [])) != len(ref["agreement"]):
-        problems.append(f"rank {rank}: {len(extra.get('agreement', []))} no_grad student forwards, reference {len(ref['agreement'])}")
+        problems.append(
+            f"rank {rank}: {len(extra.get('agreement', []))} no_grad student forwards, reference {len(ref['agreement'])}"
+        )
     if not extra.get("manual"):
         problems += _check_grad_reduce(extra, rank)
     if case in COMM_CASES and strategy == "zero3":
@@ -383,7 +400,9 @@ def markdown(out: Path, runs: list[str], title: str) -> str:
                 row.append(f"pass ({verdict.max_loss_diff:.0e})" if verdict.max_loss_diff is not None else "pass")
             else:
                 row.append("FAIL")
-                details.append(f"- **{case} {strategy}**: " + " | ".join(p.replace("|", "/") for p in verdict.problems[:4]))
+                details.append(
+                    f"- **{case} {strategy}**: " + " | ".join(p.replace("|", "/") for p in verdict.problems[:4])
+                )
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines + ["", *details, ""])
 

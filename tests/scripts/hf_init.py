@@ -150,7 +150,9 @@ def run(case: str, out: str, hf_dir: str) -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=kind in ("tune", "deep", "shallow"), callbacks=callbacks,
     )  # fmt: skip
-    data = TokenDataModule("synthetic", seq_len=16, batch_size=2, vocab_size=vocab, val_fraction=0.0, synthetic_tokens=2000)
+    data = TokenDataModule(
+        "synthetic", seq_len=16, batch_size=2, vocab_size=vocab, val_fraction=0.0, synthetic_tokens=2000
+    )
     if kind == "shallow":
         try:
             trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)

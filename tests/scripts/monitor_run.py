@@ -22,8 +22,13 @@ CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_he
 CASES = {
     f"s{stage}_{precision}_{'overlap' if overlap else 'serial'}": (stage, precision, overlap)
     for stage, precision, overlap in [
-        (1, "32-true", True), (2, "32-true", True), (2, "32-true", False), (3, "32-true", True),
-        (1, "bf16-mixed", True), (2, "bf16-mixed", True), (3, "bf16-mixed", True),
+        (1, "32-true", True),
+        (2, "32-true", True),
+        (2, "32-true", False),
+        (3, "32-true", True),
+        (1, "bf16-mixed", True),
+        (2, "bf16-mixed", True),
+        (3, "bf16-mixed", True),
     ]
 }
 
@@ -45,7 +50,11 @@ class EngineProbe(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         engine = trainer.strategy.engine
-        self.measured = {**engine.measured_bytes(), "padding": engine.padding_numel(), "num_params": engine.num_params()}
+        self.measured = {
+            **engine.measured_bytes(),
+            "padding": engine.padding_numel(),
+            "num_params": engine.num_params(),
+        }
 
 
 def run(name: str, out_dir: str) -> None:
@@ -55,10 +64,18 @@ def run(name: str, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     monitor, probe = ZeroMonitor(summary=False), EngineProbe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, precision=precision, max_steps=3, logger=False,
+        accelerator="cpu",
+        devices=2,
+        precision=precision,
+        max_steps=3,
+        logger=False,
         strategy=ZeroStrategy(stage=stage, bucket_mb=0.004, overlap_comm=overlap),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[monitor, probe],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[monitor, probe],
     )
     trainer.fit(model, data)
     torch.save(

@@ -110,9 +110,18 @@ def run_llama(name: str, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     record = RecordLosses()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=make_strategy(), max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=2, callbacks=[record], **kwargs,
+        accelerator="cpu",
+        devices=2,
+        strategy=make_strategy(),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        callbacks=[record],
+        **kwargs,
     )
     trainer.fit(model, data)
     val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
@@ -130,7 +139,10 @@ def run_llama(name: str, out_dir: str) -> None:
 LLAMA_CASES = {
     "llama_ddp": (lambda: "ddp", {}),
     "llama_zero3": (lambda: ZeroStrategy(stage=3, bucket_mb=0.01), {}),
-    "llama_zero3_p0_acc": (lambda: ZeroStrategy(stage=3, prefetch_blocks=0), {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+    "llama_zero3_p0_acc": (
+        lambda: ZeroStrategy(stage=3, prefetch_blocks=0),
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5},
+    ),
     "llama_ddp_acc": (lambda: "ddp", {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
     "llama_ddp_ckpt": (lambda: "ddp", {"activation_checkpointing": True}),
     "llama_zero3_ckpt": (lambda: ZeroStrategy(stage=3, prefetch_blocks=2), {"activation_checkpointing": True}),

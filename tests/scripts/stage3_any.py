@@ -155,7 +155,9 @@ class ShareInit(L.Callback):
         if isinstance(strategy, ZeroStrategy):
             full = {n: torch.zeros(p.numel()) for n, p in pl_module.named_parameters()}
             for owned in strategy.engine.owned_ranges():
-                full[owned.name][owned.param_lo : owned.param_hi] = owned.master.detach()[owned.chunk_lo : owned.chunk_hi]
+                full[owned.name][owned.param_lo : owned.param_hi] = owned.master.detach()[
+                    owned.chunk_lo : owned.chunk_hi
+                ]
             for value in full.values():
                 dist.all_reduce(value)
             if trainer.global_rank == 0:

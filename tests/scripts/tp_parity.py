@@ -52,9 +52,18 @@ def run(name: str, devices: int, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=4 // dp, vocab_size=64, val_fraction=0.2, seed=3)
     record = Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=make_strategy(), max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[record], **kwargs,
+        accelerator="cpu",
+        devices=devices,
+        strategy=make_strategy(),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[record],
+        **kwargs,
     )
     trainer.fit(model, data)
     mesh = getattr(trainer.strategy, "device_mesh", None)  # (ZeRO-3 unshards at the end of fit)

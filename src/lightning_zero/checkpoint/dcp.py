@@ -124,10 +124,7 @@ def range_pieces(
     shift = [0] * len(view)
     if tp_dim is not None:
         shift[tp_dim] = tp_rank * view[tp_dim]
-    return [
-        Piece(start, tuple(o + s for o, s in zip(offsets, shift)), tuple(sizes))
-        for start, offsets, sizes in local
-    ]
+    return [Piece(start, tuple(o + s for o, s in zip(offsets, shift)), tuple(sizes)) for start, offsets, sizes in local]
 
 
 class DenseChunks:
@@ -196,7 +193,9 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False
+    ) -> None:
         # DefaultLoadPlanner would first run DCP's _init_state_dict, which replaces any leaf that is
         # not a Tensor/DTensor (our DenseChunks) with None; the state dict here is flat already.
         self.original_state_dict = state_dict

@@ -127,7 +127,11 @@ def _write_safetensors(root: Path, meta: dict[str, Any], out: Path, prefix: str,
         dtype = entry.properties.dtype
         nbytes = math.prod(info["shape"]) * torch.empty((), dtype=dtype).element_size()
         out_name = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-        header[out_name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": info["shape"], "data_offsets": [offset, offset + nbytes]}
+        header[out_name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": info["shape"],
+            "data_offsets": [offset, offset + nbytes],
+        }
         order.append((key, nbytes))
         offset += nbytes
     blob = json.dumps(header).encode()
@@ -184,7 +188,11 @@ def export(ckpt: Union[str, os.PathLike], out: Union[str, os.PathLike], *, prefi
     meta = opened.meta
     prefix = meta.get("export_prefix", "") if prefix is None else prefix
     extra = {"lightning_zero_format": meta["format"]}
-    config = opened.state.get("hyper_parameters", {}).get("config") if isinstance(opened.state.get("hyper_parameters"), dict) else None
+    config = (
+        opened.state.get("hyper_parameters", {}).get("config")
+        if isinstance(opened.state.get("hyper_parameters"), dict)
+        else None
+    )
     if isinstance(config, dict):
         extra["config"] = json.dumps(config)
     out = Path(out)
@@ -250,13 +258,17 @@ def export_hf(
     saved = opened.meta["params"]
     plan = tensor_plan(config, to_hf=True)
     missing = sorted(name for name in plan if prefix + name not in saved)
-    extra = sorted(name[len(prefix):] for name in saved if name.startswith(prefix) and name[len(prefix):] not in plan)
+    extra = sorted(name[len(prefix) :] for name in saved if name.startswith(prefix) and name[len(prefix) :] not in plan)
     if missing or extra:
-        raise CheckpointError(f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}")
+        raise CheckpointError(
+            f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}"
+        )
     specs, sources = [], {}
     for name, source in plan.items():
         if list(saved[prefix + name]["shape"]) != list(source.shape):
-            raise CheckpointError(f"{opened.path}: {name} has shape {saved[prefix + name]['shape']}, config gives {list(source.shape)}")
+            raise CheckpointError(
+                f"{opened.path}: {name} has shape {saved[prefix + name]['shape']}, config gives {list(source.shape)}"
+            )
         key = f"model.{prefix}{name}"
         saved_dtype = metadata.state_dict_metadata[key].properties.dtype
         specs.append(TensorSpec(source.key, tuple(source.shape), EXPORT_DTYPES[dtype] if dtype else saved_dtype))

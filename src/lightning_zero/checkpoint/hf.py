@@ -127,7 +127,9 @@ def _safetensors_infos(path: Path) -> dict[str, TensorInfo]:
             continue
         dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}, not one of {sorted(SAFETENSORS_DTYPES)}")
+            raise CheckpointError(
+                f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}, not one of {sorted(SAFETENSORS_DTYPES)}"
+            )
         infos[key] = TensorInfo(key, path, dtype, tuple(int(s) for s in info["shape"]))
     return infos
 
@@ -151,7 +153,9 @@ class WeightFiles:
             raise CheckpointError(f"{self.directory}: not a directory (expected a Hugging Face model directory)")
         self.infos: dict[str, TensorInfo] = {}
         self._bin_cache: tuple[Optional[Path], dict[str, torch.Tensor]] = (None, {})
-        index_name = next((n for n in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE) if (self.directory / n).is_file()), None)
+        index_name = next(
+            (n for n in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE) if (self.directory / n).is_file()), None
+        )
         if index_name is None:
             raise CheckpointError(
                 f"{self.directory}: no weights found; expected {SAFE_INDEX}, {SAFE_SINGLE}, {BIN_INDEX} or {BIN_SINGLE}"
@@ -187,7 +191,9 @@ class WeightFiles:
         if expected is not None:
             absent = sorted(set(expected) - set(infos))
             if absent:
-                raise CheckpointError(f"{path}: lacks tensor {absent[0]!r} (and {len(absent) - 1} more) that the index places there")
+                raise CheckpointError(
+                    f"{path}: lacks tensor {absent[0]!r} (and {len(absent) - 1} more) that the index places there"
+                )
             infos = {k: infos[k] for k in expected}
         self.infos.update(infos)
 
@@ -249,7 +255,9 @@ def check_plan(files: WeightFiles, plan: Mapping[str, Source], ignore: Iterable[
     used = {source.key for source in plan.values()}
     for key, info in files.infos.items():
         if key not in used and not any(pattern.fullmatch(key) for pattern in ignored):
-            problems.append(f"{info.path.name}: unexpected tensor {key!r} (shape {list(info.shape)}) that no parameter takes")
+            problems.append(
+                f"{info.path.name}: unexpected tensor {key!r} (shape {list(info.shape)}) that no parameter takes"
+            )
     if problems:
         shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
         raise CheckpointError(f"{files.directory}: does not match the model: {shown}")
@@ -306,7 +314,9 @@ def parse_size(text: Union[str, int]) -> int:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _SIZE_UNITS:
-            raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB), e.g. 5GB")
+            raise ValueError(
+                f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB), e.g. 5GB"
+            )
         value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value < 1:
         raise ValueError(f"size {text!r} must be at least 1 byte")
@@ -367,7 +377,11 @@ def write_safetensors_shards(
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         offset = 0
         for spec in shard:
-            header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": DTYPE_NAMES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
             weight_map[spec.name] = file_name
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -380,7 +394,9 @@ def write_safetensors_shards(
             for spec in shard:
                 tensor = produce(spec)
                 if tuple(tensor.shape) != tuple(spec.shape):
-                    raise ValueError(f"write_safetensors_shards: {spec.name} has shape {list(tensor.shape)}, planned {list(spec.shape)}")
+                    raise ValueError(
+                        f"write_safetensors_shards: {spec.name} has shape {list(tensor.shape)}, planned {list(spec.shape)}"
+                    )
                 tensor = tensor.detach().to(device="cpu", dtype=spec.dtype).contiguous()
                 handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # no copy
                 del tensor

@@ -123,7 +123,9 @@ def _read_meta(root: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{meta_path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}"
+        )
     for key in ("layout", "params", "optimizers", "trainer_state", "files"):
         if key not in meta:
             raise CheckpointError(f"{meta_path}: missing {key!r}")
@@ -216,7 +218,9 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
     mismatched = sorted(name for name in set(saved) & set(expected) if saved[name] != expected[name])
     problems = []
     if mismatched:
-        problems.append("shape mismatch: " + ", ".join(f"{n} checkpoint {saved[n]} vs model {expected[n]}" for n in mismatched))
+        problems.append(
+            "shape mismatch: " + ", ".join(f"{n} checkpoint {saved[n]} vs model {expected[n]}" for n in mismatched)
+        )
     if strict and unexpected:
         problems.append(
             f"{len(unexpected)} unexpected tensor(s) in the checkpoint that the model lacks: "
@@ -224,7 +228,8 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
         )
     if strict and missing:
         problems.append(
-            f"{len(missing)} tensor(s) of the model missing from the checkpoint: " + ", ".join(f"{n} {expected[n]}" for n in missing)
+            f"{len(missing)} tensor(s) of the model missing from the checkpoint: "
+            + ", ".join(f"{n} {expected[n]}" for n in missing)
         )
     error = None
     if problems:

@@ -74,7 +74,9 @@ def save_checkpoint(
         kinds: list[dict] = [{} for _ in optimizers]
         skip: set[str] = set()
         if engine is not None:
-            engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
+            engine_entries(
+                engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer
+            )
             skip = managed_names(engine)
         params = module_entries(module, skip, layout, targets, load=False)
         try:
@@ -85,7 +87,9 @@ def save_checkpoint(
         if _fault_hook is not None:
             _fault_hook("shards_written")
 
-        mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"]
+        mine = [
+            p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"
+        ]
         if layout.rank == 0:
             mine.append(tmp / DCP_METADATA_FILE)
         files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in mine}
@@ -136,7 +140,9 @@ def _optimizer_meta(optimizers: list[Optimizer], all_kinds: list[list[dict]]) ->
         for rank_kinds in all_kinds:
             kinds.update(rank_kinds[index])
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        meta.append({"type": type(optimizer).__name__, "param_groups": encode(groups, f"optimizer {index}"), "state": kinds})
+        meta.append(
+            {"type": type(optimizer).__name__, "param_groups": encode(groups, f"optimizer {index}"), "state": kinds}
+        )
     return meta
 
 

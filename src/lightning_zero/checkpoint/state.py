@@ -64,7 +64,9 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
         plain = all(isinstance(key, str) and key not in _TAGS for key in value)
         if plain:
             return {key: encode(item, f"{path}.{key}") for key, item in value.items()}
-        return {"__dict__": [[encode(key, f"{path}<key>"), encode(item, f"{path}.{key}")] for key, item in value.items()]}
+        return {
+            "__dict__": [[encode(key, f"{path}<key>"), encode(item, f"{path}.{key}")] for key, item in value.items()]
+        }
     if _lenient(path):
         warnings.warn(f"lightning_zero checkpoint: {path} ({type(value).__name__}) is stored as its repr", stacklevel=2)
         return {"__repr__": repr(value)}
@@ -87,7 +89,7 @@ def decode(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, payload), = value.items()
+        ((tag, payload),) = value.items()
         if tag == "__tuple__":
             return tuple(decode(item) for item in payload)
         if tag == "__dict__":

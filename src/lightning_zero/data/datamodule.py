@@ -215,7 +215,9 @@ class TokenDataModule(L.LightningDataModule):
                 "its ids could index past the embedding; use the model's own tokenizer or a model with a larger vocabulary"
             )
         if self.hparams.get("dtype", "auto") != "auto" and recorded != self.dtype:
-            raise ValueError(f"token file {str(path)!r} holds {recorded.name} ids ({token_meta_path(path)}), dtype={self.dtype.name} was given")
+            raise ValueError(
+                f"token file {str(path)!r} holds {recorded.name} ids ({token_meta_path(path)}), dtype={self.dtype.name} was given"
+            )
         return recorded
 
     def data_parallel(self) -> tuple[int, int]:
@@ -238,7 +240,9 @@ class TokenDataModule(L.LightningDataModule):
                 f"TokenDataModule: {len(dataset)} train windows cannot fill one batch of {self.batch_size} "
                 f"on each of {dp_size} data-parallel ranks; lower batch_size or seq_len, or add tokens"
             )
-        sampler = ResumableSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=self.seed, drop_last=True)
+        sampler = ResumableSampler(
+            dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=self.seed, drop_last=True
+        )
         return self._loader(
             dataset,
             sampler,
@@ -278,5 +282,3 @@ class TokenDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError("TokenDataModule: call setup() before asking for data loaders")
         return dataset
-
-

@@ -57,7 +57,9 @@ def _documents(inputs: list[Path], text_key: str) -> Any:
                     try:
                         text = json.loads(line)[text_key]
                     except (ValueError, KeyError, TypeError) as exc:
-                        raise ValueError(f"{path}:{line_number}: expected a JSON object with a {text_key!r} string ({exc})") from exc
+                        raise ValueError(
+                            f"{path}:{line_number}: expected a JSON object with a {text_key!r} string ({exc})"
+                        ) from exc
                     yield str(text), len(line.encode("utf-8"))
         else:
             data = path.read_bytes()
@@ -137,8 +139,12 @@ def prepare_tokens(
     num_tokens = num_docs = 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # processes, not threads, share the work
     file_for = str(tokenizer_path / "tokenizer.json" if tokenizer_path.is_dir() else tokenizer_path)
-    jobs = ((texts, nbytes, eos_id, dtype.name) for texts, nbytes in _batches(_documents(paths, text_key), docs_per_batch))
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing ({workers} processes)", disable=not progress)
+    jobs = (
+        (texts, nbytes, eos_id, dtype.name) for texts, nbytes in _batches(_documents(paths, text_key), docs_per_batch)
+    )
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing ({workers} processes)", disable=not progress
+    )
     pool = None
     with tempfile.NamedTemporaryFile(dir=out.parent, prefix=out.name, suffix=".tmp", delete=False) as handle:
         try:

@@ -28,7 +28,9 @@ def write_tokens(path: Union[str, Path], tokens: np.ndarray, dtype: Optional[str
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
-        raise ValueError(f"write_tokens: tokens must be a non-empty 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        raise ValueError(
+            f"write_tokens: tokens must be a non-empty 1-D integer array, got {tokens.dtype} {tokens.shape}"
+        )
     low, high = int(tokens.min()), int(tokens.max())
     dtype = np.dtype(dtype) if dtype is not None else token_dtype(high + 1)
     if dtype.name not in TOKEN_DTYPES:

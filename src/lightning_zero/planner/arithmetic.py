@@ -55,8 +55,10 @@ DEFAULT_MFU = 0.4
 
 def precision_bytes(precision: str) -> PrecisionBytes:
     if str(precision) not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
-                         f"use one of {sorted(PRECISIONS)} (trainer.precision=...)")
+        raise ValueError(
+            f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
+            f"use one of {sorted(PRECISIONS)} (trainer.precision=...)"
+        )
     return PRECISIONS[str(precision)]
 
 
@@ -96,8 +98,9 @@ class MemoryPerRank:
         """Model states and engine buffers, plus the larger of the two peaks that never meet:
         backward's (activations, loss) and the optimizer step's (fp32 grad shard)."""
         backward_peak = self.activations + self.logits_and_loss
-        return self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak,
-                                                                                      self.step_grad_shard)
+        return (
+            self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak, self.step_grad_shard)
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "optimizer": self.optimizer, "model_states": self.model_states, "total": self.total}
@@ -280,8 +283,12 @@ def plan_run(
     dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
     tp, dp = int(dims.tp), dims.dp
     seq_len = int(seq_len or config.max_seq_len)
-    _check_positive(micro_batch=micro_batch, seq_len=seq_len, accumulate_grad_batches=accumulate_grad_batches,
-                    max_buckets_in_flight=max_buckets_in_flight)
+    _check_positive(
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        accumulate_grad_batches=accumulate_grad_batches,
+        max_buckets_in_flight=max_buckets_in_flight,
+    )
     if seq_len > config.max_seq_len:
         raise ValueError(
             f"plan_run: seq_len({seq_len}) exceeds the model's max_seq_len({config.max_seq_len}); "
@@ -293,15 +300,19 @@ def plan_run(
     if not 0 < mfu <= 1:
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
-        bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * precision_bytes(precision).grad)
+        bucket_mb = resolve_bucket_mb(
+            bucket_mb, llama_param_counts(config, tp=tp).total * precision_bytes(precision).grad
+        )
     if bucket_mb <= 0 or prefetch_blocks < 0:
         raise ValueError(
             f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "
             f"prefetch_blocks={prefetch_blocks!r}"
         )
     if defer_grad_reduce and stage != 2:
-        raise ValueError(f"plan_run: defer_grad_reduce applies to stage 2 only (stage 1 always defers, stage 3 "
-                         f"holds no full gradients), got stage={stage}")
+        raise ValueError(
+            f"plan_run: defer_grad_reduce applies to stage 2 only (stage 1 always defers, stage 3 "
+            f"holds no full gradients), got stage={stage}"
+        )
     dtype = precision_bytes(precision)
     counts = llama_param_counts(config, tp=tp)
     local_params = counts.total
@@ -310,24 +321,41 @@ def plan_run(
 
     peak = hw.peak_fp32_flops if str(precision).startswith("32") else hw.peak_bf16_flops
     crosses_nodes = dims.world_size > dims.devices_per_node and dp > 1
-    workload = llama_workload(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
-                              activation_checkpointing=activation_checkpointing, flops_per_s=peak * mfu,
-                              tp_link=hw.link(inter_node=False), act_bytes=dtype.activation)
+    workload = llama_workload(
+        config,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=tp,
+        activation_checkpointing=activation_checkpointing,
+        flops_per_s=peak * mfu,
+        tp_link=hw.link(inter_node=False),
+        act_bytes=dtype.activation,
+    )
     bucket_numel = max(1, int(bucket_mb * MiB) // dtype.grad)
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
 
     memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
-    states = model_state_bytes(padded, stage=memory_stage, dp=dp, param_bytes=dtype.param, grad_bytes=dtype.grad,
-                               optim_bytes_per_param=dtype.optimizer)
+    states = model_state_bytes(
+        padded,
+        stage=memory_stage,
+        dp=dp,
+        param_bytes=dtype.param,
+        grad_bytes=dtype.grad,
+        optim_bytes_per_param=dtype.optimizer,
+    )
     optimizer_numel = shard if stage >= 1 else padded
     pooled = stage >= 2 and not defer_grad_reduce
-    bucket_buffers = (min(max_buckets_in_flight, len(buckets)) * max(b.numel for b in buckets) * dtype.grad
-                      if pooled and buckets else 0.0)
+    bucket_buffers = (
+        min(max_buckets_in_flight, len(buckets)) * max(b.numel for b in buckets) * dtype.grad
+        if pooled and buckets
+        else 0.0
+    )
     gathered_unit = max(counts.block, counts.embedding, counts.output)
     prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
 
-    acts = llama_activation_bytes(config, micro_batch=micro_batch, seq_len=seq_len, act_bytes=dtype.activation,
-                                  tp=tp, attention=attention)
+    acts = llama_activation_bytes(
+        config, micro_batch=micro_batch, seq_len=seq_len, act_bytes=dtype.activation, tp=tp, attention=attention
+    )
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -345,20 +373,44 @@ def plan_run(
     fits = memory.total <= hw.memory_bytes - int(reserved_gib * GiB)
     if simulate is True or (simulate == "if_fits" and fits):
         simulated = step_time(
-            workload, stage=stage, dp=dp, micro_batches=accumulate_grad_batches,
-            dp_link=hw.link(inter_node=crosses_nodes), grad_bytes=dtype.grad, param_bytes=dtype.param,
-            bucket_numel=bucket_numel, overlap_comm=overlap_comm, defer_grad_reduce=defer_grad_reduce,
-            max_buckets_in_flight=max_buckets_in_flight, prefetch_blocks=prefetch_blocks,
-            overlap_param_gather=overlap_param_gather, efficiency=hw.overlap_efficiency,
-            optimizer_bytes_per_param=dtype.optimizer_step_bytes, memory_bytes_per_s=hw.memory_bytes_per_s,
+            workload,
+            stage=stage,
+            dp=dp,
+            micro_batches=accumulate_grad_batches,
+            dp_link=hw.link(inter_node=crosses_nodes),
+            grad_bytes=dtype.grad,
+            param_bytes=dtype.param,
+            bucket_numel=bucket_numel,
+            overlap_comm=overlap_comm,
+            defer_grad_reduce=defer_grad_reduce,
+            max_buckets_in_flight=max_buckets_in_flight,
+            prefetch_blocks=prefetch_blocks,
+            overlap_param_gather=overlap_param_gather,
+            efficiency=hw.overlap_efficiency,
+            optimizer_bytes_per_param=dtype.optimizer_step_bytes,
+            memory_bytes_per_s=hw.memory_bytes_per_s,
             optimizer_bytes_per_s=hw.optimizer_bytes_per_s or hw.memory_bytes_per_s,
-            tokens_per_step=tokens_per_step, model_flops_per_rank=model_flops, peak_flops=peak,
+            tokens_per_step=tokens_per_step,
+            model_flops_per_rank=model_flops,
+            peak_flops=peak,
             world_size=world_size,
         )
-    traffic = _traffic(config, stage=stage, dims=dims, padded=padded, dtype=dtype, micro_batch=micro_batch,
-                       seq_len=seq_len, micro_batches=accumulate_grad_batches, defer_grad_reduce=defer_grad_reduce,
-                       activation_checkpointing=activation_checkpointing, hw=hw, crosses_nodes=crosses_nodes,
-                       workload=workload, simulated=simulated)
+    traffic = _traffic(
+        config,
+        stage=stage,
+        dims=dims,
+        padded=padded,
+        dtype=dtype,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        micro_batches=accumulate_grad_batches,
+        defer_grad_reduce=defer_grad_reduce,
+        activation_checkpointing=activation_checkpointing,
+        hw=hw,
+        crosses_nodes=crosses_nodes,
+        workload=workload,
+        simulated=simulated,
+    )
     plan = Plan(
         model=config.name,
         num_params=config.num_params(),
@@ -444,8 +496,9 @@ def _traffic(
     per_layer = 6 if activation_checkpointing else 4
     tp_all_reduces = (per_layer * config.n_layers + 2) * micro_batches
     tp_bytes = tp_all_reduces * 2 * (tp - 1) / tp * tokens * config.dim * dtype.activation
-    flops = micro_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
-                                           activation_checkpointing=activation_checkpointing)
+    flops = micro_batches * training_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+    )
     return TrafficPerRank(
         dp_reduce_scatter_bytes=reduce_scatter,
         dp_all_gather_bytes=all_gather,
@@ -482,8 +535,9 @@ def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_r
 def _knobs(plan: Plan) -> dict[str, Any]:
     """The :func:`plan_run` arguments that produced ``plan`` (but the model and the hardware)."""
     arguments = inspect.signature(plan_run).parameters
-    knobs = {name: getattr(plan, name) for name in arguments
-             if name not in ("hardware", "timing") and hasattr(plan, name)}
+    knobs = {
+        name: getattr(plan, name) for name in arguments if name not in ("hardware", "timing") and hasattr(plan, name)
+    }
     knobs["reserved_gib"] = plan.reserved_bytes / GiB
     return knobs
 
@@ -502,8 +556,12 @@ def _candidates(plan: Plan) -> list[tuple[str, dict[str, Any]]]:
     micro_batch = plan.micro_batch // 2
     while micro_batch >= 1:
         accumulate = plan.accumulate_grad_batches * plan.micro_batch // micro_batch
-        out.append((f"micro_batch={micro_batch} (accumulate_grad_batches={accumulate})",
-                    {"micro_batch": micro_batch, "accumulate_grad_batches": accumulate}))
+        out.append(
+            (
+                f"micro_batch={micro_batch} (accumulate_grad_batches={accumulate})",
+                {"micro_batch": micro_batch, "accumulate_grad_batches": accumulate},
+            )
+        )
         micro_batch //= 2
     combined = {"stage": 3, "activation_checkpointing": True}
     out.append(("stage=3 + activation_checkpointing=true", combined))
@@ -512,8 +570,13 @@ def _candidates(plan: Plan) -> list[tuple[str, dict[str, Any]]]:
         out.append((f"stage=3 + activation_checkpointing=true + tensor_parallel_size={tp}", {**combined, "tp": tp}))
         tp *= 2
     if plan.micro_batch > 1:
-        out.append((f"stage=3 + activation_checkpointing=true + tensor_parallel_size={plan.devices_per_node} + "
-                    f"micro_batch=1", {**combined, "tp": plan.devices_per_node, "micro_batch": 1}))
+        out.append(
+            (
+                f"stage=3 + activation_checkpointing=true + tensor_parallel_size={plan.devices_per_node} + "
+                f"micro_batch=1",
+                {**combined, "tp": plan.devices_per_node, "micro_batch": 1},
+            )
+        )
     return out
 
 
@@ -545,16 +608,23 @@ def _no_single_fix(plan: Plan, config: Any, hardware: Hardware, max_nodes: int =
     options = [f"nothing on {nodes} node(s) of {plan.hardware} fits"]
     while nodes < max_nodes:
         nodes *= 2
-        bigger = plan_run(config, hardware=hardware, suggest=False, simulate=False,
-                          **{**knobs, "world_size": nodes * plan.devices_per_node})
+        bigger = plan_run(
+            config,
+            hardware=hardware,
+            suggest=False,
+            simulate=False,
+            **{**knobs, "world_size": nodes * plan.devices_per_node},
+        )
         if bigger.fits:
-            options.append(f"stage=3 + activation_checkpointing=true on {nodes} nodes "
-                           f"({bigger.memory.total / GiB:.1f} GiB)")
+            options.append(
+                f"stage=3 + activation_checkpointing=true on {nodes} nodes ({bigger.memory.total / GiB:.1f} GiB)"
+            )
             break
     for name in available_hardware():
         if name != plan.hardware:
             other = plan_run(config, hardware=name, suggest=False, simulate=False, **knobs)
             if other.fits:
-                options.append(f"stage=3 + activation_checkpointing=true on hardware={name} "
-                               f"({other.memory.total / GiB:.1f} GiB)")
+                options.append(
+                    f"stage=3 + activation_checkpointing=true on hardware={name} ({other.memory.total / GiB:.1f} GiB)"
+                )
     return "; ".join(options)

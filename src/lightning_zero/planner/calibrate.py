@@ -120,8 +120,16 @@ def _matmul_loop(size: int, iterations: int):
     return run
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes_mb: Sequence[float], repeats: int,
-                       overlap_mb: float, out_dir: str, compute: dict[str, Any]) -> None:
+def _collective_worker(
+    rank: int,
+    world: int,
+    port: int,
+    sizes_mb: Sequence[float],
+    repeats: int,
+    overlap_mb: float,
+    out_dir: str,
+    compute: dict[str, Any],
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -194,9 +202,13 @@ def _collective_worker(rank: int, world: int, port: int, sizes_mb: Sequence[floa
         result["adamw_bytes_per_s"] = measure_adamw_bytes_per_s(compute["adamw_numel"], repeats=repeats)
         result["copy_bytes_per_s"] = measure_copy_bytes_per_s(compute["adamw_numel"], repeats=repeats)
         dist.barrier()
-        result["model"] = measure_model_mfu(compute["model"], micro_batch=compute["micro_batch"],
-                                            seq_len=compute["seq_len"], peak_flops=result["matmul_fp32_flops"],
-                                            repeats=max(2, repeats // 2))
+        result["model"] = measure_model_mfu(
+            compute["model"],
+            micro_batch=compute["micro_batch"],
+            seq_len=compute["seq_len"],
+            peak_flops=result["matmul_fp32_flops"],
+            repeats=max(2, repeats // 2),
+        )
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -208,9 +220,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 7, overlap_mb: float = 25.0,
-                        world: int = 2, timeout_s: float = 600.0, compute: Optional[dict[str, Any]] = None
-                        ) -> dict[str, Any]:
+def measure_collectives(
+    sizes_mb: Sequence[float] = DEFAULT_SIZES_MB,
+    repeats: int = 7,
+    overlap_mb: float = 25.0,
+    world: int = 2,
+    timeout_s: float = 600.0,
+    compute: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Time the collectives, the overlap probe and (``compute``: model, micro_batch, seq_len,
     adamw_numel) the compute rates on ``world`` local gloo processes; per number, the slower rank's."""
     import multiprocessing
@@ -218,10 +235,13 @@ def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: i
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="lz_calibrate_") as out_dir:
         port = _free_port()
-        processes = [context.Process(target=_collective_worker,
-                                     args=(rank, world, port, list(sizes_mb), repeats, overlap_mb, out_dir,
-                                           compute))
-                     for rank in range(world)]
+        processes = [
+            context.Process(
+                target=_collective_worker,
+                args=(rank, world, port, list(sizes_mb), repeats, overlap_mb, out_dir, compute),
+            )
+            for rank in range(world)
+        ]
         for process in processes:
             process.start()
         deadline = time.monotonic() + timeout_s
@@ -232,15 +252,16 @@ def measure_collectives(sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: i
             process.kill()
         failed = [p.exitcode for p in processes if p.exitcode != 0]
         if alive or failed:
-            raise RuntimeError(f"calibrate: collective processes failed (exit codes {failed}, "
-                               f"{len(alive)} killed after {timeout_s:.0f} s)")
+            raise RuntimeError(
+                f"calibrate: collective processes failed (exit codes {failed}, "
+                f"{len(alive)} killed after {timeout_s:.0f} s)"
+            )
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     # the slower rank is what a collective costs
     merged: dict[str, Any] = {"collectives": {}, "world": world}
     for kind, rows in ranks[0]["collectives"].items():
         merged["collectives"][kind] = [
-            {"payload_bytes": row["payload_bytes"],
-             "seconds": max(r["collectives"][kind][i]["seconds"] for r in ranks)}
+            {"payload_bytes": row["payload_bytes"], "seconds": max(r["collectives"][kind][i]["seconds"] for r in ranks)}
             for i, row in enumerate(rows)
         ]
     merged["overlap"] = {key: max(r["overlap"][key] for r in ranks) for key in ranks[0]["overlap"]}
@@ -342,8 +363,9 @@ def measure_copy_bytes_per_s(numel: int = 4_000_000, repeats: int = 5) -> float:
     return 12 * numel / _timed(stage, repeats)
 
 
-def measure_model_mfu(model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float,
-                      repeats: int = 3) -> dict[str, float]:
+def measure_model_mfu(
+    model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float, repeats: int = 3
+) -> dict[str, float]:
     """Forward + backward of a Llama of shape ``model`` (single process, fp32): achieved fraction
     of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.model_flops`)."""
     import torch
@@ -376,15 +398,27 @@ def measure_model_mfu(model: dict[str, int], *, micro_batch: int, seq_len: int, 
 BENCH_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, max_seq_len=128)
 
 
-def calibrate(*, name: str = "cpu_calibrated", sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, repeats: int = 7,
-              model: Optional[dict[str, int]] = None, micro_batch: int = 2, seq_len: int = 128,
-              adamw_numel: int = 4_000_000, overlap_mb: float = 25.0) -> dict[str, Any]:
+def calibrate(
+    *,
+    name: str = "cpu_calibrated",
+    sizes_mb: Sequence[float] = DEFAULT_SIZES_MB,
+    repeats: int = 7,
+    model: Optional[dict[str, int]] = None,
+    micro_batch: int = 2,
+    seq_len: int = 128,
+    adamw_numel: int = 4_000_000,
+    overlap_mb: float = 25.0,
+) -> dict[str, Any]:
     """Measure everything (see module docstring); return ``{"hardware": {...}, "measured": {...}}``."""
     import psutil
 
     model = dict(model or BENCH_MODEL)
-    collectives = measure_collectives(sizes_mb, repeats=repeats, overlap_mb=overlap_mb, compute=dict(
-        model=model, micro_batch=micro_batch, seq_len=seq_len, adamw_numel=adamw_numel))
+    collectives = measure_collectives(
+        sizes_mb,
+        repeats=repeats,
+        overlap_mb=overlap_mb,
+        compute=dict(model=model, micro_batch=micro_batch, seq_len=seq_len, adamw_numel=adamw_numel),
+    )
     links = summarize_collectives(collectives)
     rates = collectives["compute"]
     fp32, bf16, memory_bps = rates["matmul_fp32_flops"], rates["matmul_bf16_flops"], rates["adamw_bytes_per_s"]
@@ -407,8 +441,17 @@ def calibrate(*, name: str = "cpu_calibrated", sizes_mb: Sequence[float] = DEFAU
         "mfu": compute["mfu"],
         "devices_per_node": collectives["world"],
     }
-    return {"hardware": hardware, "measured": {"collectives": collectives, "links": links, "compute": compute,
-                                               "model": model, "micro_batch": micro_batch, "seq_len": seq_len}}
+    return {
+        "hardware": hardware,
+        "measured": {
+            "collectives": collectives,
+            "links": links,
+            "compute": compute,
+            "model": model,
+            "micro_batch": micro_batch,
+            "seq_len": seq_len,
+        },
+    }
 
 
 def hardware_yaml(hardware: dict[str, Any], measured: dict[str, Any]) -> str:
@@ -446,20 +489,35 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     model = {key: getattr(args, key) for key in BENCH_MODEL}
     if args.quick:
         model = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=32)
-        result = calibrate(name=args.name or out.stem, sizes_mb=QUICK_SIZES_MB, repeats=2, model=model,
-                           micro_batch=1, seq_len=32, adamw_numel=200_000, overlap_mb=0.5)
+        result = calibrate(
+            name=args.name or out.stem,
+            sizes_mb=QUICK_SIZES_MB,
+            repeats=2,
+            model=model,
+            micro_batch=1,
+            seq_len=32,
+            adamw_numel=200_000,
+            overlap_mb=0.5,
+        )
     else:
-        result = calibrate(name=args.name or out.stem, repeats=args.repeats, model=model,
-                           micro_batch=args.micro_batch, seq_len=args.seq_len)
+        result = calibrate(
+            name=args.name or out.stem,
+            repeats=args.repeats,
+            model=model,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(hardware_yaml(result["hardware"], result["measured"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     hw = result["hardware"]
-    print(f"lightning-zero: wrote {out}: link {hw['intra_node_gb_per_s']:.2f} GB/s, "
-          f"{hw['intra_node_latency_us']:.0f} us latency, overlap {hw['overlap_efficiency']:.2f}, "
-          f"fp32 {hw['peak_fp32_tflops'] * 1e3:.1f} GFLOP/s (mfu {hw['mfu']:.2f}), "
-          f"memory {hw['memory_gb_per_s']:.1f} GB/s")
+    print(
+        f"lightning-zero: wrote {out}: link {hw['intra_node_gb_per_s']:.2f} GB/s, "
+        f"{hw['intra_node_latency_us']:.0f} us latency, overlap {hw['overlap_efficiency']:.2f}, "
+        f"fp32 {hw['peak_fp32_tflops'] * 1e3:.1f} GFLOP/s (mfu {hw['mfu']:.2f}), "
+        f"memory {hw['memory_gb_per_s']:.1f} GB/s"
+    )
     return out
 
 

@@ -121,6 +121,8 @@ def load_hardware(hardware: Union[str, Path, Hardware, Mapping[str, Any], None] 
     if path.suffix not in (".yaml", ".yml") or not path.is_file():
         path = HARDWARE_DIR / f"{hardware}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown hardware {str(hardware)!r}; pick one of {available_hardware()} (hardware=NAME) "
-                         "or give a YAML path")
+        raise ValueError(
+            f"unknown hardware {str(hardware)!r}; pick one of {available_hardware()} (hardware=NAME) "
+            "or give a YAML path"
+        )
     return Hardware.from_mapping(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]

@@ -107,7 +107,14 @@ PRECISIONS: dict[str, PrecisionBytes] = {
 # Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``
 # adds on top of the fp32 master copy. SGD holds momentum only when ``momentum != 0``.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
-    "Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "SGD": 0, "RMSprop": 4, "Adagrad": 4,
+    "Adam": 8,
+    "AdamW": 8,
+    "NAdam": 8,
+    "RAdam": 8,
+    "Adamax": 8,
+    "SGD": 0,
+    "RMSprop": 4,
+    "Adagrad": 4,
 }
 
 

@@ -142,16 +142,28 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
         ("model", f"{plan.model}: {plan.num_params:,} parameters ({plan.params_per_tp_rank:,} per tp rank)"),
         ("layout", layout_line(plan)),
         ("precision", plan.precision),
-        ("batch", f"micro_batch={plan.micro_batch} x seq_len={plan.seq_len} x accumulate="
-                  f"{plan.accumulate_grad_batches} x dp={plan.dp} = {plan.tokens_per_step:,} tokens/step"),
-        ("activations / block", f"{_gib(acts.per_layer)} GiB saved, {_gib(acts.checkpointed_per_layer)} GiB "
-                                f"checkpointed (checkpointing={'on' if plan.activation_checkpointing else 'off'}, "
-                                f"attention={plan.attention})"),
-        ("engine", f"bucket_mb={plan.bucket_mb:g}, prefetch_blocks={plan.prefetch_blocks}, "
-                   f"defer_grad_reduce={plan.defer_grad_reduce}, max_buckets_in_flight={plan.max_buckets_in_flight}, "
-                   f"overlap_param_gather={plan.overlap_param_gather}"),
-        ("hardware", f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
-                     f"mfu={plan.mfu:g}"),
+        (
+            "batch",
+            f"micro_batch={plan.micro_batch} x seq_len={plan.seq_len} x accumulate="
+            f"{plan.accumulate_grad_batches} x dp={plan.dp} = {plan.tokens_per_step:,} tokens/step",
+        ),
+        (
+            "activations / block",
+            f"{_gib(acts.per_layer)} GiB saved, {_gib(acts.checkpointed_per_layer)} GiB "
+            f"checkpointed (checkpointing={'on' if plan.activation_checkpointing else 'off'}, "
+            f"attention={plan.attention})",
+        ),
+        (
+            "engine",
+            f"bucket_mb={plan.bucket_mb:g}, prefetch_blocks={plan.prefetch_blocks}, "
+            f"defer_grad_reduce={plan.defer_grad_reduce}, max_buckets_in_flight={plan.max_buckets_in_flight}, "
+            f"overlap_param_gather={plan.overlap_param_gather}",
+        ),
+        (
+            "hardware",
+            f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
+            f"mfu={plan.mfu:g}",
+        ),
     ]
 
 
@@ -174,8 +186,13 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     ]
     if all(p.timing is not None for p in stages):
         rows += [
-            ["optimizer + grad copies", *(_seconds(p.timing.optimizer_s + p.timing.grad_copy_s)  # type: ignore[union-attr]
-                                          for p in stages)],
+            [
+                "optimizer + grad copies",
+                *(
+                    _seconds(p.timing.optimizer_s + p.timing.grad_copy_s)  # type: ignore[union-attr]
+                    for p in stages
+                ),
+            ],
             ["exposed comm", *(_seconds(p.traffic.exposed_comm_s) for p in stages)],
             ["predicted step", *(_seconds(p.traffic.step_s) for p in stages)],
             ["tokens/s (all ranks)", *(f"{p.tokens_per_s:,.0f}" for p in stages)],
@@ -198,8 +215,10 @@ def print_tables(plan: Plan, stages: Sequence[Plan], console: Any = None) -> Non
     console.print(header)
 
     columns = [STAGE_NAMES[p.stage] + (" *" if p.stage == plan.stage else "") for p in stages]
-    for title, rows in (("memory per rank (GiB)", memory_rows(stages)), ("per optimizer step, per rank",
-                                                                           traffic_rows(stages))):
+    for title, rows in (
+        ("memory per rank (GiB)", memory_rows(stages)),
+        ("per optimizer step, per rank", traffic_rows(stages)),
+    ):
         table = Table(title=title)
         table.add_column("")
         for column in columns:
@@ -250,8 +269,10 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
     usable = stages[0].available_bytes / GiB
     axes.axhline(usable, color="black", linestyle="--", linewidth=1, label=f"usable on {stages[0].hardware}")
     first = stages[0]
-    axes.set_title(title or f"{first.model}, {layout_line(first)}, {first.precision}, "
-                            f"B={first.micro_batch} T={first.seq_len}", fontsize=9)
+    axes.set_title(
+        title or f"{first.model}, {layout_line(first)}, {first.precision}, B={first.micro_batch} T={first.seq_len}",
+        fontsize=9,
+    )
     axes.set_ylabel("GiB per rank")
     axes.legend(fontsize=7, loc="upper right")
     figure.tight_layout()
@@ -270,15 +291,17 @@ def search_rows(result: SearchResult, count: int) -> list[list[str]]:
     for rank, entry in enumerate(result.top(count), start=1):
         timing = entry.plan.timing
         assert timing is not None
-        rows.append([
-            str(rank),
-            f"{entry.plan.tokens_per_s:,.0f}",
-            f"{timing.step_s:.2f}",
-            f"{timing.mfu:.1%}",
-            f"{(timing.exposed_comm_s + timing.post_step_gather_s):.2f}",
-            f"{entry.plan.memory.total / GiB:.1f}",
-            " ".join(entry.layout.overrides()),
-        ])
+        rows.append(
+            [
+                str(rank),
+                f"{entry.plan.tokens_per_s:,.0f}",
+                f"{timing.step_s:.2f}",
+                f"{timing.mfu:.1%}",
+                f"{(timing.exposed_comm_s + timing.post_step_gather_s):.2f}",
+                f"{entry.plan.memory.total / GiB:.1f}",
+                " ".join(entry.layout.overrides()),
+            ]
+        )
     return rows
 
 
@@ -287,10 +310,12 @@ def print_search(result: SearchResult, count: int, plan: Plan, console: Any = No
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"layout search: top {min(count, len(result.ranked))} of {len(result.ranked)} that fit "
-                        f"({result.evaluated} planned, {result.rejected_memory} over memory, {result.seconds:.1f} s); "
-                        f"{plan.model} on {layout_line(plan).split(':')[0]}, {result.global_batch} samples x "
-                        f"{plan.seq_len} tokens per step, {plan.hardware}")
+    table = Table(
+        title=f"layout search: top {min(count, len(result.ranked))} of {len(result.ranked)} that fit "
+        f"({result.evaluated} planned, {result.rejected_memory} over memory, {result.seconds:.1f} s); "
+        f"{plan.model} on {layout_line(plan).split(':')[0]}, {result.global_batch} samples x "
+        f"{plan.seq_len} tokens per step, {plan.hardware}"
+    )
     for column in ("#", "tokens/s", "step s", "MFU", "exposed comm s", "GiB/rank", "overrides"):
         table.add_column(column, justify="left" if column == "overrides" else "right")
     for row in search_rows(result, count):
@@ -318,25 +343,44 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     plan = plan_run(model_config, **kwargs)
     only = str(options.get("stages", "all")) == "only"
     stage_kwargs = {k: v for k, v in kwargs.items() if k != "stage"}
-    stages = [plan] if only else [
-        plan if s == plan.stage else plan_run(model_config, stage=s, **{
-            **stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s == 2})
-        for s in STAGES
-    ]
+    stages = (
+        [plan]
+        if only
+        else [
+            plan
+            if s == plan.stage
+            else plan_run(
+                model_config,
+                stage=s,
+                **{**stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s == 2},
+            )
+            for s in STAGES
+        ]
+    )
     result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
     search = None
     if options.get("search"):
         top = int(options.get("top") or 10)
         search = search_layouts(
-            model_config, world_size=kwargs["world_size"], devices_per_node=kwargs["devices_per_node"],
-            global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches, seq_len=plan.seq_len,
-            precision=plan.precision, hardware=kwargs["hardware"], mfu=kwargs["mfu"], attention=plan.attention,
-            reserved_gib=kwargs["reserved_gib"], max_buckets_in_flight=plan.max_buckets_in_flight,
+            model_config,
+            world_size=kwargs["world_size"],
+            devices_per_node=kwargs["devices_per_node"],
+            global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
+            seq_len=plan.seq_len,
+            precision=plan.precision,
+            hardware=kwargs["hardware"],
+            mfu=kwargs["mfu"],
+            attention=plan.attention,
+            reserved_gib=kwargs["reserved_gib"],
+            max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
         )
         result["search"] = {
-            "evaluated": search.evaluated, "rejected_memory": search.rejected_memory, "fit": len(search.ranked),
-            "seconds": search.seconds, "global_batch": search.global_batch,
+            "evaluated": search.evaluated,
+            "rejected_memory": search.rejected_memory,
+            "fit": len(search.ranked),
+            "seconds": search.seconds,
+            "global_batch": search.global_batch,
             "top": [entry.as_dict() for entry in search.top(top)],
         }
     if options.get("plot"):

@@ -38,16 +38,24 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
-        out = ["strategy=ddp"] if self.stage == 0 else [f"strategy=zero{self.stage}",
-                                                       f"strategy.tensor_parallel_size={self.tp}",
-                                                       f"strategy.bucket_mb={self.bucket_mb:g}"]
+        out = (
+            ["strategy=ddp"]
+            if self.stage == 0
+            else [
+                f"strategy=zero{self.stage}",
+                f"strategy.tensor_parallel_size={self.tp}",
+                f"strategy.bucket_mb={self.bucket_mb:g}",
+            ]
+        )
         if self.stage == 2:
             out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
         if self.stage == 3:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
-        out += [f"data.batch_size={self.micro_batch}",
-                f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
-                f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+        out += [
+            f"data.batch_size={self.micro_batch}",
+            f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
+            f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}",
+        ]
         return out
 
 
@@ -122,10 +130,19 @@ def search_layouts(
     start = time.perf_counter()
     config = resolve_config(model_config)
     hw = load_hardware(hardware)
-    common = dict(world_size=world_size, devices_per_node=devices_per_node, seq_len=seq_len, precision=precision,
-                  hardware=hw, mfu=mfu, attention=attention, reserved_gib=reserved_gib,
-                  max_buckets_in_flight=max_buckets_in_flight, overlap_param_gather=overlap_param_gather,
-                  suggest=False)
+    common = dict(
+        world_size=world_size,
+        devices_per_node=devices_per_node,
+        seq_len=seq_len,
+        precision=precision,
+        hardware=hw,
+        mfu=mfu,
+        attention=attention,
+        reserved_gib=reserved_gib,
+        max_buckets_in_flight=max_buckets_in_flight,
+        overlap_param_gather=overlap_param_gather,
+        suggest=False,
+    )
     ranked: list[Ranked] = []
     evaluated = rejected = 0
     for tp in tp_sizes or _tp_sizes(devices_per_node):
@@ -148,12 +165,20 @@ def search_layouts(
                     for defer in defers:
                         for bucket_mb in buckets:
                             for ahead in prefetches:
-                                layout = Layout(stage, tp, micro_batch, accumulate, defer, bool(checkpoint),
-                                                float(bucket_mb), ahead)
-                                knobs = dict(stage=stage, tp=tp, micro_batch=micro_batch,
-                                             accumulate_grad_batches=accumulate, defer_grad_reduce=defer,
-                                             activation_checkpointing=bool(checkpoint), bucket_mb=float(bucket_mb),
-                                             prefetch_blocks=ahead, **common)
+                                layout = Layout(
+                                    stage, tp, micro_batch, accumulate, defer, bool(checkpoint), float(bucket_mb), ahead
+                                )
+                                knobs = dict(
+                                    stage=stage,
+                                    tp=tp,
+                                    micro_batch=micro_batch,
+                                    accumulate_grad_batches=accumulate,
+                                    defer_grad_reduce=defer,
+                                    activation_checkpointing=bool(checkpoint),
+                                    bucket_mb=float(bucket_mb),
+                                    prefetch_blocks=ahead,
+                                    **common,
+                                )
                                 try:
                                     plan = plan_run(config, simulate="if_fits", **knobs)
                                 except ValueError:  # a tp that does not divide the model's heads, ...

@@ -84,8 +84,9 @@ def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) 
     """``factor x (steps x latency + sent_bytes / bandwidth)``; 0 for a group of one rank."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
-    return link.factor(kind) * (ring_steps(kind, ranks) * link.latency_s
-                                + sent_bytes(kind, payload_bytes, ranks) / link.bytes_per_s)
+    return link.factor(kind) * (
+        ring_steps(kind, ranks) * link.latency_s + sent_bytes(kind, payload_bytes, ranks) / link.bytes_per_s
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,8 +98,13 @@ def _weights(config: Any, tp: int) -> dict[str, int]:
     dim, head_dim = config.dim, config.dim // config.n_heads
     kv_dim = (getattr(config, "n_kv_heads", None) or config.n_heads) * head_dim
     return {
-        "wq": dim * dim // tp, "wk": dim * kv_dim // tp, "wv": dim * kv_dim // tp, "wo": dim * dim // tp,
-        "w1": dim * config.ffn_dim // tp, "w3": dim * config.ffn_dim // tp, "w2": config.ffn_dim * dim // tp,
+        "wq": dim * dim // tp,
+        "wk": dim * kv_dim // tp,
+        "wv": dim * kv_dim // tp,
+        "wo": dim * dim // tp,
+        "w1": dim * config.ffn_dim // tp,
+        "w3": dim * config.ffn_dim // tp,
+        "w2": config.ffn_dim * dim // tp,
     }
 
 
@@ -107,14 +113,16 @@ def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: 
     return 2.0 * micro_batch * seq_len * seq_len * config.dim / tp
 
 
-def training_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1,
-                   activation_checkpointing: bool = False) -> float:
+def training_flops(
+    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: bool = False
+) -> float:
     """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
     ``6 x matmul params x tokens`` + attention, + one more block forward under checkpointing)."""
     tokens = micro_batch * seq_len
     block_weights = sum(_weights(config, tp).values())
     block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp
+    )
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
     forward = config.n_layers * block_forward + head_forward
     recompute = config.n_layers * block_forward if activation_checkpointing else 0.0
@@ -153,24 +161,57 @@ class Workload:
 _WORKLOADS: dict[tuple, "Workload"] = {}
 
 
-def llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, activation_checkpointing: bool,
-                   flops_per_s: float, tp_link: Link, act_bytes: int) -> Workload:
+def llama_workload(
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    activation_checkpointing: bool,
+    flops_per_s: float,
+    tp_link: Link,
+    act_bytes: int,
+) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank
     (memoized on every input: the layout search asks for the same one many times)."""
-    key = (repr(config), micro_batch, seq_len, tp, bool(activation_checkpointing), float(flops_per_s), tp_link,
-           int(act_bytes))
+    key = (
+        repr(config),
+        micro_batch,
+        seq_len,
+        tp,
+        bool(activation_checkpointing),
+        float(flops_per_s),
+        tp_link,
+        int(act_bytes),
+    )
     workload = _WORKLOADS.get(key)
     if workload is None:
         if len(_WORKLOADS) > 256:
             _WORKLOADS.clear()
         workload = _WORKLOADS[key] = _llama_workload(
-            config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing,
-            flops_per_s=flops_per_s, tp_link=tp_link, act_bytes=act_bytes)
+            config,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            tp=tp,
+            activation_checkpointing=activation_checkpointing,
+            flops_per_s=flops_per_s,
+            tp_link=tp_link,
+            act_bytes=act_bytes,
+        )
     return workload
 
 
-def _llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, activation_checkpointing: bool,
-                   flops_per_s: float, tp_link: Link, act_bytes: int) -> Workload:
+def _llama_workload(
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    activation_checkpointing: bool,
+    flops_per_s: float,
+    tp_link: Link,
+    act_bytes: int,
+) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank."""
     tokens = micro_batch * seq_len
     weights = _weights(config, tp)
@@ -201,8 +242,7 @@ def _llama_workload(config: Any, *, micro_batch: int, seq_len: int, tp: int, act
         for name in ("w1", "w3", "w2"):
             add(prefix + f"feed_forward.{name}.weight", weights[name], unit, 0, backward[name])
     add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
-    add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0,
-        2 * head_forward + tp_all_reduce)
+    add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, 2 * head_forward + tp_all_reduce)
     unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
     per_layer_tp = (4 + (2 if activation_checkpointing else 0)) * tp_all_reduce
     return Workload(
@@ -293,8 +333,9 @@ def _with_efficiency(compute_s: float, comm_s: float, simulated_exposed: float, 
     return Phase(compute_s, comm_s, simulated_exposed + (1.0 - efficiency) * hidden)
 
 
-def simulate_forward(workload: Workload, *, gather_s: Optional[Sequence[float]], prefetch: int,
-                     efficiency: float) -> Phase:
+def simulate_forward(
+    workload: Workload, *, gather_s: Optional[Sequence[float]], prefetch: int, efficiency: float
+) -> Phase:
     """Forward of one micro batch. ``gather_s`` (stage 3): each unit's all-gather time; unit ``u``'s
     pre-hook starts the gathers of ``u .. u + prefetch`` and waits for ``u``'s."""
     compute = workload.compute_forward_s
@@ -312,9 +353,18 @@ def simulate_forward(workload: Workload, *, gather_s: Optional[Sequence[float]],
     return _with_efficiency(compute, sum(gather_s), t - compute, efficiency)
 
 
-def simulate_backward(workload: Workload, buckets: Sequence[Bucket], bucket_s: Sequence[float], *,
-                      sync: bool, overlap_comm: bool, pool: Optional[int], gather_s: Optional[Sequence[float]],
-                      prefetch: int, efficiency: float) -> Phase:
+def simulate_backward(
+    workload: Workload,
+    buckets: Sequence[Bucket],
+    bucket_s: Sequence[float],
+    *,
+    sync: bool,
+    overlap_comm: bool,
+    pool: Optional[int],
+    gather_s: Optional[Sequence[float]],
+    prefetch: int,
+    efficiency: float,
+) -> Phase:
     """Backward of one micro batch (see [Note: step-time model]).
 
     ``buckets`` in launch order with their collective times ``bucket_s``; ``sync=False`` (a
@@ -334,7 +384,7 @@ def simulate_backward(workload: Workload, buckets: Sequence[Bucket], bucket_s: S
     def reach(unit: int) -> None:
         nonlocal t, link_free, comm
         position = reverse_units.index(unit)
-        for ahead in reverse_units[position: position + prefetch + 1]:
+        for ahead in reverse_units[position : position + prefetch + 1]:
             if ahead not in gather_end:
                 link_free = max(t, link_free) + gather_s[ahead]  # type: ignore[index]
                 comm += gather_s[ahead]  # type: ignore[index]
@@ -473,13 +523,15 @@ def step_time(
             per_unit[unit] += bucket_seconds("all_gather", bucket.numel, param_bytes)
         gather_s = per_unit
     pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
-    common = dict(overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks,
-                  efficiency=efficiency)
+    common = dict(
+        overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency
+    )
     forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
     backward_sync = simulate_backward(workload, buckets, bucket_s, sync=dp > 1, **common)
     every_micro_batch = stage == 3 or (stage == 2 and not defer_grad_reduce)
-    backward_no_sync = backward_sync if every_micro_batch else simulate_backward(
-        workload, buckets, bucket_s, sync=False, **common)
+    backward_no_sync = (
+        backward_sync if every_micro_batch else simulate_backward(workload, buckets, bucket_s, sync=False, **common)
+    )
     syncing = micro_batches if every_micro_batch else 1
     quiet = micro_batches - syncing
     compute = micro_batches * (forward.compute_s + backward_sync.compute_s)

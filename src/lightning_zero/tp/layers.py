@@ -82,9 +82,7 @@ class _ReduceFromTPRegion(torch.autograd.Function):
         return grad_out, None, None
 
 
-def copy_to_tp_region(
-    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
-) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None) -> torch.Tensor:
     """Enter a TP-split region (see [Note: TP regions])."""
     return _CopyToTPRegion.apply(x, group, counter)
 

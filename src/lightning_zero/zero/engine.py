@@ -137,7 +137,14 @@ def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
                 lo, hi = max(start, slot.offset), min(end, slot.end)
                 if lo < hi:
                     yield OwnedRange(
-                        slot.name, slot.param, slot.shape, lo - slot.offset, hi - slot.offset, master, lo - start, hi - start
+                        slot.name,
+                        slot.param,
+                        slot.shape,
+                        lo - slot.offset,
+                        hi - slot.offset,
+                        master,
+                        lo - start,
+                        hi - start,
                     )
 
 
@@ -198,7 +205,9 @@ class ZeroEngine:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
         if stage == 3 and defer_grad_reduce:
-            raise ValueError("ZeroEngine: defer_grad_reduce keeps full gradients, which stage 3 never holds; use stage=2")
+            raise ValueError(
+                "ZeroEngine: defer_grad_reduce keeps full gradients, which stage 3 never holds; use stage=2"
+            )
         self.module = module
         self.stage = stage
         self.dp_group = dp_group
@@ -210,7 +219,9 @@ class ZeroEngine:
         self.collective_timeout = collective_timeout
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
-        trainable = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad}
+        trainable = {
+            id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad
+        }
         grad_bytes = sum(p.numel() for p in trainable.values()) * torch.empty((), dtype=compute_dtype).element_size()
         bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb
@@ -222,14 +233,23 @@ class ZeroEngine:
         self.stage3 = None
         if stage == 3:
             flat_groups_per_optimizer = self._build_stage3(
-                module, optimizers, names, order, device, bucket_numel_for(bucket_mb, compute_dtype), prefetch_blocks, wrap_policy
+                module,
+                optimizers,
+                names,
+                order,
+                device,
+                bucket_numel_for(bucket_mb, compute_dtype),
+                prefetch_blocks,
+                wrap_policy,
             )
         else:
             flat_groups_per_optimizer = self._build_flat(module, optimizers, names, order, device, bucket_mb)
 
         use_full = stage == 1 or defer_grad_reduce
         storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
-        self._reduced_groups = [group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)]
+        self._reduced_groups = [
+            group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)
+        ]
         self.reducer = GradReducer(
             self._reduced_groups,
             storage,
@@ -352,9 +372,7 @@ class ZeroEngine:
         for optimizer in optimizers:
             per_param_group = []
             for param_group in optimizer.param_groups:
-                params = sorted(
-                    (p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)]
-                )
+                params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
                 groups = []
                 # One flat group per compute dtype: norm layers with running stats stay fp32.
                 kept_fp32 = [p for p in params if id(p) in fp32_ids]
@@ -546,7 +564,9 @@ class ZeroEngine:
             group.restore_master_params(
                 self.dp_group,
                 self.counter,
-                lambda work: wait_work(work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll),
+                lambda work: wait_work(
+                    work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll
+                ),
             )
 
     def close(self) -> None:

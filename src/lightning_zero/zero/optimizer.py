@@ -186,8 +186,10 @@ class ShardedOptimizer:
                 wait_work(
                     work,
                     self.collective_timeout,
-                    lambda index=index: f"the parameter all-gather {index + 1} of {len(works)} after"
-                    f" {type(self.optimizer).__name__}.step()",
+                    lambda index=index: (
+                        f"the parameter all-gather {index + 1} of {len(works)} after"
+                        f" {type(self.optimizer).__name__}.step()"
+                    ),
                     poll=self._poll,
                 )
 
@@ -214,8 +216,12 @@ class ShardedOptimizer:
     def _all_reduce_scalar(self, local: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         device = self.comm_device or local.device
         value = local.to(device)
-        work = all_reduce(value, self.norm_group, op=op, async_op=True, counter=self.counter, label="all_reduce_grad_norm")
-        wait_work(work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping", poll=self._poll)
+        work = all_reduce(
+            value, self.norm_group, op=op, async_op=True, counter=self.counter, label="all_reduce_grad_norm"
+        )
+        wait_work(
+            work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping", poll=self._poll
+        )
         return value.to(local.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -317,7 +323,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
                         lo, hi = max(start, slot.offset), min(end, slot.end)
                         if lo < hi:
                             master = self._master_of_param[id(slot.param)]
-                            self._norm_slices.append((master, lo - slot.offset, hi - slot.offset, chunk_master, lo - start))
+                            self._norm_slices.append(
+                                (master, lo - slot.offset, hi - slot.offset, chunk_master, lo - start)
+                            )
             param_group["params"] = masters
         self.optimizer.state.clear()
         for groups in self.flat_groups:  # state made in __init__: the parameter's own, copied
@@ -327,7 +335,8 @@ class ReplicatedOptimizer(ShardedOptimizer):
                     if state:
                         master = self._master_of_param[id(slot.param)]
                         self.optimizer.state[master] = {
-                            k: v.detach().clone().to(master.device) if torch.is_tensor(v) else v for k, v in state.items()
+                            k: v.detach().clone().to(master.device) if torch.is_tensor(v) else v
+                            for k, v in state.items()
                         }
 
     def _full_master_buffer(self, group: FlatParamGroup) -> torch.Tensor:
@@ -340,23 +349,36 @@ class ReplicatedOptimizer(ShardedOptimizer):
         self._gather_chunks_into(group, full, [m.detach().to(device) for m in group.masters], "all_gather_masters")
         full = full.to(group.master_device)
         group.masters = [
-            torch.nn.Parameter(full[bucket.shard_start(group.dp_rank) : bucket.shard_start(group.dp_rank) + bucket.shard_numel])
+            torch.nn.Parameter(
+                full[bucket.shard_start(group.dp_rank) : bucket.shard_start(group.dp_rank) + bucket.shard_numel]
+            )
             for bucket in group.layout.buckets
         ]
         return full
 
-    def _gather_chunks_into(self, group: FlatParamGroup, full: torch.Tensor, chunks: list[torch.Tensor], label: str) -> None:
+    def _gather_chunks_into(
+        self, group: FlatParamGroup, full: torch.Tensor, chunks: list[torch.Tensor], label: str
+    ) -> None:
         with record_function(f"lightning_zero::{label}"):
             works = [
-                all_gather(full[bucket.start : bucket.end], chunk, self.dp_group, async_op=True, counter=self.counter, label=label)
+                all_gather(
+                    full[bucket.start : bucket.end],
+                    chunk,
+                    self.dp_group,
+                    async_op=True,
+                    counter=self.counter,
+                    label=label,
+                )
                 for bucket, chunk in zip(group.layout.buckets, chunks)
             ]
             for index, work in enumerate(works):
                 wait_work(
                     work,
                     self.collective_timeout,
-                    lambda index=index: f"the {label} all-gather {index + 1} of {len(works)} for"
-                    f" {type(self.optimizer).__name__} (replicated step)",
+                    lambda index=index: (
+                        f"the {label} all-gather {index + 1} of {len(works)} for"
+                        f" {type(self.optimizer).__name__} (replicated step)"
+                    ),
                     poll=self._poll,
                 )
 
@@ -378,7 +400,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
                     continue
                 sample = chunks[0]
                 gathered = torch.empty(group.layout.numel, dtype=sample.dtype, device=sample.device)
-                self._gather_chunks_into(group, gathered, [chunks[i] for i in range(len(chunks))], "all_gather_grads_replicated")
+                self._gather_chunks_into(
+                    group, gathered, [chunks[i] for i in range(len(chunks))], "all_gather_grads_replicated"
+                )
                 full_grad = gathered.to(device=group.master_device, dtype=group.master_dtype)
                 for slot in group.layout.slots:
                     self._master_of_param[id(slot.param)].grad = full_grad[slot.offset : slot.end].view(slot.shape)
@@ -391,7 +415,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
             if master.grad is None:
                 continue
             weight = self.replicated_weight.get(id(chunk_master))
-            terms.append((master.grad.reshape(-1)[lo:hi], None if weight is None else weight[chunk_lo : chunk_lo + hi - lo]))
+            terms.append(
+                (master.grad.reshape(-1)[lo:hi], None if weight is None else weight[chunk_lo : chunk_lo + hi - lo])
+            )
         return terms
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -416,7 +442,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
                     self._gather_chunks_into(group, full, chunks, "all_gather_params")
                     continue
                 gathered = torch.empty(group.layout.numel, dtype=full.dtype, device=device)
-                self._gather_chunks_into(group, gathered, [m.detach().to(device) for m in group.masters], "all_gather_params")
+                self._gather_chunks_into(
+                    group, gathered, [m.detach().to(device) for m in group.masters], "all_gather_params"
+                )
                 full.copy_(gathered)
                 group.param_buffer.copy_(gathered)
 

@@ -593,7 +593,9 @@ class GradReducer:
         output = full[start : start + bucket.layout.shard_numel]
         self.timeline.add("launch", self._layout_index[id(bucket)])
         if self._reduce_by_all_reduce and self.dp_size > 1:
-            self.counter.add("reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size())
+            self.counter.add(
+                "reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size()
+            )
             with record_function("lightning_zero::reduce_scatter_grads"):
                 work = all_reduce(full, self.dp_group, async_op=True)  # ``output`` is a view of it
         else:

@@ -66,7 +66,9 @@ def read_hf_config(path: PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of the model directory ``path``."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
-        raise ValueError(f"{config_path}: missing; init_from needs a Hugging Face model directory (config.json + weights)")
+        raise ValueError(
+            f"{config_path}: missing; init_from needs a Hugging Face model directory (config.json + weights)"
+        )
     try:
         values = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
@@ -111,7 +113,9 @@ def config_from_hf(path: PathLike) -> LlamaConfig:
         dim, n_heads = int(values["hidden_size"]), int(values["num_attention_heads"])
         head_dim = values.get("head_dim") or dim // n_heads
         if head_dim * n_heads != dim:
-            raise ValueError(f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported")
+            raise ValueError(
+                f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported"
+            )
         theta = values.get("rope_theta") or (values.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return LlamaConfig(
             name=f"hf:{Path(path).resolve().name}",
@@ -132,7 +136,9 @@ def config_from_hf(path: PathLike) -> LlamaConfig:
 def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """``config.json`` for ``config``; ``base`` (the source checkpoint's config.json, when known)
     contributes the fields we do not own (token ids, ``max_position_embeddings`` if larger)."""
-    values = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")}
+    values = {
+        k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+    }
     values.update(
         architectures=[ARCHITECTURE],
         model_type="llama",

@@ -204,7 +204,10 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: Union[str, "os.PathLike[str]"], dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+        cls,
+        path: Union[str, "os.PathLike[str]"],
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
     ) -> "Llama":
         """The Llama in a Hugging Face directory (``config.json`` + safetensors or ``.bin`` weights,
         single or sharded), with parameters in ``dtype`` on ``device``; in fp32 its logits equal
@@ -309,5 +312,3 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin)
         return self.output(self.norm(h))  # (B, T, vocab)
-
-

@@ -67,7 +67,9 @@ def _materialize(modules: list[nn.Module], device: torch.device) -> list[tuple[n
                     continue
                 if isinstance(tensor, nn.Parameter):
                     # Same Python object (optimizers and ties hold it), new device: swap the tensors.
-                    real = nn.Parameter(torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor.requires_grad)
+                    real = nn.Parameter(
+                        torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor.requires_grad
+                    )
                     real.__dict__.update(tensor.__dict__)  # keep marks such as _tp_shard_dim
                     torch.utils.swap_tensors(tensor, real)
                     _fill_sentinel(tensor.data)

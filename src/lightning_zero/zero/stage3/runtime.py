@@ -206,7 +206,9 @@ class Stage3Runtime:
         self._handles: list[Any] = []
         for unit in units:
             if unit.module is not None:
-                self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
+                self._handles.append(
+                    unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+                )
                 self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         if self.root.groups:
             holders = {id(m): m for m in root_holders}
