@@ -161,43 +161,16 @@ class Workload:
 _WORKLOADS: dict[tuple, "Workload"] = {}
 
 
-def llama_workload(
-    config: Any,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    activation_checkpointing: bool,
-    flops_per_s: float,
-    tp_link: Link,
-    act_bytes: int,
-) -> Workload:
+def llama_workload(config: Any, **kwargs: Any) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank
-    (memoized on every input: the layout search asks for the same one many times)."""
-    key = (
-        repr(config),
-        micro_batch,
-        seq_len,
-        tp,
-        bool(activation_checkpointing),
-        float(flops_per_s),
-        tp_link,
-        int(act_bytes),
-    )
+    (memoized on every input: the layout search asks for the same one many times). Keywords:
+    those of :func:`_llama_workload`."""
+    key = (repr(config), *sorted(kwargs.items()))
     workload = _WORKLOADS.get(key)
     if workload is None:
         if len(_WORKLOADS) > 256:
             _WORKLOADS.clear()
-        workload = _WORKLOADS[key] = _llama_workload(
-            config,
-            micro_batch=micro_batch,
-            seq_len=seq_len,
-            tp=tp,
-            activation_checkpointing=activation_checkpointing,
-            flops_per_s=flops_per_s,
-            tp_link=tp_link,
-            act_bytes=act_bytes,
-        )
+        workload = _WORKLOADS[key] = _llama_workload(config, **kwargs)
     return workload
 
 

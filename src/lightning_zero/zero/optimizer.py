@@ -182,16 +182,14 @@ class ShardedOptimizer:
                 for group in groups
                 for work in group.start_all_gather(self.dp_group, self.counter)
             ]
-            for index, work in enumerate(works):
-                wait_work(
-                    work,
-                    self.collective_timeout,
-                    lambda index=index: (
-                        f"the parameter all-gather {index + 1} of {len(works)} after"
-                        f" {type(self.optimizer).__name__}.step()"
-                    ),
-                    poll=self._poll,
-                )
+            name = type(self.optimizer).__name__
+            self._wait_all(works, lambda i, n: f"the parameter all-gather {i + 1} of {n} after {name}.step()")
+
+    def _wait_all(self, works: list[Any], describe: Any) -> None:
+        """Wait on ``works`` in order within ``collective_timeout``; ``describe(index, count)``
+        names what a stuck one was (see [Note: collective timeout] in ``reducer.py``)."""
+        for index, work in enumerate(works):
+            wait_work(work, self.collective_timeout, lambda index=index: describe(index, len(works)), poll=self._poll)
 
     # -- gradient clipping over shards ---------------------------------------------------------
     def _norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
@@ -371,16 +369,8 @@ class ReplicatedOptimizer(ShardedOptimizer):
                 )
                 for bucket, chunk in zip(group.layout.buckets, chunks)
             ]
-            for index, work in enumerate(works):
-                wait_work(
-                    work,
-                    self.collective_timeout,
-                    lambda index=index: (
-                        f"the {label} all-gather {index + 1} of {len(works)} for"
-                        f" {type(self.optimizer).__name__} (replicated step)"
-                    ),
-                    poll=self._poll,
-                )
+            name = type(self.optimizer).__name__
+            self._wait_all(works, lambda i, n: f"the {label} all-gather {i + 1} of {n} for {name} (replicated step)")
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
