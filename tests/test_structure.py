@@ -1,0 +1,73 @@
+"""The architecture as a test: no import circles, and only the engine walks buckets and slots."""
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "lightning_zero"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _module_level_imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text()).body:  # imports inside functions are lazy: allowed
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_zero"):
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in modules:
+                        graph[name].add(f"{node.module}.{alias.name}")
+                if node.module in modules:
+                    graph[name].add(node.module)
+            elif isinstance(node, ast.Import):
+                graph[name].update(alias.name for alias in node.names if alias.name in modules)
+    return graph
+
+
+def test_no_import_circles():
+    modules = _modules()
+    graph = _module_level_imports(modules)
+    cycles, state = [], {}
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for target in graph[module]:
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target) :] + [target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[module] = "done"
+
+    for module in modules:
+        if module not in state:
+            visit(module, [])
+    assert cycles == []
+
+
+def test_only_the_engine_walks_buckets_and_slots():
+    walking = re.compile(r"\.(slots|buckets)\b")
+    offenders = [
+        f"{path.relative_to(SRC)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        if "zero" not in path.relative_to(PACKAGE).parts[:1]
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if walking.search(line)
+    ]
+    assert offenders == []
+
+
+def test_engine_and_tp_never_import_lightning():
+    for folder in ("zero", "tp"):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            text = path.read_text()
+            assert not re.search(r"^\s*(import|from) lightning\b", text, re.M), path
