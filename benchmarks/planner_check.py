@@ -22,6 +22,7 @@ predictions with those earlier runs (same model).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -90,15 +91,8 @@ def calibrated_hardware(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]
     if args.hardware:
         return Path(args.hardware), {}
     out = Path(args.hardware_out or (Path(__file__).resolve().parent / "results" / "cpu_calibrated.yaml"))
-    model = dict(
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=args.ffn,
-        vocab_size=args.vocab,
-        max_seq_len=max(args.seq, 16),
-    )
+    # The calibration model is the benchmark's own (the harness builds it from the same args).
+    model = {key: value for key, value in dataclasses.asdict(model_config(args)).items() if key != "name"}
     if args.quick:
         result = calibrate.calibrate(
             name=out.stem,
