@@ -98,9 +98,12 @@ def test_rank_killed_mid_training_fails_fast_and_resumes_exactly(faults):
     code, output, ended = results["kill"]
     assert code is not None, f"surviving rank hung past {BOUND_S}s:\n{output[-4000:]}"
     assert code != 0, output[-4000:]
-    # the survivor failed (with gloo's error naming the lost peer) well within the 30 s timeout
+    # the survivor failed well within the 30 s timeout: either with gloo's error naming the lost
+    # peer, or (when its collective had not started yet) stopped by Lightning's child-process
+    # observer, which kills the launch as soon as it sees a rank die
     assert ended - float((out / "killed_at").read_text()) < 45, output[-4000:]
-    assert "Connection" in output or "timed out" in output or "Timeout" in output, output[-4000:]
+    failure_signs = ("Connection", "timed out", "Timeout", "Forcefully terminating all other processes")
+    assert any(sign in output for sign in failure_signs), output[-4000:]
     # the last complete checkpoint (verified: sizes and hashes) is the step-3 one, nothing else is there
     left = results["left"]
     assert left["last_step"] == 3 and left["step3"], left
