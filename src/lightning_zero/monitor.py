@@ -13,7 +13,9 @@ its own):
 - ``zero/comm_s``, ``zero/exposed_comm_s``, ``zero/overlap_fraction``: gradient collective time
   (each bucket's launch to completion), the part of it after backward ended (not hidden behind
   backward compute), and the hidden fraction ``(comm - exposed) / comm`` (see
-  ``reducer.SyncTimeline``). On CPU/gloo this checks ordering more than speed;
+  ``zero.timeline.SyncTimeline``). Measured on the device's own clock: CUDA events on CUDA (host
+  times mean nothing there: NCCL's launch and wait return at once), host time on CPU, where gloo
+  shares the cores with backward, so the figure checks ordering more than speed;
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
   while backward was still running.
 
@@ -126,8 +128,8 @@ class ZeroMonitor(Callback):
                 " or leave it at 'auto'.",
             )
             return
-        # Host timers measure hidden time only where collectives run beside compute on the same
-        # clock; on CPU (gloo shares the cores with backward) the fraction is logged, not judged.
+        # On CUDA the fraction comes from CUDA events (collectives run beside compute on the
+        # device); on CPU gloo shares the cores with backward, so the fraction is logged, not judged.
         if engine.device.type == "cuda" and metrics["zero/overlap_fraction"] < self.warn_overlap_below:
             self._warned = True
             rank_zero_warn(

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -80,6 +80,7 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
+from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
 
 _BACKWARD_OF_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
 
@@ -338,57 +339,6 @@ class ShardedGradStorage(GradStorage):
         return self.chunk_bytes + self._alive_bytes
 
 
-@dataclass
-class SyncTimeline:
-    """What happened during the last backward, in order (for overlap checks and the monitor).
-
-    ``comm_s`` sums each bucket's collective time, from its launch to the end of its wait.
-    ``hidden_s`` is the part of it that ran before backward ended (overlapped with backward
-    compute); ``exposed_s = comm_s - hidden_s``. With ``overlap_comm=False`` every launch comes
-    after backward ends, so all of it is exposed. ``launch`` events carry the bucket's index in
-    the flat layout (``(group position, bucket index)`` flattened by the reducer).
-    """
-
-    events: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, bucket, time)
-    spans: list[tuple[float, float]] = field(default_factory=list)  # (launch, done) per bucket
-    backward_end: Optional[float] = None
-
-    def add(self, kind: str, bucket: int) -> None:
-        now = time.perf_counter()
-        self.events.append((kind, bucket, now))
-        if kind == "backward_end":
-            self.backward_end = now
-
-    def clear(self) -> None:
-        self.events.clear()
-        self.spans.clear()
-        self.backward_end = None
-
-    @property
-    def comm_s(self) -> float:
-        return sum(done - launch for launch, done in self.spans)
-
-    @property
-    def hidden_s(self) -> float:
-        end = self.backward_end
-        if end is None:
-            return 0.0
-        return sum(max(0.0, min(done, end) - launch) for launch, done in self.spans)
-
-    @property
-    def exposed_s(self) -> float:
-        return self.comm_s - self.hidden_s
-
-    def index_of(self, kind: str) -> int:
-        for i, event in enumerate(self.events):
-            if event[0] == kind:
-                return i
-        return -1
-
-    def launched_buckets(self) -> list[int]:
-        return [bucket for kind, bucket, _ in self.events if kind == "launch"]
-
-
 class GradReducer:
     """Marks gradients ready, launches bucket reduce-scatters in order, waits and averages.
 
@@ -428,7 +378,7 @@ class GradReducer:
         # [Note: collective timeout]: on gloo only an all-reduce can be waited on with a limit.
         self._reduce_by_all_reduce = collective_timeout is not None and device.type == "cpu"
         self.storage = storage
-        self.timeline = SyncTimeline()
+        self.timeline = SyncTimeline(clock=DeviceClock(device))
         self.sync_enabled = True
         self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
         self.on_backward_begin: list[Callable[[], None]] = []  # run when a backward begins
@@ -464,7 +414,7 @@ class GradReducer:
                 self._bucket_of_param[id(slot.param)] = (bucket, slot)
         self._next_launch = 0
         self._in_flight: list[Bucket] = []
-        self._launch_times: dict[int, float] = {}
+        self._launch_times: dict[int, Mark] = {}
         if isinstance(storage, FullGradStorage):
             storage.dp_size = dp_size
         storage.bind(self.buckets, device)
@@ -604,7 +554,7 @@ class GradReducer:
             )
         bucket.pending = PendingReduce(output, work)
         bucket.launched = True
-        self._launch_times[id(bucket)] = time.perf_counter()
+        self._launch_times[id(bucket)] = self.timeline.mark()
         self._in_flight.append(bucket)
         self._next_launch += 1
 
@@ -638,7 +588,7 @@ class GradReducer:
                             f"lightning_zero (dp rank {self.dp_rank}) stops because another rank failed: {message}"
                         ) from err
                 raise
-        self.timeline.spans.append((self._launch_times.pop(id(bucket)), time.perf_counter()))
+        self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
         chunk = bucket.grad_chunk
         assert chunk is not None
         # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp.
