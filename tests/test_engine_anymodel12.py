@@ -310,6 +310,21 @@ def _adafactor_reference(steps: int, clip: float):
     return model
 
 
+def _optimizer_state_save_refused(target, model, engine, opt, layout) -> None:
+    """Saving a replicated-step optimizer's state raises, naming the weights-only fix."""
+    from lightning_zero.checkpoint import save_checkpoint
+
+    with pytest.raises(ValueError, match="save_weights_only"):
+        save_checkpoint(
+            target,
+            {"global_step": 1, "optimizer_states": []},
+            module=model,
+            engine=engine,
+            optimizers=[opt],
+            layout=layout,
+        )
+
+
 def _adafactor(rank, world, out_dir):
     """Adafactor (factored row/column moments) at stages 1-2, fp32 / bf16-mixed / offload: full
     replicated masters equal one process with clipping; stage 3 refused; weights-only checkpoint
@@ -355,15 +370,7 @@ def _adafactor(rank, world, out_dir):
         if stage == 2 and dtype == torch.float32 and not offload:
             layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
             target = Path(out_dir, "adafactor_ckpt")
-            with pytest.raises(ValueError, match="save_weights_only"):
-                save_checkpoint(
-                    target,
-                    {"global_step": steps, "optimizer_states": []},
-                    module=model,
-                    engine=engine,
-                    optimizers=[opt],
-                    layout=layout,
-                )
+            _optimizer_state_save_refused(target, model, engine, opt, layout)
             save_checkpoint(
                 target, {"global_step": steps}, module=model, engine=engine, optimizers=[opt], layout=layout
             )
@@ -436,7 +443,7 @@ def _adafactor_stage3(rank, world, out_dir):
     checkpointed (weights only)."""
     from pathlib import Path
 
-    from lightning_zero.checkpoint import Layout, save_checkpoint
+    from lightning_zero.checkpoint import Layout
     from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
 
     steps, clip = 3, 0.05
@@ -464,15 +471,7 @@ def _adafactor_stage3(rank, world, out_dir):
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=1e-6)
             layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=3)
             target = Path(out_dir, "adafactor_stage3_ckpt")
-            with pytest.raises(ValueError, match="save_weights_only"):
-                save_checkpoint(
-                    target,
-                    {"global_step": steps, "optimizer_states": []},
-                    module=model,
-                    engine=engine,
-                    optimizers=[sharded.optimizer],
-                    layout=layout,
-                )
+            _optimizer_state_save_refused(target, model, engine, sharded.optimizer, layout)
         else:  # the same bf16 gradients and fp32 masters as stage 2
             stage2 = _adafactor_gpt2(rank, steps=steps, clip=clip, engine_kwargs={**kwargs, "stage": 2})
             torch.testing.assert_close(torch.tensor(got), torch.tensor(stage2[2]), rtol=1e-5, atol=1e-5)

@@ -236,7 +236,6 @@ CASES = {
     "zero2_mlp_adafactor_bf16": (zero(2), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
     # stage 3: full fp32 masters gathered and stepped one unit (here: one Linear) at a time
     "zero3_mlp_adafactor": (zero(3), dict(kind="mlp", optimizer="adafactor"), CLIP),
-    "zero3_mlp_adafactor_bf16": (zero(3), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
     "ddp_mlp_adafactor_accum": (lambda: "ddp", dict(kind="mlp", optimizer="adafactor"), {**CLIP, **ACCUM}),
     "zero3_mlp_adafactor_accum": (zero(3), dict(kind="mlp", optimizer="adafactor"), {**CLIP, **ACCUM}),
     "ddp_late": (lambda: "ddp", dict(kind="late"), {}),
