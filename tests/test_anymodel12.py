@@ -1,12 +1,13 @@
-"""Any model under ZeroStrategy stages 1-2 against Lightning's ddp (2 CPU ranks, same seed and data).
+"""Any model under ZeroStrategy stages 1-2 (Adafactor also at stage 3) against Lightning's ddp
+(2 CPU ranks, same seed and data).
 
 One launch of tests/scripts/anymodel12.py trains every case in sequence: reentrant and
 non-reentrant activation checkpointing over a frozen int8 base with LoRA adapters, a rank whose
 loss reaches no (or only some) parameters, Adagrad / SGD-momentum / RMSprop / fused Adam, two
-optimizers with separate zero_grad (GAN), Adafactor with
-gradient clipping (replicated full-master step, stages 1-2), a BatchNorm CNN in fp32 and bf16-mixed, and a model
-whose first layer is registered last. Per-step losses match ddp to 1e-5, and so does a plain
-forward after fit.
+optimizers with separate zero_grad (GAN), Adafactor with gradient clipping (replicated
+full-master step; at stage 3 one unit at a time, also with gradient accumulation), a BatchNorm
+CNN in fp32 and bf16-mixed, and a model whose first layer is registered last. Per-step losses
+match ddp to 1e-5, and so does a plain forward after fit.
 """
 
 import pytest
@@ -32,6 +33,8 @@ PAIRS = {
     "zero2_late": "ddp_late",
     "zero1_mlp_adafactor": "ddp_mlp_adafactor",
     "zero2_mlp_adafactor": "ddp_mlp_adafactor",
+    "zero3_mlp_adafactor": "ddp_mlp_adafactor",
+    "zero3_mlp_adafactor_accum": "ddp_mlp_adafactor_accum",
 }
 RANKS = (0, 1)
 
@@ -130,3 +133,15 @@ def test_adafactor_all_gathers_gradients_not_parameters(results, case):
         sent = _load(results, case, rank)["sent_elements"]
         assert sent["all_gather_grads_replicated"] == sent["reduce_scatter_grads"] > 0, sent
         assert "all_gather_params" not in sent, sent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, micro_batches", [("zero3_mlp_adafactor", 1), ("zero3_mlp_adafactor_accum", 2)])
+def test_adafactor_stage3_gathers_fp32_masters_and_gradients_once_per_step(results, case, micro_batches):
+    """Stage 3 steps each unit's full fp32 masters: per optimizer step one all-gather of the fp32
+    master chunks and one of the clipped fp32 gradient chunks (P (dp-1)/dp elements each), while
+    every micro batch reduce-scatters its gradients."""
+    for rank in RANKS:
+        sent = _load(results, case, rank)["sent_elements"]
+        assert sent["all_gather_masters"] == sent["all_gather_grads_replicated"] > 0, sent
+        assert sent["reduce_scatter_grads"] == micro_batches * sent["all_gather_grads_replicated"], sent

@@ -8,7 +8,8 @@
 - frozen int8 parameters plus LoRA adapters: measured bytes = ledger(trainable) + frozen bytes;
 - ``collective_timeout`` turns a stuck wait into an error naming the bucket and the progress;
 - process groups the engine creates are destroyed by ``close()``;
-- Adafactor (not element-wise) at stages 1-2: replicated full-master step equals one process.
+- Adafactor (not element-wise): replicated full-master step equals one process at stages 1-2,
+  and at stage 3 (one unit at a time; tied GPT-2, accumulation, clipping, bf16-mixed).
 """
 
 import os
@@ -309,6 +310,21 @@ def _adafactor_reference(steps: int, clip: float):
     return model
 
 
+def _optimizer_state_save_refused(target, model, engine, opt, layout) -> None:
+    """Saving a replicated-step optimizer's state raises, naming the weights-only fix."""
+    from lightning_zero.checkpoint import save_checkpoint
+
+    with pytest.raises(ValueError, match="save_weights_only"):
+        save_checkpoint(
+            target,
+            {"global_step": 1, "optimizer_states": []},
+            module=model,
+            engine=engine,
+            optimizers=[opt],
+            layout=layout,
+        )
+
+
 def _adafactor(rank, world, out_dir):
     """Adafactor (factored row/column moments) at stages 1-2, fp32 / bf16-mixed / offload: full
     replicated masters equal one process with clipping; stage 3 refused; weights-only checkpoint
@@ -354,15 +370,7 @@ def _adafactor(rank, world, out_dir):
         if stage == 2 and dtype == torch.float32 and not offload:
             layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
             target = Path(out_dir, "adafactor_ckpt")
-            with pytest.raises(ValueError, match="save_weights_only"):
-                save_checkpoint(
-                    target,
-                    {"global_step": steps, "optimizer_states": []},
-                    module=model,
-                    engine=engine,
-                    optimizers=[opt],
-                    layout=layout,
-                )
+            _optimizer_state_save_refused(target, model, engine, opt, layout)
             save_checkpoint(
                 target, {"global_step": steps}, module=model, engine=engine, optimizers=[opt], layout=layout
             )
@@ -379,9 +387,100 @@ def _adafactor(rank, world, out_dir):
                 torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
             fresh_engine.close()
         engine.close()
-    linear = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="Adafactor.*stage 3 shards the parameters"):
-        ZeroEngine(linear, [torch.optim.Adafactor(linear.parameters())], stage=3)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _adafactor_gpt2(rank: int, *, steps: int, clip: float, engine_kwargs=None):
+    """Adafactor with clipping and 2 micro batches per step on a tiny GPT-2 (``lm_head`` tied to
+    ``wte``): one process (``engine_kwargs=None``, whole batches) or this rank's half under the engine.
+    Returns the model, the engine, per-step losses (mean over ranks) and the clipped norms."""
+    import torch.distributed as dist
+
+    from lightning_zero.zero.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = _tiny_gpt2()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=1e-3)
+    engine = None if engine_kwargs is None else ZeroEngine(model, [opt], **{"stage": 3, **engine_kwargs})
+    bf16 = engine is not None and engine.compute_dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    losses, norms = [], []
+    for step in range(steps):
+        if engine is not None:
+            engine.begin_step("train")  # stage 3: opens the step's gather schedule
+        total = 0.0
+        for _ in range(2):  # gradient accumulation: the sync of the first micro batch is kept
+            tokens = torch.randint(0, 64, (4, 8), generator=gen)
+            x = tokens if engine is None else tokens[rank * 2 : rank * 2 + 2]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=x, labels=x).loss / 2
+            loss.backward()
+            total += loss.item()
+        if engine is None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        else:
+            norms.append(float(engine.sharded_optimizer(opt).clip_grad_norm_(clip)))
+            mean = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(mean)
+            total = mean.item() / dist.get_world_size()
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)  # both ways torch zeroes must reset the engine's grads
+        losses.append(total)
+    return model, engine, losses, norms
+
+
+def _adafactor_stage3(rank, world, out_dir):
+    """Adafactor at stage 3, one unit at a time: a tiny GPT-2 (tied ``lm_head``/``wte``) with
+    gradient accumulation and clipping equals one process in fp32, bf16-mixed agrees with stage 2;
+    the step's temporaries are one unit's fp32 master + gradient; its optimizer state is not
+    checkpointed (weights only)."""
+    from pathlib import Path
+
+    from lightning_zero.checkpoint import Layout
+    from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
+
+    steps, clip = 3, 0.05
+    reference, _, want, want_norms = _adafactor_gpt2(rank, steps=steps, clip=clip)
+    assert min(want_norms) > clip, ("the case should clip every step", want_norms)
+    for dtype in (torch.float32, torch.bfloat16):
+        kwargs = dict(bucket_mb=0.01, compute_dtype=dtype, device=torch.device("cpu"))
+        model, engine, got, norms = _adafactor_gpt2(rank, steps=steps, clip=clip, engine_kwargs=kwargs)
+        sharded = engine.sharded_optimizer(engine.optimizers[0].optimizer)
+        assert isinstance(sharded, UnitReplicatedOptimizer)
+        units = [sum(g.layout.numel for g in unit.groups) for unit in engine.stage3.units]
+        assert len([n for n in units if n]) > 3 and len(engine.reducer.buckets) > len(units), units
+        # Temporaries: one unit's fp32 master + fp32 gradient at a time, never the whole model's.
+        assert sharded.step_temporary_bytes_high_water == 8 * max(units) < 8 * sum(units) // 2, (
+            sharded.step_temporary_bytes_high_water,
+            units,
+        )
+        assert sharded.step_temporary_bytes == 0
+        state = sharded.optimizer.state
+        assert len(state) == len(list(model.parameters())), "one state per parameter, the tied one once"
+        row = next(s for s in state.values() if "row_var" in s)  # factored: one moment per row / column
+        assert row["row_var"].numel() < 64 * 32, "factored moments, not element-wise ones"
+        if dtype == torch.float32:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=1e-6)
+            layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=3)
+            target = Path(out_dir, "adafactor_stage3_ckpt")
+            _optimizer_state_save_refused(target, model, engine, sharded.optimizer, layout)
+        else:  # the same bf16 gradients and fp32 masters as stage 2
+            stage2 = _adafactor_gpt2(rank, steps=steps, clip=clip, engine_kwargs={**kwargs, "stage": 2})
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(stage2[2]), rtol=1e-5, atol=1e-5)
+        engine.unshard_parameters()
+        engine.close()
+        assert model.lm_head.weight is model.transformer.wte.weight, "tie lost"
+        if dtype == torch.float32:
+            for (name, got_param), want_param in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(got_param.detach(), want_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _all(rank, world, expected, out_dir):
@@ -391,10 +490,11 @@ def _all(rank, world, expected, out_dir):
     _frozen_int8_bytes(rank, world)
     _groups_destroyed(rank, world)
     _adafactor(rank, world, out_dir)
+    _adafactor_stage3(rank, world, out_dir)
 
 
 def test_any_model_engine(tmp_path):
-    run_ranks(_all, 2, args=(_reference_params(3), str(tmp_path)), timeout_s=240)
+    run_ranks(_all, 2, args=(_reference_params(3), str(tmp_path)), timeout_s=420)
     pool = torch.load(tmp_path / "pool.pt")
     # Step 1 learns the order (everything waits for the stem); afterwards at most two buffers.
     assert pool["pool_bytes"][2] < pool["pool_bytes"][0], pool
@@ -424,8 +524,7 @@ def test_non_elementwise_optimizers_are_checked_per_stage():
     model = nn.Linear(4, 4)
     check_elementwise([torch.optim.Adafactor(model.parameters())], 1)  # replicated full-master step
     check_elementwise([torch.optim.Adafactor(model.parameters())], 2)
-    with pytest.raises(ValueError, match=r"Adafactor.*stage 3.*ZeroStrategy\(stage=1\) or ZeroStrategy\(stage=2\)"):
-        check_elementwise([torch.optim.Adafactor(model.parameters())], 3)
+    check_elementwise([torch.optim.Adafactor(model.parameters())], 3)  # one unit at a time
     with pytest.raises(ValueError, match=r"LBFGS.*closure"):
         check_elementwise([torch.optim.LBFGS(model.parameters())], 1)
     with pytest.raises(ValueError, match="SparseAdam.*sparse"):

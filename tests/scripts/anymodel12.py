@@ -1,4 +1,5 @@
-"""Models nobody on this project wrote, under ZeroStrategy stages 1-2 and Lightning's ddp (2 CPU ranks).
+"""Models nobody on this project wrote, under ZeroStrategy stages 1-2 (and stage 3 for Adafactor)
+and Lightning's ddp (2 CPU ranks).
 
 Usage: python tests/scripts/anymodel12.py OUT_DIR [CASE ...]
 Launched by tests/test_anymodel12.py; Lightning's launcher re-runs this script for rank 1.
@@ -199,6 +200,7 @@ def zero(stage: int, **kwargs):
 # name -> (strategy factory, model kwargs, trainer kwargs)
 BF16 = {"precision": "bf16-mixed"}
 CLIP = {"gradient_clip_val": 0.1}  # small enough to clip every step
+ACCUM = {"accumulate_grad_batches": 2}
 CASES = {
     "ddp_mlp_adagrad": (lambda: "ddp", dict(kind="mlp", optimizer="adagrad"), {}),
     "zero1_mlp_adagrad": (zero(1), dict(kind="mlp", optimizer="adagrad"), {}),
@@ -232,6 +234,10 @@ CASES = {
     "zero2_mlp_adafactor": (zero(2), dict(kind="mlp", optimizer="adafactor"), CLIP),
     "zero1_mlp_adafactor_bf16": (zero(1), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
     "zero2_mlp_adafactor_bf16": (zero(2), dict(kind="mlp", optimizer="adafactor"), {**BF16, **CLIP}),
+    # stage 3: full fp32 masters gathered and stepped one unit (here: one Linear) at a time
+    "zero3_mlp_adafactor": (zero(3), dict(kind="mlp", optimizer="adafactor"), CLIP),
+    "ddp_mlp_adafactor_accum": (lambda: "ddp", dict(kind="mlp", optimizer="adafactor"), {**CLIP, **ACCUM}),
+    "zero3_mlp_adafactor_accum": (zero(3), dict(kind="mlp", optimizer="adafactor"), {**CLIP, **ACCUM}),
     "ddp_late": (lambda: "ddp", dict(kind="late"), {}),
     "zero2_late": (zero(2), dict(kind="late"), {}),
 }

@@ -12,6 +12,7 @@ gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters
 
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
 # second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
 NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
-# Of those, the ones stages 1-2 run with full, replicated fp32 masters and optimizer state
-# ([Note: non-element-wise optimizers] in optimizer.py). LBFGS (closure re-runs backward inside
+# Of those, the ones every stage runs with full fp32 masters and replicated optimizer state
+# ([Note: non-element-wise optimizers] in optimizer.py; stage 3: one unit at a time,
+# [Note: replicated step per unit] in stage3/replicated_step.py). LBFGS (closure re-runs backward inside
 # step) and SparseAdam (needs sparse gradients) stay refused.
 REPLICATED_STEP_OPTIMIZERS = ("Adafactor",)
 
@@ -49,19 +51,12 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
     """ValueError for optimizers the engine cannot step exactly at ``stage``.
 
     Element-wise optimizers are sharded at every stage; ``REPLICATED_STEP_OPTIMIZERS`` run at
-    stages 1-2 with replicated state; the rest of ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
+    every stage with replicated state (not over tensor-parallel-split parameters); the rest of
+    ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
     """
     for index, optimizer in enumerate(optimizers):
         name = type(optimizer).__name__
         if name in REPLICATED_STEP_OPTIMIZERS:
-            if stage == 3:
-                raise ValueError(
-                    f"lightning_zero: optimizer {index} is {name}, whose update of one element depends on"
-                    " whole rows/columns of its parameter; stage 3 shards the parameters themselves by"
-                    f" element ranges and cannot step it. Use ZeroStrategy(stage=1) or ZeroStrategy(stage=2), which step"
-                    f" {name} on full fp32 copies of its parameters (replicated optimizer state), or an"
-                    " element-wise optimizer (AdamW, SGD, Adagrad, ...) at stage 3."
-                )
             from lightning_zero.tp.layers import tp_shard_dim
 
             split = [p for group in optimizer.param_groups for p in group["params"] if tp_shard_dim(p) is not None]
@@ -82,7 +77,7 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
             raise ValueError(
                 f"lightning_zero: optimizer {index} is {name}, which ZeRO stages cannot run: {why}. Use an"
                 " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...),"
-                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} at stage 1 or 2, or Lightning's ddp/fsdp"
+                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} (replicated optimizer state), or Lightning's ddp/fsdp"
                 " strategies for this optimizer."
             )
 
@@ -262,7 +257,7 @@ class ZeroEngine:
             collective_timeout=collective_timeout,
         )
         self.optimizers = [
-            (ReplicatedOptimizer if replicated_step(optimizer) else ShardedOptimizer)(
+            self._sharded_optimizer_class(optimizer)(
                 optimizer,
                 flat_groups,
                 dp_group=dp_group,
@@ -288,14 +283,31 @@ class ZeroEngine:
         self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
         self._finished_at_pre_backward = 0
 
+    def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
+        """What steps ``optimizer``: its chunks (element-wise), or full replicated masters (stages
+        1-2: kept; stage 3: one unit at a time, see ``zero/stage3/replicated_step.py``)."""
+        if not replicated_step(optimizer):
+            return ShardedOptimizer
+        if self.stage3 is None:
+            return ReplicatedOptimizer
+        from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
+
+        return functools.partial(UnitReplicatedOptimizer, units=[unit.groups for unit in self.stage3.units])
+
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
         if names and self.dp_size > 1 and dist.get_rank() == 0:
-            warnings.warn(
-                f"lightning_zero: {', '.join(names)} is not element-wise: stage {self.stage} steps full fp32"
+            what = (
                 " copies of its parameters on every dp rank, so its optimizer state and fp32 masters are"
                 " replicated, not sharded (only the stage-2 gradient shard saves memory), and each step"
-                " all-gathers its reduced gradients. See [Note: non-element-wise optimizers].",
+                " all-gathers its reduced gradients. See [Note: non-element-wise optimizers]."
+                if self.stage3 is None
+                else " copies of one unit's parameters at a time on every dp rank: its optimizer state is"
+                " replicated, not sharded (masters, gradients and parameters still are), and each step"
+                " all-gathers the fp32 master and gradient chunks. See [Note: replicated step per unit]."
+            )
+            warnings.warn(
+                f"lightning_zero: {', '.join(names)} is not element-wise: stage {self.stage} steps full fp32{what}",
                 stacklevel=3,
             )
 

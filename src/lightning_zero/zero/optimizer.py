@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_gather, all_reduce
-from lightning_zero.zero.flat import FlatParamGroup
+from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup
 from lightning_zero.zero.reducer import Bucket, wait_work
 
 
@@ -149,15 +149,20 @@ class ShardedOptimizer:
         """After the engine reset this optimizer's gradients: nothing handed out is pending."""
         self._handed_out = {}
 
+    @property
+    def _grad_holders(self) -> list[torch.nn.Parameter]:
+        """The tensors in the optimizer's param groups whose ``.grad`` ``zero_grad`` resets."""
+        return self.masters
+
     def _remember_grads(self) -> None:
-        self._handed_out = {id(m): (m.grad, m.grad._version) for m in self.masters if m.grad is not None}
+        self._handed_out = {id(m): (m.grad, m.grad._version) for m in self._grad_holders if m.grad is not None}
 
     def grads_were_zeroed(self) -> bool:
         """True if any master gradient we handed out was dropped or changed in place since.
 
         See [Note: zero_grad detection] in ``reducer.py``.
         """
-        for master in self.masters:
+        for master in self._grad_holders:
             handed = self._handed_out.get(id(master))
             if handed is None:
                 continue
@@ -287,14 +292,16 @@ class ShardedOptimizer:
 # - checkpoints save the weights; saving this optimizer's (factored) state is refused with a
 #   ValueError that names the fix (``save_weights_only=True``), as it is not range-shardable.
 #
-# Stage 3 (parameters sharded) is refused at engine build for these optimizers. LBFGS stays
-# refused: its ``step(closure)`` re-runs forward and backward several times per step, each a
+# Stage 3 (parameters sharded) keeps no full parameter between uses: there the full masters exist
+# only during the step, one unit at a time (:class:`~lightning_zero.zero.stage3.UnitReplicatedOptimizer`,
+# [Note: replicated step per unit] in stage3/replicated_step.py). LBFGS stays refused: its ``step(closure)`` re-runs forward and backward several times per step, each a
 # gradient sync the step hooks do not expect; SparseAdam needs sparse gradients, which flat
 # gradient buffers never are.
 
 
 class ReplicatedOptimizer(ShardedOptimizer):
-    """Steps full fp32 masters of its parameters on every dp rank (stages 1-2).
+    """Steps full fp32 masters of its parameters on every dp rank (stages 1-2; stage 3 has
+    :class:`~lightning_zero.zero.stage3.UnitReplicatedOptimizer`).
 
     See [Note: non-element-wise optimizers]. Same constructor and surface as
     :class:`ShardedOptimizer`; only the optimizer's params, the gradient hand-off, the post-step
@@ -310,10 +317,7 @@ class ReplicatedOptimizer(ShardedOptimizer):
             for group in groups:
                 full = self._full_master_buffer(group)
                 self._full_masters.append(full)
-                for slot in group.layout.slots:
-                    master = torch.nn.Parameter(full[slot.offset : slot.end].view(slot.shape))
-                    self._master_of_param[id(slot.param)] = master
-                    masters.append(master)
+                masters.extend(self._slot_masters(group, full))
                 for bucket, chunk_master in zip(group.layout.buckets, group.masters):
                     start = bucket.shard_start(group.dp_rank)
                     end = start + bucket.shard_numel
@@ -326,7 +330,21 @@ class ReplicatedOptimizer(ShardedOptimizer):
                             )
             param_group["params"] = masters
         self.optimizer.state.clear()
-        for groups in self.flat_groups:  # state made in __init__: the parameter's own, copied
+        self._copy_eager_state(eager_state)
+
+    def _slot_masters(self, group: ChunkedParamGroup, full: torch.Tensor) -> list[torch.nn.Parameter]:
+        """One fp32 master per parameter of ``group``, shaped like it: a view of ``full`` (the
+        group's whole flat run, ``layout.numel`` elements)."""
+        masters = []
+        for slot in group.layout.slots:
+            master = torch.nn.Parameter(full[slot.offset : slot.end].view(slot.shape))
+            self._master_of_param[id(slot.param)] = master
+            masters.append(master)
+        return masters
+
+    def _copy_eager_state(self, eager_state: dict) -> None:
+        """State made in the optimizer's ``__init__``: the parameter's own, copied to its full master."""
+        for groups in self.flat_groups:
             for group in groups:
                 for slot in group.layout.slots:
                     state = eager_state.get(slot.param)
@@ -355,8 +373,10 @@ class ReplicatedOptimizer(ShardedOptimizer):
         return full
 
     def _gather_chunks_into(
-        self, group: FlatParamGroup, full: torch.Tensor, chunks: list[torch.Tensor], label: str
+        self, group: ChunkedParamGroup, full: torch.Tensor, chunks: list[torch.Tensor], label: str
     ) -> None:
+        """All-gather ``chunks`` (this rank's chunk of each bucket of ``group``) over dp into
+        ``full`` (the group's whole run; same device as the chunks)."""
         with record_function(f"lightning_zero::{label}"):
             works = [
                 all_gather(

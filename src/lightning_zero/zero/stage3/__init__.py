@@ -20,11 +20,14 @@ What stage 3 does differently from stage 2 is all in this package:
   every rank's all-gathers in step ([Note: gather schedule]). Gradients go through the same
   bucketed async reduce-scatter as stage 2 (``reducer.ShardedGradStorage``). After the step
   nothing is gathered: the optimizer writes the updated chunk, and the next use gathers it.
+- ``replicated_step.py`` -- optimizers that are not element-wise (Adafactor): full fp32 masters
+  gathered and stepped one unit at a time ([Note: replicated step per unit]).
 - ``init.py`` -- **Sharded init.** A meta-device model is materialized, initialized (buffers
   included, [Note: buffer init]) and sharded one unit at a time.
 """
 
 from lightning_zero.zero.stage3.init import build_units, live_parameter_bytes
+from lightning_zero.zero.stage3.replicated_step import UnitReplicatedOptimizer
 from lightning_zero.zero.stage3.runtime import Schedule, Stage3Runtime, Unit, clone_dp_group
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
@@ -42,6 +45,7 @@ __all__ = [
     "ShardedFlatParamGroup",
     "Stage3Runtime",
     "Unit",
+    "UnitReplicatedOptimizer",
     "WrapPolicy",
     "assign_params",
     "build_units",
