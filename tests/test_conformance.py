@@ -57,3 +57,16 @@ def test_ddp_reference_trains(matrix, case):
         assert len(losses) >= 2 and torch.isfinite(losses).all()
     if case not in BF16_CASES:
         assert records[0]["losses"][-1] != records[0]["losses"][0]
+
+
+def test_checkpoint_cases_are_the_flagged_ones():
+    """The judge demands a checkpoint round trip exactly for the cases the script saves."""
+    from pathlib import Path
+
+    from tests.scripts.conformance_check import CHECKPOINT_CASES
+
+    script = (Path(__file__).parent / "scripts" / "conformance.py").read_text()
+    flagged = {
+        line.split('"')[1] for line in script.splitlines() if line.startswith('    "') and "checkpoint=True" in line
+    }
+    assert flagged == CHECKPOINT_CASES

@@ -566,26 +566,27 @@ class Case:
     """How to build one case: module, data, trainer arguments, the ddp reference's strategy."""
 
     def __init__(self, build, data, *, val: bool = False, precision: str = "32-true", ddp=lambda: "ddp",
-                 callbacks=list, zero_kwargs: dict | None = None) -> None:  # fmt: skip
+                 callbacks=list, zero_kwargs: dict | None = None, checkpoint: bool = False) -> None:  # fmt: skip
         self.build, self.data, self.val, self.precision = build, data, val, precision
         self.ddp, self.callbacks, self.zero_kwargs = ddp, callbacks, zero_kwargs or {}
+        self.checkpoint = checkpoint  # ZeRO runs save a sharded checkpoint after fit; rank 0 exports it
 
 
 CASES: dict[str, Case] = {
-    "gpt2_tied": Case(lambda: CausalLM("gpt2"), token_data, val=True),
+    "gpt2_tied": Case(lambda: CausalLM("gpt2"), token_data, val=True, checkpoint=True),
     "llama": Case(lambda: CausalLM("llama"), token_data, val=True),
     "llama_configure_model": Case(MetaLlama, token_data),
-    "t5_shared_embedding": Case(T5, token_data, val=True),
+    "t5_shared_embedding": Case(T5, token_data, val=True, checkpoint=True),
     "cnn_batchnorm": Case(BatchNormCNN, image_data),
     "cnn_batchnorm_bf16": Case(BatchNormCNN, image_data, precision="bf16-mixed"),
-    "lora_frozen_base_reentrant_ckpt": Case(LoRALlama, token_data),
+    "lora_frozen_base_reentrant_ckpt": Case(LoRALlama, token_data, checkpoint=True),
     "no_grad_teacher_in_step": Case(TeacherStudent, token_data, val=True),
     "callback_forward": Case(CallbackForward, token_data, callbacks=lambda: [SampleEveryStep()]),
     "gan_two_optimizers_manual": Case(GAN, gan_data, ddp=lambda: DDPStrategy(find_unused_parameters=True)),
     "adagrad": Case(lambda: BlockMLP("adagrad"), vector_data),
     "sgd_momentum": Case(lambda: BlockMLP("sgd_momentum"), vector_data),
     "rmsprop": Case(lambda: BlockMLP("rmsprop"), vector_data),
-    "int8_frozen_base": Case(Int8Base, vector_data),
+    "int8_frozen_base": Case(Int8Base, vector_data, checkpoint=True),
     "int8_frozen_base_bf16": Case(Int8Base, vector_data, precision="bf16-mixed"),
     "blocks_in_moduledict": Case(lambda: HeldBlocks("moduledict"), regression_data),
     "blocks_in_sequential": Case(lambda: HeldBlocks("sequential"), regression_data),
@@ -625,12 +626,38 @@ def make_strategy(case: Case, strategy: str):
     return ZeroStrategy(stage=int(strategy[-1]), bucket_mb=0.004, **case.zero_kwargs)
 
 
+def _checkpoint_round_trip(trainer: L.Trainer, run: str) -> dict[str, torch.Tensor] | None:
+    """Save a sharded checkpoint of the fitted run, consolidate it on rank 0 (``export``), and
+    return what it holds per parameter name (rank 0; ``None`` elsewhere)."""
+    from lightning_zero.checkpoint import export
+
+    path = os.path.join(_OUT[0], "ckpts", f"{run}.ckpt")
+    trainer.save_checkpoint(path)
+    # ``export`` verifies the files spread over the ranks when a process group is up: every rank calls it
+    plain = torch.load(export(path, f"{path}.rank{trainer.global_rank}.pt", prefix=""), weights_only=True)
+    return {name: tensor.float() for name, tensor in plain.items()} if trainer.global_rank == 0 else None
+
+
+class SaveAtLastStep(L.Callback):
+    """The round trip mid-fit, after the last optimizer step: ZeRO-3 still holds its shards there
+    (after fit every parameter is a plain tensor again), and the parameters are the final ones."""
+
+    def __init__(self, run: str) -> None:
+        self.run, self.saved = run, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == trainer.max_steps:
+            self.saved = _checkpoint_round_trip(trainer, self.run)
+
+
 def run_one(run: str) -> dict[str, Any]:
     case_name, strategy = run.rsplit("-", 1)
     case = CASES[case_name]
     L.seed_everything(42, verbose=False)
     module = case.build()
     counter, callbacks = CountSent(), case.callbacks()
+    saver = SaveAtLastStep(run) if case.checkpoint and strategy != "ddp" else None
+    callbacks += [saver] if saver is not None else []
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=make_strategy(case, strategy), precision=case.precision,
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -641,6 +668,7 @@ def run_one(run: str) -> dict[str, Any]:
     data = case.data()
     val = loader(case.data(seed=4, samples=2 * BATCH * WORLD)) if case.val else None
     trainer.fit(module, loader(data), val)
+    saved = saver.saved if saver is not None else None
     module.eval()
     # A bf16-mixed model is run as Lightning runs it: under autocast (ZeRO keeps bf16 parameters).
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed")
@@ -657,6 +685,8 @@ def run_one(run: str) -> dict[str, Any]:
         if isinstance(callback, SampleEveryStep):
             extra["samples"] = callback.samples
     params = {name: p.detach().float().clone() for name, p in module.named_parameters()}
+    if saved is not None:
+        extra["saved"] = saved
     return {"ok": True, "losses": module.train_losses, "val_losses": module.val_losses, "probe": probe,
             "params": params, "ties": module.ties(), "extra": extra}  # fmt: skip
 
@@ -665,6 +695,7 @@ def run_one(run: str) -> dict[str, Any]:
 # one launch, many runs; a failure gets a fresh process group, a hang ends the launch
 # ------------------------------------------------------------------------------------------
 _RANK = [int(os.environ.get("RANK", "0"))]
+_OUT = [""]  # the launch's output directory (main sets it)
 PG_TIMEOUT_S = float(os.environ.get("CONFORMANCE_PG_TIMEOUT_S", "60"))
 FAIL_WAIT_S = 60.0  # how long a failed rank waits for its peer's verdict before giving up
 
@@ -770,6 +801,7 @@ def main(out: str, runs: list[str]) -> None:
     """Run ``runs`` in order on this rank (the driver starts every rank with RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_PORT set, as torchrun does; Lightning then starts no processes itself)."""
     os.makedirs(os.path.join(out, ".status"), exist_ok=True)
+    _OUT[0] = out
     init_process_group(int(os.environ["MASTER_PORT"]))
     for run in runs:
         if _RANK[0] == 0:

@@ -45,6 +45,9 @@ RANK0_PROBE_ONLY = {"cnn_batchnorm", "cnn_batchnorm_bf16"}
 BF16_CASES = {"cnn_batchnorm_bf16", "int8_frozen_base_bf16"}
 # Cases whose stage-3 run must send exactly 3 P (dp-1)/dp elements per step (steps after the first).
 COMM_CASES = {"blocks_in_moduledict", "blocks_in_sequential"}
+# Cases whose ZeRO runs save a sharded checkpoint after fit (``Case(checkpoint=True)``): every
+# parameter must be in it once, equal to the trained one (tied, shared, frozen int8, LoRA).
+CHECKPOINT_CASES = {"gpt2_tied", "t5_shared_embedding", "lora_frozen_base_reentrant_ckpt", "int8_frozen_base"}
 
 
 def record_path(out: Path, run: str, rank: int) -> Path:
@@ -292,6 +295,17 @@ def judge(out: Path, case: str, strategy: str) -> Verdict:
 def _extra_checks(case: str, strategy: str, got: dict, want: dict, rank: int) -> list[str]:
     problems = []
     extra, ref = got["extra"], want["extra"]
+    if case in CHECKPOINT_CASES and strategy != "ddp" and rank == 0 and "saved" not in extra:
+        problems.append(f"rank {rank}: no checkpoint round trip recorded")
+    if "saved" in extra:  # the sharded checkpoint holds every parameter once, as trained
+        saved = extra["saved"]
+        for name, param in got["params"].items():
+            if name not in saved:
+                problems.append(f"rank {rank}: checkpoint lacks {name} (holds {sorted(saved)[:6]}...)")
+                continue
+            issue = _close(f"rank {rank} checkpointed {name}", saved[name], param, {"rtol": 0, "atol": 1e-6})
+            if issue:
+                problems.append(issue)
     if "inv_freq" in ref:
         issue = _close(
             f"rank {rank} rotary inv_freq",

@@ -66,11 +66,18 @@ class Targets:
 
 
 def module_entries(module: nn.Module, skip: set[str], layout: Layout, targets: Targets, *, load: bool) -> dict:
-    """``model.<name>`` for every module state-dict entry not in ``skip`` (whole local tensors)."""
+    """``model.<name>`` for every module state-dict entry not in ``skip`` (whole local tensors).
+
+    A Parameter the state dict lists under several names (tied weights: GPT-2's ``lm_head.weight``
+    is ``transformer.wte.weight``) is one tensor: when its canonical name is in ``skip`` (the
+    engine saves its fp32 master), its aliases are skipped too. Under ZeRO-3 an alias has no
+    storage outside a forward, and on load the canonical entry fills the one Parameter anyway.
+    """
     params = dict(module.named_parameters())
+    skipped_params = {id(param) for name, param in params.items() if name in skip}
     info = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if name in skip or not isinstance(tensor, torch.Tensor):
+        if name in skip or not isinstance(tensor, torch.Tensor) or id(tensor) in skipped_params:
             continue
         tensor = tensor.detach()
         tp_dim = tp_dim_of(params.get(name), layout)
