@@ -62,8 +62,16 @@ from lightning_zero.planner import plan_run  # noqa: E402
 from lightning_zero.throughput import peak_flops_for, training_flops_of  # noqa: E402
 
 GPU = {
-    "model": dict(name="gpu_check_100m", vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4,
-                  ffn_dim=2048, max_seq_len=1024),  # fmt: skip
+    "model": dict(
+        name="gpu_check_100m",
+        vocab_size=32000,
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        ffn_dim=2048,
+        max_seq_len=1024,
+    ),  # fmt: skip
     "micro_batch": 8,
     "seq_len": 1024,
     "steps": 50,
