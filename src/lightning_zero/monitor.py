@@ -88,6 +88,7 @@ class ZeroMonitor(Callback):
         self.summary = summary
         self.hardware = hardware
         self.throughput: Optional[ThroughputMeter] = None
+        self._num_params: Optional[int] = None
         self.history: list[dict[str, float]] = []
         self._warned = False
         self._sent_before: dict[str, float] = {}
@@ -109,7 +110,9 @@ class ZeroMonitor(Callback):
             )
         sequences, length = batch_tokens(pl_module, batch)
         tp = max(1, trainer.strategy.world_size // engine.dp_size)
-        flops = training_flops_of(getattr(pl_module, "config", None), engine.num_params(), sequences, length, tp)
+        if self._num_params is None:
+            self._num_params = engine.num_params()
+        flops = training_flops_of(getattr(pl_module, "config", None), self._num_params, sequences, length, tp)
         self.throughput.micro_batch(sequences * length, flops)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
