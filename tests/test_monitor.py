@@ -120,3 +120,15 @@ def test_low_hidden_fraction_warns_on_cuda_only(monkeypatch):
     assert _warnings_for(_FakeEngine(overlap_possible=True, device="cpu"), 0.1, monkeypatch) == []
     seen = _warnings_for(_FakeEngine(overlap_possible=True, device="cuda"), 0.1, monkeypatch)
     assert len(seen) == 1 and "only 10%" in seen[0]
+
+
+@pytest.mark.slow
+def test_throughput_is_logged_per_step(results):
+    """tokens/s of the step (2 sequences x 16 input tokens per rank), x dp in total; no MFU on CPU
+    without a hardware config ([Note: throughput] in throughput.py)."""
+    for rank in (0, 1):
+        for metrics in _load(results, "s2_32-true_overlap", rank)["history"]:
+            assert metrics["zero/step_time_s"] > 0
+            assert metrics["zero/tokens_per_s"] * metrics["zero/step_time_s"] == pytest.approx(32)
+            assert metrics["zero/tokens_per_s_total"] == pytest.approx(2 * metrics["zero/tokens_per_s"])
+            assert "zero/mfu" not in metrics

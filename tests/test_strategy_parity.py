@@ -29,6 +29,9 @@ PAIRS = {
     "zero3_offload_acc": "ddp_acc",
     "zero3_acc": "ddp_acc",
     "zero3_value_clip": "ddp_value_clip",
+    "zero2_acc_gather_sync": "ddp_acc",
+    "zero2_offload_acc": "ddp_acc",
+    "zero2_two_opt": "ddp_two_opt",
     "llama_zero3": "llama_ddp",
     "llama_zero3_p0_acc": "llama_ddp_acc",
     "llama_zero3_ckpt": "llama_ddp_ckpt",
@@ -52,6 +55,11 @@ def test_matches_ddp(results, case):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6)
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+        if "val_losses" in want:  # validation interleaved with training
+            assert len(got["val_losses"]) == len(want["val_losses"]) > 0
+            torch.testing.assert_close(
+                torch.tensor(got["val_losses"]), torch.tensor(want["val_losses"]), rtol=1e-5, atol=1e-6
+            )
         if "val_loss" in want:  # validate() and predict() after fit, and a plain forward
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
             torch.testing.assert_close(got["predict"], want["predict"], rtol=1e-4, atol=1e-4)
@@ -82,3 +90,36 @@ def test_lr_scheduler_steps_the_sharded_optimizer(results):
     got = torch.load(results / "zero2.rank0.pt")
     # LambdaLR 1/(1+step) after 6 steps on base lrs 1e-2 and 5e-3
     assert got["lr"] == pytest.approx([1e-2 / 7, 5e-3 / 7])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero1_acc", "zero2_acc", "zero2_two_opt"])
+def test_param_gather_overlaps_the_next_forward(results, case):
+    """[Note: overlapped parameter gather]: after a step the gathers are still in flight, and the
+    next forward waits for them in its modules' pre-hooks (not inside the step)."""
+    for rank in (0, 1):
+        stats = torch.load(results / f"{case}.rank{rank}.pt")["stats"]
+        assert max(stats["pending_after_step"]) > 0
+        assert stats["waits"]["forward_hook"] > 0, stats
+    acc = torch.load(results / "zero2_acc.rank0.pt")["stats"]
+    assert max(acc["pending_after_step"]) == acc["chunks"] > 1
+    # 6 steps: the gathers of steps 1-5 are each waited in a forward pre-hook, step 6's at the end.
+    assert acc["waits"] == {"forward_hook": 5 * acc["chunks"], "safe_point": 0, "at_launch": 0}
+
+
+@pytest.mark.slow
+def test_param_gather_off_waits_inside_the_step(results):
+    for rank in (0, 1):
+        stats = torch.load(results / f"zero2_acc_gather_sync.rank{rank}.pt")["stats"]
+        assert stats["waits"] == {} and set(stats["pending_after_step"]) == {0}
+
+
+@pytest.mark.slow
+def test_offload_copies_gradients_to_host_once_per_step(results):
+    """accumulate_grad_batches=2 at stage 2 reduces every micro batch; the chunks still leave the
+    device once per optimizer step (and come back once)."""
+    for rank in (0, 1):
+        stats = torch.load(results / f"zero2_offload_acc.rank{rank}.pt")["stats"]
+        expected = stats["optimizer_steps"] * stats["chunks"]
+        assert stats["optimizer_steps"] == 6 and stats["chunks"] > 1
+        assert stats["offload"] == {"device_to_host": expected, "host_to_device": expected}

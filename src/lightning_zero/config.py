@@ -99,6 +99,11 @@ class ZeroConfig:
             saying what this rank waited on and how far its backward got ("5/12 params ready in
             bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
             default). ``None`` leaves only the process group's timeout.
+        overlap_param_gather: stages 1-2: the parameter all-gather after the optimizer step (one
+            per bucket, ``(dp-1)/dp`` of the parameter bytes per rank) stays in flight and each
+            bucket is waited for in the forward pre-hook of the modules owning its parameters, so
+            it overlaps the next forward (Megatron-Core's ``overlap_param_gather``). ``False``:
+            every all-gather is waited for inside the optimizer step.
     """
 
     stage: int = 2
@@ -111,6 +116,7 @@ class ZeroConfig:
     max_buckets_in_flight: int = 2
     monitor: bool = True
     collective_timeout: Optional[float] = 300.0
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -132,7 +138,7 @@ class ZeroConfig:
             fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
         if not _is_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
             fail("max_buckets_in_flight", "must be an int >= 1.")
-        for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor"):
+        for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
         timeout = self.collective_timeout

@@ -17,7 +17,11 @@ its own):
   times mean nothing there: NCCL's launch and wait return at once), host time on CPU, where gloo
   shares the cores with backward, so the figure checks ordering more than speed;
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
-  while backward was still running.
+  while backward was still running;
+- ``zero/step_time_s``, ``zero/tokens_per_s`` (this rank), ``zero/tokens_per_s_total`` (x dp) and
+  ``zero/mfu`` (model FLOPs / step time / the hardware config's peak; only with a hardware
+  config: ``ZeroMonitor(hardware=...)``, or detected from the CUDA device's name), see
+  [Note: throughput] in ``throughput.py``.
 
 It warns once (on global rank 0, through Lightning's ``rank_zero_warn``) when every parameter
 group's gradients fit in one bucket (nothing can overlap; it says which ``bucket_mb`` would), or, on
@@ -37,6 +41,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero._lightning_compat import is_accumulating
 from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
+from lightning_zero.throughput import (
+    ThroughputMeter,
+    batch_tokens,
+    hardware_for_device,
+    peak_flops_for,
+    training_flops_of,
+)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -69,11 +80,17 @@ class ZeroMonitor(Callback):
         warn_overlap_below: warn once when overlap was requested and the hidden fraction of
             collective time is below this.
         summary: print a table at the end of fit (rank 0).
+        hardware: the ``conf/hardware`` config name (or YAML path, or mapping) whose peak FLOP/s
+            MFU is measured against; ``None``: detected from the CUDA device's name (H100, H200,
+            A100), no MFU on CPU.
     """
 
-    def __init__(self, warn_overlap_below: float = 0.5, summary: bool = True) -> None:
+    def __init__(self, warn_overlap_below: float = 0.5, summary: bool = True, hardware: Optional[Any] = None) -> None:
         self.warn_overlap_below = warn_overlap_below
         self.summary = summary
+        self.hardware = hardware
+        self.throughput: Optional[ThroughputMeter] = None
+        self._num_params: Optional[int] = None
         self.history: list[dict[str, float]] = []
         self._warned = False
         self._sent_before: dict[str, float] = {}
@@ -85,6 +102,20 @@ class ZeroMonitor(Callback):
         engine = self._engine(trainer)
         if engine is not None:
             self._sent_before = dict(engine.counter.bytes)
+            self._count_tokens(trainer, pl_module, engine, batch)
+
+    def _count_tokens(self, trainer: Any, pl_module: Any, engine: Any, batch: Any) -> None:
+        if self.throughput is None:
+            hardware = self.hardware if self.hardware is not None else hardware_for_device(engine.device)
+            self.throughput = ThroughputMeter(
+                dp=engine.dp_size, peak_flops=peak_flops_for(hardware, engine.compute_dtype)
+            )
+        sequences, length = batch_tokens(pl_module, batch)
+        tp = max(1, trainer.strategy.world_size // engine.dp_size)
+        if self._num_params is None:
+            self._num_params = engine.num_params()
+        flops = training_flops_of(getattr(pl_module, "config", None), self._num_params, sequences, length, tp)
+        self.throughput.micro_batch(sequences * length, flops)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine(trainer)
@@ -110,6 +141,13 @@ class ZeroMonitor(Callback):
         metrics["zero/overlap_fraction"] = (timeline.hidden_s / comm) if comm > 0 else 0.0
         launch, end = timeline.index_of("launch"), timeline.index_of("backward_end")
         metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
+        if self.throughput is not None:
+            step = self.throughput.step_end()
+            metrics["zero/step_time_s"] = step.seconds
+            metrics["zero/tokens_per_s"] = step.tokens_per_s
+            metrics["zero/tokens_per_s_total"] = step.tokens_per_s_total
+            if step.mfu is not None:
+                metrics["zero/mfu"] = step.mfu
         self.history.append(metrics)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
         self._maybe_warn_overlap(engine, metrics, comm, trainer.global_step)
@@ -150,4 +188,18 @@ class ZeroMonitor(Callback):
         lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
         lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
         lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
+        lines += self._throughput_lines()
         rank_zero_info("\n".join(lines))
+
+    def _throughput_lines(self) -> list[str]:
+        """tokens/s per rank and in total, and MFU, over the steps after the first."""
+        steady = self.throughput.summary() if self.throughput is not None else None
+        if steady is None:
+            return []
+        lines = [
+            f"{'tokens/s':<10}{steady.tokens_per_s:>16,.1f}  per rank",
+            f"{'':<10}{steady.tokens_per_s_total:>16,.1f}  total ({steady.dp} dp ranks)",
+        ]
+        mfu = steady.mfu
+        lines.append(f"{'MFU':<10}{mfu:>16.2%}" if mfu is not None else f"{'MFU':<10}{'n/a':>16}  (no hardware config)")
+        return lines

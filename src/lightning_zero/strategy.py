@@ -71,6 +71,10 @@ class ZeroStrategy(DDPStrategy):
             raises an error naming what this rank waited on (``None``: the process group's
             ``timeout`` only). See docs/troubleshooting.md.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
+        overlap_param_gather: stages 1-2: leave the post-step parameter all-gather in flight and
+            wait for each bucket in the forward pre-hooks of the modules owning its parameters
+            (overlapped with the next forward); ``False`` waits inside the optimizer step.
+            Evaluation, checkpoints and the end of fit wait for every pending gather first.
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
 
@@ -102,6 +106,7 @@ class ZeroStrategy(DDPStrategy):
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
+        overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -286,6 +291,7 @@ class ZeroStrategy(DDPStrategy):
             offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
             collective_timeout=self.collective_timeout,
+            overlap_param_gather=self.overlap_param_gather,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight
@@ -357,6 +363,31 @@ class ZeroStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(super().predict_step, *args, **kwargs)
 
+    def _wait_param_gathers(self) -> None:
+        # [Note: overlapped parameter gather] in zero/param_gather.py: parameters whole again.
+        if self.engine is not None:
+            self.engine.wait_param_gathers()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._wait_param_gathers()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._wait_param_gathers()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._wait_param_gathers()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._wait_param_gathers()
+        super().on_train_end()
+
     def _end_eval_loop(self) -> None:
         # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
         if self.engine is not None:
@@ -416,6 +447,7 @@ class ZeroStrategy(DDPStrategy):
         from lightning_zero.checkpoint import save_checkpoint
 
         assert self.lightning_module is not None
+        self._wait_param_gathers()
         save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
                         optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
 

@@ -52,6 +52,46 @@ class TinyLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class TwoOptimizers(L.LightningModule):
+    """GAN-style manual optimization: two optimizers over disjoint parameters, both stepped after
+    one backward (the second steps before any forward), a parameter of the LightningModule itself
+    read directly (no module forward covers it), and a validation loop between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Embedding(32, 16), nn.Flatten(), nn.Linear(64, 48), nn.GELU())
+        self.head = nn.Sequential(nn.LayerNorm(48), nn.Linear(48, 32))
+        self.scale = nn.Parameter(torch.ones(32))
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.encoder(x)) * self.scale, y)
+
+    def training_step(self, batch, batch_idx):
+        opt_encoder, opt_head = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        opt_encoder.step()
+        opt_head.step()  # the second optimizer steps while the first one's gathers may be in flight
+        opt_encoder.zero_grad()
+        opt_head.zero_grad()
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.val_losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        encoder = torch.optim.AdamW(self.encoder.parameters(), lr=1e-2)
+        head = torch.optim.SGD([*self.head.parameters(), self.scale], lr=5e-2, momentum=0.9)
+        return encoder, head
+
+
 def data() -> DataLoader:
     gen = torch.Generator().manual_seed(7)
     x = torch.randint(0, 32, (96, 4), generator=gen)
@@ -85,7 +125,39 @@ CASES = {
     "zero3_bf16": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "ddp_manual": (lambda: "ddp", {"manual": True}),
     "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
+    # [Note: overlapped parameter gather]: the default (overlap on) is in every case above; these
+    # turn it off, and count the offload copies under accumulation.
+    "zero2_acc_gather_sync": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, overlap_param_gather=False), ACC),
+    "zero2_offload_acc": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, offload_optimizer=True), ACC),
+    "ddp_two_opt": (lambda: "ddp", {"two_optimizers": True}),
+    "zero2_two_opt": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"two_optimizers": True}),
 }
+
+# Both optimizers count in global_step: 12 steps = 6 batches; validation after batches 3 and 6.
+TWO_OPT = {"max_steps": 12, "val_check_interval": 3, "limit_val_batches": 2}
+
+
+class EngineStats(L.Callback):
+    """What the engine did about the parameter all-gather and offload, read before teardown."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {"pending_after_step": [], "optimizer_steps": 0}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.stats["pending_after_step"].append(engine.pending_param_gathers())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            return
+        self.stats.update(
+            waits=engine.param_gather_waits(),
+            offload=engine.offload_copy_counts(),
+            chunks=engine.bucket_count(),
+            optimizer_steps=trainer.global_step,
+        )
 
 
 class RecordLosses(L.Callback):
@@ -156,24 +228,29 @@ def run(name: str, out_dir: str) -> None:
     make_strategy, kwargs = CASES[name]
     kwargs = dict(kwargs)
     manual = kwargs.pop("manual", False)
+    two_optimizers = kwargs.pop("two_optimizers", False)
     L.seed_everything(42, verbose=False)
-    model = TinyLM(manual=manual)
+    model = TwoOptimizers() if two_optimizers else TinyLM(manual=manual)
+    stats = EngineStats()
+    kwargs = {"max_steps": 6, **(TWO_OPT if two_optimizers else {}), **kwargs}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=make_strategy(),
-        max_steps=6,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=[stats],
         **kwargs,
     )
-    trainer.fit(model, data())
+    trainer.fit(model, data(), *([data()] if two_optimizers else []))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     strategy = trainer.strategy
-    extra = {}
+    extra = {"stats": stats.stats}
+    if two_optimizers:
+        extra["val_losses"] = model.val_losses
     if isinstance(strategy, ZeroStrategy) and model.losses:
         extra["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
     torch.save(

@@ -98,6 +98,21 @@ def optimizer_index(optimizers: list[Optimizer]) -> dict[int, int]:
     return {id(p): i for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]}
 
 
+def state_device(optimizer: Optimizer, master: torch.Tensor, key: str) -> torch.device:
+    """Where a loaded state tensor of ``master`` goes: as torch's own ``load_state_dict`` does,
+    ``step`` stays on the host unless the master's param group is ``capturable`` or ``fused``
+    (a ``step`` on the GPU of a plain Adam costs a host sync per chunk per step); every other
+    state goes with the master."""
+    if key != "step":
+        return master.device
+    for group in optimizer.param_groups:
+        if any(param is master for param in group["params"]):
+            if group.get("capturable") or group.get("fused"):
+                return master.device
+            break
+    return torch.device("cpu")
+
+
 def engine_entries(
     engine: Any,
     optimizers: list[Optimizer],
@@ -135,7 +150,8 @@ def engine_entries(
             for key, (kind, dtype) in state_kinds[index].items():
                 if key not in state:
                     shape = master.shape if kind == "chunk" else ()
-                    state[key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=master.device)
+                    device = state_device(optimizers[index], master, key)
+                    state[key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
                 if kind == "chunk":
                     flat = state[key][lo:hi]
                     add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))

@@ -26,7 +26,9 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import CommCounter
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
+from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
+from lightning_zero.zero.param_gather import ParamGatherer, closure_then
 from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
 
 MIB = 1024 * 1024
@@ -171,6 +173,10 @@ class ZeroEngine:
         collective_timeout: seconds any wait of the engine on a collective may take before it
             raises an error naming what this rank waited on (``None``: the process group's own
             timeout). See [Note: collective timeout] in ``reducer.py``.
+        overlap_param_gather: stages 1-2: leave the post-step parameter all-gather (one per
+            bucket) in flight and wait for each bucket in the forward pre-hook of the modules that
+            own its parameters, so it overlaps the next forward (``False``: wait inside the step).
+            See [Note: overlapped parameter gather] in ``zero/param_gather.py``.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -196,6 +202,7 @@ class ZeroEngine:
         offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
         collective_timeout: Optional[float] = None,
+        overlap_param_gather: bool = True,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -271,6 +278,7 @@ class ZeroEngine:
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
         self._warn_replicated(optimizers)
+        self.param_gatherer = self._setup_param_side(module, overlap_param_gather)
         if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
             self.stage3.on_backward_begin = self.reducer.begin_backward
             # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
@@ -293,6 +301,55 @@ class ZeroEngine:
         from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
 
         return functools.partial(UnitReplicatedOptimizer, units=[unit.groups for unit in self.stage3.units])
+
+    def _setup_param_side(self, module: nn.Module, overlap_param_gather: bool) -> Optional[ParamGatherer]:
+        """Offload copies for sharded optimizers ([Note: offload copies]) and, stages 1-2, the
+        overlapped parameter all-gather ([Note: overlapped parameter gather])."""
+        sharded = [opt for opt in self.optimizers if not isinstance(opt, ReplicatedOptimizer)]
+        if self.offload_optimizer:
+            for opt in sharded:
+                groups = [group for groups in opt.flat_groups for group in groups]
+                pin_masters(groups, torch.device(self.device))
+                opt.offload = OffloadCopies(torch.device(self.device))
+        gathering = [opt for opt in sharded if opt.gather_params]
+        if not overlap_param_gather or not gathering:
+            return None
+        gatherer = ParamGatherer(
+            module,
+            [group for opt in gathering for groups in opt.flat_groups for group in groups],
+            dp_group=self.dp_group,
+            counter=self.counter,
+            collective_timeout=self.collective_timeout,
+            poll=torch.device(self.device).type == "cpu",
+        )
+        for opt in gathering:
+            opt.param_gatherer = gatherer
+        return gatherer
+
+    def wait_param_gathers(self) -> None:
+        """Wait for every parameter all-gather still in flight (stages 1-2 with
+        ``overlap_param_gather``); afterwards every parameter is whole. No-op otherwise."""
+        if self.param_gatherer is not None:
+            self.param_gatherer.wait_all()
+
+    def pending_param_gathers(self) -> int:
+        """Parameter all-gathers (buckets) launched after the last step and not waited for yet."""
+        return 0 if self.param_gatherer is None else self.param_gatherer.pending_count()
+
+    def param_gather_waits(self) -> dict[str, int]:
+        """Where parameter all-gathers were waited: ``forward_hook`` (overlapped with forward),
+        ``safe_point``, ``at_launch`` (see ``ParamGatherer.waits``); empty when overlap is off."""
+        return {} if self.param_gatherer is None else dict(self.param_gatherer.waits)
+
+    def offload_copy_counts(self) -> dict[str, int]:
+        """Offload: chunk copies issued so far, ``device_to_host`` (gradients, once per chunk per
+        step) and ``host_to_device`` (updated masters); zeros without offload."""
+        counts = {"device_to_host": 0, "host_to_device": 0}
+        for opt in self.optimizers:
+            if opt.offload is not None:
+                for key in counts:
+                    counts[key] += opt.offload.counts[key]
+        return counts
 
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
@@ -326,6 +383,7 @@ class ZeroEngine:
     def pre_backward(self) -> None:
         """Call before a backward (the strategy does): lets :meth:`post_backward` tell whether
         this backward reached this rank's parameters at all."""
+        self.wait_param_gathers()  # backward reads the parameters forward saved
         self._finished_at_pre_backward = self.reducer.finished_backwards
 
     def post_backward(self) -> None:
@@ -340,9 +398,24 @@ class ZeroEngine:
         loss.backward(**kwargs)
         self.post_backward()
 
-    def _before_step(self, optimizer: Optimizer, args, kwargs) -> None:
+    def _before_step(self, optimizer: Optimizer, args, kwargs):
         if self.reducer._backward_open:  # a backward whose end was never seen: finish it now
             self.reducer.finish_backward()
+        # The update must not start while a parameter all-gather reads the chunks it writes, and
+        # offloaded gradients must be on the host: right before it, i.e. after a closure's
+        # forward/backward (Lightning passes one) or now when there is none.
+        sharded = next((s for s in self.optimizers if s.optimizer is optimizer), None)
+        if sharded is None:
+            return None
+        # torch passes the step's own arguments: ``args[0]`` is the optimizer, then the closure.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            sharded.before_update()
+            return None
+        wrapped = closure_then(closure, sharded.before_update)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
 
     def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
@@ -500,11 +573,18 @@ class ZeroEngine:
         """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
         if self.stage3 is not None:
             self.stage3.begin_step(kind)
+        if self.param_gatherer is not None:
+            if kind == "train":
+                self.param_gatherer.begin_train_step()
+            else:
+                self.param_gatherer.wait_all()
 
     def end_step_call(self) -> None:
         """The training-step call returned (its backward may still follow)."""
         if self.stage3 is not None:
             self.stage3.end_step_call()
+        if self.param_gatherer is not None:
+            self.param_gatherer.end_train_step()
 
     def end_eval_step(self) -> None:
         if self.stage3 is not None:
@@ -518,6 +598,7 @@ class ZeroEngine:
     def release_module(self) -> None:
         """Leave the module usable outside the engine (forward, ``state_dict``, another fit):
         stage 3 unshards every parameter, stages 1-2 put the fp32 masters back. Collective."""
+        self.wait_param_gathers()
         if self.stage3 is not None:
             self.unshard_parameters()
         else:
@@ -526,7 +607,9 @@ class ZeroEngine:
     # -- what checkpoints and tensor parallelism read -----------------------------------------
     def managed_parameters(self) -> dict[str, nn.Parameter]:
         """``{name: parameter}`` of every parameter in the engine's flat groups (what a sharded
-        checkpoint saves from the engine rather than from the module)."""
+        checkpoint saves from the engine rather than from the module). Parameters are whole:
+        pending all-gathers are waited for first."""
+        self.wait_param_gathers()
         return {slot.name: slot.param for group in self.groups for slot in group.layout.slots}
 
     def managed_param_names(self) -> set[str]:
@@ -536,6 +619,7 @@ class ZeroEngine:
     def refresh_params_from_masters(self) -> None:
         """Compute parameters from the fp32 masters (after loading them): stages 1-2 all-gather
         the full parameters; stage 3 refreshes each rank's shard (gathered on use)."""
+        self.wait_param_gathers()
         if self.stage3 is not None:
             for group in self.groups:
                 copy = getattr(group, "copy_masters_to_params", None)
@@ -588,6 +672,8 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         for sharded in self.optimizers:
             sharded.remove_hooks()
+        if self.param_gatherer is not None:
+            self.param_gatherer.remove_hooks()
         for handle in self._step_pre_hooks:
             handle.remove()
         self._step_pre_hooks.clear()

@@ -74,6 +74,10 @@ class ShardedOptimizer:
         self.comm_device = comm_device  # where collectives run (masters may be offloaded to CPU)
         self.collective_timeout = collective_timeout
         self.replicated_weight: dict[int, torch.Tensor] = {}  # master id -> per-element 1/tp weights
+        # Set by the engine: the overlapped post-step all-gather (zero/param_gather.py) and the
+        # offload copies (zero/offload.py); None: gather synchronously / no offload.
+        self.param_gatherer: Any = None
+        self.offload: Any = None
 
         self._point_optimizer_at_masters(eager_state)
         self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
@@ -106,9 +110,26 @@ class ShardedOptimizer:
             master = bucket.group.masters[bucket.layout.index]
             chunk = bucket.grad_chunk
             assert chunk is not None
+            if self.offload is not None:  # copied to the host once per step, when read
+                self.offload.stage(master, chunk)
+                continue
             same = chunk.dtype == master.dtype and chunk.device == master.device
             master.grad = chunk if same else chunk.to(device=master.device, dtype=master.dtype)
         self._remember_grads()
+
+    def flush_offloaded_grads(self) -> None:
+        """Offload: copy the staged gradient chunks to the host now ([Note: offload copies])."""
+        if self.offload is not None and self.offload.flush():
+            self._remember_grads()
+
+    def before_update(self) -> None:
+        """Right before the optimizer changes the masters: gradients on the host (offload), the
+        last host-to-device copy of the masters done, and no parameter all-gather reading them."""
+        if self.param_gatherer is not None:
+            self.param_gatherer.wait_all()
+        if self.offload is not None:
+            self.flush_offloaded_grads()
+            self.offload.before_host_update()
 
     def _shard_eager_state(self, state_of_param: dict) -> None:
         """State made before the engine existed (Adagrad's ``sum``): cut it like the parameters."""
@@ -174,9 +195,19 @@ class ShardedOptimizer:
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         for groups in self.flat_groups:
             for group in groups:
-                group.copy_masters_to_params()
+                if self.offload is not None and not group.masters_alias_params:
+                    self.offload.copy_masters_to_params(group)
+                else:
+                    group.copy_masters_to_params()
         if self.gather_params:  # stage 3 gathers lazily, at the next forward
-            self.all_gather_params()
+            if self.param_gatherer is not None:  # [Note: overlapped parameter gather]
+                name = type(self.optimizer).__name__
+                groups = [group for groups in self.flat_groups for group in groups]
+                self.param_gatherer.launch(
+                    groups, lambda b: f"the parameter all-gather of bucket {b} after {name}.step()"
+                )
+            else:
+                self.all_gather_params()
 
     def all_gather_params(self) -> None:
         """All-gather every bucket's updated chunk over dp (stages 1-2)."""
@@ -203,6 +234,7 @@ class ShardedOptimizer:
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm over every rank's chunks (one all-reduce of a scalar)."""
+        self.flush_offloaded_grads()
         grads = self._norm_terms()
         device = grads[0][0].device if grads else torch.device("cpu")
         if norm_type == math.inf:
@@ -239,6 +271,7 @@ class ShardedOptimizer:
             return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
+        self.flush_offloaded_grads()
         for master in self.masters:
             if master.grad is not None:
                 master.grad.detach().clamp_(-clip_value, clip_value)

@@ -1,0 +1,92 @@
+"""tokens/s and MFU ([Note: throughput] in throughput.py) and their rows in ZeroMonitor's table."""
+
+import logging
+
+import pytest
+import torch
+
+from lightning_zero.models import LlamaConfig
+from lightning_zero.planner.hardware import load_hardware
+from lightning_zero.planner.timing import training_flops
+from lightning_zero.throughput import ThroughputMeter, batch_tokens, peak_flops_for, training_flops_of
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_meter_counts_tokens_per_step_and_mfu():
+    clock = FakeClock()
+    meter = ThroughputMeter(dp=4, peak_flops=1e12, clock=clock)
+    for step_seconds in (5.0, 2.0, 2.0):  # the first step carries start-up time
+        for _ in range(2):  # two micro batches of 8 x 128 tokens
+            meter.micro_batch(8 * 128, 3e11)
+            clock.now += step_seconds / 2
+        meter.step_end()
+    assert [s.seconds for s in meter.steps] == [5.0, 2.0, 2.0]
+    assert meter.steps[0].tokens_per_s == pytest.approx(2048 / 5.0)
+    steady = meter.summary()
+    assert steady.tokens == 4096 and steady.seconds == 4.0
+    assert steady.tokens_per_s == pytest.approx(1024.0)
+    assert steady.tokens_per_s_total == pytest.approx(4096.0)
+    assert steady.mfu == pytest.approx(4 * 3e11 / 4.0 / 1e12)
+    assert ThroughputMeter(peak_flops=None).summary() is None
+
+
+def test_tokens_and_flops_of_a_batch():
+    config = LlamaConfig.from_name("tiny")
+    assert batch_tokens(object(), torch.zeros(4, 33, dtype=torch.long)) == (4, 33)
+    assert batch_tokens(object(), (torch.randn(4, 8), torch.zeros(4, 16, dtype=torch.long))) == (4, 16)
+    assert training_flops_of(config, 123, 4, 32) == training_flops(config, micro_batch=4, seq_len=32)
+    assert training_flops_of(None, 1000, 4, 32) == 6.0 * 1000 * 4 * 32
+    hardware = load_hardware("h100_80gb")
+    assert peak_flops_for("h100_80gb", torch.bfloat16) == hardware.peak_bf16_flops
+    assert peak_flops_for("h100_80gb", torch.float32) == hardware.peak_fp32_flops
+    assert peak_flops_for(None, torch.bfloat16) is None
+
+
+def test_llama_module_counts_its_input_tokens():
+    from lightning_zero.models import LlamaLM
+
+    module = LlamaLM("tiny")
+    assert batch_tokens(module, torch.zeros(2, 17, dtype=torch.long)) == (2, 16)  # inputs: one shorter
+
+
+def _table(rank: int, caplog) -> str:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lightning_zero.monitor import ZeroMonitor
+
+    clock = FakeClock()
+    monitor = ZeroMonitor(hardware="h100_80gb")
+    monitor.throughput = ThroughputMeter(dp=2, peak_flops=1e12, clock=clock)
+    for _ in range(3):
+        monitor.throughput.micro_batch(1000, 5e11)
+        clock.now += 1.0
+        monitor.throughput.step_end()
+    metrics = {
+        f"zero/{kind}_{key}_bytes": 1.0
+        for kind in ("measured", "predicted")
+        for key in ("params", "grads", "optimizer", "total")
+    }
+    monitor.history = [{**metrics, "zero/sent_bytes_total": 2.0, "zero/overlap_fraction": 0.5}]
+    previous = rank_zero_only.rank
+    rank_zero_only.rank = rank
+    try:
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            monitor.on_fit_end(None, None)
+    finally:
+        rank_zero_only.rank = previous
+    return caplog.text
+
+
+def test_end_table_shows_tokens_per_s_and_mfu_on_rank_zero_only(caplog):
+    table = _table(0, caplog)
+    assert "tokens/s" in table and "1,000.0  per rank" in table and "2,000.0  total (2 dp ranks)" in table
+    assert "MFU" in table and "50.00%" in table
+    assert _table(1, caplog) == ""
