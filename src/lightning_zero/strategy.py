@@ -71,6 +71,11 @@ class ZeroStrategy(DDPStrategy):
             raises an error naming what this rank waited on (``None``: the process group's
             ``timeout`` only). See docs/troubleshooting.md.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
+        grad_comm_dtype: what the gradient reduce-scatter sends: ``None`` (the gradients' own
+            dtype), ``"fp32"``, ``"bf16"`` (half of fp32's bytes) or ``"int8"`` (a quarter, plus one
+            fp32 scale per 256 elements), as ZeRO++'s qgZ. docs/compression.md.
+        param_comm_dtype: what the parameter all-gathers send, same values, as ZeRO++'s qwZ; every
+            rank computes with the dequantized parameters, the fp32 masters stay exact.
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
 
@@ -102,6 +107,8 @@ class ZeroStrategy(DDPStrategy):
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
+        grad_comm_dtype: Optional[str] = ZERO_DEFAULTS.grad_comm_dtype,
+        param_comm_dtype: Optional[str] = ZERO_DEFAULTS.param_comm_dtype,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -286,6 +293,8 @@ class ZeroStrategy(DDPStrategy):
             offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
             collective_timeout=self.collective_timeout,
+            grad_comm_dtype=self.grad_comm_dtype,
+            param_comm_dtype=self.param_comm_dtype,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight

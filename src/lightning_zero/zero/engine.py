@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import CommCounter
+from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
@@ -176,6 +177,10 @@ class ZeroEngine:
         collective_timeout: seconds any wait of the engine on a collective may take before it
             raises an error naming what this rank waited on (``None``: the process group's own
             timeout). See [Note: collective timeout] in ``reducer.py``.
+        grad_comm_dtype: what the gradient reduce-scatter sends (``None``: the gradients' own
+            dtype; ``"fp32"``, ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
+        param_comm_dtype: what the parameter all-gathers send, same values; with a lossy one every
+            rank computes with the dequantized parameters, the fp32 masters stay exact.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -201,6 +206,8 @@ class ZeroEngine:
         offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
         collective_timeout: Optional[float] = None,
+        grad_comm_dtype: Optional[str] = None,
+        param_comm_dtype: Optional[str] = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -217,6 +224,9 @@ class ZeroEngine:
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
         self.collective_timeout = collective_timeout
+        check_comm_dtype(grad_comm_dtype, "grad_comm_dtype")
+        check_comm_dtype(param_comm_dtype, "param_comm_dtype")
+        self.param_comm_dtype = param_comm_dtype
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
         trainable = {
@@ -260,6 +270,7 @@ class ZeroEngine:
             counter=self.counter,
             param_order=order,
             collective_timeout=collective_timeout,
+            comm_dtype=grad_comm_dtype,
         )
         self.optimizers = [
             (ReplicatedOptimizer if replicated_step(optimizer) else ShardedOptimizer)(
@@ -348,6 +359,7 @@ class ZeroEngine:
             bucket_numel=bucket_numel,
             policy=wrap_policy or default_wrap_policy,
             offload=self.offload_optimizer,
+            param_comm_dtype=self.param_comm_dtype,
         )
         self.groups = [group for unit in units for group in unit.groups]
         ag_group = clone_dp_group(self.dp_group)
@@ -393,6 +405,7 @@ class ZeroEngine:
                             compute_dtype=dtype,
                             device=device,
                             offload=self.offload_optimizer,
+                            param_comm_dtype=self.param_comm_dtype,
                         )
                     )
                 managed.update(id(p) for p in params)
