@@ -105,7 +105,9 @@ def _collectives(rank, world):
     for comm_dtype in ("fp32", "bf16", "int8"):
         counter = CommCounter()
         output = torch.empty(CHUNK)
-        work = reduce_scatter_compressed(output, mine.clone(), None, comm_dtype, async_op=True, counter=counter, label="rs")
+        work = reduce_scatter_compressed(
+            output, mine.clone(), None, comm_dtype, async_op=True, counter=counter, label="rs"
+        )
         work.wait()
         sent[comm_dtype] = counter.bytes["rs"]
         assert counter.calls["rs"] == 1, "one compressed collective is one message"
@@ -273,18 +275,18 @@ def _train(stage, comm_dtype):
 
     torch.manual_seed(0)
     model = _TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(
         model, [opt], stage=stage, bucket_mb=0.01, grad_comm_dtype=comm_dtype, param_comm_dtype=comm_dtype
     )
     gen = torch.Generator().manual_seed(7)
-    x = torch.randint(0, 32, (STEPS, 2, 8, 4), generator=gen)  # (step, rank, batch, tokens)
+    x = torch.randint(0, 32, (4, 2, 8, 4), generator=gen)  # (batch, rank, sample, token): 25 epochs
     y = (x.sum(-1) * 7) % 32
     rank = dist.get_rank()
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x[step, rank]), y[step, rank])
+        loss = nn.functional.cross_entropy(model(x[step % 4, rank]), y[step % 4, rank])
         engine.backward(loss)
         opt.step()
         mean = loss.detach().clone()
@@ -294,31 +296,37 @@ def _train(stage, comm_dtype):
     return torch.tensor(losses)
 
 
+TRAINING_CASES = [(2, None), (2, "bf16"), (2, "int8"), (3, "int8")]  # (stage, grad and param comm dtype)
+
+
 def _training(rank, world, out_dir):
-    results = {}
-    for stage in (2, 3):
-        for comm_dtype in (None, "bf16", "int8"):
-            results[(stage, comm_dtype)] = _train(stage, comm_dtype)
+    results = {case: _train(*case) for case in TRAINING_CASES}
     if rank == 0:
         torch.save(results, f"{out_dir}/losses.pt")
 
 
 def test_training_with_compressed_communication_tracks_uncompressed(tmp_path):
-    """Tolerance: the mean loss over the last 20 of 100 steps within 2% (bf16) and 5% (int8) of the
-    uncompressed run, every step's loss within 10%. Why: int8 moves each element of a gradient by
-    at most absmax(block)/254 per sender (<= 0.4% of the block's largest gradient, times dp), bf16
-    by 2^-9 relative; AdamW divides by the running RMS, so the update direction changes by about
-    that fraction, and the parameters each rank computes with are off by <= absmax/254 of their
-    block. Over 100 steps these perturbations are not systematic, so the loss curve stays within
-    a few percent; a wrong scale, a lost chunk or a misordered all-to-all moves it far more."""
+    """Tolerance: the mean loss over the last 20 of 100 steps within 1% (bf16) and 2% (int8) of the
+    uncompressed run, every step's loss within 5% (measured: tail 0.03% / 0.1% at stage 2, 0.4% for
+    int8 at stage 3; worst step 0.5% bf16, 1.8% int8). Why these: int8 moves each element of a
+    gradient by at most absmax(block)/254 per sender (<= 0.4% of the block's largest gradient,
+    summed over dp), bf16 by 2^-9 relative; AdamW divides by the running RMS, so each update
+    changes by about that fraction, and the parameters every rank computes with are off by at most
+    absmax/254 of their block. These perturbations are not systematic, so over 100 steps the loss
+    curve stays within a few percent of the exact one, and the model reaches the same (memorized)
+    loss; a wrong scale, a lost chunk or a misordered all-to-all moves it far more. The
+    uncompressed baseline is stage 2's (stage 3 matches it exactly, tests/test_stage3.py).
+    Deterministic: same seeds, gloo, fp32 sums in a fixed order."""
     run_ranks(_training, 2, args=(str(tmp_path),), timeout_s=240)
     results = torch.load(tmp_path / "losses.pt")
-    for stage in (2, 3):
-        base = results[(stage, None)]
-        assert base[-20:].mean() < 0.6 * base[:5].mean(), "the uncompressed run should learn"
-        for comm_dtype, tolerance in (("bf16", 0.02), ("int8", 0.05)):
-            losses = results[(stage, comm_dtype)]
-            assert not torch.equal(losses, base), f"stage {stage} {comm_dtype}: compression had no effect"
-            tail = losses[-20:].mean() / base[-20:].mean() - 1
-            assert abs(tail) < tolerance, (stage, comm_dtype, float(tail))
-            assert ((losses / base - 1).abs() < 0.10).all(), (stage, comm_dtype, (losses / base - 1).abs().max())
+    base = results[(2, None)]
+    assert base[-20:].mean() < 0.1 * base[:5].mean(), "the uncompressed run should learn"
+    for (stage, comm_dtype), losses in results.items():
+        if comm_dtype is None:
+            continue
+        tolerance = {"bf16": 0.01, "int8": 0.02}[comm_dtype]
+        assert not torch.equal(losses, base), f"stage {stage} {comm_dtype}: compression had no effect"
+        tail = losses[-20:].mean() / base[-20:].mean() - 1
+        assert abs(tail) < tolerance, (stage, comm_dtype, float(tail))
+        worst = (losses / base - 1).abs().max()
+        assert worst < 0.05, (stage, comm_dtype, float(worst))
