@@ -204,6 +204,7 @@ def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
         bucket_mb=0.002,
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
+        collective_timeout=60.0,  # the strategy's default path: waits poll is_completed()
     )
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
@@ -330,3 +331,32 @@ def test_training_with_compressed_communication_tracks_uncompressed(tmp_path):
         assert abs(tail) < tolerance, (stage, comm_dtype, float(tail))
         worst = (losses / base - 1).abs().max()
         assert worst < 0.05, (stage, comm_dtype, float(worst))
+
+
+# -- through Lightning: the knobs reach the engine (2 ranks, one launch) ------------------------
+
+
+def test_strategy_knobs_reach_the_engine(tmp_path):
+    from tests.distributed import launch
+
+    launch("compression_run.py", tmp_path, timeout_s=300)
+    for name, (grad_dtype, param_dtype) in {
+        "s2_fp32_gbf16_pint8": ("bf16", "int8"),
+        "s3_bf16_gint8_pint8": ("int8", "int8"),
+    }.items():
+        ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in (0, 1)]
+        result = ranks[0]
+        assert result["grad_comm_dtype"] == grad_dtype, name
+        assert result["param_comm_dtype"] == [param_dtype], name
+        assert len(result["losses"]) == 3 and all(math.isfinite(loss) for loss in result["losses"])
+        shards = result["shards"]
+        int8_bytes = sum(s + 4 * math.ceil(s / 256) for s in shards)  # (dp-1) = 1 row per bucket
+        for step in result["sent"]:
+            if grad_dtype == "bf16":
+                assert step["reduce_scatter_grads"] == sum(shards) * 2, name
+            else:
+                assert step["reduce_scatter_grads"] == int8_bytes, name
+            if name.startswith("s2"):  # gathered once after the step, int8 instead of fp32
+                assert step["all_gather_params"] == int8_bytes, name
+        for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"]):
+            assert torch.equal(mine, theirs), "every rank computes with the same dequantized parameters"
