@@ -14,30 +14,27 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from monitor_run import CONFIG, EngineProbe  # noqa: E402  (tests/scripts: this script's folder)
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
 
-CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 CASES = {  # name: (stage, precision, grad_comm_dtype, param_comm_dtype)
     "s2_fp32_gbf16_pint8": (2, "32-true", "bf16", "int8"),
     "s3_bf16_gint8_pint8": (3, "bf16-mixed", "int8", "int8"),
 }
 
 
-class Probe(L.Callback):
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-        self.losses: list[float] = []
-        self._before: dict = {}
+class Probe(EngineProbe):
+    """monitor_run's probe (bytes sent per step) plus the losses and what the engine was given."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._before = dict(trainer.strategy.engine.counter.bytes)
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        after = trainer.strategy.engine.counter.bytes
-        self.sent.append({k: v - self._before.get(k, 0.0) for k, v in after.items()})
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
