@@ -62,6 +62,7 @@ def test_packed_message_is_payload_then_scales():
     # 700 int8 bytes + 3 blocks x 4-byte fp32 scales per row.
     assert packed.shape == (4, 700 + 3 * 4) == (4, packed_row_bytes(700))
     assert torch.equal(unpack_int8(packed, 700), dequantize_int8(*quantize_int8(rows)))
+    assert torch.equal(unpack_int8(packed[1:2], 700)[0], unpack_int8(packed, 700)[1])  # one row alone
 
 
 @pytest.mark.parametrize("name", ["grad_comm_dtype", "param_comm_dtype"])
@@ -225,6 +226,11 @@ def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
                     assert not torch.equal(group.param_shard(bucket), master.detach())
     shards = [bucket.layout.shard_numel for bucket in engine.reducer.buckets]
     snapshot = dict(engine.counter.bytes)
+    if stage == 3:  # the module leaves with the exact fp32 values, not the wire format's
+        engine.unshard_parameters()
+        for owned in engine.owned_ranges():
+            values = owned.param.detach().reshape(-1)[owned.param_lo : owned.param_hi]
+            assert torch.equal(values, owned.master.detach()[owned.chunk_lo : owned.chunk_hi]), owned.name
     engine.close()
     return snapshot, shards
 

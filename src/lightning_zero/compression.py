@@ -130,7 +130,8 @@ def pack_int8(rows: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
 def unpack_int8(packed: torch.Tensor, row_numel: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """fp32 ``(R, row_numel)`` values of rows packed by :func:`pack_int8`."""
     payload = packed[:, :row_numel].contiguous().view(torch.int8)
-    scales = packed[:, row_numel:].contiguous().view(SCALE_DTYPE)
+    # A fresh copy with standard strides: 4-byte aligned, whatever rows of ``packed`` this is.
+    scales = packed[:, row_numel:].clone(memory_format=torch.contiguous_format).view(SCALE_DTYPE)
     return dequantize_int8(payload, scales, block_size)
 
 
@@ -144,11 +145,13 @@ def packed_row_bytes(row_numel: int, block_size: int = BLOCK_SIZE) -> int:
 
 class _Finishing:
     """Work handle of a compressed collective: ``wait()`` waits on the wire collective, then runs
-    ``finish`` (dequantize / sum / copy into the caller's output) once."""
+    ``finish`` (dequantize / sum / copy into the caller's output) once. ``buffers`` (the wire
+    send buffer) stay referenced until then, so no allocator reuses them mid-collective."""
 
-    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+    def __init__(self, work: Any, finish: Callable[[], None], buffers: tuple = ()) -> None:
         self._work = work
         self._finish: Optional[Callable[[], None]] = finish
+        self._buffers = buffers
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
@@ -159,11 +162,12 @@ class _Finishing:
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
+            self._buffers = ()
         return True
 
 
-def _run(work: Any, finish: Callable[[], None], async_op: bool):
-    handle = _Finishing(work, finish)
+def _run(work: Any, finish: Callable[[], None], async_op: bool, buffers: tuple = ()):
+    handle = _Finishing(work, finish, buffers)
     if async_op:
         return handle
     handle.wait()
@@ -199,26 +203,35 @@ def reduce_scatter_compressed(
         )
     if comm_dtype == "fp32":  # a non-fp32 buffer summed in fp32 on the wire
         summed = torch.empty(output.shape, dtype=torch.float32, device=output.device)
-        work = reduce_scatter(summed, input.float(), group, async_op=True, counter=counter, label=label)
-        return _run(work, lambda: output.copy_(summed), async_op)
+        send = input.float()
+        work = reduce_scatter(summed, send, group, async_op=True, counter=counter, label=label)
+        return _run(work, lambda: output.copy_(summed), async_op, (send,))
     chunk_numel = output.numel()
     rows = input.reshape(size, chunk_numel)  # row r: the chunk rank r receives
     if comm_dtype == "bf16":
         send = rows.to(torch.bfloat16).contiguous()
         received = torch.empty_like(send)
 
-        def finish() -> None:
-            output.copy_(received.float().sum(dim=0).view_as(output))
+        def dequantized(source: int) -> torch.Tensor:
+            return received[source].float()
 
     else:
         send = pack_int8(rows)
         received = torch.empty_like(send)
 
-        def finish() -> None:
-            output.copy_(unpack_int8(received, chunk_numel).sum(dim=0).view_as(output))
+        def dequantized(source: int) -> torch.Tensor:
+            return unpack_int8(received[source : source + 1], chunk_numel)[0]
+
+    def finish() -> None:
+        # Sum the n versions of this rank's chunk in fp32, one source at a time (transient
+        # memory: two chunks of fp32, not the whole bucket), in rank order on every rank.
+        summed = dequantized(0).clone()
+        for source in range(1, size):
+            summed += dequantized(source)
+        output.copy_(summed.view_as(output))
 
     work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
-    return _run(work, finish, async_op)
+    return _run(work, finish, async_op, (send,))
 
 
 def all_gather_compressed(
@@ -263,7 +276,7 @@ def all_gather_compressed(
             output.copy_(values.reshape(output.shape))
 
     work = all_gather(gathered, send, group, async_op=True, counter=counter, label=label)
-    return _run(work, finish, async_op)
+    return _run(work, finish, async_op, (send,))
 
 
 def all_reduce_compressed(

@@ -494,7 +494,15 @@ class ZeroEngine:
     def unshard_parameters(self) -> None:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
         if self.stage3 is not None:
-            self.stage3.unshard()
+            # The module leaves with the exact values, not param_comm_dtype's dequantized ones.
+            compressed = [(group, group.param_comm_dtype) for group in self.groups]
+            for group, _ in compressed:
+                group.param_comm_dtype = None
+            try:
+                self.stage3.unshard()
+            finally:
+                for group, comm_dtype in compressed:
+                    group.param_comm_dtype = comm_dtype
 
     # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
     def begin_step(self, kind: str) -> None:
