@@ -226,11 +226,10 @@ def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
                     assert not torch.equal(group.param_shard(bucket), master.detach())
     shards = [bucket.layout.shard_numel for bucket in engine.reducer.buckets]
     snapshot = dict(engine.counter.bytes)
-    if stage == 3:  # the module leaves with the exact fp32 values, not the wire format's
-        engine.unshard_parameters()
-        for owned in engine.owned_ranges():
-            values = owned.param.detach().reshape(-1)[owned.param_lo : owned.param_hi]
-            assert torch.equal(values, owned.master.detach()[owned.chunk_lo : owned.chunk_hi]), owned.name
+    engine.release_module()  # the module leaves with the exact fp32 values, not the wire format's
+    for owned in engine.owned_ranges():
+        values = owned.param.detach().reshape(-1)[owned.param_lo : owned.param_hi]
+        assert torch.equal(values, owned.master.detach()[owned.chunk_lo : owned.chunk_hi]), (stage, owned.name)
     engine.close()
     return snapshot, shards
 
