@@ -142,3 +142,17 @@ def all_reduce(
         counter.add(label, 2 * tensor.numel() * (size - 1) / size, tensor.element_size())
     with record_function(f"lightning_zero::{label}"):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    *,
+    async_op: bool = False,
+    counter: Optional[CommCounter] = None,
+    label: str = "all_to_all",
+):
+    """Chunk ``r`` of ``input`` (split evenly along dim 0) goes to rank ``r``; chunk ``r`` of
+    ``output`` comes from rank ``r``. Each rank sends ``(n-1)/n`` of ``input`` (its own chunk stays)."""
+    return _chunked(dist.all_to_all_single, output, input, input, group, async_op, counter, label)

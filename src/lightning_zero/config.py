@@ -63,6 +63,9 @@ class ModelConf:
 # --------------------------------------------------------------------------------------------
 
 
+COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -104,6 +107,16 @@ class ZeroConfig:
             bucket is waited for in the forward pre-hook of the modules owning its parameters, so
             it overlaps the next forward (Megatron-Core's ``overlap_param_gather``). ``False``:
             every all-gather is waited for inside the optimizer step.
+        grad_comm_dtype: what the gradient reduce-scatter sends (ZeRO++ qgZ): ``None`` (the
+            gradient buffer's own dtype, no compression), ``"fp32"``, ``"bf16"`` (2 bytes per
+            element) or ``"int8"`` (1 byte per element + one fp32 scale per 256 elements); a
+            compressed reduce-scatter is an all-to-all whose chunks are summed in fp32 on arrival.
+            See docs/compression.md.
+        param_comm_dtype: what the parameter all-gathers send (ZeRO++ qwZ; stage 3's per-unit
+            gathers, stages 1-2's gather after the step), same values as ``grad_comm_dtype``.
+            With a lossy choice every rank (the owner too) computes with the dequantized values
+            while the fp32 masters stay exact (stages 1-2 in fp32 then keep a separate fp32 master
+            chunk: ``4 / dp`` bytes per parameter).
     """
 
     stage: int = 2
@@ -117,6 +130,8 @@ class ZeroConfig:
     monitor: bool = True
     collective_timeout: Optional[float] = 300.0
     overlap_param_gather: bool = True
+    grad_comm_dtype: Optional[str] = None
+    param_comm_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -149,6 +164,13 @@ class ZeroConfig:
                 "collective_timeout",
                 "give a number of seconds > 0 (default 300) or None for the process group's own timeout.",
             )
+        for name in ("grad_comm_dtype", "param_comm_dtype"):
+            if getattr(self, name) not in COMM_DTYPE_CHOICES:
+                fail(
+                    name,
+                    "give None (no compression: send the buffer's own dtype), 'fp32', 'bf16' or 'int8'"
+                    " (block-wise int8 with one fp32 scale per block); see docs/compression.md.",
+                )
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

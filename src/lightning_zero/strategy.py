@@ -75,6 +75,11 @@ class ZeroStrategy(DDPStrategy):
             wait for each bucket in the forward pre-hooks of the modules owning its parameters
             (overlapped with the next forward); ``False`` waits inside the optimizer step.
             Evaluation, checkpoints and the end of fit wait for every pending gather first.
+        grad_comm_dtype: what the gradient reduce-scatter sends: ``None`` (the gradients' own
+            dtype), ``"fp32"``, ``"bf16"`` (half of fp32's bytes) or ``"int8"`` (a quarter, plus one
+            fp32 scale per 256 elements), as ZeRO++'s qgZ. docs/compression.md.
+        param_comm_dtype: what the parameter all-gathers send, same values, as ZeRO++'s qwZ; every
+            rank computes with the dequantized parameters, the fp32 masters stay exact.
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
 
@@ -107,6 +112,8 @@ class ZeroStrategy(DDPStrategy):
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
         overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
+        grad_comm_dtype: Optional[str] = ZERO_DEFAULTS.grad_comm_dtype,
+        param_comm_dtype: Optional[str] = ZERO_DEFAULTS.param_comm_dtype,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -292,6 +299,8 @@ class ZeroStrategy(DDPStrategy):
             counter=self.comm_counter,
             collective_timeout=self.collective_timeout,
             overlap_param_gather=self.overlap_param_gather,
+            grad_comm_dtype=self.grad_comm_dtype,
+            param_comm_dtype=self.param_comm_dtype,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight

@@ -24,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import CommCounter
+from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
@@ -177,6 +178,10 @@ class ZeroEngine:
             bucket) in flight and wait for each bucket in the forward pre-hook of the modules that
             own its parameters, so it overlaps the next forward (``False``: wait inside the step).
             See [Note: overlapped parameter gather] in ``zero/param_gather.py``.
+        grad_comm_dtype: what the gradient reduce-scatter sends (``None``: the gradients' own
+            dtype; ``"fp32"``, ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
+        param_comm_dtype: what the parameter all-gathers send, same values; with a lossy one every
+            rank computes with the dequantized parameters, the fp32 masters stay exact.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -203,6 +208,8 @@ class ZeroEngine:
         counter: Optional[CommCounter] = None,
         collective_timeout: Optional[float] = None,
         overlap_param_gather: bool = True,
+        grad_comm_dtype: Optional[str] = None,
+        param_comm_dtype: Optional[str] = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
@@ -219,6 +226,9 @@ class ZeroEngine:
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
         self.collective_timeout = collective_timeout
+        check_comm_dtype(grad_comm_dtype, "grad_comm_dtype")
+        check_comm_dtype(param_comm_dtype, "param_comm_dtype")
+        self.param_comm_dtype = param_comm_dtype
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
         trainable = {
@@ -262,6 +272,7 @@ class ZeroEngine:
             counter=self.counter,
             param_order=order,
             collective_timeout=collective_timeout,
+            comm_dtype=grad_comm_dtype,
         )
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
@@ -433,6 +444,7 @@ class ZeroEngine:
             bucket_numel=bucket_numel,
             policy=wrap_policy or default_wrap_policy,
             offload=self.offload_optimizer,
+            param_comm_dtype=self.param_comm_dtype,
         )
         self.groups = [group for unit in units for group in unit.groups]
         ag_group = clone_dp_group(self.dp_group)
@@ -478,6 +490,7 @@ class ZeroEngine:
                             compute_dtype=dtype,
                             device=device,
                             offload=self.offload_optimizer,
+                            param_comm_dtype=self.param_comm_dtype,
                         )
                     )
                 managed.update(id(p) for p in params)
@@ -566,7 +579,15 @@ class ZeroEngine:
     def unshard_parameters(self) -> None:
         """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
         if self.stage3 is not None:
-            self.stage3.unshard()
+            # The module leaves with the exact values, not param_comm_dtype's dequantized ones.
+            compressed = [(group, group.param_comm_dtype) for group in self.groups]
+            for group, _ in compressed:
+                group.param_comm_dtype = None
+            try:
+                self.stage3.unshard()
+            finally:
+                for group, comm_dtype in compressed:
+                    group.param_comm_dtype = comm_dtype
 
     # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
     def begin_step(self, kind: str) -> None:

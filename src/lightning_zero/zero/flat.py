@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.compression import all_gather_compressed, is_lossy
 
 
 @dataclass
@@ -144,6 +145,8 @@ class ChunkedParamGroup:
     Subclasses define where the chunks and the full buckets live (``param_shard``/``param_bucket``).
     """
 
+    gathers_in_place = False  # the all-gather's input chunk is a view of its output
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -153,13 +156,19 @@ class ChunkedParamGroup:
         device: torch.device,
         master_dtype: torch.dtype = torch.float32,
         offload: bool = False,
+        param_comm_dtype: Optional[str] = None,
     ) -> None:
         self.layout = layout
         self.dp_rank = dp_rank
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.master_device = torch.device("cpu") if offload else device
-        self.masters_alias_params = compute_dtype == master_dtype and not offload
+        # What the parameter all-gathers send (lightning_zero/compression.py). A lossy one writes the
+        # dequantized values into this rank's own chunk too (stages 1-2 gather in place), so the
+        # fp32 masters must then be separate copies to stay exact.
+        self.param_comm_dtype = param_comm_dtype
+        lossy_in_place = is_lossy(param_comm_dtype, compute_dtype) and self.gathers_in_place
+        self.masters_alias_params = compute_dtype == master_dtype and not offload and not lossy_in_place
         self.masters: list[nn.Parameter] = []
         self._allocate(device)
 
@@ -194,12 +203,14 @@ class ChunkedParamGroup:
             self.param_shard(bucket).copy_(master.detach())
 
     def start_all_gather(self, group: Optional[dist.ProcessGroup], counter: CommCounter) -> list:
-        """Async all-gather of every bucket's chunks into the full buckets; returns the works."""
+        """Async all-gather of every bucket's chunks into the full buckets; returns the works.
+        ``param_comm_dtype`` set: compressed (every rank, the owner too, gets the dequantized values)."""
         return [
-            all_gather(
+            all_gather_compressed(
                 self.param_bucket(bucket),
                 self.param_shard(bucket),
                 group,
+                self.param_comm_dtype,
                 async_op=True,
                 counter=counter,
                 label="all_gather_params",
@@ -217,6 +228,8 @@ class ChunkedParamGroup:
 class FlatParamGroup(ChunkedParamGroup):
     """Stages 1 and 2: the full parameters stay, in one ``param_buffer`` of ``compute_dtype``;
     every parameter's ``.data`` is a view into it and this rank's chunks are slices of it."""
+
+    gathers_in_place = True
 
     def _allocate(self, device: torch.device) -> None:
         layout = self.layout

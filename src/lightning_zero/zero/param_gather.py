@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_gather
+from lightning_zero.collectives import CommCounter
+from lightning_zero.compression import all_gather_compressed
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.reducer import wait_work
 
@@ -137,10 +138,11 @@ class ParamGatherer:
                     key = (id(group), bucket.index)
                     if key in self._pending:  # its previous gather still runs into the same buffer
                         self._wait(key, "safe_point")
-                    work = all_gather(
+                    work = all_gather_compressed(  # ``param_comm_dtype=None``: the plain all-gather
                         group.param_bucket(bucket),
                         group.param_shard(bucket),
                         self.dp_group,
+                        group.param_comm_dtype,
                         async_op=True,
                         counter=self.counter,
                         label="all_gather_params",

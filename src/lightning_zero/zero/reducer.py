@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
+from lightning_zero.compression import reduce_scatter_compressed
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
 
@@ -353,6 +354,8 @@ class GradReducer:
             backward (see [Note: launch order]).
         collective_timeout: seconds any wait on a reduce-scatter may take before it raises
             (``None``: the process group's timeout); see [Note: collective timeout].
+        comm_dtype: what the reduce-scatter sends (``None``: the gradients' own dtype; ``"fp32"``,
+            ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
     """
 
     def __init__(
@@ -367,8 +370,10 @@ class GradReducer:
         counter: Optional[CommCounter] = None,
         param_order: Optional[dict[int, int]] = None,
         collective_timeout: Optional[float] = None,
+        comm_dtype: Optional[str] = None,
     ) -> None:
         self.dp_group = dp_group
+        self.comm_dtype = comm_dtype  # what the reduce-scatter sends (lightning_zero/compression.py)
         self.dp_size = dp_size
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.device = device
@@ -542,7 +547,12 @@ class GradReducer:
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
         output = full[start : start + bucket.layout.shard_numel]
         self.timeline.add("launch", self._layout_index[id(bucket)])
-        if self._reduce_by_all_reduce and self.dp_size > 1:
+        if self.comm_dtype is not None:  # compressed: an all-to-all whose handle polls (any backend)
+            work = reduce_scatter_compressed(
+                output, full, self.dp_group, self.comm_dtype, async_op=True, counter=self.counter,
+                label="reduce_scatter_grads",
+            )  # fmt: skip
+        elif self._reduce_by_all_reduce and self.dp_size > 1:
             self.counter.add(
                 "reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size()
             )

@@ -160,6 +160,7 @@ def build_units(
     bucket_numel: int,
     policy: WrapPolicy = default_wrap_policy,
     offload: bool = False,
+    param_comm_dtype: Optional[str] = None,
 ) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]], int, list[nn.Module]]:
     """Cut ``module`` into units and shard each one's parameters, one unit at a time.
 
@@ -244,6 +245,7 @@ def build_units(
                 device=device,
                 master_dtype=torch.float32 if managed else dtype,
                 offload=offload and managed,
+                param_comm_dtype=param_comm_dtype if managed else None,  # frozen weights travel exact
             )
             unit.groups.append(group)
             if managed:
