@@ -99,6 +99,17 @@ class ZeroConfig:
             saying what this rank waited on and how far its backward got ("5/12 params ready in
             bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
             default). ``None`` leaves only the process group's timeout.
+        shard_size: dp ranks ZeRO shards over (hybrid sharding, docs/topology.md): ``None`` (default)
+            shards over all dp ranks; an int ``N`` shards over groups of ``N`` consecutive dp ranks
+            and replicates across the ``dp // N`` groups (gradients reduce-scatter inside a group, then
+            each chunk is all-reduced across groups; stage-3 all-gathers stay inside a group);
+            ``"node"`` is the dp ranks of one node (``devices_per_node // tensor_parallel_size``).
+            Model-state memory follows the ZeRO formulas with ``shard_size`` in place of dp. Must
+            divide dp, and a group must fit inside one node or be whole nodes (checked at setup).
+        hierarchical_reduce: when a shard group spans nodes, reduce gradients in two hops: a
+            reduce-scatter inside each node, then a reduce-scatter of the node's slice across nodes,
+            so each gradient byte crosses the slow link once (``(nodes-1)/nodes * N/local`` bytes
+            per rank instead of ``(dp-1)/dp * N``). Ignored when the shard group fits in one node.
     """
 
     stage: int = 2
@@ -111,6 +122,8 @@ class ZeroConfig:
     max_buckets_in_flight: int = 2
     monitor: bool = True
     collective_timeout: Optional[float] = 300.0
+    shard_size: Optional[Union[int, str]] = None
+    hierarchical_reduce: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -143,6 +156,15 @@ class ZeroConfig:
                 "collective_timeout",
                 "give a number of seconds > 0 (default 300) or None for the process group's own timeout.",
             )
+        shard = self.shard_size
+        if not (shard is None or shard == "node" or (_is_int(shard) and shard >= 1)):
+            fail(
+                "shard_size",
+                "give None (shard over all dp ranks), 'node' (the dp ranks of one node) or a positive int"
+                " that divides dp.",
+            )
+        if not isinstance(self.hierarchical_reduce, bool):
+            fail("hierarchical_reduce", "must be True or False.")
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

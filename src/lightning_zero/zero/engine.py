@@ -12,10 +12,11 @@ gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,12 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import CommCounter
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
+from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
+
+if TYPE_CHECKING:
+    from lightning_zero.mesh import ShardGroups
 
 MIB = 1024 * 1024
 
@@ -176,6 +181,13 @@ class ZeroEngine:
         collective_timeout: seconds any wait of the engine on a collective may take before it
             raises an error naming what this rank waited on (``None``: the process group's own
             timeout). See [Note: collective timeout] in ``reducer.py``.
+        shard_groups: hybrid sharding / hierarchical reduction (``mesh.build_shard_groups``):
+            ZeRO shards over ``shard_groups.shard`` (``dp_group`` must be ``None`` or that group),
+            the reduced gradient chunk is all-reduced over ``shard_groups.replicate`` and, when
+            the groups are hierarchical, the shard-group reduce-scatter runs in two hops; see
+            ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
+        ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
+            in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -201,7 +213,15 @@ class ZeroEngine:
         offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
         collective_timeout: Optional[float] = None,
+        shard_groups: Optional["ShardGroups"] = None,
+        ranks_per_node: Optional[int] = None,
     ) -> None:
+        if shard_groups is not None:
+            if dp_group is not None and dp_group is not shard_groups.shard:
+                raise ValueError(
+                    "ZeroEngine: with shard_groups, ZeRO shards over shard_groups.shard; pass dp_group=None"
+                )
+            dp_group = shard_groups.shard
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
         if stage == 3 and defer_grad_reduce:
@@ -216,6 +236,11 @@ class ZeroEngine:
         self.compute_dtype = compute_dtype
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
+        if ranks_per_node is None and self.counter.ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        if ranks_per_node is not None:
+            self.counter.ranks_per_node = ranks_per_node
+        self.shard_groups = shard_groups
         self.collective_timeout = collective_timeout
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
@@ -260,6 +285,7 @@ class ZeroEngine:
             counter=self.counter,
             param_order=order,
             collective_timeout=collective_timeout,
+            hybrid=self._hybrid_reduce(),
         )
         self.optimizers = [
             (ReplicatedOptimizer if replicated_step(optimizer) else ShardedOptimizer)(
@@ -287,6 +313,28 @@ class ZeroEngine:
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
         self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
         self._finished_at_pre_backward = 0
+
+    def _hybrid_reduce(self) -> Optional["HybridGradReduce"]:
+        """The replicate / hierarchical hops of the gradient reduction, if the layout has any."""
+        groups = self.shard_groups
+        if groups is None:
+            return None
+        hierarchical = groups.shard_intra is not None
+        if dist.get_world_size(groups.replicate) == 1 and not hierarchical:
+            return None
+        return HybridGradReduce(
+            shard_group=groups.shard,
+            replicate_group=groups.replicate,
+            dp_group=groups.dp,
+            intra_group=groups.shard_intra,
+            inter_group=groups.shard_inter,
+            counter=self.counter,
+        )
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of each shard (hybrid sharding): ``dp // shard_size``; 1 otherwise."""
+        return 1 if self.shard_groups is None else dist.get_world_size(self.shard_groups.replicate)
 
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
