@@ -14,6 +14,17 @@ wall time on CPU says little; these counts are what the ZeRO paper's formulas ta
 
 A group of one rank (dp=1 under tensor parallelism, a single process) issues no collective at
 all: the result is computed locally and a completed work handle is returned.
+
+[Note: link classes] Each collective's bytes are also counted by the link they cross:
+``"intra_node"`` when every rank of its group sits on one node, ``"inter_node"`` when the group
+spans more than one node; then *all* its bytes count as ``"inter_node"``. A ring over a group that
+spans nodes passes every chunk through the ring's node-crossing hops once per ring step, so each
+step runs at the slow link's speed: the collective is bound by the inter-node link as a whole,
+even though some of its hops stay inside a node. (Hierarchical reduction in ``zero/hybrid.py``
+exists to split such a collective into an in-node one and a smaller cross-node one.) A rank's
+node is ``global_rank // ranks_per_node``; :attr:`CommCounter.ranks_per_node` comes from the launch
+(``LOCAL_WORLD_SIZE`` / Lightning's devices per node) and is set once by the strategy or engine;
+``None`` means one node (everything is ``"intra_node"``).
 """
 
 from __future__ import annotations
@@ -29,18 +40,32 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+INTRA_NODE = "intra_node"
+INTER_NODE = "inter_node"
+LINK_CLASSES = (INTRA_NODE, INTER_NODE)
+
+
 @dataclass
 class CommCounter:
-    """Logical elements and bytes one rank sent, per collective kind (see [Note: logical bytes])."""
+    """Logical elements and bytes one rank sent, per collective kind (see [Note: logical bytes]),
+    and bytes per link class (``bytes_by_link``: ``"intra_node"`` / ``"inter_node"``, see
+    [Note: link classes]). ``ranks_per_node``: ranks of one node, set once from the launch."""
 
     elements: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    bytes_by_link: dict[str, float] = field(default_factory=dict)
+    ranks_per_node: Optional[int] = None
 
-    def add(self, kind: str, elements_sent: float, element_size: int) -> None:
+    def add(self, kind: str, elements_sent: float, element_size: int, link: str = INTRA_NODE) -> None:
         self.elements[kind] = self.elements.get(kind, 0.0) + elements_sent
         self.bytes[kind] = self.bytes.get(kind, 0.0) + elements_sent * element_size
         self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes_by_link[link] = self.bytes_by_link.get(link, 0.0) + elements_sent * element_size
+
+    def link_of(self, group: Optional[dist.ProcessGroup]) -> str:
+        """The link class of a collective over ``group`` (see [Note: link classes])."""
+        return link_class(group, self.ranks_per_node)
 
     def total_elements(self) -> float:
         return sum(self.elements.values())
@@ -52,9 +77,25 @@ class CommCounter:
         self.elements.clear()
         self.bytes.clear()
         self.calls.clear()
+        self.bytes_by_link.clear()
 
     def snapshot(self) -> dict[str, dict]:
-        return {"elements": dict(self.elements), "bytes": dict(self.bytes), "calls": dict(self.calls)}
+        return {
+            "elements": dict(self.elements),
+            "bytes": dict(self.bytes),
+            "calls": dict(self.calls),
+            "bytes_by_link": dict(self.bytes_by_link),
+        }
+
+
+def link_class(group: Optional[dist.ProcessGroup], ranks_per_node: Optional[int]) -> str:
+    """``"inter_node"`` if ``group``'s ranks (global ranks; ``None``: the default group) sit on more
+    than one node of ``ranks_per_node`` ranks, else ``"intra_node"`` (see [Note: link classes])."""
+    if ranks_per_node is None:
+        return INTRA_NODE
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    nodes = {rank // ranks_per_node for rank in ranks}
+    return INTER_NODE if len(nodes) > 1 else INTRA_NODE
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -94,7 +135,7 @@ def _chunked(
     if size == 1:
         return _local(output, input, async_op)
     if counter is not None:
-        counter.add(label, full.numel() * (size - 1) / size, full.element_size())
+        counter.add(label, full.numel() * (size - 1) / size, full.element_size(), counter.link_of(group))
     with record_function(f"lightning_zero::{label}"):
         return op(output, input, group=group, async_op=async_op)
 
@@ -139,7 +180,7 @@ def all_reduce(
     if size == 1:
         return _Done() if async_op else None
     if counter is not None:
-        counter.add(label, 2 * tensor.numel() * (size - 1) / size, tensor.element_size())
+        counter.add(label, 2 * tensor.numel() * (size - 1) / size, tensor.element_size(), counter.link_of(group))
     with record_function(f"lightning_zero::{label}"):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 

@@ -117,6 +117,17 @@ class ZeroConfig:
             With a lossy choice every rank (the owner too) computes with the dequantized values
             while the fp32 masters stay exact (stages 1-2 in fp32 then keep a separate fp32 master
             chunk: ``4 / dp`` bytes per parameter).
+        shard_size: dp ranks ZeRO shards over (hybrid sharding, docs/topology.md): ``None`` (default)
+            shards over all dp ranks; an int ``N`` shards over groups of ``N`` consecutive dp ranks
+            and replicates across the ``dp // N`` groups (gradients reduce-scatter inside a group, then
+            each chunk is all-reduced across groups; stage-3 all-gathers stay inside a group);
+            ``"node"`` is the dp ranks of one node (``devices_per_node // tensor_parallel_size``).
+            Model-state memory follows the ZeRO formulas with ``shard_size`` in place of dp. Must
+            divide dp, and a group must fit inside one node or be whole nodes (checked at setup).
+        hierarchical_reduce: when a shard group spans nodes, reduce gradients in two hops: a
+            reduce-scatter inside each node, then a reduce-scatter of the node's slice across nodes,
+            so each gradient byte crosses the slow link once (``(nodes-1)/nodes * N/local`` bytes
+            per rank instead of ``(dp-1)/dp * N``). Ignored when the shard group fits in one node.
     """
 
     stage: int = 2
@@ -132,6 +143,8 @@ class ZeroConfig:
     overlap_param_gather: bool = True
     grad_comm_dtype: Optional[str] = None
     param_comm_dtype: Optional[str] = None
+    shard_size: Optional[Union[int, str]] = None
+    hierarchical_reduce: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -171,6 +184,15 @@ class ZeroConfig:
                     "give None (no compression: send the buffer's own dtype), 'fp32', 'bf16' or 'int8'"
                     " (block-wise int8 with one fp32 scale per block); see docs/compression.md.",
                 )
+        shard = self.shard_size
+        if not (shard is None or shard == "node" or (_is_int(shard) and shard >= 1)):
+            fail(
+                "shard_size",
+                "give None (shard over all dp ranks), 'node' (the dp ranks of one node) or a positive int"
+                " that divides dp.",
+            )
+        if not isinstance(self.hierarchical_reduce, bool):
+            fail("hierarchical_reduce", "must be True or False.")
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

@@ -9,6 +9,21 @@ NVLink) and a DP group is one column (the same local position on every node). Wi
 ``world_size=8, tp=4``: TP groups ``[0,1,2,3] [4,5,6,7]``; DP groups ``[0,4] [1,5] [2,6] [3,7]``.
 TP never crosses a node, so ``tp`` must divide ``devices_per_node``. ZeRO shards over ``dp`` only.
 
+[Note: hybrid layout] With ``shard_size`` the dp dimension splits further into
+``(replicate, shard)``, so the full layout is ``(replicate, shard, tp)``::
+
+    mesh = arange(world_size).view(replicate, shard, tp)    # dp index = replicate_idx * shard + shard_idx
+
+A shard group is ``shard`` consecutive dp ranks (one row of the ``(replicate, shard)`` grid); ZeRO
+shards parameters, gradients and optimizer state over it. A replicate group is the ``replicate``
+ranks holding the same chunk (one column); they all-reduce their reduced gradient chunk. With
+``world_size=8, devices_per_node=4, tp=1, shard_size="node"`` (``shard=4``): shard groups
+``[0,1,2,3] [4,5,6,7]`` (one per node), replicate groups ``[0,4] [1,5] [2,6] [3,7]``.
+A shard group either fits inside one node or is a whole number of nodes. When it spans
+``nodes_per_shard`` nodes of ``local = devices_per_node // tp`` dp ranks each, hierarchical
+reduction splits it once more into ``(nodes_per_shard, local)``: an in-node group (same node) and a
+cross-node group (same local position), see ``zero/hybrid.py``.
+
 :class:`ParallelDims` is pure arithmetic: it validates a 64-rank layout in one process without any
 process group (the planner uses it). Only :func:`build_mesh` needs ``torch.distributed``.
 """
@@ -35,14 +50,22 @@ class ParallelDims:
         devices_per_node: ranks per node; a TP group lives inside one node.
         tp: tensor-parallel size (ranks that split each weight matrix), or ``"auto"`` for
             ``devices_per_node`` (one TP group per node). Resolved to an int here.
+        shard_size: dp ranks ZeRO shards over (consecutive dp ranks, see [Note: hybrid layout]);
+            ``None`` shards over all ``dp`` ranks, ``"node"`` over the dp ranks of one node
+            (``devices_per_node // tp``). Must divide ``dp``; ``replicate = dp // shard``.
+        hierarchical_reduce: reduce gradients in two hops when a shard group spans nodes (in-node
+            reduce-scatter, then a cross-node one of the node's slice); ignored (``hierarchical``
+            is False) when the shard group fits inside one node or a node holds one dp rank.
 
     ``dp = world_size // tp`` ranks hold the same TP shard and split the batch (and, under ZeRO,
-    the optimizer state / gradients / parameters of that shard).
+    the optimizer state / gradients / parameters of that shard, over groups of ``shard`` of them).
     """
 
     world_size: int
     devices_per_node: int
     tp: Union[int, str] = 1
+    shard_size: Optional[Union[int, str]] = None
+    hierarchical_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "devices_per_node"):
@@ -71,6 +94,110 @@ class ParallelDims:
                 f"world_size({self.world_size}) is not a whole number of nodes of "
                 f"devices_per_node({self.devices_per_node})"
             )
+        self._check_shard_size()
+
+    def _check_shard_size(self) -> None:
+        shard, dp, local = self.shard_size, self.dp, self.dp_per_node
+        where = f"dp({dp}) = world_size({self.world_size}) / tp({self.tp}), {local} dp rank(s) per node"
+        if shard is None:
+            return
+        if shard == "node":
+            return  # dp_per_node divides dp: whole nodes were checked above
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+            raise ValueError(f"ParallelDims: shard_size must be None, 'node' or a positive int, got {shard!r}")
+        if dp % shard != 0:
+            raise ValueError(
+                f"shard_size({shard}) does not divide {where}: shard groups of consecutive dp ranks must tile"
+                f" dp; pick shard_size from {_divisors(dp)}"
+            )
+        if local % shard != 0 and shard % local != 0:
+            fits = [d for d in _divisors(dp) if local % d == 0 or d % local == 0]
+            raise ValueError(
+                f"shard_size({shard}) with {where}: a shard group must fit inside one node (divide {local}) or"
+                f" be whole nodes (a multiple of {local}); pick shard_size from {fits}"
+            )
+
+    @property
+    def dp_per_node(self) -> int:
+        """dp ranks inside one node (``devices_per_node // tp``, at most ``dp``)."""
+        return min(self.devices_per_node // self.tp, self.dp)  # type: ignore[operator]
+
+    @property
+    def shard(self) -> int:
+        """dp ranks one ZeRO shard group holds (``shard_size`` resolved; ``dp`` when ``None``)."""
+        if self.shard_size is None:
+            return self.dp
+        if self.shard_size == "node":
+            return self.dp_per_node
+        return self.shard_size  # type: ignore[return-value]
+
+    @property
+    def replicate(self) -> int:
+        """Shard groups, i.e. ranks holding the same chunk (``dp // shard``)."""
+        return self.dp // self.shard
+
+    @property
+    def shard_spans_nodes(self) -> bool:
+        """Whether one shard group holds dp ranks of more than one node."""
+        return self.shard > self.dp_per_node
+
+    @property
+    def hierarchical(self) -> bool:
+        """Two-hop gradient reduction in effect: asked for, the shard group spans nodes, and a node
+        holds more than one of its ranks (else the in-node hop would be a no-op)."""
+        return bool(self.hierarchical_reduce) and self.shard_spans_nodes and self.dp_per_node > 1
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """``(replicate, shard, tp)``: see [Note: hybrid layout]."""
+        return (self.replicate, self.shard, self.tp)  # type: ignore[return-value]
+
+    def shard_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s ZeRO shard group, in shard-rank order."""
+        first = (rank // (self.shard * self.tp)) * self.shard * self.tp + rank % self.tp  # type: ignore[operator]
+        return [first + i * self.tp for i in range(self.shard)]  # type: ignore[operator]
+
+    def replicate_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same chunk as ``rank`` (one per shard group)."""
+        stride = self.shard * self.tp  # type: ignore[operator]
+        return list(range(rank % stride, self.world_size, stride))
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s replica (its shard group times tp): together they hold every
+        gradient element once, so a global gradient norm sums over them."""
+        size = self.shard * self.tp  # type: ignore[operator]
+        start = (rank // size) * size
+        return list(range(start, start + size))
+
+    def shard_intra_ranks(self, rank: int) -> list[int]:
+        """Hierarchical reduction: the ranks of ``rank``'s shard group on its own node."""
+        shard = self.shard_ranks(rank)
+        position = shard.index(rank) // self.dp_per_node
+        return shard[position * self.dp_per_node : (position + 1) * self.dp_per_node]
+
+    def shard_inter_ranks(self, rank: int) -> list[int]:
+        """Hierarchical reduction: the ranks of ``rank``'s shard group with its local position, one
+        per node."""
+        shard = self.shard_ranks(rank)
+        return shard[shard.index(rank) % self.dp_per_node :: self.dp_per_node]
+
+    def rank_groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (``"shard"``, ``"replicate"``, ``"replica"``, ``"shard_intra"``,
+        ``"shard_inter"``, ``"dp"``), each once, as lists of global ranks."""
+        of = {
+            "shard": self.shard_ranks,
+            "replicate": self.replicate_ranks,
+            "replica": self.replica_ranks,
+            "shard_intra": self.shard_intra_ranks,
+            "shard_inter": self.shard_inter_ranks,
+            "dp": self.dp_ranks,
+        }[kind]
+        groups: list[list[int]] = []
+        for rank in range(self.world_size):
+            ranks = of(rank)
+            if ranks not in groups:
+                groups.append(ranks)
+        return groups
 
     @property
     def dp(self) -> int:
@@ -104,7 +231,9 @@ class ParallelDims:
     def __str__(self) -> str:
         return (
             f"ParallelDims(world_size={self.world_size}, devices_per_node={self.devices_per_node}, "
-            f"dp={self.dp}, tp={self.tp})"
+            f"dp={self.dp}, tp={self.tp}"
+            + (f", replicate={self.replicate}, shard={self.shard}" if self.shard_size is not None else "")
+            + ")"
         )
 
 
@@ -143,6 +272,52 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
         raise ValueError(f"{dims} but the process group has world_size({world})")
     layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.tp)  # (dp, tp)
     return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIM_NAMES)
+
+
+@dataclass
+class ShardGroups:
+    """The process groups of the hybrid layout for this rank (see [Note: hybrid layout]).
+
+    ``shard``: ZeRO shards over it (``shard`` ranks). ``replicate``: ranks holding the same chunk
+    (they all-reduce the reduced gradient chunk). ``replica``: shard x tp ranks (a gradient norm
+    sums over them). ``dp``: every dp rank of this tp position (agreements such as the bucket
+    order span all replicas). ``shard_intra`` / ``shard_inter``: hierarchical reduction's in-node
+    and cross-node groups inside the shard group (``None`` unless ``dims.hierarchical``).
+    """
+
+    dims: ParallelDims
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup
+    replica: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    shard_intra: Optional[dist.ProcessGroup] = None
+    shard_inter: Optional[dist.ProcessGroup] = None
+
+    def all(self) -> list[dist.ProcessGroup]:
+        """Every group built here, each once (to destroy them)."""
+        groups = [self.shard, self.replicate, self.replica, self.dp, self.shard_intra, self.shard_inter]
+        return [group for group in groups if group is not None]
+
+
+def build_shard_groups(dims: ParallelDims) -> ShardGroups:
+    """Create the groups of :class:`ShardGroups` (a collective: every rank calls it, once).
+
+    Needs an initialized default process group of ``dims.world_size`` ranks.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_shard_groups needs torch.distributed to be initialized (init_process_group)")
+    world = dist.get_world_size()
+    if world != dims.world_size:
+        raise ValueError(f"{dims} but the process group has world_size({world})")
+
+    def mine(kind: str) -> dist.ProcessGroup:
+        group, _ = dist.new_subgroups_by_enumeration(dims.rank_groups(kind))
+        return group
+
+    groups = ShardGroups(dims, mine("shard"), mine("replicate"), mine("replica"), mine("dp"))
+    if dims.hierarchical:
+        groups.shard_intra, groups.shard_inter = mine("shard_intra"), mine("shard_inter")
+    return groups
 
 
 def tp_group_and_rank(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, int]:

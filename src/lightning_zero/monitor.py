@@ -10,6 +10,8 @@ its own):
 - ``zero/peak_memory_bytes``: peak CUDA memory, or the process's peak RSS on CPU;
 - ``zero/sent_bytes/<kind>``: logical bytes this rank sent in the step, per collective kind
   (see [Note: logical bytes] in ``collectives.py``);
+- ``zero/sent_bytes_by_link/{intra_node,inter_node}``: the same bytes by the link they cross (a
+  collective whose group spans nodes counts as ``inter_node``; [Note: link classes]);
 - ``zero/comm_s``, ``zero/exposed_comm_s``, ``zero/overlap_fraction``: gradient collective time
   (each bucket's launch to completion), the part of it after backward ended (not hidden behind
   backward compute), and the hidden fraction ``(comm - exposed) / comm`` (see
@@ -40,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero._lightning_compat import is_accumulating
+from lightning_zero.collectives import LINK_CLASSES
 from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
 from lightning_zero.throughput import (
     ThroughputMeter,
@@ -94,6 +97,7 @@ class ZeroMonitor(Callback):
         self.history: list[dict[str, float]] = []
         self._warned = False
         self._sent_before: dict[str, float] = {}
+        self._link_before: dict[str, float] = {}
 
     def _engine(self, trainer: Any) -> Optional[Any]:
         return getattr(trainer.strategy, "engine", None)
@@ -102,6 +106,7 @@ class ZeroMonitor(Callback):
         engine = self._engine(trainer)
         if engine is not None:
             self._sent_before = dict(engine.counter.bytes)
+            self._link_before = dict(engine.counter.bytes_by_link)
             self._count_tokens(trainer, pl_module, engine, batch)
 
     def _count_tokens(self, trainer: Any, pl_module: Any, engine: Any, batch: Any) -> None:
@@ -134,6 +139,9 @@ class ZeroMonitor(Callback):
             metrics[f"zero/sent_bytes/{kind}"] = sent
             sent_total += sent
         metrics["zero/sent_bytes_total"] = sent_total
+        for link in LINK_CLASSES:
+            sent = engine.counter.bytes_by_link.get(link, 0.0) - self._link_before.get(link, 0.0)
+            metrics[f"zero/sent_bytes_by_link/{link}"] = sent
         timeline = engine.timeline
         comm, exposed = timeline.comm_s, timeline.exposed_s
         metrics["zero/comm_s"] = comm
@@ -187,6 +195,8 @@ class ZeroMonitor(Callback):
         lines = ["lightning_zero: model-state bytes per rank (last step)", f"{'':<10}{'measured':>16}{'predicted':>16}"]
         lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
         lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
+        for link in LINK_CLASSES:
+            lines.append(f"{'  ' + link:<12}{last[f'zero/sent_bytes_by_link/{link}']:>14,.0f}")
         lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
         lines += self._throughput_lines()
         rank_zero_info("\n".join(lines))

@@ -80,6 +80,11 @@ class ZeroStrategy(DDPStrategy):
             fp32 scale per 256 elements), as ZeRO++'s qgZ. docs/compression.md.
         param_comm_dtype: what the parameter all-gathers send, same values, as ZeRO++'s qwZ; every
             rank computes with the dequantized parameters, the fp32 masters stay exact.
+        shard_size: hybrid sharding: ZeRO shards over groups of this many consecutive dp ranks
+            (``"node"``: the dp ranks of one node) and replicates across the ``dp // shard_size``
+            groups; ``None`` (default): over all dp ranks. See docs/topology.md.
+        hierarchical_reduce: when a shard group spans nodes, reduce gradients with an in-node
+            reduce-scatter, then a cross-node one of the node's slice (each byte crosses once).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
 
@@ -114,6 +119,8 @@ class ZeroStrategy(DDPStrategy):
         overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
         grad_comm_dtype: Optional[str] = ZERO_DEFAULTS.grad_comm_dtype,
         param_comm_dtype: Optional[str] = ZERO_DEFAULTS.param_comm_dtype,
+        shard_size: Optional[Union[int, Literal["node"]]] = ZERO_DEFAULTS.shard_size,
+        hierarchical_reduce: bool = ZERO_DEFAULTS.hierarchical_reduce,
         wrap_policy: Optional[Any] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -145,6 +152,7 @@ class ZeroStrategy(DDPStrategy):
         self.comm_counter = CommCounter()
         self._device_mesh: Optional["DeviceMesh"] = None
         self._dims: Any = None
+        self._shard_groups: Any = None  # mesh.ShardGroups under hybrid sharding / hierarchical reduction
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -199,7 +207,13 @@ class ZeroStrategy(DDPStrategy):
         from lightning_zero.mesh import ParallelDims, build_mesh
 
         world_size = self.num_nodes * self.num_processes
-        dims = ParallelDims(world_size=world_size, devices_per_node=self.num_processes, tp=self.tensor_parallel_size)
+        dims = ParallelDims(
+            world_size=world_size,
+            devices_per_node=self.num_processes,
+            tp=self.tensor_parallel_size,
+            shard_size=self.shard_size,
+            hierarchical_reduce=self.hierarchical_reduce,
+        )  # raises on a bad layout before any process group starts
         model_config = getattr(self.lightning_module, "config", None)
         dims.validate(model_config if hasattr(model_config, "n_heads") else None)
         self._dims = dims
@@ -208,6 +222,10 @@ class ZeroStrategy(DDPStrategy):
             self._device_mesh = build_mesh(dims, self.root_device.type)
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self._device_mesh
+        if dims.replicate > 1 or dims.hierarchical:
+            from lightning_zero.mesh import build_shard_groups
+
+            self._shard_groups = build_shard_groups(dims)
 
     # -- setup ----------------------------------------------------------------------------------
     @override
@@ -221,6 +239,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self._adopt_tp_counter()
+        self.comm_counter.ranks_per_node = self.num_processes  # [Note: link classes] in collectives.py
         if fitting or self.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
@@ -281,17 +300,19 @@ class ZeroStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.close()
         assert self.lightning_module is not None
+        groups = self._shard_groups
         self.engine = ZeroEngine(
             self.lightning_module,
             optimizers,
             stage=self.stage,
-            dp_group=self.dp_group,
+            dp_group=self.dp_group if groups is None else None,
             compute_dtype=self.compute_dtype,
             bucket_mb=self.bucket_mb,
             overlap_comm=self.overlap_comm,
             defer_grad_reduce=self.defer_grad_reduce,
             max_buckets_in_flight=self.max_buckets_in_flight,
-            norm_group=dist.group.WORLD,  # dp chunks differ, and so do tp shards
+            # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
+            norm_group=dist.group.WORLD if groups is None else groups.replica,
             prefetch_blocks=self.prefetch_blocks,
             device=self.root_device,
             wrap_policy=self.wrap_policy,
@@ -301,6 +322,8 @@ class ZeroStrategy(DDPStrategy):
             overlap_param_gather=self.overlap_param_gather,
             grad_comm_dtype=self.grad_comm_dtype,
             param_comm_dtype=self.param_comm_dtype,
+            shard_groups=groups,
+            ranks_per_node=self.num_processes,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight

@@ -13,10 +13,11 @@ gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,14 @@ from lightning_zero.collectives import CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
+from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
 from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
+
+if TYPE_CHECKING:
+    from lightning_zero.mesh import ShardGroups
 
 MIB = 1024 * 1024
 
@@ -182,6 +187,13 @@ class ZeroEngine:
             dtype; ``"fp32"``, ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
         param_comm_dtype: what the parameter all-gathers send, same values; with a lossy one every
             rank computes with the dequantized parameters, the fp32 masters stay exact.
+        shard_groups: hybrid sharding / hierarchical reduction (``mesh.build_shard_groups``):
+            ZeRO shards over ``shard_groups.shard`` (``dp_group`` must be ``None`` or that group),
+            the reduced gradient chunk is all-reduced over ``shard_groups.replicate`` and, when
+            the groups are hierarchical, the shard-group reduce-scatter runs in two hops; see
+            ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
+        ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
+            in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -210,7 +222,15 @@ class ZeroEngine:
         overlap_param_gather: bool = True,
         grad_comm_dtype: Optional[str] = None,
         param_comm_dtype: Optional[str] = None,
+        shard_groups: Optional["ShardGroups"] = None,
+        ranks_per_node: Optional[int] = None,
     ) -> None:
+        if shard_groups is not None:
+            if dp_group is not None and dp_group is not shard_groups.shard:
+                raise ValueError(
+                    "ZeroEngine: with shard_groups, ZeRO shards over shard_groups.shard; pass dp_group=None"
+                )
+            dp_group = shard_groups.shard
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
         if stage == 3 and defer_grad_reduce:
@@ -225,9 +245,15 @@ class ZeroEngine:
         self.compute_dtype = compute_dtype
         self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
+        if ranks_per_node is None and self.counter.ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        if ranks_per_node is not None:
+            self.counter.ranks_per_node = ranks_per_node
+        self.shard_groups = shard_groups
         self.collective_timeout = collective_timeout
         check_comm_dtype(grad_comm_dtype, "grad_comm_dtype")
         check_comm_dtype(param_comm_dtype, "param_comm_dtype")
+        self.grad_comm_dtype = grad_comm_dtype
         self.param_comm_dtype = param_comm_dtype
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
@@ -273,6 +299,7 @@ class ZeroEngine:
             param_order=order,
             collective_timeout=collective_timeout,
             comm_dtype=grad_comm_dtype,
+            hybrid=self._hybrid_reduce(),
         )
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
@@ -361,6 +388,29 @@ class ZeroEngine:
                 for key in counts:
                     counts[key] += opt.offload.counts[key]
         return counts
+
+    def _hybrid_reduce(self) -> Optional["HybridGradReduce"]:
+        """The replicate / hierarchical hops of the gradient reduction, if the layout has any."""
+        groups = self.shard_groups
+        if groups is None:
+            return None
+        hierarchical = groups.shard_intra is not None
+        if dist.get_world_size(groups.replicate) == 1 and not hierarchical:
+            return None
+        return HybridGradReduce(
+            shard_group=groups.shard,
+            replicate_group=groups.replicate,
+            dp_group=groups.dp,
+            intra_group=groups.shard_intra,
+            inter_group=groups.shard_inter,
+            counter=self.counter,
+            comm_dtype=self.grad_comm_dtype,
+        )
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of each shard (hybrid sharding): ``dp // shard_size``; 1 otherwise."""
+        return 1 if self.shard_groups is None else dist.get_world_size(self.shard_groups.replicate)
 
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})

@@ -72,7 +72,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,9 @@ from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import reduce_scatter_compressed
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.hybrid import HybridGradReduce
 
 _BACKWARD_OF_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
 
@@ -355,7 +358,10 @@ class GradReducer:
         collective_timeout: seconds any wait on a reduce-scatter may take before it raises
             (``None``: the process group's timeout); see [Note: collective timeout].
         comm_dtype: what the reduce-scatter sends (``None``: the gradients' own dtype; ``"fp32"``,
-            ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
+            ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``. With ``hybrid`` it
+            applies only to the hops that cross nodes (``zero/hybrid.py``).
+        hybrid: the replicate / hierarchical hops around the shard-group reduce-scatter
+            (``zero/hybrid.py``); ``None``: ``dp_group`` is all of dp, one flat reduce-scatter.
     """
 
     def __init__(
@@ -371,10 +377,14 @@ class GradReducer:
         param_order: Optional[dict[int, int]] = None,
         collective_timeout: Optional[float] = None,
         comm_dtype: Optional[str] = None,
+        hybrid: Optional["HybridGradReduce"] = None,
     ) -> None:
         self.dp_group = dp_group
         self.comm_dtype = comm_dtype  # what the reduce-scatter sends (lightning_zero/compression.py)
         self.dp_size = dp_size
+        self.hybrid = hybrid
+        # Reduced gradients average over every dp rank: all replicas when sharding is hybrid.
+        self.grad_divisor = hybrid.divisor if hybrid is not None else dp_size
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.device = device
         self.overlap_comm = overlap_comm
@@ -547,14 +557,19 @@ class GradReducer:
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
         output = full[start : start + bucket.layout.shard_numel]
         self.timeline.add("launch", self._layout_index[id(bucket)])
-        if self.comm_dtype is not None:  # compressed: an all-to-all whose handle polls (any backend)
+        if self.hybrid is not None and self.hybrid.hierarchical:  # [Note: hierarchical reduction]
+            work = self.hybrid.launch_hierarchical(full, output, by_all_reduce=self._reduce_by_all_reduce)
+        elif self.comm_dtype is not None and self.hybrid is None:  # compressed: an all-to-all (any backend)
             work = reduce_scatter_compressed(
                 output, full, self.dp_group, self.comm_dtype, async_op=True, counter=self.counter,
                 label="reduce_scatter_grads",
             )  # fmt: skip
         elif self._reduce_by_all_reduce and self.dp_size > 1:
             self.counter.add(
-                "reduce_scatter_grads", full.numel() * (self.dp_size - 1) / self.dp_size, full.element_size()
+                "reduce_scatter_grads",
+                full.numel() * (self.dp_size - 1) / self.dp_size,
+                full.element_size(),
+                self.counter.link_of(self.dp_group),
             )
             with record_function("lightning_zero::reduce_scatter_grads"):
                 work = all_reduce(full, self.dp_group, async_op=True)  # ``output`` is a view of it
@@ -598,16 +613,23 @@ class GradReducer:
                             f"lightning_zero (dp rank {self.dp_rank}) stops because another rank failed: {message}"
                         ) from err
                 raise
+            if self.hybrid is not None:  # [Note: hybrid gradient reduction] in zero/hybrid.py
+
+                def wait_hop(hop_work: Any, what: str) -> None:
+                    poll = self.device.type == "cpu"
+                    wait_work(hop_work, self.collective_timeout, lambda: f"{what}: {waiting_on()}", poll=poll)
+
+                self.hybrid.finish(output, wait_hop)
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
         chunk = bucket.grad_chunk
         assert chunk is not None
         # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp.
         if chunk.data_ptr() == output.data_ptr():
-            chunk.div_(self.dp_size)  # stage 1: the chunk is the reduced part of the full buffer
+            chunk.div_(self.grad_divisor)  # stage 1: the chunk is the reduced part of the full buffer
         elif bucket.chunk_is_fresh:
-            torch.div(output, self.dp_size, out=chunk)
+            torch.div(output, self.grad_divisor, out=chunk)
         else:
-            chunk.add_(output, alpha=1.0 / self.dp_size)  # stage 2: accumulate micro batches
+            chunk.add_(output, alpha=1.0 / self.grad_divisor)  # stage 2: accumulate micro batches
         bucket.chunk_is_fresh = False
         bucket.pending = None
         self.storage.after_reduce(bucket)
@@ -662,13 +684,17 @@ class GradReducer:
             observed.append((max(seqs) if all(q is not None for q in seqs) else unseen, position))
         proposal = [position for _, position in sorted(observed)]
         slots = [slot for bucket in self.buckets for slot in bucket.layout.slots]
+        # Hybrid sharding: every replica must launch (and all-reduce) buckets in one order.
+        order_group, order_rank = self.dp_group, self.dp_rank
+        if self.hybrid is not None:
+            order_group, order_rank = self.hybrid.dp_group, self.hybrid.dp_rank
         mine = torch.tensor(
-            (proposal if self.dp_rank == 0 else [-1] * len(proposal)) + [self._hits.get(id(s.param), 0) for s in slots],
+            (proposal if order_rank == 0 else [-1] * len(proposal)) + [self._hits.get(id(s.param), 0) for s in slots],
             dtype=torch.int64,
             device=self.device,
         )
         with record_function("lightning_zero::agree_bucket_order"):
-            work = all_reduce(mine, self.dp_group, op=dist.ReduceOp.MAX, async_op=True)
+            work = all_reduce(mine, order_group, op=dist.ReduceOp.MAX, async_op=True)
             wait_work(
                 work,
                 self.collective_timeout,
