@@ -289,6 +289,7 @@ class HardwareConf:
     overlap_efficiency: float = 1.0
     mfu: Optional[float] = None  # None: plan.mfu decides
     collective_time_factor: Dict[str, float] = field(default_factory=dict)
+    step_overhead_ms: float = 0.0  # per optimizer step the step-time model does not count (calibrated)
 
 
 @dataclass
