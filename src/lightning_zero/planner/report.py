@@ -79,6 +79,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
         max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
         overlap_param_gather=bool(plan_options["overlap_param_gather"]),
+        **topology_knobs(strategy),
         hardware=hardware,
         mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
@@ -88,6 +89,27 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
     return model_config, kwargs, plan_options
+
+
+# Topology knobs (issue 14) and their defaults. Read with defaults rather than from ZERO_DEFAULTS so
+# the planner works before and after the engine adds them to ZeroConfig (docs/topology.md).
+TOPOLOGY_KNOBS = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
+
+
+def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:
+    """``strategy.shard_size`` (None | int | "node"), ``strategy.hierarchical_reduce``,
+    ``strategy.grad_comm_dtype`` / ``strategy.param_comm_dtype`` (None | fp32 | bf16 | int8) of the
+    composed config, each defaulting as :class:`~lightning_zero.ZeroStrategy` does."""
+    knobs = {
+        name: strategy.get(name, getattr(ZERO_DEFAULTS, name, default)) for name, default in TOPOLOGY_KNOBS.items()
+    }
+    shard = knobs["shard_size"]
+    if isinstance(shard, str) and shard not in ("node",):
+        if not shard.isdigit():
+            raise ValueError(f"strategy.shard_size must be null, 'node' or a positive int, got {shard!r}")
+        knobs["shard_size"] = int(shard)
+    knobs["hierarchical_reduce"] = bool(knobs["hierarchical_reduce"])
+    return knobs
 
 
 def _to_container(cfg: Any) -> dict[str, Any]:
@@ -159,12 +181,26 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
             f"defer_grad_reduce={plan.defer_grad_reduce}, max_buckets_in_flight={plan.max_buckets_in_flight}, "
             f"overlap_param_gather={plan.overlap_param_gather}",
         ),
+        ("sharding", sharding_line(plan)),
         (
             "hardware",
             f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
             f"mfu={plan.mfu:g}",
         ),
     ]
+
+
+def sharding_line(plan: Plan) -> str:
+    """How ZeRO shards and what crosses nodes in which wire format (docs/topology.md)."""
+    if plan.replicas == 1:
+        text = f"ZeRO over all dp={plan.dp} ranks"
+    else:
+        text = f"hybrid: shard_size={plan.shard_size} x {plan.replicas} replicas"
+    if plan.hierarchical_reduce:
+        text += ", hierarchical reduce-scatter (in node, then across nodes)"
+    wire = {"grads": plan.grad_comm_dtype, "params": plan.param_comm_dtype}
+    text += "; cross-node wire: " + ", ".join(f"{k} {v or 'uncompressed'}" for k, v in wire.items())
+    return text
 
 
 def memory_rows(stages: Sequence[Plan]) -> list[list[str]]:
@@ -180,6 +216,12 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     rows = [
         ["dp bytes sent / step (GB)", *(_gb(p.traffic.dp_bytes) for p in stages)],
         ["dp time on the link", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
+        ["intra-node GB / step (dp + tp)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
+        ["inter-node GB / step", *(_gb(p.traffic.inter_node_bytes) for p in stages)],
+        [
+            "dp time intra / inter-node",
+            *(f"{_seconds(p.traffic.intra_node_s)} / {_seconds(p.traffic.inter_node_s)}" for p in stages),
+        ],
         ["tp bytes sent / step (GB)", *(_gb(p.traffic.tp_all_reduce_bytes) for p in stages)],
         ["tp time (NVLink, blocking)", *(_seconds(p.traffic.tp_s) for p in stages)],
         ["compute time (incl. tp)", *(_seconds(p.traffic.compute_s) for p in stages)],

@@ -39,6 +39,7 @@ the engine really achieves, simulated bucket by bucket.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -555,17 +556,18 @@ def step_time(
     compute = micro_batches * (forward.compute_s + backward_sync.compute_s)
     exposed = micro_batches * forward.exposed_s + syncing * backward_sync.exposed_s + quiet * backward_no_sync.exposed_s
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
+    sizes = Counter(bucket.numel for bucket in buckets)  # few distinct sizes: tally each once
     if grad_hops:
-        for bucket in buckets:
-            tally(hops_seconds(grad_hops, bucket.numel)[1], syncing)
+        for numel, count in sizes.items():
+            tally(hops_seconds(grad_hops, numel)[1], count * syncing)
     if stage == 3 and gather_hops:
-        for bucket in buckets:  # before each forward and again before each backward
-            tally(hops_seconds(gather_hops, bucket.numel)[1], 2 * micro_batches)
+        for numel, count in sizes.items():  # before each forward and again before each backward
+            tally(hops_seconds(gather_hops, numel)[1], count * 2 * micro_batches)
     post = 0.0
     if stage in (1, 2) and gather_hops:
-        gather = sum(hops_seconds(gather_hops, b.numel)[0] for b in buckets)
-        for bucket in buckets:
-            tally(hops_seconds(gather_hops, bucket.numel)[1], 1)
+        gather = sum(count * hops_seconds(gather_hops, numel)[0] for numel, count in sizes.items())
+        for numel, count in sizes.items():
+            tally(hops_seconds(gather_hops, numel)[1], count)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
