@@ -262,6 +262,10 @@ def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
         "tiny", stage=2, world_size=2, devices_per_node=2, precision="32-true", micro_batch=2, seq_len=64, hardware=out
     )
     assert plan.timing.step_s > 0 and plan.mfu == pytest.approx(hardware.mfu)
+    # the measured Lightning loop overhead (>= 0 by construction) is planned once per step
+    assert "step_overhead_ms" in loaded and hardware.step_overhead_s == pytest.approx(loaded.step_overhead_ms / 1e3)
+    assert plan.timing.overhead_s == hardware.step_overhead_s >= 0.0
+    assert "step overhead" in result.stdout
 
 
 # ---------------------------------------------------------------------------- one source of truth
