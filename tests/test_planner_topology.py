@@ -309,3 +309,31 @@ def test_hardware_step_overhead_ms_reaches_the_plan():
     assert slow.step_s - base.step_s == pytest.approx(0.25)
     with pytest.raises(ValueError, match=r"hardware.step_overhead_ms must be >= 0"):
         load_hardware({**mapping, "step_overhead_ms": -1.0})
+
+
+def test_plan_shows_every_topology_option_on_more_than_one_node(capsys):
+    cfg = _cfg()
+    cfg["plan"] = {"format": "json", "stages": "only", "topology": True}
+    result = run_plan(cfg)
+    capsys.readouterr()
+    options = {row["option"]: row for row in result["topology"]}
+    assert list(options) == [
+        "ZeRO over the world",
+        "hierarchical reduce",
+        "hybrid per node",
+        "hybrid per node + int8",
+        "world + int8",
+    ]
+    assert options["hybrid per node + int8"]["overrides"] == [
+        "strategy.shard_size=4",
+        "strategy.grad_comm_dtype=int8",
+        "strategy.param_comm_dtype=int8",
+    ]
+    inter = {label: row["plan"]["traffic"]["inter_node_bytes"] for label, row in options.items()}
+    world = inter["ZeRO over the world"]
+    assert inter["hierarchical reduce"] < world and inter["world + int8"] < world
+    assert inter["hybrid per node + int8"] < inter["hybrid per node"] < inter["hierarchical reduce"]
+    one_node = _cfg()
+    one_node["trainer"]["num_nodes"] = 1
+    assert "topology" not in run_plan(one_node)  # nothing crosses nodes: no table
+    capsys.readouterr()

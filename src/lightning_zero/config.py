@@ -305,6 +305,7 @@ class PlanConf:
     search: bool = False
     top: int = 10
     overlap_param_gather: bool = False
+    topology: bool = True  # on more than one node: also plan hybrid / hierarchical / int8 side by side
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -236,6 +236,11 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
                 ),
             ],
             ["exposed comm", *(_seconds(p.traffic.exposed_comm_s) for p in stages)],
+            *(
+                [["step overhead (hardware)", *(_seconds(p.timing.overhead_s) for p in stages)]]  # type: ignore[union-attr]
+                if any(p.timing.overhead_s for p in stages)  # type: ignore[union-attr]
+                else []
+            ),
             ["predicted step", *(_seconds(p.traffic.step_s) for p in stages)],
             ["tokens/s (all ranks)", *(f"{p.tokens_per_s:,.0f}" for p in stages)],
             ["MFU", *(f"{p.timing.mfu:.1%}" for p in stages)],  # type: ignore[union-attr]
@@ -324,6 +329,79 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
 
 
 # --------------------------------------------------------------------------------------------
+# Topology options: the same run with each way of sharding / reducing / compressing (issue 14)
+# --------------------------------------------------------------------------------------------
+
+TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ZeRO over the world", {}),
+    ("hierarchical reduce", {"hierarchical_reduce": True}),
+    ("hybrid per node", {"shard_size": "node"}),
+    ("hybrid per node + int8", {"shard_size": "node", "grad_comm_dtype": "int8", "param_comm_dtype": "int8"}),
+    ("world + int8", {"grad_comm_dtype": "int8", "param_comm_dtype": "int8"}),
+)
+
+
+def topology_plans(model_config: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, Plan]]:
+    """The configured run under each of :data:`TOPOLOGY_OPTIONS` (other knobs as configured)."""
+    plain = {
+        **kwargs,
+        **dict.fromkeys(("shard_size", "grad_comm_dtype", "param_comm_dtype")),
+        "hierarchical_reduce": False,
+    }
+    return [(label, plan_run(model_config, **{**plain, **change})) for label, change in TOPOLOGY_OPTIONS]
+
+
+def topology_rows(options: Sequence[tuple[str, Plan]]) -> list[list[str]]:
+    rows = []
+    for label, p in options:
+        t = p.traffic
+        rows.append(
+            [
+                label,
+                _gb(t.intra_node_bytes),
+                _gb(t.inter_node_bytes),
+                _seconds(t.intra_node_s),
+                _seconds(t.inter_node_s),
+                _seconds(t.exposed_comm_s),
+                _seconds(t.step_s),
+                _gib(p.memory.total),
+                "yes" if p.fits else "NO",
+            ]
+        )
+    return rows
+
+
+TOPOLOGY_COLUMNS = (
+    "option",
+    "intra-node GB",
+    "inter-node GB",
+    "dp time intra",
+    "dp time inter",
+    "exposed comm",
+    "step",
+    "GiB/rank",
+    "fits",
+)
+
+
+def print_topology(options: Sequence[tuple[str, Plan]], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    first = options[0][1]
+    table = Table(
+        title=f"topology options, ZeRO stage {first.stage}, per rank per optimizer step (intra-node includes tp "
+        f"{_gb(first.traffic.tp_all_reduce_bytes)} GB; int8 = one fp32 scale per 256 elements)"
+    )
+    for column in TOPOLOGY_COLUMNS:
+        table.add_column(column, justify="left" if column == "option" else "right")
+    for row in topology_rows(options):
+        table.add_row(*row)
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------------
 # The layout search
 # --------------------------------------------------------------------------------------------
 
@@ -400,6 +478,12 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         ]
     )
     result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
+    topology = None
+    if options.get("topology") and plan.stage > 0 and plan.num_nodes > 1:
+        topology = topology_plans(model_config, kwargs)
+        result["topology"] = [
+            {"option": label, "overrides": _topology_overrides(p), "plan": p.as_dict()} for label, p in topology
+        ]
     search = None
     if options.get("search"):
         top = int(options.get("top") or 10)
@@ -431,8 +515,22 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         print_json(result, console=console)
     else:
         print_tables(plan, stages, console=console)
+        if topology is not None:
+            print_topology(topology, console=console)
         if search is not None:
             print_search(search, int(options.get("top") or 10), plan, console=console)
         if "plot" in result:
             print_line(f"plot: {result['plot']}", console=console)
     return result
+
+
+def _topology_overrides(plan: Plan) -> list[str]:
+    out = []
+    if plan.replicas > 1:
+        out.append(f"strategy.shard_size={plan.shard_size}")
+    if plan.hierarchical_reduce:
+        out.append("strategy.hierarchical_reduce=true")
+    for name in ("grad_comm_dtype", "param_comm_dtype"):
+        if getattr(plan, name) is not None:
+            out.append(f"strategy.{name}={getattr(plan, name)}")
+    return out
