@@ -337,3 +337,31 @@ def test_plan_shows_every_topology_option_on_more_than_one_node(capsys):
     one_node["trainer"]["num_nodes"] = 1
     assert "topology" not in run_plan(one_node)  # nothing crosses nodes: no table
     capsys.readouterr()
+
+
+def test_search_overrides_with_topology_knobs_select_the_layout_they_describe():
+    from lightning_zero.planner import plan_kwargs_from_config
+
+    result = search_layouts(
+        "13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096, hardware="h100_80gb"
+    )
+    top = result.top(3)
+    assert any(entry.layout.shard_size or entry.layout.grad_comm_dtype for entry in top)
+    for entry in top:
+        cfg = {"model": {"name": "13b"}, "trainer": {"devices": 8, "num_nodes": 2}, "hardware": "h100_80gb"}
+        cfg["data"] = {"seq_len": 4096}
+        for override in entry.layout.overrides():  # apply them as Hydra would, on a plain config
+            key, value = override.split("=")
+            group, _, name = key.partition(".")
+            if not name:  # strategy=zero3
+                cfg["strategy"] = {**cfg.get("strategy", {}), "stage": int(value[-1]) if value != "ddp" else 0}
+                continue
+            parsed = {"true": True, "false": False}.get(value, value)
+            if isinstance(parsed, str) and parsed.replace(".", "").isdigit():
+                parsed = float(parsed) if "." in parsed or name == "bucket_mb" else int(parsed)
+            cfg.setdefault(group, {})[name] = parsed
+        config, kwargs, _ = plan_kwargs_from_config(cfg)
+        again = plan_run(config, **kwargs)
+        assert again.fits
+        assert again.tokens_per_s == pytest.approx(entry.plan.tokens_per_s)
+        assert again.traffic.inter_node_bytes == pytest.approx(entry.plan.traffic.inter_node_bytes)

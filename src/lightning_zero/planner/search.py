@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from itertools import product
 from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.planner.arithmetic import GiB, Plan, plan_run
@@ -140,9 +141,13 @@ def search_layouts(
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
     hierarchical: Sequence[bool] = HIERARCHICAL,
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
+    topology: bool = True,
 ) -> SearchResult:
     """Plan every layout (module docstring) with ``global_batch`` samples per optimizer step; return
-    those that fit, ranked by predicted tokens/s (ties: less memory first)."""
+    those that fit, ranked by predicted tokens/s (ties: less memory first). ``topology=False``
+    leaves the topology knobs at their defaults (what an engine without them runs)."""
+    if not topology:
+        shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
     from lightning_zero.planner.hardware import load_hardware
 
@@ -176,56 +181,45 @@ def search_layouts(
             defers = (False, True) if stage == 2 else (False,)
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
+            topologies = _topologies(
+                stage, tp, world_size, devices_per_node, precision, shard_sizes, hierarchical, comm_dtypes
+            )
             for micro_batch in micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
-                for checkpoint in checkpointing:
-                    for defer in defers:
-                        for bucket_mb in buckets:
-                            for ahead in prefetches:
-                                for topo in _topologies(
-                                    stage,
-                                    tp,
-                                    world_size,
-                                    devices_per_node,
-                                    precision,
-                                    shard_sizes,
-                                    hierarchical,
-                                    comm_dtypes,
-                                ):
-                                    layout = Layout(
-                                        stage,
-                                        tp,
-                                        micro_batch,
-                                        accumulate,
-                                        defer,
-                                        bool(checkpoint),
-                                        float(bucket_mb),
-                                        ahead,
-                                        **topo,
-                                    )
-                                    knobs = dict(
-                                        stage=stage,
-                                        tp=tp,
-                                        micro_batch=micro_batch,
-                                        accumulate_grad_batches=accumulate,
-                                        defer_grad_reduce=defer,
-                                        activation_checkpointing=bool(checkpoint),
-                                        bucket_mb=float(bucket_mb),
-                                        prefetch_blocks=ahead,
-                                        **topo,
-                                        **common,
-                                    )
-                                    try:
-                                        plan = plan_run(config, simulate="if_fits", **knobs)
-                                    except ValueError:  # a tp that does not divide the model's heads, ...
-                                        continue
-                                    evaluated += 1
-                                    if not plan.fits:
-                                        rejected += 1
-                                        continue
-                                    ranked.append(Ranked(layout, plan))
+                for checkpoint, defer, bucket_mb, ahead in product(checkpointing, defers, buckets, prefetches):
+                    unfit: set = set()  # shard sizes whose memory does not fit
+                    for topo in topologies:
+                        if topo["shard_size"] in unfit:  # wire formats and hierarchy hold the same bytes
+                            evaluated += 1
+                            rejected += 1
+                            continue
+                        layout = Layout(
+                            stage, tp, micro_batch, accumulate, defer, bool(checkpoint), float(bucket_mb), ahead, **topo
+                        )
+                        knobs = dict(
+                            stage=stage,
+                            tp=tp,
+                            micro_batch=micro_batch,
+                            accumulate_grad_batches=accumulate,
+                            defer_grad_reduce=defer,
+                            activation_checkpointing=bool(checkpoint),
+                            bucket_mb=float(bucket_mb),
+                            prefetch_blocks=ahead,
+                            **topo,
+                            **common,
+                        )
+                        try:
+                            plan = plan_run(config, simulate="if_fits", **knobs)
+                        except ValueError:  # a tp that does not divide the model's heads, ...
+                            continue
+                        evaluated += 1
+                        if not plan.fits:
+                            rejected += 1
+                            unfit.add(topo["shard_size"])
+                            continue
+                        ranked.append(Ranked(layout, plan))
     ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
     return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)
 
@@ -243,7 +237,9 @@ def _topologies(
     """The topology knobs worth planning for one layout: none for DDP or one node (nothing crosses
     nodes); ``"node"`` only when it differs from sharding over every dp rank; hierarchical only
     when the shard group spans nodes and a node holds more than one dp rank; a wire format only
-    when it differs from the native one (bf16 under bf16-mixed is a no-op)."""
+    when it differs from the native one (bf16 under bf16-mixed is a no-op). For each shard size the
+    plain option comes first: the others hold the same memory, so the search skips them when it
+    does not fit."""
     from lightning_zero.planner.ledger import dp_topology
 
     plain = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
