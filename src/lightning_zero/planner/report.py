@@ -20,7 +20,7 @@ from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
-from lightning_zero.planner.search import SearchResult, search_layouts
+from lightning_zero.planner.search import SearchResult, search_layouts, topology_overrides
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
@@ -525,12 +525,5 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
 
 
 def _topology_overrides(plan: Plan) -> list[str]:
-    out = []
-    if plan.replicas > 1:
-        out.append(f"strategy.shard_size={plan.shard_size}")
-    if plan.hierarchical_reduce:
-        out.append("strategy.hierarchical_reduce=true")
-    for name in ("grad_comm_dtype", "param_comm_dtype"):
-        if getattr(plan, name) is not None:
-            out.append(f"strategy.{name}={getattr(plan, name)}")
-    return out
+    shard_size = plan.shard_size if plan.replicas > 1 else None
+    return topology_overrides(shard_size, plan.hierarchical_reduce, plan.grad_comm_dtype, plan.param_comm_dtype)

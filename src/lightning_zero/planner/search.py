@@ -29,6 +29,22 @@ HIERARCHICAL = (False, True)
 COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
 
 
+def topology_overrides(
+    shard_size: Union[None, int, str],
+    hierarchical_reduce: bool,
+    grad_comm_dtype: Optional[str],
+    param_comm_dtype: Optional[str],
+) -> list[str]:
+    """The Hydra overrides of the topology knobs that differ from their defaults (docs/topology.md)."""
+    out = [] if shard_size is None else [f"strategy.shard_size={shard_size}"]
+    if hierarchical_reduce:
+        out.append("strategy.hierarchical_reduce=true")
+    for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
+        if value is not None:
+            out.append(f"strategy.{name}={value}")
+    return out
+
+
 @dataclass(frozen=True)
 class Layout:
     """One choice of every searched knob."""
@@ -61,13 +77,9 @@ class Layout:
             out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
         if self.stage == 3:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
-        if self.shard_size is not None:
-            out.append(f"strategy.shard_size={self.shard_size}")
-        if self.hierarchical_reduce:
-            out.append("strategy.hierarchical_reduce=true")
-        for name in ("grad_comm_dtype", "param_comm_dtype"):
-            if getattr(self, name) is not None:
-                out.append(f"strategy.{name}={getattr(self, name)}")
+        out += topology_overrides(
+            self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
+        )
         out += [
             f"data.batch_size={self.micro_batch}",
             f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
