@@ -6,7 +6,7 @@
 
 1. calibrate this machine (``lightning_zero.planner.calibrate``: gloo collectives, overlap,
    matmul FLOP/s, a forward + backward of the model shape in one process, AdamW memory
-   bandwidth) and write the hardware YAML (``--hardware PATH`` reuses one instead);
+   bandwidth, the Lightning loop's per-step overhead: ``step_overhead_ms``) and write the hardware YAML (``--hardware PATH`` reuses one instead);
 2. predict each case's step time with ``planner.plan_run`` on that hardware;
 3. measure each case (the benchmarks' harness: fresh process pairs, each rank pinned to a core,
    rounds in alternating order, median over timed steps) and compare: error per case (goal: within
@@ -76,6 +76,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hardware", default=None, help="a calibrated hardware YAML to use (skips calibration)")
     parser.add_argument("--hardware-out", default=None, help="where calibration writes its YAML")
     parser.add_argument("--previous", nargs="*", default=[], help="earlier bench_zero12/zero3 JSON to compare with")
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=None,
+        help="per-step overhead to plan with (default: the hardware YAML's step_overhead_ms, which calibration measures)",
+    )
     parser.add_argument("--no-measure", action="store_true", help="predict only")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 round (plumbing check)")
     args = parser.parse_args(argv)
@@ -103,6 +109,7 @@ def calibrated_hardware(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]
             seq_len=args.seq,
             adamw_numel=200_000,
             overlap_mb=0.5,
+            overhead_steps=3,
         )
     else:
         result = calibrate.calibrate(name=out.stem, model=model, micro_batch=args.batch, seq_len=args.seq)
@@ -117,6 +124,8 @@ def predict(args: argparse.Namespace, hardware: Path) -> dict[str, dict[str, Any
     from lightning_zero.planner import load_hardware, plan_run
 
     hw = load_hardware(hardware)
+    if args.step_overhead_ms is not None:
+        hw = dataclasses.replace(hw, step_overhead_s=args.step_overhead_ms * 1e-3)
     config = model_config(args)
     out = {}
     for case in args.cases:
@@ -162,7 +171,7 @@ def previous_runs(paths: list[str]) -> dict[str, dict[str, float]]:
 def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) -> tuple[list[str], dict[str, Any]]:
     header = (
         f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}"
-        f"{'optim':>8}{'copies':>8}{'post-AG':>8}"
+        f"{'optim':>8}{'copies':>8}{'post-AG':>8}{'overhead':>9}"
     )
     lines = [header, "-" * len(header)]
     errors = {}
@@ -174,7 +183,7 @@ def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) ->
         lines.append(
             f"{label:<8}{timing['step_s']:>12.3f}{(got or float('nan')):>12.3f}{error:>+9.1%}  "
             f"{timing['compute_s']:>8.3f}{timing['exposed_comm_s']:>9.3f}{timing['optimizer_s']:>8.3f}"
-            f"{timing['grad_copy_s']:>8.3f}{timing['post_step_gather_s']:>8.3f}"
+            f"{timing['grad_copy_s']:>8.3f}{timing['post_step_gather_s']:>8.3f}{timing.get('overhead_s', 0.0):>9.3f}"
         )
     predicted_order = [CASES[c][2] for c in ranking({c: t["step_s"] for c, t in predicted.items()})]
     measured_order = [CASES[c][2] for c in ranking({c: measured[c] for c in predicted if c in measured})]

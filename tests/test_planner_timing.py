@@ -206,7 +206,11 @@ def test_search_overrides_select_the_layout_they_describe():
     from lightning_zero.config import compose
     from lightning_zero.planner import plan_kwargs_from_config
 
-    result = search_layouts("13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096, hardware=H100)
+    # topology=False: the strategy schema gains shard_size & co. with the engine's ZeroConfig; the
+    # topology overrides are checked through a plain config in test_planner_topology.py
+    result = search_layouts(
+        "13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096, hardware=H100, topology=False
+    )
     for entry in result.top(3):
         cfg = compose(
             ["model=llama13b", "trainer=gpu_2x8", "data.seq_len=4096", f"hardware={H100}", *entry.layout.overrides()]
@@ -262,6 +266,10 @@ def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
         "tiny", stage=2, world_size=2, devices_per_node=2, precision="32-true", micro_batch=2, seq_len=64, hardware=out
     )
     assert plan.timing.step_s > 0 and plan.mfu == pytest.approx(hardware.mfu)
+    # the measured Lightning loop overhead (>= 0 by construction) is planned once per step
+    assert "step_overhead_ms" in loaded and hardware.step_overhead_s == pytest.approx(loaded.step_overhead_ms / 1e3)
+    assert plan.timing.overhead_s == hardware.step_overhead_s >= 0.0
+    assert "step overhead" in result.stdout
 
 
 # ---------------------------------------------------------------------------- one source of truth

@@ -339,6 +339,7 @@ class HardwareConf:
     overlap_efficiency: float = 1.0
     mfu: Optional[float] = None  # None: plan.mfu decides
     collective_time_factor: Dict[str, float] = field(default_factory=dict)
+    step_overhead_ms: float = 0.0  # per optimizer step the step-time model does not count (calibrated)
 
 
 @dataclass
@@ -354,6 +355,7 @@ class PlanConf:
     search: bool = False
     top: int = 10
     overlap_param_gather: bool = False
+    topology: bool = True  # on more than one node: also plan hybrid / hierarchical / int8 side by side
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -26,9 +26,14 @@ from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
 from lightning_zero.planner.ledger import (
+    COMM_DTYPES,
     PRECISIONS,
     ActivationBytes,
+    DpTopology,
+    LinkBytes,
     PrecisionBytes,
+    dp_link_bytes,
+    dp_topology,
     llama_activation_bytes,
     llama_param_counts,
     model_state_bytes,
@@ -128,13 +133,34 @@ class TrafficPerRank:
     tp_s: float
     exposed_comm_s: float
     step_s: float
+    # dp bytes by link class ([Note: link classes] in docs/topology.md) and each class's busy time
+    dp_link_bytes: LinkBytes = field(default_factory=lambda: LinkBytes({}, {}))
+    intra_node_s: float = 0.0  # dp collectives on intra-node links (tp excluded: see tp_s)
+    inter_node_s: float = 0.0
 
     @property
     def dp_bytes(self) -> float:
         return self.dp_reduce_scatter_bytes + self.dp_all_gather_bytes + self.dp_all_reduce_bytes
 
+    @property
+    def intra_node_bytes(self) -> float:
+        """Every byte this rank sends inside its node per step: dp collectives whose group stays in
+        the node, and the tp all-reduces (tp lives inside a node)."""
+        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes
+
+    @property
+    def inter_node_bytes(self) -> float:
+        return self.dp_link_bytes.inter_node_total
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "dp_bytes": self.dp_bytes}
+        values = asdict(self)
+        values.update(
+            dp_bytes=self.dp_bytes,
+            dp_link_bytes=self.dp_link_bytes.as_dict(),
+            intra_node_bytes=self.intra_node_bytes,
+            inter_node_bytes=self.inter_node_bytes,
+        )
+        return values
 
 
 @dataclass(frozen=True)
@@ -164,6 +190,11 @@ class Plan:
     overlap_comm: bool
     max_buckets_in_flight: int
     overlap_param_gather: bool
+    shard_size: int  # dp ranks ZeRO shards over (resolved: dp for None, the node's dp ranks for "node")
+    replicas: int  # dp / shard_size groups holding the same shard
+    hierarchical_reduce: bool
+    grad_comm_dtype: Optional[str]
+    param_comm_dtype: Optional[str]
     hardware: str
     memory_bytes: int
     reserved_bytes: int
@@ -237,6 +268,10 @@ def plan_run(
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
     max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
     overlap_param_gather: bool = False,
+    shard_size: Union[None, int, str] = None,
+    hierarchical_reduce: bool = False,
+    grad_comm_dtype: Optional[str] = None,
+    param_comm_dtype: Optional[str] = None,
     hardware: Union[str, Hardware, Mapping[str, Any], None] = None,
     mfu: Optional[float] = None,
     accumulate_grad_batches: int = 1,
@@ -262,6 +297,15 @@ def plan_run(
         max_buckets_in_flight: stage 2/3 bucket buffers alive at once (backward waits beyond).
         overlap_param_gather: stages 1-2: hide the post-step parameter all-gather behind the next
             forward (``False``: the engine as it is today, exposed).
+        shard_size: ZeRO shards over groups of this many consecutive dp ranks (``None``: all dp
+            ranks; ``"node"``: the dp ranks of one node) and the ``dp / shard_size`` replicas
+            all-reduce the shard; memory follows the ZeRO formulas with ``shard_size`` for dp.
+        hierarchical_reduce: when the shard group spans nodes, reduce-scatter inside the node,
+            then across nodes on the node's slice (each gradient byte crosses the slow link once).
+        grad_comm_dtype, param_comm_dtype: wire format of gradient (reduce-scatter, replica
+            all-reduce) and parameter (all-gather) collectives that cross nodes: ``None``
+            (uncompressed), ``"fp32"``, ``"bf16"`` or ``"int8"`` (block-wise, one fp32 scale per
+            ``INT8_BLOCK_SIZE`` elements). Stage 0 (Lightning DDP) ignores these four.
         hardware: a name in ``conf/hardware`` or a YAML path (default: ``conf/config.yaml``'s).
         mfu: model FLOPs utilization assumed for compute (``None``: the hardware's calibrated
             ``mfu``, else 0.4).
@@ -314,10 +358,23 @@ def plan_run(
             f"holds no full gradients), got stage={stage}"
         )
     dtype = precision_bytes(precision)
+    for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
+        if value not in COMM_DTYPES:
+            raise ValueError(f"plan_run: {name} must be one of {COMM_DTYPES}, got {name}={value!r}")
+    if stage == 0:  # Lightning's DDP: no sharding knobs
+        shard_size, hierarchical_reduce, grad_comm_dtype, param_comm_dtype = None, False, None, None
+    topology = dp_topology(
+        dp=dp,
+        devices_per_node=dims.devices_per_node,
+        tp=tp,
+        shard_size=shard_size,
+        hierarchical_reduce=hierarchical_reduce,
+    )
+    shard_ranks = topology.shard_size
     counts = llama_param_counts(config, tp=tp)
     local_params = counts.total
-    padded = math.ceil(local_params / dp) * dp
-    shard = padded // dp
+    padded = math.ceil(local_params / shard_ranks) * shard_ranks
+    shard = padded // shard_ranks
 
     peak = hw.peak_fp32_flops if str(precision).startswith("32") else hw.peak_bf16_flops
     crosses_nodes = dims.world_size > dims.devices_per_node and dp > 1
@@ -332,13 +389,13 @@ def plan_run(
         act_bytes=dtype.activation,
     )
     bucket_numel = max(1, int(bucket_mb * MiB) // dtype.grad)
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks)
 
     memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
         padded,
         stage=memory_stage,
-        dp=dp,
+        dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
         optim_bytes_per_param=dtype.optimizer,
@@ -394,6 +451,11 @@ def plan_run(
             model_flops_per_rank=model_flops,
             peak_flops=peak,
             world_size=world_size,
+            grad_hops=topology.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=grad_comm_dtype),
+            gather_hops=topology.gather_hops(param_bytes=dtype.param, param_comm_dtype=param_comm_dtype),
+            links={"intra_node": hw.link(inter_node=False), "inter_node": hw.link(inter_node=True)},
+            shard_size=shard_ranks,
+            overhead_s=hw.step_overhead_s,
         )
     traffic = _traffic(
         config,
@@ -407,9 +469,11 @@ def plan_run(
         defer_grad_reduce=defer_grad_reduce,
         activation_checkpointing=activation_checkpointing,
         hw=hw,
-        crosses_nodes=crosses_nodes,
         workload=workload,
         simulated=simulated,
+        topology=topology,
+        grad_comm_dtype=grad_comm_dtype,
+        param_comm_dtype=param_comm_dtype,
     )
     plan = Plan(
         model=config.name,
@@ -435,6 +499,11 @@ def plan_run(
         overlap_comm=bool(overlap_comm),
         max_buckets_in_flight=max_buckets_in_flight,
         overlap_param_gather=bool(overlap_param_gather),
+        shard_size=shard_ranks,
+        replicas=topology.replicas,
+        hierarchical_reduce=topology.hierarchical,
+        grad_comm_dtype=grad_comm_dtype,
+        param_comm_dtype=param_comm_dtype,
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),
@@ -474,22 +543,29 @@ def _traffic(
     defer_grad_reduce: bool,
     activation_checkpointing: bool,
     hw: Hardware,
-    crosses_nodes: bool,
     workload: Workload,
     simulated: Optional[StepTime],
+    topology: DpTopology,
+    grad_comm_dtype: Optional[str],
+    param_comm_dtype: Optional[str],
 ) -> TrafficPerRank:
-    dp, tp = dims.dp, int(dims.tp)
-    ring = (dp - 1) / dp
-    grad_bytes, param_bytes = padded * dtype.grad, padded * dtype.param
-    reduce_scatter = all_gather = all_reduce = 0.0
-    if stage == 0:
-        all_reduce = 2 * ring * grad_bytes
-    elif stage == 1 or (stage == 2 and defer_grad_reduce):  # full grads accumulate; one reduce-scatter per step
-        reduce_scatter, all_gather = ring * grad_bytes, ring * param_bytes
-    elif stage == 2:  # only a grad shard exists: reduce-scatter every micro batch
-        reduce_scatter, all_gather = ring * grad_bytes * micro_batches, ring * param_bytes
-    else:  # gather for forward and again for backward, reduce-scatter, every micro batch
-        reduce_scatter, all_gather = ring * grad_bytes * micro_batches, 2 * ring * param_bytes * micro_batches
+    # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
+    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
+    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch.
+    tp = int(dims.tp)
+    links = dp_link_bytes(
+        padded,
+        stage=stage,
+        topology=topology,
+        micro_batches=micro_batches,
+        defer_grad_reduce=defer_grad_reduce,
+        grad_bytes=dtype.grad,
+        param_bytes=dtype.param,
+        grad_comm_dtype=grad_comm_dtype,
+        param_comm_dtype=param_comm_dtype,
+    )
+    reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
+    all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
     tokens = micro_batch * seq_len
     # Per block: 2 all-reduces forward (after wo, w2), 2 backward (grads of the column-parallel
     # inputs); recomputation repeats the forward ones; plus the embedding (fwd) and output head (bwd).
@@ -504,8 +580,8 @@ def _traffic(
         dp_all_gather_bytes=all_gather,
         dp_all_reduce_bytes=all_reduce,
         tp_all_reduce_bytes=tp_bytes,
-        dp_link="inter_node" if crosses_nodes else "intra_node",
-        dp_bytes_per_s=hw.inter_node_bytes_per_s if crosses_nodes else hw.intra_node_bytes_per_s,
+        dp_link=_dp_link_name(links),
+        dp_bytes_per_s=hw.inter_node_bytes_per_s if links.inter_node_total else hw.intra_node_bytes_per_s,
         tp_bytes_per_s=hw.intra_node_bytes_per_s,
         flops_per_rank=flops,
         compute_s=micro_batches * (workload.compute_forward_s + workload.compute_backward_s),
@@ -513,7 +589,19 @@ def _traffic(
         tp_s=micro_batches * workload.tp_s,
         exposed_comm_s=(simulated.exposed_comm_s + simulated.post_step_gather_s) if simulated else 0.0,
         step_s=simulated.step_s if simulated else 0.0,
+        dp_link_bytes=links,
+        intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
+        inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
     )
+
+
+def _dp_link_name(links: LinkBytes) -> str:
+    used = [
+        name
+        for name, total in (("intra_node", links.intra_node_total), ("inter_node", links.inter_node_total))
+        if total
+    ]
+    return "+".join(used) if used else "intra_node"
 
 
 def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool) -> tuple[str, ...]:
@@ -539,6 +627,9 @@ def _knobs(plan: Plan) -> dict[str, Any]:
         name: getattr(plan, name) for name in arguments if name not in ("hardware", "timing") and hasattr(plan, name)
     }
     knobs["reserved_gib"] = plan.reserved_bytes / GiB
+    # the option, not its resolved size, so a change of tp or nodes re-resolves it
+    node = min(plan.dp, plan.devices_per_node // plan.tp)
+    knobs["shard_size"] = None if plan.replicas == 1 else "node" if plan.shard_size == node else plan.shard_size
     return knobs
 
 

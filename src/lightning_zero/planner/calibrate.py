@@ -26,6 +26,11 @@
   per fp32 element: ``memory_gb_per_s``) and an AdamW step over ``numel`` fp32 parameters, at the
   planner's count of 28 bytes per parameter (``optimizer_gb_per_s``).
 
+- **per-step overhead**: one process, the benchmark's Lightning ``Trainer`` flags, ``LlamaLM`` of the
+  given shape; each step's Lightning time (``on_train_batch_start`` to ``on_train_batch_end``, the
+  benchmark harness's window) minus the same forward + backward + AdamW step without Lightning,
+  timed right after it: ``step_overhead_ms``, added once per optimizer step by the step-time model.
+
 Everything runs on the local machine (one node), so the intra- and inter-node links get the
 same numbers. The YAML is a plain hardware config: ``lightning-zero plan hardware=NAME`` after
 copying it into ``conf/hardware/``, or ``planner.load_hardware(path)``.
@@ -395,6 +400,121 @@ def measure_model_mfu(
 # The YAML
 # --------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------
+# Per-step overhead: what a Lightning training step costs beyond its forward, backward and optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def step_overhead_from(lightning_step_s: Sequence[float], bare_step_s: Sequence[float]) -> float:
+    """``median(lightning) - median(bare)``, at least 0: the loop's cost per optimizer step."""
+    if not lightning_step_s or not bare_step_s:
+        raise ValueError("step_overhead_from: need at least one Lightning and one bare step time")
+    return max(0.0, statistics.median(lightning_step_s) - statistics.median(bare_step_s))
+
+
+def _overhead_worker(model: dict[str, int], micro_batch: int, seq_len: int, steps: int, warmup: int, out: str) -> None:
+    """One process, pinned to one core with one thread (as a benchmark rank): a Lightning fit of
+    ``LlamaLM`` with the benchmark harness's Trainer flags, each step timed from
+    ``on_train_batch_start`` to ``on_train_batch_end`` (the harness's window); right after each timed
+    step, the same work without Lightning on a second copy of the model (forward, loss, backward,
+    AdamW step over the same two parameter groups, ``zero_grad``) is timed, so both see the same load."""
+    _pin(0)
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_zero.data import TokenDataModule
+    from lightning_zero.models import Llama, LlamaConfig, LlamaLM
+
+    config = LlamaConfig.from_name("tiny", **model)
+    torch.manual_seed(0)
+    bare_model = Llama(config)
+    matrices = [p for p in bare_model.parameters() if p.dim() >= 2]
+    gains = [p for p in bare_model.parameters() if p.dim() < 2]
+    bare_optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": gains, "weight_decay": 0.0}]
+    )
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
+
+    def bare_step() -> float:
+        start = time.perf_counter()
+        loss = bare_model.loss_fn(bare_model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        bare_optimizer.step()
+        bare_optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.lightning: list[float] = []
+            self.bare: list[float] = []
+            self.start = 0.0
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            elapsed = time.perf_counter() - self.start
+            if trainer.global_step > warmup:  # global_step already counts this step
+                self.lightning.append(elapsed)
+                self.bare.append(bare_step())
+            elif trainer.global_step == warmup:
+                bare_step()  # warm the bare copy's optimizer state too
+
+    timer = Timer()
+    max_steps = warmup + steps
+    L.seed_everything(1234, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
+    data = TokenDataModule(
+        source="synthetic",
+        seq_len=seq_len,
+        batch_size=micro_batch,
+        vocab_size=config.vocab_size,
+        val_fraction=0.0,
+        synthetic_tokens=max(2 * (max_steps + 2) * micro_batch * (seq_len + 1), 4096),
+    )
+    trainer.fit(LlamaLM(config, lr=3e-4, warmup_steps=1), datamodule=data)
+    Path(out).write_text(json.dumps({"lightning_step_s": timer.lightning, "bare_step_s": timer.bare}))
+
+
+def measure_step_overhead(
+    model: dict[str, int], *, micro_batch: int, seq_len: int, steps: int = 8, warmup: int = 2, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Seconds per optimizer step a Lightning training step spends beyond the work the step-time
+    model counts (forward, backward, AdamW): hooks, logging, the LR scheduler, the optimizer closure
+    and ``zero_grad`` bookkeeping, measured in a fresh process (:func:`_overhead_worker`).
+    Returns the step times and ``step_overhead_s`` (:func:`step_overhead_from`)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="lz_overhead_") as out_dir:
+        out = str(Path(out_dir, "overhead.json"))
+        process = context.Process(target=_overhead_worker, args=(model, micro_batch, seq_len, steps, warmup, out))
+        process.start()
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            raise RuntimeError(f"calibrate: the step-overhead fit did not finish in {timeout_s:.0f} s")
+        if process.exitcode != 0:
+            raise RuntimeError(f"calibrate: the step-overhead fit failed (exit code {process.exitcode})")
+        result = json.loads(Path(out).read_text())
+    result["step_overhead_s"] = step_overhead_from(result["lightning_step_s"], result["bare_step_s"])
+    result["steps"] = steps
+    return result
+
+
 BENCH_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, max_seq_len=128)
 
 
@@ -408,6 +528,7 @@ def calibrate(
     seq_len: int = 128,
     adamw_numel: int = 4_000_000,
     overlap_mb: float = 25.0,
+    overhead_steps: int = 8,
 ) -> dict[str, Any]:
     """Measure everything (see module docstring); return ``{"hardware": {...}, "measured": {...}}``."""
     import psutil
@@ -420,6 +541,11 @@ def calibrate(
         compute=dict(model=model, micro_batch=micro_batch, seq_len=seq_len, adamw_numel=adamw_numel),
     )
     links = summarize_collectives(collectives)
+    overhead = (
+        measure_step_overhead(model, micro_batch=micro_batch, seq_len=seq_len, steps=overhead_steps)
+        if overhead_steps > 0
+        else {"step_overhead_s": 0.0, "steps": 0}
+    )
     rates = collectives["compute"]
     fp32, bf16, memory_bps = rates["matmul_fp32_flops"], rates["matmul_bf16_flops"], rates["adamw_bytes_per_s"]
     compute = rates["model"]
@@ -440,6 +566,7 @@ def calibrate(
         "collective_time_factor": links["collective_time_factor"],
         "mfu": compute["mfu"],
         "devices_per_node": collectives["world"],
+        "step_overhead_ms": overhead["step_overhead_s"] * 1e3,
     }
     return {
         "hardware": hardware,
@@ -450,6 +577,7 @@ def calibrate(
             "model": model,
             "micro_batch": micro_batch,
             "seq_len": seq_len,
+            "step_overhead": overhead,
         },
     }
 
@@ -468,6 +596,8 @@ def hardware_yaml(hardware: dict[str, Any], measured: dict[str, Any]) -> str:
         f"# mfu: forward + backward of a Llama {measured['model']} at micro_batch={measured['micro_batch']},",
         f"# seq_len={measured['seq_len']}: {compute['flops'] / 1e9:.2f} GFLOP in {compute['seconds']:.3f} s;",
         "# memory_gb_per_s: zero_ + copy_ of a bucket (12 B/element); optimizer_gb_per_s: AdamW at 28 B/parameter.",
+        "# step_overhead_ms: median Lightning step (1 process, the benchmark's Trainer flags) minus the median",
+        "# forward + backward + AdamW of the same model without Lightning, timed step by step side by side.",
     ]
     return "\n".join(header) + "\n" + OmegaConf.to_yaml(OmegaConf.create(hardware))
 
@@ -498,6 +628,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
             seq_len=32,
             adamw_numel=200_000,
             overlap_mb=0.5,
+            overhead_steps=3,
         )
     else:
         result = calibrate(
@@ -516,7 +647,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
         f"lightning-zero: wrote {out}: link {hw['intra_node_gb_per_s']:.2f} GB/s, "
         f"{hw['intra_node_latency_us']:.0f} us latency, overlap {hw['overlap_efficiency']:.2f}, "
         f"fp32 {hw['peak_fp32_tflops'] * 1e3:.1f} GFLOP/s (mfu {hw['mfu']:.2f}), "
-        f"memory {hw['memory_gb_per_s']:.1f} GB/s"
+        f"memory {hw['memory_gb_per_s']:.1f} GB/s, step overhead {hw['step_overhead_ms']:.1f} ms"
     )
     return out
 

@@ -52,6 +52,10 @@ class Hardware:
     overlap_efficiency: float = DEFAULT_OVERLAP_EFFICIENCY  # [Note: step-time model] in timing.py
     mfu: Optional[float] = None  # calibrated compute efficiency (plan.mfu=null uses it)
     collective_time_factor: tuple[tuple[str, float], ...] = ()
+    # Fixed seconds per optimizer step the step-time model does not count (the training loop's
+    # hooks, logging, scheduler and optimizer bookkeeping; measured by `plan calibrate`). 0 on GPU
+    # presets: there the loop's milliseconds hide under asynchronous kernel launches.
+    step_overhead_s: float = 0.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Hardware":
@@ -73,6 +77,11 @@ class Hardware:
         efficiency = float(number("overlap_efficiency", DEFAULT_OVERLAP_EFFICIENCY))
         if not 0.0 <= efficiency <= 1.0:
             raise ValueError(f"hardware.overlap_efficiency must be in [0, 1], got {efficiency}")
+        overhead_ms = float(number("step_overhead_ms", 0.0))
+        if overhead_ms < 0:
+            raise ValueError(
+                f"hardware.step_overhead_ms must be >= 0 (milliseconds per optimizer step), got {overhead_ms}"
+            )
         memory_gbps = number("memory_gb_per_s")
         optimizer_gbps = number("optimizer_gb_per_s")
         return cls(
@@ -90,6 +99,7 @@ class Hardware:
             overlap_efficiency=efficiency,
             mfu=None if values.get("mfu") is None else float(number("mfu")),
             collective_time_factor=tuple(sorted((str(k), float(v)) for k, v in dict(factors).items())),
+            step_overhead_s=overhead_ms * 1e-3,
         )
 
     def link(self, inter_node: bool) -> Link:

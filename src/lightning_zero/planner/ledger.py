@@ -20,7 +20,7 @@ optim_bytes_per_param=8`` (the parameter shard is its own master copy).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -289,3 +289,254 @@ def llama_activation_bytes(
         loss_saved=float(tokens * vocab * 4 + tokens * 8),  # fp32 log-probs + int64 targets
         logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Topology: bytes per link class under hybrid sharding, hierarchical reduction and compressed
+# cross-node communication (issue 14). Formulas written out in docs/topology.md.
+# --------------------------------------------------------------------------------------------
+
+LINK_CLASSES = ("intra_node", "inter_node")
+COMM_DTYPES = (None, "fp32", "bf16", "int8")
+# Block-wise int8: one fp32 scale per INT8_BLOCK_SIZE elements. Mirrors the block size constant of
+# lightning_zero.compression (the engine's); the planner keeps its own copy so it imports no engine.
+INT8_BLOCK_SIZE = 256
+
+
+def comm_element_bytes(comm_dtype: Optional[str], native_bytes: int) -> float:
+    """Bytes one element takes on the wire: ``native_bytes`` uncompressed (``None``), 4 (fp32), 2
+    (bf16), ``1 + 4 / INT8_BLOCK_SIZE`` (int8 plus its share of the block's fp32 scale)."""
+    if comm_dtype is None:
+        return float(native_bytes)
+    if comm_dtype == "fp32":
+        return 4.0
+    if comm_dtype == "bf16":
+        return 2.0
+    if comm_dtype == "int8":
+        return 1.0 + 4.0 / INT8_BLOCK_SIZE
+    raise ValueError(f"comm dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One collective a rank runs on a tensor of ``numel`` elements (a bucket, a unit, the model).
+
+    ``fraction`` of the tensor is its payload (the full tensor, ``1 / g`` of it for the
+    cross-node hop of a hierarchical reduce-scatter, the shard ``1 / shard_size`` for the replica
+    all-reduce); ``link`` is ``"intra_node"`` or ``"inter_node"`` (a group spanning more than one
+    node counts all its bytes as inter-node); ``comm_dtype`` the wire format.
+    """
+
+    kind: str  # "all_reduce", "reduce_scatter" or "all_gather"
+    ranks: int
+    fraction: float
+    link: str
+    comm_dtype: Optional[str]
+    native_bytes: int
+
+    def payload_bytes(self, numel: float) -> float:
+        return numel * self.fraction * comm_element_bytes(self.comm_dtype, self.native_bytes)
+
+    def sent_bytes(self, numel: float) -> float:
+        """Ring algorithm: all-reduce ``2 (n-1)/n x payload``, the others ``(n-1)/n x payload``."""
+        return (2 if self.kind == "all_reduce" else 1) * (self.ranks - 1) / self.ranks * self.payload_bytes(numel)
+
+
+@dataclass(frozen=True)
+class DpTopology:
+    """How the ``dp`` data-parallel ranks of one tp position split into shard groups and replicas.
+
+    dp ranks are numbered so that consecutive ones share a node (tp is innermost, inside the node):
+    ``dp_per_node = min(dp, devices_per_node // tp)``. ZeRO shards over groups of ``shard_size``
+    consecutive dp ranks; the ``replicas = dp / shard_size`` groups hold the same shard and
+    all-reduce it. ``shard_size == dp``: ZeRO over the whole world (no replicas).
+    """
+
+    dp: int
+    dp_per_node: int
+    shard_size: int
+    hierarchical_reduce: bool = False
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard_size
+
+    @property
+    def shard_spans_nodes(self) -> bool:
+        return self.shard_size > self.dp_per_node
+
+    @property
+    def replica_spans_nodes(self) -> bool:
+        return self.replicas > 1 and self.dp > self.dp_per_node
+
+    @property
+    def hierarchical(self) -> bool:
+        """Hierarchical reduction applies: asked for, and the shard group spans nodes."""
+        return self.hierarchical_reduce and self.shard_spans_nodes and self.dp_per_node > 1
+
+    def link_of(self, spans: bool) -> str:
+        return "inter_node" if spans else "intra_node"
+
+    def grad_hops(self, *, stage: int, grad_bytes: int, grad_comm_dtype: Optional[str] = None) -> list[Hop]:
+        """The collectives that turn one full gradient tensor into this rank's reduced shard.
+
+        Stage 0 (Lightning DDP): one uncompressed all-reduce over dp. ZeRO: a reduce-scatter over
+        the shard group (hierarchical: over the node's ``dp_per_node`` ranks, then over the
+        ``shard_size / dp_per_node`` nodes on the node's slice), then, with replicas, an
+        all-reduce of the shard over them. Cross-node hops go in ``grad_comm_dtype``.
+        """
+
+        def wire(spans: bool) -> Optional[str]:
+            return grad_comm_dtype if spans else None
+
+        if stage == 0:
+            spans = self.dp > self.dp_per_node
+            return _hops([Hop("all_reduce", self.dp, 1.0, self.link_of(spans), None, grad_bytes)])
+        if self.hierarchical:
+            g, nodes = self.dp_per_node, self.shard_size // self.dp_per_node
+            hops = [
+                Hop("reduce_scatter", g, 1.0, "intra_node", None, grad_bytes),
+                Hop("reduce_scatter", nodes, 1.0 / g, "inter_node", wire(True), grad_bytes),
+            ]
+        else:
+            spans = self.shard_spans_nodes
+            hops = [Hop("reduce_scatter", self.shard_size, 1.0, self.link_of(spans), wire(spans), grad_bytes)]
+        spans = self.replica_spans_nodes
+        hops.append(
+            Hop("all_reduce", self.replicas, 1.0 / self.shard_size, self.link_of(spans), wire(spans), grad_bytes)
+        )
+        return _hops(hops)
+
+    def gather_hops(self, *, param_bytes: int, param_comm_dtype: Optional[str] = None) -> list[Hop]:
+        """The all-gather of parameters over the shard group (stages 1-2 after the step, stage 3
+        per unit); in ``param_comm_dtype`` when the group spans nodes."""
+        spans = self.shard_spans_nodes
+        return _hops(
+            [
+                Hop(
+                    "all_gather",
+                    self.shard_size,
+                    1.0,
+                    self.link_of(spans),
+                    param_comm_dtype if spans else None,
+                    param_bytes,
+                )
+            ]
+        )
+
+
+def _hops(hops: list[Hop]) -> list[Hop]:
+    return [hop for hop in hops if hop.ranks > 1]  # a group of one rank sends nothing
+
+
+def dp_topology(
+    *,
+    dp: int,
+    devices_per_node: int,
+    tp: int = 1,
+    shard_size: Union[None, int, str] = None,
+    hierarchical_reduce: bool = False,
+) -> DpTopology:
+    """Resolve and validate ``shard_size`` (``None``: all ``dp`` ranks; ``"node"``: the dp ranks of
+    one node; an int: that many consecutive dp ranks) into a :class:`DpTopology`.
+
+    Raises ``ValueError`` with every number when ``shard_size`` does not divide ``dp`` or a shard
+    group would straddle a node boundary (it must divide, or be a multiple of, the dp ranks per node).
+    """
+    dp_per_node = max(1, min(dp, devices_per_node // max(1, tp)))
+    if shard_size is None:
+        size = dp
+    elif shard_size == "node":
+        size = dp_per_node
+    elif isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be None, 'node' or a positive int, got shard_size={shard_size!r}")
+    else:
+        size = shard_size
+    if dp % size:
+        raise ValueError(
+            f"shard_size({size}) does not divide dp({dp}) (world / tp): pick a divisor of {dp} "
+            f"{[d for d in range(1, dp + 1) if dp % d == 0]}, 'node' ({dp_per_node}) or None"
+        )
+    if dp_per_node % size and size % dp_per_node:
+        raise ValueError(
+            f"shard_size({size}) neither divides nor is a multiple of the dp ranks per node({dp_per_node} = "
+            f"devices_per_node({devices_per_node}) / tp({tp})): a shard group would straddle a node boundary"
+        )
+    return DpTopology(dp=dp, dp_per_node=dp_per_node, shard_size=size, hierarchical_reduce=bool(hierarchical_reduce))
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one rank sends per optimizer step on each link class, by collective kind."""
+
+    intra_node: dict[str, float]
+    inter_node: dict[str, float]
+
+    @property
+    def intra_node_total(self) -> float:
+        return sum(self.intra_node.values())
+
+    @property
+    def inter_node_total(self) -> float:
+        return sum(self.inter_node.values())
+
+    def by_kind(self, kind: str) -> float:
+        return self.intra_node.get(kind, 0.0) + self.inter_node.get(kind, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "intra_node": dict(self.intra_node),
+            "inter_node": dict(self.inter_node),
+            "intra_node_total": self.intra_node_total,
+            "inter_node_total": self.inter_node_total,
+        }
+
+
+def grad_syncs_per_step(stage: int, micro_batches: int, defer_grad_reduce: bool = False) -> int:
+    """Gradient reductions per optimizer step: stages 0-1 (and stage 2 with ``defer_grad_reduce``)
+    accumulate full gradients and reduce once; stage 2 otherwise and stage 3 on every micro batch."""
+    return micro_batches if stage == 3 or (stage == 2 and not defer_grad_reduce) else 1
+
+
+def gathers_per_step(stage: int, micro_batches: int) -> int:
+    """Parameter all-gathers of the whole model per optimizer step: stages 1-2 once after the
+    step; stage 3 before each micro batch's forward and again before its backward; DDP none."""
+    return {0: 0, 1: 1, 2: 1}.get(stage, 2 * micro_batches)
+
+
+def dp_link_bytes(
+    numel: int,
+    *,
+    stage: int,
+    topology: DpTopology,
+    micro_batches: int = 1,
+    defer_grad_reduce: bool = False,
+    grad_bytes: int = 2,
+    param_bytes: int = 2,
+    grad_comm_dtype: Optional[str] = None,
+    param_comm_dtype: Optional[str] = None,
+) -> LinkBytes:
+    """Data-parallel bytes one rank sends per optimizer step on each link class, for ``numel``
+    parameters per tp rank (padded to a multiple of ``shard_size``): every hop of
+    :meth:`DpTopology.grad_hops` times :func:`grad_syncs_per_step`, plus every hop of
+    :meth:`DpTopology.gather_hops` times :func:`gathers_per_step`. Stage 0 ignores the topology
+    knobs (Lightning's DDP all-reduces over all dp ranks)."""
+    out: dict[str, dict[str, float]] = {link: {} for link in LINK_CLASSES}
+    plan = [
+        (
+            topology.grad_hops(stage=stage, grad_bytes=grad_bytes, grad_comm_dtype=grad_comm_dtype),
+            grad_syncs_per_step(stage, micro_batches, defer_grad_reduce),
+        ),
+    ]
+    if stage > 0:
+        plan.append(
+            (
+                topology.gather_hops(param_bytes=param_bytes, param_comm_dtype=param_comm_dtype),
+                gathers_per_step(stage, micro_batches),
+            )
+        )
+    for hops, count in plan:
+        for hop in hops:
+            kinds = out[hop.link]
+            kinds[hop.kind] = kinds.get(hop.kind, 0.0) + count * hop.sent_bytes(numel)
+    return LinkBytes(intra_node=out["intra_node"], inter_node=out["inter_node"])

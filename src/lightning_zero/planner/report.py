@@ -20,7 +20,7 @@ from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
-from lightning_zero.planner.search import SearchResult, search_layouts
+from lightning_zero.planner.search import SearchResult, search_layouts, topology_overrides
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
@@ -79,6 +79,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
         max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
         overlap_param_gather=bool(plan_options["overlap_param_gather"]),
+        **topology_knobs(strategy),
         hardware=hardware,
         mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
@@ -88,6 +89,27 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
     return model_config, kwargs, plan_options
+
+
+# Topology knobs (issue 14) and their defaults. Read with defaults rather than from ZERO_DEFAULTS so
+# the planner works before and after the engine adds them to ZeroConfig (docs/topology.md).
+TOPOLOGY_KNOBS = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
+
+
+def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:
+    """``strategy.shard_size`` (None | int | "node"), ``strategy.hierarchical_reduce``,
+    ``strategy.grad_comm_dtype`` / ``strategy.param_comm_dtype`` (None | fp32 | bf16 | int8) of the
+    composed config, each defaulting as :class:`~lightning_zero.ZeroStrategy` does."""
+    knobs = {
+        name: strategy.get(name, getattr(ZERO_DEFAULTS, name, default)) for name, default in TOPOLOGY_KNOBS.items()
+    }
+    shard = knobs["shard_size"]
+    if isinstance(shard, str) and shard not in ("node",):
+        if not shard.isdigit():
+            raise ValueError(f"strategy.shard_size must be null, 'node' or a positive int, got {shard!r}")
+        knobs["shard_size"] = int(shard)
+    knobs["hierarchical_reduce"] = bool(knobs["hierarchical_reduce"])
+    return knobs
 
 
 def _to_container(cfg: Any) -> dict[str, Any]:
@@ -159,12 +181,26 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
             f"defer_grad_reduce={plan.defer_grad_reduce}, max_buckets_in_flight={plan.max_buckets_in_flight}, "
             f"overlap_param_gather={plan.overlap_param_gather}",
         ),
+        ("sharding", sharding_line(plan)),
         (
             "hardware",
             f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
             f"mfu={plan.mfu:g}",
         ),
     ]
+
+
+def sharding_line(plan: Plan) -> str:
+    """How ZeRO shards and what crosses nodes in which wire format (docs/topology.md)."""
+    if plan.replicas == 1:
+        text = f"ZeRO over all dp={plan.dp} ranks"
+    else:
+        text = f"hybrid: shard_size={plan.shard_size} x {plan.replicas} replicas"
+    if plan.hierarchical_reduce:
+        text += ", hierarchical reduce-scatter (in node, then across nodes)"
+    wire = {"grads": plan.grad_comm_dtype, "params": plan.param_comm_dtype}
+    text += "; cross-node wire: " + ", ".join(f"{k} {v or 'uncompressed'}" for k, v in wire.items())
+    return text
 
 
 def memory_rows(stages: Sequence[Plan]) -> list[list[str]]:
@@ -180,6 +216,12 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     rows = [
         ["dp bytes sent / step (GB)", *(_gb(p.traffic.dp_bytes) for p in stages)],
         ["dp time on the link", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
+        ["intra-node GB / step (dp + tp)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
+        ["inter-node GB / step", *(_gb(p.traffic.inter_node_bytes) for p in stages)],
+        [
+            "dp time intra / inter-node",
+            *(f"{_seconds(p.traffic.intra_node_s)} / {_seconds(p.traffic.inter_node_s)}" for p in stages),
+        ],
         ["tp bytes sent / step (GB)", *(_gb(p.traffic.tp_all_reduce_bytes) for p in stages)],
         ["tp time (NVLink, blocking)", *(_seconds(p.traffic.tp_s) for p in stages)],
         ["compute time (incl. tp)", *(_seconds(p.traffic.compute_s) for p in stages)],
@@ -194,6 +236,11 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
                 ),
             ],
             ["exposed comm", *(_seconds(p.traffic.exposed_comm_s) for p in stages)],
+            *(
+                [["step overhead (hardware)", *(_seconds(p.timing.overhead_s) for p in stages)]]  # type: ignore[union-attr]
+                if any(p.timing.overhead_s for p in stages)  # type: ignore[union-attr]
+                else []
+            ),
             ["predicted step", *(_seconds(p.traffic.step_s) for p in stages)],
             ["tokens/s (all ranks)", *(f"{p.tokens_per_s:,.0f}" for p in stages)],
             ["MFU", *(f"{p.timing.mfu:.1%}" for p in stages)],  # type: ignore[union-attr]
@@ -282,6 +329,79 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
 
 
 # --------------------------------------------------------------------------------------------
+# Topology options: the same run with each way of sharding / reducing / compressing (issue 14)
+# --------------------------------------------------------------------------------------------
+
+TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ZeRO over the world", {}),
+    ("hierarchical reduce", {"hierarchical_reduce": True}),
+    ("hybrid per node", {"shard_size": "node"}),
+    ("hybrid per node + int8", {"shard_size": "node", "grad_comm_dtype": "int8", "param_comm_dtype": "int8"}),
+    ("world + int8", {"grad_comm_dtype": "int8", "param_comm_dtype": "int8"}),
+)
+
+
+def topology_plans(model_config: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, Plan]]:
+    """The configured run under each of :data:`TOPOLOGY_OPTIONS` (other knobs as configured)."""
+    plain = {
+        **kwargs,
+        **dict.fromkeys(("shard_size", "grad_comm_dtype", "param_comm_dtype")),
+        "hierarchical_reduce": False,
+    }
+    return [(label, plan_run(model_config, **{**plain, **change})) for label, change in TOPOLOGY_OPTIONS]
+
+
+def topology_rows(options: Sequence[tuple[str, Plan]]) -> list[list[str]]:
+    rows = []
+    for label, p in options:
+        t = p.traffic
+        rows.append(
+            [
+                label,
+                _gb(t.intra_node_bytes),
+                _gb(t.inter_node_bytes),
+                _seconds(t.intra_node_s),
+                _seconds(t.inter_node_s),
+                _seconds(t.exposed_comm_s),
+                _seconds(t.step_s),
+                _gib(p.memory.total),
+                "yes" if p.fits else "NO",
+            ]
+        )
+    return rows
+
+
+TOPOLOGY_COLUMNS = (
+    "option",
+    "intra-node GB",
+    "inter-node GB",
+    "dp time intra",
+    "dp time inter",
+    "exposed comm",
+    "step",
+    "GiB/rank",
+    "fits",
+)
+
+
+def print_topology(options: Sequence[tuple[str, Plan]], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    first = options[0][1]
+    table = Table(
+        title=f"topology options, ZeRO stage {first.stage}, per rank per optimizer step (intra-node includes tp "
+        f"{_gb(first.traffic.tp_all_reduce_bytes)} GB; int8 = one fp32 scale per 256 elements)"
+    )
+    for column in TOPOLOGY_COLUMNS:
+        table.add_column(column, justify="left" if column == "option" else "right")
+    for row in topology_rows(options):
+        table.add_row(*row)
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------------
 # The layout search
 # --------------------------------------------------------------------------------------------
 
@@ -358,6 +478,12 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         ]
     )
     result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
+    topology = None
+    if options.get("topology") and plan.stage > 0 and plan.num_nodes > 1:
+        topology = topology_plans(model_config, kwargs)
+        result["topology"] = [
+            {"option": label, "overrides": _topology_overrides(p), "plan": p.as_dict()} for label, p in topology
+        ]
     search = None
     if options.get("search"):
         top = int(options.get("top") or 10)
@@ -389,8 +515,15 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         print_json(result, console=console)
     else:
         print_tables(plan, stages, console=console)
+        if topology is not None:
+            print_topology(topology, console=console)
         if search is not None:
             print_search(search, int(options.get("top") or 10), plan, console=console)
         if "plot" in result:
             print_line(f"plot: {result['plot']}", console=console)
     return result
+
+
+def _topology_overrides(plan: Plan) -> list[str]:
+    shard_size = plan.shard_size if plan.replicas > 1 else None
+    return topology_overrides(shard_size, plan.hierarchical_reduce, plan.grad_comm_dtype, plan.param_comm_dtype)

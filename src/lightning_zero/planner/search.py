@@ -5,8 +5,10 @@ Enumerated (the knobs that exist in the engine today): ZeRO stage (0 = Lightning
 tensor-parallel size (powers of two up to the devices per node that divide the model), micro batch
 with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` stays the configured
 global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing, ``bucket_mb`` and, for
-stage 3, ``prefetch_blocks``. Hybrid sharding and compressed communication are not in the engine,
-so they are not searched. Each layout is first planned for bytes only (no simulation); only those
+stage 3, ``prefetch_blocks``; on more than one node also the topology knobs (docs/topology.md):
+``shard_size`` (``None``, ``"node"``), ``hierarchical_reduce`` (when the shard group spans nodes)
+and the cross-node wire format (``grad_comm_dtype`` = ``param_comm_dtype`` in ``None``, ``"bf16"``
+unless that is the native format, ``"int8"``), each only where it changes something. Each layout is first planned for bytes only (no simulation); only those
 that fit are simulated (:mod:`lightning_zero.planner.timing`; ``plan_run(simulate="if_fits")``).
 """
 
@@ -14,13 +16,33 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from itertools import product
+from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.planner.arithmetic import GiB, Plan, plan_run
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 BUCKET_MBS = (25.0, 100.0, 400.0)
 PREFETCH = (1, 2)
+SHARD_SIZES: tuple[Union[None, int, str], ...] = (None, "node")
+HIERARCHICAL = (False, True)
+COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
+
+
+def topology_overrides(
+    shard_size: Union[None, int, str],
+    hierarchical_reduce: bool,
+    grad_comm_dtype: Optional[str],
+    param_comm_dtype: Optional[str],
+) -> list[str]:
+    """The Hydra overrides of the topology knobs that differ from their defaults (docs/topology.md)."""
+    out = [] if shard_size is None else [f"strategy.shard_size={shard_size}"]
+    if hierarchical_reduce:
+        out.append("strategy.hierarchical_reduce=true")
+    for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
+        if value is not None:
+            out.append(f"strategy.{name}={value}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,10 @@ class Layout:
     activation_checkpointing: bool
     bucket_mb: float
     prefetch_blocks: int
+    shard_size: Union[None, int, str] = None
+    hierarchical_reduce: bool = False
+    grad_comm_dtype: Optional[str] = None
+    param_comm_dtype: Optional[str] = None
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
@@ -51,6 +77,9 @@ class Layout:
             out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
         if self.stage == 3:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
+        out += topology_overrides(
+            self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
+        )
         out += [
             f"data.batch_size={self.micro_batch}",
             f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
@@ -121,9 +150,16 @@ def search_layouts(
     checkpointing: Sequence[bool] = (False, True),
     max_buckets_in_flight: int = 2,
     overlap_param_gather: bool = False,
+    shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
+    hierarchical: Sequence[bool] = HIERARCHICAL,
+    comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
+    topology: bool = True,
 ) -> SearchResult:
     """Plan every layout (module docstring) with ``global_batch`` samples per optimizer step; return
-    those that fit, ranked by predicted tokens/s (ties: less memory first)."""
+    those that fit, ranked by predicted tokens/s (ties: less memory first). ``topology=False``
+    leaves the topology knobs at their defaults (what an engine without them runs)."""
+    if not topology:
+        shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
     from lightning_zero.planner.hardware import load_hardware
 
@@ -157,36 +193,92 @@ def search_layouts(
             defers = (False, True) if stage == 2 else (False,)
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
+            topologies = _topologies(
+                stage, tp, world_size, devices_per_node, precision, shard_sizes, hierarchical, comm_dtypes
+            )
             for micro_batch in micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
-                for checkpoint in checkpointing:
-                    for defer in defers:
-                        for bucket_mb in buckets:
-                            for ahead in prefetches:
-                                layout = Layout(
-                                    stage, tp, micro_batch, accumulate, defer, bool(checkpoint), float(bucket_mb), ahead
-                                )
-                                knobs = dict(
-                                    stage=stage,
-                                    tp=tp,
-                                    micro_batch=micro_batch,
-                                    accumulate_grad_batches=accumulate,
-                                    defer_grad_reduce=defer,
-                                    activation_checkpointing=bool(checkpoint),
-                                    bucket_mb=float(bucket_mb),
-                                    prefetch_blocks=ahead,
-                                    **common,
-                                )
-                                try:
-                                    plan = plan_run(config, simulate="if_fits", **knobs)
-                                except ValueError:  # a tp that does not divide the model's heads, ...
-                                    continue
-                                evaluated += 1
-                                if not plan.fits:
-                                    rejected += 1
-                                    continue
-                                ranked.append(Ranked(layout, plan))
+                for checkpoint, defer, bucket_mb, ahead in product(checkpointing, defers, buckets, prefetches):
+                    unfit: set = set()  # shard sizes whose memory does not fit
+                    for topo in topologies:
+                        if topo["shard_size"] in unfit:  # wire formats and hierarchy hold the same bytes
+                            evaluated += 1
+                            rejected += 1
+                            continue
+                        layout = Layout(
+                            stage, tp, micro_batch, accumulate, defer, bool(checkpoint), float(bucket_mb), ahead, **topo
+                        )
+                        knobs = dict(
+                            stage=stage,
+                            tp=tp,
+                            micro_batch=micro_batch,
+                            accumulate_grad_batches=accumulate,
+                            defer_grad_reduce=defer,
+                            activation_checkpointing=bool(checkpoint),
+                            bucket_mb=float(bucket_mb),
+                            prefetch_blocks=ahead,
+                            **topo,
+                            **common,
+                        )
+                        try:
+                            plan = plan_run(config, simulate="if_fits", **knobs)
+                        except ValueError:  # a tp that does not divide the model's heads, ...
+                            continue
+                        evaluated += 1
+                        if not plan.fits:
+                            rejected += 1
+                            unfit.add(topo["shard_size"])
+                            continue
+                        ranked.append(Ranked(layout, plan))
     ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
     return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)
+
+
+def _topologies(
+    stage: int,
+    tp: int,
+    world_size: int,
+    devices_per_node: int,
+    precision: str,
+    shard_sizes: Sequence[Union[None, int, str]],
+    hierarchical: Sequence[bool],
+    comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]],
+) -> list[dict[str, Any]]:
+    """The topology knobs worth planning for one layout: none for DDP or one node (nothing crosses
+    nodes); ``"node"`` only when it differs from sharding over every dp rank; hierarchical only
+    when the shard group spans nodes and a node holds more than one dp rank; a wire format only
+    when it differs from the native one (bf16 under bf16-mixed is a no-op). For each shard size the
+    plain option comes first: the others hold the same memory, so the search skips them when it
+    does not fit."""
+    from lightning_zero.planner.ledger import dp_topology
+
+    plain = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
+    if stage == 0 or world_size <= devices_per_node:
+        return [plain]
+    native = "bf16" if str(precision) == "bf16-mixed" else "fp32"
+    dp = world_size // tp
+    out: list[dict[str, Any]] = []
+    for shard_size in shard_sizes:
+        try:
+            topology = dp_topology(dp=dp, devices_per_node=devices_per_node, tp=tp, shard_size=shard_size)
+        except ValueError:
+            continue
+        if shard_size is not None and topology.shard_size == dp:
+            continue  # the same as sharding over every dp rank
+        for hier in hierarchical:
+            if hier and not (topology.shard_spans_nodes and topology.dp_per_node > 1):
+                continue
+            for grad_dtype, param_dtype in comm_dtypes:
+                if (grad_dtype, param_dtype) != (None, None) and native in (grad_dtype, param_dtype):
+                    continue
+                out.append(
+                    {
+                        "shard_size": shard_size,
+                        "hierarchical_reduce": hier,
+                        "grad_comm_dtype": grad_dtype,
+                        "param_comm_dtype": param_dtype,
+                    }
+                )
+    return out or [plain]

@@ -39,10 +39,12 @@ the engine really achieves, simulated bucket by bucket.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_zero.config import ZERO_DEFAULTS
+from lightning_zero.planner.ledger import Hop
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -432,10 +434,25 @@ class StepTime:
     forward: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
     backward_sync: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
     backward_no_sync: Phase = field(default_factory=lambda: Phase(0.0, 0.0, 0.0))
+    # seconds each link class carries dp collectives per step (their sum is dp_comm_s; "dp" when
+    # the caller gave one link without a class)
+    comm_s_by_link: tuple[tuple[str, float], ...] = ()
+    overhead_s: float = 0.0  # fixed per-step work the model does not count (hardware.step_overhead_s)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.grad_copy_s + self.post_step_gather_s
+        return (
+            self.compute_s
+            + self.exposed_comm_s
+            + self.optimizer_s
+            + self.grad_copy_s
+            + self.post_step_gather_s
+            + self.overhead_s
+        )
+
+    def link_s(self, link: str) -> float:
+        """Seconds of dp collectives on ``link`` (``"intra_node"`` / ``"inter_node"``) per step."""
+        return dict(self.comm_s_by_link).get(link, 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -475,32 +492,61 @@ def step_time(
     model_flops_per_rank: float = 0.0,
     peak_flops: float = 1.0,
     world_size: int = 1,
+    grad_hops: Optional[Sequence[Hop]] = None,
+    gather_hops: Optional[Sequence[Hop]] = None,
+    links: Optional[Mapping[str, Link]] = None,
+    shard_size: Optional[int] = None,
+    overhead_s: float = 0.0,
 ) -> StepTime:
-    """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP)."""
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
-    kind = "all_reduce" if stage == 0 else "reduce_scatter"
-    seconds: dict[tuple[str, int], float] = {}  # buckets repeat their sizes: one formula per size
+    """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP).
 
-    def bucket_seconds(collective: str, numel: int, element_bytes: int) -> float:
-        key = (collective, numel)
+    Without ``grad_hops`` / ``gather_hops`` every dp collective is one ring over ``dp`` ranks on
+    ``dp_link``. With them (:meth:`~lightning_zero.planner.ledger.DpTopology.grad_hops`: hybrid
+    sharding, hierarchical reduction, compressed wire formats) a bucket's reduction is its hops
+    run one after another, each on ``links[hop.link]``, and ZeRO shards over ``shard_size``
+    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step.
+    """
+    shard = shard_size or dp
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard)
+    if grad_hops is None:
+        kind = "all_reduce" if stage == 0 else "reduce_scatter"
+        grad_hops = [Hop(kind, dp, 1.0, "dp", None, grad_bytes)] if dp > 1 else []
+    if gather_hops is None:
+        gather_hops = [Hop("all_gather", dp, 1.0, "dp", None, param_bytes)] if dp > 1 else []
+    link_of = dict(links or {})
+    link_of.setdefault("dp", dp_link)
+    seconds: dict[tuple[int, int], tuple[float, dict[str, float]]] = {}  # buckets repeat their sizes
+
+    def hops_seconds(hops: Sequence[Hop], numel: int) -> tuple[float, dict[str, float]]:
+        key = (id(hops), numel)
         if key not in seconds:
-            seconds[key] = collective_seconds(collective, numel * element_bytes, dp, dp_link)
+            per_link: dict[str, float] = {}
+            for hop in hops:
+                spent = collective_seconds(hop.kind, hop.payload_bytes(numel), hop.ranks, link_of[hop.link])
+                per_link[hop.link] = per_link.get(hop.link, 0.0) + spent
+            seconds[key] = (sum(per_link.values()), per_link)
         return seconds[key]
 
-    bucket_s = [bucket_seconds(kind, b.numel, grad_bytes) for b in buckets]
+    by_link: dict[str, float] = {}
+
+    def tally(per_link: Mapping[str, float], count: float) -> None:
+        for link, spent in per_link.items():
+            by_link[link] = by_link.get(link, 0.0) + count * spent
+
+    bucket_s = [hops_seconds(grad_hops, b.numel)[0] for b in buckets]
     gather_s = None
     if stage == 3:
         per_unit = [0.0] * len(workload.unit_forward_s)
         for bucket in buckets:
             unit = workload.tensors[bucket.tensors[0]].unit
-            per_unit[unit] += bucket_seconds("all_gather", bucket.numel, param_bytes)
+            per_unit[unit] += hops_seconds(gather_hops, bucket.numel)[0]
         gather_s = per_unit
     pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
     common = dict(
         overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency
     )
     forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
-    backward_sync = simulate_backward(workload, buckets, bucket_s, sync=dp > 1, **common)
+    backward_sync = simulate_backward(workload, buckets, bucket_s, sync=bool(grad_hops), **common)
     every_micro_batch = stage == 3 or (stage == 2 and not defer_grad_reduce)
     backward_no_sync = (
         backward_sync if every_micro_batch else simulate_backward(workload, buckets, bucket_s, sync=False, **common)
@@ -510,14 +556,23 @@ def step_time(
     compute = micro_batches * (forward.compute_s + backward_sync.compute_s)
     exposed = micro_batches * forward.exposed_s + syncing * backward_sync.exposed_s + quiet * backward_no_sync.exposed_s
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
+    sizes = Counter(bucket.numel for bucket in buckets)  # few distinct sizes: tally each once
+    if grad_hops:
+        for numel, count in sizes.items():
+            tally(hops_seconds(grad_hops, numel)[1], count * syncing)
+    if stage == 3 and gather_hops:
+        for numel, count in sizes.items():  # before each forward and again before each backward
+            tally(hops_seconds(gather_hops, numel)[1], count * 2 * micro_batches)
     post = 0.0
-    if stage in (1, 2) and dp > 1:
-        gather = sum(bucket_seconds("all_gather", b.numel, param_bytes) for b in buckets)
+    if stage in (1, 2) and gather_hops:
+        gather = sum(count * hops_seconds(gather_hops, numel)[0] for numel, count in sizes.items())
+        for numel, count in sizes.items():
+            tally(hops_seconds(gather_hops, numel)[1], count)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
     local_numel = sum(t.numel for t in workload.tensors)
-    stepped = local_numel / dp if stage >= 1 else local_numel
+    stepped = local_numel / shard if stage >= 1 else local_numel
     return StepTime(
         compute_s=compute,
         tp_s=micro_batches * workload.tp_s,
@@ -533,4 +588,6 @@ def step_time(
         forward=forward,
         backward_sync=backward_sync,
         backward_no_sync=backward_no_sync,
+        comm_s_by_link=tuple(sorted(by_link.items())),
+        overhead_s=float(overhead_s),
     )
