@@ -36,13 +36,13 @@ class Deferred:
 def _defer_gathers() -> None:
     import lightning_zero.zero.param_gather as param_gather
 
-    real = param_gather.all_gather
+    real = param_gather.all_gather_compressed
 
-    def deferred(output, input, group, **kwargs):
+    def deferred(output, input, group, comm_dtype, **kwargs):
         scratch = torch.zeros_like(output)
-        return Deferred(real(scratch, input.clone(), group, **kwargs), scratch, output)
+        return Deferred(real(scratch, input.clone(), group, comm_dtype, **kwargs), scratch, output)
 
-    param_gather.all_gather = deferred
+    param_gather.all_gather_compressed = deferred
 
 
 class Model(nn.Module):

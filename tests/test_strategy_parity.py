@@ -32,6 +32,7 @@ PAIRS = {
     "zero2_acc_gather_sync": "ddp_acc",
     "zero2_offload_acc": "ddp_acc",
     "zero2_two_opt": "ddp_two_opt",
+    "zero2_ema": "ddp_ema",
     "llama_zero3": "llama_ddp",
     "llama_zero3_p0_acc": "llama_ddp_acc",
     "llama_zero3_ckpt": "llama_ddp_ckpt",
@@ -103,8 +104,23 @@ def test_param_gather_overlaps_the_next_forward(results, case):
         assert stats["waits"]["forward_hook"] > 0, stats
     acc = torch.load(results / "zero2_acc.rank0.pt")["stats"]
     assert max(acc["pending_after_step"]) == acc["chunks"] > 1
-    # 6 steps: the gathers of steps 1-5 are each waited in a forward pre-hook, step 6's at the end.
-    assert acc["waits"] == {"forward_hook": 5 * acc["chunks"], "safe_point": 0, "at_launch": 0}
+    # 6 steps: the gathers of steps 1-5 are each waited in a forward pre-hook, step 6's at the end
+    # (by the barrier, before any callback's on_train_end: [Note: parameter reads between steps]).
+    assert acc["waits"] == {"forward_hook": 5 * acc["chunks"], "safe_point": acc["chunks"], "at_launch": 0}
+
+
+@pytest.mark.slow
+def test_callback_reading_weights_between_steps_sees_whole_parameters(results):
+    """An EMA callback under the default overlapped gather equals ddp's EMA: the barrier waited for
+    every step's gathers in on_train_batch_end (none was left to a forward pre-hook)."""
+    for rank in (0, 1):
+        got = torch.load(results / f"zero2_ema.rank{rank}.pt")
+        want = torch.load(results / f"ddp_ema.rank{rank}.pt")
+        assert set(got["ema"]) == set(want["ema"]) and want["ema"]
+        for name, value in want["ema"].items():
+            torch.testing.assert_close(got["ema"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        waits = got["stats"]["waits"]
+        assert waits["forward_hook"] == 0 and waits["safe_point"] > 0, waits
 
 
 @pytest.mark.slow

@@ -88,6 +88,8 @@ class ZeroMonitor(Callback):
             A100), no MFU on CPU.
     """
 
+    reads_parameters_between_steps = False  # bytes and timings only ([Note: parameter reads between steps])
+
     def __init__(self, warn_overlap_below: float = 0.5, summary: bool = True, hardware: Optional[Any] = None) -> None:
         self.warn_overlap_below = warn_overlap_below
         self.summary = summary

@@ -247,6 +247,12 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting and self.monitor:
             self._attach_monitor(trainer)
+        if fitting and self.engine is not None and self.engine.param_gatherer is not None:
+            from lightning_zero.gather_barrier import ParamGatherBarrier
+
+            # first, so no user hook between steps reads parameters still being gathered
+            trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, ParamGatherBarrier)]
+            trainer.callbacks.insert(0, ParamGatherBarrier(self._wait_param_gathers))
 
     def _adopt_tp_counter(self) -> None:
         """Count dp and tp traffic in one place: a tensor-parallel model keeps the counter its TP

@@ -29,6 +29,8 @@ CASES = {  # name: (stage, precision, grad_comm_dtype, param_comm_dtype)
 class Probe(EngineProbe):
     """monitor_run's probe (bytes sent per step) plus the losses and what the engine was given."""
 
+    reads_parameters_between_steps = False  # metrics only ([Note: parameter reads between steps])
+
     def __init__(self) -> None:
         super().__init__()
         self.losses: list[float] = []

@@ -129,6 +129,9 @@ CASES = {
     # turn it off, and count the offload copies under accumulation.
     "zero2_acc_gather_sync": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, overlap_param_gather=False), ACC),
     "zero2_offload_acc": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, offload_optimizer=True), ACC),
+    # a callback reading the weights between steps (EMA): the barrier makes them whole first
+    "ddp_ema": (lambda: "ddp", {"ema": True}),
+    "zero2_ema": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"ema": True}),
     "ddp_two_opt": (lambda: "ddp", {"two_optimizers": True}),
     "zero2_two_opt": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"two_optimizers": True}),
 }
@@ -139,6 +142,8 @@ TWO_OPT = {"max_steps": 12, "val_check_interval": 3, "limit_val_batches": 2}
 
 class EngineStats(L.Callback):
     """What the engine did about the parameter all-gather and offload, read before teardown."""
+
+    reads_parameters_between_steps = False  # metrics only ([Note: parameter reads between steps])
 
     def __init__(self) -> None:
         self.stats: dict = {"pending_after_step": [], "optimizer_steps": 0}
@@ -160,7 +165,23 @@ class EngineStats(L.Callback):
         )
 
 
+class WeightEMA(L.Callback):
+    """An exponential moving average of the weights, updated after every training batch (as EMA
+    callbacks do): reads every parameter between the optimizer step and the next forward."""
+
+    def __init__(self, decay: float = 0.5) -> None:
+        self.decay, self.ema = decay, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for name, param in pl_module.named_parameters():
+            value = param.detach().float()
+            old = self.ema.get(name)
+            self.ema[name] = value.clone() if old is None else old * self.decay + value * (1 - self.decay)
+
+
 class RecordLosses(L.Callback):
+    reads_parameters_between_steps = False  # metrics only ([Note: parameter reads between steps])
+
     def __init__(self) -> None:
         self.losses: list[float] = []
 
@@ -229,6 +250,7 @@ def run(name: str, out_dir: str) -> None:
     kwargs = dict(kwargs)
     manual = kwargs.pop("manual", False)
     two_optimizers = kwargs.pop("two_optimizers", False)
+    ema = WeightEMA() if kwargs.pop("ema", False) else None
     L.seed_everything(42, verbose=False)
     model = TwoOptimizers() if two_optimizers else TinyLM(manual=manual)
     stats = EngineStats()
@@ -242,13 +264,15 @@ def run(name: str, out_dir: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[stats],
+        callbacks=[stats, *([ema] if ema is not None else [])],
         **kwargs,
     )
     trainer.fit(model, data(), *([data()] if two_optimizers else []))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     strategy = trainer.strategy
     extra = {"stats": stats.stats}
+    if ema is not None:
+        extra["ema"] = ema.ema
     if two_optimizers:
         extra["val_losses"] = model.val_losses
     if isinstance(strategy, ZeroStrategy) and model.losses:

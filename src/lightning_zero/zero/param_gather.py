@@ -27,9 +27,10 @@ first training-step call therefore runs without overlap (each gather waited at o
 which modules' forwards ran; from then on, buckets holding a parameter none of whose owning
 modules ran in that step are waited when a training step begins (``begin_train_step``). What
 stays out of reach: a step that reads a parameter directly *before* calling its owning module
-in the same step, and a callback that reads parameters between the optimizer step and the next
-training step (``on_train_batch_end``); both see parameters still being gathered. For those,
-``ZeroStrategy(overlap_param_gather=False)`` waits for every gather inside the step, as before.
+in the same step (it sees parameters still being gathered: ``ZeroStrategy(overlap_param_gather=False)``
+waits for every gather inside the step, as before). User hooks between the optimizer step and the
+next training step (a callback's ``on_train_batch_end``, e.g. an EMA of the weights) are guarded
+by the strategy's barrier callback ([Note: parameter reads between steps] in ``gather_barrier.py``).
 
 Ranks launch the same all-gathers in the same order (per optimizer, per flat group, buckets in
 reverse layout order), whatever their forward does; waits are local and may come in any order.
