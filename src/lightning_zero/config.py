@@ -99,6 +99,16 @@ class ZeroConfig:
             saying what this rank waited on and how far its backward got ("5/12 params ready in
             bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
             default). ``None`` leaves only the process group's timeout.
+        reduce_dtype: the dtype gradients are accumulated in over micro batches and reduced
+            (reduce-scattered) in. ``"compute"`` (default; ``"bf16"`` is accepted as its name
+            under bf16-mixed): the compute dtype, i.e. bf16 gradients under bf16-mixed, the ZeRO
+            paper's ``2 + 2 + 12`` bytes per parameter and ``2 (dp-1)/dp`` bytes sent per
+            gradient element. ``"fp32"``: fp32 bucket buffers and gradient shards, each bf16
+            micro-batch gradient added into them in fp32 and the reduce-scatter run in fp32
+            (Megatron's ``grad_reduce_in_fp32``, FSDP2's ``reduce_dtype=torch.float32``): 2 more
+            bytes per gradient element held (``P`` at stage 1, ``P / dp`` at stages 2-3) and twice
+            the gradient bytes sent, for sums that do not drift over long accumulation. Under
+            ``precision="32-true"`` both are fp32.
     """
 
     stage: int = 2
@@ -111,6 +121,7 @@ class ZeroConfig:
     max_buckets_in_flight: int = 2
     monitor: bool = True
     collective_timeout: Optional[float] = 300.0
+    reduce_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -143,6 +154,12 @@ class ZeroConfig:
                 "collective_timeout",
                 "give a number of seconds > 0 (default 300) or None for the process group's own timeout.",
             )
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            fail(
+                "reduce_dtype",
+                'give "compute" (gradients in the compute dtype; "bf16" is the same under bf16-mixed)'
+                ' or "fp32" (accumulate and reduce gradients in fp32).',
+            )
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:
@@ -158,6 +175,13 @@ class ZeroConfig:
 
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
+REDUCE_DTYPES = ("compute", "bf16", "fp32")  # values of ZeroConfig.reduce_dtype
+
+
+def reduce_in_fp32(reduce_dtype: str) -> bool:
+    """Whether ``ZeroConfig.reduce_dtype`` asks for fp32 gradient buffers and reductions (under
+    bf16-mixed; under 32-true everything is fp32 anyway)."""
+    return reduce_dtype == "fp32"
 
 
 def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
