@@ -83,6 +83,11 @@ CASES = {
     "zero1_bf16": (lambda: ZeroStrategy(stage=1, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "zero2_bf16": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "zero3_bf16": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {"precision": "bf16-mixed"}),
+    "zero2_bf16_fp32_reduce": (
+        lambda: ZeroStrategy(stage=2, bucket_mb=0.004, reduce_dtype="fp32"),
+        {"precision": "bf16-mixed", **ACC},
+    ),
+    "ddp_bf16_acc": (lambda: "ddp", {"precision": "bf16-mixed", **ACC}),
     "ddp_manual": (lambda: "ddp", {"manual": True}),
     "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
 }
@@ -176,6 +181,8 @@ def run(name: str, out_dir: str) -> None:
     extra = {}
     if isinstance(strategy, ZeroStrategy) and model.losses:
         extra["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+        if strategy.engine is not None:
+            extra["grad_chunk_dtypes"] = sorted({str(b.grad_chunk.dtype) for b in strategy.engine.reducer.buckets})
     torch.save(
         {"losses": model.losses, "params": params, **extra},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),

@@ -237,6 +237,7 @@ class FullGradStorage(GradStorage):
         self.dp_size = 1
         self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
         self._views: dict[int, torch.Tensor] = {}  # param id -> its slot as a param-shaped view
+        self._installed: set[int] = set()  # param ids whose .grad the engine set to their view
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets
@@ -286,15 +287,18 @@ class FullGradStorage(GradStorage):
                     if param.grad is not None:  # a gradient the engine has not seen: keep it
                         view.add_(param.grad.reshape(slot.shape))
                     param.grad = view
+                self._installed.add(id(param))
 
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
         grad = slot.param.grad
         view = self._views.get(id(slot.param))
         if view is not None and grad is view:
             return  # autograd accumulated into the bucket slot already
+        installed = id(slot.param) in self._installed
+        self._installed.discard(id(slot.param))
         self._rearm(bucket)
         target = self.buffers[id(bucket.group)][slot.offset : slot.end]
-        if view is not None and torch.is_grad_enabled():
+        if installed and torch.is_grad_enabled():
             # create_graph=True: autograd replaced the installed view by ``view + new`` out of place.
             target.copy_(grad.detach().reshape(-1))
         else:
@@ -311,6 +315,7 @@ class FullGradStorage(GradStorage):
         # shows it as its gradient (``install_grad_views`` puts the views back before the next
         # backward that may add to a zeroed bucket).
         for slot in bucket.layout.slots:
+            self._installed.discard(id(slot.param))
             if self._views.get(id(slot.param)) is not None and slot.param.grad is self._views[id(slot.param)]:
                 slot.param.grad = None
 
