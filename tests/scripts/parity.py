@@ -101,6 +101,18 @@ class RecordLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class RecordGradDtypes(L.Callback):
+    """The dtypes of the engine's reduced gradient chunks (``reduce_dtype``), while it trains."""
+
+    def __init__(self) -> None:
+        self.dtypes: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.dtypes = sorted({str(bucket.grad_chunk.dtype) for bucket in engine.reducer.buckets})
+
+
 def run_llama(name: str, out_dir: str) -> None:
     """A tiny Llama (blocks, embeddings, head: real ZeRO-3 units), then validate and predict."""
     from lightning_zero.data import TokenDataModule
@@ -163,6 +175,7 @@ def run(name: str, out_dir: str) -> None:
     manual = kwargs.pop("manual", False)
     L.seed_everything(42, verbose=False)
     model = TinyLM(manual=manual)
+    grad_dtypes = RecordGradDtypes()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -173,6 +186,7 @@ def run(name: str, out_dir: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        callbacks=[grad_dtypes],
         **kwargs,
     )
     trainer.fit(model, data())
@@ -181,8 +195,7 @@ def run(name: str, out_dir: str) -> None:
     extra = {}
     if isinstance(strategy, ZeroStrategy) and model.losses:
         extra["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
-        if strategy.engine is not None:
-            extra["grad_chunk_dtypes"] = sorted({str(b.grad_chunk.dtype) for b in strategy.engine.reducer.buckets})
+        extra["grad_chunk_dtypes"] = grad_dtypes.dtypes
     torch.save(
         {"losses": model.losses, "params": params, **extra},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
