@@ -487,6 +487,15 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         "engine_sent_calls_per_step": first[0].get("engine_sent_calls_per_step"),
         "failed_rounds": len(rounds) - len(good),
     }
+    # Per-step end-of-backward wait (bench_zero12's timer): a step waits for its slower rank.
+    tails = [
+        max(steps)
+        for ranks in good
+        for steps in zip(*([e.get("backward_tail_s") for e in rank["extra"]] for rank in ranks))
+        if all(t is not None for t in steps)
+    ]
+    if tails:
+        row["backward_tail_s_median"] = statistics.median(tails)
     return row
 
 
@@ -731,10 +740,19 @@ def state_vs_formula(row: dict) -> str:
     return f"{row['case']}: model-state bytes {got:,} vs formula {want:,.0f} ({got / want - 1:+.2%})"
 
 
-def bench_main(description: str, cases: Iterable[str], worker: Callable, driver: Callable) -> None:
+def bench_main(
+    description: str,
+    cases: Iterable[str],
+    worker: Callable,
+    driver: Callable,
+    extra_args: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+) -> None:
+    """Parse the common arguments (plus ``extra_args(parser)``'s) and run the worker or the driver."""
     argv = list(sys.argv[1:])
     parser = argparse.ArgumentParser(description=description)
     add_common_args(parser, default_cases=list(cases))
+    if extra_args is not None:
+        extra_args(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)

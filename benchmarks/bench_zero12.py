@@ -1,27 +1,44 @@
-"""ZeRO-1/2 side by side with Lightning's ddp, FSDP (SHARD_GRAD_OP) and DeepSpeed ZeRO-1/2 (issue 3).
+"""ZeRO-1/2/3 side by side with Lightning's ddp, FSDP (SHARD_GRAD_OP), FSDP2 and DeepSpeed (issues 3, 13).
 
-2 CPU ranks (gloo), a tiny Llama of ~34M parameters in fp32, every case in one run:
+2 CPU ranks (gloo), fp32, every case in one run, on two models: the 33.6M-parameter bench Llama
+and a ~5.3M-parameter one (21 MB of gradients: smaller than DDP's and our default bucket), each
+strategy with its default knobs (``--knobs fixed``: every one with ``--bucket-mb``):
 
-    python benchmarks/bench_zero12.py --out results_zero12.json
-    python benchmarks/bench_zero12.py --cases zero2 ddp --steps 2 --warmup 1 --rounds 1   # quick
+    python benchmarks/bench_zero12.py --out results_zero12.json            # ddp zero1 zero2 zero3 fsdp_grad_op fsdp2
+    python benchmarks/bench_zero12.py --quick                              # smoke: tiny models, 1 step, 1 round
+    python benchmarks/bench_zero12.py --models small --cases zero2 ddp --rounds 3
 
-Per case: median step time (and its ratio to ddp, measured in the same run), peak RSS per rank,
-model-state bytes per rank (measured, next to the ZeRO formula for what the strategy shards), and
-logical bytes sent per step. See [Note: benchmark shape] in ``_harness.py`` for how it runs and
-docs/benchmarks.md for what each column means.
+Per case and model: median step time and its ratio to ddp (median of same-round ratios, each
+round's ratio listed), peak RSS per rank, model-state bytes per rank (measured, next to the ZeRO
+formula for what the strategy shards), logical bytes sent per step, and the exposed gradient
+collective time per step: from the gradient of the embedding output (the last compute of
+backward) to backward returning, which is where DDP, FSDP, FSDP2 and our engine all wait for
+their last gradient collectives (plus, for our engine, its own timeline's ``exposed_s``). See
+[Note: benchmark shape] in ``_harness.py`` and docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import bench_main, comm_table, drive, run_worker, state_vs_formula, step_ratio  # noqa: E402
+from _harness import (  # noqa: E402
+    add_common_args,
+    bench_main,
+    comm_table,
+    drive,
+    machine_note,
+    run_worker,
+    state_vs_formula,
+    step_ratio,
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +48,36 @@ class Case:
     label: str
     stage: int  # the ZeRO stage whose formula the strategy's model states should follow
     make: Callable[[argparse.Namespace], Any]
-    family: str  # "zero", "ddp", "fsdp", "deepspeed"
+    family: str  # "zero", "ddp", "fsdp", "fsdp2", "deepspeed"
+    make_module: Optional[Callable[[Any], Any]] = None  # default: LlamaLM
+
+
+# The two models of issue 13 (LlamaConfig fields as command-line flags), and tiny ones for --quick.
+MODELS: dict[str, list[str]] = {
+    "bench": ["--dim", "512", "--layers", "8", "--heads", "8", "--kv-heads", "4", "--ffn", "1536", "--vocab", "8192"],
+    "small": ["--dim", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "768", "--vocab", "4096"],
+}
+QUICK_MODELS: dict[str, list[str]] = {
+    "bench": ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"],
+    "small": ["--dim", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "128"],
+}
+MODEL_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--vocab")
+QUICK_RUN = ["--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
+DEFAULT_CASES = ["ddp", "zero1", "zero2", "zero3", "fsdp_grad_op", "fsdp2"]
+
+
+def extra_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(MODELS), default=["bench", "small"], help="models, each run in full"
+    )
+    parser.add_argument(
+        "--knobs",
+        choices=["default", "fixed"],
+        default=None,
+        help="default: each strategy's own defaults (ours: bucket_mb='auto'; ddp: 25 MiB buckets);"
+        " fixed: every strategy with --bucket-mb (the default when --bucket-mb is given)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny models, 1 timed step, 1 round")
 
 
 def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse.Namespace], Any]:
@@ -42,7 +88,7 @@ def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse
         # an all-reduce instead; see [Note: collective timeout] in zero/reducer.py)
         return ZeroStrategy(
             stage=stage,
-            bucket_mb=args.bucket_mb,
+            bucket_mb=args.bucket_mb if args.knobs == "fixed" else "auto",
             overlap_comm=overlap,
             monitor=False,
             collective_timeout=None,
@@ -55,7 +101,19 @@ def _zero(stage: int, overlap: bool = True, **kwargs: Any) -> Callable[[argparse
 def _ddp(args: argparse.Namespace) -> Any:
     from lightning.pytorch.strategies import DDPStrategy
 
-    return DDPStrategy(bucket_cap_mb=args.bucket_mb)
+    return DDPStrategy(bucket_cap_mb=args.bucket_mb) if args.knobs == "fixed" else DDPStrategy()
+
+
+def _fsdp2(args: argparse.Namespace) -> Any:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def _fsdp2_module(config: Any) -> Any:
+    from _incumbents import fully_sharded_llama_lm
+
+    return fully_sharded_llama_lm(config, lr=3e-4, warmup_steps=1)
 
 
 def _fsdp(args: argparse.Namespace) -> Any:
@@ -84,6 +142,7 @@ def _deepspeed(stage: int) -> Callable[[argparse.Namespace], Any]:
 CASES: dict[str, Case] = {
     "zero1": Case("ZeroStrategy(stage=1)", 1, _zero(1), "zero"),
     "zero2": Case("ZeroStrategy(stage=2)", 2, _zero(2), "zero"),
+    "zero3": Case("ZeroStrategy(stage=3)", 3, _zero(3), "zero"),
     "zero2_no_overlap": Case("ZeroStrategy(stage=2, overlap_comm=False)", 2, _zero(2, overlap=False), "zero"),
     # stage 2 blocks in backward when max_buckets_in_flight buffers are out; 4 of ~6 buckets
     "zero2_inflight4": Case(
@@ -91,6 +150,7 @@ CASES: dict[str, Case] = {
     ),
     "ddp": Case("DDPStrategy", 0, _ddp, "ddp"),
     "fsdp_grad_op": Case('FSDPStrategy("SHARD_GRAD_OP"), per block', 2, _fsdp, "fsdp"),
+    "fsdp2": Case("ModelParallelStrategy(dp=2, tp=1), fully_shard per block", 3, _fsdp2, "fsdp2", _fsdp2_module),
     "deepspeed1": Case("DeepSpeedStrategy(stage=1)", 1, _deepspeed(1), "deepspeed"),
     "deepspeed2": Case("DeepSpeedStrategy(stage=2)", 2, _deepspeed(2), "deepspeed"),
 }
@@ -111,7 +171,56 @@ def zero_step_extra(trainer: Any) -> dict[str, float]:
     # exposed_s: collective time left after backward ended (older engines: exposed_wait_s)
     exposed = getattr(timeline, "exposed_s", None)
     exposed = getattr(timeline, "exposed_wait_s", 0.0) if exposed is None else exposed
-    return {"comm_s": timeline.comm_s, "exposed_wait_s": exposed}
+    return {"comm_s": timeline.comm_s, "exposed_wait_s": exposed, **backward_tail_extra(trainer)}
+
+
+def with_backward_tail_timer(make_module: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    """``make_module`` whose module times the end of each backward, for every strategy alike.
+
+    [Note: exposed gradient-collective time] The last compute of a Llama backward is the
+    embedding's (its output's gradient arrives last). Every strategy here waits for its last
+    gradient collectives before ``backward()`` returns (DDP's reducer and FSDP's post-backward
+    callbacks, our engine's end-of-backward callback), so the time from that gradient to
+    ``on_after_backward`` is the gradient-collective time backward did not hide, plus the
+    end-of-backward bookkeeping (the embedding's own backward is in it, the same for everyone).
+    """
+
+    def make(config: Any) -> Any:
+        if make_module is not None:
+            module = make_module(config)
+        else:
+            from lightning_zero.models import LlamaLM
+
+            module = LlamaLM(config, lr=3e-4, warmup_steps=1)
+        marks: dict[str, float] = {}
+        module._backward_tail_marks = marks
+
+        def mark_embedding_grad(grad: Any) -> None:
+            marks["embedding_grad"] = time.perf_counter()
+
+        def on_embedding_forward(mod: Any, inputs: Any, output: Any) -> None:
+            if output.requires_grad:
+                output.register_hook(mark_embedding_grad)
+
+        def on_train_start() -> None:
+            module.model.tok_embeddings.register_forward_hook(on_embedding_forward)
+
+        def on_after_backward() -> None:
+            marks["backward_returned"] = time.perf_counter()
+
+        module.on_train_start = on_train_start
+        module.on_after_backward = on_after_backward
+        return module
+
+    return make
+
+
+def backward_tail_extra(trainer: Any) -> dict[str, float]:
+    """This step's exposed gradient-collective time ([Note: exposed gradient-collective time])."""
+    marks = getattr(trainer.lightning_module, "_backward_tail_marks", {})
+    if "embedding_grad" not in marks or "backward_returned" not in marks:
+        return {}
+    return {"backward_tail_s": marks["backward_returned"] - marks["embedding_grad"]}
 
 
 def zero_at_end(trainer: Any, max_steps: int) -> dict[str, Any]:
@@ -152,11 +261,23 @@ def worker(args: argparse.Namespace) -> None:
     else:
         import _incumbents
 
-        state = {"ddp": _incumbents.ddp_state_bytes, "fsdp": _incumbents.fsdp_state_bytes}
+        state = {
+            "ddp": _incumbents.ddp_state_bytes,
+            "fsdp": _incumbents.fsdp_state_bytes,
+            "fsdp2": _incumbents.fsdp2_state_bytes,
+        }
         hooks = dict(state_bytes=state.get(case.family, _incumbents.deepspeed_state_bytes))
+        hooks["extra_step"] = backward_tail_extra
         if case.family == "ddp":
             hooks["at_end"] = _ddp_at_end
-    run_worker(args, label=case.label, stage=case.stage, make_strategy=lambda: case.make(args), **hooks)
+    run_worker(
+        args,
+        label=case.label,
+        stage=case.stage,
+        make_strategy=lambda: case.make(args),
+        make_module=with_backward_tail_timer(case.make_module),
+        **hooks,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,20 +285,45 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _round_ratios(row: dict, base: dict) -> str:
+    ratios = [
+        f"{mine / theirs:.3f}"
+        for mine, theirs in zip(row["step_s_round_medians"], base["step_s_round_medians"])
+        if mine is not None and theirs is not None
+    ]
+    return ", ".join(ratios)
+
+
+def _goal(lines: list[str], by_case: dict, case: str, base: str, limit: float) -> None:
+    row, other = by_case.get(case), by_case.get(base)
+    if not row or not other:
+        return
+    ratio = step_ratio(row, other)
+    lines.append(
+        f"goal: {case} step time {ratio:.3f}x {base} (<= {limit:g}; rounds: {_round_ratios(row, other)}):"
+        f" {'met' if ratio <= limit else 'NOT met'}"
+    )
+
+
 def report(rows: list[dict]) -> list[str]:
-    """Our comm table, the notes, and issue 3's goals, each with the numbers that decide it."""
+    """Our comm table, the notes, exposed gradient-collective time per case, issue 13's goals."""
     lines = [comm_table(rows), ""]
     lines += [f"{row['case']}: {row['notes']}" for row in rows if row.get("notes")]
-    by_case = {row["case"]: row for row in rows if "error" not in row}
-    zero2, ddp, fsdp = by_case.get("zero2"), by_case.get("ddp"), by_case.get("fsdp_grad_op")
-    if zero2 and ddp:
-        ratio = step_ratio(zero2, ddp)
-        lines.append(f"goal: zero2 step time {ratio:.3f}x ddp (<= 1.05): {'met' if ratio <= 1.05 else 'NOT met'}")
-    if zero2 and fsdp:
-        ratio = step_ratio(zero2, fsdp)
+    lines.append("exposed gradient-collective time per step ([Note: exposed gradient-collective time]):")
+    for row in rows:
+        if "error" in row:
+            continue
+        tail = row.get("backward_tail_s_median")
+        engine = row["extra"].get("exposed_wait_s_median") if row.get("engine_sent_bytes_per_step") else None
         lines.append(
-            f"goal: zero2 step time {ratio:.3f}x FSDP SHARD_GRAD_OP (< 1): {'met' if ratio < 1 else 'NOT met'}"
+            f"  {row['case']:<18} end of backward {'-' if tail is None else f'{tail * 1e3:8.1f} ms'}"
+            + ("" if engine is None else f"   engine timeline exposed {engine * 1e3:8.1f} ms")
         )
+    by_case = {row["case"]: row for row in rows if "error" not in row}
+    _goal(lines, by_case, "zero2", "ddp", 1.00)
+    _goal(lines, by_case, "zero1", "ddp", 0.97)
+    _goal(lines, by_case, "zero2", "fsdp_grad_op", 1.00)
+    _goal(lines, by_case, "zero3", "fsdp2", 0.75)
     for name in ("zero1", "zero2", "zero2_no_overlap"):
         row = by_case.get(name)
         if row:
@@ -185,9 +331,44 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, default_cases=DEFAULT_CASES)
+    extra_args(parser)
+    return parser.parse_args(argv)
+
+
 def driver(args: argparse.Namespace, argv: list[str]) -> None:
-    drive("zero12", str(Path(__file__).resolve()), args, argv, known_cases=CASES, baseline="ddp", report=report)
+    """Each model in turn, every case side by side ([Note: benchmark shape]); one JSON for all."""
+    script = str(Path(__file__).resolve())
+    if args.knobs is None:  # an explicit --bucket-mb means: every strategy with that bucket size
+        args.knobs = "fixed" if "--bucket-mb" in argv else "default"
+        argv = [*argv, "--knobs", args.knobs]
+    if any(flag in argv for flag in MODEL_FLAGS):  # a model given on the command line: that one alone
+        argv = [a for a in argv if a != "--quick"] + (QUICK_RUN if args.quick else [])
+        drive("zero12", script, _parse(argv), argv, known_cases=CASES, baseline="ddp", report=report)
+        return
+    presets = QUICK_MODELS if args.quick else MODELS
+    runs: dict[str, Any] = {}
+    for model in args.models:
+        # Flags appended last win: the worker command line carries the concrete model and run.
+        model_argv = [a for a in argv if a != "--quick"] + presets[model] + (QUICK_RUN if args.quick else [])
+        if "--out" in model_argv:
+            index = model_argv.index("--out")
+            del model_argv[index : index + 2]
+        model_args = _parse(model_argv)
+        print(f"\n=== model {model}{' (quick)' if args.quick else ''}, knobs {args.knobs} ===", flush=True)
+        rows = drive(
+            f"zero12_{model}", script, model_args, model_argv, known_cases=CASES, baseline="ddp", report=report
+        )
+        runs[model] = {"argv": model_argv, "rows": rows, "report": report(rows)}
+    if args.out:
+        payload = {"benchmark": "zero12", "knobs": args.knobs, "quick": args.quick, "machine": machine_note()}
+        payload["models"] = runs
+        payload["rows"] = [row for run in runs.values() for row in run["rows"]]  # first model's rows first
+        Path(args.out).write_text(json.dumps(payload, indent=1, default=float))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
-    bench_main(__doc__.split("\n\n")[0], CASES, worker, driver)
+    bench_main(__doc__.split("\n\n")[0], DEFAULT_CASES, worker, driver, extra_args=extra_args)

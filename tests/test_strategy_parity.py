@@ -87,6 +87,17 @@ def test_bf16_trains_like_ddp_bf16(results):
 
 
 @pytest.mark.slow
+def test_bf16_fp32_reduce_trains_like_ddp_bf16(results):
+    """ZeroStrategy(reduce_dtype="fp32") reaches the engine: fp32 gradient shards under bf16-mixed,
+    accumulated over 2 micro batches and clipped, close to ddp's bf16-mixed (fp32 gradients)."""
+    got, want = torch.load(results / "zero2_bf16_fp32_reduce.rank0.pt"), torch.load(results / "ddp_bf16_acc.rank0.pt")
+    assert got["grad_chunk_dtypes"] == ["torch.float32"]
+    assert torch.load(results / "zero2_bf16.rank0.pt")["grad_chunk_dtypes"] == ["torch.bfloat16"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=2e-2, atol=2e-2)
+    assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.slow
 def test_lr_scheduler_steps_the_sharded_optimizer(results):
     got = torch.load(results / "zero2.rank0.pt")
     # LambdaLR 1/(1+step) after 6 steps on base lrs 1e-2 and 5e-3

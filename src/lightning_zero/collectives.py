@@ -29,6 +29,7 @@ node is ``global_rank // ranks_per_node``; :attr:`CommCounter.ranks_per_node` co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -148,9 +149,12 @@ def reduce_scatter(
     async_op: bool = False,
     counter: Optional[CommCounter] = None,
     label: str = "reduce_scatter",
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
 ):
-    """Sum ``input`` over the group and leave chunk ``rank`` of the sum in ``output``."""
-    return _chunked(_reduce_scatter, output, input, input, group, async_op, counter, label)
+    """Reduce ``input`` over the group with ``op`` (default: sum) and leave chunk ``rank`` of the
+    result in ``output``."""
+    run = _reduce_scatter if op == dist.ReduceOp.SUM else functools.partial(_reduce_scatter, op=op)
+    return _chunked(run, output, input, input, group, async_op, counter, label)
 
 
 def all_gather(

@@ -128,6 +128,16 @@ class ZeroConfig:
             reduce-scatter inside each node, then a reduce-scatter of the node's slice across nodes,
             so each gradient byte crosses the slow link once (``(nodes-1)/nodes * N/local`` bytes
             per rank instead of ``(dp-1)/dp * N``). Ignored when the shard group fits in one node.
+        reduce_dtype: the dtype gradients are accumulated in over micro batches and reduced
+            (reduce-scattered) in. ``"compute"`` (default; ``"bf16"`` is accepted as its name
+            under bf16-mixed): the compute dtype, i.e. bf16 gradients under bf16-mixed, the ZeRO
+            paper's ``2 + 2 + 12`` bytes per parameter and ``2 (dp-1)/dp`` bytes sent per
+            gradient element. ``"fp32"``: fp32 bucket buffers and gradient shards, each bf16
+            micro-batch gradient added into them in fp32 and the reduce-scatter run in fp32
+            (Megatron's ``grad_reduce_in_fp32``, FSDP2's ``reduce_dtype=torch.float32``): 2 more
+            bytes per gradient element held (``P`` at stage 1, ``P / dp`` at stages 2-3) and twice
+            the gradient bytes sent, for sums that do not drift over long accumulation. Under
+            ``precision="32-true"`` both are fp32.
     """
 
     stage: int = 2
@@ -145,6 +155,7 @@ class ZeroConfig:
     param_comm_dtype: Optional[str] = None
     shard_size: Optional[Union[int, str]] = None
     hierarchical_reduce: bool = False
+    reduce_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -193,6 +204,12 @@ class ZeroConfig:
             )
         if not isinstance(self.hierarchical_reduce, bool):
             fail("hierarchical_reduce", "must be True or False.")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            fail(
+                "reduce_dtype",
+                'give "compute" (gradients in the compute dtype; "bf16" is the same under bf16-mixed)'
+                ' or "fp32" (accumulate and reduce gradients in fp32).',
+            )
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:
@@ -208,6 +225,13 @@ class ZeroConfig:
 
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
+REDUCE_DTYPES = ("compute", "bf16", "fp32")  # values of ZeroConfig.reduce_dtype
+
+
+def reduce_in_fp32(reduce_dtype: str) -> bool:
+    """Whether ``ZeroConfig.reduce_dtype`` asks for fp32 gradient buffers and reductions (under
+    bf16-mixed; under 32-true everything is fp32 anyway)."""
+    return reduce_dtype == "fp32"
 
 
 def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero._lightning_compat import is_accumulating
 from lightning_zero.collectives import LINK_CLASSES
-from lightning_zero.planner.ledger import PRECISIONS, model_state_bytes, optimizer_state_bytes
+from lightning_zero.planner.ledger import PRECISIONS, grad_bytes_per_param, model_state_bytes, optimizer_state_bytes
 from lightning_zero.throughput import (
     ThroughputMeter,
     batch_tokens,
@@ -66,12 +66,13 @@ def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
     parameter come from the ledger's one table: ``PRECISIONS`` and ``optimizer_state_bytes``)."""
     precision = "32-true" if engine.compute_dtype == torch.float32 else "bf16-mixed"
     per_param = PRECISIONS[precision]
+    reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
     return model_state_bytes(
         engine.num_params(),
         stage=engine.stage,
         dp=engine.dp_size,
         param_bytes=per_param.param,
-        grad_bytes=per_param.grad,
+        grad_bytes=grad_bytes_per_param(precision, reduce_dtype),
         optim_bytes_per_param=per_param.master + optimizer_state_bytes(optimizer),
     ).as_dict()
 
@@ -168,7 +169,7 @@ class ZeroMonitor(Callback):
         if not engine.overlap_possible():
             # One bucket per group fills only when backward ends: a layout fact, on any device.
             self._warned = True
-            grad_mib = engine.num_params() * torch.empty((), dtype=engine.compute_dtype).element_size() / 2**20
+            grad_mib = engine.num_params() * getattr(engine, "reduce_dtype", engine.compute_dtype).itemsize / 2**20
             rank_zero_warn(
                 f"lightning_zero: every parameter group's gradients fit in one bucket (bucket_mb="
                 f"{engine.bucket_mb:g}, {grad_mib:.1f} MiB of gradients), so no reduce-scatter can start"

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, reduce_in_fp32
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -87,6 +87,10 @@ class ZeroStrategy(DDPStrategy):
             reduce-scatter, then a cross-node one of the node's slice (each byte crosses once).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
+        reduce_dtype: ``"compute"`` (default; ``"bf16"`` names the same under bf16-mixed) or
+            ``"fp32"``: under bf16-mixed, accumulate gradients over micro batches and reduce them in
+            fp32 (fp32 bucket buffers and gradient shards: 2 more bytes per gradient element held,
+            twice the gradient bytes sent). See :class:`lightning_zero.config.ZeroConfig`.
 
     [Note: why DDPStrategy is the base] Lightning's own FSDP and model-parallel strategies derive
     from ``ParallelStrategy``; this one derives from ``DDPStrategy`` on purpose, because ZeRO *is*
@@ -130,6 +134,7 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -330,6 +335,7 @@ class ZeroStrategy(DDPStrategy):
             param_comm_dtype=self.param_comm_dtype,
             shard_groups=groups,
             ranks_per_node=self.num_processes,
+            reduce_dtype=torch.float32 if reduce_in_fp32(self.reduce_dtype) else None,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight

@@ -123,6 +123,11 @@ CASES = {
     "zero1_bf16": (lambda: ZeroStrategy(stage=1, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "zero2_bf16": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"precision": "bf16-mixed"}),
     "zero3_bf16": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {"precision": "bf16-mixed"}),
+    "zero2_bf16_fp32_reduce": (
+        lambda: ZeroStrategy(stage=2, bucket_mb=0.004, reduce_dtype="fp32"),
+        {"precision": "bf16-mixed", **ACC},
+    ),
+    "ddp_bf16_acc": (lambda: "ddp", {"precision": "bf16-mixed", **ACC}),
     "ddp_manual": (lambda: "ddp", {"manual": True}),
     "zero2_manual": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004), {"manual": True}),
     # [Note: overlapped parameter gather]: the default (overlap on) is in every case above; these
@@ -187,6 +192,20 @@ class RecordLosses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+
+
+class RecordGradDtypes(L.Callback):
+    """The dtypes of the engine's reduced gradient chunks (``reduce_dtype``), while it trains."""
+
+    reads_parameters_between_steps = False  # metrics only ([Note: parameter reads between steps])
+
+    def __init__(self) -> None:
+        self.dtypes: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.dtypes = sorted({str(bucket.grad_chunk.dtype) for bucket in engine.reducer.buckets})
 
 
 def run_llama(name: str, out_dir: str) -> None:
@@ -255,6 +274,7 @@ def run(name: str, out_dir: str) -> None:
     model = TwoOptimizers() if two_optimizers else TinyLM(manual=manual)
     stats = EngineStats()
     kwargs = {"max_steps": 6, **(TWO_OPT if two_optimizers else {}), **kwargs}
+    grad_dtypes = RecordGradDtypes()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -264,7 +284,7 @@ def run(name: str, out_dir: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[stats, *([ema] if ema is not None else [])],
+        callbacks=[stats, grad_dtypes, *([ema] if ema is not None else [])],
         **kwargs,
     )
     trainer.fit(model, data(), *([data()] if two_optimizers else []))
@@ -277,6 +297,7 @@ def run(name: str, out_dir: str) -> None:
         extra["val_losses"] = model.val_losses
     if isinstance(strategy, ZeroStrategy) and model.losses:
         extra["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+        extra["grad_chunk_dtypes"] = grad_dtypes.dtypes
     torch.save(
         {"losses": model.losses, "params": params, **extra},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),

@@ -34,6 +34,7 @@ from lightning_zero.planner.ledger import (
     PrecisionBytes,
     dp_link_bytes,
     dp_topology,
+    grad_bytes_per_param,
     llama_activation_bytes,
     llama_param_counts,
     model_state_bytes,
@@ -205,6 +206,7 @@ class Plan:
     activation_detail: ActivationBytes
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    reduce_dtype: str = "compute"  # gradient buffers and reduce-scatters: "compute" or "fp32"
 
     @property
     def available_bytes(self) -> float:
@@ -279,6 +281,7 @@ def plan_run(
     reserved_gib: float = 2.0,
     suggest: bool = True,
     simulate: Union[bool, str] = True,
+    reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -315,6 +318,9 @@ def plan_run(
         suggest: when it does not fit, search for changes that would make it fit.
         simulate: simulate the step (``False``: bytes only, seconds 0; ``"if_fits"``: only when it
             fits, what the layout search does).
+        reduce_dtype: ``"fp32"``: gradients held, bucketed and sent in fp32 under bf16-mixed
+            (4 bytes per element, ``ledger.grad_bytes_per_param``; no fp32 cast at the step);
+            ``"compute"`` (default): the precision's gradient bytes.
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers.
@@ -343,10 +349,10 @@ def plan_run(
         mfu = hw.mfu if hw.mfu is not None else DEFAULT_MFU
     if not 0 < mfu <= 1:
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
+    # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
+    dtype = dataclasses.replace(precision_bytes(precision), grad=grad_bytes_per_param(precision, reduce_dtype))
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
-        bucket_mb = resolve_bucket_mb(
-            bucket_mb, llama_param_counts(config, tp=tp).total * precision_bytes(precision).grad
-        )
+        bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
     if bucket_mb <= 0 or prefetch_blocks < 0:
         raise ValueError(
             f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "
@@ -357,7 +363,6 @@ def plan_run(
             f"plan_run: defer_grad_reduce applies to stage 2 only (stage 1 always defers, stage 3 "
             f"holds no full gradients), got stage={stage}"
         )
-    dtype = precision_bytes(precision)
     for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
         if value not in COMM_DTYPES:
             raise ValueError(f"plan_run: {name} must be one of {COMM_DTYPES}, got {name}={value!r}")
@@ -422,7 +427,8 @@ def plan_run(
         prefetch_buffers=float(prefetch),
         activations=acts.total(activation_checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
-        step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master else 0.0,
+        # bf16 gradient chunks are cast to an fp32 copy for the step; fp32 chunks are used as is
+        step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master and dtype.grad != 4 else 0.0,
     )
     tokens_per_step = micro_batch * seq_len * accumulate_grad_batches * dp
     model_flops = accumulate_grad_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
@@ -504,6 +510,7 @@ def plan_run(
         hierarchical_reduce=topology.hierarchical,
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
+        reduce_dtype=str(reduce_dtype),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),

@@ -104,6 +104,19 @@ PRECISIONS: dict[str, PrecisionBytes] = {
     "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40),
 }
 
+
+def grad_bytes_per_param(precision: str, reduce_dtype: str = "compute") -> int:
+    """Bytes per gradient element the engine holds and reduce-scatters: the precision's gradient
+    bytes, or 4 with ``ZeroStrategy(reduce_dtype="fp32")`` (fp32 bucket buffers and gradient
+    shards under bf16-mixed; no effect under 32-true). The planner, the monitor and the tests read
+    gradient bytes through this function."""
+    if reduce_dtype not in ("compute", "bf16", "fp32"):
+        raise ValueError(
+            f'grad_bytes_per_param: reduce_dtype must be "compute", "bf16" or "fp32", got {reduce_dtype!r}'
+        )
+    return 4 if reduce_dtype == "fp32" else PRECISIONS[precision].grad
+
+
 # Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``
 # adds on top of the fp32 master copy. SGD holds momentum only when ``momentum != 0``.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {

@@ -85,6 +85,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
         attention=str(plan_options["attention"]),
         reserved_gib=float(plan_options["reserved_gib"]),
+        reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
-from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, fp32_parameter_ids
+from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
 from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
@@ -43,6 +43,19 @@ MIB = 1024 * 1024
 def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1)."""
     return max(1, int(bucket_mb * MIB) // torch.empty((), dtype=dtype).element_size())
+
+
+def check_reduce_dtype(reduce_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients are accumulated and reduced in: ``None`` means ``compute_dtype``;
+    otherwise fp32 or the compute dtype itself (ValueError for anything else)."""
+    if reduce_dtype is None:
+        return compute_dtype
+    if reduce_dtype not in (torch.float32, compute_dtype):
+        raise ValueError(
+            f"ZeroEngine: reduce_dtype must be torch.float32 or the compute dtype ({compute_dtype}), got"
+            f" {reduce_dtype}; reducing in a lower precision than the gradients are computed in loses bits."
+        )
+    return reduce_dtype
 
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
@@ -194,6 +207,10 @@ class ZeroEngine:
             ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
         ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
             in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
+        reduce_dtype: dtype gradients are accumulated over micro batches and reduced in
+            (``None``: ``compute_dtype``). ``torch.float32`` under bf16 compute keeps fp32 bucket
+            buffers and gradient chunks (4 bytes per element held and sent instead of 2); each
+            bf16 gradient is added into them in fp32.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -224,6 +241,7 @@ class ZeroEngine:
         param_comm_dtype: Optional[str] = None,
         shard_groups: Optional["ShardGroups"] = None,
         ranks_per_node: Optional[int] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if shard_groups is not None:
             if dp_group is not None and dp_group is not shard_groups.shard:
@@ -255,12 +273,13 @@ class ZeroEngine:
         check_comm_dtype(param_comm_dtype, "param_comm_dtype")
         self.grad_comm_dtype = grad_comm_dtype
         self.param_comm_dtype = param_comm_dtype
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, compute_dtype)
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
         trainable = {
             id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad
         }
-        grad_bytes = sum(p.numel() for p in trainable.values()) * torch.empty((), dtype=compute_dtype).element_size()
+        grad_bytes = sum(p.numel() for p in trainable.values()) * self.reduce_dtype.itemsize
         bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb
         check_elementwise(optimizers, stage)
@@ -300,6 +319,7 @@ class ZeroEngine:
             collective_timeout=collective_timeout,
             comm_dtype=grad_comm_dtype,
             hybrid=self._hybrid_reduce(),
+            reduce_in_fp32=self.reduce_dtype == torch.float32 and compute_dtype != torch.float32,
         )
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
@@ -446,6 +466,11 @@ class ZeroEngine:
         this backward reached this rank's parameters at all."""
         self.wait_param_gathers()  # backward reads the parameters forward saved
         self._finished_at_pre_backward = self.reducer.finished_backwards
+        if isinstance(self.reducer.storage, FullGradStorage) and not self.reducer._backward_open:
+            # [Note: gradients as bucket views] in reducer.py: zero_grad is checked here, before
+            # autograd writes into the slots, not at the first gradient.
+            self._zero_grads_zeroed_by_optimizers()
+            self.reducer.install_grad_views()
 
     def post_backward(self) -> None:
         """Call after a backward (the strategy does): finishes the gradient sync if the backward
@@ -527,11 +552,14 @@ class ZeroEngine:
                 for members, dtype in ((rest, self.compute_dtype), (kept_fp32, torch.float32)):
                     if not members:
                         continue
+                    grad_dtype = self.reduce_dtype if self.reduce_dtype == torch.float32 else dtype
+                    bucket_numel = bucket_numel_for(bucket_mb, grad_dtype)
                     layout = FlatLayout(
                         members,
                         [names[id(p)] for p in members],
                         dp=self.dp_size,
-                        bucket_numel=bucket_numel_for(bucket_mb, dtype),
+                        bucket_numel=bucket_numel,
+                        first_bucket_numel=first_bucket_numel(bucket_numel, grad_dtype.itemsize),
                     )
                     groups.append(
                         FlatParamGroup(

@@ -10,6 +10,13 @@ all-gather after the step is the same cut in reverse. A rank's optimizer state i
 bucket chunks; for an element-wise optimizer (SGD, Adam, AdamW, ...) the update is the same as
 on the unsharded tensor.
 
+[Note: small first bucket] A bucket launches once all its gradients arrived, so nothing is
+communicated before the first bucket is full. With ``first_bucket_numel`` the first bucket of the
+layout (its parameters are the last registered, whose gradients come first in backward) closes
+after about that many elements, as DDP's first bucket closes at 1 MiB: the first reduce-scatter
+starts early in backward whatever ``bucket_numel`` is, and a model smaller than one bucket still
+gets two. Stages 1-2 use it (``FIRST_BUCKET_MB``); stage 3's per-unit layouts do not.
+
 :class:`FlatParamGroup` owns the storage for one layout on one rank: the compute-dtype parameter
 buffer (parameters become views into it) and the fp32 master chunks the optimizer steps.
 """
@@ -65,6 +72,14 @@ class BucketLayout:
         return self.start + self.numel
 
 
+FIRST_BUCKET_MB = 1.0  # stages 1-2: size of the first bucket in MiB ([Note: small first bucket])
+
+
+def first_bucket_numel(bucket_numel: int, element_size: int) -> int:
+    """Elements in the first bucket of a stage 1-2 layout: ``FIRST_BUCKET_MB``, at most a bucket."""
+    return max(1, min(bucket_numel, int(FIRST_BUCKET_MB * 2**20) // element_size))
+
+
 class FlatLayout:
     """Offsets and buckets for one param group (see [Note: flat layout]); no storage."""
 
@@ -75,11 +90,14 @@ class FlatLayout:
         *,
         dp: int,
         bucket_numel: int,
+        first_bucket_numel: Optional[int] = None,
     ) -> None:
         if dp < 1:
             raise ValueError(f"FlatLayout: dp must be >= 1, got {dp}")
         if bucket_numel < 1:
             raise ValueError(f"FlatLayout: bucket_numel must be >= 1, got {bucket_numel}")
+        if first_bucket_numel is not None and first_bucket_numel < 1:
+            raise ValueError(f"FlatLayout: first_bucket_numel must be >= 1, got {first_bucket_numel}")
         self.dp = dp
         self.slots: list[ParamSlot] = []
         self.buckets: list[BucketLayout] = []
@@ -92,7 +110,8 @@ class FlatLayout:
             current.slots.append(slot)
             self.slots.append(slot)
             offset += slot.numel
-            if offset - current.start >= bucket_numel:
+            limit = bucket_numel if self.buckets or first_bucket_numel is None else first_bucket_numel
+            if offset - current.start >= min(limit, bucket_numel):
                 offset = self._close(current, offset)
                 current = None
         if current is not None:

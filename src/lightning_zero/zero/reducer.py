@@ -50,6 +50,24 @@ do differently, and it lives in the two :class:`GradStorage` classes below:
   serves; once backward ends the pool is released, so between steps only the chunks remain.
   Every backward (every micro batch) reduces; the chunk accumulates.
 
+[Note: gradients as bucket views] Stage 1 (:class:`FullGradStorage`) lets autograd write into the
+buckets, as DDP's ``gradient_as_bucket_view``: before a backward (the engine's ``pre_backward``,
+after its zero_grad check) each parameter's ``.grad`` becomes its slot of the bucket buffer, and
+autograd's accumulation (``grad += new``) lands there, so the hook has nothing to copy. After a
+bucket is reduced in place its buffer holds this rank's averaged chunk and stale sums elsewhere,
+so its parameters' ``.grad`` go back to ``None`` (nobody reads a half-reduced gradient; clipping
+and the optimizer use the masters). Whatever breaks the view falls back to the copy path, with
+the same numbers: a user who sets ``param.grad = None`` (``model.zero_grad()``) gets a fresh
+gradient from autograd, which the hook adds into the slot and drops, as before; a backward with
+``create_graph=True`` replaces the view by ``view + new`` out of place, which the hook copies in;
+buckets reduced and not zeroed since (two backwards before a step) are re-armed on their first
+new gradient and get no view; fp32 buckets under bf16 compute (``reduce_dtype``) cannot be a
+bf16 parameter's ``.grad``, so each gradient is added in, cast to fp32. Frozen parameters have no
+slot; a tied parameter is one slot; reentrant checkpointing accumulates into the slot once per
+segment. Stage 2's pool buffers exist only while a bucket fills, so there the hook copies: the
+first gradient of a slot overwrites the (never zero-filled) pool buffer, later ones add, and
+only slots no gradient reached, plus the padding, are zeroed before launch.
+
 [Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
 users) call it through wrappers. Instead, when a backward begins, the engine asks each sharded
 optimizer whether the master gradients it handed out were dropped or changed in place since,
@@ -71,7 +89,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
@@ -159,12 +177,35 @@ class Bucket:
     pending: Optional[PendingReduce] = None
     chunk_is_fresh: bool = True  # next reduce overwrites the chunk instead of adding to it
     reduced_in_place: bool = False  # stage 1: the full buffer holds a reduced chunk (see re-arm)
+    written_slots: set[int] = field(default_factory=set)  # stage 2: slot offsets filled this backward
+
+
+def grad_dtype(group: FlatParamGroup, reduce_in_fp32: bool) -> torch.dtype:
+    """The dtype ``group``'s gradients are accumulated and reduced in: fp32 when asked
+    (``reduce_dtype="fp32"``), else the group's compute dtype."""
+    return torch.float32 if reduce_in_fp32 else group.compute_dtype
+
+
+def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
+    """How to average gradients over dp on ``backend``: ``(op, divide_after)``.
+
+    NCCL averages inside the collective (``ReduceOp.AVG``, NCCL >= 2.10): no extra pass over the
+    reduced chunk and no overflow risk from summing in low precision first. Other backends (gloo
+    has no AVG) sum, and the engine divides this rank's chunk by dp afterwards.
+    """
+    if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG"):
+        return dist.ReduceOp.AVG, False
+    return dist.ReduceOp.SUM, True
 
 
 class GradStorage:
     """Where gradients live between backward and the reduce-scatter (see module docstring)."""
 
     reduces_every_backward: bool = False
+    reduce_in_fp32: bool = False
+
+    def install_grad_views(self) -> None:
+        """Before a backward: let autograd write gradients into the buckets (where it can)."""
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         raise NotImplementedError
@@ -189,19 +230,27 @@ class GradStorage:
 
 
 class FullGradStorage(GradStorage):
-    """Persistent full-size gradients that micro batches add into; in-place reduce-scatter."""
+    """Persistent full-size gradients that micro batches add into; in-place reduce-scatter.
+
+    See [Note: gradients as bucket views]: where the buffer has the parameter's dtype, autograd
+    accumulates each parameter's gradient straight into its slot (no copy).
+    """
 
     def __init__(self) -> None:
         self.buffers: dict[int, torch.Tensor] = {}
         self.buckets: list[Bucket] = []
         self.dp_size = 1
+        self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
+        self._views: dict[int, torch.Tensor] = {}  # param id -> its slot as a param-shaped view
+        self._installed: set[int] = set()  # param ids whose .grad the engine set to their view
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets
         for bucket in buckets:
             group = bucket.group
             if id(group) not in self.buffers:
-                self.buffers[id(group)] = torch.zeros(group.layout.numel, dtype=group.compute_dtype, device=device)
+                dtype = grad_dtype(group, self.reduce_in_fp32)
+                self.buffers[id(group)] = torch.zeros(group.layout.numel, dtype=dtype, device=device)
             buffer = self.buffers[id(group)]
             start = bucket.layout.shard_start(group.dp_rank)
             bucket.grad_chunk = buffer[start : start + bucket.layout.shard_numel]
@@ -223,10 +272,42 @@ class FullGradStorage(GradStorage):
         bucket.grad_chunk.mul_(self.dp_size)  # the average back to the sum the next reduce adds to
         bucket.reduced_in_place = False
 
+    def install_grad_views(self) -> None:
+        """Before a backward: each parameter's ``.grad`` becomes its slot of the bucket buffer, so
+        autograd accumulates there (see [Note: gradients as bucket views]). Skipped for buckets
+        whose buffer holds a reduced chunk (re-armed on their next gradient instead) and where the
+        buffer's dtype differs from the parameter's (``reduce_dtype="fp32"`` under bf16-mixed)."""
+        for bucket in self.buckets:
+            if bucket.reduced_in_place:
+                continue
+            buffer = self.buffers[id(bucket.group)]
+            if buffer.dtype != bucket.group.compute_dtype:
+                continue  # fp32 buckets under bf16 compute: each gradient is added in (cast)
+            for slot in bucket.layout.slots:
+                param = slot.param
+                view = self._views.get(id(param))
+                if view is None:
+                    view = self._views[id(param)] = buffer[slot.offset : slot.end].view(slot.shape)
+                if param.grad is not view:
+                    if param.grad is not None:  # a gradient the engine has not seen: keep it
+                        view.add_(param.grad.reshape(slot.shape))
+                    param.grad = view
+                self._installed.add(id(param))
+
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
+        grad = slot.param.grad
+        view = self._views.get(id(slot.param))
+        if view is not None and grad is view:
+            return  # autograd accumulated into the bucket slot already
+        installed = id(slot.param) in self._installed
+        self._installed.discard(id(slot.param))
         self._rearm(bucket)
-        buffer = self.buffers[id(bucket.group)]
-        buffer[slot.offset : slot.end].add_(slot.param.grad.reshape(-1))
+        target = self.buffers[id(bucket.group)][slot.offset : slot.end]
+        if installed and torch.is_grad_enabled():
+            # create_graph=True: autograd replaced the installed view by ``view + new`` out of place.
+            target.copy_(grad.detach().reshape(-1))
+        else:
+            target.add_(grad.detach().reshape(-1))
         slot.param.grad = None
 
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
@@ -235,6 +316,13 @@ class FullGradStorage(GradStorage):
 
     def after_reduce(self, bucket: Bucket) -> None:
         bucket.reduced_in_place = True
+        # The buffer now holds this rank's reduced chunk and stale sums elsewhere: no parameter
+        # shows it as its gradient (``install_grad_views`` puts the views back before the next
+        # backward that may add to a zeroed bucket).
+        for slot in bucket.layout.slots:
+            self._installed.discard(id(slot.param))
+            if self._views.get(id(slot.param)) is not None and slot.param.grad is self._views[id(slot.param)]:
+                slot.param.grad = None
 
     def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
         for bucket in self.buckets if buckets is None else buckets:
@@ -264,13 +352,15 @@ class ShardedGradStorage(GradStorage):
         self.chunk_bytes = 0
         self.max_bucket_numel = 0
         self.reducer: Optional["GradReducer"] = None
+        self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets
         self.device = device
         self.max_bucket_numel = max((b.layout.numel for b in buckets), default=0)
         for bucket in buckets:
-            bucket.grad_chunk = torch.zeros(bucket.layout.shard_numel, dtype=bucket.group.compute_dtype, device=device)
+            dtype = grad_dtype(bucket.group, self.reduce_in_fp32)
+            bucket.grad_chunk = torch.zeros(bucket.layout.shard_numel, dtype=dtype, device=device)
             self.chunk_bytes += bucket.grad_chunk.numel() * bucket.grad_chunk.element_size()
         for bucket in buckets:
             for slot in bucket.layout.slots:
@@ -289,7 +379,9 @@ class ShardedGradStorage(GradStorage):
         self.allocated -= 1
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
-        dtype, numel = bucket.group.compute_dtype, bucket.layout.numel
+        """A buffer for ``bucket``, not zeroed: every slot is written by its first gradient, and
+        what no gradient wrote is zeroed just before launch (``_zero_unwritten``)."""
+        dtype, numel = grad_dtype(bucket.group, self.reduce_in_fp32), bucket.layout.numel
         buffer = self._take_free(dtype, numel)
         while buffer is None and self.allocated >= self.max_buckets_in_flight:
             if self.free:  # free buffers of the wrong size: give one back, allocate the right size
@@ -304,27 +396,45 @@ class ShardedGradStorage(GradStorage):
             self._alive_bytes += buffer.numel() * buffer.element_size()
             self.high_water = max(self.high_water, self.allocated)
             self.pool_bytes_high_water = max(self.pool_bytes_high_water, self._alive_bytes)
-        view = buffer[:numel]
-        view.zero_()
-        return view
+        return buffer[:numel]
 
     def _ensure_full_grad(self, bucket: Bucket) -> torch.Tensor:
         if bucket.full_grad is None:
             bucket.full_grad = self._acquire(bucket)
+            bucket.written_slots.clear()
         return bucket.full_grad
 
     def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
         full = self._ensure_full_grad(bucket)
         start = slot.offset - bucket.layout.start
-        full[start : start + slot.numel].add_(slot.param.grad.reshape(-1))
+        target = full[start : start + slot.numel]
+        grad = slot.param.grad.detach().reshape(-1)
+        if slot.offset in bucket.written_slots:
+            target.add_(grad)  # another gradient for it in this backward (reentrant checkpointing)
+        else:
+            target.copy_(grad)  # first gradient: overwrites whatever the pool buffer held
+            bucket.written_slots.add(slot.offset)
         slot.param.grad = None
 
+    def _zero_unwritten(self, bucket: Bucket, full: torch.Tensor) -> None:
+        """Zero the slots no gradient reached in this backward and the bucket's padding."""
+        base = bucket.layout.start
+        end = base
+        for slot in bucket.layout.slots:
+            if slot.offset not in bucket.written_slots:
+                full[slot.offset - base : slot.end - base].zero_()
+            end = max(end, slot.end)
+        full[end - base :].zero_()
+
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        return self._ensure_full_grad(bucket)
+        full = self._ensure_full_grad(bucket)
+        self._zero_unwritten(bucket, full)
+        return full
 
     def after_reduce(self, bucket: Bucket) -> None:
         full = bucket.full_grad
         bucket.full_grad = None
+        bucket.written_slots.clear()
         if full is None:
             return
         self.free.append(full._base if full._base is not None else full)
@@ -378,6 +488,7 @@ class GradReducer:
         collective_timeout: Optional[float] = None,
         comm_dtype: Optional[str] = None,
         hybrid: Optional["HybridGradReduce"] = None,
+        reduce_in_fp32: bool = False,
     ) -> None:
         self.dp_group = dp_group
         self.comm_dtype = comm_dtype  # what the reduce-scatter sends (lightning_zero/compression.py)
@@ -393,6 +504,11 @@ class GradReducer:
         # [Note: collective timeout]: on gloo only an all-reduce can be waited on with a limit.
         self._reduce_by_all_reduce = collective_timeout is not None and device.type == "cpu"
         self.storage = storage
+        storage.reduce_in_fp32 = reduce_in_fp32
+        backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
+        self._reduce_op, self._divide_after = grad_reduce_op(backend)
+        if hybrid is not None or comm_dtype is not None:  # several hops or compressed: SUM, divide once
+            self._reduce_op, self._divide_after = dist.ReduceOp.SUM, True
         self.timeline = SyncTimeline(clock=DeviceClock(device))
         self.sync_enabled = True
         self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
@@ -572,10 +688,16 @@ class GradReducer:
                 self.counter.link_of(self.dp_group),
             )
             with record_function("lightning_zero::reduce_scatter_grads"):
-                work = all_reduce(full, self.dp_group, async_op=True)  # ``output`` is a view of it
+                work = all_reduce(full, self.dp_group, op=self._reduce_op, async_op=True)  # ``output`` is a view
         else:
             work = reduce_scatter(
-                output, full, self.dp_group, async_op=True, counter=self.counter, label="reduce_scatter_grads"
+                output,
+                full,
+                self.dp_group,
+                op=self._reduce_op,
+                async_op=True,
+                counter=self.counter,
+                label="reduce_scatter_grads",
             )
         bucket.pending = PendingReduce(output, work)
         bucket.launched = True
@@ -623,13 +745,19 @@ class GradReducer:
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
         chunk = bucket.grad_chunk
         assert chunk is not None
-        # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp.
+        # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp (grad_reduce_op); with
+        # hybrid sharding by every dp rank of every replica (``grad_divisor``).
+        divisor = self.grad_divisor if self._divide_after else 1
         if chunk.data_ptr() == output.data_ptr():
-            chunk.div_(self.grad_divisor)  # stage 1: the chunk is the reduced part of the full buffer
+            if divisor != 1:
+                chunk.div_(divisor)  # stage 1: the chunk is the reduced part of the full buffer
         elif bucket.chunk_is_fresh:
-            torch.div(output, self.grad_divisor, out=chunk)
+            if divisor != 1:
+                torch.div(output, divisor, out=chunk)
+            else:
+                chunk.copy_(output)
         else:
-            chunk.add_(output, alpha=1.0 / self.grad_divisor)  # stage 2: accumulate micro batches
+            chunk.add_(output, alpha=1.0 / divisor)  # stage 2: accumulate micro batches
         bucket.chunk_is_fresh = False
         bucket.pending = None
         self.storage.after_reduce(bucket)
@@ -720,6 +848,13 @@ class GradReducer:
         self.storage.after_sync()
         for callback in self.on_grads_reduced:
             callback()
+
+    def install_grad_views(self) -> None:
+        """Call before a backward (the engine's ``pre_backward`` does, after its zero_grad check):
+        stage 1 points each parameter's ``.grad`` into its bucket slot ([Note: gradients as
+        bucket views]); the other storages do nothing."""
+        if not self._in_flight:
+            self.storage.install_grad_views()
 
     def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
         """Reset the gradients of ``buckets`` (default: all) before the next backward adds to them."""

@@ -1,0 +1,284 @@
+"""The gradient path (issue 13): small first bucket, stage-1 gradients as bucket views, no
+zero-fill of stage-2 pool buffers, ``reduce_dtype``, the reduce op per backend.
+
+Pure logic first; then one 2-rank gloo spawn runs every engine case.
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.distributed import run_ranks
+
+# -- pure logic ---------------------------------------------------------------------------------
+
+
+def test_reduce_op_per_backend():
+    """NCCL averages inside the collective; gloo (no AVG) sums and the engine divides after."""
+    from lightning_zero.zero.reducer import grad_reduce_op
+
+    assert grad_reduce_op("nccl") == (dist.ReduceOp.AVG, False)
+    assert grad_reduce_op("NCCL") == (dist.ReduceOp.AVG, False)
+    assert grad_reduce_op("gloo") == (dist.ReduceOp.SUM, True)
+    assert grad_reduce_op("mpi") == (dist.ReduceOp.SUM, True)
+
+
+def test_first_bucket_is_small_and_the_rest_keep_bucket_numel():
+    from lightning_zero.zero.flat import FlatLayout, first_bucket_numel
+
+    params = [nn.Parameter(torch.zeros(100)) for _ in range(10)]
+    names = [f"p{i}" for i in range(10)]
+    layout = FlatLayout(params, names, dp=2, bucket_numel=450, first_bucket_numel=150)
+    sizes = [sum(s.numel for s in b.slots) for b in layout.buckets]
+    assert sizes == [200, 500, 300], sizes  # closes at >= 150, then >= 450; a param never straddles
+    assert [s.name for s in layout.buckets[0].slots] == ["p9", "p8"]  # last registered: ready first
+    assert [sum(s.numel for s in b.slots) for b in FlatLayout(params, names, dp=2, bucket_numel=450).buckets] == [
+        500,
+        500,
+    ]
+    # 1 MiB of fp32 is 262144 elements; never more than a whole bucket
+    assert first_bucket_numel(10**7, 4) == 262144 and first_bucket_numel(1000, 4) == 1000
+    assert first_bucket_numel(10**7, 2) == 524288
+    with pytest.raises(ValueError, match="first_bucket_numel"):
+        FlatLayout(params, names, dp=2, bucket_numel=450, first_bucket_numel=0)
+
+
+def test_reduce_dtype_knob_and_bytes():
+    from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, reduce_in_fp32
+    from lightning_zero.planner.arithmetic import plan_run
+    from lightning_zero.planner.ledger import grad_bytes_per_param
+
+    assert ZERO_DEFAULTS.reduce_dtype == "compute"
+    assert reduce_in_fp32("fp32") and not reduce_in_fp32("compute") and not reduce_in_fp32("bf16")
+    with pytest.raises(ValueError, match=r"reduce_dtype='fp16'.*\"fp32\""):
+        ZeroConfig(reduce_dtype="fp16")
+    assert grad_bytes_per_param("bf16-mixed") == 2 and grad_bytes_per_param("bf16-mixed", "fp32") == 4
+    assert grad_bytes_per_param("32-true", "compute") == 4 and grad_bytes_per_param("32-true", "fp32") == 4
+    common = dict(world_size=8, devices_per_node=8, precision="bf16-mixed", micro_batch=1, seq_len=128, simulate=False)
+    for stage in (1, 2, 3):
+        bf16 = plan_run("tiny", stage=stage, **common)
+        fp32 = plan_run("tiny", stage=stage, reduce_dtype="fp32", **common)
+        assert fp32.memory.grads == 2 * bf16.memory.grads, stage  # P (stage 1) or P / dp, in 4 bytes
+        assert fp32.traffic.dp_reduce_scatter_bytes == 2 * bf16.traffic.dp_reduce_scatter_bytes
+        assert fp32.traffic.dp_all_gather_bytes == bf16.traffic.dp_all_gather_bytes  # params stay bf16
+        assert fp32.memory.step_grad_shard == 0 < bf16.memory.step_grad_shard  # no fp32 cast at the step
+        assert fp32.reduce_dtype == "fp32"
+
+
+def test_monitor_predicts_fp32_gradient_bytes():
+    from lightning_zero.monitor import predicted_bytes
+
+    @dataclasses.dataclass
+    class FakeEngine:
+        reduce_dtype: torch.dtype
+        compute_dtype: torch.dtype = torch.bfloat16
+        stage: int = 1
+        dp_size: int = 2
+
+        def num_params(self) -> int:
+            return 1000
+
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
+    assert predicted_bytes(FakeEngine(torch.bfloat16), opt)["grads"] == 2000
+    assert predicted_bytes(FakeEngine(torch.float32), opt)["grads"] == 4000
+
+
+# -- engine cases on 2 gloo ranks ---------------------------------------------------------------
+
+WIDTH = 256  # 8 x Linear(256, 256): 2.1 MB of fp32 gradients, less than bucket_mb=25
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(4, 4)  # never in forward: its slot gets no gradient (last bucket)
+        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(8)])
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _stack() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack()
+
+
+def _inputs(steps: int, micro: int, world: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    return [[torch.randn(world, 4, WIDTH, generator=gen).to(dtype) for _ in range(micro)] for _ in range(steps)]
+
+
+def _reference(steps: int, micro: int, world: int, clip: float) -> list[torch.Tensor]:
+    model = _stack()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for batch in _inputs(steps, micro, world):
+        opt.zero_grad()
+        for x in batch:
+            (model(x.reshape(-1, WIDTH)).pow(2).mean() / micro).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _parity_and_views(rank, world, stage, expected):
+    """Default-ish knobs (bucket_mb=25 > the model): several buckets, the first launched before
+    backward ends and small; stage 1 autograd writes into the bucket slots; params match."""
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.flat import FIRST_BUCKET_MB
+
+    model = _stack()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=25.0)
+    reducer = engine.reducer
+    assert len(reducer.buckets) > 1, "a model smaller than bucket_mb still gets a small first bucket"
+    first = reducer.buckets[0]
+    assert first.layout.numel * 4 <= FIRST_BUCKET_MB * 2**20 + WIDTH * WIDTH * 4
+    storage = reducer.storage
+    launched_when_last_grad_came: list[int] = []
+    model.layers[0].weight.register_hook(  # its gradient is the last one backward computes
+        lambda grad: launched_when_last_grad_came.append(len(reducer.timeline.launched_buckets()))
+    )
+    for step, batch in enumerate(_inputs(3, 2, world)):
+        opt.zero_grad()
+        for i, x in enumerate(batch):
+            syncing = i == len(batch) - 1
+            with engine.no_sync() if not syncing else torch.enable_grad():
+                engine.backward(model(x[rank]).pow(2).mean() / len(batch))
+            if stage == 1 and not syncing:
+                # gradient_as_bucket_view: every .grad is its slot of the group's buffer
+                for group in engine.groups:
+                    buffer = storage.buffers[id(group)]
+                    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+                    for slot in group.layout.slots:
+                        grad = slot.param.grad
+                        assert grad is storage._views[id(slot.param)], slot.name
+                        assert lo <= grad.data_ptr() < hi and grad.untyped_storage().data_ptr() == lo
+        # the first (small) bucket was already in flight when backward computed its last gradient
+        assert launched_when_last_grad_came[-1] >= 1, (step, launched_when_last_grad_came)
+        assert reducer.timeline.launched_buckets()[0] == reducer._layout_index[id(first)]
+        if stage == 1:  # a reduced bucket shows no half-reduced gradient
+            assert all(p.grad is None for p in model.parameters())
+        engine.optimizers[0].clip_grad_norm_(0.05)
+        opt.step()
+    for (name, got), want in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6, msg=f"stage {stage} {name}")
+    engine.close()
+
+
+def _stage1_hook_copies_nothing(rank, world):
+    """Count what the gradient hook does in a stage-1 backward: with the views installed, the
+    grad_ready hook issues no copy/add kernel (autograd accumulated in the slot already)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_zero.zero.engine import ZeroEngine
+
+    model = _stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], stage=1, bucket_mb=25.0)
+    x = _inputs(1, 1, world)[0][0][rank]
+    with engine.no_sync():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.backward(model(x).pow(2).mean())
+    events = prof.events()
+    hooks = [e for e in events if e.name == "lightning_zero::grad_ready"]
+    assert len(hooks) == sum(1 for p in model.parameters() if p.requires_grad) - 2  # `unused` has 2
+    inside = [
+        e
+        for e in events
+        if e.name in ("aten::copy_", "aten::add_", "aten::add")
+        and any(h.time_range.start <= e.time_range.start and e.time_range.end <= h.time_range.end for h in hooks)
+    ]
+    assert inside == [], [e.name for e in inside]
+    storage = engine.reducer.storage
+    once = {id(g): storage.buffers[id(g)].clone() for g in engine.groups}
+    # User code drops the module's .grad (model.zero_grad()): autograd makes a fresh gradient, the
+    # hook adds it into the slot and drops it; accumulation goes on, as before this change.
+    model.zero_grad(set_to_none=True)
+    with engine.no_sync():
+        model(x).pow(2).mean().backward()  # plain backward: no pre_backward, no views
+    assert all(p.grad is None for p in model.parameters())
+    with engine.no_sync():
+        engine.backward(model(x).pow(2).mean())  # views installed again
+    for group in engine.groups:
+        torch.testing.assert_close(storage.buffers[id(group)], 3 * once[id(group)], rtol=1e-6, atol=1e-7)
+        for slot in group.layout.slots:
+            if slot.name.startswith("layers"):
+                assert slot.param.grad is storage._views[id(slot.param)]
+    # create_graph=True: autograd replaces the view by `view + new` out of place; the hook copies it.
+    with engine.no_sync(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the reference cycle create_graph makes
+        engine.backward(model(x).pow(2).mean(), create_graph=True)
+    for group in engine.groups:
+        torch.testing.assert_close(storage.buffers[id(group)], 4 * once[id(group)], rtol=1e-6, atol=1e-7)
+    engine.close()
+
+
+def _bf16_accumulation(rank, world):
+    """bf16 compute, 8 micro batches: reduce_dtype=fp32 gives the fp32 reduction of the same bf16
+    micro-batch gradients (to fp32 rounding); reducing in bf16 is measurably further off."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    micro = 8
+    batch = _inputs(1, micro, world, torch.bfloat16)[0]
+    # The bf16 micro-batch gradients every rank computes, summed in fp32 per rank then over ranks.
+    reference = _stack().to(torch.bfloat16)
+    want: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        per_rank: dict[str, torch.Tensor] = {}
+        for x in batch:
+            reference.zero_grad(set_to_none=True)
+            (reference(x[r]).float().pow(2).mean() / micro).backward()
+            for name, p in reference.named_parameters():
+                if p.grad is not None:
+                    per_rank[name] = per_rank.get(name, 0) + p.grad.float()
+        for name, g in per_rank.items():
+            want[name] = want.get(name, 0) + g
+    want = {name: g / world for name, g in want.items()}
+    errors = {}
+    for stage in (1, 2, 3):
+        for reduce_dtype in (torch.float32, None):
+            model = _stack()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine = ZeroEngine(
+                model, [opt], stage=stage, bucket_mb=0.05, compute_dtype=torch.bfloat16, reduce_dtype=reduce_dtype
+            )
+            for i, x in enumerate(batch):
+                with engine.no_sync() if i < micro - 1 else torch.enable_grad():
+                    engine.backward(model(x[rank]).float().pow(2).mean() / micro)
+            worst, scale = 0.0, 0.0
+            for owned in engine.owned_ranges():
+                got = owned.master.grad[owned.chunk_lo : owned.chunk_hi]
+                if owned.name not in want:  # `unused`: its slot was never written (no zero-fill)
+                    assert bool((got == 0).all()), (stage, owned.name)
+                    continue
+                assert got.dtype == torch.float32
+                expected = want[owned.name].reshape(-1)[owned.param_lo : owned.param_hi]
+                worst = max(worst, float((got - expected).abs().max()))
+                scale = max(scale, float(expected.abs().max()))
+            errors[(stage, reduce_dtype)] = (worst, scale)
+            engine.close()
+    for stage in (1, 2, 3):
+        fp32_err, scale = errors[(stage, torch.float32)]
+        bf16_err, _ = errors[(stage, None)]
+        assert fp32_err <= 2e-6 * scale, (stage, errors)  # fp32 rounding only
+        assert bf16_err > 50 * max(fp32_err, 1e-7 * scale), (stage, errors)  # bf16 drift
+
+
+def _all(rank, world, expected):
+    for stage, want in zip((1, 2), expected):
+        _parity_and_views(rank, world, stage, want)
+    _stage1_hook_copies_nothing(rank, world)
+    _bf16_accumulation(rank, world)
+
+
+def test_engine_gradient_path():
+    torch.set_num_threads(1)
+    expected = [_reference(3, 2, 2, 0.05) for _ in (1, 2)]
+    run_ranks(_all, 2, args=(expected,), timeout_s=240)
