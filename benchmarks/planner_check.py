@@ -121,6 +121,7 @@ def calibrated_hardware(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]
 
 def predict(args: argparse.Namespace, hardware: Path) -> dict[str, dict[str, Any]]:
     """The planner's step time for each case (2 ranks on one 2-device node, fp32, the bench model)."""
+    from lightning_zero.config import ZERO_DEFAULTS
     from lightning_zero.planner import load_hardware, plan_run
 
     hw = load_hardware(hardware)
@@ -140,6 +141,7 @@ def predict(args: argparse.Namespace, hardware: Path) -> dict[str, dict[str, Any
             seq_len=args.seq,
             bucket_mb=args.bucket_mb,
             prefetch_blocks=1,
+            overlap_param_gather=ZERO_DEFAULTS.overlap_param_gather,  # what the benchmarked engine does
             hardware=hw,
             suggest=False,
         )

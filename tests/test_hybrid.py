@@ -141,11 +141,21 @@ CASES = [
     "hier3",
     "tp2_hyb1_node",
     "tp2_hyb3_node",
+    "hyb2_node_bf16",
+    "hyb2_node_int8",
+    "hier2_int8",
     "ckpt_resume",
     "ckpt_resume_world",
     "engine_paths",
 ]
-ZERO_CASES = [case for case in CASES if case != "ddp" and not case.startswith(("ckpt", "engine"))]
+COMPRESSED = {
+    "hyb2_node_bf16": ("hyb2_node", "bf16"),
+    "hyb2_node_int8": ("hyb2_node", "int8"),
+    "hier2_int8": ("hier2", "int8"),
+}
+ZERO_CASES = [
+    case for case in CASES if case != "ddp" and not case.startswith(("ckpt", "engine")) and case not in COMPRESSED
+]
 
 
 def _launch_two_nodes_of_two(out_dir, cases: list[str], timeout_s: float = 600) -> None:
@@ -307,3 +317,35 @@ def test_engine_reduced_gradients_are_the_mean(results, layout, timeout):
         assert got["buckets"] >= 2 and got["hierarchical"] == (layout == "hier_stage2")
         assert got["max_abs_error"] < 1e-6, got
         assert got["bytes_by_link"]["inter_node"] > 0 and got["bytes_by_link"]["intra_node"] > 0
+
+
+# Tolerance of a compressed run's per-step losses against ddp's over these 4 steps: bf16 rounds each
+# gradient element once to 8 mantissa bits (2^-9 relative), int8 moves it by at most 1/254 of its
+# 256-element block's absmax; AdamW normalizes by the running RMS, so a step's update moves by about
+# that fraction and the loss by less. 2% (int8) and 1% (bf16) leave room for 4 steps of drift; the
+# uncompressed runs match ddp to 1e-5, and a test below checks that compression changed something.
+COMPRESSED_LOSS_RTOL = {"bf16": 1e-2, "int8": 2e-2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(COMPRESSED))
+def test_compressed_cross_node_hops(results, case):
+    """grad_comm_dtype compresses exactly the hops that cross nodes: their bytes are 1/2 (bf16) or
+    about 1/4 plus one fp32 scale per 256 elements (int8) of the fp32 run's, the in-node bytes are
+    unchanged, and the losses stay within the stated tolerance of ddp."""
+    base, dtype = COMPRESSED[case]
+    want_losses = torch.tensor(results("ddp", 0)["losses"])
+    cross = "all_reduce_grads_replicas" if base.startswith("hyb") else "reduce_scatter_grads_cross_node"
+    for rank in range(4):
+        got, fp32 = results(case, rank), results(base, rank)
+        ratio = got["sent"]["bytes"][cross] / fp32["sent"]["bytes"][cross]
+        if dtype == "bf16":
+            assert ratio == 0.5, (case, ratio)
+        else:
+            assert 0.25 < ratio < 0.25 * (1 + 4 / 256) * 1.05, (case, ratio)  # + scales, + padding per chunk
+        intra = {k: v for k, v in got["sent"]["bytes"].items() if k != cross}
+        assert intra == {k: v for k, v in fp32["sent"]["bytes"].items() if k != cross}, case
+        assert got["sent"]["bytes_by_link"]["intra_node"] == fp32["sent"]["bytes_by_link"]["intra_node"]
+        losses = torch.tensor(got["losses"])
+        torch.testing.assert_close(losses, want_losses, rtol=COMPRESSED_LOSS_RTOL[dtype], atol=0, msg=case)
+        assert not torch.equal(losses[1:], want_losses[1:]), f"{case}: compression changed nothing"

@@ -378,7 +378,7 @@ class PlanConf:
     attention: str = "fused"
     search: bool = False
     top: int = 10
-    overlap_param_gather: bool = False
+    overlap_param_gather: Optional[bool] = None  # None: as the strategy's overlap_param_gather does
     topology: bool = True  # on more than one node: also plan hybrid / hierarchical / int8 side by side
 
 

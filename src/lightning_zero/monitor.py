@@ -199,7 +199,7 @@ class ZeroMonitor(Callback):
         lines += [f"{key:<10}{got:>16,.0f}{want:>16,.0f}" for key, got, want in rows]
         lines.append(f"{'sent/step':<10}{last['zero/sent_bytes_total']:>16,.0f}")
         for link in LINK_CLASSES:
-            lines.append(f"{'  ' + link:<12}{last[f'zero/sent_bytes_by_link/{link}']:>14,.0f}")
+            lines.append(f"{'  ' + link:<12}{last.get(f'zero/sent_bytes_by_link/{link}', 0.0):>14,.0f}")
         lines.append(f"{'overlap':<10}{last['zero/overlap_fraction']:>16.0%}")
         lines += self._throughput_lines()
         rank_zero_info("\n".join(lines))

@@ -44,6 +44,11 @@ CASES = {  # name: (strategy factory, tp)
     # tp=2 on 2 x 2: one dp rank per node, so "node" is shard_size 1, replicated over the 2 nodes.
     "tp2_hyb1_node": (zero(stage=1, tensor_parallel_size=2, shard_size="node"), 2),
     "tp2_hyb3_node": (zero(stage=3, tensor_parallel_size=2, shard_size="node"), 2),
+    # compressed cross-node hops (grad_comm_dtype): the replica all-reduce of hybrid sharding and
+    # the cross-node reduce-scatter of hierarchical reduction; the in-node hops stay fp32
+    "hyb2_node_bf16": (zero(stage=2, shard_size="node", grad_comm_dtype="bf16"), 1),
+    "hyb2_node_int8": (zero(stage=2, shard_size="node", grad_comm_dtype="int8"), 1),
+    "hier2_int8": (zero(stage=2, hierarchical_reduce=True, grad_comm_dtype="int8"), 1),
     # checkpoint round trip: hyb3_s2 saves at step 2; fresh runs resume it to step 4 in the same
     # layout and sharded over all 4 ranks (checkpoints are in dense coordinates)
     "ckpt_resume": (zero(stage=3, shard_size=2), 1),

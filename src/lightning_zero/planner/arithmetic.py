@@ -269,7 +269,7 @@ def plan_run(
     defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
     max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
     shard_size: Union[None, int, str] = None,
     hierarchical_reduce: bool = False,
     grad_comm_dtype: Optional[str] = None,

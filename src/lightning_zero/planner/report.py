@@ -78,7 +78,11 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
         overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
         max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
-        overlap_param_gather=bool(plan_options["overlap_param_gather"]),
+        overlap_param_gather=bool(
+            strategy.get("overlap_param_gather", ZERO_DEFAULTS.overlap_param_gather)
+            if plan_options["overlap_param_gather"] is None
+            else plan_options["overlap_param_gather"]
+        ),
         **topology_knobs(strategy),
         hardware=hardware,
         mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),

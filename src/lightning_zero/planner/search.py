@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any, Optional, Sequence, Union
 
+from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.arithmetic import GiB, Plan, plan_run
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -149,7 +150,7 @@ def search_layouts(
     prefetch: Sequence[int] = PREFETCH,
     checkpointing: Sequence[bool] = (False, True),
     max_buckets_in_flight: int = 2,
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
     hierarchical: Sequence[bool] = HIERARCHICAL,
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
