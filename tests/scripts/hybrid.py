@@ -47,7 +47,8 @@ CASES = {  # name: (strategy factory, tp)
     # compressed cross-node hops (grad_comm_dtype): the replica all-reduce of hybrid sharding and
     # the cross-node reduce-scatter of hierarchical reduction; the in-node hops stay fp32
     "hyb2_node_bf16": (zero(stage=2, shard_size="node", grad_comm_dtype="bf16"), 1),
-    "hyb2_node_int8": (zero(stage=2, shard_size="node", grad_comm_dtype="int8"), 1),
+    # param_comm_dtype is ignored here: the shard group's gathers stay inside a node
+    "hyb2_node_int8": (zero(stage=2, shard_size="node", grad_comm_dtype="int8", param_comm_dtype="int8"), 1),
     "hier2_int8": (zero(stage=2, hierarchical_reduce=True, grad_comm_dtype="int8"), 1),
     # checkpoint round trip: hyb3_s2 saves at step 2; fresh runs resume it to step 4 in the same
     # layout and sharded over all 4 ranks (checkpoints are in dense coordinates)

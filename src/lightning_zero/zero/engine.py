@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.collectives import CommCounter
+from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
@@ -271,6 +271,8 @@ class ZeroEngine:
         self.collective_timeout = collective_timeout
         check_comm_dtype(grad_comm_dtype, "grad_comm_dtype")
         check_comm_dtype(param_comm_dtype, "param_comm_dtype")
+        if shard_groups is not None and self.counter.link_of(shard_groups.shard) == INTRA_NODE:
+            param_comm_dtype = None  # hybrid sharding inside a node: its gathers cross no slow link
         self.grad_comm_dtype = grad_comm_dtype
         self.param_comm_dtype = param_comm_dtype
         self.reduce_dtype = check_reduce_dtype(reduce_dtype, compute_dtype)

@@ -34,7 +34,8 @@ hierarchical. Parameter all-gathers stay flat over the shard group.
 (step b) and :meth:`HybridGradReduce.replicate_all_reduce` (step 2); the hops inside a node stay
 uncompressed. Without hybrid sharding or hierarchical reduction the flat bucket reduce-scatter is
 the hop that crosses nodes, and ``grad_comm_dtype`` compresses it (``zero/reducer.py``).
-``param_comm_dtype`` compresses the shard group's parameter all-gathers wherever they run.
+``param_comm_dtype`` compresses the shard group's parameter all-gathers when that group spans
+nodes (or when no hybrid layout is set); a shard group inside one node gathers uncompressed.
 """
 
 from __future__ import annotations
