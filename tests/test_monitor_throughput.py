@@ -74,15 +74,27 @@ def _table(rank: int, caplog) -> str:
         for key in ("params", "grads", "optimizer", "total")
     }
     monitor.history = [{**metrics, "zero/sent_bytes_total": 2.0, "zero/overlap_fraction": 0.5}]
-    previous = rank_zero_only.rank
+    # Listen on the logger rank_zero_info writes to, directly: earlier tests may have turned its
+    # propagation to the root logger (what caplog reads) off.
+    import lightning_utilities.core.rank_zero as rank_zero_module
+
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = rank_zero_module.log
+    previous, previous_level, previous_disabled = rank_zero_only.rank, logger.level, logger.disabled
     rank_zero_only.rank = rank
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
     try:
-        with caplog.at_level(logging.INFO):
-            caplog.clear()
-            monitor.on_fit_end(None, None)
+        monitor.on_fit_end(None, None)
     finally:
         rank_zero_only.rank = previous
-    return caplog.text
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+        logger.disabled = previous_disabled
+    return "\n".join(records)
 
 
 def test_end_table_shows_tokens_per_s_and_mfu_on_rank_zero_only(caplog):
