@@ -54,3 +54,39 @@ def test_bench_zero12_runs_and_writes_json(tmp_path):
     assert tapped == pytest.approx(zero2["engine_sent_bytes_per_step"])
     assert tapped == pytest.approx(zero2["predicted_sent_bytes_per_step"], rel=0.02)
     assert zero2["state_bytes"][0]["optimizer"] == pytest.approx(zero2["predicted_state_bytes"]["optimizer"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_planner_check_measures_every_case_it_predicts(tmp_path):
+    """planner_check drives bench_zero12's workers with its own arguments: each case it predicts
+    is also measured (a missing harness argument once left every measurement NaN)."""
+    out = tmp_path / "check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/planner_check.py"),
+            "--quick",
+            "--cases",
+            "ddp",
+            "zero2",
+            "--hardware",
+            str(ROOT / "benchmarks/results/cpu_calibrated_session3.yaml"),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    measured = payload["measured"]
+    assert set(payload["predicted"]) == {"ddp", "zero2"}
+    for case in ("ddp", "zero2"):
+        assert measured[case]["error"] is None, measured[case]
+        value = measured[case]["step_s_median"]
+        assert value is not None and value == value and value > 0, (case, measured)  # not NaN, not missing
