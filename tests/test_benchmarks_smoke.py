@@ -18,28 +18,23 @@ TINY = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ff
 QUICK = ["--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1", "--bucket-mb", "0.05"]
 
 
-@pytest.mark.slow
-def test_bench_zero12_runs_and_writes_json(tmp_path):
-    out = tmp_path / "zero12.json"
+def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script>`` with ``args`` in ``tmp_path``, one torch thread per process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/bench_zero12.py"),
-            "--cases",
-            "zero2",
-            "ddp",
-            *TINY,
-            *QUICK,
-            "--out",
-            str(out),
-        ],
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.slow
+def test_bench_zero12_runs_and_writes_json(tmp_path):
+    out = tmp_path / "zero12.json"
+    proc = _run(tmp_path, "bench_zero12.py", "--cases", "zero2", "ddp", *TINY, *QUICK, "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "did not run" not in proc.stdout, proc.stdout
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
@@ -61,25 +56,9 @@ def test_planner_check_measures_every_case_it_predicts(tmp_path):
     """planner_check drives bench_zero12's workers with its own arguments: each case it predicts
     is also measured (a missing harness argument once left every measurement NaN)."""
     out = tmp_path / "check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks/planner_check.py"),
-            "--quick",
-            "--cases",
-            "ddp",
-            "zero2",
-            "--hardware",
-            str(ROOT / "benchmarks/results/cpu_calibrated_session3.yaml"),
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    hardware = str(ROOT / "benchmarks/results/cpu_calibrated_session3.yaml")
+    proc = _run(
+        tmp_path, "planner_check.py", "--quick", "--cases", "ddp", "zero2", "--hardware", hardware, "--out", str(out)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
