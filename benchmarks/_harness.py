@@ -97,6 +97,9 @@ _RING = {
     "all_gather_single": ("all_gather", lambda n: (n - 1) / n, 0),
     "_all_gather_base": ("all_gather", lambda n: (n - 1) / n, 0),
     "broadcast": ("broadcast", lambda n: (n - 1) / n, 0),
+    # our reduce-scatter on gloo ([Note: reduce-scatter on gloo] in collectives.py) and the
+    # compressed collectives: (n-1)/n of the input leaves each rank
+    "all_to_all_single": ("all_to_all", lambda n: (n - 1) / n, 1),
 }
 
 

@@ -69,3 +69,15 @@ def test_planner_check_measures_every_case_it_predicts(tmp_path):
         assert measured[case]["error"] is None, measured[case]
         value = measured[case]["step_s_median"]
         assert value is not None and value == value and value > 0, (case, measured)  # not NaN, not missing
+
+
+@pytest.mark.slow
+def test_gloo_collectives_runs_and_writes_json(tmp_path):
+    out = tmp_path / "gloo.json"
+    proc = _run(tmp_path, "gloo_collectives.py", "--sizes-mb", "0.0625", "0.25", "--repeats", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["size_mb"] for row in rows] == [0.0625, 0.25]
+    for row in rows:
+        for case in ("all_reduce (ddp)", "gloo reduce_scatter", "ours reduce_scatter", "all_gather"):
+            assert row[case] > 0, (case, row)

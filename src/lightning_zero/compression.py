@@ -44,13 +44,13 @@ block and unbiased enough for training at the tolerance the tests state (docs/co
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_zero.collectives import CommCounter, all_gather, all_reduce, all_to_all, reduce_scatter
+from lightning_zero.collectives import CommCounter, all_gather, all_reduce, all_to_all, finishing, reduce_scatter
 
 BLOCK_SIZE = 256
 """Elements per int8 quantization block; each block carries one fp32 scale (4 bytes), so scales
@@ -140,40 +140,6 @@ def packed_row_bytes(row_numel: int, block_size: int = BLOCK_SIZE) -> int:
     return row_numel + blocks_per_row(row_numel, block_size) * torch.empty((), dtype=SCALE_DTYPE).element_size()
 
 
-# -- work handles --------------------------------------------------------------------------------
-
-
-class _Finishing:
-    """Work handle of a compressed collective: ``wait()`` waits on the wire collective, then runs
-    ``finish`` (dequantize / sum / copy into the caller's output) once. ``buffers`` (the wire
-    send buffer) stay referenced until then, so no allocator reuses them mid-collective."""
-
-    def __init__(self, work: Any, finish: Callable[[], None], buffers: tuple = ()) -> None:
-        self._work = work
-        self._finish: Optional[Callable[[], None]] = finish
-        self._buffers = buffers
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        if self._work is not None:
-            self._work.wait(*args, **kwargs)
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-            self._buffers = ()
-        return True
-
-
-def _run(work: Any, finish: Callable[[], None], async_op: bool, buffers: tuple = ()):
-    handle = _Finishing(work, finish, buffers)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
-
-
 # -- collectives ---------------------------------------------------------------------------------
 
 
@@ -205,7 +171,7 @@ def reduce_scatter_compressed(
         summed = torch.empty(output.shape, dtype=torch.float32, device=output.device)
         send = input.float()
         work = reduce_scatter(summed, send, group, async_op=True, counter=counter, label=label)
-        return _run(work, lambda: output.copy_(summed), async_op, (send,))
+        return finishing(work, lambda: output.copy_(summed), async_op, (send,))
     chunk_numel = output.numel()
     rows = input.reshape(size, chunk_numel)  # row r: the chunk rank r receives
     if comm_dtype == "bf16":
@@ -231,7 +197,7 @@ def reduce_scatter_compressed(
         output.copy_(summed.view_as(output))
 
     work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
-    return _run(work, finish, async_op, (send,))
+    return finishing(work, finish, async_op, (send,))
 
 
 def all_gather_compressed(
@@ -276,7 +242,7 @@ def all_gather_compressed(
             output.copy_(values.reshape(output.shape))
 
     work = all_gather(gathered, send, group, async_op=True, counter=counter, label=label)
-    return _run(work, finish, async_op, (send,))
+    return finishing(work, finish, async_op, (send,))
 
 
 def all_reduce_compressed(

@@ -44,7 +44,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import all_reduce_compressed, reduce_scatter_compressed
@@ -102,36 +101,24 @@ class HybridGradReduce:
                 f"HybridGradReduce: in-node group ({self.local}) x cross-node group ({self.nodes}) must be the"
                 f" shard group ({self.shard_size})"
             )
-        # output.data_ptr() -> (node slice awaiting hop b, reduce by all-reduce)
-        self._slices: dict[int, tuple[torch.Tensor, bool]] = {}
+        # output.data_ptr() -> node slice awaiting hop b
+        self._slices: dict[int, torch.Tensor] = {}
 
     @property
     def hierarchical(self) -> bool:
         return self.intra_group is not None
 
     # -- hierarchical: hop a at launch, hop b at completion ---------------------------------------
-    def launch_hierarchical(self, full: torch.Tensor, output: torch.Tensor, *, by_all_reduce: bool) -> Any:
+    def launch_hierarchical(self, full: torch.Tensor, output: torch.Tensor) -> Any:
         """Start hop a of [Note: hierarchical reduction] for the bucket ``full``; its chunk lands in
-        ``output`` once :meth:`finish` ran. ``by_all_reduce``: reduce in place with an all-reduce
-        (gloo with a collective timeout, [Note: collective timeout] in reducer.py); the counted
-        bytes are the reduce-scatter's either way."""
+        ``output`` once :meth:`finish` ran."""
         chunk = full.numel() // self.shard_size
         # (nodes, local, chunk) -> (local, nodes, chunk): local rank l's reduce-scatter chunk holds
         # the chunks (n, l) of every node n.
         permuted = full.view(self.nodes, self.local, chunk).transpose(0, 1).contiguous()
         local_rank = dist.get_rank(self.intra_group)
         node_slice = permuted[local_rank].view(-1)  # (nodes * chunk,)
-        self._slices[output.data_ptr()] = (node_slice, by_all_reduce)
-        if by_all_reduce:
-            label = "reduce_scatter_grads_in_node"
-            self.counter.add(
-                label,
-                permuted.numel() * (self.local - 1) / self.local,
-                permuted.element_size(),
-                self.counter.link_of(self.intra_group),
-            )
-            with record_function(f"lightning_zero::{label}"):
-                return all_reduce(permuted.view(-1), self.intra_group, async_op=True)
+        self._slices[output.data_ptr()] = node_slice
         return reduce_scatter(
             node_slice,
             permuted.view(-1),
@@ -141,12 +128,9 @@ class HybridGradReduce:
             label="reduce_scatter_grads_in_node",
         )
 
-    def cross_node_reduce_scatter(
-        self, output: torch.Tensor, node_slice: torch.Tensor, wait: Wait, *, by_all_reduce: bool = False
-    ) -> None:
+    def cross_node_reduce_scatter(self, output: torch.Tensor, node_slice: torch.Tensor, wait: Wait) -> None:
         """Hop b of [Note: hierarchical reduction]: the one cross-node gradient collective of a
-        hierarchical reduction ([Note: compression hook]). ``by_all_reduce``: as in
-        :meth:`launch_hierarchical` (all-reduce the slice, keep this node's chunk)."""
+        hierarchical reduction ([Note: compression hook])."""
         label = "reduce_scatter_grads_cross_node"
         if self.comm_dtype is not None:  # compressed: an all-to-all, pollable on any backend
             work = reduce_scatter_compressed(
@@ -154,23 +138,8 @@ class HybridGradReduce:
             )
             wait(work, "the compressed cross-node gradient reduce-scatter (hierarchical_reduce)")
             return
-        if not by_all_reduce:
-            work = reduce_scatter(
-                output, node_slice, self.inter_group, async_op=True, counter=self.counter, label=label
-            )
-            wait(work, "the cross-node gradient reduce-scatter (hierarchical_reduce)")
-            return
-        self.counter.add(
-            label,
-            node_slice.numel() * (self.nodes - 1) / self.nodes,
-            node_slice.element_size(),
-            self.counter.link_of(self.inter_group),
-        )
-        with record_function(f"lightning_zero::{label}"):
-            work = all_reduce(node_slice, self.inter_group, async_op=True)
+        work = reduce_scatter(output, node_slice, self.inter_group, async_op=True, counter=self.counter, label=label)
         wait(work, "the cross-node gradient reduce-scatter (hierarchical_reduce)")
-        node_rank = dist.get_rank(self.inter_group)
-        output.copy_(node_slice.view(self.nodes, -1)[node_rank])
 
     def replicate_all_reduce(self, chunk: torch.Tensor, wait: Wait) -> None:
         """Step 2 of [Note: hybrid gradient reduction]: sum the reduced chunk over the replicas;
@@ -189,7 +158,7 @@ class HybridGradReduce:
         """After the shard-group hop completed: the remaining hops, leaving this rank's chunk summed
         over every dp rank in ``output`` (the caller divides by :attr:`divisor`)."""
         if self.hierarchical:
-            node_slice, by_all_reduce = self._slices.pop(output.data_ptr())
-            self.cross_node_reduce_scatter(output, node_slice, wait, by_all_reduce=by_all_reduce)
+            node_slice = self._slices.pop(output.data_ptr())
+            self.cross_node_reduce_scatter(output, node_slice, wait)
         if self.replicate_size > 1:
             self.replicate_all_reduce(output, wait)

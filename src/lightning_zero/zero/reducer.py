@@ -79,9 +79,8 @@ torch's do.
 seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
 what this rank was waiting on and how far its backward got, instead of hanging for the process
 group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
-``wait(timeout=...)`` and completes an async reduce-scatter only inside ``wait()``, so there a
-bucket is reduced with an in-place all-reduce of the bucket instead (what gloo runs underneath
-a reduce-scatter anyway; the logical bytes counted are still the reduce-scatter's). On GPU the
+``wait(timeout=...)``; the reduce-scatter there is an all-to-all, which completes without
+``wait()`` and so can be polled ([Note: reduce-scatter on gloo] in ``collectives.py``). On GPU the
 process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
 """
 
@@ -501,8 +500,6 @@ class GradReducer:
         self.overlap_comm = overlap_comm
         self.counter = counter if counter is not None else CommCounter()
         self.collective_timeout = collective_timeout
-        # [Note: collective timeout]: on gloo only an all-reduce can be waited on with a limit.
-        self._reduce_by_all_reduce = collective_timeout is not None and device.type == "cpu"
         self.storage = storage
         storage.reduce_in_fp32 = reduce_in_fp32
         backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
@@ -674,21 +671,12 @@ class GradReducer:
         output = full[start : start + bucket.layout.shard_numel]
         self.timeline.add("launch", self._layout_index[id(bucket)])
         if self.hybrid is not None and self.hybrid.hierarchical:  # [Note: hierarchical reduction]
-            work = self.hybrid.launch_hierarchical(full, output, by_all_reduce=self._reduce_by_all_reduce)
+            work = self.hybrid.launch_hierarchical(full, output)
         elif self.comm_dtype is not None and self.hybrid is None:  # compressed: an all-to-all (any backend)
             work = reduce_scatter_compressed(
                 output, full, self.dp_group, self.comm_dtype, async_op=True, counter=self.counter,
                 label="reduce_scatter_grads",
             )  # fmt: skip
-        elif self._reduce_by_all_reduce and self.dp_size > 1:
-            self.counter.add(
-                "reduce_scatter_grads",
-                full.numel() * (self.dp_size - 1) / self.dp_size,
-                full.element_size(),
-                self.counter.link_of(self.dp_group),
-            )
-            with record_function("lightning_zero::reduce_scatter_grads"):
-                work = all_reduce(full, self.dp_group, op=self._reduce_op, async_op=True)  # ``output`` is a view
         else:
             work = reduce_scatter(
                 output,

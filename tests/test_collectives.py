@@ -1,0 +1,84 @@
+"""``lightning_zero.collectives`` on gloo: the reduce-scatter runs as an all-to-all plus a local sum
+([Note: reduce-scatter on gloo]): the same result as an all-reduce's chunk, pollable before
+``wait()``, counted at the reduce-scatter's logical bytes, in place or not, over the whole world
+and over a subgroup, in fp32 and bf16 (one 4-rank launch)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zero.collectives import CommCounter, Finishing, reduce_scatter
+from tests.distributed import run_ranks
+
+
+def _rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(numel, generator=gen) * (1 + rank)).to(dtype)
+
+
+def _check_group(group, members: list[int], dtype: torch.dtype) -> None:
+    rank = dist.get_rank()
+    if rank not in members:
+        return
+    size, me = len(members), members.index(rank)
+    chunk = 1000
+    full = _rank_input(rank, size * chunk, dtype)
+    # The exact sum in fp64, and the rounding a sum of ``size`` values in ``dtype`` may add: each of
+    # the ``size - 1`` additions rounds by at most half an ulp of a partial sum <= sum of |values|.
+    exact = full.double()
+    dist.all_reduce(exact, group=group)
+    magnitude = full.double().abs()
+    dist.all_reduce(magnitude, group=group)
+    mine = slice(me * chunk, (me + 1) * chunk)
+    exact, bound = exact[mine], (size - 1) * torch.finfo(dtype).eps * magnitude[mine] + 1e-30
+
+    def assert_sum(result: torch.Tensor) -> None:
+        assert result.dtype == dtype
+        error = (result.double() - exact).abs()
+        assert (error <= bound).all(), (error / bound).max()
+
+    # Out of place, async: completes without wait() (a wait with a time limit polls it), then
+    # wait() sums this rank's chunk.
+    counter = CommCounter()
+    output = torch.full((chunk,), float("nan"), dtype=dtype)
+    work = reduce_scatter(output, full, group, async_op=True, counter=counter, label="rs")
+    assert isinstance(work, Finishing)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the gloo reduce-scatter did not complete without wait()"
+        time.sleep(1e-3)
+    assert output.isnan().all(), "the sum lands in wait(), not before"
+    work.wait()
+    assert_sum(output)
+    assert counter.bytes == {"rs": (size - 1) / size * full.numel() * full.element_size()}
+    assert counter.calls == {"rs": 1}
+    before = full.clone()
+    assert torch.equal(full, before), "the input is left as it was"
+
+    # In place (stage 1's bucket): this rank's chunk of the input receives the sum; synchronous.
+    in_place = full.clone()
+    view = in_place[me * chunk : (me + 1) * chunk]
+    assert reduce_scatter(view, in_place, group) is None
+    assert_sum(view)
+    assert torch.equal(in_place[: me * chunk], full[: me * chunk]), "other ranks' chunks untouched"
+
+
+def _body(rank: int, world: int) -> None:
+    pair = dist.new_group([1, 2])
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_group(None, list(range(world)), dtype)
+        _check_group(pair, [1, 2], dtype)
+    # A wrong size is refused before anything is sent.
+    try:
+        reduce_scatter(torch.empty(3), torch.empty(10), None)
+    except ValueError as err:
+        assert "group size (4)" in str(err)
+    else:
+        raise AssertionError("a reduce-scatter of 10 elements into 4 x 3 must be refused")
+
+
+@pytest.mark.slow
+def test_gloo_reduce_scatter_is_a_pollable_all_to_all():
+    run_ranks(_body, 4, timeout_s=120)
