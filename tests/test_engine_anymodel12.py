@@ -475,9 +475,16 @@ def _adafactor_stage3(rank, world, out_dir):
         else:  # the same bf16 gradients and fp32 masters as stage 2
             stage2 = _adafactor_gpt2(rank, steps=steps, clip=clip, engine_kwargs={**kwargs, "stage": 2})
             torch.testing.assert_close(torch.tensor(got), torch.tensor(stage2[2]), rtol=1e-5, atol=1e-5)
-        engine.unshard_parameters()
+        engine.release_module()  # what the strategy's teardown calls: full parameters, fp32 masters
         engine.close()
         assert model.lm_head.weight is model.transformer.wte.weight, "tie lost"
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, "bf16-mixed leaves fp32 weights"
+        if dtype == torch.bfloat16:  # the fp32 masters themselves, as stage 2 leaves them
+            stage2[1].release_module()
+            stage2[1].close()
+            for (name, got_param), want_param in zip(model.named_parameters(), stage2[0].parameters()):
+                assert want_param.dtype == torch.float32
+                torch.testing.assert_close(got_param.detach(), want_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
         if dtype == torch.float32:
             for (name, got_param), want_param in zip(model.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(got_param.detach(), want_param.detach(), rtol=1e-5, atol=1e-6, msg=name)

@@ -702,8 +702,7 @@ class ZeroEngine:
         self.wait_param_gathers()
         if self.stage3 is not None:
             self.unshard_parameters()
-        else:
-            self.restore_master_params()
+        self.restore_master_params()
 
     # -- what checkpoints and tensor parallelism read -----------------------------------------
     def managed_parameters(self) -> dict[str, nn.Parameter]:
@@ -749,14 +748,13 @@ class ZeroEngine:
         return weights
 
     def restore_master_params(self) -> None:
-        """Stages 1-2 under bf16-mixed: parameters become the full fp32 masters again (one
-        all-gather over dp), so a forward outside the Trainer, a second ``fit`` or a
-        ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Collective over dp."""
-        if self.stage == 3:
-            return
+        """Under bf16-mixed (and wherever the masters are separate copies): parameters become the
+        full fp32 masters again (one all-gather over dp), so a forward outside the Trainer, a
+        second ``fit`` or a ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Stage 3
+        calls it after :meth:`unshard_parameters`. Collective over dp."""
         from lightning_zero.zero.reducer import wait_work
 
-        poll = next(iter(self.groups), None) is not None and self.groups[0].param_buffer.device.type == "cpu"
+        poll = next(iter(self.groups), None) is not None and self.groups[0].comm_device.type == "cpu"
         for group in self.groups:
             group.restore_master_params(
                 self.dp_group,

@@ -237,6 +237,39 @@ class ChunkedParamGroup:
             for bucket in self.layout.buckets
         ]
 
+    def restore_master_params(self, group: Optional[dist.ProcessGroup], counter: CommCounter, wait) -> None:
+        """Make every parameter a view of the full fp32 masters (all-gathered over dp), so the module
+        leaves the engine in the dtype it came in (bf16-mixed keeps fp32 weights outside training).
+        ``wait(work)`` waits on one collective. No-op when the masters are the parameters."""
+        if self.masters_alias_params:
+            return
+        device = self.comm_device
+        full = torch.empty(self.layout.numel, dtype=self.master_dtype, device=device)
+        works = [
+            all_gather(
+                full[bucket.start : bucket.end],
+                master.detach().to(device),
+                group,
+                async_op=True,
+                counter=counter,
+                label="all_gather_masters",
+            )
+            for bucket, master in zip(self.layout.buckets, self.masters)
+        ]
+        for work in works:
+            wait(work)
+        for slot in self.layout.slots:
+            slot.param.data = full[slot.offset : slot.end].view(slot.shape)
+        self._restored(full)
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where this group's collectives run (its compute chunks' device)."""
+        raise NotImplementedError
+
+    def _restored(self, full: torch.Tensor) -> None:
+        """The parameters now view ``full`` (the fp32 masters, gathered)."""
+
     def master_bytes(self) -> int:
         """Bytes of fp32 master copies held *in addition* to the parameters (0 when they alias)."""
         if self.masters_alias_params:
@@ -270,29 +303,11 @@ class FlatParamGroup(ChunkedParamGroup):
     def param_bytes(self) -> int:
         return self.param_buffer.numel() * self.param_buffer.element_size()
 
-    def restore_master_params(self, group: Optional[dist.ProcessGroup], counter: CommCounter, wait) -> None:
-        """Make every parameter a view of the full fp32 masters (all-gathered over dp), so the module
-        leaves the engine in the dtype it came in (bf16-mixed keeps fp32 weights outside training).
-        ``wait(work)`` waits on one collective. No-op when the masters are the parameters."""
-        if self.masters_alias_params:
-            return
-        device = self.param_buffer.device
-        full = torch.empty(self.layout.numel, dtype=self.master_dtype, device=device)
-        works = [
-            all_gather(
-                full[bucket.start : bucket.end],
-                master.detach().to(device),
-                group,
-                async_op=True,
-                counter=counter,
-                label="all_gather_masters",
-            )
-            for bucket, master in zip(self.layout.buckets, self.masters)
-        ]
-        for work in works:
-            wait(work)
-        for slot in self.layout.slots:
-            slot.param.data = full[slot.offset : slot.end].view(slot.shape)
+    @property
+    def comm_device(self) -> torch.device:
+        return self.param_buffer.device
+
+    def _restored(self, full: torch.Tensor) -> None:
         self.param_buffer = full
 
 

@@ -57,6 +57,10 @@ class ShardedFlatParamGroup(ChunkedParamGroup):
     def free(self) -> None:
         self.full_buffer.untyped_storage().resize_(0)
 
+    @property
+    def comm_device(self) -> torch.device:
+        return self.shard_buffer.device
+
     def param_bucket(self, bucket: BucketLayout) -> torch.Tensor:
         return self.full_buffer[bucket.start : bucket.end]
 
