@@ -67,7 +67,7 @@ def _one_bucket_per_tensor(n):
     return [Bucket((i,), 1, i) for i in range(n - 1, -1, -1)]
 
 
-def _backward(backward_s, comm_s, *, pool=None, efficiency=1.0, sync=True):
+def _backward(backward_s, comm_s, *, pool=None, efficiency=1.0, sync=True, launch_cap=None):
     workload = _workload(backward_s)
     return simulate_backward(
         workload,
@@ -79,6 +79,7 @@ def _backward(backward_s, comm_s, *, pool=None, efficiency=1.0, sync=True):
         gather_s=None,
         prefetch=1,
         efficiency=efficiency,
+        launch_cap=launch_cap,
     )
 
 
@@ -111,6 +112,24 @@ def test_bucket_pool_stalls_backward_until_the_oldest_reduce_finishes():
     stalled = _backward(backward, comm, pool=1)
     free = _backward(backward, comm, pool=None)
     assert stalled.exposed_s == pytest.approx(9.1 - 7.0)
+    assert free.exposed_s == pytest.approx(0.1)
+
+
+def test_launch_cap_waits_for_the_oldest_reduce_before_the_next_launch():
+    # Stage 1 (no pool), one reduce-scatter in flight at a time. Grads of tensors 2, 1, 0 arrive
+    # at 1, 2, 3 (1 s each). Bucket 2 reduces 1-4. Bucket 1 is ready at 2 but its launch waits for
+    # bucket 2 (backward stalls until 4), reduces 4-7; backward resumes 4-5, bucket 0's launch waits
+    # for bucket 1 until 7, reduces 7-10. Compute 3 s, done at 10: 7 s exposed. Without the cap
+    # backward never stalls and the link ends at 10 too: same end, hence the same exposed time.
+    capped = _backward([1.0, 1.0, 1.0], [3.0, 3.0, 3.0], launch_cap=1)
+    free = _backward([1.0, 1.0, 1.0], [3.0, 3.0, 3.0])
+    assert capped.exposed_s == pytest.approx(7.0) and free.exposed_s == pytest.approx(7.0)
+    # Where the stall matters: a long last gradient. Tensor 0 takes 5 s; bucket 1 (ready at 2)
+    # waits for bucket 2 (1-4) before launching: backward resumes at 4 and ends at 9; bucket 1
+    # reduces 4-4.1, bucket 0 launches at 9 after waiting for nothing: 9-9.1. Uncapped: 0.1 s.
+    capped = _backward([5.0, 1.0, 1.0], [3.0, 0.1, 0.1], launch_cap=1)
+    free = _backward([5.0, 1.0, 1.0], [3.0, 0.1, 0.1])
+    assert capped.exposed_s == pytest.approx(9.1 - 7.0)
     assert free.exposed_s == pytest.approx(0.1)
 
 

@@ -220,6 +220,30 @@ def _stage1_hook_copies_nothing(rank, world):
     engine.close()
 
 
+def _in_flight_cap(rank, world):
+    """Every stage launches a bucket only while fewer than max_buckets_in_flight reduce-scatters
+    are in flight (stage 1 has no buffer pool to bound them); the result does not change."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    params = {}
+    for stage, cap in ((1, 2), (1, 64), (2, 2), (1, 1)):
+        model = _stack()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.01, max_buckets_in_flight=cap)
+        assert len(engine.reducer.buckets) > 4, len(engine.reducer.buckets)
+        for batch in _inputs(2, 1, world):
+            opt.zero_grad()
+            engine.backward(model(batch[0][rank]).pow(2).mean())
+            opt.step()
+        high = engine.reducer.in_flight_high_water
+        assert high == cap if cap < 64 else high > 2, (stage, cap, high)
+        params[(stage, cap)] = [p.detach().clone() for p in model.parameters()]
+        engine.close()
+    for key, got in params.items():
+        for a, b in zip(got, params[(1, 64)]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=str(key))
+
+
 def _bf16_accumulation(rank, world):
     """bf16 compute, 8 micro batches: reduce_dtype=fp32 gives the fp32 reduction of the same bf16
     micro-batch gradients (to fp32 rounding); reducing in bf16 is measurably further off."""
@@ -275,6 +299,7 @@ def _all(rank, world, expected):
     for stage, want in zip((1, 2), expected):
         _parity_and_views(rank, world, stage, want)
     _stage1_hook_copies_nothing(rank, world)
+    _in_flight_cap(rank, world)
     _bf16_accumulation(rank, world)
 
 

@@ -95,7 +95,8 @@ class ZeroConfig:
         offload_optimizer: keep fp32 master and optimizer-state shards in CPU memory.
         defer_grad_reduce: stage 2 with accumulation: keep full gradients over micro batches and
             reduce once at the last (stage-1 gradient memory, one reduce-scatter per step).
-        max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
+        max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
+            first waits for the oldest); stage 2: also the full-size bucket buffers alive at once.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         collective_timeout: seconds any wait of the engine on a collective (gradient
             reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error

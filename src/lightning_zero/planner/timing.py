@@ -18,7 +18,8 @@ the engine really achieves, simulated bucket by bucket.
   parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
   DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
   time on the link; stage 2/3 stall backward when ``max_buckets_in_flight`` bucket buffers are
-  out (the oldest reduce-scatter must finish first); everything still in flight when backward's
+  out (the oldest reduce-scatter must finish first), and every stage before launching a bucket
+  while ``max_buckets_in_flight`` reduce-scatters are in flight; everything still in flight when backward's
   compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
   ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
   on every micro batch. Stage 3 all-gathers a unit (embedding, each block, final norm, head)
@@ -339,13 +340,16 @@ def simulate_backward(
     gather_s: Optional[Sequence[float]],
     prefetch: int,
     efficiency: float,
+    launch_cap: Optional[int] = None,
 ) -> Phase:
     """Backward of one micro batch (see [Note: step-time model]).
 
     ``buckets`` in launch order with their collective times ``bucket_s``; ``sync=False`` (a
     micro batch inside ``no_sync``) launches nothing. ``pool``: stage 2/3's
-    ``max_buckets_in_flight`` (``None``: full-size gradients, no pool). ``gather_s`` (stage 3):
-    per-unit all-gather time; units are reached in reverse, ``prefetch`` ahead.
+    ``max_buckets_in_flight`` (``None``: full-size gradients, no pool). ``launch_cap``: the
+    engine's limit on reduce-scatters in flight (every ZeRO stage: a launch first waits for the
+    oldest; ``None``: no limit, DDP). ``gather_s`` (stage 3): per-unit all-gather time; units are
+    reached in reverse, ``prefetch`` ahead.
     """
     tensors = workload.tensors
     compute = workload.compute_backward_s
@@ -375,7 +379,12 @@ def simulate_backward(
     allocated = 0
 
     def launch(b: int) -> None:
-        nonlocal link_free, comm
+        nonlocal link_free, comm, t, allocated
+        while launch_cap is not None and len(in_flight) >= launch_cap:  # wait for the oldest first
+            oldest = in_flight.pop(0)
+            t = max(t, end[oldest])  # type: ignore[arg-type]
+            if pool is not None:
+                allocated -= 1
         link_free = max(t, link_free) + bucket_s[b]
         comm += bucket_s[b]
         end[b] = link_free
@@ -543,7 +552,12 @@ def step_time(
         gather_s = per_unit
     pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
     common = dict(
-        overlap_comm=overlap_comm, pool=pool, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency
+        overlap_comm=overlap_comm,
+        pool=pool,
+        gather_s=gather_s,
+        prefetch=prefetch_blocks,
+        efficiency=efficiency,
+        launch_cap=max_buckets_in_flight if stage >= 1 else None,
     )
     forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
     backward_sync = simulate_backward(workload, buckets, bucket_s, sync=bool(grad_hops), **common)

@@ -177,7 +177,9 @@ class ZeroEngine:
         overlap_comm: launch a bucket's reduce-scatter as soon as its gradients are ready.
         defer_grad_reduce: stage 2 only: keep full-size gradients across micro batches and reduce
             once at the last one (stage-1 gradient memory, 1/N of the communication).
-        max_buckets_in_flight: stage 2: full-size bucket buffers alive at once.
+        max_buckets_in_flight: gradient reduce-scatters in flight at once (every stage; see
+            [Note: collectives in flight] in ``reducer.py``); stages 2-3: also the full-size bucket
+            buffers alive at once.
         norm_group: group to sum gradient norms over (default: ``dp_group``).
         prefetch_blocks: stage 3: units whose all-gather starts ahead of the one running.
         device: where parameters live (default: that of the module's first parameter; stage 3
@@ -322,6 +324,7 @@ class ZeroEngine:
             comm_dtype=grad_comm_dtype,
             hybrid=self._hybrid_reduce(),
             reduce_in_fp32=self.reduce_dtype == torch.float32 and compute_dtype != torch.float32,
+            max_in_flight=max_buckets_in_flight,
         )
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
