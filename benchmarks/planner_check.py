@@ -170,7 +170,44 @@ def previous_runs(paths: list[str]) -> dict[str, dict[str, float]]:
     return found
 
 
-def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) -> tuple[list[str], dict[str, Any]]:
+TIE_MARGIN = 0.02  # a same-round difference below 2% is no order
+
+
+def told_apart(round_medians: dict[str, list[float]], margin: float = TIE_MARGIN) -> dict[tuple[str, str], str]:
+    """Pairs of cases the measurement tells apart: ``(a, b) -> faster`` when the same one of the
+    two was faster by more than ``margin`` (relative) in every round (same-round medians; rounds
+    where either failed are skipped). Other pairs (the order flips between rounds, or the two are
+    within the margin) are ties at this machine's noise and are left out."""
+    pairs: dict[tuple[str, str], str] = {}
+    cases = sorted(round_medians)
+    for i, a in enumerate(cases):
+        for b in cases[i + 1 :]:
+            rounds = [
+                (x, y)
+                for x, y in zip(round_medians[a], round_medians[b])
+                if x is not None and y is not None and x == x and y == y
+            ]
+            if rounds and all(x * (1 + margin) < y for x, y in rounds):
+                pairs[(a, b)] = a
+            elif rounds and all(y * (1 + margin) < x for x, y in rounds):
+                pairs[(a, b)] = b
+    return pairs
+
+
+def ranking_where_told_apart(predicted_s: dict[str, float], pairs: dict[tuple[str, str], str]) -> list[str]:
+    """The pairs the measurement tells apart whose predicted order is the other way round."""
+    return [
+        f"{a}/{b}"
+        for (a, b), faster in pairs.items()
+        if (predicted_s[a] < predicted_s[b]) != (faster == a) or predicted_s[a] == predicted_s[b]
+    ]
+
+
+def compare(
+    predicted: dict[str, dict[str, Any]],
+    measured: dict[str, float],
+    round_medians: Optional[dict[str, list[float]]] = None,
+) -> tuple[list[str], dict[str, Any]]:
     header = (
         f"{'case':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}  {'compute':>8}{'exposed':>9}"
         f"{'optim':>8}{'copies':>8}{'post-AG':>8}{'overhead':>9}"
@@ -197,13 +234,25 @@ def compare(predicted: dict[str, dict[str, Any]], measured: dict[str, float]) ->
         f"goal: every case within {TOLERANCE:.0%}: {'met' if within else 'NOT met'}; "
         f"same ranking: {'met' if predicted_order == measured_order else 'NOT met'}"
     )
-    return lines, {
+    verdict = {
         "errors": errors,
         "predicted_order": predicted_order,
         "measured_order": measured_order,
         "within_tolerance": within,
         "same_ranking": predicted_order == measured_order,
     }
+    if round_medians:
+        pairs = told_apart({c: round_medians[c] for c in predicted if c in round_medians})
+        wrong = ranking_where_told_apart({c: t["step_s"] for c, t in predicted.items()}, pairs)
+        label = {c: CASES[c][2] for c in predicted}
+        shown = ", ".join(f"{label[pairs[p]]} < {label[p[0] if pairs[p] == p[1] else p[1]]}" for p in pairs)
+        lines.append(
+            f"pairs faster by > {TIE_MARGIN:.0%} in every round: {shown or 'none'}; predicted the same way: "
+            f"{'met' if not wrong else 'NOT met (' + ', '.join(wrong) + ')'} (the other pairs are ties at this noise)"
+        )
+        verdict["told_apart"] = {f"{a}/{b}": faster for (a, b), faster in pairs.items()}
+        verdict["ranking_where_told_apart"] = not wrong
+    return lines, verdict
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -246,7 +295,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             git=run["git"],
             machine=machine_note(),
         )
-        report, verdict = compare(predicted, measured)
+        rounds = {row["case"]: row.get("step_s_round_medians") or [] for row in rows if "error" not in row}
+        report, verdict = compare(predicted, measured, rounds)
         payload["verdict"] = verdict
     if args.previous:
         previous = previous_runs(args.previous)

@@ -81,3 +81,25 @@ def test_gloo_collectives_runs_and_writes_json(tmp_path):
     for row in rows:
         for case in ("all_reduce (ddp)", "gloo reduce_scatter", "ours reduce_scatter", "all_gather"):
             assert row[case] > 0, (case, row)
+
+
+def test_planner_check_ranks_only_pairs_every_round_agrees_on():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planner_check", ROOT / "benchmarks" / "planner_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    rounds = {"ddp": [1.03, 0.91], "zero1": [1.08, 0.89], "zero2": [1.06, 0.95], "zero3_prefetch1": [1.2, 1.19]}
+    pairs = check.told_apart(rounds)
+    # zero3 is > 2% slower than each in both rounds; ddp than zero2 too; ddp/zero1 and zero1/zero2
+    # flip; zero1/zero2 is within 2% in round 0 anyway
+    assert pairs == {
+        ("ddp", "zero3_prefetch1"): "ddp",
+        ("zero1", "zero3_prefetch1"): "zero1",
+        ("zero2", "zero3_prefetch1"): "zero2",
+        ("ddp", "zero2"): "ddp",
+    }
+    predicted = {"ddp": 0.96, "zero1": 0.93, "zero2": 0.94, "zero3_prefetch1": 1.1}
+    assert check.ranking_where_told_apart(predicted, pairs) == ["ddp/zero2"]
+    assert check.ranking_where_told_apart({**predicted, "ddp": 0.9}, pairs) == []
+    assert ("zero1", "zero2") not in check.told_apart({"zero1": [1.0, 1.0], "zero2": [1.01, 1.015]})

@@ -374,3 +374,20 @@ def test_planner_package_has_no_import_circles():
         visit(module, ())
     assert {"ledger", "arithmetic", "timing", "search", "report", "calibrate", "hardware"} <= set(graph)
     assert not (SRC / "lightning_zero" / "planner_report.py").exists()
+
+
+def test_gradient_path_bytes_per_stage_by_hand():
+    from lightning_zero.planner.timing import gradient_path_bytes
+
+    # fp32 (g = 4), 1 micro batch, dp = 2: DDP copies in and back and divides: 6 x 4 = 24;
+    # stage 1 zero-fills, accumulates, divides half: 4 + 12 + 4 = 20; stage 2 copies, divides half: 8 + 4.
+    one = dict(grad_bytes=4, dp=2, micro_batches=1)
+    assert gradient_path_bytes(0, full_grads=False, **one) == 24
+    assert gradient_path_bytes(1, full_grads=True, **one) == 20
+    assert gradient_path_bytes(2, full_grads=False, **one) == 12
+    # 4 micro batches: DDP accumulates 3 more times in .grad (3 x 12); stage 1 accumulates 4 times;
+    # stage 2 copies 4 times and its chunk takes 1 divide + 3 adds (2 + 9) x 4 / 2.
+    four = dict(grad_bytes=4, dp=2, micro_batches=4)
+    assert gradient_path_bytes(0, full_grads=False, **four) == 36 + 24
+    assert gradient_path_bytes(1, full_grads=True, **four) == 4 + 48 + 4
+    assert gradient_path_bytes(2, full_grads=False, **four) == 32 + 22

@@ -33,8 +33,10 @@ the engine really achieves, simulated bucket by bucket.
   simulated_hidden``.
 - **Memory-bound work**: the optimizer step touches ``bytes_per_param`` (28 for fp32 AdamW, 40
   for bf16-mixed with its casts) per parameter it steps, at ``optimizer_gb_per_s`` (default: the
-  memory bandwidth), and backward copies each gradient into the engine's buckets (``3 x
-  grad_bytes`` per parameter: zero or read, read, write) at ``memory_gb_per_s``.
+  memory bandwidth), and the gradient path moves :func:`gradient_path_bytes` per parameter per
+  step at ``memory_gb_per_s``: what each stage does to a gradient between autograd and the
+  optimizer (DDP's copies into its bucket and back, stage 1's zero-fill and accumulation in
+  place, stage 2/3's copy into a pool buffer), which is where the stages differ.
 """
 
 from __future__ import annotations
@@ -425,6 +427,29 @@ def simulate_backward(
 # --------------------------------------------------------------------------------------------
 
 
+def gradient_path_bytes(stage: int, *, grad_bytes: int, dp: int, micro_batches: int, full_grads: bool) -> float:
+    """Memory traffic per parameter per optimizer step between autograd's gradient and the
+    optimizer (``grad_bytes`` = ``g`` per element; ``A`` micro batches):
+
+    - DDP (stage 0; Lightning's default ``gradient_as_bucket_view=False``): micro batches after
+      the first accumulate in ``param.grad`` (``3g`` each: read, read, write); the syncing one
+      copies each gradient into its bucket and back after the all-reduce (``4g``) and divides the
+      bucket by the world size (``2g``): ``3g (A - 1) + 6g``.
+    - ``full_grads`` (stage 1, stage 2 with ``defer_grad_reduce``): the full buffer is zeroed once
+      (``g``), every micro batch accumulates into its slot (``3g``), the owned chunk is divided
+      in place (``2g / dp``): ``g + 3g A + 2g / dp``.
+    - stage 2/3: every micro batch copies into a pool buffer (``2g``) and the owned chunk takes
+      the reduced values (first: divided into it, ``2g / dp``; later: added, ``3g / dp``):
+      ``2g A + (2 + 3 (A - 1)) g / dp``.
+    """
+    g, a = float(grad_bytes), micro_batches
+    if stage == 0:
+        return 3 * g * (a - 1) + 6 * g
+    if full_grads:
+        return g + 3 * g * a + 2 * g / dp
+    return 2 * g * a + (2 + 3 * (a - 1)) * g / dp
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step on one rank, and where they go."""
@@ -434,7 +459,7 @@ class StepTime:
     dp_comm_s: float  # every dp collective's time on the link
     exposed_comm_s: float  # the part of it compute did not hide (incl. stalls on bucket buffers)
     optimizer_s: float  # the optimizer step (memory-bound)
-    grad_copy_s: float  # gradients copied into the engine's buckets (memory-bound)
+    grad_copy_s: float  # the gradient path's memory traffic (gradient_path_bytes; memory-bound)
     post_step_gather_s: float  # stages 1-2: the parameter all-gather after the step (exposed part)
     tokens_per_step: int  # over all dp ranks
     model_flops_per_rank: float  # 6 P N + attention per rank per step, recompute excluded (for MFU)
@@ -593,7 +618,15 @@ def step_time(
         dp_comm_s=dp_comm,
         exposed_comm_s=exposed,
         optimizer_s=optimizer_bytes_per_param * stepped / (optimizer_bytes_per_s or memory_bytes_per_s),
-        grad_copy_s=micro_batches * 3 * grad_bytes * local_numel / memory_bytes_per_s,
+        grad_copy_s=gradient_path_bytes(
+            stage,
+            grad_bytes=grad_bytes,
+            dp=shard,
+            micro_batches=micro_batches,
+            full_grads=stage == 1 or (stage == 2 and defer_grad_reduce),
+        )
+        * local_numel
+        / memory_bytes_per_s,
         post_step_gather_s=post,
         tokens_per_step=tokens_per_step,
         model_flops_per_rank=model_flops_per_rank,
