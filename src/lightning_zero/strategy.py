@@ -65,8 +65,9 @@ class ZeroStrategy(DDPStrategy):
         defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
             across micro batches and reduce once at the last one (stage-1 gradient memory, one
             reduce-scatter per step instead of one per micro batch). Stage 1 always defers.
-        max_buckets_in_flight: stage 2: full-size bucket buffers alive at once (bounds gradient
-            memory to the shard plus this many buckets).
+        max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
+            first waits for the oldest); stage 2: also the full-size bucket buffers alive at once
+            (bounds gradient memory to the shard plus this many buckets).
         collective_timeout: seconds any wait of the engine on a collective may take before it
             raises an error naming what this rank waited on (``None``: the process group's
             ``timeout`` only). See docs/troubleshooting.md.
