@@ -172,7 +172,7 @@ class PendingReduce(NamedTuple):
     work: Any
 
 
-@dataclass
+@dataclass(eq=False)  # identity: buckets hold tensors, and list.index/remove compare with ==
 class Bucket:
     """Runtime state of one bucket: readiness, its full-size gradient and its in-flight work."""
 
@@ -379,7 +379,7 @@ class ShardedGradStorage(GradStorage):
         if not fitting:
             return None
         best = min(fitting, key=lambda b: b.numel())
-        self.free.remove(best)
+        self.free = [b for b in self.free if b is not best]  # by identity: == on tensors compares values
         return best
 
     def _release(self, buffer: torch.Tensor) -> None:
