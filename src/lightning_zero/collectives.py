@@ -223,10 +223,7 @@ def _reduce_scatter_by_all_to_all(
         )
     send = input.reshape(-1)
     received = torch.empty_like(send)
-    if counter is not None:
-        counter.add(label, send.numel() * (size - 1) / size, send.element_size(), counter.link_of(group))
-    with record_function(f"lightning_zero::{label}"):
-        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
     rows = received.view(size, -1)
 
     def finish() -> None:
