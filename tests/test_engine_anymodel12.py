@@ -232,7 +232,7 @@ def _frozen_int8_bytes(rank, world):
 def _timeout(rank, world, out_dir):
     """Rank 1 never runs its backward; rank 0 must fail within collective_timeout, saying why."""
     from lightning_zero.zero.engine import ZeroEngine
-    from lightning_zero.zero.reducer import CollectiveTimeoutError
+    from lightning_zero.zero.waits import CollectiveTimeoutError
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))

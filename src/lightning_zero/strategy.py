@@ -9,6 +9,8 @@ Lightning's loop calls into them:
 - ``block_backward_sync``: Lightning enters it on non-final micro batches of
   ``accumulate_grad_batches``; the engine then skips the gradient collective (stage 1).
 - gradient clipping goes through the precision plugin to the engine's global-norm clipping.
+- a failure on one rank: tell the others, then no collective ([Note: failure path] in
+  ``failure_path.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.waits import FailureChannel
 
 
 class ZeroStrategy(DDPStrategy):
@@ -159,6 +162,7 @@ class ZeroStrategy(DDPStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._dims: Any = None
         self._shard_groups: Any = None  # mesh.ShardGroups under hybrid sharding / hierarchical reduction
+        self.failure_channel: Optional["FailureChannel"] = None  # [Note: failure path] in failure_path.py
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -224,6 +228,7 @@ class ZeroStrategy(DDPStrategy):
         dims.validate(model_config if hasattr(model_config, "n_heads") else None)
         self._dims = dims
         super().setup_environment()  # starts the process group
+        self._open_failure_channel()
         if dims.tp > 1:
             self._device_mesh = build_mesh(dims, self.root_device.type)
             assert self.lightning_module is not None
@@ -232,6 +237,37 @@ class ZeroStrategy(DDPStrategy):
             from lightning_zero.mesh import build_shard_groups
 
             self._shard_groups = build_shard_groups(dims)
+
+    def _open_failure_channel(self) -> None:
+        from lightning_zero.zero.waits import FailureChannel, abort_nccl_after
+
+        if self.failure_channel is not None:
+            self.failure_channel.close()
+        nccl = dist.get_backend() == "nccl"
+        self.failure_channel = FailureChannel.open(on_peer_failure=abort_nccl_after() if nccl else None)
+
+    # -- failures ([Note: failure path] in failure_path.py) -------------------------------------
+    @property
+    def failed(self) -> bool:
+        """This rank failed, or knows another rank did: it issues no collective any more."""
+        return self.failure_channel is not None and self.failure_channel.failed
+
+    def _note_failure(self, exception: BaseException) -> None:
+        from lightning_zero.failure_path import note_failure
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        note_failure(self.failure_channel, exception, trainer if trainer is not None and trainer.state else None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._note_failure(exception)  # FailureNotice did, unless the failure came before setup
+        super().on_exception(exception)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.failed:
+            return  # [Note: failure path]: the peers are not coming
+        super().barrier(name)
 
     # -- setup ----------------------------------------------------------------------------------
     @override
@@ -259,6 +295,11 @@ class ZeroStrategy(DDPStrategy):
             # first, so no user hook between steps reads parameters still being gathered
             trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, ParamGatherBarrier)]
             trainer.callbacks.insert(0, ParamGatherBarrier(self._wait_param_gathers))
+        from lightning_zero.failure_path import FailureNotice
+
+        # first of all, so the failure is posted before any other on_exception hook runs
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
+        trainer.callbacks.insert(0, FailureNotice(self._note_failure))
 
     def _adopt_tp_counter(self) -> None:
         """Count dp and tp traffic in one place: a tensor-parallel model keeps the counter its TP
@@ -337,6 +378,7 @@ class ZeroStrategy(DDPStrategy):
             shard_groups=groups,
             ranks_per_node=self.num_processes,
             reduce_dtype=torch.float32 if reduce_in_fp32(self.reduce_dtype) else None,
+            failure=self.failure_channel,
         )
         if self._device_mesh is not None:
             from lightning_zero.tp.grad_norm import tp_grad_norm_weight
@@ -384,6 +426,9 @@ class ZeroStrategy(DDPStrategy):
         self.engine.begin_step("train")
         try:
             return super().training_step(*args, **kwargs)
+        except BaseException as exception:
+            self._note_failure(exception)
+            raise
         finally:
             self.engine.end_step_call()  # the step's backward may still follow (automatic optimization)
 
@@ -392,9 +437,12 @@ class ZeroStrategy(DDPStrategy):
             return step(*args, **kwargs)
         self.engine.begin_step("eval")
         try:
-            return step(*args, **kwargs)
-        finally:
-            self.engine.end_eval_step()
+            output = step(*args, **kwargs)
+        except BaseException as exception:
+            self._note_failure(exception)  # and no end_eval_step: it gathers what the schedule still expects
+            raise
+        self.engine.end_eval_step()
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -456,12 +504,27 @@ class ZeroStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
-            # fp32 under bf16-mixed as under ddp.
-            self.engine.release_module()
-            self.engine.close()
+            if self.failed:  # [Note: failure path]: nothing that needs the peers
+                self._warn_failed("teardown left the module as it is (stage 3: this rank's shards only; stages"
+                                  " 1-2 under bf16-mixed: bf16 parameters) and skipped the collectives that need"
+                                  " every rank (gathers, destroying the engine's process groups)")  # fmt: skip
+                self.engine.close(destroy_groups=False)
+            else:
+                # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
+                # fp32 under bf16-mixed as under ddp.
+                self.engine.release_module()
+                self.engine.close()
             self.engine = None
+        if self.failure_channel is not None:
+            self.failure_channel.close()
         super().teardown()
+
+    def _warn_failed(self, what: str) -> None:
+        import warnings
+
+        peer = self.failure_channel.peer_failure if self.failure_channel is not None else None
+        cause = f"global rank {peer[0]} failed" if peer is not None else "this rank failed"
+        warnings.warn(f"lightning_zero (global rank {self.global_rank}): {cause}; {what}.", stacklevel=2)
 
     # -- checkpoints (logic in checkpoint/) -----------------------------------------------------
     @property
@@ -492,6 +555,10 @@ class ZeroStrategy(DDPStrategy):
         from lightning_zero.checkpoint import save_checkpoint
 
         assert self.lightning_module is not None
+        if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
+            self._warn_failed(f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every"
+                              " rank); the last complete checkpoint is still the newest")  # fmt: skip
+            return
         self._wait_param_gathers()
         save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
                         optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip

@@ -33,6 +33,7 @@ from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
 from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
+from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.mesh import ShardGroups
@@ -193,7 +194,10 @@ class ZeroEngine:
             step's dp and tp traffic show up together).
         collective_timeout: seconds any wait of the engine on a collective may take before it
             raises an error naming what this rank waited on (``None``: the process group's own
-            timeout). See [Note: collective timeout] in ``reducer.py``.
+            timeout). See [Note: collective timeout] in ``zero/waits.py``.
+        failure: the channel through which a failing rank tells the others why, so they stop
+            instead of waiting for it ([Note: failure channel] in ``zero/waits.py``; the strategy
+            passes its own). ``None``: the engine opens one on the default store and closes it.
         overlap_param_gather: stages 1-2: leave the post-step parameter all-gather (one per
             bucket) in flight and wait for each bucket in the forward pre-hook of the modules that
             own its parameters, so it overlaps the next forward (``False``: wait inside the step).
@@ -244,6 +248,7 @@ class ZeroEngine:
         shard_groups: Optional["ShardGroups"] = None,
         ranks_per_node: Optional[int] = None,
         reduce_dtype: Optional[torch.dtype] = None,
+        failure: Optional[FailureChannel] = None,
     ) -> None:
         if shard_groups is not None:
             if dp_group is not None and dp_group is not shard_groups.shard:
@@ -291,6 +296,9 @@ class ZeroEngine:
         if device is None:
             device = next(module.parameters()).device
         self.device = device
+        self._owns_failure = failure is None
+        self.failure = failure if failure is not None else FailureChannel.open()
+        self.waiter = Waiter(collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
         self.stage3 = None
         if stage == 3:
             flat_groups_per_optimizer = self._build_stage3(
@@ -320,7 +328,7 @@ class ZeroEngine:
             overlap_comm=overlap_comm,
             counter=self.counter,
             param_order=order,
-            collective_timeout=collective_timeout,
+            waiter=self.waiter,
             comm_dtype=grad_comm_dtype,
             hybrid=self._hybrid_reduce(),
             reduce_in_fp32=self.reduce_dtype == torch.float32 and compute_dtype != torch.float32,
@@ -336,7 +344,7 @@ class ZeroEngine:
                 norm_group=norm_group,
                 gather_params=stage != 3,
                 comm_device=device,
-                collective_timeout=collective_timeout,
+                waiter=self.waiter,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
@@ -347,7 +355,6 @@ class ZeroEngine:
             # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
             self.stage3.on_unit_skipped_in_backward = self.reducer.mark_absent
             self.reducer.before_final_launch.append(self.stage3.flush_backward)
-            self.reducer.peer_abort_message = self.stage3.abort_message
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
@@ -382,8 +389,7 @@ class ZeroEngine:
             [group for opt in gathering for groups in opt.flat_groups for group in groups],
             dp_group=self.dp_group,
             counter=self.counter,
-            collective_timeout=self.collective_timeout,
-            poll=torch.device(self.device).type == "cpu",
+            waiter=self.waiter,
         )
         for opt in gathering:
             opt.param_gatherer = gatherer
@@ -537,7 +543,7 @@ class ZeroEngine:
             top=module,
             root_holders=root_holders,
             optimizers=optimizers,
-            collective_timeout=self.collective_timeout,
+            waiter=self.waiter,
         )
         return per_optimizer
 
@@ -755,20 +761,17 @@ class ZeroEngine:
         full fp32 masters again (one all-gather over dp), so a forward outside the Trainer, a
         second ``fit`` or a ``state_dict`` sees fp32 weights as under ddp's bf16-mixed. Stage 3
         calls it after :meth:`unshard_parameters`. Collective over dp."""
-        from lightning_zero.zero.reducer import wait_work
-
-        poll = next(iter(self.groups), None) is not None and self.groups[0].comm_device.type == "cpu"
         for group in self.groups:
             group.restore_master_params(
                 self.dp_group,
                 self.counter,
-                lambda work: wait_work(
-                    work, self.collective_timeout, lambda: "the fp32 master all-gather at teardown", poll=poll
-                ),
+                lambda work: self.waiter.wait(work, lambda: "the fp32 master all-gather at teardown"),
             )
 
-    def close(self) -> None:
-        """Remove every hook and destroy the process groups the engine created."""
+    def close(self, destroy_groups: bool = True) -> None:
+        """Remove every hook and destroy the process groups the engine created (``destroy_groups=False``
+        on the failure path: a gloo group's destructor waits for its collectives in flight, which a
+        failed peer never completes)."""
         if self.stage3 is not None:
             self.stage3.remove_hooks()
         self.reducer.remove_hooks()
@@ -779,7 +782,9 @@ class ZeroEngine:
         for handle in self._step_pre_hooks:
             handle.remove()
         self._step_pre_hooks.clear()
-        for group in self._owned_groups:
+        if self._owns_failure:
+            self.failure.close()
+        for group in self._owned_groups if destroy_groups else ():
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)

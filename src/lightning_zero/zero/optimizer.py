@@ -35,7 +35,8 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_gather, all_reduce
 from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup
-from lightning_zero.zero.reducer import Bucket, wait_work
+from lightning_zero.zero.reducer import Bucket
+from lightning_zero.zero.waits import Waiter
 
 
 class ShardedOptimizer:
@@ -61,7 +62,7 @@ class ShardedOptimizer:
         norm_group: Optional[dist.ProcessGroup] = None,
         gather_params: bool = True,
         comm_device: Optional[torch.device] = None,
-        collective_timeout: Optional[float] = None,
+        waiter: Optional[Waiter] = None,
     ) -> None:
         eager_state = {param: state for param, state in optimizer.state.items() if len(state)}
         self.optimizer = optimizer
@@ -72,7 +73,8 @@ class ShardedOptimizer:
         self.norm_group = norm_group if norm_group is not None else dp_group
         self.gather_params = gather_params
         self.comm_device = comm_device  # where collectives run (masters may be offloaded to CPU)
-        self.collective_timeout = collective_timeout
+        poll = comm_device is None or torch.device(comm_device).type == "cpu"
+        self.waiter = waiter if waiter is not None else Waiter(poll=poll)
         self.replicated_weight: dict[int, torch.Tensor] = {}  # master id -> per-element 1/tp weights
         # Set by the engine: the overlapped post-step all-gather (zero/param_gather.py) and the
         # offload copies (zero/offload.py); None: gather synchronously / no offload.
@@ -90,10 +92,6 @@ class ShardedOptimizer:
         self.optimizer.state.clear()
         if eager_state:
             self._shard_eager_state(eager_state)
-
-    @property
-    def _poll(self) -> bool:
-        return self.comm_device is None or torch.device(self.comm_device).type == "cpu"
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
@@ -222,10 +220,10 @@ class ShardedOptimizer:
             self._wait_all(works, lambda i, n: f"the parameter all-gather {i + 1} of {n} after {name}.step()")
 
     def _wait_all(self, works: list[Any], describe: Any) -> None:
-        """Wait on ``works`` in order within ``collective_timeout``; ``describe(index, count)``
-        names what a stuck one was (see [Note: collective timeout] in ``reducer.py``)."""
+        """Wait on ``works`` in order; ``describe(index, count)`` names what a stuck one was
+        (see [Note: collective timeout] in ``zero/waits.py``)."""
         for index, work in enumerate(works):
-            wait_work(work, self.collective_timeout, lambda index=index: describe(index, len(works)), poll=self._poll)
+            self.waiter.wait(work, lambda index=index: describe(index, len(works)))
 
     # -- gradient clipping over shards ---------------------------------------------------------
     def _norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
@@ -254,9 +252,7 @@ class ShardedOptimizer:
         work = all_reduce(
             value, self.norm_group, op=op, async_op=True, counter=self.counter, label="all_reduce_grad_norm"
         )
-        wait_work(
-            work, self.collective_timeout, lambda: "the gradient-norm all-reduce of gradient clipping", poll=self._poll
-        )
+        self.waiter.wait(work, lambda: "the gradient-norm all-reduce of gradient clipping")
         return value.to(local.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -47,7 +47,7 @@ from torch.profiler import record_function
 from lightning_zero.collectives import CommCounter
 from lightning_zero.compression import all_gather_compressed
 from lightning_zero.zero.flat import FlatParamGroup
-from lightning_zero.zero.reducer import wait_work
+from lightning_zero.zero.waits import Waiter
 
 GatherKey = tuple[int, int]  # (id(flat group), bucket index)
 
@@ -68,8 +68,8 @@ class ParamGatherer:
         groups: the flat groups whose buckets are gathered after a step.
         dp_group: the data-parallel group the parameters are sharded over.
         counter: logical bytes sent are counted here (``all_gather_params``).
-        collective_timeout: seconds a wait may take (``None``: the process group's timeout).
-        poll: wait by polling ``is_completed`` (CPU/gloo) instead of ``work.wait()`` (GPU).
+        waiter: how a gather is waited on (time limit, polling, the failure channel:
+            ``zero/waits.py``).
 
     Attributes:
         waits: how many bucket gathers were waited where: ``"forward_hook"`` (inside a module's
@@ -86,14 +86,12 @@ class ParamGatherer:
         *,
         dp_group: Optional[dist.ProcessGroup],
         counter: CommCounter,
-        collective_timeout: Optional[float] = None,
-        poll: bool = True,
+        waiter: Optional[Waiter] = None,
     ) -> None:
         self.module = module
         self.dp_group = dp_group
         self.counter = counter
-        self.collective_timeout = collective_timeout
-        self.poll = poll
+        self.waiter = waiter if waiter is not None else Waiter()
         self.waits = {"forward_hook": 0, "safe_point": 0, "at_launch": 0}
         self.launched = 0
         self._pending: dict[GatherKey, PendingGather] = {}  # insertion order = launch order
@@ -162,7 +160,7 @@ class ParamGatherer:
         pending = self._pending.pop(key, None)
         if pending is None:
             return
-        wait_work(pending.work, self.collective_timeout, lambda: pending.what, poll=self.poll)
+        self.waiter.wait(pending.work, lambda: pending.what)
         self.waits[where] += 1
 
     def wait_all(self) -> None:

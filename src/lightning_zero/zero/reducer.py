@@ -84,19 +84,12 @@ and resets the gradient storage of *that optimizer's* buckets only (``optA.zero_
 optimizer B's accumulated gradients alone). Without a ``zero_grad``, gradients accumulate as
 torch's do.
 
-[Note: collective timeout] Every wait on a collective of the engine uses ``collective_timeout``
-seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
-what this rank was waiting on and how far its backward got, instead of hanging for the process
-group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
-``wait(timeout=...)``; the reduce-scatter there is an all-to-all, which completes without
-``wait()`` and so can be polled ([Note: reduce-scatter on gloo] in ``collectives.py``). On GPU the
-process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
+Waiting on collectives (time limit, polling, a failing peer): ``zero/waits.py``.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
@@ -108,6 +101,7 @@ from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import reduce_scatter_compressed
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
+from lightning_zero.zero.waits import Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.zero.hybrid import HybridGradReduce
@@ -123,46 +117,6 @@ def _inside_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective of the engine did not finish within ``collective_timeout`` seconds."""
-
-
-def wait_work(work: Any, timeout_s: Optional[float], describe: Callable[[], str], *, poll: bool = True) -> None:
-    """Wait on ``work`` for at most ``timeout_s`` seconds; on timeout raise naming what we waited on.
-
-    ``poll=True`` (CPU/gloo, where ``wait`` blocks anyway) checks ``is_completed()`` with a short
-    sleep, since gloo ignores ``wait(timeout=...)`` for some collectives. ``poll=False`` (GPU) only
-    calls ``wait()``: polling would block the CPU until the GPU catches up, so there the process
-    group's own timeout (NCCL watchdog) applies.
-    """
-    if timeout_s is None or not poll or work.is_completed():
-        _wait_or_explain(work, describe, 0.0)
-        return
-    started = time.perf_counter()
-    deadline = started + timeout_s
-    delay = 1e-5
-    while not work.is_completed():
-        now = time.perf_counter()
-        if now > deadline:
-            raise CollectiveTimeoutError(
-                f"lightning_zero: collective_timeout: waited {now - started:.1f} s (limit {timeout_s:g} s) for"
-                f" {describe()}. Another rank is most likely stuck before this collective or issued a different"
-                " one (an exception on that rank, a skipped or extra backward/optimizer step, different control"
-                " flow per rank); see its own error. Raise ZeroStrategy(collective_timeout=...) if a collective"
-                " legitimately takes this long."
-            )
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
-    _wait_or_explain(work, describe, time.perf_counter() - started)
-
-
-def _wait_or_explain(work: Any, describe: Callable[[], str], waited: float) -> None:
-    try:
-        work.wait()
-    except RuntimeError as err:  # the collective failed (a peer went away, the group timed out)
-        raise RuntimeError(f"lightning_zero: {describe()} failed after {waited:.1f} s: {err}") from err
 
 
 class PendingReduce(NamedTuple):
@@ -473,8 +427,8 @@ class GradReducer:
         counter: logical bytes sent are added here.
         param_order: registration position per parameter id: the launch order of the first
             backward (see [Note: launch order]).
-        collective_timeout: seconds any wait on a reduce-scatter may take before it raises
-            (``None``: the process group's timeout); see [Note: collective timeout].
+        waiter: how a reduce-scatter is waited on (time limit, polling, the failure channel);
+            see ``zero/waits.py``.
         comm_dtype: what the reduce-scatter sends (``None``: the gradients' own dtype; ``"fp32"``,
             ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``. With ``hybrid`` it
             applies only to the hops that cross nodes (``zero/hybrid.py``).
@@ -495,7 +449,7 @@ class GradReducer:
         overlap_comm: bool = True,
         counter: Optional[CommCounter] = None,
         param_order: Optional[dict[int, int]] = None,
-        collective_timeout: Optional[float] = None,
+        waiter: Optional[Waiter] = None,
         comm_dtype: Optional[str] = None,
         hybrid: Optional["HybridGradReduce"] = None,
         reduce_in_fp32: bool = False,
@@ -515,7 +469,7 @@ class GradReducer:
         self.device = device
         self.overlap_comm = overlap_comm
         self.counter = counter if counter is not None else CommCounter()
-        self.collective_timeout = collective_timeout
+        self.waiter = waiter if waiter is not None else Waiter(poll=device.type == "cpu")
         self.storage = storage
         storage.reduce_in_fp32 = reduce_in_fp32
         backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
@@ -528,8 +482,6 @@ class GradReducer:
         self.on_backward_begin: list[Callable[[], None]] = []  # run when a backward begins
         # Run by finish_backward before the remaining buckets launch (stage 3: flush_backward).
         self.before_final_launch: list[Callable[[], None]] = []
-        # Why a peer failed, if it posted a message (stage 3's abort channel); see _complete.
-        self.peer_abort_message: Optional[Callable[[], Optional[str]]] = None
         self._absent: set[int] = set()  # param ids counted ready without a gradient (mark_absent)
         self.finished_backwards = 0  # backwards ended so far (see [Note: end of backward])
         self.learned_order = False
@@ -726,28 +678,11 @@ class GradReducer:
             )
 
         with record_function("lightning_zero::wait_reduce_scatter"):
-            try:
-                wait_work(
-                    work,
-                    self.collective_timeout,
-                    waiting_on,
-                    poll=self.device.type == "cpu",
-                )
-            except RuntimeError as err:
-                if not isinstance(err, CollectiveTimeoutError) and self.peer_abort_message is not None:
-                    deadline = time.monotonic() + 1.0  # the failing peer posts its message before it exits
-                    while (message := self.peer_abort_message()) is None and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    if message is not None:
-                        raise RuntimeError(
-                            f"lightning_zero (dp rank {self.dp_rank}) stops because another rank failed: {message}"
-                        ) from err
-                raise
+            self.waiter.wait(work, waiting_on)
             if self.hybrid is not None:  # [Note: hybrid gradient reduction] in zero/hybrid.py
 
                 def wait_hop(hop_work: Any, what: str) -> None:
-                    poll = self.device.type == "cpu"
-                    wait_work(hop_work, self.collective_timeout, lambda: f"{what}: {waiting_on()}", poll=poll)
+                    self.waiter.wait(hop_work, lambda: f"{what}: {waiting_on()}")
 
                 self.hybrid.finish(output, wait_hop)
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
@@ -831,11 +766,8 @@ class GradReducer:
         )
         with record_function("lightning_zero::agree_bucket_order"):
             work = all_reduce(mine, order_group, op=dist.ReduceOp.MAX, async_op=True)
-            wait_work(
-                work,
-                self.collective_timeout,
-                lambda: f"the bucket-order agreement at the end of the first backward on dp rank {self.dp_rank}",
-                poll=self.device.type == "cpu",
+            self.waiter.wait(
+                work, lambda: f"the bucket-order agreement at the end of the first backward on dp rank {self.dp_rank}"
             )
         agreed = mine.tolist()
         order, counts = agreed[: len(proposal)], agreed[len(proposal) :]

@@ -29,21 +29,16 @@ of times, or skipped, on one rank raises an error naming the module on every ran
 hang. Later steps follow the recorded schedule (and prefetch ``prefetch_blocks`` ahead along it):
 a unit skipped on this rank is still gathered (and freed at once) when a later unit is reached,
 units left when the step closes are flushed, and a unit run more often than recorded raises --
-on this rank at once, and on every other rank within a fraction of a second: the raising rank
-posts the message in the process group's store, and ranks waiting on an all-gather poll it
-([Note: abort channel]). All-gathers run on their own process group (a clone of the dp group),
+on this rank at once, and on every other rank within a fraction of a second ([Note: abort
+channel]). All-gathers run on their own process group (a clone of the dp group),
 so their order never interleaves with the gradient reduce-scatters'.
 
-[Note: abort channel] With gloo (CPU) a wait on an all-gather polls ``work.is_completed()`` and,
-every 50 ms, the store key of this runtime; a message there is raised as this rank's error.
-NCCL waits are left to the stream (no host-side polling); there a divergence after the first
-step ends in the process group's timeout. A rank whose collective fails outright (gloo's
-"Connection closed by peer": the peer raised and exited) reads the key too (for up to a second)
-and raises the peer's message, naming module, step and rank (the reducer does the same for its
-reduce-scatters, through ``abort_message``). A reader acknowledges it (``<key>/acks``); global rank
-0, which usually hosts the store (so its exit takes the message along), waits up to 2 s for every
-peer's acknowledgement before it raises -- peers in a polled wait read it within 50 ms. With ``collective_timeout`` a gloo all-gather wait
-that runs out raises naming the unit, and posts that message for the other ranks.
+[Note: abort channel] A divergence found after the first step raises on the rank that found it,
+which posts the message on the engine's failure channel first ([Note: failure channel] in
+``zero/waits.py``); ranks waiting on an all-gather read it within one poll and raise it, naming
+module, step and rank. With ``collective_timeout`` a gloo all-gather wait that runs out raises
+naming the unit, and posts that message for the other ranks too. On NCCL (no host-side polling)
+the failure channel's abort ends a wait stuck on the failed rank.
 
 [Note: skipped units and gradient buckets] The gradient reducer launches its buckets' reduce-scatters
 strictly in one global order and, with its pool of ``max_buckets_in_flight`` buffers full, waits for
@@ -77,7 +72,6 @@ one reduce-scatter per bucket per backward.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -88,8 +82,8 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.collectives import CommCounter, all_gather
-from lightning_zero.zero.reducer import CollectiveTimeoutError
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
+from lightning_zero.zero.waits import CollectiveTimeoutError, Waiter
 
 # Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
 # collectives can pair messages of different lengths.
@@ -97,8 +91,6 @@ _UNIT = 1  # value: the unit index about to be gathered
 _EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation loop ended
 _DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
 _DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
-_POLL_STORE_S = 0.05
-_ABORT_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for peers to read its message
 
 
 @dataclass
@@ -165,8 +157,8 @@ class Stage3Runtime:
             ([Note: shared parameters] in ``units.py``); they gather the root on demand.
         optimizers: torch optimizers stepping the shards; after each ``step()`` every gathered
             unit is freed (its full parameters are stale), so the next use re-gathers.
-        collective_timeout: seconds a wait on an all-gather may take before it raises naming the
-            unit (gloo only, [Note: abort channel]); ``None``: the process group's timeout.
+        waiter: how an all-gather is waited on (``collective_timeout``, polling, the failure
+            channel through which a divergence is posted: [Note: abort channel]).
     """
 
     def __init__(
@@ -179,7 +171,7 @@ class Stage3Runtime:
         top: Optional[nn.Module] = None,
         root_holders: Iterable[nn.Module] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
-        collective_timeout: Optional[float] = None,
+        waiter: Optional[Waiter] = None,
     ) -> None:
         self.units = units
         self.root = units[-1]
@@ -196,13 +188,10 @@ class Stage3Runtime:
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
         # The reducer's: the trainable parameters of a unit whose backward this rank skipped.
         self.on_unit_skipped_in_backward: Optional[Callable[[list[nn.Parameter]], None]] = None
-        self.collective_timeout = collective_timeout
+        self.waiter = waiter if waiter is not None else Waiter()
         self.dp_size = dist.get_world_size(ag_group)
         self.dp_rank = dist.get_rank(ag_group)
         self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
-        self._store, self._abort_key = self._abort_channel()
-        self._posted = False  # this rank posted an abort message
-        self._acked = False  # this rank acknowledged another rank's message
         self._handles: list[Any] = []
         for unit in units:
             if unit.module is not None:
@@ -220,101 +209,21 @@ class Stage3Runtime:
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
 
-    # -- abort channel ([Note: abort channel]) -------------------------------------------------
-    def _abort_channel(self) -> tuple[Any, str]:
-        if self.dp_size == 1 or dist.get_backend(self.ag_group) != "gloo":
-            return None, ""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - no store: waits stay plain
-            return None, ""
-        return store, f"lightning_zero/stage3_abort/{self.ag_group.group_name}"
-
-    def abort_message(self) -> Optional[str]:
-        """The message a rank (another one, or this one: then its later waits fail fast too)
-        posted before it failed, or None."""
-        if self._store is None:
-            return None
-        try:
-            if not self._store.check([self._abort_key]):
-                return None
-            message = self._store.get(self._abort_key).decode()
-            if not self._acked and not self._posted:  # tell the poster it may exit ([Note: abort channel])
-                self._acked = True
-                self._store.add(self._abort_key + "/acks", 1)
-            return message
-        except Exception:  # noqa: BLE001 - the store itself is gone: nothing to report
-            return None
-
-    def _post(self, message: str) -> None:
-        """Post ``message`` for the other ranks. Global rank 0 usually hosts the store, which dies
-        with it: there wait up to ``_ABORT_GRACE_S`` until every peer read it."""
-        if self._store is None or self._posted:
-            return
-        try:
-            self._store.set(self._abort_key, message)
-            self._posted = True
-            if dist.get_rank() != 0:
-                return
-            deadline = time.monotonic() + _ABORT_GRACE_S
-            while self._store.add(self._abort_key + "/acks", 0) < self.dp_size - 1 and time.monotonic() < deadline:
-                time.sleep(_POLL_STORE_S)
-        except Exception:  # noqa: BLE001 - best effort: this rank raises either way
-            pass
-
-    def _check_abort(self) -> None:
-        message = self.abort_message()
-        if message is not None:
-            raise RuntimeError(f"{self._stops_because()}: {message}")
-
-    def _stops_because(self) -> str:
-        why = "after its own error" if self._posted else "because another rank failed"
-        return f"lightning_zero ZeRO-3 (dp rank {self.dp_rank}) stops {why}"
-
-    def explain_failure(self, err: BaseException) -> None:
-        """A collective failed (gloo: "Connection closed by peer"): if the failing peer posted why,
-        raise that instead (polling the store for up to a second: the peer posts before it exits)."""
-        if self._store is None:
-            return
-        deadline = time.monotonic() + 1.0
-        while True:
-            message = self.abort_message()
-            if message is not None:
-                raise RuntimeError(f"{self._stops_because()}: {message}") from err
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(_POLL_STORE_S)
-
+    # -- failures ([Note: abort channel]) -----------------------------------------------------
     def _abort(self, message: str) -> None:
         """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
-        self._post(message)
+        if self.waiter.failure is not None:
+            self.waiter.failure.post(message)
         raise RuntimeError(message)
 
     def _wait_work(self, work: Any, what: str = "a stage-3 agreement") -> None:
-        if self._store is None:
-            work.wait()
-            return
-        started = time.monotonic()
-        next_check = started + _POLL_STORE_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                self._check_abort()
-                next_check = now + _POLL_STORE_S
-            if self.collective_timeout is not None and now - started > self.collective_timeout:
-                message = (
-                    f"lightning_zero: collective_timeout: dp rank {self.dp_rank} waited {now - started:.1f} s (limit"
-                    f" {self.collective_timeout:g} s) for {what} during {self._what()} of step {self.step}. Another"
-                    " rank is most likely stuck before this collective or issued a different one; see its own error."
-                    " Raise ZeroStrategy(collective_timeout=...) if a collective legitimately takes this long."
-                )
-                self._post(message)
-                raise CollectiveTimeoutError(message)
-            time.sleep(0.0002)
         try:
-            work.wait()
-        except RuntimeError as err:
-            self.explain_failure(err)
+            self.waiter.wait(
+                work, lambda: f"{what} during {self._what()} of step {self.step} on dp rank {self.dp_rank}"
+            )
+        except CollectiveTimeoutError as err:  # the peers stop too, naming what this rank waited on
+            if self.waiter.failure is not None:
+                self.waiter.failure.post(str(err))
             raise
 
     # -- gathering ------------------------------------------------------------------------------
@@ -713,12 +622,6 @@ class Stage3Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._store is not None and not self._posted:  # a posted message stays for the peers
-            try:
-                self._store.delete_key(self._abort_key)
-                self._store.delete_key(self._abort_key + "/acks")
-            except Exception:  # noqa: BLE001 - best effort; the key names a group no one reuses
-                pass
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:

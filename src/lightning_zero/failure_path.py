@@ -1,0 +1,94 @@
+"""What ZeroStrategy does when a rank fails: tell the others, then issue no collective (Lightning glue).
+
+[Note: failure path] Lightning handles an exception of ``fit``/``validate`` in one place
+(``_call_and_handle_interrupt``): every callback's ``on_exception`` (ModelCheckpoint's
+save-on-exception among them), the strategy's ``on_exception``, the loggers, then the strategy's
+``teardown``, and it re-raises. Under ZeRO several of those want every rank (a sharded save, the
+barrier after it, stage 3's unshard at teardown, the stage 1-2 parameter gathers still in flight):
+a rank that enters them alone waits forever for peers that are blocked in the training step's
+own collectives. So:
+
+1. The strategy learns of the failure first: in ``training_step``/``validation_step`` (the
+   exception passes through the strategy) and in the ``on_exception`` of :class:`FailureNotice`,
+   the first callback, before ModelCheckpoint's. The failing rank posts its exception on the
+   failure channel ([Note: failure channel] in ``zero/waits.py``); a rank whose error says that a
+   collective failed first looks for a peer's message and, finding one, rewrites its own error
+   to name the failing rank (the user's error is never rewritten).
+2. From then on this rank issues no collective: ``save_checkpoint`` (a sharded checkpoint needs
+   every rank; the last complete one stays the newest) and ``barrier`` are skipped with a
+   warning, and ``teardown`` removes the engine's hooks but skips what needs the peers (stage 3's
+   unshard, the fp32 masters' gather, waits on gathers in flight, destroying process groups):
+   the module is left as it is, and the warning says so.
+3. A rank that failed itself waits, before its peers raise, until it printed its traceback
+   (an ``atexit`` note; at most ``REPORTED_GRACE_S``), so the user reads the real error first.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError
+
+# What a collective says when its peer went away (gloo / NCCL / the store).
+_COLLECTIVE_ERROR = re.compile(r"Connection (closed|reset)|Broken pipe|NCCL|gloo|ProcessGroup|c10d|timed out|abort")
+
+
+def is_collective_error(exception: BaseException) -> bool:
+    """Whether ``exception`` says that a collective (not the user's code) failed."""
+    import torch.distributed as dist
+
+    if isinstance(exception, (CollectiveTimeoutError, PeerFailedError, dist.DistError)):
+        return True
+    return isinstance(exception, RuntimeError) and bool(_COLLECTIVE_ERROR.search(str(exception)))
+
+
+def where(trainer: Any) -> str:
+    """Where a failure happened, in the loop's words ("training step 3", "validation")."""
+    if trainer is None:
+        return "setup"
+    if trainer.training:
+        return f"training step {trainer.global_step + 1}"
+    stage = getattr(trainer.state.stage, "value", None)
+    return f"{stage} (after training step {trainer.global_step})" if stage else "setup"
+
+
+def note_failure(channel: Optional[FailureChannel], exception: BaseException, trainer: Any) -> None:
+    """Step 1 of [Note: failure path] for ``exception`` raised on this rank (idempotent)."""
+    if channel is None or getattr(exception, "_lightning_zero_noted", False):
+        return
+    exception._lightning_zero_noted = True  # type: ignore[attr-defined]
+    if isinstance(exception, PeerFailedError):
+        channel.await_reported()
+        return
+    peer = channel.peer_error()
+    if peer is None and is_collective_error(exception):
+        peer = channel.await_peer_error()
+    if peer is None:
+        channel.post(
+            f"{type(exception).__name__}: {exception} (on global rank {channel.rank}, during {where(trainer)})"
+        )
+        return
+    channel.await_reported()
+    _rewrite(exception, f"{peer} -- this rank's own error, a consequence: {exception}")
+
+
+def _rewrite(exception: BaseException, message: str) -> None:
+    """Put ``message`` in ``exception`` (the type stays, so ``except`` clauses still match)."""
+    try:
+        exception.args = (message,)
+    except Exception:  # noqa: BLE001 - an exception type that refuses: leave it as it is
+        pass
+
+
+class FailureNotice(Callback):
+    """First in ``trainer.callbacks``: tells the strategy of a failure before any other
+    ``on_exception`` hook (ModelCheckpoint's save) runs ([Note: failure path])."""
+
+    def __init__(self, notice: Callable[[BaseException], None]) -> None:
+        self.notice = notice
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.notice(exception)

@@ -1,0 +1,294 @@
+"""Waiting on collectives: a time limit, polling, and a failure channel, so no rank waits for a dead peer.
+
+[Note: collective timeout] Every wait on a collective of the engine uses ``collective_timeout``
+seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
+what this rank was waiting on and how far its backward got, instead of hanging for the process
+group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
+``wait(timeout=...)``; the reduce-scatter there is an all-to-all, which completes without
+``wait()`` and so can be polled ([Note: reduce-scatter on gloo] in ``collectives.py``). On GPU the
+process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
+
+[Note: failure channel] A rank that fails -- its own exception anywhere in a step (the user's
+``training_step``, a callback, backward, the optimizer step, validation), or an error of the
+engine (a stage-3 divergence, a ``collective_timeout``) -- posts one line in the process group's
+store before it does anything else: which global rank failed, with which exception, where. The
+first line posted wins (``compare_set``): when several ranks fail, it names the first cause.
+Every rank runs a daemon thread that polls that key (every 50 ms on small jobs, less often on
+large ones: each poll is one request to the store's host). What follows:
+
+- a *polled* wait (every wait of the engine on CPU) raises :class:`PeerFailedError` naming the
+  failing rank and its exception within one poll;
+- a *blocked* wait (a collective outside the engine, e.g. Lightning's own ``barrier``; every wait
+  on GPU) ends when the failing process exits (gloo: its sockets close, the collective errors at
+  once) or, on NCCL, when the watcher aborts the process groups a grace period after the message
+  (``_abort_process_group``: NCCL's host-side abort; a kernel already stuck on the device is the
+  driver's business). The error raised there is then rewritten to name the failing rank;
+- the failure path issues no collective: the strategy skips checkpoint-on-exception saves,
+  barriers, and teardown's gathers (see ``ZeroStrategy``);
+- global rank 0 usually hosts the store (a TCPStore on ``MASTER_ADDR``), which dies with it. When
+  it fails it waits up to ``ACK_GRACE_S`` for every peer's watcher to acknowledge the line, so
+  its exit does not take the message along.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+ACK_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for its peers to read its message
+NCCL_ABORT_GRACE_S = 2.0  # after a peer's message: time for this rank to reach its failure path first
+MESSAGE_AFTER_ERROR_S = 1.0  # after a collective error: how long to look for the peer's message
+REPORTED_GRACE_S = 3.0  # how long a rank waits for the failing rank to print its own error first
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of the engine did not finish within ``collective_timeout`` seconds."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank failed first; this rank stops instead of waiting for it ([Note: failure channel])."""
+
+
+_CHANNELS = itertools.count()  # channels opened by this process: the same sequence on every rank
+
+
+def _poll_interval(world_size: int) -> float:
+    return min(1.0, max(0.05, world_size / 1000))
+
+
+class FailureChannel:
+    """The store key through which a failing rank tells every other rank why ([Note: failure channel]).
+
+    Args:
+        store: the process group's store (``None``: a channel that only remembers this rank's
+            own failure, for a single process).
+        key: the store key; the same on every rank, unique per training run.
+        rank, world_size: this process's global rank and the world size.
+        on_peer_failure: called once from the watcher thread when another rank's message arrives
+            (the NCCL abort, see :func:`abort_nccl_after`).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        key: str,
+        *,
+        rank: int,
+        world_size: int,
+        on_peer_failure: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.store = store if world_size > 1 else None
+        self.key = key
+        self.rank = rank
+        self.world_size = world_size
+        self.on_peer_failure = on_peer_failure
+        self.posted = False  # this rank posted its own failure
+        self._peer: Optional[tuple[int, str]] = None  # (global rank, message) of another rank's failure
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+        if self.store is not None:
+            self._watcher = threading.Thread(target=self._watch, name="lightning_zero-failure-watcher", daemon=True)
+            self._watcher.start()
+
+    @classmethod
+    def open(cls, **kwargs: Any) -> "FailureChannel":
+        """A channel on the default process group's store (initialized). Its key numbers the
+        channels this process opened: every rank opens them in the same order, as it creates
+        process groups."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store (a fake backend): remember own failures only
+            store = None
+        key = f"lightning_zero/failure/{next(_CHANNELS)}"
+        return cls(store, key, rank=dist.get_rank(), world_size=dist.get_world_size(), **kwargs)
+
+    # -- this rank failed -----------------------------------------------------------------------
+    def post(self, message: str) -> None:
+        """This rank failed with ``message``: tell the others (best effort, once). Global rank 0
+        waits until every peer read it (at most ``ACK_GRACE_S``)."""
+        if self.posted or self._peer is not None:
+            return
+        self.posted = True
+        if self.store is None:
+            return
+        try:
+            first = self.store.compare_set(self.key, "", f"{self.rank}\n{message}").decode()
+            if not first.startswith(f"{self.rank}\n"):  # another rank was first: its line stands
+                return
+            atexit.register(self._reported)
+            if self.rank != 0:
+                return
+            deadline = time.monotonic() + ACK_GRACE_S
+            while self.store.add(self.key + "/acks", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the store is gone: this rank raises either way
+            pass
+
+    def _reported(self) -> None:
+        """At exit, after Python printed this rank's traceback: the peers may raise now."""
+        try:
+            self.store.set(self.key + "/reported", "1")
+        except Exception:  # noqa: BLE001 - the store is gone
+            pass
+
+    # -- another rank failed --------------------------------------------------------------------
+    @property
+    def peer_failure(self) -> Optional[tuple[int, str]]:
+        """``(global rank, message)`` of another rank's failure, once this rank's watcher read it."""
+        return self._peer
+
+    @property
+    def failed(self) -> bool:
+        """This rank is on the failure path: it failed itself or knows another rank did."""
+        return self.posted or self._peer is not None
+
+    def peer_error(self) -> Optional[PeerFailedError]:
+        """The error this rank raises because another rank failed, or ``None``."""
+        if self._peer is None:
+            return None
+        origin, message = self._peer
+        return PeerFailedError(
+            f"lightning_zero: global rank {self.rank} stops because another rank failed (global rank {origin}):"
+            f" {message}"
+        )
+
+    def check(self) -> None:
+        """Raise :class:`PeerFailedError` if another rank failed (cheap: reads what the watcher saw)."""
+        error = self.peer_error()
+        if error is not None:
+            raise error
+
+    def await_peer_error(self, seconds: float = MESSAGE_AFTER_ERROR_S) -> Optional[PeerFailedError]:
+        """After a collective failed ("Connection closed by peer"): the failing peer posts before it
+        exits, so look for its message for up to ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while self._peer is None and self.store is not None and time.monotonic() < deadline:
+            self._read()
+            if self._peer is None:
+                time.sleep(0.02)
+        return self.peer_error()
+
+    def await_reported(self, seconds: float = REPORTED_GRACE_S) -> None:
+        """Wait until the failing peer printed its own error (it exited), at most ``seconds``,
+        so the user reads that first."""
+        if self._peer is None or self.store is None:
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([self.key + "/reported"]):
+                    return
+            except Exception:  # noqa: BLE001 - the store's host exited: it printed already
+                return
+            time.sleep(0.05)
+
+    def _read(self) -> bool:
+        """Look at the key once; return whether there is nothing more to watch."""
+        try:
+            if not self.store.check([self.key]):
+                return False
+            origin, _, message = self.store.get(self.key).decode().partition("\n")
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing more to read
+            return True
+        if int(origin) == self.rank:
+            return True
+        first = self._peer is None
+        self._peer = (int(origin), message)
+        if first:
+            try:
+                self.store.add(self.key + "/acks", 1)
+            except Exception:  # noqa: BLE001
+                pass
+            if self.on_peer_failure is not None and not self.posted:
+                self.on_peer_failure()
+        return True
+
+    def _watch(self) -> None:
+        interval = _poll_interval(self.world_size)
+        while not self._stop.wait(interval):
+            if self._peer is not None or self.posted or self._read():
+                return
+
+    def close(self) -> None:
+        """Stop watching; a clean end (nobody posted) removes the key."""
+        self._stop.set()
+        if self.store is not None and not self.failed:
+            try:
+                self.store.delete_key(self.key)
+            except Exception:  # noqa: BLE001 - best effort; the key names a run no one reuses
+                pass
+
+
+def abort_nccl_after(grace_s: float = NCCL_ABORT_GRACE_S) -> Callable[[], None]:
+    """An ``on_peer_failure`` for NCCL: ``grace_s`` after a peer's message, abort every process
+    group, so a collective stuck waiting for the dead peer returns with an error ([Note: failure
+    channel]). gloo needs none: the peer's exit closes its sockets."""
+
+    def abort() -> None:
+        def later() -> None:
+            time.sleep(grace_s)
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - already destroyed, or a torch without it
+                pass
+
+        threading.Thread(target=later, name="lightning_zero-nccl-abort", daemon=True).start()
+
+    return abort
+
+
+@dataclass
+class Waiter:
+    """How the engine waits on a collective: the time limit, whether to poll, the failure channel.
+
+    ``poll=True`` (CPU/gloo, where ``wait`` blocks anyway) checks ``is_completed()`` with a short
+    sleep (gloo ignores ``wait(timeout=...)`` for some collectives) and, every iteration, whether
+    another rank failed -- when there is a time limit or a failure channel. ``poll=False`` (GPU)
+    only calls ``wait()`` (polling would block the CPU until the GPU catches up): there a failing
+    peer ends the wait by the NCCL abort, and the error names it.
+    """
+
+    timeout_s: Optional[float] = None
+    poll: bool = True
+    failure: Optional[FailureChannel] = None
+
+    def wait(self, work: Any, describe: Callable[[], str]) -> None:
+        """Wait on ``work``; raise naming ``describe()`` on timeout, or the failing peer."""
+        if self.failure is not None:
+            self.failure.check()
+        if not self.poll or (self.timeout_s is None and self.failure is None) or work.is_completed():
+            self._finish(work, describe, 0.0)
+            return
+        started = time.perf_counter()
+        deadline = None if self.timeout_s is None else started + self.timeout_s
+        delay = 1e-5
+        while not work.is_completed():
+            now = time.perf_counter()
+            if deadline is not None and now > deadline:
+                raise CollectiveTimeoutError(
+                    f"lightning_zero: collective_timeout: waited {now - started:.1f} s (limit {self.timeout_s:g} s)"
+                    f" for {describe()}. Another rank is most likely stuck before this collective or issued a"
+                    " different one (an exception on that rank, a skipped or extra backward/optimizer step,"
+                    " different control flow per rank); see its own error. Raise"
+                    " ZeroStrategy(collective_timeout=...) if a collective legitimately takes this long."
+                )
+            if self.failure is not None:
+                self.failure.check()
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        self._finish(work, describe, time.perf_counter() - started)
+
+    def _finish(self, work: Any, describe: Callable[[], str], waited: float) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:  # the collective failed (a peer went away, the group timed out)
+            peer = self.failure.await_peer_error() if self.failure is not None else None
+            if peer is not None:
+                raise peer from err
+            raise RuntimeError(f"lightning_zero: {describe()} failed after {waited:.1f} s: {err}") from err

@@ -1,0 +1,116 @@
+"""An exception (or SIGKILL) on one rank ends every rank within seconds, under every stage (issue 25).
+
+Each case of tests/scripts/rank_failure.py is one launch of 2 ranks, started as torchrun starts
+them (no launcher that would kill a survivor for us); a few launches run at once. A rank still
+alive ``EXIT_WITHIN_S`` after the hazard fails the test; every rank is killed after ``HANG_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port, script_env
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "rank_failure.py"
+EXIT_WITHIN_S = 10.0
+HANG_S = 90.0  # startup (imports on a loaded 2-core box) + 3 steps + a hang
+CONCURRENT = 3  # launches at once
+STAGES = ("zero1", "zero2", "zero3")
+RAISES = ("train_step", "callback", "backward", "validation")
+CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill") for stage in STAGES]
+
+
+def _start(out: Path, case: str) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = script_env(ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                         WORLD_SIZE="2", NODE_RANK="0")  # fmt: skip
+        with open(out / f"{case}.rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), case], cwd=out, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+    return procs
+
+
+def _run_all(out: Path, cases: list[str]) -> dict[str, list[tuple[int | None, float]]]:
+    """Run every case; per case and rank: (exit code or None if killed as hung, wall time it ended)."""
+    waiting, running, ended = list(cases), {}, {}
+    while waiting or running:
+        while waiting and len(running) < CONCURRENT:
+            case = waiting.pop(0)
+            running[case] = (time.monotonic(), _start(out, case), [None, None])
+        time.sleep(0.05)
+        for case, (started, procs, ends) in list(running.items()):
+            for rank, proc in enumerate(procs):
+                if ends[rank] is None and proc.poll() is not None:
+                    ends[rank] = (proc.returncode, time.time())
+            if all(end is not None for end in ends):
+                ended[case] = ends
+                del running[case]
+            elif time.monotonic() - started > HANG_S:
+                for rank, proc in enumerate(procs):
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        ends[rank] = (None, time.time())
+                ended[case] = ends
+                del running[case]
+    return ended
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rank_failure")
+    return out, _run_all(out, CASES)
+
+
+def _check_all_gone(out: Path, case: str, ends) -> tuple[str, str]:
+    logs = [(out / f"{case}.rank{rank}.log").read_text(errors="replace") for rank in range(2)]
+    tails = "\n".join(f"--- rank {rank} ---\n{log[-3000:]}" for rank, log in enumerate(logs))
+    marker = out / f"{case}.hazard"
+    assert marker.exists(), f"{case}: the hazard never happened\n{tails}"
+    hazard_at = float(marker.read_text())
+    for rank, (code, ended_at) in enumerate(ends):
+        assert code is not None, f"{case}: rank {rank} hung (killed after {HANG_S:.0f} s)\n{tails}"
+        assert code != 0, f"{case}: rank {rank} exited 0\n{tails}"
+        assert ended_at - hazard_at < EXIT_WITHIN_S, (
+            f"{case}: rank {rank} exited {ended_at - hazard_at:.1f} s after the hazard (limit {EXIT_WITHIN_S:.0f} s)\n"
+            f"{tails}"
+        )
+    return logs[0], logs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("kill")])
+def test_an_exception_on_one_rank_ends_every_rank(failures, case):
+    """Every process exits within 10 s, non-zero; rank 1's output holds its own exception and
+    traceback unchanged, rank 0's error names rank 1 and its exception; the on_exception hooks ran
+    and ModelCheckpoint's save-on-exception published no partial checkpoint."""
+    out, ended = failures
+    survivor, failing = _check_all_gone(out, case, ended[case])
+    assert "Traceback (most recent call last)" in failing and f"ValueError: {'a bad batch on rank 1'}" in failing, (
+        failing
+    )
+    assert "stops because another rank failed (global rank 1)" in survivor, survivor[-3000:]
+    assert "ValueError: a bad batch on rank 1" in survivor, survivor[-3000:]
+    for rank in range(2):
+        note = out / f"{case}.rank{rank}.on_exception"
+        assert note.exists(), f"{case}: rank {rank}'s on_exception hook did not run"
+    saved = sorted(p.name for p in (out / case).iterdir()) if (out / case).exists() else []
+    assert not any("tmp" in name for name in saved), saved  # nothing half-written left behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("kill")])
+def test_a_rank_killed_mid_step_ends_every_rank(failures, case):
+    out, ended = failures
+    survivor, _ = _check_all_gone(out, case, ended[case])
+    assert ended[case][1][0] == -signal.SIGKILL, ended[case]
