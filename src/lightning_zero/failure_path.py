@@ -63,10 +63,8 @@ def note_failure(channel: Optional[FailureChannel], exception: BaseException, tr
     if isinstance(exception, PeerFailedError):
         channel.await_reported()
         return
-    peer = channel.peer_error()
-    if peer is None and is_collective_error(exception):
-        peer = channel.await_peer_error()
-    if peer is None:
+    peer = (channel.peer_error() or channel.await_peer_error()) if is_collective_error(exception) else None
+    if peer is None:  # this rank's own failure: posted; the user's error is never rewritten
         channel.post(
             f"{type(exception).__name__}: {exception} (on global rank {channel.rank}, during {where(trainer)})"
         )

@@ -1,0 +1,147 @@
+"""The failure channel and the engine's waits, without a process group (a dict as the store)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lightning_zero.zero import waits
+from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError, Waiter
+
+
+class DictStore:
+    """The few TCPStore calls the channel makes, on one dict shared by the "ranks"."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            if key not in self.data and expected == "":
+                self.data[key] = desired.encode()
+            return self.data.get(key, b"")
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(value).encode()
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
+
+class Pending:
+    """A work handle that completes when told to."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.done = threading.Event()
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _ranks(store, world=2, **kwargs):
+    return [FailureChannel(store, "k", rank=r, world_size=world, **kwargs) for r in range(world)]
+
+
+def test_the_first_failure_posted_wins_and_every_peer_reads_it_within_a_poll():
+    store = DictStore()
+    seen = []
+    channels = _ranks(store, world=3, on_peer_failure=lambda: seen.append(1))
+    channels[1].post("ValueError: first")
+    channels[2].post("ValueError: second")  # a later failure does not replace the cause
+    deadline = time.monotonic() + 2
+    while channels[0].peer_failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert channels[0].peer_failure == (1, "ValueError: first")
+    assert channels[2].failed and channels[2].posted
+    assert channels[1].peer_failure is None and channels[1].failed  # its own failure is not a peer's
+    error = channels[0].peer_error()
+    assert isinstance(error, PeerFailedError) and "another rank failed (global rank 1): ValueError: first" in str(error)
+    with pytest.raises(PeerFailedError, match="global rank 0 stops"):
+        channels[0].check()
+    assert seen == [1]  # rank 0 only: rank 2 had failed itself and needs no abort
+    assert int(store.data["k/acks"]) >= 1
+    for channel in channels:
+        channel.close()
+    assert "k" in store.data  # a failed run's line stays for the peers
+
+
+def test_global_rank_0_waits_for_its_peers_to_read_its_line(monkeypatch):
+    """Rank 0 hosts the store: its exit would take the message along, so it waits for the acks."""
+    store = DictStore()
+    monkeypatch.setattr(waits, "ACK_GRACE_S", 5.0)
+    rank0, rank1 = _ranks(store)
+    started = time.monotonic()
+    rank0.post("RuntimeError: boom")
+    took = time.monotonic() - started
+    assert rank1.peer_failure == (0, "RuntimeError: boom") and took < 2.0, took
+
+
+def test_await_reported_waits_until_the_failing_rank_printed_its_error():
+    store = DictStore()
+    rank0, rank1 = _ranks(store)
+    rank1.post("ValueError: x")
+    assert rank0.await_peer_error() is not None
+    threading.Timer(0.3, rank1._reported).start()
+    started = time.monotonic()
+    rank0.await_reported(seconds=5)
+    assert 0.2 < time.monotonic() - started < 3
+
+
+def test_a_clean_close_removes_the_key_and_stops_the_watcher():
+    store = DictStore()
+    channels = _ranks(store)
+    for channel in channels:
+        channel.close()
+    assert not channels[0].failed and "k" not in store.data
+    channels[0]._watcher.join(1)
+    assert not channels[0]._watcher.is_alive()
+
+
+def test_a_polled_wait_raises_the_peer_failure_and_a_failed_collective_names_the_peer():
+    store = DictStore()
+    rank0, rank1 = _ranks(store)
+    waiter = Waiter(timeout_s=None, poll=True, failure=rank0)
+    stuck = Pending()
+    threading.Timer(0.2, rank1.post, args=("ValueError: a bad batch",)).start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailedError, match="ValueError: a bad batch"):
+        waiter.wait(stuck, lambda: "the all-gather of unit 'blocks.0'")
+    assert time.monotonic() - started < 2
+    # a blocked wait (GPU) whose collective fails because the peer exited: the error names the peer
+    lost = Pending(RuntimeError("Connection closed by peer"))
+    lost.done.set()
+    with pytest.raises(PeerFailedError, match="global rank 1"):
+        Waiter(poll=False, failure=rank0).wait(lost, lambda: "x")
+
+
+def test_a_wait_without_a_peer_message_still_times_out_naming_what_it_waited_on():
+    store = DictStore()
+    rank0, _ = _ranks(store)
+    with pytest.raises(CollectiveTimeoutError, match="bucket 3"):
+        Waiter(timeout_s=0.2, poll=True, failure=rank0).wait(Pending(), lambda: "bucket 3")
+    failed = Pending(RuntimeError("Connection closed by peer"))
+    failed.done.set()
+    with pytest.raises(RuntimeError, match=r"bucket 3 failed after .* Connection closed"):
+        Waiter(timeout_s=None, poll=False).wait(failed, lambda: "bucket 3")
