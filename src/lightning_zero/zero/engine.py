@@ -28,11 +28,12 @@ from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
+from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
-from lightning_zero.zero.reducer import FullGradStorage, GradReducer, ShardedGradStorage, SyncTimeline
+from lightning_zero.zero.reducer import GradReducer, SyncTimeline
 from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
@@ -478,7 +479,7 @@ class ZeroEngine:
         self.wait_param_gathers()  # backward reads the parameters forward saved
         self._finished_at_pre_backward = self.reducer.finished_backwards
         if isinstance(self.reducer.storage, FullGradStorage) and not self.reducer._backward_open:
-            # [Note: gradients as bucket views] in reducer.py: zero_grad is checked here, before
+            # [Note: gradients as bucket views] in grad_storage.py: zero_grad is checked here, before
             # autograd writes into the slots, not at the first gradient.
             self._zero_grads_zeroed_by_optimizers()
             self.reducer.install_grad_views()

@@ -35,7 +35,7 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_gather, all_reduce
 from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup
-from lightning_zero.zero.reducer import Bucket
+from lightning_zero.zero.grad_storage import Bucket
 from lightning_zero.zero.waits import Waiter
 
 

@@ -32,41 +32,8 @@ in that order, a bucket once each of its parameters received its learned number 
 So a layer registered late but used first in forward no longer holds back every launch. (The
 flat layout itself, i.e. which parameters share a bucket, stays the one from registration order.)
 
-Where the gradients live between backward and the reduce-scatter is the one thing stages 1 and 2
-do differently, and it lives in the two :class:`GradStorage` classes below:
-
-- :class:`FullGradStorage` (stage 1, and stage 2 with ``defer_grad_reduce=True``): one persistent
-  full-size gradient buffer per group; each parameter's gradient is added into it as it arrives
-  (and ``param.grad`` dropped), so micro batches accumulate and nothing is communicated until the
-  last one. The reduce-scatter runs in place: afterwards this rank's chunk of the buffer holds the
-  reduced gradient. A bucket that gets more gradients after its reduction without a ``zero_grad``
-  in between (two backwards before a step, e.g. a GAN's generator loss reaching the
-  discriminator) is *re-armed* first: the parts other ranks own are zeroed and this rank's chunk
-  is scaled back to the sum, so the next reduction yields the accumulated average.
-- :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
-  A gradient is copied into a bucket buffer taken from a small pool, ``param.grad`` is dropped at
-  once, and the buffer goes back to the pool when its reduce-scatter finishes, so peak gradient
-  memory is the chunk plus ``max_buckets_in_flight`` bucket buffers, each sized to the bucket it
-  serves; once backward ends the pool is released, so between steps only the chunks remain.
-  Every backward (every micro batch) reduces; the chunk accumulates.
-
-[Note: gradients as bucket views] Stage 1 (:class:`FullGradStorage`) lets autograd write into the
-buckets, as DDP's ``gradient_as_bucket_view``: before a backward (the engine's ``pre_backward``,
-after its zero_grad check) each parameter's ``.grad`` becomes its slot of the bucket buffer, and
-autograd's accumulation (``grad += new``) lands there, so the hook has nothing to copy. After a
-bucket is reduced in place its buffer holds this rank's averaged chunk and stale sums elsewhere,
-so its parameters' ``.grad`` go back to ``None`` (nobody reads a half-reduced gradient; clipping
-and the optimizer use the masters). Whatever breaks the view falls back to the copy path, with
-the same numbers: a user who sets ``param.grad = None`` (``model.zero_grad()``) gets a fresh
-gradient from autograd, which the hook adds into the slot and drops, as before; a backward with
-``create_graph=True`` replaces the view by ``view + new`` out of place, which the hook copies in;
-buckets reduced and not zeroed since (two backwards before a step) are re-armed on their first
-new gradient and get no view; fp32 buckets under bf16 compute (``reduce_dtype``) cannot be a
-bf16 parameter's ``.grad``, so each gradient is added in, cast to fp32. Frozen parameters have no
-slot; a tied parameter is one slot; reentrant checkpointing accumulates into the slot once per
-segment. Stage 2's pool buffers exist only while a bucket fills, so there the hook copies: the
-first gradient of a slot overwrites the (never zero-filled) pool buffer, later ones add, and
-only slots no gradient reached, plus the padding, are zeroed before launch.
+Where the gradients live between backward and the reduce-scatter (stage 1 vs 2) is
+``zero/grad_storage.py``.
 
 [Note: collectives in flight] A bucket's launch first waits for the oldest reduce-scatter still
 in flight while ``max_in_flight`` (the ``max_buckets_in_flight`` knob) of them are, in every stage.
@@ -90,8 +57,7 @@ Waiting on collectives (time limit, polling, a failing peer): ``zero/waits.py``.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,7 +65,8 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import reduce_scatter_compressed
-from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
+from lightning_zero.zero.flat import FlatParamGroup, ParamSlot
+from lightning_zero.zero.grad_storage import Bucket, FullGradStorage, GradStorage, PendingReduce, ShardedGradStorage
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
 from lightning_zero.zero.waits import Waiter
 
@@ -119,35 +86,6 @@ def _inside_nested_backward() -> bool:
     return False
 
 
-class PendingReduce(NamedTuple):
-    """A launched reduce-scatter: where its result lands and the handle to wait on."""
-
-    output: torch.Tensor
-    work: Any
-
-
-@dataclass(eq=False)  # identity: buckets hold tensors, and list.index/remove compare with ==
-class Bucket:
-    """Runtime state of one bucket: readiness, its full-size gradient and its in-flight work."""
-
-    group: FlatParamGroup
-    layout: BucketLayout
-    grad_chunk: Optional[torch.Tensor] = None  # reduced gradient this rank owns (numel = shard)
-    ready: int = 0  # parameters that received all their gradients in this backward
-    launched: bool = False  # reduce-scatter started in this backward
-    full_grad: Optional[torch.Tensor] = None  # full-size gradient while the bucket is filled
-    pending: Optional[PendingReduce] = None
-    chunk_is_fresh: bool = True  # next reduce overwrites the chunk instead of adding to it
-    reduced_in_place: bool = False  # stage 1: the full buffer holds a reduced chunk (see re-arm)
-    written_slots: set[int] = field(default_factory=set)  # stage 2: slot offsets filled this backward
-
-
-def grad_dtype(group: FlatParamGroup, reduce_in_fp32: bool) -> torch.dtype:
-    """The dtype ``group``'s gradients are accumulated and reduced in: fp32 when asked
-    (``reduce_dtype="fp32"``), else the group's compute dtype."""
-    return torch.float32 if reduce_in_fp32 else group.compute_dtype
-
-
 def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
     """How to average gradients over dp on ``backend``: ``(op, divide_after)``.
 
@@ -158,261 +96,6 @@ def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
     if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG"):
         return dist.ReduceOp.AVG, False
     return dist.ReduceOp.SUM, True
-
-
-class GradStorage:
-    """Where gradients live between backward and the reduce-scatter (see module docstring)."""
-
-    reduces_every_backward: bool = False
-    reduce_in_fp32: bool = False
-
-    def install_grad_views(self) -> None:
-        """Before a backward: let autograd write gradients into the buckets (where it can)."""
-
-    def bind(self, buckets: list[Bucket], device: torch.device) -> None:
-        raise NotImplementedError
-
-    def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
-        raise NotImplementedError
-
-    def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        raise NotImplementedError
-
-    def after_reduce(self, bucket: Bucket) -> None:
-        pass
-
-    def after_sync(self) -> None:
-        pass
-
-    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
-        raise NotImplementedError
-
-    def grad_bytes(self) -> int:
-        raise NotImplementedError
-
-
-class FullGradStorage(GradStorage):
-    """Persistent full-size gradients that micro batches add into; in-place reduce-scatter.
-
-    See [Note: gradients as bucket views]: where the buffer has the parameter's dtype, autograd
-    accumulates each parameter's gradient straight into its slot (no copy).
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.buckets: list[Bucket] = []
-        self.dp_size = 1
-        self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
-        self._views: dict[int, torch.Tensor] = {}  # param id -> its slot as a param-shaped view
-        self._installed: set[int] = set()  # param ids whose .grad the engine set to their view
-
-    def bind(self, buckets: list[Bucket], device: torch.device) -> None:
-        self.buckets = buckets
-        for bucket in buckets:
-            group = bucket.group
-            if id(group) not in self.buffers:
-                dtype = grad_dtype(group, self.reduce_in_fp32)
-                self.buffers[id(group)] = torch.zeros(group.layout.numel, dtype=dtype, device=device)
-            buffer = self.buffers[id(group)]
-            start = bucket.layout.shard_start(group.dp_rank)
-            bucket.grad_chunk = buffer[start : start + bucket.layout.shard_numel]
-            for slot in bucket.layout.slots:
-                slot.param.grad = None
-
-    def _bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffers[id(bucket.group)][bucket.layout.start : bucket.layout.end]
-
-    def _rearm(self, bucket: Bucket) -> None:
-        """More gradients for an already reduced bucket: keep our chunk's sum, zero the rest."""
-        if not bucket.reduced_in_place:
-            return
-        full = self._bucket_buffer(bucket)
-        start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
-        full[:start].zero_()
-        full[start + bucket.layout.shard_numel :].zero_()
-        assert bucket.grad_chunk is not None
-        bucket.grad_chunk.mul_(self.dp_size)  # the average back to the sum the next reduce adds to
-        bucket.reduced_in_place = False
-
-    def install_grad_views(self) -> None:
-        """Before a backward: each parameter's ``.grad`` becomes its slot of the bucket buffer, so
-        autograd accumulates there (see [Note: gradients as bucket views]). Skipped for buckets
-        whose buffer holds a reduced chunk (re-armed on their next gradient instead) and where the
-        buffer's dtype differs from the parameter's (``reduce_dtype="fp32"`` under bf16-mixed)."""
-        for bucket in self.buckets:
-            if bucket.reduced_in_place:
-                continue
-            buffer = self.buffers[id(bucket.group)]
-            if buffer.dtype != bucket.group.compute_dtype:
-                continue  # fp32 buckets under bf16 compute: each gradient is added in (cast)
-            for slot in bucket.layout.slots:
-                param = slot.param
-                view = self._views.get(id(param))
-                if view is None:
-                    view = self._views[id(param)] = buffer[slot.offset : slot.end].view(slot.shape)
-                if param.grad is not view:
-                    if param.grad is not None:  # a gradient the engine has not seen: keep it
-                        view.add_(param.grad.reshape(slot.shape))
-                    param.grad = view
-                self._installed.add(id(param))
-
-    def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
-        grad = slot.param.grad
-        view = self._views.get(id(slot.param))
-        if view is not None and grad is view:
-            return  # autograd accumulated into the bucket slot already
-        installed = id(slot.param) in self._installed
-        self._installed.discard(id(slot.param))
-        self._rearm(bucket)
-        target = self.buffers[id(bucket.group)][slot.offset : slot.end]
-        if installed and torch.is_grad_enabled():
-            # create_graph=True: autograd replaced the installed view by ``view + new`` out of place.
-            target.copy_(grad.detach().reshape(-1))
-        else:
-            target.add_(grad.detach().reshape(-1))
-        slot.param.grad = None
-
-    def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        self._rearm(bucket)
-        return self._bucket_buffer(bucket)
-
-    def after_reduce(self, bucket: Bucket) -> None:
-        bucket.reduced_in_place = True
-        # The buffer now holds this rank's reduced chunk and stale sums elsewhere: no parameter
-        # shows it as its gradient (``install_grad_views`` puts the views back before the next
-        # backward that may add to a zeroed bucket).
-        for slot in bucket.layout.slots:
-            self._installed.discard(id(slot.param))
-            if self._views.get(id(slot.param)) is not None and slot.param.grad is self._views[id(slot.param)]:
-                slot.param.grad = None
-
-    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
-        for bucket in self.buckets if buckets is None else buckets:
-            self._bucket_buffer(bucket).zero_()
-            bucket.reduced_in_place = False
-
-    def grad_bytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
-
-
-class ShardedGradStorage(GradStorage):
-    """Stage 2: persistent reduced chunks plus a bounded pool of bucket buffers, each sized to
-    the bucket it serves (a buffer is reused for a bucket no larger than it)."""
-
-    reduces_every_backward = True
-
-    def __init__(self, max_buckets_in_flight: int = 2) -> None:
-        if max_buckets_in_flight < 1:
-            raise ValueError(f"max_buckets_in_flight must be >= 1, got {max_buckets_in_flight}")
-        self.max_buckets_in_flight = max_buckets_in_flight
-        self.free: list[torch.Tensor] = []  # pool buffers not serving a bucket right now
-        self.allocated = 0  # pool buffers that exist right now
-        self.high_water = 0  # most pool buffers alive at once
-        self.pool_bytes_high_water = 0  # most bytes of pool buffers alive at once
-        self._alive_bytes = 0
-        self.buckets: list[Bucket] = []
-        self.chunk_bytes = 0
-        self.max_bucket_numel = 0
-        self.reducer: Optional["GradReducer"] = None
-        self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
-
-    def bind(self, buckets: list[Bucket], device: torch.device) -> None:
-        self.buckets = buckets
-        self.device = device
-        self.max_bucket_numel = max((b.layout.numel for b in buckets), default=0)
-        for bucket in buckets:
-            dtype = grad_dtype(bucket.group, self.reduce_in_fp32)
-            bucket.grad_chunk = torch.zeros(bucket.layout.shard_numel, dtype=dtype, device=device)
-            self.chunk_bytes += bucket.grad_chunk.numel() * bucket.grad_chunk.element_size()
-        for bucket in buckets:
-            for slot in bucket.layout.slots:
-                slot.param.grad = None
-
-    def _take_free(self, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
-        fitting = [b for b in self.free if b.dtype == dtype and b.numel() >= numel]
-        if not fitting:
-            return None
-        best = min(fitting, key=lambda b: b.numel())
-        self.free = [b for b in self.free if b is not best]  # by identity: == on tensors compares values
-        return best
-
-    def _release(self, buffer: torch.Tensor) -> None:
-        self._alive_bytes -= buffer.numel() * buffer.element_size()
-        self.allocated -= 1
-
-    def _acquire(self, bucket: Bucket) -> torch.Tensor:
-        """A buffer for ``bucket``, not zeroed: every slot is written by its first gradient, and
-        what no gradient wrote is zeroed just before launch (``_zero_unwritten``)."""
-        dtype, numel = grad_dtype(bucket.group, self.reduce_in_fp32), bucket.layout.numel
-        buffer = self._take_free(dtype, numel)
-        while buffer is None and self.allocated >= self.max_buckets_in_flight:
-            if self.free:  # free buffers of the wrong size: give one back, allocate the right size
-                self._release(self.free.pop(0))
-                break
-            if self.reducer is None or not self.reducer.complete_oldest():
-                break  # every buffer belongs to a bucket still being filled: allocate beyond the pool
-            buffer = self._take_free(dtype, numel)
-        if buffer is None:
-            buffer = torch.empty(numel, dtype=dtype, device=self.device)
-            self.allocated += 1
-            self._alive_bytes += buffer.numel() * buffer.element_size()
-            self.high_water = max(self.high_water, self.allocated)
-            self.pool_bytes_high_water = max(self.pool_bytes_high_water, self._alive_bytes)
-        return buffer[:numel]
-
-    def _ensure_full_grad(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.full_grad is None:
-            bucket.full_grad = self._acquire(bucket)
-            bucket.written_slots.clear()
-        return bucket.full_grad
-
-    def on_param_ready(self, bucket: Bucket, slot: ParamSlot) -> None:
-        full = self._ensure_full_grad(bucket)
-        start = slot.offset - bucket.layout.start
-        target = full[start : start + slot.numel]
-        grad = slot.param.grad.detach().reshape(-1)
-        if slot.offset in bucket.written_slots:
-            target.add_(grad)  # another gradient for it in this backward (reentrant checkpointing)
-        else:
-            target.copy_(grad)  # first gradient: overwrites whatever the pool buffer held
-            bucket.written_slots.add(slot.offset)
-        slot.param.grad = None
-
-    def _zero_unwritten(self, bucket: Bucket, full: torch.Tensor) -> None:
-        """Zero the slots no gradient reached in this backward and the bucket's padding."""
-        base = bucket.layout.start
-        end = base
-        for slot in bucket.layout.slots:
-            if slot.offset not in bucket.written_slots:
-                full[slot.offset - base : slot.end - base].zero_()
-            end = max(end, slot.end)
-        full[end - base :].zero_()
-
-    def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
-        full = self._ensure_full_grad(bucket)
-        self._zero_unwritten(bucket, full)
-        return full
-
-    def after_reduce(self, bucket: Bucket) -> None:
-        full = bucket.full_grad
-        bucket.full_grad = None
-        bucket.written_slots.clear()
-        if full is None:
-            return
-        self.free.append(full._base if full._base is not None else full)
-
-    def after_sync(self) -> None:
-        """Backward is over: hand the bucket buffers back to the allocator (only chunks persist)."""
-        for buffer in self.free:
-            self._release(buffer)
-        self.free.clear()
-
-    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
-        for bucket in self.buckets if buckets is None else buckets:
-            bucket.chunk_is_fresh = True
-
-    def grad_bytes(self) -> int:
-        return self.chunk_bytes + self._alive_bytes
 
 
 class GradReducer:

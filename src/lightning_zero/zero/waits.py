@@ -36,6 +36,7 @@ import atexit
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -56,6 +57,7 @@ class PeerFailedError(RuntimeError):
 
 
 _CHANNELS = itertools.count()  # channels opened by this process: the same sequence on every rank
+_WATCHING: "weakref.WeakSet[FailureChannel]" = weakref.WeakSet()  # channels whose watcher may still run
 
 
 def _poll_interval(world_size: int) -> float:
@@ -95,6 +97,7 @@ class FailureChannel:
         if self.store is not None:
             self._watcher = threading.Thread(target=self._watch, name="lightning_zero-failure-watcher", daemon=True)
             self._watcher.start()
+            _WATCHING.add(self)
 
     @classmethod
     def open(cls, **kwargs: Any) -> "FailureChannel":
@@ -215,14 +218,28 @@ class FailureChannel:
             if self._peer is not None or self.posted or self._read():
                 return
 
+    def stop_watching(self) -> None:
+        """Stop the watcher thread and wait for it (a store call it is in returns first)."""
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
+
     def close(self) -> None:
         """Stop watching; a clean end (nobody posted) removes the key."""
-        self._stop.set()
+        self.stop_watching()
         if self.store is not None and not self.failed:
             try:
                 self.store.delete_key(self.key)
             except Exception:  # noqa: BLE001 - best effort; the key names a run no one reuses
                 pass
+
+
+@atexit.register
+def _stop_watchers() -> None:
+    """Before the interpreter finalizes: no watcher may be inside a store call while the store (and
+    its C++ threads) are torn down -- that aborts the process ("terminate called ...")."""
+    for channel in list(_WATCHING):
+        channel.stop_watching()
 
 
 def abort_nccl_after(grace_s: float = NCCL_ABORT_GRACE_S) -> Callable[[], None]:
