@@ -92,12 +92,74 @@ def test_logits_match_transformers(hf, layout):
     _logits_match(ours, hf["model"], HF_SHAPE["vocab_size"])
 
 
-def test_tied_embeddings_load_untied(tmp_path):
-    model = _hf_model(seed=3, tie_word_embeddings=True)
+# Llama 3.x: rope scaling of each type over a 16-token original context, sequences of 48 tokens
+# (where scaling changes the angles); theta 500000 as in Llama 3.
+LLAMA3_SHAPE = dict(HF_SHAPE, rope_theta=500000.0, max_position_embeddings=64)
+ROPE_CASES = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16),
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),  # scales past max_position_embeddings (16 here)
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=16.0),
+}  # fmt: skip
+LONG = 48
+
+
+def _rope_model(rope_type: str, seed: int = 5, **overrides) -> "transformers.LlamaForCausalLM":
+    shape = dict(LLAMA3_SHAPE, rope_scaling=dict(ROPE_CASES[rope_type]), **overrides)
+    if rope_type == "dynamic":
+        shape["max_position_embeddings"] = 16
+    return _hf_model(seed=seed, **shape)
+
+
+def _max_logit_diff(ours: Llama, theirs, seq: int) -> float:
+    tokens = torch.randint(0, HF_SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_CASES))
+def test_rope_scaling_logits_match_transformers_past_the_original_context(tmp_path, rope_type):
+    import dataclasses
+
+    model = _rope_model(rope_type)
+    model.save_pretrained(tmp_path / rope_type)
+    ours = Llama.from_pretrained(tmp_path / rope_type, max_seq_len=64)
+    assert ours.config.rope_scaling["rope_type"] == rope_type and ours.config.rope_theta == 500000.0
+    for seq in (12, LONG):  # inside and past the original context
+        theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / rope_type).eval()  # dynamic: fresh cache
+        assert _max_logit_diff(ours, theirs, seq) < 1e-5, (rope_type, seq)
+    # The scaling matters there: the same weights without it are a different model.
+    unscaled = Llama(dataclasses.replace(ours.config, rope_scaling=None))
+    unscaled.load_state_dict(ours.state_dict())
+    assert _max_logit_diff(unscaled, model, LONG) > 1e-3
+
+
+def test_rope_scaling_read_from_rope_scaling_4x_spelling(tmp_path):
+    model = _rope_model("llama3")
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}  # how transformers 4.x wrote it
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert LlamaConfig.from_hf(tmp_path / "m").rope_scaling == {**ROPE_CASES["llama3"]}
+    assert _max_logit_diff(Llama.from_pretrained(tmp_path / "m"), model, LONG) < 1e-5
+
+
+def test_tied_llama32_style_model_is_one_parameter(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _rope_model("llama3", seed=3, tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "tied")
+    assert not any("lm_head" in key for key in load_file(tmp_path / "tied" / "model.safetensors"))
     ours = Llama.from_pretrained(tmp_path / "tied")
-    _logits_match(ours, model, HF_SHAPE["vocab_size"])
-    assert ours.output.weight.data_ptr() != ours.tok_embeddings.weight.data_ptr()  # untied: trains on its own
+    assert ours.config.tie_embeddings and ours.output.weight is ours.tok_embeddings.weight
+    assert sum(p.numel() for p in ours.parameters()) == ours.config.num_params()
+    assert ours.config.num_params() == sum(p.numel() for p in model.parameters())  # transformers counts it once
+    assert _max_logit_diff(ours, model, LONG) < 1e-5
+    module = LlamaLM(init_from=str(tmp_path / "tied"))  # the Lightning path keeps the tie too
+    module.configure_model()
+    assert module.model.output.weight is module.model.tok_embeddings.weight
 
 
 def test_from_pretrained_dtype(hf):
@@ -189,8 +251,13 @@ def _not_llama(path: Path) -> str:
 
 
 def _rope_scaling(path: Path) -> str:
-    _edit_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_parameters=None)
-    return r"config\.json: rope scaling 'llama3' is not supported"
+    _edit_config(path, rope_scaling={"rope_type": "longrope", "factor": 8.0}, rope_parameters=None)
+    return r"config\.json: rope scaling 'longrope' is not supported; supported: linear, dynamic, yarn, llama3"
+
+
+def _rope_keys(path: Path) -> str:
+    _edit_config(path, rope_scaling=None, rope_parameters={"rope_type": "llama3", "factor": 8.0})
+    return r"config\.json: rope scaling 'llama3' misses \['low_freq_factor', 'high_freq_factor'\]"
 
 
 def _attention_bias(path: Path) -> str:
@@ -217,6 +284,7 @@ BAD_INPUT = {
     "unexpected key": ("single", _unexpected_key),
     "not llama": ("single", _not_llama),
     "rope scaling": ("single", _rope_scaling),
+    "rope keys": ("single", _rope_keys),
     "attention bias": ("single", _attention_bias),
     "no config.json": ("single", _no_config),
     "no weights": ("single", _no_weights),
