@@ -358,8 +358,27 @@ def launched(hf, tmp_path_factory):
     cases = [f"first-{layout}" for layout in LAYOUTS]
     mem_model = out / "mem_model"
     cases += [f"mem-zero3={mem_model}", "tune-zero2", "deep-zero2", "shallow-zero2"]
+    # Llama 3.2-style: tied, llama3 rope scaling over an 8-token original context (the script's
+    # sequences are 16 tokens), GQA, theta 500000; sharded safetensors.
+    tied = _tied_rope_model()
+    tied.save_pretrained(out / "tied_model", max_shard_size="40KB")
+    cases += [f"tied-{layout}={out / 'tied_model'}" for layout in TIED_LAYOUTS]
     launch("hf_init.py", out, hf["root"] / "sharded", *cases, timeout_s=900)
-    return {"out": out, "mem_params": num_params}
+    return {"out": out, "mem_params": num_params, "tied_model": tied, "tied_dir": out / "tied_model"}
+
+
+TIED_LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "tp2z3")
+
+
+def _tied_rope_model() -> "transformers.LlamaForCausalLM":
+    rope = dict(ROPE_CASES["llama3"], original_max_position_embeddings=8)
+    return _hf_model(seed=11, **dict(LLAMA3_SHAPE, rope_scaling=rope, tie_word_embeddings=True))
+
+
+def _transformers_loss(model, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
 def _ranks(out: Path, case: str) -> list[dict]:
@@ -374,6 +393,76 @@ def test_init_from_first_loss_equals_the_pretrained_model(hf, launched, layout):
         with torch.no_grad():
             want = cross_entropy_loss(reference(batch[:, :-1]), batch[:, 1:]).item()
         assert record["losses"][0] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2z3"])
+def test_init_from_llama32_style_first_loss_equals_transformers(launched, layout):
+    theirs = launched["tied_model"]
+    for record in _ranks(launched["out"], f"tied-{layout}"):
+        assert record["losses"][0] == pytest.approx(_transformers_loss(theirs, record["first_batch"]), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+def test_tied_model_trains_like_ddp_and_stays_tied(launched, layout):
+    from lightning_zero.planner.ledger import llama_param_counts
+
+    reference = _ranks(launched["out"], "tied-ddp")
+    for rank, record in enumerate(_ranks(launched["out"], f"tied-{layout}")):
+        assert torch.equal(record["first_batch"], reference[rank]["first_batch"])
+        assert len(record["losses"]) == 3
+        assert record["losses"] == pytest.approx(reference[rank]["losses"], abs=1e-5), layout
+        assert record["tied"] and reference[rank]["tied"]
+        config = LlamaConfig.from_hf(launched["tied_dir"])
+        assert record["engine_params"] == config.num_params() == llama_param_counts(config).total  # stored once
+
+
+def test_tied_model_under_tp2_trains_like_one_dense_process_and_stays_tied(launched):
+    from lightning_zero.planner.ledger import llama_param_counts
+
+    records = _ranks(launched["out"], "tied-tp2z3")
+    assert torch.equal(records[0]["first_batch"], records[1]["first_batch"])  # dp=1: one batch per step
+    torch.manual_seed(0)
+    dense = LlamaLM(init_from=str(launched["tied_dir"]), lr=1e-3, warmup_steps=1, max_steps=4)
+    dense.configure_model()
+    optimization = dense.configure_optimizers()
+    optimizer, schedule = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    losses = []
+    for batch in records[0]["batches"]:
+        loss, _ = dense._loss(batch)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert dense.model.output.weight is dense.model.tok_embeddings.weight
+    config = dense.config
+    for record in records:
+        assert record["losses"] == pytest.approx(losses, abs=1e-5)
+        assert record["tied"] and record["engine_params"] == llama_param_counts(config, tp=2).total
+
+
+def test_tied_rope_scaled_export_hf_round_trip(launched, tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_zero.cli import main
+
+    ckpt = launched["out"] / "tied-zero3" / "last.ckpt"
+    main(["export", str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--max-shard-size", "30KB"])
+    main(["export", str(ckpt), str(tmp_path / "plain.safetensors")])
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((launched["tied_dir"] / "config.json").read_text())
+    assert written["tie_word_embeddings"] is True and written["rope_parameters"] == source["rope_parameters"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    theirs, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # strict: nothing missing, unexpected, mismatched
+    assert theirs.config.rope_parameters == source["rope_parameters"] and theirs.config.tie_word_embeddings
+    ours = Llama(LlamaConfig.from_hf(tmp_path / "hf"))
+    ours.load_state_dict(load_file(tmp_path / "plain.safetensors"))  # the alias is filled from the embedding
+    assert ours.output.weight is ours.tok_embeddings.weight
+    assert _max_logit_diff(ours, theirs.eval(), LONG) < 1e-5
+    start = launched["tied_model"].model.embed_tokens.weight
+    assert not torch.allclose(theirs.model.embed_tokens.weight, start)  # it was fine-tuned
 
 
 def test_zero3_load_peak_memory_below_the_full_model(launched):
