@@ -92,12 +92,74 @@ def test_logits_match_transformers(hf, layout):
     _logits_match(ours, hf["model"], HF_SHAPE["vocab_size"])
 
 
-def test_tied_embeddings_load_untied(tmp_path):
-    model = _hf_model(seed=3, tie_word_embeddings=True)
+# Llama 3.x: rope scaling of each type over a 16-token original context, sequences of 48 tokens
+# (where scaling changes the angles); theta 500000 as in Llama 3.
+LLAMA3_SHAPE = dict(HF_SHAPE, rope_theta=500000.0, max_position_embeddings=64)
+ROPE_CASES = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16),
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),  # scales past max_position_embeddings (16 here)
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=16.0),
+}  # fmt: skip
+LONG = 48
+
+
+def _rope_model(rope_type: str, seed: int = 5, **overrides) -> "transformers.LlamaForCausalLM":
+    shape = dict(LLAMA3_SHAPE, rope_scaling=dict(ROPE_CASES[rope_type]), **overrides)
+    if rope_type == "dynamic":
+        shape["max_position_embeddings"] = 16
+    return _hf_model(seed=seed, **shape)
+
+
+def _max_logit_diff(ours: Llama, theirs, seq: int) -> float:
+    tokens = torch.randint(0, HF_SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_CASES))
+def test_rope_scaling_logits_match_transformers_past_the_original_context(tmp_path, rope_type):
+    import dataclasses
+
+    model = _rope_model(rope_type)
+    model.save_pretrained(tmp_path / rope_type)
+    ours = Llama.from_pretrained(tmp_path / rope_type, max_seq_len=64)
+    assert ours.config.rope_scaling["rope_type"] == rope_type and ours.config.rope_theta == 500000.0
+    for seq in (12, LONG):  # inside and past the original context
+        theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / rope_type).eval()  # dynamic: fresh cache
+        assert _max_logit_diff(ours, theirs, seq) < 1e-5, (rope_type, seq)
+    # The scaling matters there: the same weights without it are a different model.
+    unscaled = Llama(dataclasses.replace(ours.config, rope_scaling=None))
+    unscaled.load_state_dict(ours.state_dict())
+    assert _max_logit_diff(unscaled, model, LONG) > 1e-3
+
+
+def test_rope_scaling_read_from_rope_scaling_4x_spelling(tmp_path):
+    model = _rope_model("llama3")
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}  # how transformers 4.x wrote it
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert LlamaConfig.from_hf(tmp_path / "m").rope_scaling == {**ROPE_CASES["llama3"]}
+    assert _max_logit_diff(Llama.from_pretrained(tmp_path / "m"), model, LONG) < 1e-5
+
+
+def test_tied_llama32_style_model_is_one_parameter(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _rope_model("llama3", seed=3, tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "tied")
+    assert not any("lm_head" in key for key in load_file(tmp_path / "tied" / "model.safetensors"))
     ours = Llama.from_pretrained(tmp_path / "tied")
-    _logits_match(ours, model, HF_SHAPE["vocab_size"])
-    assert ours.output.weight.data_ptr() != ours.tok_embeddings.weight.data_ptr()  # untied: trains on its own
+    assert ours.config.tie_embeddings and ours.output.weight is ours.tok_embeddings.weight
+    assert sum(p.numel() for p in ours.parameters()) == ours.config.num_params()
+    assert ours.config.num_params() == sum(p.numel() for p in model.parameters())  # transformers counts it once
+    assert _max_logit_diff(ours, model, LONG) < 1e-5
+    module = LlamaLM(init_from=str(tmp_path / "tied"))  # the Lightning path keeps the tie too
+    module.configure_model()
+    assert module.model.output.weight is module.model.tok_embeddings.weight
 
 
 def test_from_pretrained_dtype(hf):
@@ -189,8 +251,13 @@ def _not_llama(path: Path) -> str:
 
 
 def _rope_scaling(path: Path) -> str:
-    _edit_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_parameters=None)
-    return r"config\.json: rope scaling 'llama3' is not supported"
+    _edit_config(path, rope_scaling={"rope_type": "longrope", "factor": 8.0}, rope_parameters=None)
+    return r"config\.json: rope scaling 'longrope' is not supported; supported: linear, dynamic, yarn, llama3"
+
+
+def _rope_keys(path: Path) -> str:
+    _edit_config(path, rope_scaling=None, rope_parameters={"rope_type": "llama3", "factor": 8.0})
+    return r"config\.json: rope scaling 'llama3' misses \['low_freq_factor', 'high_freq_factor'\]"
 
 
 def _attention_bias(path: Path) -> str:
@@ -217,6 +284,7 @@ BAD_INPUT = {
     "unexpected key": ("single", _unexpected_key),
     "not llama": ("single", _not_llama),
     "rope scaling": ("single", _rope_scaling),
+    "rope keys": ("single", _rope_keys),
     "attention bias": ("single", _attention_bias),
     "no config.json": ("single", _no_config),
     "no weights": ("single", _no_weights),
@@ -290,8 +358,27 @@ def launched(hf, tmp_path_factory):
     cases = [f"first-{layout}" for layout in LAYOUTS]
     mem_model = out / "mem_model"
     cases += [f"mem-zero3={mem_model}", "tune-zero2", "deep-zero2", "shallow-zero2"]
+    # Llama 3.2-style: tied, llama3 rope scaling over an 8-token original context (the script's
+    # sequences are 16 tokens), GQA, theta 500000; sharded safetensors.
+    tied = _tied_rope_model()
+    tied.save_pretrained(out / "tied_model", max_shard_size="40KB")
+    cases += [f"tied-{layout}={out / 'tied_model'}" for layout in TIED_LAYOUTS]
     launch("hf_init.py", out, hf["root"] / "sharded", *cases, timeout_s=900)
-    return {"out": out, "mem_params": num_params}
+    return {"out": out, "mem_params": num_params, "tied_model": tied, "tied_dir": out / "tied_model"}
+
+
+TIED_LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "tp2z3")
+
+
+def _tied_rope_model() -> "transformers.LlamaForCausalLM":
+    rope = dict(ROPE_CASES["llama3"], original_max_position_embeddings=8)
+    return _hf_model(seed=11, **dict(LLAMA3_SHAPE, rope_scaling=rope, tie_word_embeddings=True))
+
+
+def _transformers_loss(model, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
 def _ranks(out: Path, case: str) -> list[dict]:
@@ -306,6 +393,76 @@ def test_init_from_first_loss_equals_the_pretrained_model(hf, launched, layout):
         with torch.no_grad():
             want = cross_entropy_loss(reference(batch[:, :-1]), batch[:, 1:]).item()
         assert record["losses"][0] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2z3"])
+def test_init_from_llama32_style_first_loss_equals_transformers(launched, layout):
+    theirs = launched["tied_model"]
+    for record in _ranks(launched["out"], f"tied-{layout}"):
+        assert record["losses"][0] == pytest.approx(_transformers_loss(theirs, record["first_batch"]), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3"])
+def test_tied_model_trains_like_ddp_and_stays_tied(launched, layout):
+    from lightning_zero.planner.ledger import llama_param_counts
+
+    reference = _ranks(launched["out"], "tied-ddp")
+    for rank, record in enumerate(_ranks(launched["out"], f"tied-{layout}")):
+        assert torch.equal(record["first_batch"], reference[rank]["first_batch"])
+        assert len(record["losses"]) == 3
+        assert record["losses"] == pytest.approx(reference[rank]["losses"], abs=1e-5), layout
+        assert record["tied"] and reference[rank]["tied"]
+        config = LlamaConfig.from_hf(launched["tied_dir"])
+        assert record["engine_params"] == config.num_params() == llama_param_counts(config).total  # stored once
+
+
+def test_tied_model_under_tp2_trains_like_one_dense_process_and_stays_tied(launched):
+    from lightning_zero.planner.ledger import llama_param_counts
+
+    records = _ranks(launched["out"], "tied-tp2z3")
+    assert torch.equal(records[0]["first_batch"], records[1]["first_batch"])  # dp=1: one batch per step
+    torch.manual_seed(0)
+    dense = LlamaLM(init_from=str(launched["tied_dir"]), lr=1e-3, warmup_steps=1, max_steps=4)
+    dense.configure_model()
+    optimization = dense.configure_optimizers()
+    optimizer, schedule = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    losses = []
+    for batch in records[0]["batches"]:
+        loss, _ = dense._loss(batch)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert dense.model.output.weight is dense.model.tok_embeddings.weight
+    config = dense.config
+    for record in records:
+        assert record["losses"] == pytest.approx(losses, abs=1e-5)
+        assert record["tied"] and record["engine_params"] == llama_param_counts(config, tp=2).total
+
+
+def test_tied_rope_scaled_export_hf_round_trip(launched, tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_zero.cli import main
+
+    ckpt = launched["out"] / "tied-zero3" / "last.ckpt"
+    main(["export", str(ckpt), str(tmp_path / "hf"), "--format", "hf", "--max-shard-size", "30KB"])
+    main(["export", str(ckpt), str(tmp_path / "plain.safetensors")])
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((launched["tied_dir"] / "config.json").read_text())
+    assert written["tie_word_embeddings"] is True and written["rope_parameters"] == source["rope_parameters"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    theirs, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # strict: nothing missing, unexpected, mismatched
+    assert theirs.config.rope_parameters == source["rope_parameters"] and theirs.config.tie_word_embeddings
+    ours = Llama(LlamaConfig.from_hf(tmp_path / "hf"))
+    ours.load_state_dict(load_file(tmp_path / "plain.safetensors"))  # the alias is filled from the embedding
+    assert ours.output.weight is ours.tok_embeddings.weight
+    assert _max_logit_diff(ours, theirs.eval(), LONG) < 1e-5
+    start = launched["tied_model"].model.embed_tokens.weight
+    assert not torch.allclose(theirs.model.embed_tokens.weight, start)  # it was fine-tuned
 
 
 def test_zero3_load_peak_memory_below_the_full_model(launched):
@@ -386,7 +543,8 @@ def test_partial_load_only_with_strict_loading_false(launched):
 # Fine-tuning recipes
 # --------------------------------------------------------------------------------------------
 
-FINETUNE = ("llama7b_finetune", "llama13b_finetune", "llama70b_finetune")
+FINETUNE = ("llama7b_finetune", "llama13b_finetune", "llama70b_finetune",
+            "llama3_8b_finetune", "llama3_70b_finetune", "llama3_405b_finetune")  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", FINETUNE)
@@ -404,18 +562,22 @@ def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
     assert cfg.model.init_from == "required" and OmegaConf.is_missing(cfg.data, "path")
     with pytest.raises(ValueError, match="model.init_from=required: this recipe fine-tunes published weights"):
         build_module(cfg)
-    assert cfg.data.source == "memmap" and cfg.data.seq_len == 4096 and cfg.trainer.precision == "bf16-mixed"
+    llama3 = recipe.startswith("llama3")
+    assert cfg.data.source == "memmap" and cfg.data.seq_len == (8192 if llama3 else 4096)
     assert cfg.optim.lr <= 3e-5 and cfg.optim.warmup_steps == 100 and cfg.trainer.max_steps == 2000
-    tp = cfg.trainer.devices if cfg.strategy.get("tensor_parallel_size", 1) == "auto" else 1
+    assert cfg.trainer.precision == "bf16-mixed"
+    tp = cfg.strategy.get("tensor_parallel_size", 1)
+    tp = cfg.trainer.devices if tp == "auto" else int(tp)
     dp = cfg.trainer.devices * cfg.trainer.num_nodes // tp
-    assert dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == 64  # sequences per step
+    sequences = 128 if recipe == "llama3_405b_finetune" else 64  # 405B: dp=128 is the fewest it allows
+    assert dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == sequences  # per step
     model_config, kwargs, _ = plan_kwargs_from_config(cfg)
     plan = plan_run(model_config, **kwargs)
     assert plan.fits, plan.verdict
     header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
     shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)
     assert (int(shape.group(1)), int(shape.group(2))) == (cfg.trainer.num_nodes, cfg.trainer.devices)
-    stated = float(re.search(r"ZeRO-2 holds ([\d.]+) GiB", header).group(1))
+    stated = float(re.search(rf"ZeRO-{cfg.strategy.stage} holds ([\d.]+) GiB", header).group(1))
     assert f"fits: {stated} GiB" in plan.verdict  # the comment quotes the planner
 
 

@@ -13,7 +13,10 @@ from lightning_zero.models import Llama, LlamaConfig, LlamaLM, WarmupCosine, res
 from lightning_zero.models.llama import apply_rope, rope_tables
 
 # Meta's Llama 2 model card / Hugging Face configs: exact parameter counts.
-PUBLISHED_PARAMS = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192}
+PUBLISHED_PARAMS = {"7b": 6_738_415_616, "13b": 13_015_864_320, "70b": 68_976_648_192,
+                    # Llama 3.1 and 3.2 (tied: the head is the embedding, counted once)
+                    "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800,
+                    "llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824}  # fmt: skip
 
 
 def small_config(**overrides) -> LlamaConfig:
@@ -47,6 +50,23 @@ def test_presets_are_llama2_shapes():
     tiny = LlamaConfig.from_name("tiny")
     assert 1_000_000 < tiny.num_params() < 10_000_000
     assert sum(p.numel() for p in Llama(tiny).parameters()) == tiny.num_params()
+
+
+def test_llama3_presets():
+    from lightning_zero.config import compose
+
+    for name in ("llama3_8b", "llama3_70b", "llama3_405b", "llama3_2_1b", "llama3_2_3b"):
+        config = LlamaConfig.from_name(name)
+        assert (config.vocab_size, config.n_kv_heads, config.rope_theta) == (128256, 8, 500000.0)
+        assert config.rope_scaling["rope_type"] == "llama3" and config.tie_embeddings == name.startswith("llama3_2")
+        assert config.rope_scaling["factor"] == (32.0 if name.startswith("llama3_2") else 8.0)
+        assert LlamaConfig.from_name(name, n_layers=1).rope_scaling == config.rope_scaling  # presets not mutated
+        cfg = compose([f"model={name}", "data.seq_len=128"])  # a conf/model option
+        assert resolve_config(cfg.model.name) == config
+    with torch.device("meta"):
+        tied = Llama(LlamaConfig.from_name("llama3_2_1b"))
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert set(tied.state_dict()) >= {"tok_embeddings.weight", "output.weight"}  # the alias is listed
 
 
 def test_meta_state_dict_keys_match_meta_checkpoints():

@@ -124,3 +124,61 @@ def test_token_file_trains_and_a_smaller_vocab_is_refused(corpus, tmp_path):
     proc = run_cli(["train", "data=memmap", f"data.path={out}", "trainer.devices=1", "trainer.max_steps=1",
                     f"hydra.run.dir={tmp_path / 'run2'}"], cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0 and "tokenized with a vocabulary of 300" in proc.stdout
+
+
+# The Llama 3 tokenizer.json layout: byte-level BPE behind Llama 3's split regex (no prefix space),
+# the special tokens after the BPE vocabulary (<|begin_of_text|>, <|end_of_text|>, reserved ones,
+# <|eot_id|>), a post-processor that prepends <|begin_of_text|>.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+def _llama3_tokenizer(path: Path, texts: list[str], specials: list[str]) -> Path:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_tokens(["</s>"])  # ordinary text in a big byte-level vocabulary: never the EOS
+    tokenizer.add_special_tokens(specials)
+    if "<|begin_of_text|>" in specials:
+        bos = tokenizer.token_to_id("<|begin_of_text|>")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+        )
+    tokenizer.save(str(path))
+    return path
+
+
+def test_prepare_data_with_a_llama3_tokenizer(corpus, tmp_path):
+    from tokenizers import Tokenizer
+
+    from lightning_zero.data import prepare_tokens
+
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(4)]
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", *reserved, "<|eot_id|>"]
+    path = _llama3_tokenizer(tmp_path / "tokenizer.json", corpus["texts"], specials)
+    tokenizer = Tokenizer.from_file(str(path))
+    eot = tokenizer.token_to_id("<|end_of_text|>")
+    assert eot > VOCAB and tokenizer.token_to_id("</s>") is not None  # both exist; the special one wins
+    out = tmp_path / "train.bin"
+    prepare_tokens(corpus["inputs"], out, path, workers=2, progress=False)
+    meta = read_token_meta(out)
+    assert meta["eos_id"] == eot and meta["num_documents"] == 8
+    tokens = np.asarray(open_tokens(out, meta["dtype"]))
+    expected = []
+    for text in corpus["texts"]:
+        expected += tokenizer.encode(text).ids + [eot]
+    np.testing.assert_array_equal(tokens, np.asarray(expected))
+    assert tokens[0] == tokenizer.token_to_id("<|begin_of_text|>") and (tokens == eot).sum() == 8
+    # A chat tokenizer that only has <|eot_id|> ends documents with it.
+    chat = _llama3_tokenizer(tmp_path / "chat.json", corpus["texts"][:2], ["<|eot_id|>"])
+    prepare_tokens(corpus["inputs"][:1], tmp_path / "chat.bin", chat, workers=1, progress=False)
+    assert read_token_meta(tmp_path / "chat.bin")["eos_id"] == Tokenizer.from_file(str(chat)).token_to_id("<|eot_id|>")

@@ -14,8 +14,11 @@ import pytest
 from lightning_zero.config import RECIPES_DIR, available_recipes, compose
 from tests.test_cli import run_cli
 
-BIG_RECIPES = ("llama7b", "llama13b", "llama70b")
-FINETUNE_RECIPES = tuple(f"{name}_finetune" for name in BIG_RECIPES)  # tested in tests/test_hf.py
+LLAMA2_RECIPES = ("llama7b", "llama13b", "llama70b")
+LLAMA3_RECIPES = ("llama3_8b", "llama3_70b", "llama3_405b")
+BIG_RECIPES = (*LLAMA2_RECIPES, *LLAMA3_RECIPES)
+FINETUNE_RECIPES = tuple(f"{name}_finetune" for name in BIG_RECIPES)  # fit and schedule: tests/test_hf.py
+LLAMA3_FINETUNE = tuple(f"{name}_finetune" for name in LLAMA3_RECIPES)
 LAUNCH_DIR = RECIPES_DIR / "launch"
 LAUNCH_SCRIPTS = (LAUNCH_DIR / "torchrun.sh", LAUNCH_DIR / "slurm.sbatch")
 # Shrink any recipe to the tiny model on 2 CPU processes, a few short steps, no accumulation.
@@ -68,10 +71,10 @@ def test_recipe_sizes_divide(recipe):
     assert world % tp == 0 and cfg.trainer.devices % tp == 0  # tp stays inside a node
     dp = world // tp
     global_batch_tokens = dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len
-    assert global_batch_tokens == 4 * 2**20  # Llama 2: 4M tokens per step
+    assert global_batch_tokens == 4 * 2**20  # Llama 2 and 3: 4M tokens per step
 
 
-@pytest.mark.parametrize("recipe", BIG_RECIPES)
+@pytest.mark.parametrize("recipe", LLAMA2_RECIPES)
 def test_recipe_uses_the_llama2_schedule(recipe):
     cfg = compose([f"recipe={recipe}"])
     assert list(cfg.optim.betas) == [0.9, 0.95]
@@ -82,7 +85,31 @@ def test_recipe_uses_the_llama2_schedule(recipe):
     assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy"
 
 
-@pytest.mark.parametrize("recipe", BIG_RECIPES)
+@pytest.mark.parametrize("recipe", LLAMA3_RECIPES)
+def test_recipe_uses_the_llama3_schedule(recipe):
+    cfg = compose([f"recipe={recipe}"])
+    assert list(cfg.optim.betas) == [0.9, 0.95] and cfg.optim.weight_decay == 0.1
+    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.data.seq_len == 8192 and cfg.model.max_seq_len == 8192  # the rotary table follows the data
+    assert cfg.model.name == recipe and cfg.trainer.max_steps * 4 * 2**20 >= 15 * 10**12  # 15T tokens
+    if recipe == "llama3_405b":  # the Llama 3 paper's schedule
+        assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio) == (8e-5, 8000, 0.01)
+        assert cfg.trainer.num_nodes >= 16
+
+
+def test_llama3_405b_needs_more_than_16_nodes_of_h100():
+    # The 405B header says the search finds no layout on 16 x 8 H100 80 GB at the 4M-token batch.
+    from lightning_zero.models import LlamaConfig
+    from lightning_zero.planner import search_layouts
+
+    result = search_layouts(LlamaConfig.from_name("llama3_405b"), world_size=128, devices_per_node=8,
+                            global_batch=512, seq_len=8192, hardware="h100_80gb", topology=False)  # fmt: skip
+    assert result.ranked == () and result.rejected_memory == result.evaluated > 0
+    header = (RECIPES_DIR / "llama3_405b.yaml").read_text()
+    assert f"(0 of {result.evaluated}" in header
+
+
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *LLAMA3_FINETUNE))
 def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     # Each recipe's layout (stage, tp, micro batch, checkpointing, buckets) was chosen by
     # `lightning-zero plan recipe=NAME plan.search=true`; its header says why. It must stay the

@@ -47,6 +47,8 @@ class ModelConf:
     max_seq_len: Optional[int] = None
     norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_embeddings: Optional[bool] = None
     activation_checkpointing: bool = False
     init_from: Optional[str] = None
 

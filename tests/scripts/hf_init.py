@@ -10,6 +10,10 @@ Launched by tests/test_hf.py (Lightning's launcher re-runs it for rank 1). Cases
   memrandom-zero3
                the same measurement for the same shape with random init (the baseline)
   tune-zero2   fine-tune HF_DIR for 3 steps under ZeRO-2, save OUT_DIR/tune/last.ckpt
+  tied-ddp / tied-zero1 / tied-zero2 / tied-zero3 / tied-tp2z3
+               fine-tune HF_DIR (a tied Llama 3.2-style checkpoint: pass tied-...=DIR) for 3 steps
+               under Lightning's ddp or that layout: losses and batches per step, whether the head is
+               still the embedding Parameter; tied-zero3 saves OUT_DIR/tied-zero3/last.ckpt
   deep-zero2   a random 2-layer model, 1 step, save OUT_DIR/deep/last.ckpt
   shallow-zero2
                a 1-layer model resuming from deep/last.ckpt: must fail strictly on every rank;
@@ -63,14 +67,21 @@ def peak_rss_bytes() -> int:
 class Recorder(LlamaLM):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.record = {"losses": [], "first_batch": None}
+        self.record = {"losses": [], "first_batch": None, "batches": []}
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         if self.record["first_batch"] is None:
             self.record["first_batch"] = batch.clone()
+        self.record["batches"].append(batch.clone())
         self.record["losses"].append(loss.item())
         return loss
+
+    def on_train_end(self) -> None:
+        model = self.model
+        self.record["tied"] = model.output.weight is model.tok_embeddings.weight
+        engine = getattr(self.trainer.strategy, "engine", None)
+        self.record["engine_params"] = engine.num_params() if engine is not None else None
 
 
 class LoadMemory(L.Callback):
@@ -119,13 +130,13 @@ def masters(engine) -> list:
 
 
 def run(case: str, out: str, hf_dir: str) -> None:
-    kind, layout = case.split("-")  # layout: zero<s> or tp2z<s>
-    stage = int(layout[-1])
+    kind, layout = case.split("-")  # layout: zero<s>, tp2z<s> or ddp
+    stage = 0 if layout == "ddp" else int(layout[-1])
     tp = 2 if layout.startswith("tp2") else 1
     L.seed_everything(7, verbose=False)
     kwargs = dict(lr=1e-3, warmup_steps=1, max_steps=4)
     callbacks, ckpt_path, max_steps = [], None, 1
-    if kind in ("first", "mem", "tune"):
+    if kind in ("first", "mem", "tune", "tied"):
         model = Recorder(init_from=hf_dir, **kwargs)
     elif kind == "memrandom":  # the same shape, random init: the baseline of the load's cost
         from lightning_zero.models import LlamaConfig
@@ -136,19 +147,22 @@ def run(case: str, out: str, hf_dir: str) -> None:
     vocab = model.config.vocab_size
     if kind in ("mem", "memrandom"):
         callbacks.append(LoadMemory(model.record))
-    if kind in ("tune", "deep"):
-        max_steps = 3 if kind == "tune" else 1
-        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, kind), save_last=True, save_top_k=0))
+    checkpointing = kind in ("tune", "deep", "shallow") or case == "tied-zero3"
+    if kind in ("tune", "deep", "tied"):
+        max_steps = 1 if kind == "deep" else 3
+    if kind in ("tune", "deep") or case == "tied-zero3":
+        dirpath = os.path.join(out, case if kind == "tied" else kind)
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0))
     if kind == "shallow":
         callbacks.append(watch := Masters(model.record))
         ckpt_path = os.path.join(out, "deep", "last.ckpt")
     bucket_mb = float(os.environ.get("HF_INIT_BUCKET_MB", 0.05))  # tiny: many buckets, every buffer touched
+    strategy = "ddp" if layout == "ddp" else ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=bucket_mb,
+                                                          timeout=timedelta(seconds=120))  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=max_steps,
-        strategy=ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=bucket_mb,
-                              timeout=timedelta(seconds=120)),
+        accelerator="cpu", devices=2, max_steps=max_steps, strategy=strategy,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=kind in ("tune", "deep", "shallow"), callbacks=callbacks,
+        enable_checkpointing=checkpointing, callbacks=callbacks,
     )  # fmt: skip
     data = TokenDataModule(
         "synthetic", seq_len=16, batch_size=2, vocab_size=vocab, val_fraction=0.0, synthetic_tokens=2000

@@ -258,7 +258,12 @@ def export_hf(
     saved = opened.meta["params"]
     plan = tensor_plan(config, to_hf=True)
     missing = sorted(name for name in plan if prefix + name not in saved)
-    extra = sorted(name[len(prefix) :] for name in saved if name.startswith(prefix) and name[len(prefix) :] not in plan)
+    alias = {"output.weight"} if config.tie_embeddings else set()  # the tied head is the embedding
+    extra = sorted(
+        name[len(prefix) :]
+        for name in saved
+        if name.startswith(prefix) and name[len(prefix) :] not in plan and name[len(prefix) :] not in alias
+    )
     if missing or extra:
         raise CheckpointError(
             f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}"

@@ -12,8 +12,9 @@ import numpy as np
 
 from lightning_zero.data.tokens import token_dtype, token_meta_path
 
-# Names tokenizers give their end-of-document token, in the order they are tried.
-EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
+# Names tokenizers give their end-of-document token, in the order they are tried (Llama 2: </s>;
+# GPT-2: <|endoftext|>; Llama 3: <|end_of_text|>, and <|eot_id|> for a chat-only tokenizer).
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]", "<|eot_id|>")
 
 
 _worker_tokenizer: Any = None
@@ -34,7 +35,16 @@ def load_tokenizer(path: Union[str, Path]) -> Any:
 
 
 def _find_eos(tokenizer: Any, eos_token: Optional[str], where: Path) -> int:
+    """The id of ``eos_token``, else of the first candidate that is a *special* token, else of the
+    first candidate in the vocabulary. Special tokens first: a 128K byte-level vocabulary (Llama 3)
+    may hold ``</s>`` as ordinary text, which must not end documents when ``<|end_of_text|>`` exists."""
     names = (eos_token,) if eos_token else EOS_CANDIDATES
+    special = {
+        token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
+    }
+    for name in names:
+        if name in special:
+            return int(special[name])
     for name in names:
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:

@@ -151,14 +151,16 @@ class LlamaParamCounts:
     """Parameter counts of a Llama model as one tensor-parallel rank holds them.
 
     With ``tp > 1`` every weight matrix (q/k/v/o, w1/w2/w3, embedding, output head) is split
-    ``tp`` ways; the RMSNorm weights are replicated on every tp rank.
+    ``tp`` ways; the RMSNorm weights are replicated on every tp rank. A tied head
+    (``tie_embeddings``) is the embedding's Parameter: ``output`` is 0 and the one table is
+    counted (stored, reduced, gathered) once, in ``embedding``.
     """
 
     embedding: int  # tok_embeddings: vocab x dim (vocab-parallel)
     block: int  # one transformer block: attention + feed_forward + 2 RMSNorms
     n_layers: int
     final_norm: int
-    output: int  # untied head: dim x vocab (column-parallel over vocab)
+    output: int  # untied head: dim x vocab (column-parallel over vocab); 0 when tied to the embedding
 
     @property
     def blocks(self) -> int:
@@ -184,7 +186,7 @@ def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
     ``w1, w3: dim x ffn_dim``, ``w2: ffn_dim x dim``; two RMSNorm weights of ``dim``.
     No biases. ``tp`` must divide the split sizes (``mesh.check_model_divisible`` says which).
 
-        >>> # Llama 2 70B: 68,976,648,192 parameters
+        >>> # Llama 2 70B: 68,976,648,192 parameters; Llama 3.2 1B (tied): 1,235,814,400
     """
     if tp < 1:
         raise ValueError(f"llama_param_counts: tp must be >= 1, got tp={tp!r}")
@@ -197,7 +199,7 @@ def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
         block=(attention + feed_forward) // tp + 2 * dim,
         n_layers=config.n_layers,
         final_norm=dim,
-        output=dim * config.vocab_size // tp,
+        output=0 if getattr(config, "tie_embeddings", False) else dim * config.vocab_size // tp,
     )
 
 

@@ -219,8 +219,14 @@ def _llama_workload(
         add(prefix + "ffn_norm.weight", config.dim, unit, 1, 0.0)
         for name in ("w1", "w3", "w2"):
             add(prefix + f"feed_forward.{name}.weight", weights[name], unit, 0, backward[name])
-    add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
-    add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, 2 * head_forward + tp_all_reduce)
+    head_backward = 2 * head_forward + tp_all_reduce
+    if getattr(config, "tie_embeddings", False):
+        # A tied head has no tensor of its own (its gradient completes at the embedding, the
+        # last tensor of backward): its backward compute precedes the final norm's gradient.
+        add("norm.weight", config.dim, config.n_layers + 1, 1, head_backward)
+    else:
+        add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
+        add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
     unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
     per_layer_tp = (4 + (2 if activation_checkpointing else 0)) * tp_all_reduce
     return Workload(

@@ -14,6 +14,11 @@ output                     ColumnParallel      ``vocab_size/tp`` rows; logits st
 norms, RoPE buffers        replicated
 =========================  ==================  ===============================================
 
+A tied head (``tie_embeddings``) shares the embedding's shard: both layers split the same
+``(vocab_size, dim)`` table on its rows, so rank ``r``'s ``output.weight`` *is* its
+``tok_embeddings.weight`` (one Parameter, rows ``[r V/tp, (r+1) V/tp)``), whose gradient sums the
+lookup's and the head's (see [Note: tied head] in ``models/llama/model.py``).
+
 Heads are contiguous in ``wq``/``wk``/``wv`` rows, so a contiguous row slice is a set of whole
 heads, and with GQA rank ``r``'s query heads map to exactly its own KV heads (both slices start at
 ``r/tp`` of their range). Attention derives the head counts from shapes, so no attribute changes.
@@ -113,6 +118,8 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
 
     model.tok_embeddings = VocabParallelEmbedding.from_dense(model.tok_embeddings, group, counter=counter)
     model.output = ColumnParallelLinear.from_dense(model.output, group, counter=counter)
+    if getattr(config, "tie_embeddings", False):
+        model.output.weight = model.tok_embeddings.weight  # one shard for both (see the module doc)
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, counter=counter)
 
     mark_tp_params(model)  # split: from the TP layers; replicated (norm weights): None

@@ -1,4 +1,5 @@
-"""Llama 2, one job a module: ``config`` (shapes and presets), ``model`` (the decoder with Meta's
+"""Llama 2 and 3.x, one job a module: ``config`` (shapes and presets), ``rope`` (rotary tables and
+rope scaling), ``model`` (the decoder with Meta's
 module names), ``lightning`` (``LlamaLM``) and ``hf`` (the Hugging Face layout: config fields, name
 map, the q/k rotary permutation), so the generic weight reader in ``checkpoint/hf.py`` stays
 model-agnostic."""

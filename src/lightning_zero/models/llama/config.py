@@ -1,17 +1,32 @@
-"""Llama 2 shapes: ``LlamaConfig``, its size presets (``tiny``, ``7b``, ``13b``, ``70b``: Meta's
-``params.json`` values) and ``resolve_config`` (a preset name, a mapping or a config)."""
+"""Llama shapes: ``LlamaConfig``, its size presets (Llama 2: ``tiny``, ``7b``, ``13b``, ``70b``;
+Llama 3.1: ``llama3_8b``, ``llama3_70b``, ``llama3_405b``; Llama 3.2: ``llama3_2_1b``,
+``llama3_2_3b``: Meta's ``params.json`` values) and ``resolve_config`` (a preset name, a mapping
+or a config)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
+
+from lightning_zero.models.llama.rope import normalize_rope_scaling
 
 # The Llama 2 family shares these; each size overrides the shape (Meta's params.json files).
 _LLAMA2_BASE: dict[str, Any] = dict(vocab_size=32000, max_seq_len=4096, norm_eps=1e-5, rope_theta=10000.0)
 
+
+# Llama 3.x: a 128,256-token vocabulary, grouped-query attention with 8 KV heads everywhere,
+# theta 500,000, 128K context through Llama 3.1's rope scaling of the 8K pretraining context
+# (Meta's params.json ``use_scaled_rope``; Hugging Face's ``rope_type: llama3``).
+_LLAMA3_BASE: dict[str, Any] = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=131072, norm_eps=1e-5,
+                                    rope_theta=500000.0)  # fmt: skip
+_LLAMA3_1_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)  # fmt: skip
+# Llama 3.2 1B / 3B (pruned and distilled from 3.1 8B): tied embeddings, rope factor 32.
+_LLAMA3_2_BASE: dict[str, Any] = dict(_LLAMA3_BASE, tie_embeddings=True, rope_scaling=dict(_LLAMA3_1_ROPE, factor=32.0))
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # ~3.3M parameters over byte-level tokens: trains on a laptop CPU in minutes.
@@ -19,6 +34,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "7b": dict(_LLAMA2_BASE, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008),
     "13b": dict(_LLAMA2_BASE, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824),
     "70b": dict(_LLAMA2_BASE, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    "llama3_8b": dict(_LLAMA3_BASE, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, rope_scaling=_LLAMA3_1_ROPE),
+    "llama3_70b": dict(_LLAMA3_BASE, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, rope_scaling=_LLAMA3_1_ROPE),
+    "llama3_405b": dict(_LLAMA3_BASE, dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, rope_scaling=_LLAMA3_1_ROPE),
+    "llama3_2_1b": dict(_LLAMA3_2_BASE, dim=2048, n_layers=16, n_heads=32, ffn_dim=8192),
+    "llama3_2_3b": dict(_LLAMA3_2_BASE, dim=3072, n_layers=28, n_heads=24, ffn_dim=8192),
 }
 
 
@@ -38,6 +58,11 @@ class LlamaConfig:
         max_seq_len: longest sequence the rotary tables cover.
         norm_eps: epsilon of every RMSNorm.
         rope_theta: base of the rotary frequencies.
+        rope_scaling: ``None`` (the plain rotary embedding) or a dict with ``rope_type``
+            (``llama3``, ``linear``, ``dynamic``, ``yarn``) and that type's keys, as a Hugging Face
+            ``config.json`` writes it (see [Note: rope scaling] in ``models/llama/rope.py``).
+        tie_embeddings: the output head *is* ``tok_embeddings.weight`` (one Parameter of
+            ``vocab_size x dim``, stored, sharded, reduced and saved once; Llama 3.2 1B/3B).
     """
 
     name: str
@@ -50,6 +75,8 @@ class LlamaConfig:
     max_seq_len: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -76,6 +103,12 @@ class LlamaConfig:
                 f"LlamaConfig({self.name!r}): norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) "
                 "must be positive"
             )
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(
+                f"LlamaConfig({self.name!r}): tie_embeddings must be true or false, got {self.tie_embeddings!r}"
+            )
+        where = f"LlamaConfig({self.name!r}).rope_scaling"
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, where=where)  # a plain dict or None
 
     @property
     def head_dim(self) -> int:
@@ -85,19 +118,21 @@ class LlamaConfig:
     def from_hf(cls, path: Union[str, "os.PathLike[str]"]) -> "LlamaConfig":
         """The shape in a Hugging Face Llama directory's ``config.json`` (``hidden_size``,
         ``num_key_value_heads``, ``rope_theta``, ``rms_norm_eps``, ...); other architectures,
-        biases and rope scaling are refused by name (see ``models/llama_hf.py``)."""
+        ``tie_word_embeddings``, ``rope_parameters``/``rope_scaling``); other architectures, biases
+        and unsupported rope types are refused by name (see ``models/llama/hf.py``)."""
         from lightning_zero.models.llama.hf import config_from_hf
 
         return config_from_hf(path)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "LlamaConfig":
-        """The preset ``name`` (``tiny``, ``7b``, ``13b``, ``70b``), with optional field overrides."""
+        """The preset ``name`` (``tiny``, ``7b``, ``13b``, ``70b``, ``llama3_8b``, ``llama3_70b``,
+        ``llama3_405b``, ``llama3_2_1b``, ``llama3_2_3b``), with optional field overrides."""
         key = str(name).lower()
         if key not in _PRESETS:
             raise ValueError(f"unknown Llama preset {name!r}; available: {', '.join(_PRESETS)}")
         _check_fields(overrides, where=f"LlamaConfig.from_name({name!r})")
-        return cls(**{"name": key, **_PRESETS[key], **overrides})
+        return cls(**{"name": key, **copy.deepcopy(_PRESETS[key]), **overrides})
 
     def num_params(self) -> int:
         """Exact parameter count, by formula (matches ``sum(p.numel() for p in Llama(c).parameters())``)."""
@@ -105,7 +140,8 @@ class LlamaConfig:
         attention = 2 * self.dim * self.dim + 2 * self.dim * kv_dim  # wq, wo + wk, wv
         feed_forward = 3 * self.dim * self.ffn_dim  # w1, w2, w3
         block = attention + feed_forward + 2 * self.dim  # + attention_norm, ffn_norm
-        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim  # + embeddings, output, norm
+        tables = (1 if self.tie_embeddings else 2) * self.vocab_size * self.dim  # embeddings (+ untied output)
+        return tables + self.n_layers * block + self.dim  # + final norm
 
 
 def preset_names() -> tuple[str, ...]:

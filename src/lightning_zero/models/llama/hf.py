@@ -26,9 +26,13 @@ model.norm.weight                           norm.weight
 lm_head.weight                              output.weight (tied: model.embed_tokens.weight)
 ==========================================  ==================================
 
-Tied embeddings (``tie_word_embeddings: true``) are loaded *untied*: ``output`` starts as a copy of
-the embedding and trains on its own; export then writes ``lm_head.weight`` and
-``tie_word_embeddings: false``.
+Tied embeddings (``tie_word_embeddings: true``, no ``lm_head.weight``: Llama 3.2 1B/3B) stay tied:
+``LlamaConfig.tie_embeddings``, one Parameter ([Note: tied head] in ``model.py``); export writes
+no ``lm_head.weight`` and ``tie_word_embeddings: true``.
+
+Rope scaling (``rope_parameters`` in transformers 5, ``rope_scaling`` in 4.x; [Note: rope scaling]
+in ``rope.py``) is read into ``LlamaConfig.rope_scaling`` and written back in both spellings, so
+either major version of ``transformers`` reads the exported directory with the same ``inv_freq``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch import nn
 
 from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
 from lightning_zero.models.llama.config import LlamaConfig, preset_names
+from lightning_zero.models.llama.rope import normalize_rope_scaling
 
 PathLike = Union[str, os.PathLike]
 CONFIG_FILE = "config.json"
@@ -54,7 +59,8 @@ ARCHITECTURE = "LlamaForCausalLM"
 # Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
 IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # LlamaConfig fields that config.json decides (max_seq_len, the rotary table length, may differ).
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta")
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
+                "rope_scaling", "tie_embeddings")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,10 +84,35 @@ def read_hf_config(path: PathLike) -> dict[str, Any]:
     return values
 
 
-def _rope_type(values: Mapping[str, Any]) -> str:
-    scaling = values.get("rope_scaling") or {}
-    parameters = values.get("rope_parameters") or {}
-    return str(scaling.get("rope_type") or scaling.get("type") or parameters.get("rope_type") or "default")
+def _rope_scaling_from_hf(values: Mapping[str, Any], where: Path) -> Optional[dict[str, Any]]:
+    """``LlamaConfig.rope_scaling`` from a config.json (``rope_scaling`` wins over
+    ``rope_parameters``, as in transformers 5), with transformers' defaults filled in: the
+    context ``original_max_position_embeddings`` of ``llama3``/``yarn`` defaults to
+    ``max_position_embeddings``, which is always ``dynamic``'s; yarn's ``factor`` defaults to
+    their ratio."""
+    raw = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
+    rope_type = str(raw.get("rope_type") or raw.get("type") or "default")
+    max_positions = values.get("max_position_embeddings")
+    if rope_type == "dynamic" and max_positions is not None:
+        raw["original_max_position_embeddings"] = int(max_positions)
+    elif rope_type in ("llama3", "yarn") and max_positions is not None:
+        raw.setdefault("original_max_position_embeddings", int(max_positions))
+    if rope_type == "yarn" and raw.get("factor") is None and max_positions is not None:
+        raw["factor"] = int(max_positions) / int(raw["original_max_position_embeddings"])
+    return normalize_rope_scaling(raw, where=str(where))
+
+
+def hf_rope_fields(config: LlamaConfig) -> dict[str, Any]:
+    """The rope fields of config.json for ``config``: ``rope_parameters`` (transformers 5),
+    ``rope_scaling`` and ``rope_theta`` (4.x), and for ``dynamic`` the ``max_position_embeddings``
+    its scaling starts after."""
+    scaling = dict(config.rope_scaling or {})
+    fields: dict[str, Any] = {"rope_theta": config.rope_theta}
+    if scaling.get("rope_type") == "dynamic":
+        fields["max_position_embeddings"] = scaling.pop("original_max_position_embeddings")
+    fields["rope_scaling"] = scaling or None
+    fields["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
+    return fields
 
 
 def config_from_hf(path: PathLike) -> LlamaConfig:
@@ -95,12 +126,7 @@ def config_from_hf(path: PathLike) -> LlamaConfig:
             f"{where}: model_type {model_type!r}, architectures {architectures}: only Llama checkpoints "
             f"(model_type 'llama', {ARCHITECTURE}) can be loaded"
         )
-    rope_type = _rope_type(values)
-    if rope_type != "default":
-        raise ValueError(
-            f"{where}: rope scaling {rope_type!r} is not supported (only the default rotary embedding, "
-            "as in Llama 2 and Llama 3.0); Llama 3.1+ 'llama3', 'linear', 'dynamic' and 'yarn' scaling are not implemented"
-        )
+    rope_scaling = _rope_scaling_from_hf(values, where)
     refusals = {
         "attention_bias": (values.get("attention_bias", False), False),
         "mlp_bias": (values.get("mlp_bias", False), False),
@@ -128,6 +154,8 @@ def config_from_hf(path: PathLike) -> LlamaConfig:
             max_seq_len=int(values.get("max_position_embeddings", 4096)),
             norm_eps=float(values.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            tie_embeddings=bool(values.get("tie_word_embeddings", False)),
         )
     except KeyError as exc:
         raise ValueError(f"{where}: missing field {exc.args[0]!r}") from exc
@@ -139,6 +167,7 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mappi
     values = {
         k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")
     }
+    max_positions = max(config.max_seq_len, int((base or {}).get("max_position_embeddings", 0)))
     values.update(
         architectures=[ARCHITECTURE],
         model_type="llama",
@@ -150,15 +179,14 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mappi
         num_key_value_heads=config.n_kv_heads,
         head_dim=config.head_dim,
         hidden_act="silu",
-        max_position_embeddings=max(config.max_seq_len, int((base or {}).get("max_position_embeddings", 0))),
+        max_position_embeddings=max_positions,
         rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=None,
         attention_bias=False,
         mlp_bias=False,
-        tie_word_embeddings=False,
+        tie_word_embeddings=config.tie_embeddings,
         torch_dtype=str(dtype).removeprefix("torch."),
     )
+    values.update(hf_rope_fields(config))  # dynamic: max_position_embeddings is where scaling starts
     return values
 
 
@@ -186,6 +214,8 @@ def pretrained_config(requested: Union[None, str, LlamaConfig, Mapping[str, Any]
     if unknown:
         raise ValueError(f"model config: unknown field(s) {unknown}")
     disagree = []
+    if "rope_scaling" in values:  # compare canonical forms
+        values["rope_scaling"] = normalize_rope_scaling(values["rope_scaling"], where=f"model {name!r}")
     for field_name, wanted in values.items():
         have = getattr(loaded, field_name)
         same = math.isclose(float(wanted), float(have), rel_tol=1e-9) if isinstance(have, float) else wanted == have
@@ -224,7 +254,8 @@ def _rope_rows(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf
 
 
 def hf_names(config: LlamaConfig, tied: bool = False) -> dict[str, str]:
-    """``{our parameter name: Hugging Face key}`` in Hugging Face's order."""
+    """``{our parameter name: Hugging Face key}`` in Hugging Face's order; ``tied``: the head
+    reads the embedding (``config.tie_embeddings``: the head is the embedding, so no entry)."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -240,7 +271,8 @@ def hf_names(config: LlamaConfig, tied: bool = False) -> dict[str, str]:
             ours + "feed_forward.w2.weight": theirs + "mlp.down_proj.weight",
         }
     names["norm.weight"] = "model.norm.weight"
-    names["output.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if not config.tie_embeddings:
+        names["output.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
     return names
 
 
@@ -288,7 +320,7 @@ class HFLlamaWeights:
     def __init__(self, path: PathLike, config: LlamaConfig) -> None:
         self.path = Path(path)
         hf_config = read_hf_config(path)
-        self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.tied = bool(hf_config.get("tie_word_embeddings", False))  # config.tie_embeddings follows it
         self.files: WeightFiles = open_weight_files(path)
         self.plan = tensor_plan(config, tied=self.tied)
         ignore = list(IGNORABLE_KEYS) + (["lm_head\\.weight"] if self.tied else [])

@@ -1,4 +1,4 @@
-"""Llama 2 decoder with Meta's module names: ``Llama`` and its blocks, ``build_llama``.
+"""Llama (2 and 3.x) decoder with Meta's module names: ``Llama`` and its blocks, ``build_llama``.
 
 The module tree matches Meta's reference implementation, so its checkpoints' keys line up
 (``tok_embeddings``, ``layers.N.attention.wq``, ``layers.N.feed_forward.w1``, ``norm``, ``output``):
@@ -11,13 +11,24 @@ The module tree matches Meta's reference implementation, so its checkpoints' key
         ffn_norm         RMSNorm(dim)
         feed_forward     FeedForward: w1 (gate), w3 (up), w2 (down) (nn.Linear, no bias)
       norm             RMSNorm(dim)
-      output           nn.Linear(dim, vocab_size, no bias), not tied to tok_embeddings
+      output           nn.Linear(dim, vocab_size, no bias); with ``tie_embeddings`` its weight
+                       *is* ``tok_embeddings.weight`` (one Parameter, [Note: tied head])
 
 [Note: tensor-parallel friendly] ``Attention`` never stores a head count: it reshapes with ``-1``
 heads and derives the grouped-query repeat factor from the shapes of q and k. Tensor parallelism
 (``lightning_zero.tp.parallelize_llama``) can therefore split heads by swapping the Linear layers
 for column/row-parallel ones and swap ``Llama.loss_fn`` for a vocab-parallel cross entropy,
 without touching any attribute here.
+
+[Note: tied head] With ``LlamaConfig.tie_embeddings`` the model has one ``vocab_size x dim``
+Parameter, registered twice (``tok_embeddings.weight`` first, so it is the canonical name that
+``named_parameters()`` and the engine use; ``output.weight`` is the alias ``state_dict()`` also
+lists). Anything that replaces Parameter objects (``to_empty`` from meta, a dtype change,
+tensor parallelism's layer swap) re-ties with :meth:`Llama.tie_weights`; :meth:`Llama.init_weights`
+does so first. The shared weight is drawn once, with the head's init (truncated N(0, dim^-0.5):
+an N(0, 1) table would make the first logits ``sqrt(dim)`` times too large); ``output`` is then
+initialized by nothing. A state dict holding only ``tok_embeddings.weight`` (a plain export of a
+tied model) loads: the alias is filled from it.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.models.llama.config import LlamaConfig
+from lightning_zero.models.llama.rope import needs_dynamic_tables, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -49,15 +61,6 @@ class RMSNorm(nn.Module):
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: Optional[torch.device] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each ``(max_seq_len, head_dim // 2)``, fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,7 +196,9 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.tie_weights()
+        self._register_load_state_dict_pre_hook(self._fill_tied_alias)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, scaling=config.rope_scaling)
         # Derived from the config, so not saved: the state dict holds only Meta's parameter keys.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -208,13 +213,19 @@ class Llama(nn.Module):
         path: Union[str, "os.PathLike[str]"],
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
+        max_seq_len: Optional[int] = None,
     ) -> "Llama":
         """The Llama in a Hugging Face directory (``config.json`` + safetensors or ``.bin`` weights,
         single or sharded), with parameters in ``dtype`` on ``device``; in fp32 its logits equal
-        ``transformers.LlamaForCausalLM.from_pretrained(path)``'s. See ``models/llama_hf.py``."""
+        ``transformers.LlamaForCausalLM.from_pretrained(path)``'s. ``max_seq_len``: the rotary
+        table length (default: config.json's ``max_position_embeddings``). See ``models/llama/hf.py``."""
+        import dataclasses
+
         from lightning_zero.models.llama.hf import HFLlamaWeights
 
         config = LlamaConfig.from_hf(path)
+        if max_seq_len is not None:
+            config = dataclasses.replace(config, max_seq_len=max_seq_len)
         weights = HFLlamaWeights(path, config)
         with torch.device("meta"):
             model = cls(config)
@@ -223,15 +234,39 @@ class Llama(nn.Module):
                     if param is not None:
                         module._parameters[key] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
         model.to_empty(device=device)
+        model.tie_weights()
         model.weight_source = weights
         model.init_weights()
         return model
 
+    def tie_weights(self) -> None:
+        """With ``tie_embeddings``, make ``output.weight`` the ``tok_embeddings.weight`` Parameter
+        (idempotent; see [Note: tied head]). Both have shape ``(vocab_size, dim)``, or under tensor
+        parallelism the same ``(vocab_size / tp, dim)`` rows of it."""
+        if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _fill_tied_alias(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """``load_state_dict`` pre-hook: a tied model's ``output.weight`` is its embedding."""
+        embedding, alias = prefix + "tok_embeddings.weight", prefix + "output.weight"
+        if self.config.tie_embeddings and embedding in state_dict and alias not in state_dict:
+            state_dict[alias] = state_dict[embedding]
+
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(seq_len, head_dim // 2)`` for a forward of ``seq_len`` tokens: the stored
+        tables, or for ``dynamic`` rope scaling past its context, tables computed for this length."""
+        scaling = self.config.rope_scaling
+        if needs_dynamic_tables(scaling, seq_len):
+            theta, head_dim = self.config.rope_theta, self.config.head_dim
+            return rope_tables(head_dim, seq_len, theta, self.rope_cos.device, scaling, seq_len=seq_len)
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
     def reset_parameters(self) -> None:
         """Recompute the rotary tables this module owns directly (Lightning's meta-device
         materialization calls this per module; children reset their own parameters)."""
+        config = self.config
         cos, sin = rope_tables(
-            self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
+            config.head_dim, config.max_seq_len, config.rope_theta, self.rope_cos.device, config.rope_scaling
         )
         with torch.no_grad():
             self.rope_cos.copy_(cos)
@@ -247,7 +282,10 @@ class Llama(nn.Module):
         ``generator`` must live on the parameters' device. The order is that of
         :meth:`init_module` over ``tok_embeddings, layers..., norm, output``, so a strategy that
         materializes one unit at a time (ZeRO-3's sharded init) draws the same numbers.
+        A tied model ([Note: tied head]) draws its one table where the embedding's comes, with the
+        head's std, and skips ``output``.
         """
+        self.tie_weights()
         for module in (self.tok_embeddings, *self.layers, self.norm, self.output, self):
             self.init_module(module, generator)
 
@@ -260,6 +298,9 @@ class Llama(nn.Module):
         False is returned (its children are separate units). Unknown modules: False.
         With :attr:`weight_source` set, the unit's tensors are read from it instead of drawn.
         """
+        tied = self.config.tie_embeddings
+        if tied and module is self.output:
+            return True  # its weight is the embedding's, initialized (or read) with it
         if self.weight_source is not None and module is not self:
             # Any submodule (a unit of another wrap policy too): read its tensors by their names.
             prefix = next((name for name, candidate in self.named_modules() if candidate is module), None)
@@ -271,6 +312,9 @@ class Llama(nn.Module):
         def trunc_normal(layer: nn.Module, std: float) -> None:
             _draw_dense(layer, lambda w: nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=generator))
 
+        if module is self.tok_embeddings and tied:
+            trunc_normal(module, self.config.dim**-0.5)  # it is the head too
+            return True
         if module is self.tok_embeddings:
             _draw_dense(module, lambda w: nn.init.normal_(w, generator=generator))
             return True
@@ -303,7 +347,7 @@ class Llama(nn.Module):
                 "shorten the sequences or raise model max_seq_len"
             )
         h = self.tok_embeddings(idx)  # (B, T, dim)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope(seq)  # (T, head_dim / 2) each
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Call the module (not .forward) so hooks on the block, e.g. ZeRO-3's
