@@ -47,10 +47,10 @@ from lightning_zero.planner.timing import (
     step_time,
     training_flops,
 )
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 
 STAGES = (0, 1, 2, 3)
 GiB = 1024**3
-MiB = 1024**2
 DEFAULT_MFU = 0.4
 
 
@@ -393,8 +393,8 @@ def plan_run(
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
     )
-    bucket_numel = max(1, int(bucket_mb * MiB) // dtype.grad)
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks)
+    bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
 
     memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
