@@ -86,20 +86,20 @@ def peak_rss_bytes() -> int:
 # Counting what collectives send
 # --------------------------------------------------------------------------------------------
 
-# name in torch.distributed -> (kind, factor of the logical bytes one rank sends for a group of n,
-# which tensor argument the count is taken from)
+# name in torch.distributed -> (kind, which tensor argument the count is taken from); the bytes
+# one rank sends are lightning_zero.ring.ring_sent(kind, that tensor's bytes, group size)
 _RING = {
-    "all_reduce": ("all_reduce", lambda n: 2 * (n - 1) / n, 0),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda n: (n - 1) / n, 1),
-    "reduce_scatter_single": ("reduce_scatter", lambda n: (n - 1) / n, 1),
-    "_reduce_scatter_base": ("reduce_scatter", lambda n: (n - 1) / n, 1),
-    "all_gather_into_tensor": ("all_gather", lambda n: (n - 1) / n, 0),
-    "all_gather_single": ("all_gather", lambda n: (n - 1) / n, 0),
-    "_all_gather_base": ("all_gather", lambda n: (n - 1) / n, 0),
-    "broadcast": ("broadcast", lambda n: (n - 1) / n, 0),
+    "all_reduce": ("all_reduce", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "_all_gather_base": ("all_gather", 0),
+    "broadcast": ("broadcast", 0),
     # our reduce-scatter on gloo ([Note: reduce-scatter on gloo] in collectives.py) and the
     # compressed collectives: (n-1)/n of the input leaves each rank
-    "all_to_all_single": ("all_to_all", lambda n: (n - 1) / n, 1),
+    "all_to_all_single": ("all_to_all", 1),
 }
 
 
@@ -132,15 +132,15 @@ class CollectiveTap:
         import torch.distributed as dist
 
         table = dict(_RING)
-        table["all_gather"] = ("all_gather", lambda n: (n - 1) / n, 0)
-        table["reduce_scatter"] = ("reduce_scatter", lambda n: (n - 1) / n, 1)
-        for name, (kind, factor, arg) in table.items():
+        table["all_gather"] = ("all_gather", 0)
+        table["reduce_scatter"] = ("reduce_scatter", 1)
+        for name, (kind, arg) in table.items():
             original = getattr(dist, name, None)
             if original is not None:
-                setattr(dist, name, self._wrap(original, kind, factor, arg))
+                setattr(dist, name, self._wrap(original, kind, arg))
         return self
 
-    def _wrap(self, original: Callable, kind: str, factor: Callable[[int], float], arg: int) -> Callable:
+    def _wrap(self, original: Callable, kind: str, arg: int) -> Callable:
         tap = self
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -148,12 +148,14 @@ class CollectiveTap:
             if tap.active and depth == 0:
                 import torch.distributed as dist
 
+                from lightning_zero.ring import ring_sent  # not at import: the tap goes in first
+
                 tensor = args[arg] if len(args) > arg else next(iter(kwargs.values()), None)
                 group = kwargs.get("group")
                 if group is None:
                     group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
                 n = dist.get_world_size(group)
-                sent = _tensor_bytes(tensor) * factor(n)
+                sent = ring_sent(kind, _tensor_bytes(tensor), n)
                 tap.bytes[kind] = tap.bytes.get(kind, 0.0) + sent
                 tap.calls[kind] = tap.calls.get(kind, 0) + 1
             tap._depth.value = depth + 1
@@ -596,6 +598,7 @@ def run_worker(
     from lightning_zero.data import TokenDataModule
     from lightning_zero.ledger import model_state_bytes
     from lightning_zero.models import LlamaLM
+    from lightning_zero.ring import ring_sent
 
     config = model_config(args)
     num_params = config.num_params()
@@ -648,8 +651,10 @@ def run_worker(
         "rss_before_fit_bytes": rss_before,
         "peak_rss_bytes": peak_rss_bytes(),
         "predicted_state_bytes": model_state_bytes(num_params, stage=stage, dp=dp, **FP32).as_dict(),
-        # stages 0-2 send 2 (dp-1)/dp * grad bytes * P per step, stage 3 3 (dp-1)/dp (design.md 5)
-        "predicted_sent_bytes_per_step": (3 if stage == 3 else 2) * (dp - 1) / dp * 4 * num_params,
+        # stages 0-2 send an all-reduce's worth of gradient bytes per step (2 (dp-1)/dp * 4 B * P),
+        # stage 3 an all-gather more (3 (dp-1)/dp): the ZeRO paper's figures
+        "predicted_sent_bytes_per_step": ring_sent("all_reduce", 4 * num_params, dp)
+        + (ring_sent("all_gather", 4 * num_params, dp) if stage == 3 else 0.0),
         **probe.summary(),
     }
     result.update(result.pop("end"))

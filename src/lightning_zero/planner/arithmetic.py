@@ -47,6 +47,7 @@ from lightning_zero.planner.timing import (
     step_time,
     training_flops,
 )
+from lightning_zero.ring import ring_sent
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -578,7 +579,7 @@ def _traffic(
     # inputs); recomputation repeats the forward ones; plus the embedding (fwd) and output head (bwd).
     per_layer = 6 if activation_checkpointing else 4
     tp_all_reduces = (per_layer * config.n_layers + 2) * micro_batches
-    tp_bytes = tp_all_reduces * 2 * (tp - 1) / tp * tokens * config.dim * dtype.activation
+    tp_bytes = tp_all_reduces * ring_sent("all_reduce", tokens * config.dim * dtype.activation, tp)
     flops = micro_batches * training_flops(
         config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
     )

@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lightning_zero.ring import ring_sent, ring_steps
+
 OPTIMIZER_BYTES_PER_PARAM_FP32 = 28  # AdamW, fp32: param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
 DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 25.0)  # 25 MiB: the default bucket
 QUICK_SIZES_MB = (0.0625, 1.0)
@@ -57,11 +59,6 @@ QUICK_SIZES_MB = (0.0625, 1.0)
 # --------------------------------------------------------------------------------------------
 # Fitting
 # --------------------------------------------------------------------------------------------
-
-
-def ring_steps(kind: str, ranks: int) -> int:
-    """Latency-bound steps of a ring collective over ``ranks``: ``n - 1``; all-reduce twice that."""
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
 
 
 def fit_latency_bandwidth(points: Sequence[tuple[float, float]], steps: int) -> tuple[float, float]:
@@ -81,12 +78,6 @@ def fit_latency_bandwidth(points: Sequence[tuple[float, float]], steps: int) -> 
         slope = sum(ys) / sum(xs)
         intercept = 0.0
     return max(0.0, intercept) / max(1, steps), 1.0 / slope
-
-
-def logical_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
-    """Bytes one rank sends (ring algorithm): all-reduce ``2 (n-1)/n``, the others ``(n-1)/n``."""
-    factor = 2 if kind == "all_reduce" else 1
-    return factor * (ranks - 1) / ranks * payload_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +282,7 @@ def summarize_collectives(measured: dict[str, Any]) -> dict[str, Any]:
     world = int(measured["world"])
     fits = {}
     for kind, rows in measured["collectives"].items():
-        points = [(logical_bytes(kind, row["payload_bytes"], world), row["seconds"]) for row in rows]
+        points = [(ring_sent(kind, row["payload_bytes"], world), row["seconds"]) for row in rows]
         fits[kind] = fit_latency_bandwidth(points, ring_steps(kind, world))
     latency, bandwidth = fits["all_reduce"]
     # A tiny all-reduce after compute is two ring steps of pure latency: keep the larger estimate.
@@ -300,7 +291,7 @@ def summarize_collectives(measured: dict[str, Any]) -> dict[str, Any]:
     for kind, rows in measured["collectives"].items():
         ratios = []
         for row in rows:
-            sent = logical_bytes(kind, row["payload_bytes"], world)
+            sent = ring_sent(kind, row["payload_bytes"], world)
             model = ring_steps(kind, world) * latency + sent / bandwidth
             ratios.append(row["seconds"] / model)
         factors[kind] = max(ratios[-1], 0.05)  # the largest size: where bandwidth decides

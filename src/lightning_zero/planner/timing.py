@@ -11,7 +11,8 @@ the engine really achieves, simulated bucket by bucket.
   checkpointing repeats each block's forward inside its backward. Embedding lookups and RMSNorm
   gains add no matmul FLOPs; element-wise work is inside the ``mfu`` assumption (calibrated on CPU).
 - **Collectives**: ``factor(kind) x (steps x latency + logical_bytes / bandwidth)`` with ring
-  ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them;
+  ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them
+  (both from ``lightning_zero/ring.py``, [Note: ring bytes]);
   dp collectives use the inter-node link when the dp group spans nodes, tp collectives the
   intra-node one. ``factor`` is 1 unless a calibration measured otherwise.
 - **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3.py``): backward runs
@@ -48,6 +49,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.ledger import Hop
+from lightning_zero.ring import ring_sent, ring_steps
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -73,25 +75,15 @@ class Link:
         return 1.0
 
 
-def ring_steps(kind: str, ranks: int) -> int:
-    """Latency-bound steps of a ring collective: ``n - 1``; an all-reduce is two rings."""
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
-
-
-def sent_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
-    """Bytes one rank sends: all-reduce ``2 (n-1)/n x payload``, reduce-scatter / all-gather
-    ``(n-1)/n x payload`` (``payload`` = the full, unsharded tensor)."""
+def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
+    """``factor x (steps x latency + sent_bytes / bandwidth)`` with the ring's steps and bytes
+    (``lightning_zero/ring.py``); 0 for a group of one rank. ``kind``: one of ``COLLECTIVE_KINDS``."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"collective kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks * payload_bytes
-
-
-def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
-    """``factor x (steps x latency + sent_bytes / bandwidth)``; 0 for a group of one rank."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     return link.factor(kind) * (
-        ring_steps(kind, ranks) * link.latency_s + sent_bytes(kind, payload_bytes, ranks) / link.bytes_per_s
+        ring_steps(kind, ranks) * link.latency_s + ring_sent(kind, payload_bytes, ranks) / link.bytes_per_s
     )
 
 
