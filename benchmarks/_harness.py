@@ -54,19 +54,16 @@ MIB = 2**20
 
 
 def pin_rank_to_core() -> int:
-    """Pin this process to core ``local_rank % cores`` and use one torch thread; returns the core."""
-    import torch
+    """Pin this process to core ``local_rank % cores`` and use one torch thread; returns the core
+    (``lightning_zero.planner.bench_model.pin_to_core``, as the calibration pins)."""
+    from lightning_zero.planner.bench_model import pin_to_core
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Rank 1 is started by rank 0 after rank 0 pinned itself, and inherits that mask: the cores
     # the job may use travel in BENCH_CORES, set by rank 0 before it pins.
     if "BENCH_CORES" not in os.environ:
         os.environ["BENCH_CORES"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    cores = [int(c) for c in os.environ["BENCH_CORES"].split(",")]
-    core = cores[local_rank % len(cores)]
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
-    return core
+    return pin_to_core(local_rank, [int(c) for c in os.environ["BENCH_CORES"].split(",")])
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -111,6 +108,17 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(item) for item in value)
     return 0
+
+
+_TAP: list["CollectiveTap"] = []  # the one tap of this process, once installed
+
+
+def collective_tap() -> "CollectiveTap":
+    """This process's :class:`CollectiveTap`, installed on the first call. A worker calls it before
+    anything imports ``lightning_zero`` (:func:`bench_main`), so the library binds the wrappers."""
+    if not _TAP:
+        _TAP.append(CollectiveTap().install())
+    return _TAP[0]
 
 
 class CollectiveTap:
@@ -331,17 +339,26 @@ def make_probe(
 # --------------------------------------------------------------------------------------------
 
 
+# command-line flag -> LlamaConfig field of the benchmark's model (defaults: BENCH_MODEL)
+MODEL_FLAGS = {
+    "dim": "dim",
+    "layers": "n_layers",
+    "heads": "n_heads",
+    "kv-heads": "n_kv_heads",
+    "ffn": "ffn_dim",
+    "vocab": "vocab_size",
+}
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]) -> None:
     parser.add_argument("--cases", nargs="+", default=default_cases, help="cases to run, in order")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per case and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all cases (forward, reverse, ...)")
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=8192)
+    from lightning_zero.planner.bench_model import BENCH_MODEL  # after the tap (bench_main)
+
+    for flag, key in MODEL_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=BENCH_MODEL[key])
     parser.add_argument("--seq", type=int, default=128, help="tokens per sample")
     parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for every strategy")
@@ -358,18 +375,11 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from lightning_zero.models import LlamaConfig
+    """The benchmark's ``LlamaConfig`` at the shape the command line asks for."""
+    from lightning_zero.planner.bench_model import bench_config
 
-    return LlamaConfig.from_name(
-        "tiny",
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=args.ffn,
-        vocab_size=args.vocab,
-        max_seq_len=max(args.seq, 16),
-    )
+    shape = {key: getattr(args, flag.replace("-", "_")) for flag, key in MODEL_FLAGS.items()}
+    return bench_config(**shape, max_seq_len=max(args.seq, 16))
 
 
 def snapshot_sources(script: str, work_dir: Path) -> tuple[str, dict[str, str], dict[str, Any]]:
@@ -590,30 +600,20 @@ def run_worker(
     ``make_module(config)`` builds the LightningModule (default :class:`LlamaLM`);
     ``at_end(trainer, max_steps)`` adds what only the live strategy can tell.
     """
+    tap = collective_tap()  # installed by bench_main before lightning_zero bound its collectives
     core = pin_rank_to_core()
-    tap = CollectiveTap().install()  # before lightning_zero binds its collectives at import
 
-    import lightning as L
-
-    from lightning_zero.data import TokenDataModule
     from lightning_zero.ledger import model_state_bytes
-    from lightning_zero.models import LlamaLM
+    from lightning_zero.planner.bench_model import bench_datamodule, bench_module, bench_trainer, seed_bench
     from lightning_zero.ring import ring_sent
 
     config = model_config(args)
     num_params = config.num_params()
     max_steps = args.warmup + args.steps + int(args.profile) + 1  # + the untimed probe step
     strategy = make_strategy()
-    L.seed_everything(1234, verbose=False)
-    module = make_module(config) if make_module is not None else LlamaLM(config, lr=3e-4, warmup_steps=1)
-    data = TokenDataModule(
-        source="synthetic",
-        seq_len=args.seq,
-        batch_size=args.batch,
-        vocab_size=args.vocab,
-        val_fraction=0.0,
-        synthetic_tokens=max(2 * (max_steps + 2) * args.batch * (args.seq + 1), 4096),
-    )
+    seed_bench()
+    module = make_module(config) if make_module is not None else bench_module(config)
+    data = bench_datamodule(config, seq_len=args.seq, batch_size=args.batch, max_steps=max_steps)
     probe = make_probe(
         warmup=args.warmup,
         tap=tap,
@@ -625,20 +625,7 @@ def run_worker(
         else None,
     )
     rss_before = rss_bytes()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[probe],
-    )
+    trainer = bench_trainer(devices=2, max_steps=max_steps, callbacks=[probe], strategy=strategy)
     trainer.fit(module, datamodule=data)
 
     dp = trainer.world_size
@@ -757,6 +744,8 @@ def bench_main(
 ) -> None:
     """Parse the common arguments (plus ``extra_args(parser)``'s) and run the worker or the driver."""
     argv = list(sys.argv[1:])
+    if "--worker" in argv:
+        collective_tap()  # first: lightning_zero binds torch.distributed's collectives at import
     parser = argparse.ArgumentParser(description=description)
     add_common_args(parser, default_cases=list(cases))
     if extra_args is not None:
