@@ -1,17 +1,21 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> timing -> hardware -> arithmetic -> search ->
-report; calibrate on its own):
+Modules, with imports flowing one way (ledger -> timing -> hardware -> plan -> fit -> arithmetic ->
+search -> report; calibrate on its own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
 - :mod:`~lightning_zero.planner.timing`: the step-time model (FLOPs, collectives, the engine's
   overlap, simulated bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.hardware`: ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
 - :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
-- :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``);
+- :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
+- :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
+  its candidates as ``fit`` does;
 - :mod:`~lightning_zero.planner.report`: Hydra config in, tables / JSON / plot out (:func:`run_plan`);
-- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (measures this machine).
+- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (measures this machine);
+- :mod:`~lightning_zero.planner.bench_model`: the benchmark's run, shared by calibration and ``benchmarks/``.
 """
 
 from lightning_zero.planner.arithmetic import (
