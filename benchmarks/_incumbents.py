@@ -14,7 +14,7 @@ Shims (benchmark-only; nothing here belongs in ``src/``), as described in design
   devices have index ``None``), and ``device_rank=local_rank`` for ``deepspeed.initialize``.
 
 Model-state bytes: one function per strategy family counts the tensors the rank holds, by storage
-(:class:`~_harness.StorageLedger`), into params / grads / optimizer.
+(:class:`~_probes.StorageLedger`), into params / grads / optimizer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-from _harness import StorageLedger, optimizer_state_tensors
+from _probes import StorageLedger, optimizer_state_tensors
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 

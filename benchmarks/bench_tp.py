@@ -20,7 +20,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import MIB, bench_main, drive, model_config, run_worker, step_ratio  # noqa: E402
+from _harness import bench_main, drive, model_config, run_worker  # noqa: E402
+from _stats import MIB, step_ratio  # noqa: E402
 from bench_zero12 import zero_at_end, zero_state_bytes, zero_step_extra  # noqa: E402
 
 CASES = {"tp2": 2, "dp2": 1}  # case -> tensor_parallel_size

@@ -8,7 +8,7 @@ latency-bound ring steps are ``n - 1`` (twice for all-reduce). ``CommCounter``
 (``collectives.py``, [Note: logical bytes]) counts these, the planner predicts them
 (``planner/timing.py``, ``planner/arithmetic.py``), the calibration fits time against them
 (``planner/calibrate.py``) and the benchmark harness counts the tapped ``torch.distributed``
-calls with them (``benchmarks/probes.py``).
+calls with them (``benchmarks/_probes.py``).
 """
 
 from __future__ import annotations
