@@ -1,6 +1,6 @@
 """Lightning's own strategies, made to run on CPU beside ours, and what each one holds.
 
-Shims (benchmark-only; nothing here belongs in ``src/``), as described in design.md 6b:
+Shims (benchmark-only; nothing here belongs in ``src/``):
 
 - :class:`CPUFSDPStrategy`: Lightning's ``FSDPStrategy`` refuses ``accelerator="cpu"`` by an
   exact ``type(strategy) is FSDPStrategy`` check, which a subclass passes; it then wraps the module
@@ -152,7 +152,7 @@ def ddp_bucket_bytes(ddp_model: Any) -> list[int]:
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's ``DeepSpeedStrategy`` with the three CPU overrides of design.md 6b."""
+    """Lightning's ``DeepSpeedStrategy`` with the three CPU overrides below."""
 
     def setup_environment(self) -> None:
         # Skip DeepSpeedStrategy's "only supported on CUDA GPUs" check; the rest is DDP's.

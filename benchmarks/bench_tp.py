@@ -7,7 +7,7 @@ every block and of the vocabulary; both ranks see the same batch) and
 ``ZeroStrategy(stage=2, tensor_parallel_size=1)`` (dp=2: each rank its own batch). Per case:
 logical bytes sent per step on the tp group (the all-reduces of activations and of the
 vocab-parallel loss) and on the dp group (gradient reduce-scatter + parameter all-gather), each
-beside its formula (docs/tensor_parallel.md, design.md 5), step time, and tokens per second over
+beside its formula (docs/tensor_parallel.md; ``lightning_zero/ring.py``), step time, and tokens per second over
 both ranks (dp=2 trains on twice the tokens per step at the same per-rank batch).
 """
 

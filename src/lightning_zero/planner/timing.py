@@ -15,7 +15,7 @@ the engine really achieves, simulated bucket by bucket.
   (both from ``lightning_zero/ring.py``, [Note: ring bytes]);
   dp collectives use the inter-node link when the dp group spans nodes, tp collectives the
   intra-node one. ``factor`` is 1 unless a calibration measured otherwise.
-- **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3.py``): backward runs
+- **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3/``): backward runs
   parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
   DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
   time on the link; stage 2/3 stall backward when ``max_buckets_in_flight`` bucket buffers are
