@@ -14,13 +14,13 @@ planner, calibration and benchmarks use too). These counts are what the ZeRO pap
 about; wall time on CPU says little about a GPU cluster.
 
 [Note: reduce-scatter on gloo] gloo's own ``reduce_scatter`` copies the whole input, all-reduces it
-and keeps one chunk: it sends an all-reduce's bytes (twice a reduce-scatter's) and, measured on 2
-CPU ranks (10 MiB of fp32), takes 18 ms where an all-reduce takes 11.5 ms. Its async form also
-completes only inside ``wait()``, so a wait with a time limit cannot poll it. On a gloo group
+and keeps one chunk: it sends an all-reduce's bytes (twice a reduce-scatter's) and takes longer
+than an all-reduce (measurements: docs/performance.md). Its async form also completes only inside
+``wait()``, so a wait with a time limit cannot poll it. On a gloo group
 :func:`reduce_scatter` therefore runs an ``all_to_all_single`` (each rank sends chunk ``r`` of its
 input to rank ``r``: exactly ``(n-1)/n`` of the input, the logical bytes) into a receive buffer of
 the input's size, and the handle's ``wait()`` sums the ``n`` received versions of this rank's chunk
-in rank order into ``output`` (6-7 ms for the same 10 MiB; the all-to-all completes without
+in rank order into ``output`` (faster than gloo's own; the all-to-all completes without
 ``wait()``, so it can be polled). The receive buffer is the transient copy gloo's own
 reduce-scatter makes too; it lives until ``wait()``. NCCL keeps its native reduce-scatter.
 

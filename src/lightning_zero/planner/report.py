@@ -331,7 +331,7 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
 
 
 # --------------------------------------------------------------------------------------------
-# Topology options: the same run with each way of sharding / reducing / compressing (issue 14)
+# Topology options: the same run with each way of sharding / reducing / compressing (docs/topology.md)
 # --------------------------------------------------------------------------------------------
 
 TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
