@@ -362,7 +362,7 @@ def measure_model_mfu(
     model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float, repeats: int = 3
 ) -> dict[str, float]:
     """Forward + backward of a Llama of shape ``model`` (single process, fp32): achieved fraction
-    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.model_flops`)."""
+    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.training_flops`)."""
     import torch
 
     from lightning_zero.models import Llama
