@@ -1,6 +1,6 @@
 """Lightning's own strategies, made to run on CPU beside ours, and what each one holds.
 
-Shims (benchmark-only; nothing here belongs in ``src/``), as described in design.md 6b:
+Shims (benchmark-only; nothing here belongs in ``src/``):
 
 - :class:`CPUFSDPStrategy`: Lightning's ``FSDPStrategy`` refuses ``accelerator="cpu"`` by an
   exact ``type(strategy) is FSDPStrategy`` check, which a subclass passes; it then wraps the module
@@ -14,7 +14,7 @@ Shims (benchmark-only; nothing here belongs in ``src/``), as described in design
   devices have index ``None``), and ``device_rank=local_rank`` for ``deepspeed.initialize``.
 
 Model-state bytes: one function per strategy family counts the tensors the rank holds, by storage
-(:class:`~_harness.StorageLedger`), into params / grads / optimizer.
+(:class:`~_probes.StorageLedger`), into params / grads / optimizer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-from _harness import StorageLedger, optimizer_state_tensors
+from _probes import StorageLedger, optimizer_state_tensors
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 
@@ -152,7 +152,7 @@ def ddp_bucket_bytes(ddp_model: Any) -> list[int]:
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's ``DeepSpeedStrategy`` with the three CPU overrides of design.md 6b."""
+    """Lightning's ``DeepSpeedStrategy`` with the three CPU overrides below."""
 
     def setup_environment(self) -> None:
         # Skip DeepSpeedStrategy's "only supported on CUDA GPUs" check; the rest is DDP's.

@@ -7,7 +7,7 @@ every block and of the vocabulary; both ranks see the same batch) and
 ``ZeroStrategy(stage=2, tensor_parallel_size=1)`` (dp=2: each rank its own batch). Per case:
 logical bytes sent per step on the tp group (the all-reduces of activations and of the
 vocab-parallel loss) and on the dp group (gradient reduce-scatter + parameter all-gather), each
-beside its formula (docs/tensor_parallel.md, design.md 5), step time, and tokens per second over
+beside its formula (docs/tensor_parallel.md; ``lightning_zero/ring.py``), step time, and tokens per second over
 both ranks (dp=2 trains on twice the tokens per step at the same per-rank batch).
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import MIB, bench_main, drive, model_config, run_worker, step_ratio  # noqa: E402
+from _harness import bench_main, drive, model_config, run_worker  # noqa: E402
+from _stats import MIB, step_ratio  # noqa: E402
 from bench_zero12 import zero_at_end, zero_state_bytes, zero_step_extra  # noqa: E402
 
 CASES = {"tp2": 2, "dp2": 1}  # case -> tensor_parallel_size

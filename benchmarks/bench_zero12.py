@@ -29,16 +29,8 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (  # noqa: E402
-    add_common_args,
-    bench_main,
-    comm_table,
-    drive,
-    machine_note,
-    run_worker,
-    state_vs_formula,
-    step_ratio,
-)
+from _harness import add_common_args, bench_main, drive, run_worker  # noqa: E402
+from _stats import comm_table, machine_note, state_vs_formula, step_ratio  # noqa: E402
 
 
 @dataclass(frozen=True)

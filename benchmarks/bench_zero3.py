@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import bench_main, comm_table, drive, run_worker, state_vs_formula, step_ratio  # noqa: E402
+from _harness import bench_main, drive, run_worker  # noqa: E402
+from _stats import comm_table, state_vs_formula, step_ratio  # noqa: E402
 from bench_zero12 import _deepspeed, zero_at_end, zero_state_bytes, zero_step_extra  # noqa: E402
 
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_zero3  # noqa: E402
 import bench_zero12  # noqa: E402
-from _harness import add_common_args, machine_note, model_config, run_cases, summarize  # noqa: E402
+from _harness import add_common_args, model_config, run_cases  # noqa: E402
+from _stats import machine_note, summarize  # noqa: E402
 
 # case -> (ZeRO stage for the planner, module whose worker runs it, label)
 CASES: dict[str, tuple[int, Any, str]] = {

@@ -137,3 +137,11 @@ def test_train_two_cpu_processes_writes_metrics_and_config(tmp_path):
     state = load_file(str(out))
     model = Llama(LlamaConfig.from_name("tiny"))
     model.load_state_dict(state)  # strict: every key and shape of the plain layout
+
+
+def test_strategy_options_are_the_strategies(tmp_path):
+    # The schema the zero{1,2,3} YAMLs extend is no strategy a user can pick (it used to be listed).
+    proc = run_cli(["plan", "strategy=zero4"], tmp_path)
+    assert proc.returncode != 0
+    listed = proc.stdout.split("Available options in 'strategy':", 1)[1].split("Config search path", 1)[0].split()
+    assert listed == ["ddp", "zero1", "zero2", "zero3"], proc.stdout[-2000:]

@@ -33,7 +33,7 @@ def test_stage_yamls_differ_only_in_stage():
     conf = Path(__file__).resolve().parents[1] / "src" / "lightning_zero" / "conf" / "strategy"
     for stage in (1, 2, 3):
         node = yaml.safe_load((conf / f"zero{stage}.yaml").read_text())
-        assert node == {"defaults": ["zero_schema", "_self_"], "stage": stage}
+        assert node == {"defaults": ["/schema/strategy/zero@_here_", "_self_"], "stage": stage}
 
 
 def test_strategy_keeps_the_validated_config():

@@ -39,6 +39,17 @@ def test_logged_bytes_equal_engine_counters(results, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_logger_no_log_calls(results, case):
+    # Trainer(logger=False): the monitor keeps its history but does not call self.log (Lightning
+    # warned once per metric, 22 times, "You called `self.log(...)` but have no logger configured").
+    for rank in (0, 1):
+        got = _load(results, case, rank)
+        assert got["no_logger_warnings"] == []
+        assert len(got["history"]) == 3
+
+
+@pytest.mark.slow
 def test_overlap_reporting(results):
     serial = _load(results, "s2_32-true_serial")["history"]
     for metrics in serial:  # launched only after backward: all exposed, nothing hidden

@@ -15,8 +15,8 @@ import pytest
 from lightning_zero.planner import load_hardware, plan_run, search_layouts
 from lightning_zero.planner.calibrate import fit_latency_bandwidth
 from lightning_zero.planner.timing import (
-    Bucket,
     Link,
+    PlannedBucket,
     Tensor,
     Workload,
     collective_seconds,
@@ -64,7 +64,7 @@ def _workload(backward_s, forward_s=(1.0,)):
 
 def _one_bucket_per_tensor(n):
     # launch order: the last-registered tensor's bucket first (its gradient arrives first)
-    return [Bucket((i,), 1, i) for i in range(n - 1, -1, -1)]
+    return [PlannedBucket((i,), 1, i) for i in range(n - 1, -1, -1)]
 
 
 def _backward(backward_s, comm_s, *, pool=None, efficiency=1.0, sync=True, launch_cap=None):

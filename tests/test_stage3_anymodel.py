@@ -4,8 +4,8 @@ optimizers (GAN), a frozen transformers Llama with LoRA adapters and reentrant c
 frozen int8 weights, blocks in a ModuleDict / Sequential (bytes sent), sharded meta init of a
 transformers Llama (rotary buffers), a varying number of no_grad forwards of the trained model per
 step (kept out of the training schedule, exact bytes), a divergence after the first step (an error on every rank,
-within seconds). Lightning-level cases (phases, callbacks, uneven validation) live in
-test_stage3_lightning.py."""
+within seconds). Lightning-level cases (phases, callbacks, uneven validation) are at the end of
+this file, run by tests/scripts/stage3_any.py."""
 
 import time
 import warnings

@@ -71,3 +71,25 @@ def test_engine_and_tp_never_import_lightning():
         for path in (PACKAGE / folder).rglob("*.py"):
             text = path.read_text()
             assert not re.search(r"^\s*(import|from) lightning\b", text, re.M), path
+
+
+def test_monitor_and_public_ledger_load_no_planner_beyond_its_formulas():
+    # [Note: planner imports]: the runtime monitor and lightning_zero.ledger read the byte formulas
+    # of planner/ledger.py; the step-time model, the search and the report stay unloaded.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_zero.ledger, lightning_zero.monitor; "
+        "print(sorted(m for m in sys.modules if m.startswith('lightning_zero.planner')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['lightning_zero.planner', 'lightning_zero.planner.ledger']"

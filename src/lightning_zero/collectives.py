@@ -9,17 +9,18 @@ Every call goes through here so that (a) the op name the installed torch offers 
 [Note: logical bytes] We count what a ring algorithm sends from one rank, not wall time: for a
 group of ``n`` ranks, an all-gather whose output holds ``N`` elements sends ``(n-1)/n * N``; a
 reduce-scatter whose input holds ``N`` elements sends ``(n-1)/n * N``; an all-reduce of ``N``
-elements sends ``2 (n-1)/n * N``. These counts are what the ZeRO paper's formulas talk about;
-wall time on CPU says little about a GPU cluster.
+elements sends ``2 (n-1)/n * N`` (``lightning_zero/ring.py``, [Note: ring bytes]: the one formula the
+planner, calibration and benchmarks use too). These counts are what the ZeRO paper's formulas talk
+about; wall time on CPU says little about a GPU cluster.
 
 [Note: reduce-scatter on gloo] gloo's own ``reduce_scatter`` copies the whole input, all-reduces it
-and keeps one chunk: it sends an all-reduce's bytes (twice a reduce-scatter's) and, measured on 2
-CPU ranks (10 MiB of fp32), takes 18 ms where an all-reduce takes 11.5 ms. Its async form also
-completes only inside ``wait()``, so a wait with a time limit cannot poll it. On a gloo group
+and keeps one chunk: it sends an all-reduce's bytes (twice a reduce-scatter's) and takes longer
+than an all-reduce (measurements: docs/performance.md). Its async form also completes only inside
+``wait()``, so a wait with a time limit cannot poll it. On a gloo group
 :func:`reduce_scatter` therefore runs an ``all_to_all_single`` (each rank sends chunk ``r`` of its
 input to rank ``r``: exactly ``(n-1)/n`` of the input, the logical bytes) into a receive buffer of
 the input's size, and the handle's ``wait()`` sums the ``n`` received versions of this rank's chunk
-in rank order into ``output`` (6-7 ms for the same 10 MiB; the all-to-all completes without
+in rank order into ``output`` (faster than gloo's own; the all-to-all completes without
 ``wait()``, so it can be polled). The receive buffer is the transient copy gloo's own
 reduce-scatter makes too; it lives until ``wait()``. NCCL keeps its native reduce-scatter.
 
@@ -47,6 +48,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from lightning_zero.ring import ring_sent
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -166,6 +169,7 @@ def _local(output: torch.Tensor, input: torch.Tensor, async_op: bool):
 
 
 def _chunked(
+    kind: str,
     op,
     output: torch.Tensor,
     input: torch.Tensor,
@@ -176,12 +180,13 @@ def _chunked(
     label: str,
 ):
     """Run a collective between a full tensor and its per-rank chunk; ``full`` (the group-sized
-    side) is what [Note: logical bytes] counts: ``(n-1)/n`` of its elements leave each rank."""
+    side) is what [Note: logical bytes] counts: ``(n-1)/n`` of its elements leave each rank
+    (:func:`~lightning_zero.ring.ring_sent` of ``kind``)."""
     size = _group_size(group)
     if size == 1:
         return _local(output, input, async_op)
     if counter is not None:
-        counter.add(label, full.numel() * (size - 1) / size, full.element_size(), counter.link_of(group))
+        counter.add(label, ring_sent(kind, full.numel(), size), full.element_size(), counter.link_of(group))
     with record_function(f"lightning_zero::{label}"):
         return op(output, input, group=group, async_op=async_op)
 
@@ -203,7 +208,7 @@ def reduce_scatter(
     if size > 1 and op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo":
         return _reduce_scatter_by_all_to_all(output, input, group, size, async_op, counter, label)
     run = _reduce_scatter if op == dist.ReduceOp.SUM else functools.partial(_reduce_scatter, op=op)
-    return _chunked(run, output, input, input, group, async_op, counter, label)
+    return _chunked("reduce_scatter", run, output, input, input, group, async_op, counter, label)
 
 
 def _reduce_scatter_by_all_to_all(
@@ -245,7 +250,7 @@ def all_gather(
     label: str = "all_gather",
 ):
     """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``)."""
-    return _chunked(_all_gather, output, input, output, group, async_op, counter, label)
+    return _chunked("all_gather", _all_gather, output, input, output, group, async_op, counter, label)
 
 
 def all_reduce(
@@ -262,7 +267,8 @@ def all_reduce(
     if size == 1:
         return _Done() if async_op else None
     if counter is not None:
-        counter.add(label, 2 * tensor.numel() * (size - 1) / size, tensor.element_size(), counter.link_of(group))
+        sent = ring_sent("all_reduce", tensor.numel(), size)
+        counter.add(label, sent, tensor.element_size(), counter.link_of(group))
     with record_function(f"lightning_zero::{label}"):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -278,4 +284,4 @@ def all_to_all(
 ):
     """Chunk ``r`` of ``input`` (split evenly along dim 0) goes to rank ``r``; chunk ``r`` of
     ``output`` comes from rank ``r``. Each rank sends ``(n-1)/n`` of ``input`` (its own chunk stays)."""
-    return _chunked(dist.all_to_all_single, output, input, input, group, async_op, counter, label)
+    return _chunked("all_to_all", dist.all_to_all_single, output, input, input, group, async_op, counter, label)

@@ -424,7 +424,7 @@ def _merge_into(schema: type, node: Any, where: str) -> DictConfig:
         raise ValueError(f"config '{where}' must be a mapping, got {node!r}")
     unknown = sorted(set(node.keys()) - set(_schema_keys(schema)))
     if unknown:
-        # A node typed by a schema (strategy/zero_schema) still takes keys added with ``+key=``.
+        # A node typed by a schema (schema/strategy/zero) still takes keys added with ``+key=``.
         raise ValueError(
             f"invalid config at '{where}.{unknown[0]}': no such key. Allowed keys in '{where}'"
             f" ({schema.__name__}): {', '.join(_schema_keys(schema))}"
@@ -504,11 +504,12 @@ def available_recipes() -> list[str]:
 
 def register_recipes() -> None:
     """Store every recipe in Hydra's ConfigStore as option ``recipe=NAME`` (package ``_global_``),
-    and :class:`ZeroStrategyConf` as ``strategy/zero_schema``, the base of the ``zero{1,2,3}`` YAMLs."""
+    and :class:`ZeroStrategyConf` as ``schema/strategy/zero``, the base of the ``zero{1,2,3}`` YAMLs
+    (outside the ``strategy`` group, so it is no ``strategy=`` option)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    store.store(group="strategy", name="zero_schema", node=ZeroStrategyConf, provider="lightning_zero")
+    store.store(group="schema/strategy", name="zero", node=ZeroStrategyConf, provider="lightning_zero")
     for name in available_recipes():
         node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
         store.store(group="recipe", name=name, node=node, package="_global_", provider="lightning_zero")
@@ -552,7 +553,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         try:
             cfg = hydra_compose(config_name="config", overrides=overrides)
         except ConfigCompositionException as error:
-            # A typed group (strategy/zero_schema) rejects a bad value while composing already.
+            # A typed group (schema/strategy/zero) rejects a bad value while composing already.
             cause = str(error.__cause__).splitlines()[0] if error.__cause__ is not None else ""
             raise ValueError(f"{error}: {cause}" if cause else str(error)) from None
     return validate(cfg)

@@ -1,8 +1,8 @@
 """ZeroMonitor: measured bytes beside predicted ones, communication and overlap, every step.
 
 On by default with :class:`~lightning_zero.ZeroStrategy` (``ZeroStrategy(monitor=False)`` turns it
-off). Per optimizer step it logs to the Trainer's logger (rank 0's values; every rank computes
-its own):
+off). Per optimizer step it logs to the Trainer's loggers (rank 0's values; every rank computes
+its own; with ``Trainer(logger=False)`` it keeps them in ``history`` only):
 
 - ``zero/measured_{params,grads,optimizer,total}_bytes``: what the engine holds now;
 - ``zero/predicted_{params,grads,optimizer,total}_bytes``: ``ledger.model_state_bytes`` for the
@@ -160,7 +160,8 @@ class ZeroMonitor(Callback):
             if step.mfu is not None:
                 metrics["zero/mfu"] = step.mfu
         self.history.append(metrics)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
+        if trainer.loggers:  # Trainer(logger=False): history only (Lightning warns once per metric otherwise)
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
         self._maybe_warn_overlap(engine, metrics, comm, trainer.global_step)
 
     def _maybe_warn_overlap(self, engine: Any, metrics: dict[str, float], comm: float, step: int) -> None:

@@ -2,11 +2,13 @@
 
 Usage: python tests/scripts/monitor_run.py OUT_DIR
 Each case writes OUT_DIR/<case>.rank<r>.pt: the monitor's per-step metrics, the engine's own
-per-step byte counts, and the engine's measured model-state bytes at the end of training.
+per-step byte counts, the engine's measured model-state bytes at the end of training, and the
+"no logger configured" warnings Lightning raised (the Trainer has ``logger=False``).
 """
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -77,9 +79,12 @@ def run(name: str, out_dir: str) -> None:
         limit_val_batches=0,
         callbacks=[monitor, probe],
     )
-    trainer.fit(model, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    no_logger = [str(w.message) for w in caught if "no logger configured" in str(w.message)]
     torch.save(
-        {"history": monitor.history, "sent": probe.sent, "measured": probe.measured},
+        {"history": monitor.history, "sent": probe.sent, "measured": probe.measured, "no_logger_warnings": no_logger},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

@@ -1,55 +1,69 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> timing -> hardware -> arithmetic -> search ->
-report; calibrate on its own):
+Modules, with imports flowing one way (ledger -> timing -> hardware -> plan -> fit -> arithmetic ->
+search -> report; calibrate on its own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
 - :mod:`~lightning_zero.planner.timing`: the step-time model (FLOPs, collectives, the engine's
   overlap, simulated bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.hardware`: ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
 - :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
-- :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``);
+- :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
+- :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
+  its candidates as ``fit`` does;
 - :mod:`~lightning_zero.planner.report`: Hydra config in, tables / JSON / plot out (:func:`run_plan`);
-- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (measures this machine).
+- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (measures this machine);
+- :mod:`~lightning_zero.planner.bench_model`: the benchmark's run, shared by calibration and ``benchmarks/``.
+
+[Note: planner imports] The names below load their module on first use (PEP 562), so importing
+one module of the planner (``lightning_zero.ledger`` and the monitor read
+:mod:`~lightning_zero.planner.ledger`'s formulas) does not pull the step-time model, the search,
+the report or omegaconf behind it.
 """
 
-from lightning_zero.planner.arithmetic import (
-    PRECISIONS,
-    STAGES,
-    MemoryPerRank,
-    Plan,
-    PrecisionBytes,
-    TrafficPerRank,
-    compare_stages,
-    plan_run,
-    precision_bytes,
-)
-from lightning_zero.planner.hardware import Hardware, available_hardware, default_hardware_name, load_hardware
-from lightning_zero.planner.report import plan_kwargs_from_config, run_plan
-from lightning_zero.planner.search import Layout, SearchResult, search_layouts
-from lightning_zero.planner.timing import StepTime, collective_seconds, step_time
+from __future__ import annotations
 
-__all__ = [
-    "PRECISIONS",
-    "STAGES",
-    "Hardware",
-    "Layout",
-    "MemoryPerRank",
-    "Plan",
-    "PrecisionBytes",
-    "SearchResult",
-    "StepTime",
-    "TrafficPerRank",
-    "available_hardware",
-    "collective_seconds",
-    "compare_stages",
-    "default_hardware_name",
-    "load_hardware",
-    "plan_kwargs_from_config",
-    "plan_run",
-    "precision_bytes",
-    "run_plan",
-    "search_layouts",
-    "step_time",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {  # public name -> the planner module that defines it
+    "PRECISIONS": "arithmetic",
+    "STAGES": "arithmetic",
+    "MemoryPerRank": "arithmetic",
+    "Plan": "arithmetic",
+    "PrecisionBytes": "arithmetic",
+    "TrafficPerRank": "arithmetic",
+    "compare_stages": "arithmetic",
+    "plan_run": "arithmetic",
+    "precision_bytes": "arithmetic",
+    "Hardware": "hardware",
+    "available_hardware": "hardware",
+    "default_hardware_name": "hardware",
+    "load_hardware": "hardware",
+    "plan_kwargs_from_config": "report",
+    "run_plan": "report",
+    "Layout": "search",
+    "SearchResult": "search",
+    "search_layouts": "search",
+    "StepTime": "timing",
+    "collective_seconds": "timing",
+    "step_time": "timing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Load the module behind a public name on first use ([Note: planner imports])."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -16,19 +16,17 @@ plus one recomputed block) and the loss. Not counted: the CUDA context and alloc
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
-from lightning_zero.planner.hardware import Hardware, available_hardware, load_hardware
+from lightning_zero.planner.fit import suggest_fixes
+from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     COMM_DTYPES,
     PRECISIONS,
-    ActivationBytes,
     DpTopology,
     LinkBytes,
     PrecisionBytes,
@@ -39,6 +37,7 @@ from lightning_zero.planner.ledger import (
     llama_param_counts,
     model_state_bytes,
 )
+from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
 from lightning_zero.planner.timing import (
     StepTime,
     Workload,
@@ -47,10 +46,10 @@ from lightning_zero.planner.timing import (
     step_time,
     training_flops,
 )
+from lightning_zero.ring import ring_sent
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 
 STAGES = (0, 1, 2, 3)
-GiB = 1024**3
-MiB = 1024**2
 DEFAULT_MFU = 0.4
 
 
@@ -66,186 +65,6 @@ def precision_bytes(precision: str) -> PrecisionBytes:
             f"use one of {sorted(PRECISIONS)} (trainer.precision=...)"
         )
     return PRECISIONS[str(precision)]
-
-
-# --------------------------------------------------------------------------------------------
-# Outputs
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryPerRank:
-    """Bytes one rank holds at the peak of a step (see [Note: what a plan counts]).
-
-    Names follow the engine's ``measured_bytes()``: ``optimizer`` = ``master_weights`` (its
-    ``"master"``) + ``optimizer_moments`` (its ``"optimizer_state"``).
-    """
-
-    params: float
-    grads: float
-    master_weights: float  # fp32 master shard (part of the optimizer state)
-    optimizer_moments: float  # Adam exp_avg + exp_avg_sq shard
-    bucket_buffers: float  # stage 2/3: full-size gradient bucket buffers in flight
-    prefetch_buffers: float  # stage 3: full params of the gathered blocks
-    activations: float  # saved for backward by the transformer blocks and the final norm
-    logits_and_loss: float
-    step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
-
-    @property
-    def optimizer(self) -> float:
-        return self.master_weights + self.optimizer_moments
-
-    @property
-    def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> float:
-        """Model states and engine buffers, plus the larger of the two peaks that never meet:
-        backward's (activations, loss) and the optimizer step's (fp32 grad shard)."""
-        backward_peak = self.activations + self.logits_and_loss
-        return (
-            self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak, self.step_grad_shard)
-        )
-
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "optimizer": self.optimizer, "model_states": self.model_states, "total": self.total}
-
-
-@dataclass(frozen=True)
-class TrafficPerRank:
-    """Bytes one rank sends per optimizer step (ring algorithm) and the time they take.
-
-    Seconds come from the step-time model (:class:`~lightning_zero.planner.timing.StepTime`,
-    [Note: step-time model]): ``dp_s`` is every dp collective's time on its link,
-    ``exposed_comm_s`` the part compute does not hide, ``step_s`` the predicted step.
-    """
-
-    dp_reduce_scatter_bytes: float
-    dp_all_gather_bytes: float
-    dp_all_reduce_bytes: float  # stage 0 (plain DDP) only
-    tp_all_reduce_bytes: float
-    dp_link: str  # "intra_node" or "inter_node"
-    dp_bytes_per_s: float
-    tp_bytes_per_s: float
-    flops_per_rank: float  # matmul FLOPs per step, recompute included
-    compute_s: float  # flops / (peak * mfu), tp all-reduces included
-    dp_s: float
-    tp_s: float
-    exposed_comm_s: float
-    step_s: float
-    # dp bytes by link class ([Note: link classes] in docs/topology.md) and each class's busy time
-    dp_link_bytes: LinkBytes = field(default_factory=lambda: LinkBytes({}, {}))
-    intra_node_s: float = 0.0  # dp collectives on intra-node links (tp excluded: see tp_s)
-    inter_node_s: float = 0.0
-
-    @property
-    def dp_bytes(self) -> float:
-        return self.dp_reduce_scatter_bytes + self.dp_all_gather_bytes + self.dp_all_reduce_bytes
-
-    @property
-    def intra_node_bytes(self) -> float:
-        """Every byte this rank sends inside its node per step: dp collectives whose group stays in
-        the node, and the tp all-reduces (tp lives inside a node)."""
-        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes
-
-    @property
-    def inter_node_bytes(self) -> float:
-        return self.dp_link_bytes.inter_node_total
-
-    def as_dict(self) -> dict[str, Any]:
-        values = asdict(self)
-        values.update(
-            dp_bytes=self.dp_bytes,
-            dp_link_bytes=self.dp_link_bytes.as_dict(),
-            intra_node_bytes=self.intra_node_bytes,
-            inter_node_bytes=self.inter_node_bytes,
-        )
-        return values
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything :func:`plan_run` predicts for one rank of one run; ``as_dict()`` is JSON-ready."""
-
-    model: str
-    num_params: int  # the whole model
-    params_per_tp_rank: int  # what one tp rank (and its dp group) holds and shards
-    padded_params_per_tp_rank: int  # rounded up so it splits evenly over dp
-    stage: int
-    world_size: int
-    num_nodes: int
-    devices_per_node: int
-    dp: int
-    tp: int
-    precision: str
-    micro_batch: int
-    seq_len: int
-    accumulate_grad_batches: int
-    tokens_per_step: int  # over all dp ranks and micro batches
-    activation_checkpointing: bool
-    attention: str
-    bucket_mb: float
-    prefetch_blocks: int
-    defer_grad_reduce: bool
-    overlap_comm: bool
-    max_buckets_in_flight: int
-    overlap_param_gather: bool
-    shard_size: int  # dp ranks ZeRO shards over (resolved: dp for None, the node's dp ranks for "node")
-    replicas: int  # dp / shard_size groups holding the same shard
-    hierarchical_reduce: bool
-    grad_comm_dtype: Optional[str]
-    param_comm_dtype: Optional[str]
-    hardware: str
-    memory_bytes: int
-    reserved_bytes: int
-    mfu: float
-    memory: MemoryPerRank
-    traffic: TrafficPerRank
-    timing: Optional[StepTime]
-    activation_detail: ActivationBytes
-    suggestions: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())
-    reduce_dtype: str = "compute"  # gradient buffers and reduce-scatters: "compute" or "fp32"
-
-    @property
-    def available_bytes(self) -> float:
-        return self.memory_bytes - self.reserved_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.available_bytes
-
-    @property
-    def step_s(self) -> float:
-        return self.traffic.step_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
-
-    @property
-    def verdict(self) -> str:
-        used = f"{self.memory.total / GiB:.1f} GiB of {self.available_bytes / GiB:.1f} GiB usable on {self.hardware}"
-        if self.fits:
-            return f"fits: {used}"
-        fixes = "; ".join(self.suggestions) if self.suggestions else "no single change found"
-        return f"does NOT fit: {used}. Would fit with: {fixes}"
-
-    def as_dict(self) -> dict[str, Any]:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values.update(
-            memory=self.memory.as_dict(),
-            traffic=self.traffic.as_dict(),
-            timing=self.timing.as_dict() if self.timing is not None else None,
-            activation_detail=self.activation_detail.as_dict(),
-            suggestions=list(self.suggestions),
-            notes=list(self.notes),
-            available_bytes=self.available_bytes,
-            fits=self.fits,
-            verdict=self.verdict,
-        )
-        return values
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,8 +212,8 @@ def plan_run(
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
     )
-    bucket_numel = max(1, int(bucket_mb * MiB) // dtype.grad)
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks)
+    bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
 
     memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
@@ -522,7 +341,7 @@ def plan_run(
         notes=_notes(stage, dp, attention, accumulate_grad_batches, defer_grad_reduce),
     )
     if suggest and not plan.fits:
-        plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(plan, config, hw)))
+        plan = dataclasses.replace(plan, suggestions=tuple(suggest_fixes(plan, config, hw, plan_run)))
     return plan
 
 
@@ -578,7 +397,7 @@ def _traffic(
     # inputs); recomputation repeats the forward ones; plus the embedding (fwd) and output head (bwd).
     per_layer = 6 if activation_checkpointing else 4
     tp_all_reduces = (per_layer * config.n_layers + 2) * micro_batches
-    tp_bytes = tp_all_reduces * 2 * (tp - 1) / tp * tokens * config.dim * dtype.activation
+    tp_bytes = tp_all_reduces * ring_sent("all_reduce", tokens * config.dim * dtype.activation, tp)
     flops = micro_batches * training_flops(
         config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
     )
@@ -620,109 +439,3 @@ def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_r
     if micro_batches > 1 and stage >= 2 and not defer_grad_reduce:
         notes.append(f"stage {stage} reduce-scatters gradients on each of the {micro_batches} micro batches")
     return tuple(notes)
-
-
-# --------------------------------------------------------------------------------------------
-# Verdict: what would make it fit
-# --------------------------------------------------------------------------------------------
-
-
-def _knobs(plan: Plan) -> dict[str, Any]:
-    """The :func:`plan_run` arguments that produced ``plan`` (but the model and the hardware)."""
-    arguments = inspect.signature(plan_run).parameters
-    knobs = {
-        name: getattr(plan, name) for name in arguments if name not in ("hardware", "timing") and hasattr(plan, name)
-    }
-    knobs["reserved_gib"] = plan.reserved_bytes / GiB
-    # the option, not its resolved size, so a change of tp or nodes re-resolves it
-    node = min(plan.dp, plan.devices_per_node // plan.tp)
-    knobs["shard_size"] = None if plan.replicas == 1 else "node" if plan.shard_size == node else plan.shard_size
-    return knobs
-
-
-def _candidates(plan: Plan) -> list[tuple[str, dict[str, Any]]]:
-    """Single changes first, in the order a user would try them, then combinations."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    for stage in range(plan.stage + 1, 4):
-        out.append((f"stage={stage}", {"stage": stage}))
-    if not plan.activation_checkpointing:
-        out.append(("activation_checkpointing=true", {"activation_checkpointing": True}))
-    tp = plan.tp * 2
-    while tp <= plan.devices_per_node:
-        out.append((f"tensor_parallel_size={tp}", {"tp": tp}))
-        tp *= 2
-    micro_batch = plan.micro_batch // 2
-    while micro_batch >= 1:
-        accumulate = plan.accumulate_grad_batches * plan.micro_batch // micro_batch
-        out.append(
-            (
-                f"micro_batch={micro_batch} (accumulate_grad_batches={accumulate})",
-                {"micro_batch": micro_batch, "accumulate_grad_batches": accumulate},
-            )
-        )
-        micro_batch //= 2
-    combined = {"stage": 3, "activation_checkpointing": True}
-    out.append(("stage=3 + activation_checkpointing=true", combined))
-    tp = plan.tp * 2
-    while tp <= plan.devices_per_node:
-        out.append((f"stage=3 + activation_checkpointing=true + tensor_parallel_size={tp}", {**combined, "tp": tp}))
-        tp *= 2
-    if plan.micro_batch > 1:
-        out.append(
-            (
-                f"stage=3 + activation_checkpointing=true + tensor_parallel_size={plan.devices_per_node} + "
-                f"micro_batch=1",
-                {**combined, "tp": plan.devices_per_node, "micro_batch": 1},
-            )
-        )
-    return out
-
-
-def _suggestions(plan: Plan, config: Any, hardware: Hardware, limit: int = 4) -> list[str]:
-    found: list[str] = []
-    knobs = _knobs(plan)
-    for label, change in _candidates(plan):
-        merged = {**knobs, **change}
-        if merged["stage"] != 2:
-            merged["defer_grad_reduce"] = False
-        try:
-            other = plan_run(config, hardware=hardware, suggest=False, simulate=False, **merged)
-        except ValueError:  # e.g. a tp that does not divide the heads
-            continue
-        if other.fits:
-            found.append(f"{label} ({other.memory.total / GiB:.1f} GiB)")
-            if len(found) >= limit:
-                break
-    if not found:
-        found.append(_no_single_fix(plan, config, hardware))
-    return found
-
-
-def _no_single_fix(plan: Plan, config: Any, hardware: Hardware, max_nodes: int = 512) -> str:
-    """When no change on this cluster fits: the fewest nodes, or another GPU, where stage 3 with
-    checkpointing at this tp would."""
-    knobs = {**_knobs(plan), "stage": 3, "activation_checkpointing": True, "defer_grad_reduce": False}
-    nodes = plan.world_size // plan.devices_per_node
-    options = [f"nothing on {nodes} node(s) of {plan.hardware} fits"]
-    while nodes < max_nodes:
-        nodes *= 2
-        bigger = plan_run(
-            config,
-            hardware=hardware,
-            suggest=False,
-            simulate=False,
-            **{**knobs, "world_size": nodes * plan.devices_per_node},
-        )
-        if bigger.fits:
-            options.append(
-                f"stage=3 + activation_checkpointing=true on {nodes} nodes ({bigger.memory.total / GiB:.1f} GiB)"
-            )
-            break
-    for name in available_hardware():
-        if name != plan.hardware:
-            other = plan_run(config, hardware=name, suggest=False, simulate=False, **knobs)
-            if other.fits:
-                options.append(
-                    f"stage=3 + activation_checkpointing=true on hardware={name} ({other.memory.total / GiB:.1f} GiB)"
-                )
-    return "; ".join(options)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import sys
@@ -48,6 +47,17 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lightning_zero.planner.bench_model import (
+    BENCH_MODEL,
+    bench_config,
+    bench_datamodule,
+    bench_module,
+    bench_trainer,
+    pin_to_core,
+    seed_bench,
+)
+from lightning_zero.ring import ring_sent, ring_steps
 
 OPTIMIZER_BYTES_PER_PARAM_FP32 = 28  # AdamW, fp32: param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
 DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 25.0)  # 25 MiB: the default bucket
@@ -57,11 +67,6 @@ QUICK_SIZES_MB = (0.0625, 1.0)
 # --------------------------------------------------------------------------------------------
 # Fitting
 # --------------------------------------------------------------------------------------------
-
-
-def ring_steps(kind: str, ranks: int) -> int:
-    """Latency-bound steps of a ring collective over ``ranks``: ``n - 1``; all-reduce twice that."""
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
 
 
 def fit_latency_bandwidth(points: Sequence[tuple[float, float]], steps: int) -> tuple[float, float]:
@@ -83,24 +88,9 @@ def fit_latency_bandwidth(points: Sequence[tuple[float, float]], steps: int) -> 
     return max(0.0, intercept) / max(1, steps), 1.0 / slope
 
 
-def logical_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
-    """Bytes one rank sends (ring algorithm): all-reduce ``2 (n-1)/n``, the others ``(n-1)/n``."""
-    factor = 2 if kind == "all_reduce" else 1
-    return factor * (ranks - 1) / ranks * payload_bytes
-
-
 # --------------------------------------------------------------------------------------------
 # The distributed part: 2 gloo processes
 # --------------------------------------------------------------------------------------------
-
-
-def _pin(rank: int) -> None:
-    import torch
-
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cores:
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    torch.set_num_threads(1)
 
 
 def _timed(fn, repeats: int) -> float:
@@ -140,7 +130,7 @@ def _collective_worker(
 
     from lightning_zero.collectives import all_gather, all_reduce, reduce_scatter
 
-    _pin(rank)
+    pin_to_core(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result: dict[str, Any] = {"collectives": {}}
@@ -291,7 +281,7 @@ def summarize_collectives(measured: dict[str, Any]) -> dict[str, Any]:
     world = int(measured["world"])
     fits = {}
     for kind, rows in measured["collectives"].items():
-        points = [(logical_bytes(kind, row["payload_bytes"], world), row["seconds"]) for row in rows]
+        points = [(ring_sent(kind, row["payload_bytes"], world), row["seconds"]) for row in rows]
         fits[kind] = fit_latency_bandwidth(points, ring_steps(kind, world))
     latency, bandwidth = fits["all_reduce"]
     # A tiny all-reduce after compute is two ring steps of pure latency: keep the larger estimate.
@@ -300,7 +290,7 @@ def summarize_collectives(measured: dict[str, Any]) -> dict[str, Any]:
     for kind, rows in measured["collectives"].items():
         ratios = []
         for row in rows:
-            sent = logical_bytes(kind, row["payload_bytes"], world)
+            sent = ring_sent(kind, row["payload_bytes"], world)
             model = ring_steps(kind, world) * latency + sent / bandwidth
             ratios.append(row["seconds"] / model)
         factors[kind] = max(ratios[-1], 0.05)  # the largest size: where bandwidth decides
@@ -372,14 +362,14 @@ def measure_model_mfu(
     model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float, repeats: int = 3
 ) -> dict[str, float]:
     """Forward + backward of a Llama of shape ``model`` (single process, fp32): achieved fraction
-    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.model_flops`)."""
+    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.training_flops`)."""
     import torch
 
-    from lightning_zero.models import Llama, LlamaConfig
+    from lightning_zero.models import Llama
     from lightning_zero.models.llama import cross_entropy_loss
     from lightning_zero.planner.timing import training_flops
 
-    config = LlamaConfig.from_name("tiny", **model)
+    config = bench_config(**model)
     torch.manual_seed(0)
     net = Llama(config)
     idx = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
@@ -418,15 +408,13 @@ def _overhead_worker(model: dict[str, int], micro_batch: int, seq_len: int, step
     ``on_train_batch_start`` to ``on_train_batch_end`` (the harness's window); right after each timed
     step, the same work without Lightning on a second copy of the model (forward, loss, backward,
     AdamW step over the same two parameter groups, ``zero_grad``) is timed, so both see the same load."""
-    _pin(0)
-    import lightning as L
+    pin_to_core(0)
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_zero.data import TokenDataModule
-    from lightning_zero.models import Llama, LlamaConfig, LlamaLM
+    from lightning_zero.models import Llama
 
-    config = LlamaConfig.from_name("tiny", **model)
+    config = bench_config(**model)
     torch.manual_seed(0)
     bare_model = Llama(config)
     matrices = [p for p in bare_model.parameters() if p.dim() >= 2]
@@ -463,29 +451,10 @@ def _overhead_worker(model: dict[str, int], micro_batch: int, seq_len: int, step
 
     timer = Timer()
     max_steps = warmup + steps
-    L.seed_everything(1234, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
-    )
-    data = TokenDataModule(
-        source="synthetic",
-        seq_len=seq_len,
-        batch_size=micro_batch,
-        vocab_size=config.vocab_size,
-        val_fraction=0.0,
-        synthetic_tokens=max(2 * (max_steps + 2) * micro_batch * (seq_len + 1), 4096),
-    )
-    trainer.fit(LlamaLM(config, lr=3e-4, warmup_steps=1), datamodule=data)
+    seed_bench()
+    trainer = bench_trainer(devices=1, max_steps=max_steps, callbacks=[timer])
+    data = bench_datamodule(config, seq_len=seq_len, batch_size=micro_batch, max_steps=max_steps)
+    trainer.fit(bench_module(config), datamodule=data)
     Path(out).write_text(json.dumps({"lightning_step_s": timer.lightning, "bare_step_s": timer.bare}))
 
 
@@ -513,9 +482,6 @@ def measure_step_overhead(
     result["step_overhead_s"] = step_overhead_from(result["lightning_step_s"], result["bare_step_s"])
     result["steps"] = steps
     return result
-
-
-BENCH_MODEL = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192, max_seq_len=128)
 
 
 def calibrate(

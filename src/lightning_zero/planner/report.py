@@ -17,9 +17,10 @@ from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.config import ZERO_DEFAULTS, PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
-from lightning_zero.planner.arithmetic import STAGES, GiB, Plan, plan_run
+from lightning_zero.planner.arithmetic import STAGES, plan_run
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
+from lightning_zero.planner.plan import GiB, Plan
 from lightning_zero.planner.search import SearchResult, search_layouts, topology_overrides
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
@@ -96,18 +97,14 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     return model_config, kwargs, plan_options
 
 
-# Topology knobs (issue 14) and their defaults. Read with defaults rather than from ZERO_DEFAULTS so
-# the planner works before and after the engine adds them to ZeroConfig (docs/topology.md).
-TOPOLOGY_KNOBS = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
+TOPOLOGY_KNOBS = ("shard_size", "hierarchical_reduce", "grad_comm_dtype", "param_comm_dtype")  # docs/topology.md
 
 
 def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:
     """``strategy.shard_size`` (None | int | "node"), ``strategy.hierarchical_reduce``,
     ``strategy.grad_comm_dtype`` / ``strategy.param_comm_dtype`` (None | fp32 | bf16 | int8) of the
     composed config, each defaulting as :class:`~lightning_zero.ZeroStrategy` does."""
-    knobs = {
-        name: strategy.get(name, getattr(ZERO_DEFAULTS, name, default)) for name, default in TOPOLOGY_KNOBS.items()
-    }
+    knobs = {name: strategy.get(name, getattr(ZERO_DEFAULTS, name)) for name in TOPOLOGY_KNOBS}
     shard = knobs["shard_size"]
     if isinstance(shard, str) and shard not in ("node",):
         if not shard.isdigit():
@@ -334,7 +331,7 @@ def plot_memory(stages: Sequence[Plan], path: Union[str, Path], title: Optional[
 
 
 # --------------------------------------------------------------------------------------------
-# Topology options: the same run with each way of sharding / reducing / compressing (issue 14)
+# Topology options: the same run with each way of sharding / reducing / compressing (docs/topology.md)
 # --------------------------------------------------------------------------------------------
 
 TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (

@@ -20,7 +20,9 @@ from itertools import product
 from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.config import ZERO_DEFAULTS
-from lightning_zero.planner.arithmetic import GiB, Plan, plan_run
+from lightning_zero.planner.arithmetic import plan_run
+from lightning_zero.planner.fit import plan_or_none
+from lightning_zero.planner.plan import GiB, Plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 BUCKET_MBS = (25.0, 100.0, 400.0)
@@ -223,9 +225,8 @@ def search_layouts(
                             **topo,
                             **common,
                         )
-                        try:
-                            plan = plan_run(config, simulate="if_fits", **knobs)
-                        except ValueError:  # a tp that does not divide the model's heads, ...
+                        plan = plan_or_none(plan_run, config, simulate="if_fits", **knobs)
+                        if plan is None:  # a tp that does not divide the model's heads, ...
                             continue
                         evaluated += 1
                         if not plan.fits:

@@ -11,10 +11,11 @@ the engine really achieves, simulated bucket by bucket.
   checkpointing repeats each block's forward inside its backward. Embedding lookups and RMSNorm
   gains add no matmul FLOPs; element-wise work is inside the ``mfu`` assumption (calibrated on CPU).
 - **Collectives**: ``factor(kind) x (steps x latency + logical_bytes / bandwidth)`` with ring
-  ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them;
+  ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them
+  (both from ``lightning_zero/ring.py``, [Note: ring bytes]);
   dp collectives use the inter-node link when the dp group spans nodes, tp collectives the
   intra-node one. ``factor`` is 1 unless a calibration measured otherwise.
-- **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3.py``): backward runs
+- **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3/``): backward runs
   parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
   DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
   time on the link; stage 2/3 stall backward when ``max_buckets_in_flight`` bucket buffers are
@@ -48,6 +49,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.ledger import Hop
+from lightning_zero.ring import ring_sent, ring_steps
+from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -72,25 +75,15 @@ class Link:
         return 1.0
 
 
-def ring_steps(kind: str, ranks: int) -> int:
-    """Latency-bound steps of a ring collective: ``n - 1``; an all-reduce is two rings."""
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
-
-
-def sent_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
-    """Bytes one rank sends: all-reduce ``2 (n-1)/n x payload``, reduce-scatter / all-gather
-    ``(n-1)/n x payload`` (``payload`` = the full, unsharded tensor)."""
+def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
+    """``factor x (steps x latency + sent_bytes / bandwidth)`` with the ring's steps and bytes
+    (``lightning_zero/ring.py``); 0 for a group of one rank. ``kind``: one of ``COLLECTIVE_KINDS``."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"collective kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
-    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks * payload_bytes
-
-
-def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
-    """``factor x (steps x latency + sent_bytes / bandwidth)``; 0 for a group of one rank."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     return link.factor(kind) * (
-        ring_steps(kind, ranks) * link.latency_s + sent_bytes(kind, payload_bytes, ranks) / link.bytes_per_s
+        ring_steps(kind, ranks) * link.latency_s + ring_sent(kind, payload_bytes, ranks) / link.bytes_per_s
     )
 
 
@@ -240,57 +233,71 @@ def _llama_workload(
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """A run of tensors reduced by one collective (``FlatLayout``'s rule: fill until >= bucket_numel)."""
+class PlannedBucket:
+    """A run of tensors reduced by one collective (``FlatLayout``'s buckets: [Note: bucket boundaries])."""
 
     tensors: tuple[int, ...]  # indices into Workload.tensors, in the order their grads arrive
     numel: int  # padded to a multiple of dp
     first_reg_index: int  # the reducer launches later-registered buckets first
 
 
-def flat_buckets(tensors: Sequence[Tensor], indices: Sequence[int], *, bucket_numel: int, dp: int) -> list[Bucket]:
-    """``zero/flat.py``'s layout: ``indices`` (registration order) laid in reverse, a bucket closes once
-    it holds ``>= bucket_numel`` elements; a tensor never straddles two buckets."""
-    buckets: list[Bucket] = []
-    current: list[int] = []
-    used = 0
-    for index in reversed(list(indices)):  # registration order, reversed: the earliest comes last
-        current.append(index)
-        used += tensors[index].numel
-        if used >= bucket_numel:
-            buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
-            current, used = [], 0
-    if current:
-        buckets.append(Bucket(tuple(current), -(-used // dp) * dp, tensors[current[-1]].reg_index))
+def flat_buckets(
+    tensors: Sequence[Tensor],
+    indices: Sequence[int],
+    *,
+    bucket_numel: int,
+    dp: int,
+    first_bucket_numel: Optional[int] = None,
+) -> list[PlannedBucket]:
+    """``zero/flat.py``'s layout of ``indices`` (registration order): laid in reverse and cut by
+    :func:`~lightning_zero.zero.bucketing.bucket_sizes`, the engine's own rule."""
+    laid = list(reversed(list(indices)))  # registration order, reversed: the earliest comes last
+    counts = bucket_sizes(
+        (tensors[index].numel for index in laid), bucket_numel=bucket_numel, first_bucket_numel=first_bucket_numel
+    )
+    buckets: list[PlannedBucket] = []
+    taken = 0
+    for count in counts:
+        members = tuple(laid[taken : taken + count])
+        taken += count
+        used = sum(tensors[index].numel for index in members)
+        buckets.append(PlannedBucket(members, padded_numel(used, dp), tensors[members[-1]].reg_index))
     return buckets
 
 
-_BUCKETS: dict[tuple, list[Bucket]] = {}
+_BUCKETS: dict[tuple, list[PlannedBucket]] = {}
 
 
-def engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
+def engine_buckets(
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+) -> list[PlannedBucket]:
     """Buckets in launch order. ZeRO: one layout per optimizer param group (per unit under stage 3),
-    launched by descending first registration index (``reducer.GradReducer``). DDP (stage 0): one
-    layout over every parameter in reverse order. Memoized by tensor shapes (the search asks for the
-    same layouts for every micro batch and checkpointing choice)."""
-    key = (workload.shape_key or id(workload), stage, bucket_numel, dp)
+    launched by descending first registration index (``reducer.GradReducer``); stages 1-2 close
+    their first bucket at ``FIRST_BUCKET_MB`` of ``grad_bytes`` elements, as the engine's
+    ``FlatLayout`` does. DDP (stage 0): one layout over every parameter in reverse order. Memoized
+    by tensor shapes (the search asks for the same layouts for every micro batch and checkpointing
+    choice)."""
+    key = (workload.shape_key or id(workload), stage, bucket_numel, dp, grad_bytes)
     if not workload.shape_key or key not in _BUCKETS:
         if len(_BUCKETS) > 1024:
             _BUCKETS.clear()
-        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp)
+        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp, grad_bytes=grad_bytes)
     return _BUCKETS[key]
 
 
-def _engine_buckets(workload: Workload, *, stage: int, bucket_numel: int, dp: int) -> list[Bucket]:
+def _engine_buckets(
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+) -> list[PlannedBucket]:
     tensors = workload.tensors
     if stage == 0:
         return flat_buckets(tensors, range(len(tensors)), bucket_numel=bucket_numel, dp=1)
+    first = first_bucket_numel(bucket_numel, grad_bytes) if stage in (1, 2) else None
     layouts: dict[tuple[int, int], list[int]] = {}
     for index, tensor in enumerate(tensors):
         layouts.setdefault((tensor.unit if stage == 3 else 0, tensor.group), []).append(index)
-    buckets: list[Bucket] = []
+    buckets: list[PlannedBucket] = []
     for key in sorted(layouts):
-        buckets.extend(flat_buckets(tensors, layouts[key], bucket_numel=bucket_numel, dp=dp))
+        buckets.extend(flat_buckets(tensors, layouts[key], bucket_numel=bucket_numel, dp=dp, first_bucket_numel=first))
     return sorted(buckets, key=lambda b: -b.first_reg_index)
 
 
@@ -339,7 +346,7 @@ def simulate_forward(
 
 def simulate_backward(
     workload: Workload,
-    buckets: Sequence[Bucket],
+    buckets: Sequence[PlannedBucket],
     bucket_s: Sequence[float],
     *,
     sync: bool,
@@ -547,7 +554,7 @@ def step_time(
     (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step.
     """
     shard = shard_size or dp
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard)
+    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes)
     if grad_hops is None:
         kind = "all_reduce" if stage == 0 else "reduce_scatter"
         grad_hops = [Hop(kind, dp, 1.0, "dp", None, grad_bytes)] if dp > 1 else []

@@ -2,8 +2,8 @@
 
 [Note: flat layout] A :class:`FlatLayout` places the parameters of one optimizer param group end
 to end in *reverse* registration order (the order their gradients become ready in backward) and
-cuts the run into buckets of about ``bucket_numel`` elements; a parameter never straddles two
-buckets. Each bucket is padded to a multiple of ``dp`` and every data-parallel rank owns one
+cuts the run into buckets of about ``bucket_numel`` elements (``zero/bucketing.py``, [Note: bucket
+boundaries]: the rule the planner uses too); a parameter never straddles two buckets. Each bucket is padded to a multiple of ``dp`` and every data-parallel rank owns one
 contiguous chunk of every bucket (its *shard* of the bucket). Sharding per bucket, not per whole
 buffer, means a bucket's reduce-scatter hands each rank exactly the gradients it owns, and the
 all-gather after the step is the same cut in reverse. A rank's optimizer state is the list of its
@@ -32,6 +32,19 @@ from torch import nn
 
 from lightning_zero.collectives import CommCounter, all_gather
 from lightning_zero.compression import all_gather_compressed, is_lossy
+from lightning_zero.zero.bucketing import FIRST_BUCKET_MB, bucket_sizes, first_bucket_numel, padded_numel
+
+__all__ = [  # FIRST_BUCKET_MB and first_bucket_numel: the engine imports them from here
+    "FIRST_BUCKET_MB",
+    "BucketLayout",
+    "ChunkedParamGroup",
+    "FlatLayout",
+    "FlatParamGroup",
+    "ParamSlot",
+    "first_bucket_numel",
+    "fp32_parameter_ids",
+    "keeps_fp32",
+]
 
 
 @dataclass
@@ -72,14 +85,6 @@ class BucketLayout:
         return self.start + self.numel
 
 
-FIRST_BUCKET_MB = 1.0  # stages 1-2: size of the first bucket in MiB ([Note: small first bucket])
-
-
-def first_bucket_numel(bucket_numel: int, element_size: int) -> int:
-    """Elements in the first bucket of a stage 1-2 layout: ``FIRST_BUCKET_MB``, at most a bucket."""
-    return max(1, min(bucket_numel, int(FIRST_BUCKET_MB * 2**20) // element_size))
-
-
 class FlatLayout:
     """Offsets and buckets for one param group (see [Note: flat layout]); no storage."""
 
@@ -101,28 +106,23 @@ class FlatLayout:
         self.dp = dp
         self.slots: list[ParamSlot] = []
         self.buckets: list[BucketLayout] = []
-        offset = 0
-        current: Optional[BucketLayout] = None
-        for param, name in zip(reversed(params), reversed(names)):
-            if current is None:
-                current = BucketLayout(index=len(self.buckets), start=offset, numel=0, dp=dp)
-            slot = ParamSlot(param, name, offset, param.numel(), param.shape, current.index)
-            current.slots.append(slot)
-            self.slots.append(slot)
-            offset += slot.numel
-            limit = bucket_numel if self.buckets or first_bucket_numel is None else first_bucket_numel
-            if offset - current.start >= min(limit, bucket_numel):
-                offset = self._close(current, offset)
-                current = None
-        if current is not None:
-            offset = self._close(current, offset)
+        ordered = list(zip(reversed(params), reversed(names)))
+        counts = bucket_sizes(
+            (param.numel() for param, _ in ordered), bucket_numel=bucket_numel, first_bucket_numel=first_bucket_numel
+        )
+        offset = taken = 0
+        for index, count in enumerate(counts):
+            bucket = BucketLayout(index=index, start=offset, numel=0, dp=dp)
+            for param, name in ordered[taken : taken + count]:
+                slot = ParamSlot(param, name, offset, param.numel(), param.shape, index)
+                bucket.slots.append(slot)
+                self.slots.append(slot)
+                offset += slot.numel
+            taken += count
+            bucket.numel = padded_numel(offset - bucket.start, dp)
+            self.buckets.append(bucket)
+            offset = bucket.end
         self.numel = offset
-
-    def _close(self, bucket: BucketLayout, offset: int) -> int:
-        used = offset - bucket.start
-        bucket.numel = -(-used // self.dp) * self.dp
-        self.buckets.append(bucket)
-        return bucket.start + bucket.numel
 
     @property
     def padding_numel(self) -> int:

@@ -70,9 +70,6 @@ class OffloadCopies:
         self._staged[id(master)] = (master, grad_chunk, host)
         master.grad = host
 
-    def has_staged(self) -> bool:
-        return bool(self._staged)
-
     def flush(self) -> bool:
         """Issue every staged device-to-host copy and wait for them (one wait); False if none."""
         if not self._staged:

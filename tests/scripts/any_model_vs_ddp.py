@@ -1,8 +1,8 @@
 """Models nobody on this project wrote, under ZeroStrategy stages 1-2 (and stage 3 for Adafactor)
 and Lightning's ddp (2 CPU ranks).
 
-Usage: python tests/scripts/anymodel12.py OUT_DIR [CASE ...]
-Launched by tests/test_anymodel12.py; Lightning's launcher re-runs this script for rank 1.
+Usage: python tests/scripts/any_model_vs_ddp.py OUT_DIR [CASE ...]
+Launched by tests/test_any_model_vs_ddp.py; Lightning's launcher re-runs this script for rank 1.
 Each case writes OUT_DIR/<case>.rank<r>.pt: per-step losses, final parameters, a plain forward
 after fit, and (zero cases) the number of gradient reduce-scatters per step and per bucket.
 """

@@ -1,7 +1,7 @@
 """Any model under ZeroStrategy stages 1-2 (Adafactor also at stage 3) against Lightning's ddp
 (2 CPU ranks, same seed and data).
 
-One launch of tests/scripts/anymodel12.py trains every case in sequence: reentrant and
+One launch of tests/scripts/any_model_vs_ddp.py trains every case in sequence: reentrant and
 non-reentrant activation checkpointing over a frozen int8 base with LoRA adapters, a rank whose
 loss reaches no (or only some) parameters, Adagrad / SGD-momentum / RMSprop / fused Adam, two
 optimizers with separate zero_grad (GAN), Adafactor with gradient clipping (replicated
@@ -41,8 +41,8 @@ RANKS = (0, 1)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("anymodel12")
-    launch("anymodel12.py", out, timeout_s=900)
+    out = tmp_path_factory.mktemp("any_model_vs_ddp")
+    launch("any_model_vs_ddp.py", out, timeout_s=900)
     return out
 
 

@@ -1,0 +1,191 @@
+"""What a plan holds: one rank's bytes (held and sent) and step time, as :func:`plan_run` returns them.
+
+:class:`Plan` is the result of :func:`lightning_zero.planner.arithmetic.plan_run`; its
+``as_dict()`` is the JSON the CLI prints (``plan.format=json``, docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from lightning_zero.planner.ledger import ActivationBytes, LinkBytes
+from lightning_zero.planner.timing import StepTime
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPerRank:
+    """Bytes one rank holds at the peak of a step (see [Note: what a plan counts]).
+
+    Names follow the engine's ``measured_bytes()``: ``optimizer`` = ``master_weights`` (its
+    ``"master"``) + ``optimizer_moments`` (its ``"optimizer_state"``).
+    """
+
+    params: float
+    grads: float
+    master_weights: float  # fp32 master shard (part of the optimizer state)
+    optimizer_moments: float  # Adam exp_avg + exp_avg_sq shard
+    bucket_buffers: float  # stage 2/3: full-size gradient bucket buffers in flight
+    prefetch_buffers: float  # stage 3: full params of the gathered blocks
+    activations: float  # saved for backward by the transformer blocks and the final norm
+    logits_and_loss: float
+    step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
+
+    @property
+    def optimizer(self) -> float:
+        return self.master_weights + self.optimizer_moments
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """Model states and engine buffers, plus the larger of the two peaks that never meet:
+        backward's (activations, loss) and the optimizer step's (fp32 grad shard)."""
+        backward_peak = self.activations + self.logits_and_loss
+        return (
+            self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak, self.step_grad_shard)
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "optimizer": self.optimizer, "model_states": self.model_states, "total": self.total}
+
+
+@dataclass(frozen=True)
+class TrafficPerRank:
+    """Bytes one rank sends per optimizer step (ring algorithm) and the time they take.
+
+    Seconds come from the step-time model (:class:`~lightning_zero.planner.timing.StepTime`,
+    [Note: step-time model]): ``dp_s`` is every dp collective's time on its link,
+    ``exposed_comm_s`` the part compute does not hide, ``step_s`` the predicted step.
+    """
+
+    dp_reduce_scatter_bytes: float
+    dp_all_gather_bytes: float
+    dp_all_reduce_bytes: float  # stage 0 (plain DDP) only
+    tp_all_reduce_bytes: float
+    dp_link: str  # "intra_node" or "inter_node"
+    dp_bytes_per_s: float
+    tp_bytes_per_s: float
+    flops_per_rank: float  # matmul FLOPs per step, recompute included
+    compute_s: float  # flops / (peak * mfu), tp all-reduces included
+    dp_s: float
+    tp_s: float
+    exposed_comm_s: float
+    step_s: float
+    # dp bytes by link class ([Note: link classes] in docs/topology.md) and each class's busy time
+    dp_link_bytes: LinkBytes = field(default_factory=lambda: LinkBytes({}, {}))
+    intra_node_s: float = 0.0  # dp collectives on intra-node links (tp excluded: see tp_s)
+    inter_node_s: float = 0.0
+
+    @property
+    def dp_bytes(self) -> float:
+        return self.dp_reduce_scatter_bytes + self.dp_all_gather_bytes + self.dp_all_reduce_bytes
+
+    @property
+    def intra_node_bytes(self) -> float:
+        """Every byte this rank sends inside its node per step: dp collectives whose group stays in
+        the node, and the tp all-reduces (tp lives inside a node)."""
+        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes
+
+    @property
+    def inter_node_bytes(self) -> float:
+        return self.dp_link_bytes.inter_node_total
+
+    def as_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values.update(
+            dp_bytes=self.dp_bytes,
+            dp_link_bytes=self.dp_link_bytes.as_dict(),
+            intra_node_bytes=self.intra_node_bytes,
+            inter_node_bytes=self.inter_node_bytes,
+        )
+        return values
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything :func:`plan_run` predicts for one rank of one run; ``as_dict()`` is JSON-ready."""
+
+    model: str
+    num_params: int  # the whole model
+    params_per_tp_rank: int  # what one tp rank (and its dp group) holds and shards
+    padded_params_per_tp_rank: int  # rounded up so it splits evenly over dp
+    stage: int
+    world_size: int
+    num_nodes: int
+    devices_per_node: int
+    dp: int
+    tp: int
+    precision: str
+    micro_batch: int
+    seq_len: int
+    accumulate_grad_batches: int
+    tokens_per_step: int  # over all dp ranks and micro batches
+    activation_checkpointing: bool
+    attention: str
+    bucket_mb: float
+    prefetch_blocks: int
+    defer_grad_reduce: bool
+    overlap_comm: bool
+    max_buckets_in_flight: int
+    overlap_param_gather: bool
+    shard_size: int  # dp ranks ZeRO shards over (resolved: dp for None, the node's dp ranks for "node")
+    replicas: int  # dp / shard_size groups holding the same shard
+    hierarchical_reduce: bool
+    grad_comm_dtype: Optional[str]
+    param_comm_dtype: Optional[str]
+    hardware: str
+    memory_bytes: int
+    reserved_bytes: int
+    mfu: float
+    memory: MemoryPerRank
+    traffic: TrafficPerRank
+    timing: Optional[StepTime]
+    activation_detail: ActivationBytes
+    suggestions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+    reduce_dtype: str = "compute"  # gradient buffers and reduce-scatters: "compute" or "fp32"
+
+    @property
+    def available_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.available_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.traffic.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def verdict(self) -> str:
+        used = f"{self.memory.total / GiB:.1f} GiB of {self.available_bytes / GiB:.1f} GiB usable on {self.hardware}"
+        if self.fits:
+            return f"fits: {used}"
+        fixes = "; ".join(self.suggestions) if self.suggestions else "no single change found"
+        return f"does NOT fit: {used}. Would fit with: {fixes}"
+
+    def as_dict(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(
+            memory=self.memory.as_dict(),
+            traffic=self.traffic.as_dict(),
+            timing=self.timing.as_dict() if self.timing is not None else None,
+            activation_detail=self.activation_detail.as_dict(),
+            suggestions=list(self.suggestions),
+            notes=list(self.notes),
+            available_bytes=self.available_bytes,
+            fits=self.fits,
+            verdict=self.verdict,
+        )
+        return values

@@ -1,0 +1,52 @@
+"""Where a flat layout's buckets end: one pure rule, shared by the engine and the planner.
+
+[Note: bucket boundaries] Tensors are laid end to end in layout order (``zero/flat.py`` lays a
+param group in reverse registration order). A bucket closes as soon as it holds at least
+``bucket_numel`` elements, so a tensor never straddles two buckets and a tensor larger than a
+bucket fills one alone. With ``first_bucket_numel`` the first bucket closes after
+``min(first_bucket_numel, bucket_numel)`` elements ([Note: small first bucket] in flat.py).
+Each bucket is then padded to a multiple of ``dp``. :class:`~lightning_zero.zero.flat.FlatLayout`
+builds its buckets from :func:`bucket_sizes`, and the planner's step-time model
+(``planner/timing.py``) cuts the same buckets from parameter counts alone, so both agree by
+construction. Plain integers only: no torch, importable by the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+MIB = 2**20
+FIRST_BUCKET_MB = 1.0  # stages 1-2: size of the first bucket in MiB ([Note: small first bucket])
+
+
+def bucket_numel_for_bytes(bucket_mb: float, element_size: int) -> int:
+    """Elements of ``element_size`` bytes in a bucket of ``bucket_mb`` MiB (at least 1)."""
+    return max(1, int(bucket_mb * MIB) // element_size)
+
+
+def first_bucket_numel(bucket_numel: int, element_size: int) -> int:
+    """Elements in the first bucket of a stage 1-2 layout: ``FIRST_BUCKET_MB``, at most a bucket."""
+    return max(1, min(bucket_numel, int(FIRST_BUCKET_MB * MIB) // element_size))
+
+
+def bucket_sizes(numels: Iterable[int], *, bucket_numel: int, first_bucket_numel: Optional[int] = None) -> list[int]:
+    """How many consecutive tensors (``numels``, in layout order) each bucket takes
+    ([Note: bucket boundaries]); the counts sum to the number of tensors."""
+    sizes: list[int] = []
+    count = used = 0
+    for numel in numels:
+        count += 1
+        used += numel
+        limit = bucket_numel if sizes or first_bucket_numel is None else min(first_bucket_numel, bucket_numel)
+        if used >= limit:
+            sizes.append(count)
+            count = used = 0
+    if count:
+        sizes.append(count)
+    return sizes
+
+
+def padded_numel(numel: int, dp: int) -> int:
+    """``numel`` rounded up to a multiple of ``dp`` (a bucket splits evenly over the dp ranks)."""
+    return -(-numel // dp) * dp
