@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -560,6 +560,139 @@ def regression_data(samples: int = STEPS * BATCH * WORLD) -> TensorDataset:
 
 
 # ------------------------------------------------------------------------------------------
+# models whose ranks run different modules in one step (issue 20)
+# ------------------------------------------------------------------------------------------
+class Dynamic(Recorded):
+    """Records which modules ran in each training step (``extra()["ran"]``): a test of these
+    models must show that the ranks really ran different modules in some step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran_now: set[str] = set()
+        self.ran: list[list[str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.ran_now = set()
+        loss = super().training_step(batch, batch_idx)
+        self.ran.append(sorted(self.ran_now))
+        return loss
+
+    def extra(self) -> dict[str, Any]:
+        return {"ran": self.ran}
+
+
+class SparseMoE(nn.Module):
+    """A transformers-4.x-Mixtral-style sparse block: top-2 routing over ``experts`` (an
+    ``nn.ModuleList``), and an expert that received no token is skipped (``continue``)."""
+
+    def __init__(self, dim: int, experts: int, owner: Dynamic, name: str) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim)) for _ in range(experts)
+        )
+        self.owner, self.name = [owner], name  # a list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # (B*T, D)
+        weights, chosen = torch.topk(torch.softmax(self.gate(tokens), dim=-1), 2, dim=-1)  # (B*T, 2)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == index)
+            if rows.shape[0] == 0:
+                continue  # an idle expert is skipped, as transformers 4.x Mixtral does
+            self.owner[0].ran_now.add(f"{self.name}.experts.{index}")
+            out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class MoEDecoder(Dynamic):
+    """Embedding, two residual MoE blocks (8 experts each, top-2), head; 6 tokens per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(SparseMoE(16, 8, self, f"blocks.{i}") for i in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        (ids,) = batch
+        ids = ids[:, :4]  # few tokens: the ranks route to different experts
+        return nn.functional.cross_entropy(self.logits(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+    def probe(self) -> torch.Tensor:
+        return self.logits(probe_ids())
+
+
+class LayerDrop(Dynamic):
+    """Blocks in an ``nn.ModuleList``, each skipped with probability 0.4 in a training step, drawn
+    per rank (a generator seeded by rank and step): the ranks differ from the first step on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        if self.training:
+            draw = torch.rand(len(self.blocks), generator=_gen(1000 * self.global_rank + len(self.ran)))
+        for index, block in enumerate(self.blocks):
+            if self.training and draw[index] < 0.4:
+                continue
+            self.ran_now.add(f"blocks.{index}")
+            x = block(x)
+        return self.head(x)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def probe(self) -> torch.Tensor:
+        return self(torch.randn(3, 16, generator=_gen(11)))
+
+
+class OptionalTower(Dynamic):
+    """A decoder with a "vision tower" beside its blocks that runs only for batches with an image:
+    rank ``step % 2`` has one in each step (including the first), so the pattern changes every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.tower = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def logits(self, ids: torch.Tensor, image: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.emb(ids)
+        if image is not None:
+            self.ran_now.add("tower")
+            x = x + self.tower(image)[:, None, :]
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        (ids,) = batch
+        has_image = self.training and len(self.ran) % 2 == self.global_rank
+        image = ids[:, :8].float() / VOCAB if has_image else None
+        return nn.functional.cross_entropy(self.logits(ids[:, :-1], image).flatten(0, 1), ids[:, 1:].flatten())
+
+    def probe(self) -> torch.Tensor:
+        ids = probe_ids()
+        return self.logits(ids, ids[:, :8].float() / VOCAB)
+
+
+# ------------------------------------------------------------------------------------------
 # cases
 # ------------------------------------------------------------------------------------------
 class Case:
@@ -570,6 +703,10 @@ class Case:
         self.build, self.data, self.val, self.precision = build, data, val, precision
         self.ddp, self.callbacks, self.zero_kwargs = ddp, callbacks, zero_kwargs or {}
         self.checkpoint = checkpoint  # ZeRO runs save a sharded checkpoint after fit; rank 0 exports it
+
+
+def _ddp_unused() -> DDPStrategy:
+    return DDPStrategy(find_unused_parameters=True)
 
 
 CASES: dict[str, Case] = {
@@ -590,6 +727,9 @@ CASES: dict[str, Case] = {
     "int8_frozen_base_bf16": Case(Int8Base, vector_data, precision="bf16-mixed"),
     "blocks_in_moduledict": Case(lambda: HeldBlocks("moduledict"), regression_data),
     "blocks_in_sequential": Case(lambda: HeldBlocks("sequential"), regression_data),
+    "moe_skip_idle_experts": Case(MoEDecoder, token_data, ddp=_ddp_unused),
+    "layerdrop_per_rank": Case(LayerDrop, vector_data, ddp=_ddp_unused),
+    "optional_tower": Case(OptionalTower, token_data, ddp=_ddp_unused),
 }
 
 RUNS = [f"{case}-{strategy}" for case in CASES for strategy in STRATEGIES]

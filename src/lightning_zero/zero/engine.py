@@ -355,6 +355,7 @@ class ZeroEngine:
             self.stage3.on_backward_begin = self.reducer.begin_backward
             # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
             self.stage3.on_unit_skipped_in_backward = self.reducer.mark_absent
+            self.stage3.on_dynamic = self.reducer.launch_at_end_of_backward  # [Note: dynamic execution]
             self.reducer.before_final_launch.append(self.stage3.flush_backward)
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))

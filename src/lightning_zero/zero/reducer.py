@@ -295,8 +295,14 @@ class GradReducer:
                 continue
             self._absent.add(key)
             bucket.ready += 1
-        if self._syncing() and self.overlap_comm and self.learned_order:
+        early = self.learned_order or not self._nested_seen  # the rule _on_grad_ready launches by
+        if self._syncing() and self.overlap_comm and early:
             self._launch_ready_in_order()
+
+    def launch_at_end_of_backward(self) -> None:
+        """From now on launch every reduce-scatter once backward ended, as ``overlap_comm=False``
+        (stage 3 in a dynamic phase: [Note: dynamic execution] in stage3/runtime.py)."""
+        self.overlap_comm = False
 
     def _complete_count(self, bucket: Bucket) -> int:
         """Parameters that must be ready before ``bucket`` launches early (-1: never early).

@@ -10,6 +10,32 @@ callback running the model) gathers each unit on demand with an agreement among 
 it after (the root: after the top module's forward, or at the next step / optimizer step at the
 latest).
 
+[Note: dynamic execution] SPMD is a promise about collectives, not about modules: an MoE that
+skips idle experts, LayerDrop drawn per rank, a tower run only for some batches make the ranks
+run different modules in one step. Two mechanisms keep the collectives agreed:
+
+- *Inside a unit* (experts inside a block unit): the unit is gathered whole on every rank, so
+  nothing about gathers changes; when the unit's backward is over, its parameters that got no
+  gradient on this rank count as zeros (``on_unit_skipped_in_backward`` -> ``mark_absent``), so
+  their bucket launches where it does on the ranks that used them ([Note: skipped units and
+  gradient buckets]).
+- *Whole units* that differ between ranks: the first step of a phase agrees on every gather
+  anyway ([Note: gather schedule]); when that agreement finds the ranks asking for different
+  units, the phase turns *dynamic* (on every rank at once: all saw the same exchange) instead of
+  raising. In a dynamic phase every gather is a round of agreement: each rank says which unit it
+  needs now (``_NEED``) or that it is done with the step (``_DONE``); every rank gathers the
+  lowest-indexed unit asked for, and a rank that did not ask frees it at once; rounds repeat until
+  this rank's unit is gathered. Each round serves some rank, so every need is met. A rank done
+  with its backward (before its final reduce-scatter launches) and with its step serves rounds
+  until every rank is done, and the gradient reducer launches only once backward ended
+  (``on_dynamic``: the reduce-scatters cannot wait on a peer that still gathers).
+
+Cost of a dynamic phase: one tiny all-gather (16 bytes per rank) per gather round, no prefetch,
+no overlap of the gradient reduce-scatters with backward, and the units some rank needs gathered
+on every rank (a rank skipping an expert still receives it). A phase whose ranks agree in its
+first step keeps the recorded schedule and pays nothing; there a unit skipped later is handled
+as before, and a unit run out of the recorded order later raises naming it.
+
 [Note: no_grad forwards in a training step] A forward that runs with grad disabled inside a
 training step (an EMA teacher, sampling from the student every N steps) takes no part in backward,
 and how often it runs may change from step to step (the same on every rank). So it is kept out of
@@ -91,6 +117,8 @@ _UNIT = 1  # value: the unit index about to be gathered
 _EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation loop ended
 _DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
 _DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
+_NEED = 5  # value: the unit this rank needs now, in a phase whose ranks run different modules
+_DONE = 6  # value: 0 -- this rank needs no more units in the open step (it serves the others)
 
 
 @dataclass
@@ -123,6 +151,7 @@ class Schedule:
     in_backward: list[bool] = field(default_factory=list)  # per entry: gathered for a backward
     recorded: bool = False
     position: int = 0
+    dynamic: bool = False  # the ranks ran different modules: every gather is agreed ([Note: dynamic execution])
 
 
 class _PostBackward(torch.autograd.Function):
@@ -186,8 +215,11 @@ class Stage3Runtime:
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
-        # The reducer's: the trainable parameters of a unit whose backward this rank skipped.
+        # The reducer's: the trainable parameters of a unit whose backward this rank skipped, or
+        # whose backward is over (those of them that got no gradient count as zeros).
         self.on_unit_skipped_in_backward: Optional[Callable[[list[nn.Parameter]], None]] = None
+        # The reducer's: a phase turned dynamic; launch reduce-scatters only once backward ended.
+        self.on_dynamic: Optional[Callable[[], None]] = None
         self.waiter = waiter if waiter is not None else Waiter()
         self.dp_size = dist.get_world_size(ag_group)
         self.dp_rank = dist.get_rank(ag_group)
@@ -286,6 +318,10 @@ class Stage3Runtime:
             return self.units[value].name if 0 <= value < len(self.units) else "nothing"
         if kind == _EVAL:
             return "starting an evaluation step" if value else "evaluation loop ended"
+        if kind == _NEED:
+            return f"{self.units[value].name if 0 <= value < len(self.units) else 'nothing'} (needed now)"
+        if kind == _DONE:
+            return "done with the step"
         if kind in (_DEMAND, _DEMAND_HELD):
             name = self.units[value].name if 0 <= value < len(self.units) else "nothing"
             return f"{name} (no_grad forward)"
@@ -328,8 +364,16 @@ class Stage3Runtime:
             self._wait(unit)
             return
         schedule = self.schedules.setdefault(kind, Schedule())
+        if schedule.dynamic:
+            self._reach_dynamic(unit)
+            return
         if not schedule.recorded:
-            self._agree(unit, self._what())
+            everyone = self._exchange(_UNIT, unit.index)
+            if any(pair != (_UNIT, unit.index) for pair in everyone):
+                self._turn_dynamic(schedule, everyone, self._what())
+                if not self._serve_round(everyone, unit):
+                    self._reach_dynamic(unit)
+                return
             schedule.order.append(unit.index)
             schedule.in_backward.append(self.in_backward)
             self._start_gather(unit)
@@ -355,6 +399,48 @@ class Stage3Runtime:
                 self._start_gather(ahead_unit)
                 ahead_unit.prefetched = True
         self._wait(unit)
+
+    # -- dynamic phases ([Note: dynamic execution]) ------------------------------------------------
+    def _turn_dynamic(self, schedule: Schedule, everyone: list[tuple[int, int]], what: str) -> None:
+        """The first step's agreement found the ranks running different modules: from now on this
+        phase agrees on every gather (every rank saw the same exchange, so all turn together)."""
+        if any(kind not in (_UNIT, _NEED, _DONE) for kind, _ in everyone):
+            self._disagree(everyone, what)
+        schedule.dynamic = True
+        if self.on_dynamic is not None:
+            self.on_dynamic()
+
+    def _reach_dynamic(self, unit: Unit) -> None:
+        """Rounds of agreement until ``unit`` is gathered here (each round gathers one unit some
+        rank needs now, on every rank)."""
+        while not self._serve_round(self._exchange(_NEED, unit.index), unit):
+            pass
+
+    def _serve_until_done(self) -> None:
+        """Take part in the other ranks' gathers until no rank needs a unit in this step."""
+        while not self._serve_round(self._exchange(_DONE, 0), None):
+            pass
+
+    def _serve_round(self, everyone: list[tuple[int, int]], mine: Optional[Unit]) -> bool:
+        """One round: every rank gathers the lowest-indexed unit any rank asked for (a rank that
+        did not ask frees it at once). True when this rank's need is met: ``mine`` is gathered, or
+        (``mine=None``) no rank asked for anything."""
+        if any(kind not in (_UNIT, _NEED, _DONE) for kind, _ in everyone):
+            self._disagree(everyone, self._what())
+        wanted = [value for kind, value in everyone if kind in (_UNIT, _NEED)]
+        if not wanted:
+            return mine is None
+        served = self.units[min(wanted)]
+        if served is mine:
+            self._start_gather(mine)
+            self._wait(mine)
+            return True
+        if served.gathered:  # held here (the root, a unit in use): join the gather, keep it
+            self._gather_again(served)
+        else:
+            self._start_gather(served)
+            self._free(served)
+        return False
 
     def _off_schedule(self, args: Any, kwargs: Any) -> bool:
         """A forward (not a recompute) that keeps out of the open training schedule
@@ -399,8 +485,13 @@ class Stage3Runtime:
         """A backward ends that reached no unit on this rank (its loss reached no trainable
         parameter), called by the reducer before it launches the remaining buckets: issue the
         backward gathers the other ranks run now, in schedule order ([Note: skipped units and
-        gradient buckets])."""
+        gradient buckets]). In a dynamic phase: serve the other ranks' gathers until every rank's
+        backward ended, so no rank waits on a reduce-scatter while a peer still gathers
+        ([Note: dynamic execution])."""
         schedule = self.schedules.get(self.open_kind) if self.open_kind == "train" else None
+        if schedule is not None and schedule.dynamic:
+            self._serve_until_done()
+            return
         if self.in_backward or schedule is None or not schedule.recorded:
             return
         while schedule.position < len(schedule.order) and schedule.in_backward[schedule.position]:
@@ -414,7 +505,16 @@ class Stage3Runtime:
         if kind is None:
             return
         schedule = self.schedules.setdefault(kind, Schedule())
-        if schedule.recorded:
+        if not schedule.recorded and not schedule.dynamic and self.dp_size > 1:
+            # The first step of a phase: a rank whose step ended while a peer still gathers (its
+            # modules were a prefix of the peer's) finds out here, not in the next step.
+            everyone = self._exchange(_DONE, 0)
+            if any(pair != (_DONE, 0) for pair in everyone):
+                self._turn_dynamic(schedule, everyone, self._what())
+                self._serve_round(everyone, None)
+        if schedule.dynamic:
+            self._serve_until_done()
+        elif schedule.recorded:
             for position in range(schedule.position, len(schedule.order)):
                 self._consume_skipped(self.units[schedule.order[position]], schedule.in_backward[position])
         schedule.recorded = True
@@ -446,6 +546,11 @@ class Stage3Runtime:
         unit.backward_uses -= 1
         if unit.backward_uses <= 0:  # a unit run twice is freed after its first use's backward
             self._free(unit)
+            if self.on_unit_skipped_in_backward is not None:
+                # Parameters of the unit that got no gradient here (an idle expert inside it) are
+                # zeros now: their bucket launches where it does on the ranks that used them
+                # ([Note: skipped units and gradient buckets]).
+                self.on_unit_skipped_in_backward(unit.trainable)
 
     def _wrap_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         flat, spec = tree_flatten((args, kwargs))
