@@ -25,7 +25,7 @@ HANG_S = 90.0  # startup (imports on a loaded 2-core box) + 3 steps + a hang
 CONCURRENT = 3  # launches at once
 STAGES = ("zero1", "zero2", "zero3")
 RAISES = ("train_step", "callback", "backward", "validation")
-CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill") for stage in STAGES]
+CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill", "no_loss") for stage in STAGES]
 
 
 def _start(out: Path, case: str) -> list[subprocess.Popen]:
@@ -89,7 +89,7 @@ def _check_all_gone(out: Path, case: str, ends) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("kill")])
+@pytest.mark.parametrize("case", [c for c in CASES if c.split("-")[0] in RAISES])
 def test_an_exception_on_one_rank_ends_every_rank(failures, case):
     """Every process exits within 10 s, non-zero; rank 1's output holds its own exception and
     traceback unchanged, rank 0's error names rank 1 and its exception; the on_exception hooks ran
@@ -114,3 +114,14 @@ def test_a_rank_killed_mid_step_ends_every_rank(failures, case):
     out, ended = failures
     survivor, _ = _check_all_gone(out, case, ended[case])
     assert ended[case][1][0] == -signal.SIGKILL, ended[case]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("no_loss")])
+def test_a_rank_that_skips_its_backward_gets_a_named_error(failures, case):
+    """Rank 1's ``training_step`` returns ``None`` (Lightning would skip its backward and optimizer
+    step only): it raises naming the cause and the fix, and rank 0 stops naming rank 1."""
+    out, ended = failures
+    survivor, failing = _check_all_gone(out, case, ended[case])
+    assert "training_step returned no loss on global rank 1" in failing and "loss * 0" in failing, failing[-3000:]
+    assert "stops because another rank failed (global rank 1)" in survivor, survivor[-3000:]

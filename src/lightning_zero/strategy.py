@@ -425,12 +425,31 @@ class ZeroStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         self.engine.begin_step("train")
         try:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+            self._check_step_output(output)
+            return output
         except BaseException as exception:
             self._note_failure(exception)
             raise
         finally:
             self.engine.end_step_call()  # the step's backward may still follow (automatic optimization)
+
+    def _check_step_output(self, output: Any) -> None:
+        """A ``training_step`` that returns no loss makes Lightning skip this rank's backward and
+        optimizer step; its peers would wait for this rank's reduce-scatters forever. Raise now
+        (the failure path ends every rank within seconds) with the fix."""
+        module = self.lightning_module
+        if self.world_size == 1 or module is None or not module.automatic_optimization:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if loss is None:
+            raise RuntimeError(
+                f"lightning_zero: training_step returned no loss on global rank {self.global_rank} at step"
+                f" {module.trainer.global_step + 1}. Lightning then skips this rank's backward and optimizer"
+                " step, while the other ranks wait in that step's gradient collectives. Under ZeroStrategy"
+                " every rank must take part in every step: to skip a batch, return a zero loss on every rank"
+                " that needs it (e.g. `return loss * 0`)."
+            )
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:

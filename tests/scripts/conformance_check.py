@@ -50,6 +50,15 @@ COMM_CASES = {"blocks_in_moduledict", "blocks_in_sequential"}
 CHECKPOINT_CASES = {"gpt2_tied", "t5_shared_embedding", "lora_frozen_base_reentrant_ckpt", "int8_frozen_base"}
 
 
+# Models whose ranks run different modules in one step (issue 20): each record's extra["ran"] lists
+# the modules each training step ran on that rank.
+DYNAMIC_CASES = {"moe_skip_idle_experts", "layerdrop_per_rank", "optional_tower"}
+# ... of which some parameter goes unused on *every* rank in some step: ddp leaves it untouched
+# (``.grad`` None), the engine still steps it with a zero gradient (weight decay, moments, the
+# step count of its chunk), so these match ddp only until then (issue 20, item 2: not built yet).
+UNUSED_BY_EVERY_RANK = {"moe_skip_idle_experts", "layerdrop_per_rank"}
+
+
 def record_path(out: Path, run: str, rank: int) -> Path:
     return Path(out) / f"{run}.rank{rank}.pt"
 

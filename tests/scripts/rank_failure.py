@@ -12,7 +12,9 @@ so only the failure path can end the ranks quickly. At step 3 (``HAZARD_STEP``) 
 - ``callback``: raises in a callback's ``on_train_batch_end``;
 - ``backward``: raises inside backward (a tensor hook on a block's output);
 - ``validation``: raises in ``validation_step`` (validation every 2 steps, so its second run);
-- ``kill``: SIGKILLs itself in ``training_step`` (after its forward): no message, no teardown.
+- ``kill``: SIGKILLs itself in ``training_step`` (after its forward): no message, no teardown;
+- ``no_loss``: ``training_step`` returns ``None`` (Lightning would skip only this rank's backward
+  and optimizer step): the strategy raises, naming the fix.
 
 Every case also has ``ModelCheckpoint(save_on_exception=True)`` and a callback whose
 ``on_exception`` records that it ran. Each rank writes ``OUT_DIR/<case>.hazard`` (rank 1: the wall
@@ -84,6 +86,8 @@ class Net(L.LightningModule):
             raise ValueError(MESSAGE)
         if _hazard(self.out, self.case, self.global_rank, "kill", now):
             os.kill(os.getpid(), signal.SIGKILL)
+        if _hazard(self.out, self.case, self.global_rank, "no_loss", now):
+            return None
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
