@@ -24,7 +24,7 @@ EXIT_WITHIN_S = 10.0
 HANG_S = 90.0  # startup (imports on a loaded 2-core box) + 3 steps + a hang
 CONCURRENT = 3  # launches at once
 STAGES = ("zero1", "zero2", "zero3")
-RAISES = ("train_step", "callback", "backward", "validation")
+RAISES = ("train_step", "callback", "backward", "optimizer", "validation")
 CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill", "no_loss") for stage in STAGES]
 
 

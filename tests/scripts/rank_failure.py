@@ -12,6 +12,7 @@ so only the failure path can end the ranks quickly. At step 3 (``HAZARD_STEP``) 
 - ``callback``: raises in a callback's ``on_train_batch_end``;
 - ``backward``: raises inside backward (a tensor hook on a block's output);
 - ``validation``: raises in ``validation_step`` (validation every 2 steps, so its second run);
+- ``optimizer``: raises in ``on_before_optimizer_step`` (inside the optimizer step, after backward);
 - ``kill``: SIGKILLs itself in ``training_step`` (after its forward): no message, no teardown;
 - ``no_loss``: ``training_step`` returns ``None`` (Lightning would skip only this rank's backward
   and optimizer step): the strategy raises, naming the fix.
@@ -89,6 +90,11 @@ class Net(L.LightningModule):
         if _hazard(self.out, self.case, self.global_rank, "no_loss", now):
             return None
         return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        now = "now" if self.global_step + 1 == HAZARD_STEP else ""
+        if _hazard(self.out, self.case, self.global_rank, "optimizer", now):
+            raise ValueError(MESSAGE)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
