@@ -1,7 +1,7 @@
 """Hugging Face weight files: read tensors (or one rank's slice of them) and write sharded safetensors.
 
 Model-agnostic: which checkpoint key feeds which parameter, and any layout change on the way (the
-Llama q/k rotary permutation), is a *plan* the model family supplies (``models/llama_hf.py``).
+Llama q/k rotary permutation), is a *plan* the model family supplies (``models/llama/hf.py``).
 
 Reading. :func:`open_weight_files` finds the weights of a directory in the order Hugging Face
 does (``model.safetensors.index.json``, ``model.safetensors``, ``pytorch_model.bin.index.json``,

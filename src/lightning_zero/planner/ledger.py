@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
+from lightning_zero.ring import ring_sent
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -308,7 +310,7 @@ def llama_activation_bytes(
 
 # --------------------------------------------------------------------------------------------
 # Topology: bytes per link class under hybrid sharding, hierarchical reduction and compressed
-# cross-node communication (issue 14). Formulas written out in docs/topology.md.
+# cross-node communication. Formulas written out in docs/topology.md.
 # --------------------------------------------------------------------------------------------
 
 LINK_CLASSES = ("intra_node", "inter_node")
@@ -353,8 +355,9 @@ class Hop:
         return numel * self.fraction * comm_element_bytes(self.comm_dtype, self.native_bytes)
 
     def sent_bytes(self, numel: float) -> float:
-        """Ring algorithm: all-reduce ``2 (n-1)/n x payload``, the others ``(n-1)/n x payload``."""
-        return (2 if self.kind == "all_reduce" else 1) * (self.ranks - 1) / self.ranks * self.payload_bytes(numel)
+        """Ring algorithm (``lightning_zero/ring.py``): all-reduce ``2 (n-1)/n x payload``, the
+        others ``(n-1)/n x payload``."""
+        return ring_sent(self.kind, self.payload_bytes(numel), self.ranks)
 
 
 @dataclass(frozen=True)

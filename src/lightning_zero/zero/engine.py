@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
@@ -39,12 +40,10 @@ from lightning_zero.zero.waits import FailureChannel, Waiter
 if TYPE_CHECKING:
     from lightning_zero.mesh import ShardGroups
 
-MIB = 1024 * 1024
-
 
 def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1)."""
-    return max(1, int(bucket_mb * MIB) // torch.empty((), dtype=dtype).element_size())
+    """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1; the rule in ``zero/bucketing.py``)."""
+    return bucket_numel_for_bytes(bucket_mb, dtype.itemsize)
 
 
 def check_reduce_dtype(reduce_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
@@ -439,11 +438,6 @@ class ZeroEngine:
             counter=self.counter,
             comm_dtype=self.grad_comm_dtype,
         )
-
-    @property
-    def replicate_size(self) -> int:
-        """Replicas of each shard (hybrid sharding): ``dp // shard_size``; 1 otherwise."""
-        return 1 if self.shard_groups is None else dist.get_world_size(self.shard_groups.replicate)
 
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})

@@ -104,7 +104,7 @@ class LlamaLM(L.LightningModule):
         init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.pretrained: Optional[Any] = None  # models.llama_hf.HFLlamaWeights when init_from is set
+        self.pretrained: Optional[Any] = None  # models.llama.hf.HFLlamaWeights when init_from is set
         if init_from is not None:
             from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
 

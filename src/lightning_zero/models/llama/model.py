@@ -185,7 +185,7 @@ class Llama(nn.Module):
         activation_checkpointing: recompute each block in backward instead of keeping its
             activations (saves about ``n_layers`` blocks' activations for one more forward).
         weight_source: ``None`` (random init), or pretrained weights with a
-            ``load(module, prefix)`` method (``models.llama_hf.HFLlamaWeights``): then
+            ``load(module, prefix)`` method (``models.llama.hf.HFLlamaWeights``): then
             :meth:`init_module` reads each unit's tensors (this rank's TP slices) from it.
     """
 
