@@ -145,3 +145,16 @@ def test_a_wait_without_a_peer_message_still_times_out_naming_what_it_waited_on(
     failed.done.set()
     with pytest.raises(RuntimeError, match=r"bucket 3 failed after .* Connection closed"):
         Waiter(timeout_s=None, poll=False).wait(failed, lambda: "bucket 3")
+
+
+def test_global_rank_0_does_not_wait_for_a_peer_that_is_gone(monkeypatch):
+    """Rank 0's own error is a lost peer's (SIGKILL): nobody will read its line, so no grace."""
+    store = DictStore()
+    monkeypatch.setattr(waits, "ACK_GRACE_S", 5.0)
+    rank0 = FailureChannel(store, "k", rank=0, world_size=2)
+    started = time.monotonic()
+    rank0.post("RuntimeError: Connection reset by peer", peers_alive=False)
+    assert time.monotonic() - started < 0.5 and rank0.posted
+    started = time.monotonic()
+    FailureChannel(DictStore(), "k", rank=0, world_size=2).post("RuntimeError: boom")  # a live peer never acks
+    assert time.monotonic() - started >= 4.5

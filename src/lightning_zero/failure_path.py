@@ -63,11 +63,12 @@ def note_failure(channel: Optional[FailureChannel], exception: BaseException, tr
     if isinstance(exception, PeerFailedError):
         channel.await_reported()
         return
-    peer = (channel.peer_error() or channel.await_peer_error()) if is_collective_error(exception) else None
+    collective = is_collective_error(exception)
+    peer = (channel.peer_error() or channel.await_peer_error()) if collective else None
     if peer is None:  # this rank's own failure: posted; the user's error is never rewritten
-        channel.post(
-            f"{type(exception).__name__}: {exception} (on global rank {channel.rank}, during {where(trainer)})"
-        )
+        message = f"{type(exception).__name__}: {exception} (on global rank {channel.rank}, during {where(trainer)})"
+        # a lost-peer error without a peer's line: a rank died without a word, and will not read it
+        channel.post(message, peers_alive=not collective or isinstance(exception, CollectiveTimeoutError))
         return
     channel.await_reported()
     _rewrite(exception, f"{peer} -- this rank's own error, a consequence: {exception}")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 ACK_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for its peers to read its message
 NCCL_ABORT_GRACE_S = 2.0  # after a peer's message: time for this rank to reach its failure path first
 MESSAGE_AFTER_ERROR_S = 1.0  # after a collective error: how long to look for the peer's message
-REPORTED_GRACE_S = 3.0  # how long a rank waits for the failing rank to print its own error first
+REPORTED_GRACE_S = 2.0  # how long a rank waits for the failing rank to print its own error first
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -112,9 +112,10 @@ class FailureChannel:
         return cls(store, key, rank=dist.get_rank(), world_size=dist.get_world_size(), **kwargs)
 
     # -- this rank failed -----------------------------------------------------------------------
-    def post(self, message: str) -> None:
+    def post(self, message: str, *, peers_alive: bool = True) -> None:
         """This rank failed with ``message``: tell the others (best effort, once). Global rank 0
-        waits until every peer read it (at most ``ACK_GRACE_S``)."""
+        waits until every peer read it (at most ``ACK_GRACE_S``), unless a peer is known to be gone
+        (``peers_alive=False``: this rank's error is a lost peer's, and it would never read)."""
         if self.posted or self._peer is not None:
             return
         self.posted = True
@@ -125,7 +126,7 @@ class FailureChannel:
             if not first.startswith(f"{self.rank}\n"):  # another rank was first: its line stands
                 return
             atexit.register(self._reported)
-            if self.rank != 0:
+            if self.rank != 0 or not peers_alive:
                 return
             deadline = time.monotonic() + ACK_GRACE_S
             while self.store.add(self.key + "/acks", 0) < self.world_size - 1 and time.monotonic() < deadline:
