@@ -144,6 +144,19 @@ def hf_llama():
     return LlamaForCausalLM(config)
 
 
+def hf_mixtral():
+    """transformers 5 Mixtral: the experts of a layer are one fused module (``gate_up_proj`` and
+    ``down_proj`` stacked over experts), top-2 of 4, so every rank touches every expert tensor."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
 def hf_t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -161,7 +174,7 @@ class CausalLM(Recorded):
     def __init__(self, family: str) -> None:
         super().__init__()
         self.family = family
-        self.model = {"gpt2": hf_gpt2, "llama": hf_llama}[family]()
+        self.model = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}[family]()
 
     def loss(self, batch: Any) -> torch.Tensor:
         (ids,) = batch
@@ -730,6 +743,7 @@ CASES: dict[str, Case] = {
     "moe_skip_idle_experts": Case(MoEDecoder, token_data, ddp=_ddp_unused),
     "layerdrop_per_rank": Case(LayerDrop, vector_data, ddp=_ddp_unused),
     "optional_tower": Case(OptionalTower, token_data, ddp=_ddp_unused),
+    "hf_mixtral_fused_experts": Case(lambda: CausalLM("mixtral"), token_data, ddp=_ddp_unused),
 }
 
 RUNS = [f"{case}-{strategy}" for case in CASES for strategy in STRATEGIES]
