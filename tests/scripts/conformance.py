@@ -742,7 +742,7 @@ CASES: dict[str, Case] = {
     "blocks_in_sequential": Case(lambda: HeldBlocks("sequential"), regression_data),
     "moe_skip_idle_experts": Case(MoEDecoder, token_data, ddp=_ddp_unused),
     "layerdrop_per_rank": Case(LayerDrop, vector_data, ddp=_ddp_unused),
-    "optional_tower": Case(OptionalTower, token_data, ddp=_ddp_unused),
+    "optional_tower": Case(OptionalTower, token_data, ddp=_ddp_unused, checkpoint=True),
     "hf_mixtral_fused_experts": Case(lambda: CausalLM("mixtral"), token_data, ddp=_ddp_unused),
 }
 

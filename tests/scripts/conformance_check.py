@@ -47,7 +47,8 @@ BF16_CASES = {"cnn_batchnorm_bf16", "int8_frozen_base_bf16"}
 COMM_CASES = {"blocks_in_moduledict", "blocks_in_sequential"}
 # Cases whose ZeRO runs save a sharded checkpoint after fit (``Case(checkpoint=True)``): every
 # parameter must be in it once, equal to the trained one (tied, shared, frozen int8, LoRA).
-CHECKPOINT_CASES = {"gpt2_tied", "t5_shared_embedding", "lora_frozen_base_reentrant_ckpt", "int8_frozen_base"}
+CHECKPOINT_CASES = {"gpt2_tied", "t5_shared_embedding", "lora_frozen_base_reentrant_ckpt", "int8_frozen_base",
+                    "optional_tower"}  # fmt: skip
 
 
 # Models whose ranks run different modules in one step (issue 20): each record's extra["ran"] lists
