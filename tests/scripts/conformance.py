@@ -579,8 +579,8 @@ class Dynamic(Recorded):
     """Records which modules ran in each training step (``extra()["ran"]``): a test of these
     models must show that the ranks really ran different modules in some step."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self.ran_now: set[str] = set()
         self.ran: list[list[str]] = []
 
@@ -645,15 +645,13 @@ class MoEDecoder(Dynamic):
         return self.logits(probe_ids())
 
 
-class LayerDrop(Dynamic):
-    """Blocks in an ``nn.ModuleList``, each skipped with probability 0.4 in a training step, drawn
-    per rank (a generator seeded by rank and step): the ranks differ from the first step on."""
+class LayerDrop(Dynamic, BlockMLP):
+    """:class:`BlockMLP` with four blocks, each skipped with probability 0.4 in a training step,
+    drawn per rank (a generator seeded by rank and step): the ranks differ from the first step on."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
+        super().__init__("adamw")
         self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.head = nn.Linear(32, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -665,13 +663,6 @@ class LayerDrop(Dynamic):
             self.ran_now.add(f"blocks.{index}")
             x = block(x)
         return self.head(x)
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def probe(self) -> torch.Tensor:
-        return self(torch.randn(3, 16, generator=_gen(11)))
 
 
 class OptionalTower(Dynamic):
