@@ -79,7 +79,8 @@ class LlamaLM(L.LightningModule):
 
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
-    parallelized there with :func:`lightning_zero.tp.parallelize_llama`.
+    parallelized there with :func:`lightning_zero.tp.parallelize_llama`, sequence-parallel when
+    the strategy says so (``ZeroStrategy(sequence_parallel=True)``).
     """
 
     @classmethod
@@ -170,8 +171,14 @@ class LlamaLM(L.LightningModule):
     def _parallelize(self, tp_mesh: Any) -> None:
         from lightning_zero.tp import parallelize_llama
 
-        parallelize_llama(self.model, tp_mesh)  # counts into model.tp_comm_counter (the strategy adopts it)
+        # counts into model.tp_comm_counter (the strategy adopts it)
+        parallelize_llama(self.model, tp_mesh, sequence_parallel=self._sequence_parallel())
         self._tp_applied = True
+
+    def _sequence_parallel(self) -> bool:
+        """The strategy's ``sequence_parallel`` knob (``ZeroStrategy(sequence_parallel=True)``)."""
+        strategy = getattr(self._trainer, "strategy", None)
+        return bool(getattr(strategy, "sequence_parallel", False))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self._built_model()(idx)

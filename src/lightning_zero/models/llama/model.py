@@ -57,10 +57,15 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
+    def gain(self) -> torch.Tensor:
+        """The per-channel gain the normalized input is multiplied by (``weight``; sequence
+        parallelism routes it through a TP gradient sum, ``tp.parallelize``)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * self.gain()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
