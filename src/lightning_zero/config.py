@@ -49,7 +49,7 @@ class ModelConf:
     rope_theta: Optional[float] = None
     rope_scaling: Optional[dict[str, Any]] = None
     tie_embeddings: Optional[bool] = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: Any = False  # false | "selective" | "full" (true: "full")
     init_from: Optional[str] = None
 
     def llama_fields(self) -> dict[str, Any]:
@@ -495,6 +495,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise _config_error(error, "", schemas.get(group)) from None
     if schemas.get("strategy") is ZeroStrategyConf:
         _check_zero_knobs(cfg.strategy)
+    if "model" in cfg:
+        from lightning_zero.checkpointing import checkpointing_mode
+
+        checkpointing_mode(cfg.model.activation_checkpointing, "model.activation_checkpointing")
     OmegaConf.set_struct(cfg, True)
     return cfg
 

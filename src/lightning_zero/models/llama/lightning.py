@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from lightning_zero.checkpointing import checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig, resolve_config
 from lightning_zero.models.llama.model import Llama, build_llama
 
@@ -69,7 +70,10 @@ class LlamaLM(L.LightningModule):
         max_steps: optimizer step where the cosine decay reaches ``min_lr_ratio * lr``; ``None``
             takes the trainer's estimate of total steps.
         min_lr_ratio: final learning rate as a fraction of ``lr``, in [0, 1].
-        activation_checkpointing: recompute each transformer block in backward.
+        activation_checkpointing: ``False`` (keep every activation), ``"selective"`` (recompute
+            attention's core in backward: rotary, GQA repeat, SDPA) or ``"full"`` / ``True``
+            (recompute each transformer block); see [Note: checkpointing modes] in
+            ``lightning_zero/checkpointing.py``.
         init_from: a Hugging Face Llama directory (``config.json`` + safetensors/``.bin``) to
             start from instead of random init. The shape comes from its ``config.json``; a
             ``config`` that sets a disagreeing shape field raises ``ValueError`` (``max_seq_len``
@@ -101,10 +105,11 @@ class LlamaLM(L.LightningModule):
         warmup_steps: int = 100,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: Union[bool, str] = False,
         init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
+        checkpointing_mode(activation_checkpointing, "LlamaLM(activation_checkpointing)")  # fail early
         self.pretrained: Optional[Any] = None  # models.llama_hf.HFLlamaWeights when init_from is set
         if init_from is not None:
             from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
