@@ -11,14 +11,11 @@ import time
 import psutil
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
 from lightning_zero.models import Llama, LlamaConfig
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
+from tests.saved_bytes import measure_saved_bytes
 
 H100 = "h100_80gb"
 RUN_70B = dict(
@@ -109,55 +106,23 @@ def test_dp_and_tp_bytes_follow_the_ring_formulas():
 
 
 # ---------------------------------------------------------------------------- activations
-# [Note: measuring saved activations] A dispatch mode records the storage of every tensor an op
-# creates during forward; after forward returned the loss, the storages still alive are exactly
-# what autograd (or checkpoint) keeps for backward, deduplicated, parameters excluded. This also
-# sees through non-reentrant checkpointing, which saved-tensor hooks do not.
-
-
-class _CreatedStorages(TorchDispatchMode):
-    def __init__(self, exclude: set[int]) -> None:
-        super().__init__()
-        self.exclude = exclude
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                known = self.storages.get(key)
-                if key not in self.exclude and (known is None or known[0].expired()):
-                    self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
+# Measured as [Note: measuring saved activations] in tests/saved_bytes.py says.
 
 
 def _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_len):
     torch.manual_seed(0)
     model = Llama(config).to(dtype)
     model.activation_checkpointing = checkpointing
-    exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     idx = torch.randint(0, config.vocab_size, (batch, seq_len))
     targets = torch.randint(0, config.vocab_size, (batch, seq_len))
-    backend = SDPBackend.MATH if attention == "math" else SDPBackend.FLASH_ATTENTION
-    tracker = _CreatedStorages(exclude)
-    with sdpa_kernel(backend):
-        with tracker:
-            loss = model.loss_fn(model(idx), targets)
-        measured = tracker.alive_bytes()
-        loss.backward()  # the graph was whole (and the recompute runs the same kernel)
-    return measured
+    return measure_saved_bytes(model, idx, targets, attention)
 
 
 # bf16 + math is left out: SDPA's math path on CPU upcasts bf16 to fp32 (CUDA does not).
 @pytest.mark.parametrize(
     "dtype, attention", [(torch.float32, "fused"), (torch.float32, "math"), (torch.bfloat16, "fused")]
 )
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 @pytest.mark.parametrize("n_kv_heads", [4, 8])  # grouped-query (repeat_interleave) and plain
 def test_activation_formula_matches_saved_tensors(dtype, attention, checkpointing, n_kv_heads):
     config = LlamaConfig.from_name("tiny", n_layers=2, n_kv_heads=n_kv_heads)

@@ -246,6 +246,7 @@ def _two_rank_body(rank: int, world_size: int) -> None:
 
     torch.manual_seed(0)
     _check_sequence_parallel(Llama(cfg), group)
+    _check_saved_activations(Llama(cfg), group)
 
     # meta-device path (Lightning's empty init, then to_empty + reset_parameters per module): the
     # materialized TP model equals the materialized dense one with the same seed
@@ -324,6 +325,30 @@ def _check_sequence_parallel(dense: nn.Module, group: dist.ProcessGroup, dp_grou
 
     with pytest.raises(ValueError, match=r"tp\(2\) does not divide the sequence length \(7\)"):
         model(idx[:, :7])
+
+
+def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None:
+    """What a tp=2 Llama keeps for backward per rank equals the planner's count (1%) for every
+    checkpointing mode, with and without sequence parallelism ([Note: measuring saved
+    activations] in tests/saved_bytes.py)."""
+    from lightning_zero.ledger import llama_activation_bytes
+    from tests.saved_bytes import measure_saved_bytes
+
+    size = dist.get_world_size(group)
+    batch, seq_len = 4, 16
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, dense.config.vocab_size, (batch, seq_len), generator=gen)
+    targets = torch.randint(0, dense.config.vocab_size, (batch, seq_len), generator=gen)
+    for sequence_parallel in (False, True):
+        predicted = llama_activation_bytes(
+            dense.config, micro_batch=batch, seq_len=seq_len, act_bytes=4, tp=size, sequence_parallel=sequence_parallel
+        )
+        for mode in ("none", "selective", "full"):
+            model = parallelize_llama(copy.deepcopy(dense), group, sequence_parallel=sequence_parallel)
+            model.activation_checkpointing = mode
+            measured = measure_saved_bytes(model, idx, targets)
+            want = predicted.saved_after_forward(mode)
+            assert measured == pytest.approx(want, rel=0.01), (sequence_parallel, mode, measured, want)
 
 
 def test_layers_and_llama_tp2_match_dense():
