@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
-from lightning_zero.models import Llama, LlamaConfig
+from lightning_zero.models import Llama, LlamaConfig, resolve_config
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
 from tests.saved_bytes import measure_saved_bytes
 
@@ -287,3 +287,36 @@ def test_plan_reads_precision_checkpointing_and_ddp_from_the_config(capsys):
     assert (plan["stage"], plan["tp"], plan["precision"], plan["activation_checkpointing"]) == (0, 1, "32-true", True)
     assert len(result["stages"]) == 1
     assert plan["memory"]["params"] == 4 * 68_976_648_192 and plan["memory"]["master_weights"] == 0
+
+
+def test_sequence_parallel_and_selective_checkpointing_in_the_plan():
+    """70B at tp=8: sequence parallelism shrinks the norm/residual activations (not the TP
+    total, which only gains the norm gains' gradient sums); selective recompute costs one
+    attention forward per block, full one whole block forward."""
+    from lightning_zero.planner.timing import attention_forward_flops, training_flops
+
+    common = dict(stage=3, world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096)
+    plain = plan_run("70b", **common)
+    sp = plan_run("70b", sequence_parallel=True, **common)
+    tokens, dim, layers = 4096, 8192, 80
+    # each of 2 norms per block (and the head's) keeps (4 + 2) bytes x dim x T/8 instead of x T
+    saved = (2 * layers + 1) * (tokens - tokens // 8) * (dim * (4 + 2) + 4)
+    assert plain.memory.activations - sp.memory.activations == pytest.approx(saved)
+    moved = sp.traffic.tp_bytes_by_kind
+    assert moved["tp_all_gather_seq"] + moved["tp_reduce_scatter_seq"] == pytest.approx(
+        plain.traffic.tp_bytes_by_kind["tp_all_reduce"]
+    )
+    assert moved["tp_all_reduce_norm_grad"] == pytest.approx((2 * layers + 1) * 2 * 7 / 8 * dim * 2)
+    assert sp.checkpointing == "none" and sp.sequence_parallel
+
+    config = resolve_config("70b")
+    shape = dict(micro_batch=1, seq_len=tokens, tp=8)
+    base = training_flops(config, **shape)
+    selective = plan_run("70b", activation_checkpointing="selective", **common)
+    assert selective.checkpointing == "selective" and not selective.activation_checkpointing
+    assert selective.traffic.flops_per_rank - base == pytest.approx(layers * attention_forward_flops(config, **shape))
+    full = plan_run("70b", activation_checkpointing="full", **common)
+    assert full.traffic.flops_per_rank > selective.traffic.flops_per_rank
+    assert full.memory.activations < selective.memory.activations < plain.memory.activations
+    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
+        plan_run("70b", stage=3, world_size=8, devices_per_node=8, tp=1, sequence_parallel=True)

@@ -330,8 +330,11 @@ def _check_sequence_parallel(dense: nn.Module, group: dist.ProcessGroup, dp_grou
 def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None:
     """What a tp=2 Llama keeps for backward per rank equals the planner's count (1%) for every
     checkpointing mode, with and without sequence parallelism ([Note: measuring saved
-    activations] in tests/saved_bytes.py)."""
+    activations] in tests/saved_bytes.py), and the bytes of each TP collective of that forward +
+    backward equal the planner's ``tp_bytes_by_kind`` exactly."""
     from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.planner.arithmetic import tp_bytes_by_kind
+    from lightning_zero.tp.loss import TP_LOSS_LABEL
     from tests.saved_bytes import measure_saved_bytes
 
     size = dist.get_world_size(group)
@@ -344,11 +347,22 @@ def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None
             dense.config, micro_batch=batch, seq_len=seq_len, act_bytes=4, tp=size, sequence_parallel=sequence_parallel
         )
         for mode in ("none", "selective", "full"):
-            model = parallelize_llama(copy.deepcopy(dense), group, sequence_parallel=sequence_parallel)
+            counter = CommCounter()
+            model = parallelize_llama(copy.deepcopy(dense), group, counter=counter, sequence_parallel=sequence_parallel)
             model.activation_checkpointing = mode
             measured = measure_saved_bytes(model, idx, targets)
             want = predicted.saved_after_forward(mode)
             assert measured == pytest.approx(want, rel=0.01), (sequence_parallel, mode, measured, want)
+            sent = {kind: sent for kind, sent in counter.bytes.items() if kind != TP_LOSS_LABEL}
+            formula = tp_bytes_by_kind(
+                dense.config,
+                tokens=idx.numel(),
+                tp=size,
+                act_bytes=4,
+                activation_checkpointing=mode,
+                sequence_parallel=sequence_parallel,
+            )
+            assert sent == formula, (sequence_parallel, mode)
 
 
 def test_layers_and_llama_tp2_match_dense():
