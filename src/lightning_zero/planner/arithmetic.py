@@ -248,15 +248,8 @@ def plan_run(
     gathered_unit = max(counts.block, counts.embedding, counts.output)
     prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
 
-    acts = llama_activation_bytes(
-        config,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        act_bytes=dtype.activation,
-        tp=tp,
-        attention=attention,
-        sequence_parallel=bool(sequence_parallel),
-    )
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel))
+    acts = llama_activation_bytes(config, act_bytes=dtype.activation, attention=attention, **shape)
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -417,14 +410,9 @@ def _traffic(
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
     tokens = micro_batch * seq_len
+    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
     tp_bytes = tp_bytes_by_kind(
-        config,
-        tokens=tokens,
-        tp=tp,
-        act_bytes=dtype.activation,
-        micro_batches=micro_batches,
-        activation_checkpointing=activation_checkpointing,
-        sequence_parallel=sequence_parallel,
+        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
     )
     flops = micro_batches * training_flops(
         config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
