@@ -403,6 +403,7 @@ class PlanConf:
     top: int = 10
     overlap_param_gather: Optional[bool] = None  # None: as the strategy's overlap_param_gather does
     topology: bool = True  # on more than one node: also plan hybrid / hierarchical / int8 side by side
+    lossless: bool = False  # search: leave out layouts with lossy (compressed) communication
 
 
 GROUP_SCHEMAS: dict[str, type] = {

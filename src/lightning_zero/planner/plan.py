@@ -165,6 +165,19 @@ class Plan:
         return self.memory.total <= self.available_bytes
 
     @property
+    def lossless(self) -> bool:
+        """No collective sends fewer bits than the tensor it carries: a ``grad_comm_dtype`` /
+        ``param_comm_dtype`` of ``"int8"``, or ``"bf16"`` for fp32 gradients (``32-true``,
+        ``reduce_dtype="fp32"``) or fp32 parameters, is lossy (docs/compression.md)."""
+        grads_fp32 = self.precision.startswith("32") or self.reduce_dtype == "fp32"
+        wire_bytes = {None: 4, "fp32": 4, "bf16": 2, "int8": 1}
+        native = (
+            (self.grad_comm_dtype, 4 if grads_fp32 else 2),
+            (self.param_comm_dtype, 4 if self.precision.startswith("32") else 2),
+        )
+        return all(wire_bytes[comm] >= need for comm, need in native)
+
+    @property
     def step_s(self) -> float:
         return self.traffic.step_s
 
