@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import lightning as L
 import psutil
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero.models import Llama, LlamaConfig, LlamaLM, WarmupCosine, resolve_config
 from lightning_zero.models.llama import apply_rope, rope_tables
@@ -185,19 +187,59 @@ def test_init_weights_is_deterministic_and_materializes_meta_models():
     assert reference.output.weight.std().item() == pytest.approx(config.dim**-0.5, rel=0.1)
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+class _OpsInBackward(TorchDispatchMode):
+    """Counts the aten ops that run (by name), to tell what a backward recomputes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_activation_checkpointing_modes_give_the_same_losses_and_gradients():
+    """false, "selective" and "full" train alike (1e-5); "selective" recomputes only attention's
+    core (one SDPA forward and the rotary per block, no linear layer's matmul), "full" every block."""
+    config = small_config()
     torch.manual_seed(0)
-    model = Llama(small_config())
+    model = Llama(config)
     idx = torch.randint(0, 64, (2, 16))
 
-    def grads(checkpointing: bool) -> list[torch.Tensor]:
+    def run(mode) -> tuple[torch.Tensor, list[torch.Tensor], collections.Counter]:
         model.zero_grad()
-        model.activation_checkpointing = checkpointing
-        model.loss_fn(model(idx[:, :-1]), idx[:, 1:]).backward()
-        return [p.grad.clone() for p in model.parameters()]
+        model.activation_checkpointing = mode
+        loss = model.loss_fn(model(idx[:, :-1]), idx[:, 1:])
+        with _OpsInBackward() as ops:
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], ops.counts
 
-    for plain, recomputed in zip(grads(False), grads(True)):
-        torch.testing.assert_close(plain, recomputed)
+    results = {mode: run(mode) for mode in (False, "selective", "full", True)}
+    loss_none, grads_none, ops_none = results[False]
+    for mode, (loss, grads, _) in results.items():
+        torch.testing.assert_close(loss, loss_none, rtol=1e-5, atol=1e-5)
+        for plain, recomputed in zip(grads_none, grads):
+            torch.testing.assert_close(
+                recomputed, plain, rtol=1e-5, atol=1e-5, msg=f"activation_checkpointing={mode!r}"
+            )
+    assert model.activation_checkpointing == "full"  # True is "full"
+
+    def forward_attention(counts):  # SDPA forward kernels (whichever backend ran)
+        return sum(n for name, n in counts.items() if "scaled_dot_product" in name and "backward" not in name)
+
+    ops_selective, ops_full = results["selective"][2], results["full"][2]
+    assert forward_attention(ops_none) == 0
+    assert forward_attention(ops_selective) == forward_attention(ops_full) == config.n_layers
+    # selective: no linear recomputed (the same matmuls as backward without checkpointing) ...
+    assert ops_selective["mm"] == ops_none["mm"]
+    # ... full: each block's linear forwards again: wq wk wv wo w1 w3 (non-reentrant checkpoint
+    # stops once every saved tensor is back: w2's product, the block's output, is never needed)
+    assert ops_full["mm"] == ops_none["mm"] + 6 * config.n_layers
+    with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
+        model.activation_checkpointing = "partial"
+    with pytest.raises(ValueError, match=r"LlamaLM\(activation_checkpointing\)='some'"):
+        LlamaLM(activation_checkpointing="some")
 
 
 def test_loss_falls_on_a_learnable_task():

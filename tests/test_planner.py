@@ -11,14 +11,11 @@ import time
 import psutil
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
-from lightning_zero.models import Llama, LlamaConfig
+from lightning_zero.models import Llama, LlamaConfig, resolve_config
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
+from tests.saved_bytes import measure_saved_bytes
 
 H100 = "h100_80gb"
 RUN_70B = dict(
@@ -109,55 +106,23 @@ def test_dp_and_tp_bytes_follow_the_ring_formulas():
 
 
 # ---------------------------------------------------------------------------- activations
-# [Note: measuring saved activations] A dispatch mode records the storage of every tensor an op
-# creates during forward; after forward returned the loss, the storages still alive are exactly
-# what autograd (or checkpoint) keeps for backward, deduplicated, parameters excluded. This also
-# sees through non-reentrant checkpointing, which saved-tensor hooks do not.
-
-
-class _CreatedStorages(TorchDispatchMode):
-    def __init__(self, exclude: set[int]) -> None:
-        super().__init__()
-        self.exclude = exclude
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                known = self.storages.get(key)
-                if key not in self.exclude and (known is None or known[0].expired()):
-                    self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
+# Measured as [Note: measuring saved activations] in tests/saved_bytes.py says.
 
 
 def _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_len):
     torch.manual_seed(0)
     model = Llama(config).to(dtype)
     model.activation_checkpointing = checkpointing
-    exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     idx = torch.randint(0, config.vocab_size, (batch, seq_len))
     targets = torch.randint(0, config.vocab_size, (batch, seq_len))
-    backend = SDPBackend.MATH if attention == "math" else SDPBackend.FLASH_ATTENTION
-    tracker = _CreatedStorages(exclude)
-    with sdpa_kernel(backend):
-        with tracker:
-            loss = model.loss_fn(model(idx), targets)
-        measured = tracker.alive_bytes()
-        loss.backward()  # the graph was whole (and the recompute runs the same kernel)
-    return measured
+    return measure_saved_bytes(model, idx, targets, attention)
 
 
 # bf16 + math is left out: SDPA's math path on CPU upcasts bf16 to fp32 (CUDA does not).
 @pytest.mark.parametrize(
     "dtype, attention", [(torch.float32, "fused"), (torch.float32, "math"), (torch.bfloat16, "fused")]
 )
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 @pytest.mark.parametrize("n_kv_heads", [4, 8])  # grouped-query (repeat_interleave) and plain
 def test_activation_formula_matches_saved_tensors(dtype, attention, checkpointing, n_kv_heads):
     config = LlamaConfig.from_name("tiny", n_layers=2, n_kv_heads=n_kv_heads)
@@ -322,3 +287,36 @@ def test_plan_reads_precision_checkpointing_and_ddp_from_the_config(capsys):
     assert (plan["stage"], plan["tp"], plan["precision"], plan["activation_checkpointing"]) == (0, 1, "32-true", True)
     assert len(result["stages"]) == 1
     assert plan["memory"]["params"] == 4 * 68_976_648_192 and plan["memory"]["master_weights"] == 0
+
+
+def test_sequence_parallel_and_selective_checkpointing_in_the_plan():
+    """70B at tp=8: sequence parallelism shrinks the norm/residual activations (not the TP
+    total, which only gains the norm gains' gradient sums); selective recompute costs one
+    attention forward per block, full one whole block forward."""
+    from lightning_zero.planner.timing import attention_forward_flops, training_flops
+
+    common = dict(stage=3, world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096)
+    plain = plan_run("70b", **common)
+    sp = plan_run("70b", sequence_parallel=True, **common)
+    tokens, dim, layers = 4096, 8192, 80
+    # each of 2 norms per block (and the head's) keeps (4 + 2) bytes x dim x T/8 instead of x T
+    saved = (2 * layers + 1) * (tokens - tokens // 8) * (dim * (4 + 2) + 4)
+    assert plain.memory.activations - sp.memory.activations == pytest.approx(saved)
+    moved = sp.traffic.tp_bytes_by_kind
+    assert moved["tp_all_gather_seq"] + moved["tp_reduce_scatter_seq"] == pytest.approx(
+        plain.traffic.tp_bytes_by_kind["tp_all_reduce"]
+    )
+    assert moved["tp_all_reduce_norm_grad"] == pytest.approx((2 * layers + 1) * 2 * 7 / 8 * dim * 2)
+    assert sp.checkpointing == "none" and sp.sequence_parallel
+
+    config = resolve_config("70b")
+    shape = dict(micro_batch=1, seq_len=tokens, tp=8)
+    base = training_flops(config, **shape)
+    selective = plan_run("70b", activation_checkpointing="selective", **common)
+    assert selective.checkpointing == "selective" and not selective.activation_checkpointing
+    assert selective.traffic.flops_per_rank - base == pytest.approx(layers * attention_forward_flops(config, **shape))
+    full = plan_run("70b", activation_checkpointing="full", **common)
+    assert full.traffic.flops_per_rank > selective.traffic.flops_per_rank
+    assert full.memory.activations < selective.memory.activations < plain.memory.activations
+    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
+        plan_run("70b", stage=3, world_size=8, devices_per_node=8, tp=1, sequence_parallel=True)

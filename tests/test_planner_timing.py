@@ -4,6 +4,7 @@ the calibration command, and the planner package's structure."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import subprocess
 import sys
@@ -391,3 +392,27 @@ def test_gradient_path_bytes_per_stage_by_hand():
     assert gradient_path_bytes(0, full_grads=False, **four) == 36 + 24
     assert gradient_path_bytes(1, full_grads=True, **four) == 4 + 48 + 4
     assert gradient_path_bytes(2, full_grads=False, **four) == 32 + 22
+
+
+def test_search_marks_lossy_layouts_and_lossless_leaves_them_out():
+    """The 70B search on 8 x 8 H100 ranks int8 layouts first unless plan.lossless; each entry says
+    whether it is lossless; sequence parallelism and selective checkpointing are enumerated."""
+    common = dict(world_size=64, devices_per_node=8, global_batch=1024, seq_len=4096, hardware=H100)
+    everything = search_layouts("70b", **common)
+    lossy = [entry for entry in everything.ranked if not entry.plan.lossless]
+    assert lossy and all("int8" in (entry.plan.grad_comm_dtype, entry.plan.param_comm_dtype) for entry in lossy)
+    assert everything.ranked[0].as_dict()["lossless"] is everything.ranked[0].plan.lossless
+    clean = search_layouts("70b", lossless=True, **common)
+    assert clean.ranked and all(entry.plan.lossless for entry in clean.ranked)
+    assert clean.evaluated < everything.evaluated
+    layouts = [entry.layout for entry in clean.ranked]
+    assert {layout.activation_checkpointing for layout in layouts} >= {"none", "selective", "full"}
+    assert any(layout.sequence_parallel for layout in layouts) and any(
+        not layout.sequence_parallel for layout in layouts
+    )
+    assert all(layout.tp > 1 for layout in layouts if layout.sequence_parallel)
+    # bf16 wire format of fp32 gradients is lossy too; fp32 and the native bf16 are not
+    plan = plan_run("70b", stage=3, **{k: v for k, v in common.items() if k != "global_batch"}, tp=8)
+    assert plan.lossless
+    assert not dataclasses.replace(plan, grad_comm_dtype="bf16", reduce_dtype="fp32").lossless
+    assert dataclasses.replace(plan, grad_comm_dtype="fp32", param_comm_dtype="bf16").lossless

@@ -28,6 +28,8 @@ from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
         ({"prefetch_blocks": 1.5}, "prefetch_blocks"),
         ({"collective_timeout": 0}, r"ZeroStrategy\(collective_timeout=0\)"),
         ({"stage": 3, "defer_grad_reduce": True}, "defer_grad_reduce"),
+        ({"sequence_parallel": True}, r"sequence_parallel=True, tensor_parallel_size=1\).*tensor_parallel_size > 1"),
+        ({"sequence_parallel": "yes"}, r"ZeroStrategy\(sequence_parallel='yes'\): must be True or False"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

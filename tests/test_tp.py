@@ -7,6 +7,7 @@ rank and the TP result (gathered over the TP group) is compared with it directly
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -243,6 +244,10 @@ def _two_rank_body(rank: int, world_size: int) -> None:
     plain.load_state_dict(full)
     _close(fresh(idx), _slice(plain(idx), -1, rank, world_size), "reloaded logits")
 
+    torch.manual_seed(0)
+    _check_sequence_parallel(Llama(cfg), group)
+    _check_saved_activations(Llama(cfg), group)
+
     # meta-device path (Lightning's empty init, then to_empty + reset_parameters per module): the
     # materialized TP model equals the materialized dense one with the same seed
     from lightning.fabric.utilities.init import _materialize_meta_tensors
@@ -257,6 +262,107 @@ def _two_rank_body(rank: int, world_size: int) -> None:
     materialized = gather_tp_state_dict(tp_meta, group)
     for name, tensor in dense_meta.state_dict().items():
         assert torch.equal(materialized[name], tensor), f"meta-materialized {name}"
+
+
+def _check_sequence_parallel(dense: nn.Module, group: dist.ProcessGroup, dp_group=None, dp_rank: int = 0) -> None:
+    """``parallelize_llama(sequence_parallel=True)`` trains like the dense model (3 steps),
+    sends exactly the bytes [Note: sequence parallelism] says, and saves and loads the same state
+    dict as the layout without it."""
+    from lightning_zero.tp.layers import SP_GATHER_LABEL, SP_GRAD_LABEL, SP_SCATTER_LABEL, TP_LABEL
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    cfg = dense.config
+    plain = parallelize_llama(copy.deepcopy(dense), group)
+    model = parallelize_llama(copy.deepcopy(dense), group, counter=(counter := CommCounter()), sequence_parallel=True)
+    assert tp_shard_dim(model.layers[0].ffn_norm.weight) is None
+    assert model.state_dict().keys() == plain.state_dict().keys()
+
+    idx, targets = _batch(0, dp_rank)
+    h = model.tok_embeddings(idx)
+    assert h.shape == (idx.shape[0], idx.shape[1] // size, cfg.dim)  # (B, T/tp, dim)
+    _close(model(idx), _slice(dense(idx), -1, rank, size), "sequence-parallel logits")
+
+    # one forward + backward: 4 L + 2 all-gathers and as many reduce-scatters of B T dim (each
+    # (tp-1)/tp of it leaves a rank), no activation all-reduce, 2 L + 1 norm-gain gradient sums
+    counter.reset()
+    model.loss_fn(model(idx), targets).backward()
+    activation_bytes = idx.numel() * cfg.dim * 4
+    collectives = 4 * cfg.n_layers + 2
+    assert counter.calls[SP_GATHER_LABEL] == counter.calls[SP_SCATTER_LABEL] == collectives
+    assert TP_LABEL not in counter.calls
+    assert counter.bytes[SP_GATHER_LABEL] == (size - 1) / size * activation_bytes * collectives
+    assert counter.bytes[SP_SCATTER_LABEL] == (size - 1) / size * activation_bytes * collectives
+    assert counter.calls[SP_GRAD_LABEL] == 2 * cfg.n_layers + 1
+    assert counter.bytes[SP_GRAD_LABEL] == 2 * (size - 1) / size * cfg.dim * 4 * (2 * cfg.n_layers + 1)
+    # the norm gains hold the full (TP-summed) gradient, like every replicated parameter
+    plain.loss_fn(plain(idx), targets).backward()
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        _close(got.grad, want.grad, f"sequence-parallel grad {name}")
+    model.zero_grad()
+
+    dense = copy.deepcopy(dense)
+    # AdamW at tp only; SGD over dp as in _four_rank_body (Adam's g / sqrt(v) blows the dp sum's
+    # rounding up on near-zero gradients)
+    make_opt = (
+        functools.partial(torch.optim.AdamW, lr=1e-2)
+        if dp_group is None
+        else functools.partial(torch.optim.SGD, lr=0.1)
+    )
+    dense_opt, sp_opt = make_opt(dense.parameters()), make_opt(model.parameters())
+    for step in range(3):
+        both = [_batch(step, r) for r in range(1 if dp_group is None else 2)]
+        loss_dense = _step(dense, dense_opt, torch.cat([b[0] for b in both]), torch.cat([b[1] for b in both]))
+        loss_sp = _step(model, sp_opt, *both[dp_rank], dp_group=dp_group)
+        if dp_group is not None:
+            dist.all_reduce(loss_sp, group=dp_group)
+            loss_sp /= 2
+        _close(loss_sp, loss_dense, f"sequence-parallel loss at step {step}")
+    full = gather_tp_state_dict(model, group)
+    for name, tensor in dense.state_dict().items():
+        _close(full[name], tensor, f"sequence-parallel param {name} after 3 steps")
+    plain.load_state_dict(model.state_dict())  # a sequence-parallel state dict is the plain one
+    _close(plain(idx), model(idx), "plain TP model loaded from a sequence-parallel one")
+
+    with pytest.raises(ValueError, match=r"tp\(2\) does not divide the sequence length \(7\)"):
+        model(idx[:, :7])
+
+
+def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None:
+    """What a tp=2 Llama keeps for backward per rank equals the planner's count (1%) for every
+    checkpointing mode, with and without sequence parallelism ([Note: measuring saved
+    activations] in tests/saved_bytes.py), and the bytes of each TP collective of that forward +
+    backward equal the planner's ``tp_bytes_by_kind`` exactly."""
+    from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.planner.arithmetic import tp_bytes_by_kind
+    from lightning_zero.tp.loss import TP_LOSS_LABEL
+    from tests.saved_bytes import measure_saved_bytes
+
+    size = dist.get_world_size(group)
+    batch, seq_len = 4, 16
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(0, dense.config.vocab_size, (batch, seq_len), generator=gen)
+    targets = torch.randint(0, dense.config.vocab_size, (batch, seq_len), generator=gen)
+    for sequence_parallel in (False, True):
+        predicted = llama_activation_bytes(
+            dense.config, micro_batch=batch, seq_len=seq_len, act_bytes=4, tp=size, sequence_parallel=sequence_parallel
+        )
+        for mode in ("none", "selective", "full"):
+            counter = CommCounter()
+            model = parallelize_llama(copy.deepcopy(dense), group, counter=counter, sequence_parallel=sequence_parallel)
+            model.activation_checkpointing = mode
+            measured = measure_saved_bytes(model, idx, targets)
+            want = predicted.saved_after_forward(mode)
+            assert measured == pytest.approx(want, rel=0.01), (sequence_parallel, mode, measured, want)
+            sent = {kind: sent for kind, sent in counter.bytes.items() if kind != TP_LOSS_LABEL}
+            formula = tp_bytes_by_kind(
+                dense.config,
+                tokens=idx.numel(),
+                tp=size,
+                act_bytes=4,
+                activation_checkpointing=mode,
+                sequence_parallel=sequence_parallel,
+            )
+            assert sent == formula, (sequence_parallel, mode)
 
 
 def test_layers_and_llama_tp2_match_dense():
@@ -299,6 +405,9 @@ def _four_rank_body(rank: int, world_size: int) -> None:
     full = gather_tp_state_dict(model, tp_group)
     for name, tensor in dense.state_dict().items():
         _close(full[name], tensor, f"param {name} after 2 SGD steps")
+
+    torch.manual_seed(0)
+    _check_sequence_parallel(Llama(cfg), tp_group, dp_group=dp_group, dp_rank=dp_rank)
 
 
 def _check_zero_style_grad_norm(model: nn.Module, dense: nn.Module, dp_rank: int, dp_size: int, tp_size: int) -> None:

@@ -2,6 +2,7 @@
 
 tp=2 (dp=1) matches a single process; tp=2 x dp=2 matches dp=2 under ZeRO-1, 2 and 3 (with norm
 clipping, which must count each parameter once); TP peers see the same batches, dp peers do not.
+The same holds with ``sequence_parallel=True``, and checkpoints move between the two layouts.
 """
 
 from pathlib import Path
@@ -14,8 +15,20 @@ from tests.distributed import launch
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [
     (1, ["single"]),
-    (2, ["tp2", "dp2_zero1", "dp2_zero2"]),
-    (4, ["tp2dp2_zero1", "tp2dp2_zero2", "tp2dp2_zero3"]),
+    (2, ["tp2", "dp2_zero1", "dp2_zero2", "tp2_sp"]),
+    (
+        4,
+        [
+            "tp2dp2_zero1",
+            "tp2dp2_zero2",
+            "tp2dp2_zero3",
+            "tp2dp2_sp_zero1",
+            "tp2dp2_sp_zero2",
+            "tp2dp2_sp_zero3",
+            "resume_sp_ckpt_plain",
+            "resume_plain_ckpt_sp",
+        ],
+    ),
 ]
 
 
@@ -34,7 +47,20 @@ def _load(results, case, rank=0):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case, reference",
-    [("tp2", "single"), ("tp2dp2_zero1", "dp2_zero1"), ("tp2dp2_zero2", "dp2_zero2"), ("tp2dp2_zero3", "dp2_zero2")],
+    [
+        ("tp2", "single"),
+        ("tp2dp2_zero1", "dp2_zero1"),
+        ("tp2dp2_zero2", "dp2_zero2"),
+        ("tp2dp2_zero3", "dp2_zero2"),
+        ("tp2_sp", "single"),
+        ("tp2_sp", "tp2"),
+        ("tp2dp2_sp_zero1", "dp2_zero1"),
+        ("tp2dp2_sp_zero1", "tp2dp2_zero1"),
+        ("tp2dp2_sp_zero2", "dp2_zero2"),
+        ("tp2dp2_sp_zero2", "tp2dp2_zero2"),
+        ("tp2dp2_sp_zero3", "dp2_zero2"),
+        ("tp2dp2_sp_zero3", "tp2dp2_zero3"),
+    ],
 )
 def test_tp_matches_reference(results, case, reference):
     got, want = _load(results, case), _load(results, reference)
@@ -61,3 +87,25 @@ def test_tp_and_dp_traffic_counted_together(results):
     assert "reduce_scatter_grads" not in tp_only and "all_gather_params" not in tp_only
     both = _load(results, "tp2dp2_zero2")["sent"]
     assert both["tp_all_reduce"] > 0 and both["reduce_scatter_grads"] > 0 and both["all_gather_params"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["resume_sp_ckpt_plain", "resume_plain_ckpt_sp"])
+def test_checkpoint_resumes_across_sequence_parallel(results, case):
+    """A step-2 checkpoint saved with sequence parallelism resumes without it (and the other way
+    round) and continues with the uninterrupted run's steps 3-4, on every rank."""
+    for rank in range(4):
+        got = torch.tensor(_load(results, case, rank)["losses"])
+        want = torch.tensor(_load(results, "tp2dp2_zero2", rank)["losses"][2:])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_replaces_the_activation_all_reduce(results):
+    """Same TP bytes (the reduce-scatter and all-gather of sequence parallelism move what the
+    all-reduce did), no activation all-reduce left; the norm gains' gradient sums come on top."""
+    plain, sp = _load(results, "tp2")["sent"], _load(results, "tp2_sp")["sent"]
+    assert "tp_all_reduce" not in sp
+    moved = sp["tp_all_gather_seq"] + sp["tp_reduce_scatter_seq"]
+    assert moved == pytest.approx(plain["tp_all_reduce"], rel=1e-12)
+    assert 0 < sp["tp_all_reduce_norm_grad"] < 1e-2 * moved

@@ -49,7 +49,7 @@ class ModelConf:
     rope_theta: Optional[float] = None
     rope_scaling: Optional[dict[str, Any]] = None
     tie_embeddings: Optional[bool] = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: Any = False  # false | "selective" | "full" (true: "full")
     init_from: Optional[str] = None
 
     def llama_fields(self) -> dict[str, Any]:
@@ -87,6 +87,12 @@ class ZeroConfig:
             unit (block) just in time.
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node; ``dp = world_size // tensor_parallel_size``.
+        sequence_parallel: shard the norm and residual regions of a tensor-parallel ``LlamaLM``
+            over the sequence inside the TP group (Korthikanti et al. 2022): each TP rank keeps
+            ``T/tp`` tokens of those activations (``tp`` times fewer bytes there); each
+            all-reduce of ``B T dim`` becomes a reduce-scatter plus an all-gather of the same
+            bytes. Needs ``tensor_parallel_size > 1`` and a sequence length divisible by it.
+            See docs/tensor_parallel.md.
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async reduce-scatter.
             ``"auto"``: a quarter of the model's gradient bytes, between 1 and 25 MiB
             (:func:`resolve_bucket_mb`; the default): a small model still has several buckets
@@ -145,6 +151,7 @@ class ZeroConfig:
 
     stage: int = 2
     tensor_parallel_size: Union[int, str] = 1
+    sequence_parallel: bool = False
     bucket_mb: Union[float, str] = "auto"
     overlap_comm: bool = True
     prefetch_blocks: int = 1
@@ -180,9 +187,22 @@ class ZeroConfig:
             fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
         if not _is_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
             fail("max_buckets_in_flight", "must be an int >= 1.")
-        for name in ("overlap_comm", "offload_optimizer", "defer_grad_reduce", "monitor", "overlap_param_gather"):
+        for name in (
+            "sequence_parallel",
+            "overlap_comm",
+            "offload_optimizer",
+            "defer_grad_reduce",
+            "monitor",
+            "overlap_param_gather",
+        ):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(
+                "ZeroStrategy(sequence_parallel=True, tensor_parallel_size=1): sequence parallelism shards"
+                " activations inside the tensor-parallel group; set tensor_parallel_size > 1 (or 'auto')"
+                " or sequence_parallel=False."
+            )
         timeout = self.collective_timeout
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -383,6 +403,7 @@ class PlanConf:
     top: int = 10
     overlap_param_gather: Optional[bool] = None  # None: as the strategy's overlap_param_gather does
     topology: bool = True  # on more than one node: also plan hybrid / hierarchical / int8 side by side
+    lossless: bool = False  # search: leave out layouts with lossy (compressed) communication
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -475,6 +496,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise _config_error(error, "", schemas.get(group)) from None
     if schemas.get("strategy") is ZeroStrategyConf:
         _check_zero_knobs(cfg.strategy)
+    if "model" in cfg:
+        from lightning_zero.checkpointing import checkpointing_mode
+
+        checkpointing_mode(cfg.model.activation_checkpointing, "model.activation_checkpointing")
     OmegaConf.set_struct(cfg, True)
     return cfg
 

@@ -52,6 +52,8 @@ class ZeroStrategy(DDPStrategy):
             time, each rank keeping only its shard.
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node. ``dp = world_size // tensor_parallel_size``.
+        sequence_parallel: shard the norm/residual activations of a tensor-parallel ``LlamaLM``
+            over the sequence in the TP group (``tp`` times fewer bytes there, same bytes sent).
         bucket_mb: gradient bucket size in MiB; each full bucket launches one async
             reduce-scatter over dp. ``"auto"`` (default): a quarter of the gradient bytes, between
             1 and 25 MiB, so even a small model's reduce-scatters start during backward.
@@ -116,6 +118,7 @@ class ZeroStrategy(DDPStrategy):
         self,
         stage: int = ZERO_DEFAULTS.stage,
         tensor_parallel_size: Union[int, Literal["auto"]] = ZERO_DEFAULTS.tensor_parallel_size,
+        sequence_parallel: bool = ZERO_DEFAULTS.sequence_parallel,
         bucket_mb: Union[float, Literal["auto"]] = ZERO_DEFAULTS.bucket_mb,
         overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
         prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
@@ -226,6 +229,19 @@ class ZeroStrategy(DDPStrategy):
         )  # raises on a bad layout before any process group starts
         model_config = getattr(self.lightning_module, "config", None)
         dims.validate(model_config if hasattr(model_config, "n_heads") else None)
+        if self.sequence_parallel and dims.tp == 1:
+            raise ValueError(
+                f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={self.tensor_parallel_size!r} resolved"
+                " to 1 rank per TP group; sequence parallelism needs tp > 1 (more devices per node, or"
+                " sequence_parallel=False)."
+            )
+        if self.sequence_parallel:  # a data module's sequence length must split over TP (checked before launch)
+            from lightning_zero.tp.layers import sequence_shard_len
+
+            trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+            seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+            if isinstance(seq_len, int):
+                sequence_shard_len(seq_len, dims.tp)
         self._dims = dims
         super().setup_environment()  # starts the process group
         self._open_failure_channel()

@@ -18,11 +18,11 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 GLOBAL_BATCH = 8
@@ -98,13 +98,8 @@ def run(name: str, out_dir: str) -> None:
         source="synthetic", seq_len=16, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.2, seed=3
     )
     record = Record()
-    callbacks: list = [record]
-    if name in SAVES:
-        ckpt_dir = os.path.join(out_dir, "ckpts", SAVES[name])
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1))
-    ckpt_path = None
-    if name in RESUMES:
-        ckpt_path = os.path.join(out_dir, "ckpts", RESUMES[name], "epoch=0-step=2.ckpt")
+    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
+    callbacks: list = [record, *checkpoints]
     trainer = L.Trainer(
         accelerator="cpu",
         num_nodes=2,

@@ -2,7 +2,9 @@
 
 Usage: python tests/scripts/tp_parity.py OUT_DIR DEVICES CASE [CASE ...]
 Every rank writes OUT_DIR/<case>.rank<r>.pt: per-step losses, the dense (TP-gathered) parameters,
-and a fingerprint of each batch it trained on.
+and a fingerprint of each batch it trained on. Cases run in the order given: the ones in SAVES
+write a checkpoint at step 2 that the ones in RESUMES continue to step 4 in the other layout
+(with and without sequence parallelism).
 """
 
 import os
@@ -17,6 +19,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 CLIP = {"gradient_clip_val": 0.05}
@@ -28,7 +31,26 @@ CASES = {
     "tp2dp2_zero1": (lambda: ZeroStrategy(stage=1, tensor_parallel_size=2), CLIP),
     "tp2dp2_zero2": (lambda: ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.01), CLIP),
     "tp2dp2_zero3": (lambda: ZeroStrategy(stage=3, tensor_parallel_size=2, bucket_mb=0.01), CLIP),
+    # sequence parallelism: the same runs with the norm/residual regions sharded over the sequence
+    "tp2_sp": (lambda: ZeroStrategy(stage=1, tensor_parallel_size=2, sequence_parallel=True), {}),
+    "tp2dp2_sp_zero1": (lambda: ZeroStrategy(stage=1, tensor_parallel_size=2, sequence_parallel=True), CLIP),
+    "tp2dp2_sp_zero2": (
+        lambda: ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.01, sequence_parallel=True),
+        CLIP,
+    ),
+    "tp2dp2_sp_zero3": (
+        lambda: ZeroStrategy(stage=3, tensor_parallel_size=2, bucket_mb=0.01, sequence_parallel=True),
+        CLIP,
+    ),
+    # checkpoints cross the layouts: saved with sequence parallelism, resumed without, and back
+    "resume_sp_ckpt_plain": (lambda: ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.01), CLIP),
+    "resume_plain_ckpt_sp": (
+        lambda: ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.01, sequence_parallel=True),
+        CLIP,
+    ),
 }
+SAVES = {"tp2dp2_zero2": "plain", "tp2dp2_sp_zero2": "sp"}  # case: checkpoint directory written at step 2
+RESUMES = {"resume_sp_ckpt_plain": "sp", "resume_plain_ckpt_sp": "plain"}  # case: checkpoint it resumes
 
 
 class Record(L.Callback):
@@ -48,24 +70,26 @@ def run(name: str, devices: int, out_dir: str) -> None:
     L.seed_everything(42, verbose=False)
     model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=4)
     # The global batch is the same in every case: 4 samples per step.
-    dp = {"single": 1, "tp2": 1}.get(name, 2)
+    dp = {"single": 1, "tp2": 1, "tp2_sp": 1}.get(name, 2)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=4 // dp, vocab_size=64, val_fraction=0.2, seed=3)
     record = Record()
+    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
+    callbacks: list = [record, *checkpoints]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=make_strategy(),
         max_steps=4,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=name in SAVES,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[record],
+        callbacks=callbacks,
         **kwargs,
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)  # (ZeRO-3 unshards at the end of fit)
     if mesh is not None:
         from lightning_zero.tp import gather_tp_state_dict

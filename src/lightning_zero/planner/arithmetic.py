@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.fit import suggest_fixes
@@ -82,7 +83,8 @@ def plan_run(
     precision: str = "bf16-mixed",
     micro_batch: int = 1,
     seq_len: Optional[int] = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Union[bool, str] = False,
+    sequence_parallel: bool = ZERO_DEFAULTS.sequence_parallel,
     bucket_mb: Union[float, str] = ZERO_DEFAULTS.bucket_mb,
     prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
     defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
@@ -111,7 +113,12 @@ def plan_run(
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
         precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param) or ``"32-true"`` (4 + 4 + 8).
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
-        activation_checkpointing: keep only each block's input and recompute it in backward.
+        activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
+            core) or ``True``/``"full"`` (keep only each block's input and recompute it in
+            backward); [Note: checkpointing modes] in ``lightning_zero/checkpointing.py``.
+        sequence_parallel: the norm/residual activations sharded over the sequence in the TP
+            group (needs ``tp > 1`` and ``tp`` dividing ``seq_len``); the TP all-reduces become
+            reduce-scatters + all-gathers of the same bytes, plus the norm gains' gradient sums.
         bucket_mb: gradient bucket size (MiB): the reduce-scatter granularity.
         prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
         defer_grad_reduce: stage 2: full gradients over micro batches, one reduce-scatter at the last.
@@ -152,6 +159,12 @@ def plan_run(
     dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
     tp, dp = int(dims.tp), dims.dp
     seq_len = int(seq_len or config.max_seq_len)
+    checkpointing = checkpointing_mode(activation_checkpointing, "plan_run: activation_checkpointing")
+    if sequence_parallel and (tp == 1 or seq_len % tp != 0):
+        raise ValueError(
+            f"plan_run: sequence_parallel needs tp > 1 dividing seq_len, got tp={tp}, seq_len={seq_len}; "
+            "set sequence_parallel=False or change tensor_parallel_size / data.seq_len"
+        )
     _check_positive(
         micro_batch=micro_batch,
         seq_len=seq_len,
@@ -207,10 +220,11 @@ def plan_run(
         micro_batch=micro_batch,
         seq_len=seq_len,
         tp=tp,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=checkpointing,
         flops_per_s=peak * mfu,
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
+        sequence_parallel=bool(sequence_parallel),
     )
     bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
@@ -234,9 +248,8 @@ def plan_run(
     gathered_unit = max(counts.block, counts.embedding, counts.output)
     prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
 
-    acts = llama_activation_bytes(
-        config, micro_batch=micro_batch, seq_len=seq_len, act_bytes=dtype.activation, tp=tp, attention=attention
-    )
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel))
+    acts = llama_activation_bytes(config, act_bytes=dtype.activation, attention=attention, **shape)
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -244,7 +257,7 @@ def plan_run(
         optimizer_moments=optimizer_numel * dtype.moments,
         bucket_buffers=float(bucket_buffers),
         prefetch_buffers=float(prefetch),
-        activations=acts.total(activation_checkpointing) - acts.logits_and_loss,
+        activations=acts.total(checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
         # bf16 gradient chunks are cast to an fp32 copy for the step; fp32 chunks are used as is
         step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master and dtype.grad != 4 else 0.0,
@@ -292,7 +305,8 @@ def plan_run(
         seq_len=seq_len,
         micro_batches=accumulate_grad_batches,
         defer_grad_reduce=defer_grad_reduce,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=checkpointing,
+        sequence_parallel=bool(sequence_parallel),
         hw=hw,
         workload=workload,
         simulated=simulated,
@@ -316,7 +330,9 @@ def plan_run(
         seq_len=seq_len,
         accumulate_grad_batches=accumulate_grad_batches,
         tokens_per_step=tokens_per_step,
-        activation_checkpointing=bool(activation_checkpointing),
+        activation_checkpointing=checkpointing == "full",
+        checkpointing=checkpointing,
+        sequence_parallel=bool(sequence_parallel),
         attention=attention,
         bucket_mb=float(bucket_mb),
         prefetch_blocks=prefetch_blocks,
@@ -367,7 +383,8 @@ def _traffic(
     seq_len: int,
     micro_batches: int,
     defer_grad_reduce: bool,
-    activation_checkpointing: bool,
+    activation_checkpointing: str,
+    sequence_parallel: bool,
     hw: Hardware,
     workload: Workload,
     simulated: Optional[StepTime],
@@ -393,11 +410,10 @@ def _traffic(
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
     tokens = micro_batch * seq_len
-    # Per block: 2 all-reduces forward (after wo, w2), 2 backward (grads of the column-parallel
-    # inputs); recomputation repeats the forward ones; plus the embedding (fwd) and output head (bwd).
-    per_layer = 6 if activation_checkpointing else 4
-    tp_all_reduces = (per_layer * config.n_layers + 2) * micro_batches
-    tp_bytes = tp_all_reduces * ring_sent("all_reduce", tokens * config.dim * dtype.activation, tp)
+    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
+    tp_bytes = tp_bytes_by_kind(
+        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
+    )
     flops = micro_batches * training_flops(
         config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
     )
@@ -405,7 +421,8 @@ def _traffic(
         dp_reduce_scatter_bytes=reduce_scatter,
         dp_all_gather_bytes=all_gather,
         dp_all_reduce_bytes=all_reduce,
-        tp_all_reduce_bytes=tp_bytes,
+        tp_all_reduce_bytes=sum(tp_bytes.values()),
+        tp_bytes_by_kind=tp_bytes,
         dp_link=_dp_link_name(links),
         dp_bytes_per_s=hw.inter_node_bytes_per_s if links.inter_node_total else hw.intra_node_bytes_per_s,
         tp_bytes_per_s=hw.intra_node_bytes_per_s,
@@ -419,6 +436,46 @@ def _traffic(
         intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
         inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
     )
+
+
+def tp_bytes_by_kind(
+    config: Any,
+    *,
+    tokens: int,
+    tp: int,
+    act_bytes: int,
+    micro_batches: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+    sequence_parallel: bool = False,
+) -> dict[str, float]:
+    """Bytes one rank sends in the TP group per step, by the ``CommCounter`` label of each
+    collective (``tp/layers.py``; the loss's two small all-reduces are left out); all intra-node.
+
+    Without sequence parallelism: per block 2 all-reduces of ``B T dim`` forward (after wo, w2)
+    and 2 backward (the column-parallel inputs' gradients), plus the embedding's (forward) and
+    the head's (backward). With it, each of those becomes one reduce-scatter and one all-gather
+    of ``B T dim`` (``(tp-1)/tp`` of it each: the same total), plus ``2 n_layers + 1``
+    all-reduces of the norm gains' ``dim`` gradient elements. Full recompute repeats what the
+    block's saved tensors need: non-reentrant checkpointing stops before w2, so wo's all-reduce
+    (1 per block), or with sequence parallelism both all-gathers and wo's reduce-scatter.
+    Selective recompute repeats no collective.
+    """
+    if tp == 1:
+        return {}
+    full = checkpointing_mode(activation_checkpointing) == "full"
+    layers = config.n_layers
+    activation = tokens * config.dim * act_bytes
+    if not sequence_parallel:
+        all_reduces = (4 * layers + 2 + (layers if full else 0)) * micro_batches
+        return {"tp_all_reduce": all_reduces * ring_sent("all_reduce", activation, tp)}
+    gathers = (4 * layers + 2 + (2 * layers if full else 0)) * micro_batches
+    scatters = (4 * layers + 2 + (layers if full else 0)) * micro_batches
+    norm_grads = (2 * layers + 1) * micro_batches * ring_sent("all_reduce", config.dim * act_bytes, tp)
+    return {
+        "tp_all_gather_seq": gathers * ring_sent("all_gather", activation, tp),
+        "tp_reduce_scatter_seq": scatters * ring_sent("reduce_scatter", activation, tp),
+        "tp_all_reduce_norm_grad": norm_grads,
+    }
 
 
 def _dp_link_name(links: LinkBytes) -> str:

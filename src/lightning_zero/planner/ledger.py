@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.ring import ring_sent
 
 
@@ -213,10 +214,13 @@ class ActivationBytes:
     """Bytes of activations one rank keeps for backward, for one micro batch.
 
     ``terms`` itemizes one transformer block without checkpointing and ``per_layer`` is their sum;
-    ``checkpointed_per_layer`` is what a checkpointed block keeps (its input only). ``head`` is the
-    final RMSNorm; ``loss_saved`` the fp32 log-probabilities the loss keeps for backward and
+    ``checkpointed_per_layer`` is what a fully checkpointed block keeps (its input only) and
+    ``selective_per_layer`` what a block keeps under selective checkpointing (``per_layer`` with
+    attention's core, ``selective_recompute``, replaced by the projections' q, k, v). ``head`` is
+    the final RMSNorm; ``loss_saved`` the fp32 log-probabilities the loss keeps for backward and
     ``logits_and_loss`` the peak around the loss (log-probabilities, their gradient and the
-    logits' gradient, all fp32). See docs/planner.md for each term.
+    logits' gradient, all fp32). The ``mode`` arguments take ``"none"`` / ``"selective"`` /
+    ``"full"`` or a bool ([Note: checkpointing modes]). See docs/planner.md for each term.
     """
 
     terms: dict[str, float]
@@ -226,28 +230,42 @@ class ActivationBytes:
     head: float
     loss_saved: float
     logits_and_loss: float
+    selective_per_layer: float = 0.0
+    selective_recompute: float = 0.0  # attention core's saved tensors, rebuilt one block at a time
 
-    def saved_after_forward(self, activation_checkpointing: bool) -> float:
+    def kept_per_layer(self, mode: CheckpointingLike) -> float:
+        """What one block keeps between its forward and its backward under ``mode``."""
+        return {
+            "none": self.per_layer,
+            "selective": self.selective_per_layer,
+            "full": self.checkpointed_per_layer,
+        }[checkpointing_mode(mode)]
+
+    def saved_after_forward(self, mode: CheckpointingLike) -> float:
         """What autograd holds when forward has returned the loss (what a saved-tensor count sees)."""
-        per_layer = self.checkpointed_per_layer if activation_checkpointing else self.per_layer
-        return self.n_layers * per_layer + self.head + self.loss_saved
+        return self.n_layers * self.kept_per_layer(mode) + self.head + self.loss_saved
 
-    def total(self, activation_checkpointing: bool) -> float:
-        """Peak bytes: every block's saved tensors (or the checkpointed inputs plus one block
-        recomputed in backward), the final norm, and the logits/loss peak."""
-        blocks = self.n_layers * (self.checkpointed_per_layer if activation_checkpointing else self.per_layer)
-        recompute = self.per_layer if activation_checkpointing else 0.0
-        return blocks + recompute + self.head + self.logits_and_loss
+    def recompute_peak(self, mode: CheckpointingLike) -> float:
+        """Bytes one block's recompute adds while its backward runs (``0`` without checkpointing)."""
+        return {"none": 0.0, "selective": self.selective_recompute, "full": self.per_layer}[checkpointing_mode(mode)]
+
+    def total(self, mode: CheckpointingLike) -> float:
+        """Peak bytes: every block's kept tensors, plus one block's recompute in backward, the
+        final norm, and the logits/loss peak."""
+        return self.n_layers * self.kept_per_layer(mode) + self.recompute_peak(mode) + self.head + self.logits_and_loss
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _rms_norm_saved_bytes(tokens: int, dim: int, act_bytes: int) -> float:
+def _rms_norm_saved_bytes(tokens: int, dim: int, act_bytes: int, tp: int = 1, sequence_parallel: bool = False) -> float:
     # RMSNorm (computed in fp32) keeps: the fp32 input (the input itself in fp32, a copy
     # otherwise), rsqrt per token (fp32), the normalized value cast back (for the gain's grad) and
-    # its output (kept by the Linear layers that read it).
-    return tokens * dim * (4 + 2 * act_bytes) + tokens * 4
+    # its output (kept by the Linear layers that read it). With sequence parallelism the first
+    # three are on the rank's T/tp tokens and the output the Linear layers keep is the
+    # all-gathered (B, T, dim).
+    shard = tokens // tp if sequence_parallel else tokens
+    return shard * dim * (4 + act_bytes) + shard * 4 + tokens * dim * act_bytes
 
 
 def llama_activation_bytes(
@@ -258,6 +276,7 @@ def llama_activation_bytes(
     act_bytes: int,
     tp: int = 1,
     attention: str = "fused",
+    sequence_parallel: bool = False,
 ) -> ActivationBytes:
     """Activation bytes the ``lightning_zero.models.Llama`` block keeps for backward, per tp rank.
 
@@ -273,20 +292,27 @@ def llama_activation_bytes(
       softmax probabilities in the compute dtype;
     - SwiGLU: ``4 * N * ffn_dim * act_bytes`` (w1 x, silu(w1 x), w3 x, their product).
 
-    With ``tp > 1`` (Megatron layout, no sequence parallelism) the norms' tensors are replicated
-    and everything between the column- and row-parallel layers is split by ``tp``.
+    With ``tp > 1`` everything between the column- and row-parallel layers is split by ``tp``; the
+    norms' tensors are replicated (Megatron layout), or with ``sequence_parallel`` their input,
+    normalized value and rsqrt are on ``N / tp`` tokens (only the gathered output the Linear
+    layers read stays ``N * dim``), and a fully checkpointed block keeps ``N / tp`` tokens of input.
+    Selective checkpointing keeps q, k, v as ``wq``/``wk``/``wv`` made them (``N (q + 2 kv) a``:
+    not repeated) instead of the rotated/repeated copies and the kernel's log-sum-exp/probabilities.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"llama_activation_bytes: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("act_bytes", act_bytes), ("tp", tp)):
         if value < 1:
             raise ValueError(f"llama_activation_bytes: {name} must be >= 1, got {value!r}")
+    if sequence_parallel and seq_len % tp != 0:
+        raise ValueError(f"llama_activation_bytes: sequence_parallel needs tp({tp}) to divide seq_len({seq_len})")
     tokens, dim, a = micro_batch * seq_len, config.dim, act_bytes
     q_dim = dim // tp  # this rank's query heads * head_dim
     kv_dim = _kv_heads(config) * (dim // config.n_heads) // tp
     heads = config.n_heads // tp
+    norm = _rms_norm_saved_bytes(tokens, dim, a, tp, sequence_parallel)
     terms: dict[str, float] = {
-        "attention_norm": _rms_norm_saved_bytes(tokens, dim, a),
+        "attention_norm": norm,
         "attention_q_k_v": tokens * (q_dim + 2 * max(q_dim, kv_dim)) * a,
         "attention_output": tokens * q_dim * a,
     }
@@ -294,17 +320,24 @@ def llama_activation_bytes(
         terms["attention_logsumexp"] = tokens * heads * 4
     else:
         terms["attention_probs"] = micro_batch * heads * seq_len * seq_len * a
-    terms["ffn_norm"] = _rms_norm_saved_bytes(tokens, dim, a)
+    terms["ffn_norm"] = norm
     terms["swiglu"] = 4 * tokens * (config.ffn_dim // tp) * a
+    core = terms["attention_q_k_v"] + terms.get("attention_logsumexp", 0.0) + terms.get("attention_probs", 0.0)
+    per_layer = float(sum(terms.values()))
     vocab = config.vocab_size // tp
     return ActivationBytes(
         terms=terms,
-        per_layer=float(sum(terms.values())),
-        checkpointed_per_layer=float(tokens * dim * a),  # the block input, kept by checkpoint
+        per_layer=per_layer,
+        # the block input, kept by checkpoint (a sequence shard under sequence parallelism)
+        checkpointed_per_layer=float((tokens // tp if sequence_parallel else tokens) * dim * a),
         n_layers=config.n_layers,
-        head=float(_rms_norm_saved_bytes(tokens, dim, a)),
-        loss_saved=float(tokens * vocab * 4 + tokens * 8),  # fp32 log-probs + int64 targets
+        head=float(norm),
+        # fp32 log-probs + int64 targets; under TP also the vocab-parallel embedding's local ids
+        # (int64) and out-of-range mask, the loss's mask and the kept tokens' int64 indices
+        loss_saved=float(tokens * vocab * 4 + tokens * 8 + (tokens * (8 + 1 + 1 + 8) if tp > 1 else 0)),
         logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
+        selective_per_layer=per_layer - core + tokens * (q_dim + 2 * kv_dim) * a,
+        selective_recompute=float(core),
     )
 
 

@@ -67,7 +67,7 @@ class TrafficPerRank:
     dp_reduce_scatter_bytes: float
     dp_all_gather_bytes: float
     dp_all_reduce_bytes: float  # stage 0 (plain DDP) only
-    tp_all_reduce_bytes: float
+    tp_all_reduce_bytes: float  # every TP collective's bytes (by kind: tp_bytes_by_kind)
     dp_link: str  # "intra_node" or "inter_node"
     dp_bytes_per_s: float
     tp_bytes_per_s: float
@@ -81,6 +81,9 @@ class TrafficPerRank:
     dp_link_bytes: LinkBytes = field(default_factory=lambda: LinkBytes({}, {}))
     intra_node_s: float = 0.0  # dp collectives on intra-node links (tp excluded: see tp_s)
     inter_node_s: float = 0.0
+    # TP bytes by CommCounter label: "tp_all_reduce", or under sequence parallelism
+    # "tp_all_gather_seq" + "tp_reduce_scatter_seq" (same total) + "tp_all_reduce_norm_grad"
+    tp_bytes_by_kind: dict[str, float] = field(default_factory=dict)
 
     @property
     def dp_bytes(self) -> float:
@@ -126,7 +129,7 @@ class Plan:
     seq_len: int
     accumulate_grad_batches: int
     tokens_per_step: int  # over all dp ranks and micro batches
-    activation_checkpointing: bool
+    activation_checkpointing: bool  # full recompute ("full"); the mode is `checkpointing`
     attention: str
     bucket_mb: float
     prefetch_blocks: int
@@ -150,6 +153,8 @@ class Plan:
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
     reduce_dtype: str = "compute"  # gradient buffers and reduce-scatters: "compute" or "fp32"
+    checkpointing: str = "none"  # "none" | "selective" | "full" ([Note: checkpointing modes])
+    sequence_parallel: bool = False
 
     @property
     def available_bytes(self) -> float:
@@ -158,6 +163,19 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.available_bytes
+
+    @property
+    def lossless(self) -> bool:
+        """No collective sends fewer bits than the tensor it carries: a ``grad_comm_dtype`` /
+        ``param_comm_dtype`` of ``"int8"``, or ``"bf16"`` for fp32 gradients (``32-true``,
+        ``reduce_dtype="fp32"``) or fp32 parameters, is lossy (docs/compression.md)."""
+        grads_fp32 = self.precision.startswith("32") or self.reduce_dtype == "fp32"
+        wire_bytes = {None: 4, "fp32": 4, "bf16": 2, "int8": 1}
+        native = (
+            (self.grad_comm_dtype, 4 if grads_fp32 else 2),
+            (self.param_comm_dtype, 4 if self.precision.startswith("32") else 2),
+        )
+        return all(wire_bytes[comm] >= need for comm, need in native)
 
     @property
     def step_s(self) -> float:

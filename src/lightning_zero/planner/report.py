@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from lightning_zero.checkpointing import checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS, PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, plan_run
@@ -45,9 +46,11 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
 
     container = _to_container(cfg)
     model = container.get("model") or "tiny"
-    activation_checkpointing = False
+    activation_checkpointing: Any = False
     if isinstance(model, Mapping):
-        activation_checkpointing = bool(model.get("activation_checkpointing") or False)
+        activation_checkpointing = checkpointing_mode(
+            model.get("activation_checkpointing"), "model.activation_checkpointing"
+        )
         llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         model = {k: v for k, v in model.items() if k in llama_fields and v is not None}
     model_config = resolve_config(model)
@@ -74,6 +77,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         micro_batch=int(data.get("batch_size") or 1),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
+        sequence_parallel=bool(strategy.get("sequence_parallel", ZERO_DEFAULTS.sequence_parallel)),
         bucket_mb=strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb),  # "auto" resolved by plan_run
         prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
         defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
@@ -421,6 +425,7 @@ def search_rows(result: SearchResult, count: int) -> list[list[str]]:
                 f"{timing.mfu:.1%}",
                 f"{(timing.exposed_comm_s + timing.post_step_gather_s):.2f}",
                 f"{entry.plan.memory.total / GiB:.1f}",
+                "yes" if entry.plan.lossless else "LOSSY",
                 " ".join(entry.layout.overrides()),
             ]
         )
@@ -438,7 +443,7 @@ def print_search(result: SearchResult, count: int, plan: Plan, console: Any = No
         f"{plan.model} on {layout_line(plan).split(':')[0]}, {result.global_batch} samples x "
         f"{plan.seq_len} tokens per step, {plan.hardware}"
     )
-    for column in ("#", "tokens/s", "step s", "MFU", "exposed comm s", "GiB/rank", "overrides"):
+    for column in ("#", "tokens/s", "step s", "MFU", "exposed comm s", "GiB/rank", "lossless", "overrides"):
         table.add_column(column, justify="left" if column == "overrides" else "right")
     for row in search_rows(result, count):
         table.add_row(*row)
@@ -502,6 +507,7 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
             reserved_gib=kwargs["reserved_gib"],
             max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
+            lossless=bool(options.get("lossless")),
         )
         result["search"] = {
             "evaluated": search.evaluated,

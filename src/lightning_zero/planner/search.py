@@ -4,12 +4,15 @@ predicted tokens/s, keeping only what fits (``lightning-zero plan plan.search=tr
 Enumerated (the knobs that exist in the engine today): ZeRO stage (0 = Lightning DDP, tp 1 only),
 tensor-parallel size (powers of two up to the devices per node that divide the model), micro batch
 with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` stays the configured
-global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing, ``bucket_mb`` and, for
+global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing (``"none"``,
+``"selective"``, ``"full"``), ``sequence_parallel`` (tp > 1 dividing the sequence), ``bucket_mb`` and, for
 stage 3, ``prefetch_blocks``; on more than one node also the topology knobs (docs/topology.md):
 ``shard_size`` (``None``, ``"node"``), ``hierarchical_reduce`` (when the shard group spans nodes)
 and the cross-node wire format (``grad_comm_dtype`` = ``param_comm_dtype`` in ``None``, ``"bf16"``
 unless that is the native format, ``"int8"``), each only where it changes something. Each layout is first planned for bytes only (no simulation); only those
 that fit are simulated (:mod:`lightning_zero.planner.timing`; ``plan_run(simulate="if_fits")``).
+A layout whose wire format drops bits (``Plan.lossless`` false: int8, or bf16 of fp32 tensors)
+is marked ``lossy``; ``lossless=True`` (``plan.lossless=true``) leaves those out.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any, Optional, Sequence, Union
 
+from lightning_zero.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.arithmetic import plan_run
 from lightning_zero.planner.fit import plan_or_none
@@ -29,6 +33,7 @@ BUCKET_MBS = (25.0, 100.0, 400.0)
 PREFETCH = (1, 2)
 SHARD_SIZES: tuple[Union[None, int, str], ...] = (None, "node")
 HIERARCHICAL = (False, True)
+CHECKPOINTING_OVERRIDES = {"none": "false", "selective": "selective", "full": "full"}  # model.activation_checkpointing=
 COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
 
 
@@ -57,13 +62,14 @@ class Layout:
     micro_batch: int
     accumulate_grad_batches: int
     defer_grad_reduce: bool
-    activation_checkpointing: bool
+    activation_checkpointing: str  # "none" | "selective" | "full"
     bucket_mb: float
     prefetch_blocks: int
     shard_size: Union[None, int, str] = None
     hierarchical_reduce: bool = False
     grad_comm_dtype: Optional[str] = None
     param_comm_dtype: Optional[str] = None
+    sequence_parallel: bool = False
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
@@ -80,13 +86,15 @@ class Layout:
             out.append(f"strategy.defer_grad_reduce={str(self.defer_grad_reduce).lower()}")
         if self.stage == 3:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
+        if self.sequence_parallel:
+            out.append("strategy.sequence_parallel=true")
         out += topology_overrides(
             self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
         )
         out += [
             f"data.batch_size={self.micro_batch}",
             f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
-            f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}",
+            f"model.activation_checkpointing={CHECKPOINTING_OVERRIDES[self.activation_checkpointing]}",
         ]
         return out
 
@@ -108,6 +116,8 @@ class Ranked:
             "dp_comm_s": timing.dp_comm_s,
             "mfu": timing.mfu,
             "memory_gib": self.plan.memory.total / GiB,
+            "activation_gib": (self.plan.memory.activations + self.plan.memory.logits_and_loss) / GiB,
+            "lossless": self.plan.lossless,
             "available_gib": self.plan.available_bytes / GiB,
             "timing": timing.as_dict(),
         }
@@ -150,7 +160,9 @@ def search_layouts(
     micro_batches: Sequence[int] = MICRO_BATCHES,
     bucket_mbs: Sequence[float] = BUCKET_MBS,
     prefetch: Sequence[int] = PREFETCH,
-    checkpointing: Sequence[bool] = (False, True),
+    checkpointing: Sequence[str] = CHECKPOINTING_MODES,
+    sequence_parallel: Sequence[bool] = (False, True),
+    lossless: bool = False,
     max_buckets_in_flight: int = 2,
     overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
@@ -160,7 +172,8 @@ def search_layouts(
 ) -> SearchResult:
     """Plan every layout (module docstring) with ``global_batch`` samples per optimizer step; return
     those that fit, ranked by predicted tokens/s (ties: less memory first). ``topology=False``
-    leaves the topology knobs at their defaults (what an engine without them runs)."""
+    leaves the topology knobs at their defaults (what an engine without them runs);
+    ``lossless=True`` plans no layout with a lossy wire format (``Plan.lossless``)."""
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
@@ -199,19 +212,33 @@ def search_layouts(
             topologies = _topologies(
                 stage, tp, world_size, devices_per_node, precision, shard_sizes, hierarchical, comm_dtypes
             )
+            seq = seq_len or config.max_seq_len
+            sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
             for micro_batch in micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
-                for checkpoint, defer, bucket_mb, ahead in product(checkpointing, defers, buckets, prefetches):
+                for checkpoint, split, defer, bucket_mb, ahead in product(
+                    checkpointing, sequence_splits, defers, buckets, prefetches
+                ):
                     unfit: set = set()  # shard sizes whose memory does not fit
                     for topo in topologies:
                         if topo["shard_size"] in unfit:  # wire formats and hierarchy hold the same bytes
                             evaluated += 1
                             rejected += 1
                             continue
+                        mode = checkpointing_mode(checkpoint)
                         layout = Layout(
-                            stage, tp, micro_batch, accumulate, defer, bool(checkpoint), float(bucket_mb), ahead, **topo
+                            stage,
+                            tp,
+                            micro_batch,
+                            accumulate,
+                            defer,
+                            mode,
+                            float(bucket_mb),
+                            ahead,
+                            **topo,
+                            sequence_parallel=split,
                         )
                         knobs = dict(
                             stage=stage,
@@ -219,7 +246,8 @@ def search_layouts(
                             micro_batch=micro_batch,
                             accumulate_grad_batches=accumulate,
                             defer_grad_reduce=defer,
-                            activation_checkpointing=bool(checkpoint),
+                            activation_checkpointing=mode,
+                            sequence_parallel=split,
                             bucket_mb=float(bucket_mb),
                             prefetch_blocks=ahead,
                             **topo,
@@ -228,6 +256,8 @@ def search_layouts(
                         plan = plan_or_none(plan_run, config, simulate="if_fits", **knobs)
                         if plan is None:  # a tp that does not divide the model's heads, ...
                             continue
+                        if lossless and not plan.lossless:
+                            continue  # not planned: lossy communication was ruled out
                         evaluated += 1
                         if not plan.fits:
                             rejected += 1

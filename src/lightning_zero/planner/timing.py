@@ -47,6 +47,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.ledger import Hop
 from lightning_zero.ring import ring_sent, ring_steps
@@ -111,11 +112,27 @@ def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: 
     return 2.0 * micro_batch * seq_len * seq_len * config.dim / tp
 
 
+def recompute_flops(
+    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
+) -> float:
+    """FLOPs backward recomputes per micro batch on one tp rank ([Note: checkpointing modes]):
+    ``"full"`` every block's forward, ``"selective"`` every block's attention core
+    (:func:`attention_forward_flops`: no linear layer), ``"none"`` nothing."""
+    mode = checkpointing_mode(activation_checkpointing)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    if mode == "selective":
+        return config.n_layers * attention
+    if mode == "full":
+        block_weights = sum(_weights(config, tp).values())
+        return config.n_layers * (2.0 * micro_batch * seq_len * block_weights + attention)
+    return 0.0
+
+
 def training_flops(
-    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: bool = False
+    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
 ) -> float:
     """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
-    ``6 x matmul params x tokens`` + attention, + one more block forward under checkpointing)."""
+    ``6 x matmul params x tokens`` + attention, + :func:`recompute_flops` under checkpointing)."""
     tokens = micro_batch * seq_len
     block_weights = sum(_weights(config, tp).values())
     block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
@@ -123,7 +140,9 @@ def training_flops(
     )
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
     forward = config.n_layers * block_forward + head_forward
-    recompute = config.n_layers * block_forward if activation_checkpointing else 0.0
+    recompute = recompute_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+    )
     return 3 * forward + recompute
 
 
@@ -178,16 +197,28 @@ def _llama_workload(
     micro_batch: int,
     seq_len: int,
     tp: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: CheckpointingLike,
     flops_per_s: float,
     tp_link: Link,
     act_bytes: int,
+    sequence_parallel: bool = False,
 ) -> Workload:
-    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank."""
+    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank.
+
+    ``tp_all_reduce`` is one activation all-reduce of ``B T dim``, or under ``sequence_parallel``
+    the reduce-scatter plus all-gather that replace it (same bytes and ring steps); the norm
+    gains' gradient sums of sequence parallelism (``dim`` elements) are left out (latency only)."""
+    mode = checkpointing_mode(activation_checkpointing)
     tokens = micro_batch * seq_len
     weights = _weights(config, tp)
     attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp) / flops_per_s
-    tp_all_reduce = collective_seconds("all_reduce", tokens * config.dim * act_bytes, tp, tp_link)
+    payload = tokens * config.dim * act_bytes
+    if sequence_parallel:
+        tp_gather = collective_seconds("all_gather", payload, tp, tp_link)
+        tp_all_reduce = collective_seconds("reduce_scatter", payload, tp, tp_link) + tp_gather
+        recomputed_tp = tp_all_reduce + tp_gather  # both gathers and wo's reduce-scatter
+    else:
+        tp_all_reduce = recomputed_tp = collective_seconds("all_reduce", payload, tp, tp_link)  # wo's
     block_forward = sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp / flops_per_s
 
@@ -199,7 +230,7 @@ def _llama_workload(
     add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
     for layer in range(config.n_layers):
         unit = layer + 1
-        recompute = block_forward if activation_checkpointing else 0.0
+        recompute = {"none": 0.0, "selective": attention, "full": block_forward}[mode]
         prefix = f"layers.{layer}."
         # backward runs w2, w3, w1, ffn_norm, wo, (attention core), wv, wk, wq, attention_norm
         backward = {name: 4.0 * tokens * numel / flops_per_s for name, numel in weights.items()}
@@ -221,7 +252,8 @@ def _llama_workload(
         add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
         add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
     unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
-    per_layer_tp = (4 + (2 if activation_checkpointing else 0)) * tp_all_reduce
+    # full recompute stops before w2 (non-reentrant checkpoint): see planner.arithmetic.tp_bytes_by_kind
+    per_layer_tp = 4 * tp_all_reduce + (recomputed_tp if mode == "full" else 0.0)
     return Workload(
         tensors=tuple(tensors),
         unit_forward_s=unit_forward,

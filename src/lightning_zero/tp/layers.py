@@ -17,8 +17,28 @@ A column layer calls ``copy_to_tp_region`` itself unless built with ``reduce_inp
 ``parallelize_llama`` uses that to enter the region once for q/k/v (and once for w1/w3) through a
 hook on the norm before them, so a transformer block costs 2 all-reduces forward and 2 backward.
 
-Every all-reduce goes through ``lightning_zero.collectives`` labelled ``tp_all_reduce`` and counts
-its logical bytes in the layer's ``counter`` (a ``CommCounter`` or ``None``).
+[Note: sequence parallelism] With ``sequence_parallel`` (Korthikanti et al. 2022) the replicated
+regions become *sequence-sharded*: each TP rank holds ``[B, T/tp, dim]``, tokens
+``[r T/tp, (r+1) T/tp)`` of the sequence (dim 1), and runs the norms and residual adds on them.
+
+- ``gather_from_sequence_region`` enters a split region: all-gather over the sequence forward
+  (``[B, T/tp, dim] -> [B, T, dim]``), reduce-scatter of the gradient backward.
+- ``reduce_scatter_to_sequence_region`` leaves it: reduce-scatter of the partial outputs over the
+  sequence forward (``[B, T, dim] -> [B, T/tp, dim]``), all-gather of the gradient backward.
+
+An all-reduce is a reduce-scatter plus an all-gather, so the bytes sent are those of the
+all-reduces they replace (``(tp-1)/tp`` of ``B T dim`` each, twice per all-reduce), while the
+activations of the norm/residual regions shrink by ``tp``. A parameter used inside a sequence
+shard (norm gains, a row layer's bias) sees only its shard's tokens: ``sum_grad_over_tp`` (identity
+forward, all-reduce of the gradient backward, labelled ``tp_all_reduce_norm_grad``) makes its
+gradient the full one on every TP rank, so it stays a replicated parameter ([Note: TP grad norm]).
+The column layers keep the gathered ``[B, T, dim]`` input for their weight gradients (no second
+all-gather in backward, unlike Megatron-LM's option of saving the shard): same bytes as without
+sequence parallelism, and the gathered input counted by the planner.
+
+Every collective goes through ``lightning_zero.collectives`` labelled (``tp_all_reduce``,
+``tp_all_gather_seq``, ``tp_reduce_scatter_seq``) and counts its logical bytes in the layer's
+``counter`` (a ``CommCounter`` or ``None``).
 """
 
 from __future__ import annotations
@@ -31,9 +51,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.collectives import CommCounter, all_reduce
+from lightning_zero.collectives import CommCounter, all_gather, all_reduce, reduce_scatter
 
 TP_LABEL = "tp_all_reduce"
+SP_GATHER_LABEL = "tp_all_gather_seq"
+SP_SCATTER_LABEL = "tp_reduce_scatter_seq"
+SP_GRAD_LABEL = "tp_all_reduce_norm_grad"
+SEQ_DIM = 1  # activations are (B, T, dim): the sequence is dim 1
 TP_SHARD_DIM_ATTR = "_tp_shard_dim"
 """Parameter attribute: the dim along which the dense tensor is split over TP (``0`` or ``1``),
 or ``None`` for a replicated parameter (every TP rank holds the full tensor, e.g. norm weights)."""
@@ -54,18 +78,18 @@ def mark_tp_param(param: torch.Tensor, shard_dim: Optional[int]) -> None:
 
 
 class _CopyToTPRegion(torch.autograd.Function):
-    """Identity forward; all-reduce(SUM) of the gradient backward."""
+    """Identity forward; all-reduce(SUM) of the gradient backward (counted under ``label``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]):
-        ctx.group, ctx.counter = group, counter
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], label: str):
+        ctx.group, ctx.counter, ctx.label = group, counter, label
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_in = grad_out.clone(memory_format=torch.contiguous_format)
-        all_reduce(grad_in, ctx.group, counter=ctx.counter, label=TP_LABEL)
-        return grad_in, None, None
+        all_reduce(grad_in, ctx.group, counter=ctx.counter, label=ctx.label)
+        return grad_in, None, None, None
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
@@ -84,7 +108,15 @@ class _ReduceFromTPRegion(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None) -> torch.Tensor:
     """Enter a TP-split region (see [Note: TP regions])."""
-    return _CopyToTPRegion.apply(x, group, counter)
+    return _CopyToTPRegion.apply(x, group, counter, TP_LABEL)
+
+
+def sum_grad_over_tp(
+    param: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """``param`` unchanged; its gradient summed over the TP group in backward (a parameter used on
+    a sequence shard, see [Note: sequence parallelism])."""
+    return _CopyToTPRegion.apply(param, group, counter, SP_GRAD_LABEL)
 
 
 def reduce_from_tp_region(
@@ -92,6 +124,84 @@ def reduce_from_tp_region(
 ) -> torch.Tensor:
     """Leave a TP-split region by summing the partial results (see [Note: TP regions])."""
     return _ReduceFromTPRegion.apply(x, group, counter)
+
+
+def sequence_shard_len(seq_len: int, tp_size: int) -> int:
+    """``T / tp``, or a ``ValueError`` naming both numbers and the fix."""
+    if seq_len % tp_size != 0:
+        raise ValueError(
+            f"sequence_parallel: tp({tp_size}) does not divide the sequence length ({seq_len}); use a "
+            f"sequence length that is a multiple of {tp_size} (data seq_len) or sequence_parallel=False"
+        )
+    return seq_len // tp_size
+
+
+def _all_gather_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], label: str
+) -> torch.Tensor:
+    """``(B, T/tp, ...)`` on each rank -> ``(B, T, ...)``, rank ``r``'s tokens at ``[r T/tp, (r+1) T/tp)``."""
+    tp_size = dist.get_world_size(group)
+    local = x.movedim(SEQ_DIM, 0).contiguous()  # (T/tp, B, ...): rank order = sequence order
+    full = torch.empty((tp_size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather(full, local, group, counter=counter, label=label)  # (T, B, ...)
+    return full.movedim(0, SEQ_DIM).contiguous()  # (B, T, ...)
+
+
+def _reduce_scatter_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], label: str
+) -> torch.Tensor:
+    """``(B, T, ...)`` partial sums on each rank -> this rank's ``(B, T/tp, ...)`` of their sum."""
+    tp_size = dist.get_world_size(group)
+    shard_len = sequence_shard_len(x.shape[SEQ_DIM], tp_size)
+    full = x.movedim(SEQ_DIM, 0).contiguous()  # (T, B, ...)
+    shard = torch.empty((shard_len, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter(shard, full, group, counter=counter, label=label)  # (T/tp, B, ...)
+    return shard.movedim(0, SEQ_DIM).contiguous()  # (B, T/tp, ...)
+
+
+class _SequenceRegion(torch.autograd.Function):
+    """``gather=True``: all-gather over the sequence forward, reduce-scatter of the gradient
+    backward (entering a split region); ``gather=False``: the reverse (leaving it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], gather: bool):
+        ctx.group, ctx.counter, ctx.gather = group, counter, gather
+        return _sequence_collective(x, group, counter, gather)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return _sequence_collective(grad_out, ctx.group, ctx.counter, not ctx.gather), None, None, None
+
+
+def _sequence_collective(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], gather: bool
+) -> torch.Tensor:
+    if gather:
+        return _all_gather_sequence(x, group, counter, SP_GATHER_LABEL)
+    return _reduce_scatter_sequence(x, group, counter, SP_SCATTER_LABEL)
+
+
+def gather_from_sequence_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """Enter a TP-split region from a sequence shard: ``(B, T/tp, dim) -> (B, T, dim)`` (see
+    [Note: sequence parallelism])."""
+    return _SequenceRegion.apply(x, group, counter, True)
+
+
+def reduce_scatter_to_sequence_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """Leave a TP-split region onto a sequence shard: partial ``(B, T, dim)`` -> summed
+    ``(B, T/tp, dim)`` (see [Note: sequence parallelism])."""
+    return _SequenceRegion.apply(x, group, counter, False)
+
+
+def sequence_shard(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's ``(B, T/tp, ...)`` slice of a replicated ``(B, T, ...)`` (no communication)."""
+    tp_size = dist.get_world_size(group)
+    shard_len = sequence_shard_len(x.shape[SEQ_DIM], tp_size)
+    return x.narrow(SEQ_DIM, dist.get_rank(group) * shard_len, shard_len)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,14 +350,29 @@ class RowParallelLinear(_ParallelLinear):
     layer); output ``[..., out_features]`` replicated, the all-reduced sum of the partial products.
     Holds ``weight [out_features, in_features / tp]`` and a replicated ``bias [out_features]``
     added once after the all-reduce.
+
+    With ``sequence_parallel`` the partial products are reduce-scattered over the sequence
+    instead: output ``[B, T/tp, out_features]`` (see [Note: sequence parallelism]); the bias, added
+    on the shard, gets its gradient summed over TP.
+
+    Args:
+        sequence_parallel: leave the TP region onto a sequence shard (reduce-scatter) instead of
+            replicating the output (all-reduce).
     """
 
     shard_dim = 1
 
+    def __init__(self, *args: Any, sequence_parallel: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence_parallel = sequence_parallel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # [..., out_features], this rank's share of the sum
-        out = reduce_from_tp_region(partial, self.group, self.counter)
-        return out if self.bias is None else out + self.bias
+        if not self.sequence_parallel:
+            out = reduce_from_tp_region(partial, self.group, self.counter)  # [..., out_features]
+            return out if self.bias is None else out + self.bias
+        out = reduce_scatter_to_sequence_region(partial, self.group, self.counter)  # [B, T/tp, out_features]
+        return out if self.bias is None else out + sum_grad_over_tp(self.bias, self.group, self.counter)
 
 
 class VocabParallelEmbedding(_TPModule):
@@ -256,7 +381,8 @@ class VocabParallelEmbedding(_TPModule):
     Rank ``r`` holds rows ``[r * V/tp, (r+1) * V/tp)``. Forward looks up the ids that fall in its
     range, writes zeros for the others, and all-reduces(SUM): every id is found on exactly one
     rank, so the sum is the dense lookup, replicated. Backward is identity: each rank's rows get
-    the gradient of the tokens it owns.
+    the gradient of the tokens it owns. With ``sequence_parallel`` the sum is reduce-scattered
+    over the sequence instead: output ``[B, T/tp, dim]`` (see [Note: sequence parallelism]).
     """
 
     shard_dims = {"weight": 0}
@@ -268,10 +394,12 @@ class VocabParallelEmbedding(_TPModule):
         group: dist.ProcessGroup,
         *,
         counter: Optional[CommCounter] = None,
+        sequence_parallel: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(group, counter)
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         local_rows = shard_size(num_embeddings, self.tp_size, "vocab_size")
@@ -282,11 +410,21 @@ class VocabParallelEmbedding(_TPModule):
 
     @classmethod
     def from_dense(
-        cls, embedding: nn.Embedding, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
+        cls,
+        embedding: nn.Embedding,
+        group: dist.ProcessGroup,
+        *,
+        counter: Optional[CommCounter] = None,
+        sequence_parallel: bool = False,
     ) -> "VocabParallelEmbedding":
         """This rank's rows of ``embedding.weight``."""
         return cls._build_from_dense(
-            embedding, embedding.num_embeddings, embedding.embedding_dim, group, counter=counter
+            embedding,
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            group,
+            counter=counter,
+            sequence_parallel=sequence_parallel,
         )
 
     def reset_parameters(self) -> None:
@@ -299,6 +437,8 @@ class VocabParallelEmbedding(_TPModule):
         local_idx = (idx - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_idx, self.weight)  # [B, T, dim]
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:  # [B, T/tp, dim]: enters the blocks sequence-sharded
+            return reduce_scatter_to_sequence_region(partial, self.group, self.counter)
         return reduce_from_tp_region(partial, self.group, self.counter)
 
     def extra_repr(self) -> str:

@@ -26,6 +26,15 @@ heads, and with GQA rank ``r``'s query heads map to exactly its own KV heads (bo
 ``attention_norm`` and ``ffn_norm`` get a forward hook that enters the TP region once for the
 three (two) column layers after them (see [Note: TP regions] in ``tp/layers.py``).
 ``model.loss_fn`` becomes :func:`vocab_parallel_cross_entropy` on the group.
+
+With ``sequence_parallel=True`` ([Note: sequence parallelism] in ``tp/layers.py``) the residual
+stream between blocks is ``(B, T/tp, dim)`` on each TP rank: the embedding reduce-scatters its
+partial lookups over the sequence, every norm (the two per block and the final one) runs on the
+shard and its forward hook all-gathers the sequence for the column layers after it, ``wo`` and
+``w2`` reduce-scatter instead of all-reducing, and the head (``output``) reads the gathered final
+norm as the vocab-parallel loss expects. The norms become :class:`SequenceParallelRMSNorm`, whose
+gain's gradient is summed over the TP group. Parameter names, shapes and values are those without
+sequence parallelism, so checkpoints move freely between the two.
 """
 
 from __future__ import annotations
@@ -40,13 +49,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_zero.collectives import CommCounter, all_gather
 from lightning_zero.mesh import check_model_divisible
+from lightning_zero.models.llama.model import RMSNorm
 from lightning_zero.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp_region,
+    gather_from_sequence_region,
     local_slice,
     mark_tp_params,
+    sum_grad_over_tp,
     tp_shard_dims,
 )
 from lightning_zero.tp.loss import vocab_parallel_cross_entropy
@@ -73,7 +85,30 @@ class _EnterTPRegion:
         return copy_to_tp_region(output, self.group, self.counter)
 
 
-def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[CommCounter] = None) -> nn.Module:
+class _GatherSequence(_EnterTPRegion):
+    """Forward hook: all-gather a module's sequence-sharded ``(B, T/tp, dim)`` output to ``(B, T, dim)``."""
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence_region(output, self.group, self.counter)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """An :class:`RMSNorm` run on a sequence shard: the same ``weight`` (same name, shape, init),
+    its gradient summed over the TP group in backward (it saw ``T/tp`` of the tokens)."""
+
+    def __init__(self, norm: RMSNorm, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> None:
+        nn.Module.__init__(self)
+        self.eps = norm.eps
+        self.weight = norm.weight  # the same Parameter (meta or real)
+        self.group, self.counter = group, counter
+
+    def gain(self) -> torch.Tensor:
+        return sum_grad_over_tp(self.weight, self.group, self.counter)
+
+
+def parallelize_llama(
+    model: nn.Module, tp: TPGroupLike, *, counter: Optional[CommCounter] = None, sequence_parallel: bool = False
+) -> nn.Module:
     """Swap ``model``'s layers for TP layers holding this rank's slices; returns ``model``.
 
     Call on the dense model with the same weights on every TP rank (same seed), or on a meta-device
@@ -90,6 +125,9 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
     The TP collectives count their logical bytes into ``counter`` (a new :class:`CommCounter` when
     ``None``), kept as ``model.tp_comm_counter``: a strategy that counts its own traffic adopts it,
     so dp and tp bytes land in one counter without the model knowing the strategy.
+
+    ``sequence_parallel``: shard the norm/residual regions over the sequence (see the module
+    doc); the model's input length must then be a multiple of the TP size.
     """
     group = resolve_tp_group(tp)
     tp_size = dist.get_world_size(group)
@@ -103,21 +141,35 @@ def parallelize_llama(model: nn.Module, tp: TPGroupLike, *, counter: Optional[Co
     counter = counter if counter is not None else CommCounter()
     model.tp_comm_counter = counter
 
+    model.tp_sequence_parallel = sequence_parallel
+
     # q/k/v and w1/w3 skip their own input-grad all-reduce: the norm before them enters once
     column = functools.partial(ColumnParallelLinear.from_dense, group=group, reduce_input_grad=False, counter=counter)
-    row = functools.partial(RowParallelLinear.from_dense, group=group, counter=counter)
-    enter_region = _EnterTPRegion(group, counter)
+    row = functools.partial(
+        RowParallelLinear.from_dense, group=group, counter=counter, sequence_parallel=sequence_parallel
+    )
+    enter_region = (_GatherSequence if sequence_parallel else _EnterTPRegion)(group, counter)
     for block in model.layers:
         attention, ffn = block.attention, block.feed_forward
         attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
         attention.wo = row(attention.wo)
         ffn.w1, ffn.w3 = column(ffn.w1), column(ffn.w3)
         ffn.w2 = row(ffn.w2)
+        if sequence_parallel:
+            block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group, counter)
+            block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group, counter)
         block.attention_norm.register_forward_hook(enter_region)
         block.ffn_norm.register_forward_hook(enter_region)
 
-    model.tok_embeddings = VocabParallelEmbedding.from_dense(model.tok_embeddings, group, counter=counter)
-    model.output = ColumnParallelLinear.from_dense(model.output, group, counter=counter)
+    model.tok_embeddings = VocabParallelEmbedding.from_dense(
+        model.tok_embeddings, group, counter=counter, sequence_parallel=sequence_parallel
+    )
+    if sequence_parallel:  # the head reads the gathered final norm; its dL/dx leaves by reduce-scatter
+        model.norm = SequenceParallelRMSNorm(model.norm, group, counter)
+        model.norm.register_forward_hook(enter_region)
+        model.output = column(model.output)
+    else:
+        model.output = ColumnParallelLinear.from_dense(model.output, group, counter=counter)
     if getattr(config, "tie_embeddings", False):
         model.output.weight = model.tok_embeddings.weight  # one shard for both (see the module doc)
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, counter=counter)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from lightning_zero.checkpointing import checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig, resolve_config
 from lightning_zero.models.llama.model import Llama, build_llama
 
@@ -69,7 +70,10 @@ class LlamaLM(L.LightningModule):
         max_steps: optimizer step where the cosine decay reaches ``min_lr_ratio * lr``; ``None``
             takes the trainer's estimate of total steps.
         min_lr_ratio: final learning rate as a fraction of ``lr``, in [0, 1].
-        activation_checkpointing: recompute each transformer block in backward.
+        activation_checkpointing: ``False`` (keep every activation), ``"selective"`` (recompute
+            attention's core in backward: rotary, GQA repeat, SDPA) or ``"full"`` / ``True``
+            (recompute each transformer block); see [Note: checkpointing modes] in
+            ``lightning_zero/checkpointing.py``.
         init_from: a Hugging Face Llama directory (``config.json`` + safetensors/``.bin``) to
             start from instead of random init. The shape comes from its ``config.json``; a
             ``config`` that sets a disagreeing shape field raises ``ValueError`` (``max_seq_len``
@@ -79,7 +83,8 @@ class LlamaLM(L.LightningModule):
 
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
-    parallelized there with :func:`lightning_zero.tp.parallelize_llama`.
+    parallelized there with :func:`lightning_zero.tp.parallelize_llama`, sequence-parallel when
+    the strategy says so (``ZeroStrategy(sequence_parallel=True)``).
     """
 
     @classmethod
@@ -100,10 +105,11 @@ class LlamaLM(L.LightningModule):
         warmup_steps: int = 100,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: Union[bool, str] = False,
         init_from: Optional[str] = None,
     ) -> None:
         super().__init__()
+        checkpointing_mode(activation_checkpointing, "LlamaLM(activation_checkpointing)")  # fail early
         self.pretrained: Optional[Any] = None  # models.llama.hf.HFLlamaWeights when init_from is set
         if init_from is not None:
             from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
@@ -170,8 +176,14 @@ class LlamaLM(L.LightningModule):
     def _parallelize(self, tp_mesh: Any) -> None:
         from lightning_zero.tp import parallelize_llama
 
-        parallelize_llama(self.model, tp_mesh)  # counts into model.tp_comm_counter (the strategy adopts it)
+        # counts into model.tp_comm_counter (the strategy adopts it)
+        parallelize_llama(self.model, tp_mesh, sequence_parallel=self._sequence_parallel())
         self._tp_applied = True
+
+    def _sequence_parallel(self) -> bool:
+        """The strategy's ``sequence_parallel`` knob (``ZeroStrategy(sequence_parallel=True)``)."""
+        strategy = getattr(self._trainer, "strategy", None)
+        return bool(getattr(strategy, "sequence_parallel", False))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self._built_model()(idx)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig
 from lightning_zero.models.llama.rope import needs_dynamic_tables, rope_tables
 
@@ -57,10 +58,15 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
+    def gain(self) -> torch.Tensor:
+        """The per-channel gain the normalized input is multiplied by (``weight``; sequence
+        parallelism routes it through a TP gradient sum, ``tp.parallelize``)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * self.gain()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,20 +95,33 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
+    recompute_core = False  # selective checkpointing ([Note: checkpointing modes]); set by Llama
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (B, T, q_heads, head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # (B, T, kv_heads, head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeats = q.size(2) // k.size(2)
-        if repeats > 1:  # query head h reads kv head h // repeats, as in Meta's repeat_kv
-            k = k.repeat_interleave(repeats, dim=2)
-            v = v.repeat_interleave(repeats, dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, q_heads * head_dim)
-        return self.wo(y)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(attention_core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            y = attention_core(q, k, v, cos, sin)
+        return self.wo(y)  # y: (B, T, q_heads * head_dim)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary, grouped-query repeat and causal SDPA: q ``(B, T, q_heads, head_dim)``, k and v
+    ``(B, T, kv_heads, head_dim)`` -> ``(B, T, q_heads * head_dim)``. What selective checkpointing
+    recomputes ([Note: checkpointing modes] in ``lightning_zero/checkpointing.py``)."""
+    batch, seq = q.shape[:2]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    repeats = q.size(2) // k.size(2)
+    if repeats > 1:  # query head h reads kv head h // repeats, as in Meta's repeat_kv
+        k = k.repeat_interleave(repeats, dim=2)
+        v = v.repeat_interleave(repeats, dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, q_heads * head_dim)
 
 
 class FeedForward(nn.Module):
@@ -182,8 +201,9 @@ class Llama(nn.Module):
 
     Attributes:
         loss_fn: ``(logits, targets) -> mean loss``; tensor parallelism swaps in a vocab-parallel one.
-        activation_checkpointing: recompute each block in backward instead of keeping its
-            activations (saves about ``n_layers`` blocks' activations for one more forward).
+        activation_checkpointing: ``"none"`` (``False``), ``"selective"`` (recompute attention's
+            core only) or ``"full"`` (``True``: recompute each block in backward, keeping only its
+            input); see [Note: checkpointing modes] in ``lightning_zero/checkpointing.py``.
         weight_source: ``None`` (random init), or pretrained weights with a
             ``load(module, prefix)`` method (``models.llama.hf.HFLlamaWeights``): then
             :meth:`init_module` reads each unit's tensors (this rank's TP slices) from it.
@@ -203,7 +223,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
-        self.activation_checkpointing = False
+        self.activation_checkpointing: str = "none"
         self.weight_source: Optional[Any] = None
         self.init_weights()
 
@@ -238,6 +258,17 @@ class Llama(nn.Module):
         model.weight_source = weights
         model.init_weights()
         return model
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """``"none"``, ``"selective"`` or ``"full"``; set with those or ``False`` / ``True``."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value: CheckpointingLike) -> None:
+        self._checkpointing = checkpointing_mode(value, "Llama.activation_checkpointing")
+        for layer in self.layers:
+            layer.attention.recompute_core = self._checkpointing == "selective"
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make ``output.weight`` the ``tok_embeddings.weight`` Parameter
@@ -349,7 +380,7 @@ class Llama(nn.Module):
         h = self.tok_embeddings(idx)  # (B, T, dim)
         cos, sin = self.rope(seq)  # (T, head_dim / 2) each
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing == "full" and torch.is_grad_enabled():
                 # Call the module (not .forward) so hooks on the block, e.g. ZeRO-3's
                 # gather/free, run again during the recompute.
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
