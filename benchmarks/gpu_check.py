@@ -59,6 +59,7 @@ import lightning_zero  # noqa: E402,F401  (registers zero1/zero2/zero3)
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.models import LlamaConfig, LlamaLM  # noqa: E402
 from lightning_zero.planner import plan_run  # noqa: E402
+from lightning_zero.planner.bench_model import STEPS_ONLY  # noqa: E402
 from lightning_zero.throughput import peak_flops_for, training_flops_of  # noqa: E402
 
 GPU = {
@@ -146,12 +147,7 @@ def run_one(kind: str, settings: dict[str, Any], accelerator: str, device: torch
         strategy=strategy,
         precision="bf16-mixed",
         max_steps=settings["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **STEPS_ONLY,
         use_distributed_sampler=False,  # dp=1: the same rows in the same order as the single run
         callbacks=[probe],
     )

@@ -71,6 +71,18 @@ def seed_bench() -> None:
     L.seed_everything(BENCH_SEED, verbose=False)
 
 
+# Trainer flags of a run that only trains: no logger, checkpoints, progress bar, model summary or
+# validation (the benchmarks and the GPU check time steps, nothing else).
+STEPS_ONLY: dict[str, Any] = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+
+
 def bench_trainer(*, devices: int, max_steps: int, callbacks: list, strategy: Any = "auto") -> Any:
     """A CPU ``Trainer`` in fp32 that runs ``max_steps`` steps and nothing else (no logger,
     checkpoints, progress bar, model summary or validation)."""
@@ -82,11 +94,6 @@ def bench_trainer(*, devices: int, max_steps: int, callbacks: list, strategy: An
         strategy=strategy,
         precision="32-true",
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=callbacks,
+        **STEPS_ONLY,
     )
