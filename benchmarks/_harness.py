@@ -37,6 +37,8 @@ from _stats import format_table, machine_note, summarize
 # --------------------------------------------------------------------------------------------
 
 
+BASE = "@base"  # suffix of a case run from --baseline-src's checkout
+
 # command-line flag -> LlamaConfig field of the benchmark's model (defaults: BENCH_MODEL)
 MODEL_FLAGS = {
     "dim": "dim",
@@ -68,6 +70,13 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]
     )
     parser.add_argument("--log-dir", type=str, default=None, help="keep each case's log and rank JSON here")
     parser.add_argument("--case-timeout", type=int, default=900, help="seconds one case may run")
+    parser.add_argument(
+        "--baseline-src",
+        type=str,
+        default=None,
+        help="another checkout (its root or src/): every case also runs from its lightning_zero as"
+        " '<case>@base', in the same rounds (before/after a change, ratios of the same round)",
+    )
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=str, default=None, help=argparse.SUPPRESS)
 
@@ -80,7 +89,9 @@ def model_config(args: argparse.Namespace) -> Any:
     return bench_config(**shape, max_seq_len=max(args.seq, 16))
 
 
-def snapshot_sources(script: str, work_dir: Path) -> tuple[str, dict[str, str], dict[str, Any]]:
+def snapshot_sources(
+    script: str, work_dir: Path, package_dir: Optional[Path] = None, name: str = "snapshot"
+) -> tuple[str, dict[str, str], dict[str, Any]]:
     """Copy ``lightning_zero`` and ``benchmarks/`` into ``work_dir``; workers run from the copy.
 
     Other people commit to the same working tree while a benchmark runs (minutes); without the
@@ -89,11 +100,12 @@ def snapshot_sources(script: str, work_dir: Path) -> tuple[str, dict[str, str], 
     """
     import shutil
 
-    import lightning_zero
+    if package_dir is None:
+        import lightning_zero
 
-    package_dir = Path(lightning_zero.__file__).resolve().parent
+        package_dir = Path(lightning_zero.__file__).resolve().parent
     bench_dir = Path(script).resolve().parent
-    snapshot = work_dir / "snapshot"
+    snapshot = work_dir / name
     shutil.copytree(package_dir, snapshot / "lightning_zero", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(bench_dir, snapshot / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(snapshot), os.environ.get("PYTHONPATH")]))}
@@ -120,17 +132,28 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
 
     Returns ``{"results": case -> per-round rank results, "git": the library's git state}``.
     """
-    results: dict[str, list[dict]] = {case: [] for case in args.cases}
-    script, env, git = snapshot_sources(script, work_dir)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    cases = list(args.cases)
+    argv = _without_option(argv, "--baseline-src")  # a worker is one case from one checkout
+    sources = {"": snapshot_sources(script, work_dir)}
+    if getattr(args, "baseline_src", None):
+        root = Path(args.baseline_src).resolve()
+        package = next(p for p in (root / "src" / "lightning_zero", root / "lightning_zero") if p.is_dir())
+        sources[BASE] = snapshot_sources(script, work_dir, package, "snapshot_base")
+        cases = [name for case in args.cases for name in (case, case + BASE)]
+    results: dict[str, list[dict]] = {case: [] for case in cases}
+    git = sources[""][2]
+    for _, env, _ in sources.values():
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     for round_index in range(args.rounds):
-        order = args.cases if round_index % 2 == 0 else list(reversed(args.cases))
+        order = cases if round_index % 2 == 0 else list(reversed(cases))
         for case in order:
-            case_dir = work_dir / f"round{round_index}"
+            worker_case, source = case.removesuffix(BASE), BASE if case.endswith(BASE) else ""
+            script, env, _ = sources[source]
+            case_dir = work_dir / f"round{round_index}" / (source.strip("@") or ".")
             case_dir.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, script, *argv, "--worker", case, "--worker-dir", str(case_dir)]
+            command = [sys.executable, script, *argv, "--worker", worker_case, "--worker-dir", str(case_dir)]
             started = time.perf_counter()
-            log_path = case_dir / f"{case}.log"
+            log_path = case_dir / f"{worker_case}.log"
             with open(log_path, "w") as log:
                 try:
                     proc = subprocess.run(
@@ -142,7 +165,7 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
             wall = time.perf_counter() - started
             ranks = []
             for rank in (0, 1):
-                path = case_dir / f"{case}.rank{rank}.json"
+                path = case_dir / f"{worker_case}.rank{rank}.json"
                 if path.exists():
                     ranks.append(json.loads(path.read_text()))
             if returncode != 0 or len(ranks) < 2:
@@ -153,7 +176,22 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
                 continue
             print(f"[{case}] round {round_index}: {wall:.0f} s", flush=True)
             results[case].append({"ranks": ranks})
+    if BASE in sources:
+        git = {**git, "baseline": sources[BASE][2]}
     return {"results": results, "git": git}
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` / ``option=VALUE``."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            out.append(item)
+    return out
 
 
 def _last_error_line(text: str) -> str:
@@ -268,7 +306,7 @@ def drive(
     else:
         with tempfile.TemporaryDirectory(prefix=f"bench_{name}_") as tmp:
             run = run_cases(script, args, argv, Path(tmp))
-    rows = [summarize(case, run["results"][case]) for case in args.cases]
+    rows = [summarize(case, run["results"][case]) for case in run["results"]]
     lines = [format_table(rows, baseline=baseline), ""] + report(rows)
     print("\n" + "\n".join(lines))
     if args.out:
