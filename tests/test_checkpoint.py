@@ -127,8 +127,8 @@ def _dump_owned(engine, opt, path, tp_rank=0):
     """Each owned range: (name, lo, hi, master values, exp_avg, exp_avg_sq, step) in local coordinates."""
     rows = []
     for r in engine.owned_ranges():
-        state = opt.state.get(r.master, {})
-        get = lambda k, state=state, r=r: state[k][r.chunk_lo : r.chunk_hi].clone() if k in state else None  # noqa: E731
+        state = opt.state.get(engine.optimizer_tensor(r), {})  # the run's own state tensors
+        get = lambda k, state=state: state[k].clone() if k in state else None  # noqa: E731
         rows.append((r.name, r.param_lo, r.param_hi, r.master.detach()[r.chunk_lo : r.chunk_hi].clone(),
                      get("exp_avg"), get("exp_avg_sq"), float(state["step"]) if "step" in state else None, tp_rank))  # fmt: skip
     torch.save(rows, path)

@@ -26,6 +26,9 @@ CONCURRENT = 2  # launches at once (each is 2 processes; more would measure the 
 STAGES = ("zero1", "zero2", "zero3")
 RAISES = ("train_step", "callback", "backward", "optimizer", "validation")
 CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill", "no_loss") for stage in STAGES]
+# Manual optimization, one backward too few or too many on rank 1 (their own launches, so each
+# fixture stays well inside pytest-timeout); stage 3's gather schedule catches an extra backward.
+MANUAL_CASES = [f"skip_backward-{stage}" for stage in STAGES] + ["extra_backward-zero1", "extra_backward-zero2"]
 
 
 def _start(out: Path, case: str) -> list[subprocess.Popen]:
@@ -70,6 +73,12 @@ def _run_all(out: Path, cases: list[str]) -> dict[str, list[tuple[int | None, fl
 def failures(tmp_path_factory):
     out = tmp_path_factory.mktemp("rank_failure")
     return out, _run_all(out, CASES)
+
+
+@pytest.fixture(scope="module")
+def manual_failures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rank_failure_manual")
+    return out, _run_all(out, MANUAL_CASES)
 
 
 def _check_all_gone(out: Path, case: str, ends) -> tuple[str, str]:
@@ -125,3 +134,30 @@ def test_a_rank_that_skips_its_backward_gets_a_named_error(failures, case):
     survivor, failing = _check_all_gone(out, case, ended[case])
     assert "training_step returned no loss on global rank 1" in failing and "loss * 0" in failing, failing[-3000:]
     assert "stops because another rank failed (global rank 1)" in survivor, survivor[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in MANUAL_CASES if c.startswith("skip_backward")])
+def test_a_rank_that_steps_without_its_backward_gets_a_named_error(manual_failures, case):
+    """Manual optimization, issue 20: rank 1 skips its ``manual_backward`` but steps the
+    optimizer: it raises naming the cause and the fix within 10 s (the other rank, in its
+    backward's reduce-scatter, stops naming rank 1), instead of waiting for collectives that no
+    longer pair up until ``collective_timeout``."""
+    out, ended = manual_failures
+    survivor, failing = _check_all_gone(out, case, ended[case])
+    assert "steps on this rank without a backward since its last step" in failing, failing[-3000:]
+    assert "loss * 0" in failing, failing[-3000:]
+    assert "stops because another rank failed (global rank 1)" in survivor, survivor[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in MANUAL_CASES if c.startswith("extra_backward")])
+def test_a_rank_that_runs_an_extra_backward_gets_a_named_error(manual_failures, case):
+    """Manual optimization, issue 20: rank 1 runs a second ``manual_backward`` before its step:
+    its reduce-scatters would pair with rank 0's post-step all-gathers; the phase markers make
+    both ranks raise within 10 s, each naming where it is and where the other rank is."""
+    out, ended = manual_failures
+    survivor, failing = _check_all_gone(out, case, ended[case])
+    for log in (survivor, failing):  # its own marker's verdict, or the other rank's, posted first
+        assert "different numbers of backward calls in a step" in log, log[-3000:]
+        assert "the parameter all-gather after a step" in log and "the gradient sync of a backward" in log, log[-3000:]

@@ -278,7 +278,7 @@ def _bf16_accumulation(rank, world):
                     engine.backward(model(x[rank]).float().pow(2).mean() / micro)
             worst, scale = 0.0, 0.0
             for owned in engine.owned_ranges():
-                got = owned.master.grad[owned.chunk_lo : owned.chunk_hi]
+                got = engine.optimizer_tensor(owned).grad  # the view the optimizer steps
                 if owned.name not in want:  # `unused`: its slot was never written (no zero-fill)
                     assert bool((got == 0).all()), (stage, owned.name)
                     continue

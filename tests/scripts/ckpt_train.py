@@ -10,6 +10,9 @@ ranks). Cases:
   kill<s>          stage s like full<s> (checkpoints in ckpts/kill), but rank 1 SIGKILLs itself after
                    step 5; rank 0 must fail within the 30 s process-group timeout (tests/test_checkpoint_faults.py)
   after<s>         stage s from ckpts/kill's ckpt_path="last" (what kill<s> left) to step 8
+  dropfull<s>, dropresume<s>
+                   full<s> / resume<s> with LayerDrop drawn per rank and step (issue 20): the ranks
+                   run different blocks, and in some steps a block runs on no rank
 Each writes OUT_DIR/<case>.d<DEVICES>.rank<r>.pt: per-step losses, a global-RNG draw per step, first batch.
 """
 
@@ -48,6 +51,30 @@ class Recorder(LlamaLM):
         return loss
 
 
+class DropRecorder(Recorder):
+    """Each block skipped with probability 0.5 in a training step, drawn per rank and step (not
+    from the global RNG): the ranks run different blocks; the blocks run are recorded per step."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        llama = self.model
+        self.record["ran"] = []
+
+        def forward(idx: torch.Tensor) -> torch.Tensor:
+            h = llama.tok_embeddings(idx)
+            cos, sin = llama.rope(idx.size(1))
+            draw = torch.rand(len(llama.layers), generator=torch.Generator().manual_seed(
+                1000 * self.global_rank + self.trainer.global_step))  # fmt: skip
+            ran = [i for i in range(len(llama.layers)) if not (self.training and draw[i] < 0.5)]
+            if self.training:
+                self.record["ran"].append(ran)
+            for index in ran:
+                h = llama.layers[index](h, cos, sin)
+            return llama.output(llama.norm(h))
+
+        llama.forward = forward
+
+
 class KillRank1(L.Callback):
     """SIGKILL rank 1 at the end of training step ``step`` (no cleanup, no goodbye to its peers)."""
 
@@ -69,7 +96,11 @@ def data() -> TokenDataModule:
 
 def run(case: str, out: str, devices: int) -> None:
     kind = case.rstrip("0123456789")
-    if kind in ("kill", "after"):
+    drop = kind.startswith("drop")
+    kind = kind.removeprefix("drop")
+    if drop:
+        ckpt_dir = os.path.join(out, "ckpts", f"drop{case[-1]}")
+    elif kind in ("kill", "after"):
         ckpt_dir = os.path.join(out, "ckpts", "kill")
     else:
         ckpt_dir = os.path.join(out, "ckpts", case[-1] if kind in ("full", "resume", "last") else case[4])
@@ -89,7 +120,7 @@ def run(case: str, out: str, devices: int) -> None:
         ckpt_path = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
         max_steps = 4
     L.seed_everything(7, verbose=False)
-    model = Recorder()
+    model = DropRecorder() if drop else Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=max_steps,
         strategy=ZeroStrategy(stage=stage, bucket_mb=0.01, timeout=timeout),

@@ -616,17 +616,17 @@ class SparseMoE(nn.Module):
             if rows.shape[0] == 0:
                 continue  # an idle expert is skipped, as transformers 4.x Mixtral does
             self.owner[0].ran_now.add(f"{self.name}.experts.{index}")
-            out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+            out.index_add_(0, rows, (expert(tokens[rows]) * weights[rows, slot, None]).to(out.dtype))
         return out.reshape(x.shape)
 
 
 class MoEDecoder(Dynamic):
-    """Embedding, two residual MoE blocks (8 experts each, top-2), head; 6 tokens per rank."""
+    """Embedding, two residual MoE blocks (``experts`` each, top-2), head; 6 tokens per rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: int = 8) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.ModuleList(SparseMoE(16, 8, self, f"blocks.{i}") for i in range(2))
+        self.blocks = nn.ModuleList(SparseMoE(16, experts, self, f"blocks.{i}") for i in range(2))
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, VOCAB)
 
@@ -703,8 +703,10 @@ class Case:
     """How to build one case: module, data, trainer arguments, the ddp reference's strategy."""
 
     def __init__(self, build, data, *, val: bool = False, precision: str = "32-true", ddp=lambda: "ddp",
-                 callbacks=list, zero_kwargs: dict | None = None, checkpoint: bool = False) -> None:  # fmt: skip
+                 callbacks=list, zero_kwargs: dict | None = None, checkpoint: bool = False,
+                 trainer: dict | None = None) -> None:  # fmt: skip
         self.build, self.data, self.val, self.precision = build, data, val, precision
+        self.trainer = trainer or {}  # more Trainer arguments (accumulation, clipping)
         self.ddp, self.callbacks, self.zero_kwargs = ddp, callbacks, zero_kwargs or {}
         self.checkpoint = checkpoint  # ZeRO runs save a sharded checkpoint after fit; rank 0 exports it
 
@@ -732,6 +734,13 @@ CASES: dict[str, Case] = {
     "blocks_in_moduledict": Case(lambda: HeldBlocks("moduledict"), regression_data),
     "blocks_in_sequential": Case(lambda: HeldBlocks("sequential"), regression_data),
     "moe_skip_idle_experts": Case(MoEDecoder, token_data, ddp=_ddp_unused),
+    "moe_accumulate_clip": Case(
+        lambda: MoEDecoder(experts=16),
+        lambda seed=3, samples=2 * STEPS * BATCH * WORLD: token_data(seed, samples),
+        ddp=_ddp_unused,
+        trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    ),  # fmt: skip
+    "moe_bf16": Case(MoEDecoder, token_data, ddp=_ddp_unused, precision="bf16-mixed"),
     "layerdrop_per_rank": Case(LayerDrop, vector_data, ddp=_ddp_unused),
     "optional_tower": Case(OptionalTower, token_data, ddp=_ddp_unused, checkpoint=True),
     "hf_mixtral_fused_experts": Case(lambda: CausalLM("mixtral"), token_data, ddp=_ddp_unused),
@@ -808,7 +817,7 @@ def run_one(run: str) -> dict[str, Any]:
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[counter, *callbacks],
         num_sanity_val_steps=2 if case.val else 0,  # Lightning's default: validation before training
-        limit_val_batches=2 if case.val else 0, val_check_interval=2 if case.val else 1.0,
+        limit_val_batches=2 if case.val else 0, val_check_interval=2 if case.val else 1.0, **case.trainer,
     )  # fmt: skip
     data = case.data()
     val = loader(case.data(seed=4, samples=2 * BATCH * WORLD)) if case.val else None
@@ -826,6 +835,7 @@ def run_one(run: str) -> dict[str, Any]:
     extra["num_params"] = sum(p.numel() for p in module.parameters())
     extra["num_trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
     extra["manual"] = not module.automatic_optimization
+    extra["accumulate"] = trainer.accumulate_grad_batches
     for callback in callbacks:
         if isinstance(callback, SampleEveryStep):
             extra["samples"] = callback.samples

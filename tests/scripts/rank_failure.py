@@ -16,6 +16,8 @@ so only the failure path can end the ranks quickly. At step 3 (``HAZARD_STEP``) 
 - ``kill``: SIGKILLs itself in ``training_step`` (after its forward): no message, no teardown;
 - ``no_loss``: ``training_step`` returns ``None`` (Lightning would skip only this rank's backward
   and optimizer step): the strategy raises, naming the fix.
+- ``skip_backward`` (manual optimization): skips its ``manual_backward`` but steps the optimizer;
+- ``extra_backward`` (manual optimization): runs a second ``manual_backward`` before the step.
 
 Every case also has ``ModelCheckpoint(save_on_exception=True)`` and a callback whose
 ``on_exception`` records that it ran. Each rank writes ``OUT_DIR/<case>.hazard`` (rank 1: the wall
@@ -124,6 +126,30 @@ class Hazards(Callback):
             note.write(f"{type(exception).__name__}: {exception}")
 
 
+class ManualNet(Net):
+    """Manual optimization: one ``manual_backward`` and one step per training step, except the
+    hazard on rank 1 (no backward, or two, before the step)."""
+
+    def __init__(self, out: str, case: str) -> None:
+        super().__init__(out, case)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        now = "now" if self.global_step + 1 == HAZARD_STEP else ""
+        if not _hazard(self.out, self.case, self.global_rank, "skip_backward", now):
+            self.manual_backward(loss)
+        if _hazard(self.out, self.case, self.global_rank, "extra_backward", now):
+            self.manual_backward(nn.functional.cross_entropy(self(x), y))
+        opt.step()
+
+
+MANUAL = ("skip_backward", "extra_backward")
+
+
 def data(samples: int, seed: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, 8, generator=gen)
@@ -139,7 +165,8 @@ def main(out: str, case: str) -> None:
         val_check_interval=2, limit_val_batches=2,
         callbacks=[Hazards(out, case), ModelCheckpoint(dirpath=os.path.join(out, case), save_on_exception=True)],
     )  # fmt: skip
-    trainer.fit(Net(out, case), DataLoader(data(64, 1), batch_size=4), DataLoader(data(16, 2), batch_size=4))
+    net = (ManualNet if case.rsplit("-", 1)[0] in MANUAL else Net)(out, case)
+    trainer.fit(net, DataLoader(data(64, 1), batch_size=4), DataLoader(data(16, 2), batch_size=4))
     print(f"[rank_failure] {case}: rank {trainer.global_rank} finished without an error", flush=True)
 
 

@@ -9,7 +9,7 @@ saved rectangles. Because both sides speak dense coordinates, any change of dp s
 TP size between save and load is a plain read of different rectangles: no conversion step.
 
 A rank owns elements ``[lo, hi)`` of its (TP-local) parameter flattened row-major (see
-``OwnedRange`` in ``zero/engine.py``). Such a run covers at most three rectangles of the local 2-D
+``OwnedRange`` in ``zero/flat.py``). Such a run covers at most three rectangles of the local 2-D
 view: a partial first row, a block of whole rows, a partial last row (:func:`range_pieces`). A
 TP-local tensor sits inside the dense one at ``tp_rank * local_size`` along its split dimension
 (``_tp_shard_dim`` 0: rows, 1: columns), so each local rectangle maps to one dense rectangle.

@@ -153,7 +153,7 @@ def load_model(
 
     Everything is read into fresh tensors first and copied into the module and the masters only
     when the whole read succeeded. With ``engine`` the compute parameters are refreshed from the
-    masters (the engine's all-gather). Returns the optimizer states per optimizer (master id ->
+    masters (the engine's all-gather). Returns the optimizer states per optimizer (stepped tensor id ->
     state) for :func:`apply_optimizer_state`.
 
     [Note: strict loading] The checkpoint's tensors (names and dense shapes in ``meta.json``) must
@@ -263,9 +263,9 @@ def apply_optimizer_state(
             )
         for group, saved_group in zip(optimizer.param_groups, groups):
             group.update(saved_group)
-        masters = {id(p): p for group in optimizer.param_groups for p in group["params"]}
-        for master_id, state in (states[index] if index < len(states) else {}).items():
-            optimizer.state[masters[master_id]] = state
+        stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        for tensor_id, state in (states[index] if index < len(states) else {}).items():
+            optimizer.state[stepped[tensor_id]] = state
 
 
 def restore_rng(opened: OpenedCheckpoint) -> bool:

@@ -99,7 +99,7 @@ def optimizer_index(optimizers: list[Optimizer]) -> dict[int, int]:
 
 
 def state_device(optimizer: Optimizer, master: torch.Tensor, key: str) -> torch.device:
-    """Where a loaded state tensor of ``master`` goes: as torch's own ``load_state_dict`` does,
+    """Where a loaded state tensor of ``master`` (what the optimizer steps) goes: as torch's own ``load_state_dict`` does,
     ``step`` stays on the host unless the master's param group is ``capturable`` or ``fused``
     (a ``step`` on the GPU of a plain Adam costs a host sync per chunk per step); every other
     state goes with the master."""
@@ -142,32 +142,36 @@ def engine_entries(
             add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(staged, pieces))
         else:
             add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(master[lo:hi].cpu(), pieces))
-        index = which.get(id(owned.master))
+        # The optimizer's state is keyed by what it steps: a view of the owned run (its state
+        # tensors are the run's own) or, for a frozen stage-3 shard, the master chunk.
+        stepped = engine.optimizer_tensor(owned)
+        own_run = stepped is not owned.master  # its state tensors hold just this run
+        index = which.get(id(stepped))
         if index is None:  # stage 3: a frozen parameter's shard (no optimizer steps it)
             continue
         if load:
-            state = targets.optimizer_states[index].setdefault(id(owned.master), {})
+            state = targets.optimizer_states[index].setdefault(id(stepped), {})
             for key, (kind, dtype) in state_kinds[index].items():
                 if key not in state:
-                    shape = master.shape if kind == "chunk" else ()
-                    device = state_device(optimizers[index], master, key)
+                    shape = stepped.shape if kind == "chunk" else ()
+                    device = state_device(optimizers[index], stepped, key)
                     state[key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
                 if kind == "chunk":
-                    flat = state[key][lo:hi]
+                    flat = state[key] if own_run else state[key][lo:hi]
                     add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))
                 else:
                     targets.tensors[f"optim.{index}.{owned.name}.{key}"] = state[key]
             continue
-        live = optimizers[index].state.get(owned.master, {}) if with_state else {}
+        live = optimizers[index].state.get(stepped, {}) if with_state else {}
         for key, value in live.items():
             if not torch.is_tensor(value):
                 raise TypeError(
                     f"lightning_zero checkpoint: optimizer {index} state {key!r} is a {type(value).__name__};"
                     " only tensor optimizer state can be sharded"
                 )
-            if value.shape == master.shape:
+            if value.shape == stepped.shape:
                 kind = "chunk"
-                flat = value.detach()[lo:hi].cpu()
+                flat = (value.detach() if own_run else value.detach()[lo:hi]).cpu()
                 add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))
             elif value.numel() == 1:
                 kind = "scalar"
@@ -175,6 +179,6 @@ def engine_entries(
             else:
                 raise TypeError(
                     f"lightning_zero checkpoint: optimizer {index} state {key!r} has shape {tuple(value.shape)},"
-                    f" neither the master chunk's {tuple(master.shape)} nor a scalar"
+                    f" neither the run's {tuple(stepped.shape)} nor a scalar"
                 )
             state_kinds[index][key] = [kind, str(value.dtype).removeprefix("torch.")]

@@ -16,8 +16,7 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,14 @@ from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.compression import check_comm_dtype
 from lightning_zero.config import resolve_bucket_mb
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes
-from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
+from lightning_zero.zero.flat import (
+    FlatLayout,
+    FlatParamGroup,
+    OwnedRange,
+    first_bucket_numel,
+    fp32_parameter_ids,
+    owned_ranges,
+)
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
@@ -125,44 +131,7 @@ def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> di
     return names
 
 
-@dataclass(frozen=True)
-class OwnedRange:
-    """A run of one parameter's flattened elements whose master (and optimizer state) this rank owns.
-
-    ``master[chunk_lo:chunk_hi]`` holds elements ``[param_lo, param_hi)`` of
-    ``param.reshape(-1)``; the optimizer state tensors of ``master`` (same shape as ``master``)
-    slice the same way. Checkpoints save and reshard through these ranges.
-    """
-
-    name: str
-    param: nn.Parameter
-    shape: torch.Size
-    param_lo: int
-    param_hi: int
-    master: nn.Parameter
-    chunk_lo: int
-    chunk_hi: int
-
-
-def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
-    """Every (parameter, element range) whose master this rank owns, in layout order."""
-    for group in groups:
-        for bucket, master in zip(group.layout.buckets, group.masters):
-            start = bucket.shard_start(group.dp_rank)
-            end = start + bucket.shard_numel
-            for slot in bucket.slots:
-                lo, hi = max(start, slot.offset), min(end, slot.end)
-                if lo < hi:
-                    yield OwnedRange(
-                        slot.name,
-                        slot.param,
-                        slot.shape,
-                        lo - slot.offset,
-                        hi - slot.offset,
-                        master,
-                        lo - start,
-                        hi - start,
-                    )
+STEP_AGREEMENT_S = 2.0  # [Note: a step without a backward]: how long a rank waits for the others
 
 
 class ZeroEngine:
@@ -358,8 +327,12 @@ class ZeroEngine:
             self.reducer.before_final_launch.append(self.stage3.flush_backward)
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
+            sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
         self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
+        self._step_pre_hooks += [opt.register_step_post_hook(self._count_step) for opt in optimizers]
+        self._backwards_at_step: dict[int, int] = {}  # optimizer id -> backwards ended at its last step
+        self._steps_of: dict[int, int] = {}  # optimizer id -> its steps so far
         self._finished_at_pre_backward = 0
 
     def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
@@ -381,6 +354,7 @@ class ZeroEngine:
             for opt in sharded:
                 groups = [group for groups in opt.flat_groups for group in groups]
                 pin_masters(groups, torch.device(self.device))
+                opt.rebind_segments()  # pinning moved the masters' storage
                 opt.offload = OffloadCopies(torch.device(self.device))
         gathering = [opt for opt in sharded if opt.gather_params]
         if not overlap_param_gather or not gathering:
@@ -465,7 +439,8 @@ class ZeroEngine:
         """[Note: zero_grad detection]: reset only the buckets of optimizers that zeroed their grads."""
         for sharded in self.optimizers:
             if sharded.grads_were_zeroed():
-                self.reducer.zero_grad([b for b in self.reducer.buckets if sharded.owns(b)])
+                dropped = sharded.grads_were_dropped()
+                self.reducer.zero_grad([b for b in self.reducer.buckets if sharded.owns(b)], dropped=dropped)
                 sharded.forget_handed_out_grads()
 
     def pre_backward(self) -> None:
@@ -491,6 +466,39 @@ class ZeroEngine:
         loss.backward(**kwargs)
         self.post_backward()
 
+    def _count_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.reducer.optimizer_steps += 1  # [Note: parameters nobody used] in reducer.py
+        self._backwards_at_step[id(optimizer)] = self.reducer.finished_backwards
+        self._steps_of[id(optimizer)] = self._steps_of.get(id(optimizer), 0) + 1
+
+    # [Note: a step without a backward] A rank that steps an optimizer with no backward since
+    # that optimizer's last step (its manual_backward skipped) issues the post-step collectives
+    # while the others are still in their backward's reduce-scatters: the ops no longer pair up, a
+    # hang until collective_timeout. Such a rank is told apart locally for free; it then checks
+    # through the store (no collective can be trusted now) whether every rank does the same
+    # (then it is consistent and goes on) and otherwise raises within STEP_AGREEMENT_S, posting
+    # on the failure channel, so the ranks in their backward raise within one poll.
+    def _check_backward_before_step(self, sharded: ShardedOptimizer) -> None:
+        optimizer = sharded.optimizer
+        if self.reducer.finished_backwards != self._backwards_at_step.get(id(optimizer), 0):
+            return
+        channel = self.waiter.failure
+        index = self.optimizers.index(sharded)
+        tag = f"step_without_backward/{index}/{self._steps_of.get(id(optimizer), 0)}"
+        if channel is None or channel.all_ranks_reach(tag, STEP_AGREEMENT_S):
+            return
+        raise RuntimeError(
+            f"lightning_zero: optimizer {index} ({type(optimizer).__name__}) steps on this rank without a"
+            f" backward since its last step (step {self._steps_of.get(id(optimizer), 0) + 1}), while other ranks"
+            " ran one: their gradient collectives would wait for this rank forever. Every rank must call"
+            " backward (manual_backward) before each step, e.g. on a zero loss (`loss * 0`) where it has"
+            " nothing to learn from."
+        )
+
+    def _right_before_update(self, sharded: ShardedOptimizer) -> None:
+        self._check_backward_before_step(sharded)
+        sharded.before_update()
+
     def _before_step(self, optimizer: Optimizer, args, kwargs):
         if self.reducer._backward_open:  # a backward whose end was never seen: finish it now
             self.reducer.finish_backward()
@@ -503,9 +511,9 @@ class ZeroEngine:
         # torch passes the step's own arguments: ``args[0]`` is the optimizer, then the closure.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            sharded.before_update()
+            self._right_before_update(sharded)
             return None
-        wrapped = closure_then(closure, sharded.before_update)
+        wrapped = closure_then(closure, lambda: self._right_before_update(sharded))
         if "closure" in kwargs:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
@@ -633,6 +641,16 @@ class ZeroEngine:
     def owned_ranges(self) -> Iterator[OwnedRange]:
         """See :class:`OwnedRange`; names are the module's ``named_parameters`` names."""
         return owned_ranges(self.groups)
+
+    def optimizer_tensor(self, owned: OwnedRange) -> torch.Tensor:
+        """What an optimizer steps, and keys its state by, for ``owned``: the view of its master
+        run ([Note: parameters nobody used] in reducer.py), or the master chunk itself where no
+        optimizer steps views (a frozen stage-3 shard, a replicated step)."""
+        for sharded in self.optimizers:
+            tensor = sharded.optimizer_tensor(owned)
+            if tensor is not None:
+                return tensor
+        return owned.master
 
     def num_params(self) -> int:
         """Unpadded parameter count managed by the engine (one dp replica)."""

@@ -24,7 +24,7 @@ buffer (parameters become views into it) and the fp32 master chunks the optimize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -325,3 +325,43 @@ def keeps_fp32(module: nn.Module) -> bool:
 def fp32_parameter_ids(module: nn.Module) -> set[int]:
     """Ids of the parameters held by :func:`keeps_fp32` modules."""
     return {id(p) for m in module.modules() if keeps_fp32(m) for p in m.parameters(recurse=False)}
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """A run of one parameter's flattened elements whose master (and optimizer state) this rank owns.
+
+    ``master[chunk_lo:chunk_hi]`` holds elements ``[param_lo, param_hi)`` of
+    ``param.reshape(-1)``; the optimizer state tensors of ``master`` (same shape as ``master``)
+    slice the same way. Checkpoints save and reshard through these ranges.
+    """
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    param_lo: int
+    param_hi: int
+    master: nn.Parameter
+    chunk_lo: int
+    chunk_hi: int
+
+
+def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
+    """Every (parameter, element range) whose master this rank owns, in layout order."""
+    for group in groups:
+        for bucket, master in zip(group.layout.buckets, group.masters):
+            start = bucket.shard_start(group.dp_rank)
+            end = start + bucket.shard_numel
+            for slot in bucket.slots:
+                lo, hi = max(start, slot.offset), min(end, slot.end)
+                if lo < hi:
+                    yield OwnedRange(
+                        slot.name,
+                        slot.param,
+                        slot.shape,
+                        lo - slot.offset,
+                        hi - slot.offset,
+                        master,
+                        lo - start,
+                        hi - start,
+                    )

@@ -34,8 +34,9 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_gather, all_reduce
-from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup
+from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
+from lightning_zero.zero.reducer import PHASE_PARAM_GATHER
 from lightning_zero.zero.waits import Waiter
 
 
@@ -80,18 +81,47 @@ class ShardedOptimizer:
         # offload copies (zero/offload.py); None: gather synchronously / no offload.
         self.param_gatherer: Any = None
         self.offload: Any = None
+        # Set by the engine: the gradient reducer, which knows the parameters no dp rank gave a
+        # gradient since the last zero_grad ([Note: parameters nobody used]) and runs the phase
+        # markers ([Note: phase markers]); None: every parameter counts as used, no markers.
+        self.reducer: Any = None
+        # What the optimizer steps: one view per (parameter, owned element run) of a master chunk.
+        self._segments: list[tuple[OwnedRange, torch.nn.Parameter]] = []
+        self._segments_of_master: dict[int, list[tuple[OwnedRange, torch.nn.Parameter]]] = {}
+        self._tensors_of_param: dict[int, list[torch.nn.Parameter]] = {}  # module param id -> views
 
         self._point_optimizer_at_masters(eager_state)
         self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
 
     def _point_optimizer_at_masters(self, eager_state: dict) -> None:
-        """Each param group steps this rank's fp32 master chunks (one per bucket)."""
+        """Each param group steps this rank's owned run of each of its parameters: a view of the
+        master chunk it lies in ([Note: parameters nobody used])."""
         for param_group, groups in zip(self.optimizer.param_groups, self.flat_groups):
-            param_group["params"] = [master for group in groups for master in group.masters]
+            tensors = []
+            for owned in owned_ranges(groups):
+                tensor = torch.nn.Parameter(owned.master.detach()[owned.chunk_lo : owned.chunk_hi])
+                self._segments.append((owned, tensor))
+                self._segments_of_master.setdefault(id(owned.master), []).append((owned, tensor))
+                self._tensors_of_param.setdefault(id(owned.param), []).append(tensor)
+                tensors.append(tensor)
+            param_group["params"] = tensors
         self.optimizer.state.clear()
         if eager_state:
             self._shard_eager_state(eager_state)
+
+    def rebind_segments(self) -> None:
+        """Point each stepped view at its master again (after a master's storage moved, e.g. was
+        pinned); the view objects, and so the optimizer state keyed by them, stay."""
+        for owned, tensor in self._segments:
+            tensor.data = owned.master.detach()[owned.chunk_lo : owned.chunk_hi]
+
+    def optimizer_tensor(self, owned: OwnedRange) -> Optional[torch.Tensor]:
+        """The tensor this optimizer steps (and keys its state by) for ``owned``; None if not ours."""
+        for segment, tensor in self._segments_of_master.get(id(owned.master), []):
+            if segment.chunk_lo == owned.chunk_lo:
+                return tensor
+        return None
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
@@ -110,10 +140,20 @@ class ShardedOptimizer:
             assert chunk is not None
             if self.offload is not None:  # copied to the host once per step, when read
                 self.offload.stage(master, chunk)
+                self._hand_out(master, master.grad)  # views of the host buffer the copy fills
                 continue
             same = chunk.dtype == master.dtype and chunk.device == master.device
-            master.grad = chunk if same else chunk.to(device=master.device, dtype=master.dtype)
+            self._hand_out(master, chunk if same else chunk.to(device=master.device, dtype=master.dtype))
         self._remember_grads()
+
+    def _hand_out(self, master: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """``grad`` (shaped like ``master``) becomes the gradient of what steps ``master``."""
+        segments = self._segments_of_master.get(id(master))
+        if segments is None:  # stepped as a whole elsewhere (stage 3's replicated step)
+            master.grad = grad
+            return
+        for owned, tensor in segments:
+            tensor.grad = grad[owned.chunk_lo : owned.chunk_hi]
 
     def flush_offloaded_grads(self) -> None:
         """Offload: copy the staged gradient chunks to the host now ([Note: offload copies])."""
@@ -128,41 +168,43 @@ class ShardedOptimizer:
         if self.offload is not None:
             self.flush_offloaded_grads()
             self.offload.before_host_update()
+        self._drop_grads_of_unused()
+
+    def _drop_grads_of_unused(self) -> None:
+        """A parameter no dp rank gave a gradient since the last ``zero_grad`` is left alone by
+        the step, as under DDP ([Note: parameters nobody used])."""
+        unused = self.reducer.unused_by_every_rank() if self.reducer is not None else ()
+        for param_id in unused:
+            for tensor in self._tensors_of_param_id(param_id):
+                if tensor.grad is not None:
+                    tensor.grad = None
+                    self._handed_out.pop(id(tensor), None)  # not a zero_grad of the user's
+
+    def _tensors_of_param_id(self, param_id: int) -> list[torch.nn.Parameter]:
+        """What this optimizer steps for module parameter ``param_id``."""
+        return self._tensors_of_param.get(param_id, [])
 
     def _shard_eager_state(self, state_of_param: dict) -> None:
         """State made before the engine existed (Adagrad's ``sum``): cut it like the parameters."""
         name = type(self.optimizer).__name__
-        for groups in self.flat_groups:
-            for group in groups:
-                for bucket, master in zip(group.layout.buckets, group.masters):
-                    states = [(slot, state_of_param.get(slot.param)) for slot in bucket.slots]
-                    keys = {key for _, state in states if state for key in state}
-                    if not keys:
-                        continue
-                    sharded: dict[str, Any] = {}
-                    for key in sorted(keys):
-                        values = [(slot, state[key]) for slot, state in states if state and key in state]
-                        sample = values[0][1]
-                        if torch.is_tensor(sample) and sample.dim() > 0:
-                            for slot, value in values:
-                                if value.shape != slot.shape:
-                                    raise ValueError(
-                                        f"lightning_zero: {name} holds state {key!r} of shape {tuple(value.shape)}"
-                                        f" for parameter {slot.name!r} of shape {tuple(slot.shape)}: only state"
-                                        " shaped like its parameter (element-wise optimizers) can be sharded."
-                                    )
-                            by_param = {id(slot.param): value for slot, value in values}
-                            chunk = torch.zeros(master.shape, dtype=sample.dtype, device=master.device)
-                            group.layout.copy_range_from(
-                                bucket.shard_start(group.dp_rank),
-                                bucket.shard_start(group.dp_rank) + bucket.shard_numel,
-                                chunk,
-                                lambda slot, by_param=by_param: by_param.get(id(slot.param)),
-                            )
-                            sharded[key] = chunk
-                        else:
-                            sharded[key] = sample.clone() if torch.is_tensor(sample) else sample
-                    self.optimizer.state[master] = sharded
+        for owned, tensor in self._segments:
+            state = state_of_param.get(owned.param)
+            if not state:
+                continue
+            sharded: dict[str, Any] = {}
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if value.shape != owned.shape:
+                        raise ValueError(
+                            f"lightning_zero: {name} holds state {key!r} of shape {tuple(value.shape)}"
+                            f" for parameter {owned.name!r} of shape {tuple(owned.shape)}: only state"
+                            " shaped like its parameter (element-wise optimizers) can be sharded."
+                        )
+                    flat = value.detach().reshape(-1)[owned.param_lo : owned.param_hi]
+                    sharded[key] = flat.to(device=tensor.device, copy=True)
+                else:
+                    sharded[key] = value.clone() if torch.is_tensor(value) else value
+            self.optimizer.state[tensor] = sharded
 
     def forget_handed_out_grads(self) -> None:
         """After the engine reset this optimizer's gradients: nothing handed out is pending."""
@@ -171,7 +213,12 @@ class ShardedOptimizer:
     @property
     def _grad_holders(self) -> list[torch.nn.Parameter]:
         """The tensors in the optimizer's param groups whose ``.grad`` ``zero_grad`` resets."""
-        return self.masters
+        return [tensor for _, tensor in self._segments]
+
+    @property
+    def _scaled_by_clipping(self) -> list[torch.nn.Parameter]:
+        """The tensors whose ``.grad`` gradient clipping scales (or clamps) in place."""
+        return self._grad_holders
 
     def _remember_grads(self) -> None:
         self._handed_out = {id(m): (m.grad, m.grad._version) for m in self._grad_holders if m.grad is not None}
@@ -190,6 +237,11 @@ class ShardedOptimizer:
                 return True
         return False
 
+    def grads_were_dropped(self) -> bool:
+        """True if ``zero_grad`` set a handed-out gradient to ``None`` (not zeroed in place): the
+        parameters behind it have no gradient again, as under torch."""
+        return any(id(tensor) in self._handed_out and tensor.grad is None for tensor in self._grad_holders)
+
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         for groups in self.flat_groups:
             for group in groups:
@@ -198,6 +250,8 @@ class ShardedOptimizer:
                 else:
                     group.copy_masters_to_params()
         if self.gather_params:  # stage 3 gathers lazily, at the next forward
+            if self.reducer is not None:  # [Note: phase markers] in reducer.py
+                self.reducer.check_phase_marker(self.reducer.start_phase_marker(PHASE_PARAM_GATHER))
             if self.param_gatherer is not None:  # [Note: overlapped parameter gather]
                 name = type(self.optimizer).__name__
                 groups = [group for groups in self.flat_groups for group in groups]
@@ -228,6 +282,15 @@ class ShardedOptimizer:
     # -- gradient clipping over shards ---------------------------------------------------------
     def _norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """(gradient values this rank counts in the global norm, their per-element weight or None)."""
+        terms = []
+        for owned, tensor in self._segments:
+            if tensor.grad is not None:
+                weight = self.replicated_weight.get(id(owned.master))
+                terms.append((tensor.grad, None if weight is None else weight[owned.chunk_lo : owned.chunk_hi]))
+        return terms
+
+    def _chunk_norm_terms(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The norm terms of whole master chunks (when the chunks themselves hold the gradients)."""
         return [(m.grad, self.replicated_weight.get(id(m))) for m in self.masters if m.grad is not None]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -260,17 +323,17 @@ class ShardedOptimizer:
         with record_function("lightning_zero::clip_grad_norm"):
             total = self.grad_norm(norm_type)
             clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for master in self.masters:
-                if master.grad is not None:
-                    master.grad.detach().mul_(clip_coef.to(master.grad.dtype))
+            for tensor in self._scaled_by_clipping:
+                if tensor.grad is not None:
+                    tensor.grad.detach().mul_(clip_coef.to(tensor.grad.dtype))
             self._remember_grads()
             return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         self.flush_offloaded_grads()
-        for master in self.masters:
-            if master.grad is not None:
-                master.grad.detach().clamp_(-clip_value, clip_value)
+        for tensor in self._scaled_by_clipping:
+            if tensor.grad is not None:
+                tensor.grad.detach().clamp_(-clip_value, clip_value)
         self._remember_grads()
 
     def state_bytes(self) -> int:
@@ -347,16 +410,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
                 full = self._full_master_buffer(group)
                 self._full_masters.append(full)
                 masters.extend(self._slot_masters(group, full))
-                for bucket, chunk_master in zip(group.layout.buckets, group.masters):
-                    start = bucket.shard_start(group.dp_rank)
-                    end = start + bucket.shard_numel
-                    for slot in bucket.slots:
-                        lo, hi = max(start, slot.offset), min(end, slot.end)
-                        if lo < hi:
-                            master = self._master_of_param[id(slot.param)]
-                            self._norm_slices.append(
-                                (master, lo - slot.offset, hi - slot.offset, chunk_master, lo - start)
-                            )
+                for owned in owned_ranges([group]):
+                    master = self._master_of_param[id(owned.param)]
+                    self._norm_slices.append((master, owned.param_lo, owned.param_hi, owned.master, owned.chunk_lo))
             param_group["params"] = masters
         self.optimizer.state.clear()
         self._copy_eager_state(eager_state)
@@ -424,6 +480,17 @@ class ReplicatedOptimizer(ShardedOptimizer):
     @property
     def masters(self) -> list[torch.nn.Parameter]:
         return [master for group in self.optimizer.param_groups for master in group["params"]]
+
+    @property
+    def _grad_holders(self) -> list[torch.nn.Parameter]:
+        return self.masters
+
+    def _tensors_of_param_id(self, param_id: int) -> list[torch.nn.Parameter]:
+        master = self._master_of_param.get(param_id)
+        return [] if master is None else [master]
+
+    def optimizer_tensor(self, owned: OwnedRange) -> Optional[torch.Tensor]:
+        return None  # its state is not range-shardable ([Note: non-element-wise optimizers])
 
     def prepare_master_grads(self, buckets: list[Bucket]) -> None:
         """All-gather every owned bucket's reduced chunk: each full master gets the full average."""

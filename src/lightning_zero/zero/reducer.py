@@ -51,6 +51,35 @@ and resets the gradient storage of *that optimizer's* buckets only (``optA.zero_
 optimizer B's accumulated gradients alone). Without a ``zero_grad``, gradients accumulate as
 torch's do.
 
+[Note: parameters nobody used] Under DDP a parameter that got no gradient on any rank keeps
+``.grad = None`` (after ``zero_grad(set_to_none=True)``, torch's default) and the optimizer skips it:
+no weight decay, no change to its moments or its step count. An MoE that skips idle experts or
+LayerDrop makes such parameters. Here every rank reduce-scatters whole buckets (zeros for what it
+did not use), so the reduced gradient alone cannot tell "unused" from "zero". The reducer
+therefore records which parameters received a gradient on this rank since their optimizer's
+gradients were last dropped (across micro batches), and at each synchronizing backward agrees on
+it: one all-reduce (MAX) of one int32 per parameter over all of dp, launched right after the last
+bucket and waited after the bucket waits, so it hides behind them. Its cost, paid in every step
+(no rank can know without asking that the others used everything): ``4 P`` bytes and one latency
+for ``P`` parameters, not counted with the gradient bytes (like the bucket-order agreement, it
+carries no tensor data). The optimizer steps one view per parameter's owned run of a master chunk
+(``zero/optimizer.py``), so right before the update it drops the gradient of each parameter no
+rank used and torch skips it exactly as under DDP, with its own per-parameter step count; the
+reduced zeros it would have had leave gradient clipping's norm unchanged.
+
+[Note: phase markers] A rank that runs an extra backward in a step issues that backward's
+reduce-scatters where the others issue the parameter all-gathers after their step: the ops no
+longer pair up and every rank waits until ``collective_timeout``.
+So each phase that issues collectives on the dp group starts with a marker: one all-reduce (MAX)
+of ``(phase, -phase, optimizer steps, -steps)``, 16 bytes. A synchronizing backward launches its
+marker with its first bucket and waits for it before any bucket wait; the post-step parameter
+all-gather (stages 1-2) waits for its marker before launching. Markers always pair with markers,
+so ranks at different phases or steps see it in the marker itself and all raise, naming both.
+Cost: two tiny all-reduces per step (one on the step's critical path), uncounted like the other
+agreements. A rank that steps without its backward is caught before it issues anything
+([Note: a step without a backward] in engine.py). Not caught: a rank that skips a whole
+iteration (backward and step) stays in lockstep one batch behind until the others finish.
+
 Waiting on collectives (time limit, polling, a failing peer): ``zero/waits.py``.
 """
 
@@ -84,6 +113,13 @@ def _inside_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+PHASE_BACKWARD, PHASE_PARAM_GATHER = 1, 2  # [Note: phase markers]
+PHASES = {
+    PHASE_BACKWARD: "the gradient sync of a backward",
+    PHASE_PARAM_GATHER: "the parameter all-gather after a step",
+}
 
 
 def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
@@ -177,6 +213,15 @@ class GradReducer:
         self._nested_seen = False  # first backward: a gradient arrived in a nested backward
 
         buckets = [Bucket(group, layout) for group in groups for layout in group.layout.buckets]
+        # [Note: parameters nobody used]: usage since the last drop, agreed in layout order.
+        self._usage_slots = [slot for bucket in buckets for slot in bucket.layout.slots]
+        self._used: set[int] = set()  # param ids that got a gradient here since their last drop
+        self._unused_by_all: set[int] = set()  # agreed at the last synchronizing backward
+        self.optimizer_steps = 0  # optimizer steps taken so far (the engine counts them)
+        # [Note: phase markers]: launched with a synchronizing backward's first bucket, waited first
+        self._phase_pending: Optional[tuple[torch.Tensor, Any, int, int]] = None
+        # What the used-parameter and phase agreements run over: every dp rank of every replica.
+        self._agree_group = hybrid.dp_group if hybrid is not None else dp_group
         self._layout_index = {id(bucket): i for i, bucket in enumerate(buckets)}
         # [Note: launch order]: before anything is learned, expected readiness = the
         # earliest-registered parameter in the bucket (its gradient comes last in backward).
@@ -269,6 +314,7 @@ class GradReducer:
             self.storage.on_param_ready(bucket, slot)
         if not self.learned_order and not self._nested_seen:
             self._nested_seen = _inside_nested_backward()
+        self._used.add(key)
         hits = self._hits.get(key, 0) + 1
         self._hits[key] = hits
         self._hit_seq += 1
@@ -322,6 +368,8 @@ class GradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
+        if self._next_launch == 0:  # [Note: phase markers]
+            self._phase_pending = self.start_phase_marker(PHASE_BACKWARD)
         if self.max_in_flight is not None:  # [Note: collectives in flight]
             while len(self._in_flight) >= self.max_in_flight:
                 self._complete(self._in_flight[0])
@@ -355,6 +403,9 @@ class GradReducer:
         self._next_launch += 1
 
     def _complete(self, bucket: Bucket) -> None:
+        if self._phase_pending is not None:  # before any wait that could pair with another phase
+            pending, self._phase_pending = self._phase_pending, None
+            self.check_phase_marker(pending)
         assert bucket.pending is not None
         output, work = bucket.pending
 
@@ -472,11 +523,64 @@ class GradReducer:
         with record_function("lightning_zero::finish_grad_sync"):
             while self._next_launch < len(self.buckets):
                 self._launch(self.buckets[self._next_launch])
+            usage = self._start_usage_agreement()
             while self._in_flight:
                 self._complete(self._in_flight[0])
+            self._finish_usage_agreement(*usage)
         self.storage.after_sync()
         for callback in self.on_grads_reduced:
             callback()
+
+    # -- [Note: parameters nobody used] ------------------------------------------------------------
+    def _start_usage_agreement(self) -> tuple[torch.Tensor, Any]:
+        """Launch the all-reduce (MAX) of this rank's used-parameter flags over all of dp."""
+        flags = [1 if id(slot.param) in self._used else 0 for slot in self._usage_slots]
+        used = torch.tensor(flags, dtype=torch.int32).to(self.device)
+        return used, all_reduce(used, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, label="agree_used_params")
+
+    def _finish_usage_agreement(self, used: torch.Tensor, work: Any) -> None:
+        with record_function("lightning_zero::agree_used_params"):
+            self.waiter.wait(
+                work,
+                lambda: (
+                    f"the used-parameter agreement of backward {self.finished_backwards + 1} on dp rank {self.dp_rank}"
+                ),
+            )
+        agreed = used.tolist()
+        self._unused_by_all = {id(slot.param) for slot, flag in zip(self._usage_slots, agreed) if not flag}
+
+    # -- [Note: phase markers] -------------------------------------------------------------------------
+    def start_phase_marker(self, phase: int) -> tuple[torch.Tensor, Any, int, int]:
+        """Launch the all-reduce (MAX) of ``(phase, -phase, steps, -steps)`` over all of dp."""
+        steps = self.optimizer_steps
+        mark = torch.tensor([phase, -phase, steps, -steps], dtype=torch.int32).to(self.device)
+        work = all_reduce(mark, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, label="agree_phase")
+        return mark, work, phase, steps
+
+    def check_phase_marker(self, pending: tuple[torch.Tensor, Any, int, int]) -> None:
+        """Wait for a phase marker; raise on every rank if the ranks are not at the same phase."""
+        mark, work, phase, steps = pending
+        self.waiter.wait(work, lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
+        high_phase, low_phase, most, fewest = mark.tolist()
+        low_phase, fewest = -low_phase, -fewest
+        if high_phase == low_phase and most == fewest:
+            return
+        mine = f"{PHASES.get(phase, phase)} after {steps} optimizer steps"
+        other_phase = low_phase if high_phase == phase else high_phase
+        other_steps = fewest if most == steps else most
+        raise RuntimeError(
+            f"lightning_zero: dp rank {self.dp_rank} is at {mine}, another rank at"
+            f" {PHASES.get(other_phase, other_phase)} after {other_steps} optimizer steps: the ranks ran"
+            " different numbers of backward calls in a step (one ran an extra backward, or skipped one),"
+            " so their collectives no longer pair up. Every rank must call backward (manual_backward) the"
+            " same number of times in each step, e.g. on a zero loss (`loss * 0`) where it has nothing to"
+            " learn from."
+        )
+
+    def unused_by_every_rank(self) -> set[int]:
+        """Ids of the parameters no dp rank gave a gradient since their optimizer last dropped its
+        gradients, as agreed at the last synchronizing backward."""
+        return self._unused_by_all
 
     def install_grad_views(self) -> None:
         """Call before a backward (the engine's ``pre_backward`` does, after its zero_grad check):
@@ -485,8 +589,10 @@ class GradReducer:
         if not self._in_flight:
             self.storage.install_grad_views()
 
-    def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
-        """Reset the gradients of ``buckets`` (default: all) before the next backward adds to them."""
+    def zero_grad(self, buckets: Optional[list[Bucket]] = None, *, dropped: bool = False) -> None:
+        """Reset the gradients of ``buckets`` (default: all) before the next backward adds to them.
+        ``dropped``: the optimizer's ``zero_grad`` set them to ``None``: their parameters count as
+        unused again ([Note: parameters nobody used])."""
         if self._in_flight:
             raise RuntimeError(
                 f"lightning_zero: zero_grad() called with {len(self._in_flight)} gradient"
@@ -495,6 +601,8 @@ class GradReducer:
             )
         targets = self.buckets if buckets is None else buckets
         self.storage.zero_grad(targets)
+        if dropped:
+            self._used.difference_update(id(slot.param) for bucket in targets for slot in bucket.layout.slots)
         for bucket in targets:
             bucket.chunk_is_fresh = True
 

@@ -134,6 +134,28 @@ class FailureChannel:
         except Exception:  # noqa: BLE001 - the store is gone: this rank raises either way
             pass
 
+    def all_ranks_reach(self, tag: str, seconds: float) -> bool:
+        """Count this rank in at ``tag`` (a counter in the store) and wait until every rank did
+        (True), another rank failed (its error is raised), or ``seconds`` passed (False). For rare
+        events only: one store request per poll."""
+        if self.store is None:
+            return True
+        key = f"{self.key}/reach/{tag}"
+        deadline = time.monotonic() + seconds
+        try:
+            count = self.store.add(key, 1)
+            while count < self.world_size:
+                self.check()
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_poll_interval(self.world_size))
+                count = self.store.add(key, 0)
+        except (RuntimeError, OSError) as err:  # the store is gone: some rank ended
+            if isinstance(err, PeerFailedError):
+                raise
+            return False
+        return True
+
     def _reported(self) -> None:
         """At exit, after Python printed this rank's traceback: the peers may raise now."""
         try:

@@ -70,7 +70,7 @@ class UnitReplicatedOptimizer(ReplicatedOptimizer):
     """
 
     masters = ShardedOptimizer.masters
-    _norm_terms = ShardedOptimizer._norm_terms
+    _norm_terms = ShardedOptimizer._chunk_norm_terms
     extra_grad_bytes = ShardedOptimizer.extra_grad_bytes
     extra_master_bytes = ShardedOptimizer.extra_master_bytes
 
@@ -112,6 +112,10 @@ class UnitReplicatedOptimizer(ReplicatedOptimizer):
     @property
     def _grad_holders(self) -> list[nn.Parameter]:
         return [master for masters in self._params_per_group for master in masters]
+
+    @property
+    def _scaled_by_clipping(self) -> list[nn.Parameter]:
+        return ShardedOptimizer.masters.fget(self)  # the chunks hold the gradients the step gathers
 
     def prepare_master_grads(self, buckets: list[Any]) -> None:
         """Chunk masters get their reduced chunks; full masters of groups that got them a stand-in."""

@@ -33,8 +33,10 @@ run different modules in one step. Two mechanisms keep the collectives agreed:
 Cost of a dynamic phase: one tiny all-gather (16 bytes per rank) per gather round, no prefetch,
 no overlap of the gradient reduce-scatters with backward, and the units some rank needs gathered
 on every rank (a rank skipping an expert still receives it). A phase whose ranks agree in its
-first step keeps the recorded schedule and pays nothing; there a unit skipped later is handled
-as before, and a unit run out of the recorded order later raises naming it.
+first step, and in which every unit ran on some rank, keeps the recorded schedule and pays
+nothing; there a unit skipped later is handled as before, and a unit run out of the recorded
+order later raises naming it. A unit that ran on no rank in the first step (LayerDrop dropped it
+everywhere) has no place in the schedule, so such a phase turns dynamic as well, with a warning.
 
 [Note: no_grad forwards in a training step] A forward that runs with grad disabled inside a
 training step (an EMA teacher, sampling from the student every N steps) takes no part in backward,
@@ -98,6 +100,7 @@ one reduce-scatter per bucket per backward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -410,6 +413,27 @@ class Stage3Runtime:
         if self.on_dynamic is not None:
             self.on_dynamic()
 
+    def _dynamic_if_units_idle(self, kind: str, schedule: Schedule) -> None:
+        """A unit with parameters that ran on no rank in a phase's first step (LayerDrop that
+        dropped it everywhere, a tower no batch needed yet) may run later, where the recorded
+        schedule has no place for it: such a phase turns dynamic too ([Note: dynamic execution]).
+        The first step's gathers were agreed, so every rank finds the same units idle."""
+        ran = set(schedule.order)
+        idle = [unit.name for unit in self.units if unit is not self.root and unit.groups and unit.index not in ran]
+        if not idle:
+            return
+        warnings.warn(
+            f"lightning_zero ZeRO-3: {len(idle)} unit(s) ran on no rank in the first {kind} step"
+            f" ({', '.join(idle[:4])}{', ...' if len(idle) > 4 else ''}); they may run later, so every gather"
+            " of this phase is agreed among the ranks from now on (no prefetch, gradient reduce-scatters"
+            " after backward). A module that never runs in this phase costs that too: leave it out of"
+            " the model or freeze and detach it.",
+            stacklevel=2,
+        )
+        schedule.dynamic = True
+        if self.on_dynamic is not None:
+            self.on_dynamic()
+
     def _reach_dynamic(self, unit: Unit) -> None:
         """Rounds of agreement until ``unit`` is gathered here (each round gathers one unit some
         rank needs now, on every rank)."""
@@ -512,6 +536,8 @@ class Stage3Runtime:
             if any(pair != (_DONE, 0) for pair in everyone):
                 self._turn_dynamic(schedule, everyone, self._what())
                 self._serve_round(everyone, None)
+        if not schedule.recorded and not schedule.dynamic and self.dp_size > 1:
+            self._dynamic_if_units_idle(kind, schedule)
         if schedule.dynamic:
             self._serve_until_done()
         elif schedule.recorded:

@@ -1,0 +1,16 @@
+"""What the ZeRO formulas leave out of a rank's optimizer-state bytes (shared by the byte tests)."""
+
+from __future__ import annotations
+
+
+def state_beyond_formula(engine, moments_bytes: int = 8, step_bytes: int = 4) -> int:
+    """Bytes of optimizer state a rank holds beyond ``model_state_bytes``'s padded formula.
+
+    The optimizer steps one view per parameter's owned run of a master chunk ([Note: parameters
+    nobody used] in zero/reducer.py): Adam's moments (``moments_bytes`` per element) cover the runs
+    but not the chunks' padding, and each run has its own scalar ``step`` (``step_bytes``).
+    """
+    runs = list(engine.owned_ranges())
+    chunk_numel = sum(master.numel() for group in engine.groups for master in group.masters)
+    padding_here = chunk_numel - sum(run.chunk_hi - run.chunk_lo for run in runs)
+    return step_bytes * len(runs) - moments_bytes * padding_here
