@@ -138,10 +138,6 @@ TP_KINDS = (  # the CommCounter labels of the tp group (tp/layers.py, tp/loss.py
 )
 
 
-def _mode(checkpointing: Union[bool, str]) -> str:
-    return {False: "none", True: "full"}.get(checkpointing, checkpointing)  # type: ignore[arg-type]
-
-
 def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
     by_case = {row["case"]: row for row in rows if "error" not in row}
     for name, row in by_case.items():
@@ -184,6 +180,8 @@ def sent_table(by_case: dict[str, dict], args: argparse.Namespace) -> list[str]:
 
 def activation_table(by_case: dict[str, dict]) -> list[str]:
     """Activation bytes each rank keeps for backward (probe step) beside the planner's."""
+    from lightning_zero.checkpointing import checkpointing_mode
+
     header = (
         f"{'case':<18}{'sp':>4}{'ckpt':>11}{'saved MiB r0':>14}{'r1':>9}{'planner':>10}{'diff':>8}"
         f"{'planner peak':>14}{'step s':>9}{'x tp2':>8}"
@@ -198,8 +196,9 @@ def activation_table(by_case: dict[str, dict]) -> list[str]:
         diff = max(abs(m / want - 1) for m in measured) if None not in measured else float("nan")
         ratio = step_ratio(row, base) if base is not None else float("nan")
         r0, r1 = (f"{m / MIB:,.2f}" if m is not None else "-" for m in measured)
+        sp, mode = "yes" if case.sequence_parallel else "no", checkpointing_mode(case.checkpointing)
         lines.append(
-            f"{name:<18}{'yes' if case.sequence_parallel else 'no':>4}{_mode(case.checkpointing):>11}{r0:>14}{r1:>9}"
+            f"{name:<18}{sp:>4}{mode:>11}{r0:>14}{r1:>9}"
             f"{want / MIB:>10,.2f}{diff:>8.2%}{row['predicted_activation_peak_bytes'] / MIB:>14,.2f}"
             f"{row['step_s_median']:>9.3f}{ratio:>8.2f}"
         )
@@ -207,16 +206,16 @@ def activation_table(by_case: dict[str, dict]) -> list[str]:
 
 
 def tp_kind_table(by_case: dict[str, dict]) -> list[str]:
-    """Rank 0's tp bytes per step per ``CommCounter`` kind: counted / planner."""
+    """Rank 0's tp bytes per step per ``CommCounter`` kind: counted / planner, in KiB."""
     header = f"{'case':<18}" + "".join(f"{kind[3:]:>24}" for kind in TP_KINDS)
-    lines = ["tp MiB sent per step per kind, counted / planner (loss: 2 (tp-1)/tp * 3 * B * T * 4)", header]
+    lines = ["tp KiB sent per step per kind, counted / planner (loss: 2 (tp-1)/tp * 3 * B * T * 4)", header]
     lines.append("-" * len(header))
     for name, row in by_case.items():
         if CASES[name].tp == 1:
             continue
         sent = row["engine_sent_bytes_per_step_by_kind"][0] or {}
         want = row["predicted_tp_sent_bytes_per_step_by_kind"]
-        cells = [f"{sent.get(kind, 0.0) / MIB:,.3f} / {want.get(kind, 0.0) / MIB:,.3f}" for kind in TP_KINDS]
+        cells = [f"{sent.get(kind, 0.0) / 1024:,.1f} / {want.get(kind, 0.0) / 1024:,.1f}" for kind in TP_KINDS]
         lines.append(f"{name:<18}" + "".join(f"{cell:>24}" for cell in cells))
     return lines
 
