@@ -219,12 +219,14 @@ def run_worker(
     make_module: Optional[Callable[[Any], Any]] = None,
     extra_step: Optional[Callable[[Any], dict[str, float]]] = None,
     at_end: Optional[Callable[[Any, int], dict[str, Any]]] = None,
+    measure_activations: bool = False,
 ) -> None:
     """Train one case on this rank (Lightning starts the other) and write ``<case>.rank<r>.json``.
 
     ``stage`` picks the ZeRO formula the strategy's model states are compared with;
     ``make_module(config)`` builds the LightningModule (default :class:`LlamaLM`);
-    ``at_end(trainer, max_steps)`` adds what only the live strategy can tell.
+    ``at_end(trainer, max_steps)`` adds what only the live strategy can tell;
+    ``measure_activations``: the probe step counts the activation bytes kept for backward.
     """
     tap = collective_tap()  # installed by bench_main before lightning_zero bound its collectives
     core = pin_rank_to_core()
@@ -249,6 +251,7 @@ def run_worker(
         profile_path=Path(args.worker_dir) / f"{args.worker}.rank{os.environ.get('LOCAL_RANK', '0')}.profile.txt"
         if args.profile
         else None,
+        measure_activations=measure_activations,
     )
     rss_before = rss_bytes()
     trainer = bench_trainer(devices=2, max_steps=max_steps, callbacks=[probe], strategy=strategy)

@@ -14,6 +14,9 @@ the model-state bytes it holds.
   grads, optimizer state: the live tensors, deduplicated by storage) at three points: after
   forward, before the optimizer step, after it. Per kind the reported value is the largest of
   the three, and ``total`` the largest sum at one point;
+- where a benchmark asks (``measure_activations``), counts in that probe step the activation bytes
+  its forward keeps for backward (``training_step`` start to ``on_before_zero_grad``, see
+  [Note: measuring saved activations] in ``lightning_zero/saved_activations.py``);
 - writes ``<case>.rank<r>.json``, which the driver merges into the table and ``--out`` JSON.
 """
 
@@ -220,6 +223,7 @@ def make_probe(
     extra_step: Optional[Callable[[Any], dict[str, float]]] = None,
     at_end: Optional[Callable[[Any], dict[str, Any]]] = None,
     profile_path: Optional[Path] = None,
+    measure_activations: bool = False,
 ) -> Any:
     """A Lightning callback timing steps, counting sent bytes and (last step) model-state bytes.
 
@@ -229,7 +233,8 @@ def make_probe(
     ``state_bytes(trainer)`` returns ``{"params", "grads", "optimizer"}`` bytes this rank holds;
     ``extra_step(trainer)`` adds per-step numbers (our engine's overlap timeline);
     ``at_end(trainer)`` runs at ``on_train_end``, while the strategy still holds its engine or
-    wrapper, and its dict lands in the summary as ``end``.
+    wrapper, and its dict lands in the summary as ``end``; ``measure_activations``: the probe
+    step also counts the activation bytes forward keeps for backward (``saved_activation_bytes``).
     """
     from lightning.pytorch.callbacks import Callback
 
@@ -240,6 +245,8 @@ def make_probe(
             self.extra: list[dict[str, float]] = []
             self.states: dict[str, dict[str, int]] = {}
             self.live_bytes = 0
+            self.saved_activation_bytes: Optional[int] = None
+            self._saved: Any = None  # lightning_zero.saved_activations.SavedActivations, probe step
             self.end: dict[str, Any] = {}
             self._start = 0.0
             self._role = "warmup"
@@ -261,9 +268,23 @@ def make_probe(
             tap.active = self._role == "timed"
             tap.bytes.clear()
             tap.calls.clear()
+            if self._probing and measure_activations:
+                from lightning_zero.saved_activations import SavedActivations
+
+                self._saved = SavedActivations(pl_module).start()
             self._start = time.perf_counter()
 
+        def _stop_saved(self) -> None:
+            # after training_step returned the loss, before zero_grad (its in-place writes) and backward
+            if self._saved is not None:
+                self.saved_activation_bytes = self._saved.stop()
+                self._saved = None
+
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self._stop_saved()
+
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._stop_saved()  # no zero_grad on this batch (accumulating)
             if self._probing:
                 self.states["after_forward"] = state_bytes(trainer)
 
@@ -309,6 +330,7 @@ def make_probe(
                 "state_points": self.states,
                 "state_bytes": peak,
                 "live_tensor_bytes_before_step": self.live_bytes,
+                "saved_activation_bytes": self.saved_activation_bytes,
                 "end": self.end,
             }
 

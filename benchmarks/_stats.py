@@ -45,6 +45,8 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         "engine_sent_bytes_per_step": first[0].get("engine_sent_bytes_per_step"),
         "predicted_sent_bytes_per_step": first[0].get("predicted_sent_bytes_per_step"),
         "live_tensor_bytes_before_step": [rank["live_tensor_bytes_before_step"] for rank in first],
+        "saved_activation_bytes": [rank.get("saved_activation_bytes") for rank in first],
+        "engine_sent_bytes_per_step_by_kind": [rank.get("engine_sent_bytes_per_step_by_kind") for rank in first],
         "num_params": first[0]["num_params"],
         "notes": first[0].get("notes", ""),
         "extra": overlap_summary([e for ranks in good for e in ranks[0]["extra"] if "comm_s" in e]),

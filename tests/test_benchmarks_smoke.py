@@ -52,6 +52,30 @@ def test_bench_zero12_runs_and_writes_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_tp_sequence_parallel_rows_match_the_planner(tmp_path):
+    """tp2 and tp2_sp side by side: each rank's activation bytes kept for backward equal the
+    planner's (1%) and sequence parallelism keeps fewer; tp bytes per kind equal ``tp_bytes_by_kind``."""
+    out = tmp_path / "tp.json"
+    proc = _run(tmp_path, "bench_tp.py", "--cases", "tp2", "tp2_sp", *TINY, *QUICK, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "did not run" not in proc.stdout, proc.stdout
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"tp2", "tp2_sp"}
+    for row in rows.values():
+        assert row["step_s_median"] > 0
+        want = row["predicted_saved_activation_bytes"]
+        assert len(row["saved_activation_bytes"]) == 2
+        for measured in row["saved_activation_bytes"]:
+            assert measured == pytest.approx(want, rel=0.01), (row["case"], measured, want)
+        counted = row["engine_sent_bytes_per_step_by_kind"][0]
+        assert counted == pytest.approx(row["predicted_tp_sent_bytes_per_step_by_kind"]), row["case"]
+        # the strategy's counter and the tapped torch.distributed calls agree
+        assert sum(row["sent_bytes_per_step"][0].values()) == pytest.approx(sum(counted.values()))
+    assert max(rows["tp2_sp"]["saved_activation_bytes"]) < min(rows["tp2"]["saved_activation_bytes"])
+    assert "tp_all_gather_seq" in rows["tp2_sp"]["engine_sent_bytes_per_step_by_kind"][0]
+
+
+@pytest.mark.slow
 def test_planner_check_measures_every_case_it_predicts(tmp_path):
     """planner_check drives bench_zero12's workers with its own arguments: each case it predicts
     is also measured (a missing harness argument once left every measurement NaN)."""

@@ -15,7 +15,7 @@ import torch
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
 from lightning_zero.models import Llama, LlamaConfig, resolve_config
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
-from tests.saved_bytes import measure_saved_bytes
+from lightning_zero.saved_activations import measure_saved_bytes
 
 H100 = "h100_80gb"
 RUN_70B = dict(
@@ -106,7 +106,7 @@ def test_dp_and_tp_bytes_follow_the_ring_formulas():
 
 
 # ---------------------------------------------------------------------------- activations
-# Measured as [Note: measuring saved activations] in tests/saved_bytes.py says.
+# Measured as [Note: measuring saved activations] in lightning_zero/saved_activations.py says.
 
 
 def _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_len):

@@ -330,12 +330,12 @@ def _check_sequence_parallel(dense: nn.Module, group: dist.ProcessGroup, dp_grou
 def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None:
     """What a tp=2 Llama keeps for backward per rank equals the planner's count (1%) for every
     checkpointing mode, with and without sequence parallelism ([Note: measuring saved
-    activations] in tests/saved_bytes.py), and the bytes of each TP collective of that forward +
-    backward equal the planner's ``tp_bytes_by_kind`` exactly."""
+    activations] in lightning_zero/saved_activations.py), and the bytes of each TP collective of
+    that forward + backward equal the planner's ``tp_bytes_by_kind`` exactly."""
     from lightning_zero.ledger import llama_activation_bytes
     from lightning_zero.planner.arithmetic import tp_bytes_by_kind
+    from lightning_zero.saved_activations import measure_saved_bytes
     from lightning_zero.tp.loss import TP_LOSS_LABEL
-    from tests.saved_bytes import measure_saved_bytes
 
     size = dist.get_world_size(group)
     batch, seq_len = 4, 16

@@ -43,11 +43,12 @@ def bench_config(**shape: int) -> Any:
     return LlamaConfig.from_name("tiny", **(shape or BENCH_MODEL))
 
 
-def bench_module(config: Any) -> Any:
-    """The LightningModule every benchmark case trains (unless a case brings its own)."""
+def bench_module(config: Any, activation_checkpointing: Any = False) -> Any:
+    """The LightningModule every benchmark case trains (unless a case brings its own);
+    ``activation_checkpointing``: ``LlamaLM``'s (``False`` / ``"selective"`` / ``"full"``)."""
     from lightning_zero.models import LlamaLM
 
-    return LlamaLM(config, lr=BENCH_LR, warmup_steps=1)
+    return LlamaLM(config, lr=BENCH_LR, warmup_steps=1, activation_checkpointing=activation_checkpointing)
 
 
 def bench_datamodule(config: Any, *, seq_len: int, batch_size: int, max_steps: int) -> Any:
