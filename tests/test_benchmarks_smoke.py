@@ -65,6 +65,7 @@ def test_bench_memory_runs_and_writes_json(tmp_path):
     for rank in row["ranks"]:
         assert rank["baseline_rss"] > 0 and rank["end_peak_above"] >= rank["train_start_peak_above"]
         assert rank["fit_peak_above"] >= rank["end_peak_above"] and rank["save_stall_s"] > 0
+        assert rank["teardown_peak_above"] is not None
     predicted = row["planner_memory"]
     assert predicted["total"] > predicted["model_states"] > 0 and predicted["prefetch_buffers"] > 0
     assert any(line.startswith("goal: zero3 peak") for line in payload["report"])
