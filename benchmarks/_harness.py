@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from _probes import collective_tap, make_probe, peak_rss_bytes, pin_rank_to_core, rss_bytes
 from _stats import format_table, machine_note, summarize
@@ -220,13 +220,17 @@ def run_worker(
     extra_step: Optional[Callable[[Any], dict[str, float]]] = None,
     at_end: Optional[Callable[[Any, int], dict[str, Any]]] = None,
     measure_activations: bool = False,
+    callbacks: Sequence[Any] = (),
+    result_extra: Optional[Callable[[], dict[str, Any]]] = None,
 ) -> None:
     """Train one case on this rank (Lightning starts the other) and write ``<case>.rank<r>.json``.
 
     ``stage`` picks the ZeRO formula the strategy's model states are compared with;
     ``make_module(config)`` builds the LightningModule (default :class:`LlamaLM`);
     ``at_end(trainer, max_steps)`` adds what only the live strategy can tell;
-    ``measure_activations``: the probe step counts the activation bytes kept for backward.
+    ``measure_activations``: the probe step counts the activation bytes kept for backward;
+    ``callbacks`` run after the probe, and ``result_extra()``'s dict is merged into the rank's
+    JSON after fit.
     """
     tap = collective_tap()  # installed by bench_main before lightning_zero bound its collectives
     core = pin_rank_to_core()
@@ -254,7 +258,7 @@ def run_worker(
         measure_activations=measure_activations,
     )
     rss_before = rss_bytes()
-    trainer = bench_trainer(devices=2, max_steps=max_steps, callbacks=[probe], strategy=strategy)
+    trainer = bench_trainer(devices=2, max_steps=max_steps, callbacks=[probe, *callbacks], strategy=strategy)
     trainer.fit(module, datamodule=data)
 
     dp = trainer.world_size
@@ -274,6 +278,8 @@ def run_worker(
         **probe.summary(),
     }
     result.update(result.pop("end"))
+    if result_extra is not None:
+        result.update(result_extra())
     out = Path(args.worker_dir) / f"{args.worker}.rank{trainer.global_rank}.json"
     out.write_text(json.dumps(result, indent=1, default=float))
 

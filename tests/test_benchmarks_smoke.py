@@ -76,6 +76,26 @@ def test_bench_tp_sequence_parallel_rows_match_the_planner(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_memory_runs_and_writes_json(tmp_path):
+    """bench_memory at --size tiny: per rank the baseline, train-start and end points, the save
+    stall and the planner's prediction land in the JSON (issue 24)."""
+    out = tmp_path / "memory.json"
+    proc = _run(tmp_path, "bench_memory.py", "--size", "tiny", "--cases", "zero3", "--steps", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "did not run" not in proc.stdout, proc.stdout
+    payload = json.loads(out.read_text())
+    (row,) = payload["memory"]
+    assert row["case"] == "zero3" and len(row["ranks"]) == 2
+    for rank in row["ranks"]:
+        assert rank["baseline_rss"] > 0 and rank["end_peak_above"] >= rank["train_start_peak_above"]
+        assert rank["fit_peak_above"] >= rank["end_peak_above"] and rank["save_stall_s"] > 0
+        assert rank["teardown_peak_above"] is not None
+    predicted = row["planner_memory"]
+    assert predicted["total"] > predicted["model_states"] > 0 and predicted["prefetch_buffers"] > 0
+    assert any(line.startswith("goal: zero3 peak") for line in payload["report"])
+
+
+@pytest.mark.slow
 def test_planner_check_measures_every_case_it_predicts(tmp_path):
     """planner_check drives bench_zero12's workers with its own arguments: each case it predicts
     is also measured (a missing harness argument once left every measurement NaN)."""

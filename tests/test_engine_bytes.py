@@ -76,3 +76,41 @@ def _all(rank, world):
 
 def test_bytes_match_formulas():
     run_ranks(_all, 2, timeout_s=120)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _teardown_releases_grads(rank, world):
+    """Stage 3's teardown (``release_module``) gathers the whole module; the last step's gradient
+    chunks are dropped first, so they do not sit beside it (issue 24: the fit's peak RSS)."""
+    from lightning_zero.zero.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], stage=3, bucket_mb=0.001)
+    model(torch.randn(8, 24)).pow(2).mean().backward()
+    opt.step()
+    assert engine.measured_bytes()["grads"] > 0
+    optimizer_bytes = engine.measured_bytes()["optimizer"]
+    engine.release_module()
+    assert engine.measured_bytes()["grads"] == 0
+    assert all(bucket.grad_chunk is None for bucket in engine.reducer.buckets)
+    assert all(master.grad is None for sharded in engine.optimizers for master in sharded.masters)
+    assert engine.measured_bytes()["optimizer"] == optimizer_bytes, "the optimizer state stays"
+    assert [tuple(p.shape) for p in model.parameters()] == [(24, 24), (24,)] * 4, "the module is whole"
+    model(torch.randn(2, 24))  # usable outside the engine
+    engine.close()
+
+
+def test_stage3_teardown_releases_gradients():
+    run_ranks(_teardown_releases_grads, 2, timeout_s=120)

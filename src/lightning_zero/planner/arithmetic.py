@@ -8,7 +8,11 @@ it never builds the model, so a 70B plan takes milliseconds. :func:`compare_stag
 [Note: what a plan counts] Per rank, at the peak of one training step (the start of backward):
 model states (ZeRO paper), the engine's extra buffers (stage 2/3 gradient bucket buffers in
 flight, stage 3 gathered blocks), activations saved for backward (or checkpointed block inputs
-plus one recomputed block) and the loss. Not counted: the CUDA context and allocator slack
+plus one recomputed block) and the loss. Stages 2-3 copy each gradient autograd produces into a
+bucket buffer and drop it, so during backward one full gradient of the largest parameter (a
+gathered unit's embedding or head) lives beside the buckets (``param_grad``; stage 1 and
+deferred stage 2 let autograd write into the buckets: none); issue 24 measured stage 3's
+working set (a unit gathered, the prefetched one, that gradient, the buckets) at 0.44B. Not counted: the CUDA context and allocator slack
 (``plan.reserved_gib`` is set aside for them), transient activation gradients (a few
 ``B x T x dim`` tensors), temporaries of the optimizer step, and the data loader.
 """
@@ -35,6 +39,7 @@ from lightning_zero.planner.ledger import (
     dp_topology,
     grad_bytes_per_param,
     llama_activation_bytes,
+    llama_largest_block_param,
     llama_param_counts,
     model_state_bytes,
 )
@@ -247,6 +252,9 @@ def plan_run(
     )
     gathered_unit = max(counts.block, counts.embedding, counts.output)
     prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
+    # stages 2-3: autograd's gradient of one parameter, until the hook copies it into its bucket
+    largest_param = max(counts.embedding, counts.output, llama_largest_block_param(config, tp=tp))
+    param_grad = largest_param * dtype.grad if pooled else 0.0
 
     shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel))
     acts = llama_activation_bytes(config, act_bytes=dtype.activation, attention=attention, **shape)
@@ -257,6 +265,7 @@ def plan_run(
         optimizer_moments=optimizer_numel * dtype.moments,
         bucket_buffers=float(bucket_buffers),
         prefetch_buffers=float(prefetch),
+        param_grad=float(param_grad),
         activations=acts.total(checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
         # bf16 gradient chunks are cast to an fp32 copy for the step; fp32 chunks are used as is

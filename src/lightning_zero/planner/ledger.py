@@ -206,6 +206,11 @@ def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
     )
 
 
+def llama_largest_block_param(config: Any, *, tp: int = 1) -> int:
+    """Elements of a block's largest weight on one of ``tp`` ranks (``wq``/``wo`` or ``w1``/``w2``/``w3``)."""
+    return max(config.dim * config.dim, config.dim * config.ffn_dim) // tp
+
+
 ATTENTION_KERNELS = ("fused", "math")
 
 

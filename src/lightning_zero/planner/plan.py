@@ -33,6 +33,7 @@ class MemoryPerRank:
     activations: float  # saved for backward by the transformer blocks and the final norm
     logits_and_loss: float
     step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
+    param_grad: float = 0.0  # stages 2/3: autograd's gradient of the largest parameter, before its bucket copy
 
     @property
     def optimizer(self) -> float:
@@ -45,8 +46,9 @@ class MemoryPerRank:
     @property
     def total(self) -> float:
         """Model states and engine buffers, plus the larger of the two peaks that never meet:
-        backward's (activations, loss) and the optimizer step's (fp32 grad shard)."""
-        backward_peak = self.activations + self.logits_and_loss
+        backward's (activations, loss, one parameter's gradient) and the optimizer step's (fp32
+        grad shard)."""
+        backward_peak = self.activations + self.logits_and_loss + self.param_grad
         return (
             self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak, self.step_grad_shard)
         )

@@ -109,6 +109,9 @@ class GradStorage:
     def grad_bytes(self) -> int:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Free what this storage holds (the engine is done training: ``ZeroEngine.release_grads``)."""
+
 
 class FullGradStorage(GradStorage):
     """Persistent full-size gradients that micro batches add into; in-place reduce-scatter.
@@ -332,3 +335,10 @@ class ShardedGradStorage(GradStorage):
 
     def grad_bytes(self) -> int:
         return self.chunk_bytes + self._alive_bytes
+
+    def release(self) -> None:
+        """Drop the reduced chunks and the pool (no backward follows)."""
+        self.after_sync()
+        for bucket in self.buckets:
+            bucket.grad_chunk = None
+        self.chunk_bytes = 0

@@ -206,6 +206,12 @@ class ShardedOptimizer:
                     sharded[key] = value.clone() if torch.is_tensor(value) else value
             self.optimizer.state[tensor] = sharded
 
+    def drop_grads(self) -> None:
+        """Every gradient this optimizer holds becomes ``None`` (the engine is done training)."""
+        for tensor in [*self._grad_holders, *self.masters]:
+            tensor.grad = None
+        self.forget_handed_out_grads()
+
     def forget_handed_out_grads(self) -> None:
         """After the engine reset this optimizer's gradients: nothing handed out is pending."""
         self._handed_out = {}
