@@ -43,6 +43,7 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         "sent_bytes_per_step": [rank["sent_bytes_per_step"] for rank in first],
         "sent_source": first[0].get("sent_source", "wrapped torch.distributed collectives"),
         "engine_sent_bytes_per_step": first[0].get("engine_sent_bytes_per_step"),
+        "engine_control_bytes_per_step": first[0].get("engine_control_bytes_per_step"),
         "predicted_sent_bytes_per_step": first[0].get("predicted_sent_bytes_per_step"),
         "live_tensor_bytes_before_step": [rank["live_tensor_bytes_before_step"] for rank in first],
         "saved_activation_bytes": [rank.get("saved_activation_bytes") for rank in first],

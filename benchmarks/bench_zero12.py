@@ -233,6 +233,8 @@ def zero_at_end(trainer: Any, max_steps: int) -> dict[str, Any]:
         "predicted_state_bytes": predicted_bytes(engine, engine.optimizers[0].optimizer),
         "predicted_sent_bytes_per_step": factor * (engine.dp_size - 1) / engine.dp_size * 4 * engine.num_params(),
         "engine_sent_bytes_per_step": engine.counter.total_bytes() / max_steps,
+        # the agreements (used parameters, phase markers): not in the ZeRO formulas
+        "engine_control_bytes_per_step": sum(engine.counter.control_bytes.values()) / max_steps,
         "engine_sent_calls_per_step": {k: v / max_steps for k, v in engine.counter.calls.items()},
         "padding_numel": engine.padding_numel(),
         "measured_bytes_after_fit": engine.measured_bytes(),

@@ -71,12 +71,18 @@ class CommCounter:
     calls: dict[str, int] = field(default_factory=dict)
     bytes_by_link: dict[str, float] = field(default_factory=dict)
     ranks_per_node: Optional[int] = None
+    # Control exchanges (agreements on bucket order, used parameters, phases): counted apart from
+    # the data bytes the ZeRO formulas describe ([Note: logical bytes]).
+    control_bytes: dict[str, float] = field(default_factory=dict)
 
     def add(self, kind: str, elements_sent: float, element_size: int, link: str = INTRA_NODE) -> None:
         self.elements[kind] = self.elements.get(kind, 0.0) + elements_sent
         self.bytes[kind] = self.bytes.get(kind, 0.0) + elements_sent * element_size
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes_by_link[link] = self.bytes_by_link.get(link, 0.0) + elements_sent * element_size
+
+    def add_control(self, kind: str, elements_sent: float, element_size: int) -> None:
+        self.control_bytes[kind] = self.control_bytes.get(kind, 0.0) + elements_sent * element_size
 
     def link_of(self, group: Optional[dist.ProcessGroup]) -> str:
         """The link class of a collective over ``group`` (see [Note: link classes])."""
@@ -93,6 +99,7 @@ class CommCounter:
         self.bytes.clear()
         self.calls.clear()
         self.bytes_by_link.clear()
+        self.control_bytes.clear()
 
     def snapshot(self) -> dict[str, dict]:
         return {
@@ -100,6 +107,7 @@ class CommCounter:
             "bytes": dict(self.bytes),
             "calls": dict(self.calls),
             "bytes_by_link": dict(self.bytes_by_link),
+            "control_bytes": dict(self.control_bytes),
         }
 
 
@@ -261,14 +269,19 @@ def all_reduce(
     async_op: bool = False,
     counter: Optional[CommCounter] = None,
     label: str = "all_reduce",
+    control: bool = False,
 ):
-    """In-place all-reduce of ``tensor`` over the group."""
+    """In-place all-reduce of ``tensor`` over the group (``control``: counted as a control
+    exchange, apart from the data bytes)."""
     size = _group_size(group)
     if size == 1:
         return _Done() if async_op else None
     if counter is not None:
         sent = ring_sent("all_reduce", tensor.numel(), size)
-        counter.add(label, sent, tensor.element_size(), counter.link_of(group))
+        if control:
+            counter.add_control(label, sent, tensor.element_size())
+        else:
+            counter.add(label, sent, tensor.element_size(), counter.link_of(group))
     with record_function(f"lightning_zero::{label}"):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 

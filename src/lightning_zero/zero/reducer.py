@@ -61,8 +61,8 @@ gradients were last dropped (across micro batches), and at each synchronizing ba
 it: one all-reduce (MAX) of one int32 per parameter over all of dp, launched right after the last
 bucket and waited after the bucket waits, so it hides behind them. Its cost, paid in every step
 (no rank can know without asking that the others used everything): ``4 P`` bytes and one latency
-for ``P`` parameters, not counted with the gradient bytes (like the bucket-order agreement, it
-carries no tensor data). The optimizer steps one view per parameter's owned run of a master chunk
+for ``P`` parameters, counted as a control exchange (``CommCounter.control_bytes``), apart from
+the gradient bytes. The optimizer steps one view per parameter's owned run of a master chunk
 (``zero/optimizer.py``), so right before the update it drops the gradient of each parameter no
 rank used and torch skips it exactly as under DDP, with its own per-parameter step count; the
 reduced zeros it would have had leave gradient clipping's norm unchanged.
@@ -75,8 +75,8 @@ of ``(phase, -phase, optimizer steps, -steps)``, 16 bytes. A synchronizing backw
 marker with its first bucket and waits for it before any bucket wait; the post-step parameter
 all-gather (stages 1-2) waits for its marker before launching. Markers always pair with markers,
 so ranks at different phases or steps see it in the marker itself and all raise, naming both.
-Cost: two tiny all-reduces per step (one on the step's critical path), uncounted like the other
-agreements. A rank that steps without its backward is caught before it issues anything
+Cost: two tiny all-reduces per step (one on the step's critical path), counted in
+``CommCounter.control_bytes``. A rank that steps without its backward is caught before it issues anything
 ([Note: a step without a backward] in engine.py). Not caught: a rank that skips a whole
 iteration (backward and step) stays in lockstep one batch behind until the others finish.
 
@@ -505,7 +505,7 @@ class GradReducer:
             device=self.device,
         )
         with record_function("lightning_zero::agree_bucket_order"):
-            work = all_reduce(mine, order_group, op=dist.ReduceOp.MAX, async_op=True)
+            work = all_reduce(mine, order_group, op=dist.ReduceOp.MAX, async_op=True)  # once: uncounted
             self.waiter.wait(
                 work, lambda: f"the bucket-order agreement at the end of the first backward on dp rank {self.dp_rank}"
             )
@@ -536,7 +536,11 @@ class GradReducer:
         """Launch the all-reduce (MAX) of this rank's used-parameter flags over all of dp."""
         flags = [1 if id(slot.param) in self._used else 0 for slot in self._usage_slots]
         used = torch.tensor(flags, dtype=torch.int32).to(self.device)
-        return used, all_reduce(used, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, label="agree_used_params")
+        work = all_reduce(
+            used, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
+            label="agree_used_params", control=True,
+        )  # fmt: skip
+        return used, work
 
     def _finish_usage_agreement(self, used: torch.Tensor, work: Any) -> None:
         with record_function("lightning_zero::agree_used_params"):
@@ -554,7 +558,10 @@ class GradReducer:
         """Launch the all-reduce (MAX) of ``(phase, -phase, steps, -steps)`` over all of dp."""
         steps = self.optimizer_steps
         mark = torch.tensor([phase, -phase, steps, -steps], dtype=torch.int32).to(self.device)
-        work = all_reduce(mark, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, label="agree_phase")
+        work = all_reduce(
+            mark, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
+            label="agree_phase", control=True,
+        )  # fmt: skip
         return mark, work, phase, steps
 
     def check_phase_marker(self, pending: tuple[torch.Tensor, Any, int, int]) -> None:
