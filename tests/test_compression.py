@@ -16,7 +16,8 @@ from lightning_zero.compression import (
     quantize_int8,
     unpack_int8,
 )
-from lightning_zero.config import ZeroConfig, compose
+from lightning_zero.config import ZeroConfig
+from lightning_zero.hydra_config import compose
 from tests.distributed import run_ranks
 
 # -- pure quantization ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, ZeroStrategyConf, compose
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+from lightning_zero.hydra_config import ZeroStrategyConf, compose
 
 KNOBS = [knob.name for knob in dataclasses.fields(ZeroConfig)]
 
@@ -58,7 +59,7 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 
 def test_planner_reads_the_same_defaults():
-    from lightning_zero.config import PlanConf
+    from lightning_zero.hydra_config import PlanConf
     from lightning_zero.planner.arithmetic import plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
 
