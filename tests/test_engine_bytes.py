@@ -15,6 +15,7 @@ CASES = [  # (stage, compute dtype, bucket_mb)
 
 
 def _check(rank, world, stage, dtype, bucket_mb):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
@@ -22,7 +23,7 @@ def _check(rank, world, stage, dtype, bucket_mb):
         nn.Linear(33, 24), *[nn.Sequential(nn.ReLU(), nn.Linear(24, 24)) for _ in range(5)], nn.Linear(24, 5)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=bucket_mb)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=bucket_mb), compute_dtype=dtype)
     num_params = sum(p.numel() for p in model.parameters())
     padded = num_params + engine.padding_numel()
     assert engine.num_params() == num_params

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, reduce_in_fp32
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -156,8 +156,6 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        for name, value in self.zero_config.as_dict().items():  # self.stage, self.bucket_mb, ...
-            setattr(self, name, value)
         self.wrap_policy = wrap_policy
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
@@ -298,7 +296,7 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self._adopt_tp_counter()
         self.comm_counter.ranks_per_node = self.num_processes  # [Note: link classes] in collectives.py
-        if fitting or self.stage == 3:
+        if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -343,7 +341,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         # Stage 3: configure_model builds on the meta device; setup materializes one unit at a time.
-        if self.stage == 3:
+        if self.zero_config.stage == 3:
             with torch.device("meta"):
                 yield
         else:
@@ -373,27 +371,16 @@ class ZeroStrategy(DDPStrategy):
         self.engine = ZeroEngine(
             self.lightning_module,
             optimizers,
-            stage=self.stage,
+            self.zero_config,  # whole: the engine's parts read config.<knob> where they use it
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=self.compute_dtype,
-            bucket_mb=self.bucket_mb,
-            overlap_comm=self.overlap_comm,
-            defer_grad_reduce=self.defer_grad_reduce,
-            max_buckets_in_flight=self.max_buckets_in_flight,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
-            prefetch_blocks=self.prefetch_blocks,
             device=self.root_device,
             wrap_policy=self.wrap_policy,
-            offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
-            collective_timeout=self.collective_timeout,
-            overlap_param_gather=self.overlap_param_gather,
-            grad_comm_dtype=self.grad_comm_dtype,
-            param_comm_dtype=self.param_comm_dtype,
             shard_groups=groups,
             ranks_per_node=self.num_processes,
-            reduce_dtype=torch.float32 if reduce_in_fp32(self.reduce_dtype) else None,
             failure=self.failure_channel,
         )
         if self._device_mesh is not None:
@@ -635,3 +622,18 @@ class ZeroStrategy(DDPStrategy):
             from lightning_zero.checkpoint import remove_checkpoint
 
             remove_checkpoint(filepath)
+
+
+def _knob_property(name: str) -> property:
+    def read(self: ZeroStrategy) -> Any:
+        return getattr(self.zero_config, name)
+
+    return property(
+        read, doc=f"``zero_config.{name}`` (read-only; documented on :class:`~lightning_zero.config.ZeroConfig`)."
+    )
+
+
+# ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object.
+for _name in ZERO_DEFAULTS.as_dict():
+    setattr(ZeroStrategy, _name, _knob_property(_name))
+del _name
