@@ -67,3 +67,72 @@ def test_planner_reads_the_same_defaults():
     for name in ("bucket_mb", "prefetch_blocks", "defer_grad_reduce", "overlap_comm", "max_buckets_in_flight"):
         assert parameters[name].default is getattr(ZERO_DEFAULTS, name), name
     assert PLAN_DEFAULTS == dataclasses.asdict(PlanConf())
+
+
+# -- each knob documented once: ZeroConfig's Attributes; the rest is generated or checked -----------
+
+
+def _args_entries(docstring: str) -> set[str]:
+    """Names documented as ``name: ...`` entries of a Google-style ``Args:`` section."""
+    lines = inspect.cleandoc(docstring).splitlines()
+    if "Args:" not in lines:
+        return set()
+    names = set()
+    for line in lines[lines.index("Args:") + 1 :]:
+        if line.strip() and not line.startswith(" "):
+            break
+        if line.startswith("    ") and not line.startswith("     ") and ":" in line:
+            names.update(name.strip() for name in line.strip().partition(":")[0].split(","))
+    return names
+
+
+def test_every_knob_is_documented_once_in_the_config():
+    from lightning_zero.config import knob_docs
+
+    docs = knob_docs()
+    assert list(docs) == KNOBS
+    assert all(len(text) > 20 for text in docs.values()), docs
+
+
+def test_no_knob_documented_again_below_or_beside_the_config():
+    import ast
+
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.hybrid import HybridGradReduce
+    from lightning_zero.zero.reducer import GradReducer
+    from lightning_zero.zero.stage3.runtime import Stage3Runtime
+
+    for documented in (ZeroEngine, GradReducer, HybridGradReduce, Stage3Runtime):
+        assert _args_entries(documented.__doc__) & set(KNOBS) == set(), documented
+    # ZeroStrategy's own docstring (as written; the Knobs section is appended at import)
+    source = Path(inspect.getsourcefile(ZeroStrategy)).read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "ZeroStrategy")
+    assert _args_entries(ast.get_docstring(node)) & set(KNOBS) == set()
+
+
+def test_strategy_docstring_carries_the_config_docs():
+    from lightning_zero.config import knob_docs
+
+    doc = ZeroStrategy.__doc__
+    for name, text in knob_docs().items():
+        assert f"        {name}: {text}\n" in doc, name
+
+
+def test_cli_md_knob_table_is_generated_from_the_config():
+    from lightning_zero.config import knob_table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    begin = text.index("<!-- generated from lightning_zero.config.ZeroConfig")
+    start = text.index("\n", begin) + 1
+    end = text.index("<!-- end of generated table -->")
+    assert text[start:end].strip() == knob_table(), "regenerate it: python -m lightning_zero.config"
+
+
+def test_engine_takes_the_config_whole():
+    from lightning_zero.zero.engine import ZeroEngine
+
+    parameters = inspect.signature(ZeroEngine.__init__).parameters
+    assert list(parameters)[1:4] == ["module", "optimizers", "config"]
+    assert set(parameters) & set(KNOBS) == set(), "knobs reach the engine in the config only"
+    with pytest.raises(TypeError, match="ZeroConfig"):
+        ZeroEngine(None, [], {"stage": 2})

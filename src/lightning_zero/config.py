@@ -9,6 +9,8 @@ they use it; the planner takes one too. The Hydra schema of the ``strategy`` gro
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -26,12 +28,20 @@ class ZeroConfig:
     ``ZeroStrategy``'s signature, the Hydra schema of the ``strategy`` group
     (``hydra_config.ZeroStrategyConf``, generated from this class) and the planner all read their defaults
     from :data:`ZERO_DEFAULTS`, so each default is written once, here. Construction validates; every
-    error names the argument as ``ZeroStrategy(name=value)`` and says what to pass instead.
+    error names the argument as ``ZeroStrategy(name=value)`` and says what to pass instead. The
+    strategy passes the object whole to :class:`~lightning_zero.zero.engine.ZeroEngine`, whose parts
+    read ``config.<knob>`` where they use it; nothing below validates or defaults a knob again.
+
+    The ``Attributes`` below are each knob's one documentation: ``ZeroStrategy``'s docstring and the
+    table in docs/cli.md are generated from them (:func:`knob_docs`, :func:`knob_table`; checked by
+    tests/test_knobs.py).
 
     Attributes:
         stage: 1 shards fp32 master weights and optimizer state over the dp ranks; 2 also keeps only
-            each rank's shard of the reduced gradients; 3 also shards the parameters, gathering each
-            unit (block) just in time.
+            each rank's shard of the reduced gradients (``2 P / dp`` bytes in bf16); 3 also shards the
+            parameters, gathering each unit (block) just in time (``16 P / dp`` bytes of model state in
+            bf16-mixed). Under stage 3 a model built in ``configure_model`` is created on the meta
+            device and materialized one unit at a time, each rank keeping only its shard.
         tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
             ``"auto"`` for devices per node; ``dp = world_size // tensor_parallel_size``.
         sequence_parallel: shard the norm and residual regions of a tensor-parallel ``LlamaLM``
@@ -47,22 +57,27 @@ class ZeroConfig:
         overlap_comm: launch bucket collectives during backward (``False``: only after it ends).
         prefetch_blocks: stage 3: units all-gathered ahead of the one computing (at most
             ``prefetch_blocks + 1`` gathered at once).
-        offload_optimizer: keep fp32 master and optimizer-state shards in CPU memory.
+        offload_optimizer: keep fp32 master and optimizer-state shards in CPU memory; the optimizer
+            steps on the CPU and the updated chunk is copied back to the device.
         defer_grad_reduce: stage 2 with accumulation: keep full gradients over micro batches and
-            reduce once at the last (stage-1 gradient memory, one reduce-scatter per step).
+            reduce once at the last (stage-1 gradient memory, one reduce-scatter per step). Stage 1
+            always defers.
         max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
-            first waits for the oldest); stage 2: also the full-size bucket buffers alive at once.
+            first waits for the oldest); stage 2: also the full-size bucket buffers alive at once
+            (bounds gradient memory to the shard plus this many buckets).
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         collective_timeout: seconds any wait of the engine on a collective (gradient
             reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
             saying what this rank waited on and how far its backward got ("5/12 params ready in
             bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
-            default). ``None`` leaves only the process group's timeout.
+            default). ``None`` leaves only the process group's timeout. On GPU the NCCL watchdog (the
+            process group's ``timeout``) applies as well. See docs/troubleshooting.md.
         overlap_param_gather: stages 1-2: the parameter all-gather after the optimizer step (one
             per bucket, ``(dp-1)/dp`` of the parameter bytes per rank) stays in flight and each
             bucket is waited for in the forward pre-hook of the modules owning its parameters, so
             it overlaps the next forward (Megatron-Core's ``overlap_param_gather``). ``False``:
-            every all-gather is waited for inside the optimizer step.
+            every all-gather is waited for inside the optimizer step. Evaluation, checkpoints and the
+            end of fit wait for every pending gather first.
         grad_comm_dtype: what the gradient reduce-scatter sends (ZeRO++ qgZ): ``None`` (the
             gradient buffer's own dtype, no compression), ``"fp32"``, ``"bf16"`` (2 bytes per
             element) or ``"int8"`` (1 byte per element + one fp32 scale per 256 elements); a
@@ -216,3 +231,49 @@ def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
 
 ZERO_DEFAULTS = ZeroConfig()
 """The defaults of every :class:`ZeroConfig` knob (what ``ZeroStrategy()`` uses)."""
+
+
+def knob_docs() -> dict[str, str]:
+    """``{knob: its documentation}`` from the ``Attributes:`` section of :class:`ZeroConfig`'s
+    docstring, the one place each knob is described; every text unwrapped to one line."""
+    docs: dict[str, str] = {}
+    lines = inspect.cleandoc(ZeroConfig.__doc__ or "").splitlines()
+    start = lines.index("Attributes:") + 1
+    name = None
+    for line in lines[start:]:
+        if line.startswith("    ") and not line.startswith("     ") and ":" in line:
+            name, _, text = line.strip().partition(": ")
+            docs[name] = text.strip()
+        elif line.startswith("        ") and name is not None:
+            docs[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return docs
+
+
+def _markdown(text: str) -> str:
+    """reST inline markup of the knob docs as Markdown: ``x`` and :role:`x` become `x`."""
+    text = re.sub(r":\w+:`~?([^`]+)`", lambda m: "`" + m.group(1).rsplit(".", 1)[-1] + "`", text)
+    return text.replace("``", "`").replace("|", "\\|")
+
+
+def _yaml_default(name: str) -> str:
+    if name == "stage":
+        return "1 / 2 / 3"
+    value = getattr(ZERO_DEFAULTS, name)
+    if value is None:
+        return "`null`"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def knob_table() -> str:
+    """The ``key (zero*) | default | meaning`` table of docs/cli.md, generated from
+    :func:`knob_docs` and :data:`ZERO_DEFAULTS` (``python -m lightning_zero.config`` prints it)."""
+    rows = ["| key (zero*) | default | meaning |", "| --- | --- | --- |"]
+    for name, text in knob_docs().items():
+        rows.append(f"| `{name}` | {_yaml_default(name)} | {_markdown(text)} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(knob_table())
