@@ -60,13 +60,47 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 def test_planner_reads_the_same_defaults():
     from lightning_zero.hydra_config import PlanConf
-    from lightning_zero.planner.arithmetic import plan_run
+    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
+    from lightning_zero.planner.search import FIXED_KNOBS, search_layouts
 
     parameters = inspect.signature(plan_run).parameters
-    for name in ("bucket_mb", "prefetch_blocks", "defer_grad_reduce", "overlap_comm", "max_buckets_in_flight"):
-        assert parameters[name].default is getattr(ZERO_DEFAULTS, name), name
+    for argument, knob in PLANNED_KNOBS.items():
+        if argument != "stage":  # required (or from zero_config): 0 plans Lightning's DDP
+            assert parameters[argument].default is getattr(ZERO_DEFAULTS, knob), argument
+    assert set(PLANNED_KNOBS.values()) | {"offload_optimizer", "monitor", "collective_timeout"} == set(KNOBS)
+    search = inspect.signature(search_layouts).parameters
+    for name in FIXED_KNOBS:
+        assert search[name].default is getattr(ZERO_DEFAULTS, name), name
     assert PLAN_DEFAULTS == dataclasses.asdict(PlanConf())
+
+
+def test_planner_takes_a_zero_config():
+    from lightning_zero.planner.arithmetic import plan_run
+    from lightning_zero.planner.search import search_layouts
+
+    run = dict(world_size=16, devices_per_node=8, precision="bf16-mixed", micro_batch=1, seq_len=128, simulate=False)
+    knobs = dict(bucket_mb=4.0, prefetch_blocks=2, max_buckets_in_flight=3, grad_comm_dtype="bf16", reduce_dtype="fp32")
+    config = ZeroConfig(stage=3, tensor_parallel_size=2, **knobs)
+    by_config = plan_run("tiny", config, **run)
+    by_keywords = plan_run("tiny", stage=3, tp=2, **knobs, **run)
+    assert by_config == by_keywords
+    # stage 1 always defers: its defer_grad_reduce changes no prediction (plan_run refuses it)
+    stage1 = ZeroConfig(stage=1, defer_grad_reduce=True)
+    assert plan_run("tiny", stage1, **run) == plan_run("tiny", stage=1, **run)
+    with pytest.raises(TypeError, match="prefetch_blocks"):
+        plan_run("tiny", config, prefetch_blocks=3, **run)
+    with pytest.raises(TypeError, match="stage="):
+        plan_run("tiny", **run)
+    common = dict(world_size=8, devices_per_node=8, global_batch=8, seq_len=128, stages=(2,), tp_sizes=(1,),
+                  micro_batches=(1,), bucket_mbs=(25.0,), checkpointing=("full",), sequence_parallel=(False,))  # fmt: skip
+    fixed = ZeroConfig(stage=1, bucket_mb=1.0, max_buckets_in_flight=1, overlap_param_gather=False)
+    searched = search_layouts("tiny", fixed, **common)
+    assert searched.ranked and all(r.plan.stage == 2 and r.plan.bucket_mb == 25.0 for r in searched.ranked)
+    keywords = search_layouts("tiny", max_buckets_in_flight=1, overlap_param_gather=False, **common)
+    assert [r.plan for r in searched.ranked] == [r.plan for r in keywords.ranked]
+    with pytest.raises(TypeError, match="max_buckets_in_flight"):
+        search_layouts("tiny", fixed, max_buckets_in_flight=4, **common)
 
 
 # -- each knob documented once: ZeroConfig's Attributes; the rest is generated or checked -----------
