@@ -29,12 +29,13 @@ def run(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = LateStem()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.5, max_buckets_in_flight=2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=2, bucket_mb=0.5, max_buckets_in_flight=2))
     storage = engine.reducer.storage
     per_step = []
     for _ in range(4):

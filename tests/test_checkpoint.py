@@ -155,6 +155,7 @@ def _save_body(rank, world, out, stage, tp):
     import torch.distributed as dist
 
     from lightning_zero.checkpoint import Layout, save_checkpoint
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
 
@@ -166,7 +167,7 @@ def _save_body(rank, world, out, stage, tp):
 
         parallelize_llama(model, tp_group)
     opt = _optimizer(model)
-    engine = ZeroEngine(model, [opt], stage=stage, dp_group=dp_group, bucket_mb=0.01)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01), dp_group=dp_group)
     dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -211,6 +212,7 @@ def _load_body(rank, world, out, cases):
     import torch.distributed as dist
 
     from lightning_zero.checkpoint import Layout, apply_optimizer_state, load_model, open_checkpoint
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
 
@@ -220,7 +222,7 @@ def _load_body(rank, world, out, cases):
         model = Llama(_config())
         opt = _optimizer(model)
         dp_group = None if dp == world else singles[rank]
-        engine = ZeroEngine(model, [opt], stage=stage, dp_group=dp_group, bucket_mb=0.003)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), dp_group=dp_group)
         dp_rank = rank if dp == world else 0
         layout = Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
         opened = open_checkpoint(Path(src, "ckpt"), layout)

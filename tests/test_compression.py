@@ -16,7 +16,8 @@ from lightning_zero.compression import (
     quantize_int8,
     unpack_int8,
 )
-from lightning_zero.config import ZeroConfig, compose
+from lightning_zero.config import ZeroConfig
+from lightning_zero.hydra_config import compose
 from tests.distributed import run_ranks
 
 # -- pure quantization ---------------------------------------------------------------------------
@@ -194,6 +195,7 @@ def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
     import torch.distributed as dist
 
     from lightning_zero.collectives import all_gather
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     model = _model()
@@ -201,11 +203,13 @@ def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
     engine = ZeroEngine(
         model,
         [opt],
-        stage=stage,
-        bucket_mb=0.002,
-        grad_comm_dtype=grad_comm_dtype,
-        param_comm_dtype=param_comm_dtype,
-        collective_timeout=60.0,  # the strategy's default path: waits poll is_completed()
+        ZeroConfig(
+            stage=stage,
+            bucket_mb=0.002,
+            grad_comm_dtype=grad_comm_dtype,
+            param_comm_dtype=param_comm_dtype,
+            collective_timeout=60.0,
+        ),
     )
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
@@ -277,13 +281,14 @@ class _TinyLM(nn.Module):
 def _train(stage, comm_dtype):
     import torch.distributed as dist
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = _TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(
-        model, [opt], stage=stage, bucket_mb=0.01, grad_comm_dtype=comm_dtype, param_comm_dtype=comm_dtype
+        model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01, grad_comm_dtype=comm_dtype, param_comm_dtype=comm_dtype)
     )
     gen = torch.Generator().manual_seed(7)
     x = torch.randint(0, 32, (4, 2, 8, 4), generator=gen)  # (batch, rank, sample, token): 25 epochs

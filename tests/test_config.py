@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_zero import config as lzconfig
+from lightning_zero import hydra_config as lzconfig
 from lightning_zero.cli import child_argv, local_process_count, threads_per_process
-from lightning_zero.config import available_recipes, compose, validate
+from lightning_zero.hydra_config import available_recipes, compose, validate
 
 CONF_DIR = Path(lzconfig.__file__).parent / "conf"
 GROUPS = ("model", "strategy", "data", "trainer", "optim")

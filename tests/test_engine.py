@@ -41,11 +41,14 @@ def _reference(steps, world, micro, clip):
 
 
 def _body(rank, world, stage, bucket_mb, overlap, micro, clip, expected, defer):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     model = _model()
     opt = _opt(model)
-    engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=bucket_mb, overlap_comm=overlap, defer_grad_reduce=defer)
+    engine = ZeroEngine(
+        model, [opt], ZeroConfig(stage=stage, bucket_mb=bucket_mb, overlap_comm=overlap, defer_grad_reduce=defer)
+    )
     sharded = engine.optimizers[0]
     for batch in _batches(3, world, micro):
         opt.zero_grad()

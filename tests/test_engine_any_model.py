@@ -64,6 +64,7 @@ def _reference_params(steps: int):
 
 
 def _checkpointing(rank, world, expected):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     for stage in (1, 2):
@@ -71,7 +72,7 @@ def _checkpointing(rank, world, expected):
             torch.manual_seed(0)
             model = SharedSegments(reentrant)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0005)
+            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0005))
             buckets = len(engine.reducer.buckets)
             assert buckets > 2
             for x in _batches(3):
@@ -91,6 +92,7 @@ def _checkpointing(rank, world, expected):
 
 def _no_params_reached(rank, world):
     """Rank 1's loss reaches no parameter (odd steps) or only the first layer (even steps)."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     for stage in (1, 2):
@@ -100,7 +102,7 @@ def _no_params_reached(rank, world):
         reference.load_state_dict(model.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0002, collective_timeout=30)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0002, collective_timeout=30))
         for step, x in enumerate(_batches(4)):
             opt.zero_grad()
             if rank == 1 and step % 2 == 1:
@@ -137,12 +139,13 @@ class LateStem(nn.Module):
 
 
 def _learned_order(rank, world, out_dir):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = LateStem()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.004, max_buckets_in_flight=2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=2, bucket_mb=0.004, max_buckets_in_flight=2))
     reducer, storage = engine.reducer, engine.reducer.storage
     layout_index = {id(b): reducer._layout_index[id(b)] for b in reducer.buckets}
     # Which bucket completes when, seen from outside the engine.
@@ -182,6 +185,7 @@ def _learned_order(rank, world, out_dir):
 
 
 def _frozen_int8_bytes(rank, world):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     for stage in (1, 2):
@@ -199,7 +203,7 @@ def _frozen_int8_bytes(rank, world):
                 [nn.Sequential(nn.Linear(24, 4, bias=False), nn.Linear(4, 24, bias=False)) for _ in base]
             )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: torch skips them
-            engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=0.0005)
+            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0005), compute_dtype=dtype)
             for _ in range(2):
                 opt.zero_grad()
                 h = torch.randn(8, 24, dtype=dtype)
@@ -231,13 +235,14 @@ def _frozen_int8_bytes(rank, world):
 
 def _timeout(rank, world, out_dir):
     """Rank 1 never runs its backward; rank 0 must fail within collective_timeout, saying why."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import CollectiveTimeoutError
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=2.0)  # hooks stay on the model
+    ZeroEngine(model, [opt], ZeroConfig(stage=2, bucket_mb=0.0005, collective_timeout=2.0))  # hooks stay on the model
     marker = os.path.join(out_dir, "timeout.txt")
     if rank == 0:
         started = time.perf_counter()
@@ -269,12 +274,13 @@ class ExtraUse(SharedSegments):
 def _divergence(rank, world):
     """Rank 1 diverges (an extra gradient after its bucket launched) and raises; rank 0 must raise
     too, within seconds, instead of waiting for the process group's timeout."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = ExtraUse(reentrant=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], stage=2, bucket_mb=0.0005, collective_timeout=20)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=2, bucket_mb=0.0005, collective_timeout=20))
     for step, x in enumerate(_batches(2)):
         model.extra = rank == 1 and step == 1
         opt.zero_grad()
@@ -285,11 +291,12 @@ def _divergence(rank, world):
 def _groups_destroyed(rank, world):
     from torch.distributed.distributed_c10d import _world
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], stage=3, bucket_mb=0.001)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, bucket_mb=0.001))
     owned = list(engine._owned_groups)
     assert owned and all(group in _world.pg_map for group in owned)
     engine.close()
@@ -332,6 +339,7 @@ def _adafactor(rank, world, out_dir):
     from pathlib import Path
 
     from lightning_zero.checkpoint import Layout, load_model, open_checkpoint, save_checkpoint
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.optimizer import ReplicatedOptimizer
 
@@ -347,7 +355,9 @@ def _adafactor(rank, world, out_dir):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
-        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.0001, compute_dtype=dtype, offload_optimizer=offload)
+        engine = ZeroEngine(
+            model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0001, offload_optimizer=offload), compute_dtype=dtype
+        )
         sharded = engine.sharded_optimizer(opt)
         assert isinstance(sharded, ReplicatedOptimizer)
         gen = torch.Generator().manual_seed(2)
@@ -378,7 +388,9 @@ def _adafactor(rank, world, out_dir):
             torch.manual_seed(5)
             fresh = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
             fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=5e-2)
-            fresh_engine = ZeroEngine(fresh, [fresh_opt], stage=2, bucket_mb=0.0002, compute_dtype=torch.bfloat16)
+            fresh_engine = ZeroEngine(
+                fresh, [fresh_opt], ZeroConfig(stage=2, bucket_mb=0.0002), compute_dtype=torch.bfloat16
+            )
             load_model(open_checkpoint(target), fresh, engine=fresh_engine, optimizers=[fresh_opt], layout=layout)
             for got, want in zip(fresh.parameters(), saved):  # bf16 compute params from the fp32 masters
                 torch.testing.assert_close(got.detach().float(), want, rtol=0, atol=1e-2)
@@ -403,12 +415,17 @@ def _adafactor_gpt2(rank: int, *, steps: int, clip: float, engine_kwargs=None):
     Returns the model, the engine, per-step losses (mean over ranks) and the clipped norms."""
     import torch.distributed as dist
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = _tiny_gpt2()
     opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=1e-3)
-    engine = None if engine_kwargs is None else ZeroEngine(model, [opt], **{"stage": 3, **engine_kwargs})
+    engine = None
+    if engine_kwargs is not None:
+        knobs = {"stage": 3, **engine_kwargs}
+        runtime = {name: knobs.pop(name) for name in ("compute_dtype", "device") if name in knobs}
+        engine = ZeroEngine(model, [opt], ZeroConfig(**knobs), **runtime)
     bf16 = engine is not None and engine.compute_dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(4)
     losses, norms = [], []

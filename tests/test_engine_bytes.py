@@ -16,6 +16,7 @@ CASES = [  # (stage, compute dtype, bucket_mb)
 
 
 def _check(rank, world, stage, dtype, bucket_mb):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
@@ -23,7 +24,7 @@ def _check(rank, world, stage, dtype, bucket_mb):
         nn.Linear(33, 24), *[nn.Sequential(nn.ReLU(), nn.Linear(24, 24)) for _ in range(5)], nn.Linear(24, 5)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=stage, compute_dtype=dtype, bucket_mb=bucket_mb)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=bucket_mb), compute_dtype=dtype)
     num_params = sum(p.numel() for p in model.parameters())
     padded = num_params + engine.padding_numel()
     assert engine.num_params() == num_params
@@ -92,12 +93,13 @@ class _Blocks(nn.Module):
 def _teardown_releases_grads(rank, world):
     """Stage 3's teardown (``release_module``) gathers the whole module; the last step's gradient
     chunks are dropped first, so they do not sit beside it (issue 24: the fit's peak RSS)."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
     model = _Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=3, bucket_mb=0.001)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, bucket_mb=0.001))
     model(torch.randn(8, 24)).pow(2).mean().backward()
     opt.step()
     assert engine.measured_bytes()["grads"] > 0

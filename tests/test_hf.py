@@ -172,7 +172,7 @@ def test_from_pretrained_dtype(hf):
 
 def test_lightning_module_and_hydra_config_take_the_shape_from_config_json(hf):
     from lightning_zero.cli import build_module
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
 
     path = str(hf["root"] / "sharded")
     module = LlamaLM(init_from=path)
@@ -554,7 +554,7 @@ def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
     from omegaconf import OmegaConf
 
     from lightning_zero.cli import build_module
-    from lightning_zero.config import RECIPES_DIR, compose
+    from lightning_zero.hydra_config import RECIPES_DIR, compose
     from lightning_zero.planner import plan_run
     from lightning_zero.planner.report import plan_kwargs_from_config
 

@@ -9,7 +9,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, ZeroStrategyConf, compose
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+from lightning_zero.hydra_config import ZeroStrategyConf, compose
 
 KNOBS = [knob.name for knob in dataclasses.fields(ZeroConfig)]
 
@@ -58,11 +59,114 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 
 def test_planner_reads_the_same_defaults():
-    from lightning_zero.config import PlanConf
-    from lightning_zero.planner.arithmetic import plan_run
+    from lightning_zero.hydra_config import PlanConf
+    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
+    from lightning_zero.planner.search import FIXED_KNOBS, search_layouts
 
     parameters = inspect.signature(plan_run).parameters
-    for name in ("bucket_mb", "prefetch_blocks", "defer_grad_reduce", "overlap_comm", "max_buckets_in_flight"):
-        assert parameters[name].default is getattr(ZERO_DEFAULTS, name), name
+    for argument, knob in PLANNED_KNOBS.items():
+        if argument != "stage":  # required (or from zero_config): 0 plans Lightning's DDP
+            assert parameters[argument].default is getattr(ZERO_DEFAULTS, knob), argument
+    assert set(PLANNED_KNOBS.values()) | {"offload_optimizer", "monitor", "collective_timeout"} == set(KNOBS)
+    search = inspect.signature(search_layouts).parameters
+    for name in FIXED_KNOBS:
+        assert search[name].default is getattr(ZERO_DEFAULTS, name), name
     assert PLAN_DEFAULTS == dataclasses.asdict(PlanConf())
+
+
+def test_planner_takes_a_zero_config():
+    from lightning_zero.planner.arithmetic import plan_run
+    from lightning_zero.planner.search import search_layouts
+
+    run = dict(world_size=16, devices_per_node=8, precision="bf16-mixed", micro_batch=1, seq_len=128, simulate=False)
+    knobs = dict(bucket_mb=4.0, prefetch_blocks=2, max_buckets_in_flight=3, grad_comm_dtype="bf16", reduce_dtype="fp32")
+    config = ZeroConfig(stage=3, tensor_parallel_size=2, **knobs)
+    by_config = plan_run("tiny", config, **run)
+    by_keywords = plan_run("tiny", stage=3, tp=2, **knobs, **run)
+    assert by_config == by_keywords
+    # stage 1 always defers: its defer_grad_reduce changes no prediction (plan_run refuses it)
+    stage1 = ZeroConfig(stage=1, defer_grad_reduce=True)
+    assert plan_run("tiny", stage1, **run) == plan_run("tiny", stage=1, **run)
+    with pytest.raises(TypeError, match="prefetch_blocks"):
+        plan_run("tiny", config, prefetch_blocks=3, **run)
+    with pytest.raises(TypeError, match="stage="):
+        plan_run("tiny", **run)
+    common = dict(world_size=8, devices_per_node=8, global_batch=8, seq_len=128, stages=(2,), tp_sizes=(1,),
+                  micro_batches=(1,), bucket_mbs=(25.0,), checkpointing=("full",), sequence_parallel=(False,))  # fmt: skip
+    fixed = ZeroConfig(stage=1, bucket_mb=1.0, max_buckets_in_flight=1, overlap_param_gather=False)
+    searched = search_layouts("tiny", fixed, **common)
+    assert searched.ranked and all(r.plan.stage == 2 and r.plan.bucket_mb == 25.0 for r in searched.ranked)
+    keywords = search_layouts("tiny", max_buckets_in_flight=1, overlap_param_gather=False, **common)
+    assert [r.plan for r in searched.ranked] == [r.plan for r in keywords.ranked]
+    with pytest.raises(TypeError, match="max_buckets_in_flight"):
+        search_layouts("tiny", fixed, max_buckets_in_flight=4, **common)
+
+
+# -- each knob documented once: ZeroConfig's Attributes; the rest is generated or checked -----------
+
+
+def _args_entries(docstring: str) -> set[str]:
+    """Names documented as ``name: ...`` entries of a Google-style ``Args:`` section."""
+    lines = inspect.cleandoc(docstring).splitlines()
+    if "Args:" not in lines:
+        return set()
+    names = set()
+    for line in lines[lines.index("Args:") + 1 :]:
+        if line.strip() and not line.startswith(" "):
+            break
+        if line.startswith("    ") and not line.startswith("     ") and ":" in line:
+            names.update(name.strip() for name in line.strip().partition(":")[0].split(","))
+    return names
+
+
+def test_every_knob_is_documented_once_in_the_config():
+    from lightning_zero.config import knob_docs
+
+    docs = knob_docs()
+    assert list(docs) == KNOBS
+    assert all(len(text) > 20 for text in docs.values()), docs
+
+
+def test_no_knob_documented_again_below_or_beside_the_config():
+    import ast
+
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.hybrid import HybridGradReduce
+    from lightning_zero.zero.reducer import GradReducer
+    from lightning_zero.zero.stage3.runtime import Stage3Runtime
+
+    for documented in (ZeroEngine, GradReducer, HybridGradReduce, Stage3Runtime):
+        assert _args_entries(documented.__doc__) & set(KNOBS) == set(), documented
+    # ZeroStrategy's own docstring (as written; the Knobs section is appended at import)
+    source = Path(inspect.getsourcefile(ZeroStrategy)).read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "ZeroStrategy")
+    assert _args_entries(ast.get_docstring(node)) & set(KNOBS) == set()
+
+
+def test_strategy_docstring_carries_the_config_docs():
+    from lightning_zero.config import knob_docs
+
+    doc = ZeroStrategy.__doc__
+    for name, text in knob_docs().items():
+        assert f"        {name}: {text}\n" in doc, name
+
+
+def test_cli_md_knob_table_is_generated_from_the_config():
+    from lightning_zero.config import knob_table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    begin = text.index("<!-- generated from lightning_zero.config.ZeroConfig")
+    start = text.index("\n", begin) + 1
+    end = text.index("<!-- end of generated table -->")
+    assert text[start:end].strip() == knob_table(), "regenerate it: python -m lightning_zero.config"
+
+
+def test_engine_takes_the_config_whole():
+    from lightning_zero.zero.engine import ZeroEngine
+
+    parameters = inspect.signature(ZeroEngine.__init__).parameters
+    assert list(parameters)[1:4] == ["module", "optimizers", "config"]
+    assert set(parameters) & set(KNOBS) == set(), "knobs reach the engine in the config only"
+    with pytest.raises(TypeError, match="ZeroConfig"):
+        ZeroEngine(None, [], {"stage": 2})

@@ -55,7 +55,7 @@ def test_presets_are_llama2_shapes():
 
 
 def test_llama3_presets():
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
 
     for name in ("llama3_8b", "llama3_70b", "llama3_405b", "llama3_2_1b", "llama3_2_3b"):
         config = LlamaConfig.from_name(name)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import lightning_zero
-from lightning_zero.config import RECIPES_DIR, available_recipes
+from lightning_zero.hydra_config import RECIPES_DIR, available_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 

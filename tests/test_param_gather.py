@@ -75,6 +75,7 @@ def _data(world: int):
 
 
 def _body(rank: int, world: int, stage: int, overlap: bool, offload: bool) -> None:
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     _defer_gathers()
@@ -84,7 +85,7 @@ def _body(rank: int, world: int, stage: int, overlap: bool, offload: bool) -> No
     reference_opts = _optimizers(reference)
     opts = _optimizers(model)
     engine = ZeroEngine(
-        model, opts, stage=stage, bucket_mb=0.0005, overlap_param_gather=overlap, offload_optimizer=offload
+        model, opts, ZeroConfig(stage=stage, bucket_mb=0.0005, overlap_param_gather=overlap, offload_optimizer=offload)
     )
     probe = torch.randn(3, 8, generator=torch.Generator().manual_seed(9))
     for step, micro_batches in enumerate(_data(world)):
@@ -151,13 +152,14 @@ def test_overlapped_gather_is_waited_wherever_parameters_are_read():
 def _without_waits(rank: int, world: int) -> None:
     """The deferred gathers leave the parameters stale until waited on (what makes the test above
     able to fail: a read that skipped its wait differs from the reference)."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     _defer_gathers()
     torch.manual_seed(0)
     model = Model()
     opts = _optimizers(model)
-    engine = ZeroEngine(model, opts, stage=2, bucket_mb=0.0005)
+    engine = ZeroEngine(model, opts, ZeroConfig(stage=2, bucket_mb=0.0005))
     engine.begin_step("train")
     loss = _step_loss(model, torch.randn(4, 8))
     engine.end_step_call()

@@ -224,7 +224,7 @@ def test_bad_layouts_and_arguments_raise_with_the_numbers(changes, match):
 
 
 def _compose(*overrides, strategy=("strategy=zero3", "strategy.tensor_parallel_size=8")):
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
 
     return compose(
         [

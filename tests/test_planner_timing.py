@@ -224,7 +224,7 @@ def test_70b_search_is_fast_and_every_layout_fits():
 
 
 def test_search_overrides_select_the_layout_they_describe():
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
     from lightning_zero.planner import plan_kwargs_from_config
 
     # topology=False: the strategy schema gains shard_size & co. with the engine's ZeroConfig; the
@@ -244,7 +244,7 @@ def test_search_overrides_select_the_layout_they_describe():
 
 
 def test_cli_search_prints_json(capsys):
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
     from lightning_zero.planner import run_plan
 
     cfg = compose(["recipe=llama7b", f"hardware={H100}", "plan.search=true", "plan.format=json", "plan.top=5"])
@@ -264,7 +264,7 @@ def test_cli_search_prints_json(capsys):
 def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
     from omegaconf import OmegaConf
 
-    from lightning_zero.config import HardwareConf
+    from lightning_zero.hydra_config import HardwareConf
 
     out = tmp_path / "this_machine.yaml"
     result = subprocess.run(  # 2 gloo processes, small sizes, a tiny model: seconds
@@ -306,7 +306,7 @@ def test_planner_plans_exactly_the_precisions_the_strategy_accepts():
 
 
 def test_default_hardware_is_config_yamls():
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
     from lightning_zero.planner import default_hardware_name
 
     assert compose([]).hardware.name == default_hardware_name()
@@ -314,7 +314,7 @@ def test_default_hardware_is_config_yamls():
 
 
 def test_plan_attention_math_works_from_the_cli(capsys):
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
     from lightning_zero.planner import run_plan
 
     math_plan = run_plan(compose(["plan.attention=math", "plan.format=json", "plan.stages=only"]))["plan"]
@@ -333,7 +333,7 @@ def test_plan_attention_math_works_from_the_cli(capsys):
     ],
 )
 def test_bad_hardware_and_plan_values_fail_validation(override, key):
-    from lightning_zero.config import compose
+    from lightning_zero.hydra_config import compose
 
     with pytest.raises(ValueError, match=key):
         compose([override])

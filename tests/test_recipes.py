@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero.config import RECIPES_DIR, available_recipes, compose
+from lightning_zero.hydra_config import RECIPES_DIR, available_recipes, compose
 from tests.test_cli import run_cli
 
 LLAMA2_RECIPES = ("llama7b", "llama13b", "llama70b")

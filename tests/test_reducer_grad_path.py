@@ -130,12 +130,13 @@ def _reference(steps: int, micro: int, world: int, clip: float) -> list[torch.Te
 def _parity_and_views(rank, world, stage, expected):
     """Default-ish knobs (bucket_mb=25 > the model): several buckets, the first launched before
     backward ends and small; stage 1 autograd writes into the bucket slots; params match."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.flat import FIRST_BUCKET_MB
 
     model = _stack()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=25.0)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=25.0))
     reducer = engine.reducer
     assert len(reducer.buckets) > 1, "a model smaller than bucket_mb still gets a small first bucket"
     first = reducer.buckets[0]
@@ -177,11 +178,12 @@ def _stage1_hook_copies_nothing(rank, world):
     grad_ready hook issues no copy/add kernel (autograd accumulated in the slot already)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     model = _stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], stage=1, bucket_mb=25.0)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=1, bucket_mb=25.0))
     x = _inputs(1, 1, world)[0][0][rank]
     with engine.no_sync():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -223,13 +225,14 @@ def _stage1_hook_copies_nothing(rank, world):
 def _in_flight_cap(rank, world):
     """Every stage launches a bucket only while fewer than max_buckets_in_flight reduce-scatters
     are in flight (stage 1 has no buffer pool to bound them); the result does not change."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     params = {}
     for stage, cap in ((1, 2), (1, 64), (2, 2), (1, 1)):
         model = _stack()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.01, max_buckets_in_flight=cap)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01, max_buckets_in_flight=cap))
         assert len(engine.reducer.buckets) > 4, len(engine.reducer.buckets)
         for batch in _inputs(2, 1, world):
             opt.zero_grad()
@@ -247,6 +250,7 @@ def _in_flight_cap(rank, world):
 def _bf16_accumulation(rank, world):
     """bf16 compute, 8 micro batches: reduce_dtype=fp32 gives the fp32 reduction of the same bf16
     micro-batch gradients (to fp32 rounding); reducing in bf16 is measurably further off."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     micro = 8
@@ -267,12 +271,11 @@ def _bf16_accumulation(rank, world):
     want = {name: g / world for name, g in want.items()}
     errors = {}
     for stage in (1, 2, 3):
-        for reduce_dtype in (torch.float32, None):
+        for reduce_dtype in ("fp32", "compute"):
             model = _stack()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            engine = ZeroEngine(
-                model, [opt], stage=stage, bucket_mb=0.05, compute_dtype=torch.bfloat16, reduce_dtype=reduce_dtype
-            )
+            config = ZeroConfig(stage=stage, bucket_mb=0.05, reduce_dtype=reduce_dtype)
+            engine = ZeroEngine(model, [opt], config, compute_dtype=torch.bfloat16)
             for i, x in enumerate(batch):
                 with engine.no_sync() if i < micro - 1 else torch.enable_grad():
                     engine.backward(model(x[rank]).float().pow(2).mean() / micro)
@@ -289,8 +292,8 @@ def _bf16_accumulation(rank, world):
             errors[(stage, reduce_dtype)] = (worst, scale)
             engine.close()
     for stage in (1, 2, 3):
-        fp32_err, scale = errors[(stage, torch.float32)]
-        bf16_err, _ = errors[(stage, None)]
+        fp32_err, scale = errors[(stage, "fp32")]
+        bf16_err, _ = errors[(stage, "compute")]
         assert fp32_err <= 2e-6 * scale, (stage, errors)  # fp32 rounding only
         assert bf16_err > 50 * max(fp32_err, 1e-7 * scale), (stage, errors)  # bf16 drift
 

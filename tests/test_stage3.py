@@ -63,6 +63,7 @@ def _gathered_state(engine, model):
 
 
 def _train(rank, world, prefetch, micro, clip, expected):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import build_llama
     from lightning_zero.zero.engine import ZeroEngine
 
@@ -70,7 +71,9 @@ def _train(rank, world, prefetch, micro, clip, expected):
     with torch.device("meta"):
         model = build_llama(_config())  # sharded init: materialized one unit at a time
     opt = _optimizer(model)
-    engine = ZeroEngine(model, [opt], stage=3, prefetch_blocks=prefetch, bucket_mb=0.002, device=torch.device("cpu"))
+    engine = ZeroEngine(
+        model, [opt], ZeroConfig(stage=3, prefetch_blocks=prefetch, bucket_mb=0.002), device=torch.device("cpu")
+    )
     runtime = engine.stage3
     num_params = sum(p.numel() for p in model.parameters())
     padded = num_params + engine.padding_numel()
@@ -110,6 +113,7 @@ def _odd_control_flow(rank, world):
     """A unit run twice per step, and a parameter unused on one rank: no hang, same numbers as one process."""
     from torch import nn
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     class Net(nn.Module):
@@ -129,7 +133,7 @@ def _odd_control_flow(rank, world):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], stage=3, prefetch_blocks=1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch_blocks=1))
     for step in range(3):
         opt.zero_grad()
         engine.stage3.begin_step()
@@ -141,6 +145,7 @@ def _odd_control_flow(rank, world):
 
 def _sharded_init_memory(rank, world):
     """Materializing from meta one unit at a time: no process ever holds the whole model."""
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.models import LlamaConfig
     from lightning_zero.models.llama import build_llama
     from lightning_zero.zero.engine import ZeroEngine
@@ -153,7 +158,9 @@ def _sharded_init_memory(rank, world):
     largest_unit = 4 * max(
         sum(p.numel() for p in unit.parameters()) for unit in (model.tok_embeddings, model.output, *model.layers)
     )
-    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=3, device=torch.device("cpu"))
+    engine = ZeroEngine(
+        model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3), device=torch.device("cpu")
+    )
     padding = 4 * engine.padding_numel()
     assert engine.init_peak_param_bytes <= full_bytes // world + largest_unit + padding
     assert engine.init_peak_param_bytes < 0.7 * full_bytes
@@ -170,10 +177,11 @@ def _disagreeing_first_step(rank, world):
     """A module run on one rank only in the first step: an error naming it, on every rank, no hang."""
     from torch import nn
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-    engine = ZeroEngine(blocks, [torch.optim.SGD(blocks.parameters(), lr=0.1)], stage=3)
+    engine = ZeroEngine(blocks, [torch.optim.SGD(blocks.parameters(), lr=0.1)], ZeroConfig(stage=3))
     x = torch.ones(2, 4)
     try:
         x = blocks[0](x)

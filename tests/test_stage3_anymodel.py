@@ -22,11 +22,12 @@ WORLD = 2
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _engine(model, optimizers, **kwargs):
+def _engine(model, optimizers, dp_group=None, **knobs):
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
-    kwargs.setdefault("bucket_mb", 0.002)
-    return ZeroEngine(model, optimizers, stage=3, device=torch.device("cpu"), **kwargs)
+    config = ZeroConfig(**{"stage": 3, "bucket_mb": 0.002, **knobs})
+    return ZeroEngine(model, optimizers, config, dp_group=dp_group, device=torch.device("cpu"))
 
 
 def _mean_over_ranks(value: float) -> float:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from lightning_zero.config import check_recipe_overrides, register_recipes, validate
+from lightning_zero.hydra_config import check_recipe_overrides, register_recipes, validate
 
 USAGE = """\
 usage: lightning-zero COMMAND [ARGS]

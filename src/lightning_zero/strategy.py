@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, reduce_in_fp32
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_docs
 from lightning_zero.precision import to_zero_precision
 
 if TYPE_CHECKING:
@@ -44,59 +44,19 @@ class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
     Args:
-        stage: 1 shards fp32 master weights and optimizer state over the dp ranks; 2 also keeps
-            only each rank's shard of the reduced gradients (``2 P / dp`` bytes in bf16); 3 also
-            keeps only each rank's shard of the parameters, gathering each unit (block) just in
-            time (``16 P / dp`` bytes of model state in bf16-mixed). Under stage 3 a model built
-            in ``configure_model`` is created on the meta device and materialized one unit at a
-            time, each rank keeping only its shard.
-        tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks of one node), or
-            ``"auto"`` for devices per node. ``dp = world_size // tensor_parallel_size``.
-        sequence_parallel: shard the norm/residual activations of a tensor-parallel ``LlamaLM``
-            over the sequence in the TP group (``tp`` times fewer bytes there, same bytes sent).
-        bucket_mb: gradient bucket size in MiB; each full bucket launches one async
-            reduce-scatter over dp. ``"auto"`` (default): a quarter of the gradient bytes, between
-            1 and 25 MiB, so even a small model's reduce-scatters start during backward.
-        overlap_comm: launch bucket reduce-scatters during backward (``True``) or only once
-            backward ended (``False``, for comparison).
-        prefetch_blocks: stage 3: units (blocks) whose parameters are all-gathered ahead of the
-            one computing; at most ``prefetch_blocks + 1`` blocks are gathered at once.
+        <knobs>: every field of :class:`lightning_zero.config.ZeroConfig` (``stage``,
+            ``bucket_mb``, ...), with its default; validated into :attr:`zero_config`, which the
+            engine gets whole. Each knob is documented once, in ``ZeroConfig``; the ``Knobs``
+            section at the end of this docstring is generated from there. ``strategy.<knob>``
+            reads ``strategy.zero_config.<knob>``.
         wrap_policy: stage 3: ``(module, parent) -> bool`` choosing the gathered units; default:
             children of every ``nn.ModuleList`` (and of a ``ModuleDict``/``Sequential`` of repeated
             blocks), embeddings, and modules with parameters beside a block container
             (``zero/stage3/units.py``; docs/stage3.md).
-        offload_optimizer: keep the fp32 master and optimizer-state shards in CPU memory; the
-            optimizer steps on the CPU and the updated chunk is copied back to the device.
-        defer_grad_reduce: stage 2 with ``accumulate_grad_batches > 1``: keep full-size gradients
-            across micro batches and reduce once at the last one (stage-1 gradient memory, one
-            reduce-scatter per step instead of one per micro batch). Stage 1 always defers.
-        max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
-            first waits for the oldest); stage 2: also the full-size bucket buffers alive at once
-            (bounds gradient memory to the shard plus this many buckets).
-        collective_timeout: seconds any wait of the engine on a collective may take before it
-            raises an error naming what this rank waited on (``None``: the process group's
-            ``timeout`` only). See docs/troubleshooting.md.
-        monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
-        overlap_param_gather: stages 1-2: leave the post-step parameter all-gather in flight and
-            wait for each bucket in the forward pre-hooks of the modules owning its parameters
-            (overlapped with the next forward); ``False`` waits inside the optimizer step.
-            Evaluation, checkpoints and the end of fit wait for every pending gather first.
-        grad_comm_dtype: what the gradient reduce-scatter sends: ``None`` (the gradients' own
-            dtype), ``"fp32"``, ``"bf16"`` (half of fp32's bytes) or ``"int8"`` (a quarter, plus one
-            fp32 scale per 256 elements), as ZeRO++'s qgZ. docs/compression.md.
-        param_comm_dtype: what the parameter all-gathers send, same values, as ZeRO++'s qwZ; every
-            rank computes with the dequantized parameters, the fp32 masters stay exact.
-        shard_size: hybrid sharding: ZeRO shards over groups of this many consecutive dp ranks
-            (``"node"``: the dp ranks of one node) and replicates across the ``dp // shard_size``
-            groups; ``None`` (default): over all dp ranks. See docs/topology.md.
-        hierarchical_reduce: when a shard group spans nodes, reduce gradients with an in-node
-            reduce-scatter, then a cross-node one of the node's slice (each byte crosses once).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
             ``ddp``) or ``"spawn"``.
-        reduce_dtype: ``"compute"`` (default; ``"bf16"`` names the same under bf16-mixed) or
-            ``"fp32"``: under bf16-mixed, accumulate gradients over micro batches and reduce them in
-            fp32 (fp32 bucket buffers and gradient shards: 2 more bytes per gradient element held,
-            twice the gradient bytes sent). See :class:`lightning_zero.config.ZeroConfig`.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
 
     [Note: why DDPStrategy is the base] Lightning's own FSDP and model-parallel strategies derive
     from ``ParallelStrategy``; this one derives from ``DDPStrategy`` on purpose, because ZeRO *is*
@@ -156,8 +116,6 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        for name, value in self.zero_config.as_dict().items():  # self.stage, self.bucket_mb, ...
-            setattr(self, name, value)
         self.wrap_policy = wrap_policy
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
@@ -298,7 +256,7 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self._adopt_tp_counter()
         self.comm_counter.ranks_per_node = self.num_processes  # [Note: link classes] in collectives.py
-        if fitting or self.stage == 3:
+        if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -343,7 +301,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         # Stage 3: configure_model builds on the meta device; setup materializes one unit at a time.
-        if self.stage == 3:
+        if self.zero_config.stage == 3:
             with torch.device("meta"):
                 yield
         else:
@@ -373,27 +331,16 @@ class ZeroStrategy(DDPStrategy):
         self.engine = ZeroEngine(
             self.lightning_module,
             optimizers,
-            stage=self.stage,
+            self.zero_config,  # whole: the engine's parts read config.<knob> where they use it
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=self.compute_dtype,
-            bucket_mb=self.bucket_mb,
-            overlap_comm=self.overlap_comm,
-            defer_grad_reduce=self.defer_grad_reduce,
-            max_buckets_in_flight=self.max_buckets_in_flight,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
-            prefetch_blocks=self.prefetch_blocks,
             device=self.root_device,
             wrap_policy=self.wrap_policy,
-            offload_optimizer=self.offload_optimizer,
             counter=self.comm_counter,
-            collective_timeout=self.collective_timeout,
-            overlap_param_gather=self.overlap_param_gather,
-            grad_comm_dtype=self.grad_comm_dtype,
-            param_comm_dtype=self.param_comm_dtype,
             shard_groups=groups,
             ranks_per_node=self.num_processes,
-            reduce_dtype=torch.float32 if reduce_in_fp32(self.reduce_dtype) else None,
             failure=self.failure_channel,
         )
         if self._device_mesh is not None:
@@ -635,3 +582,23 @@ class ZeroStrategy(DDPStrategy):
             from lightning_zero.checkpoint import remove_checkpoint
 
             remove_checkpoint(filepath)
+
+
+def _knob_property(name: str) -> property:
+    def read(self: ZeroStrategy) -> Any:
+        return getattr(self.zero_config, name)
+
+    return property(
+        read, doc=f"``zero_config.{name}`` (read-only; documented on :class:`~lightning_zero.config.ZeroConfig`)."
+    )
+
+
+# ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object.
+for _name in ZERO_DEFAULTS.as_dict():
+    setattr(ZeroStrategy, _name, _knob_property(_name))
+del _name
+ZeroStrategy.__doc__ = (
+    (ZeroStrategy.__doc__ or "").rstrip()
+    + "\n\n    Knobs (generated from ZeroConfig):\n"
+    + "".join(f"        {name}: {text}\n" for name, text in knob_docs().items())
+)

@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from lightning_zero import checkpoint  # noqa: E402
 from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
+from lightning_zero.config import ZeroConfig
 from lightning_zero.models.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_zero.zero.engine import ZeroEngine  # noqa: E402
 
@@ -36,7 +37,7 @@ def main(out: Path, stage: int) -> None:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CONFIG))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [opt], stage=stage, bucket_mb=0.01)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01))
     layout = checkpoint.Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
     gen = torch.Generator().manual_seed(1)
 

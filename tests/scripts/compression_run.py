@@ -42,7 +42,7 @@ class Probe(EngineProbe):
     def on_train_end(self, trainer, pl_module) -> None:
         engine = trainer.strategy.engine  # released when fit ends: read it now
         self.engine = {
-            "grad_comm_dtype": engine.reducer.comm_dtype,
+            "grad_comm_dtype": engine.reducer.config.grad_comm_dtype,
             "param_comm_dtype": sorted({str(group.param_comm_dtype) for group in engine.groups}),
             "shards": [bucket.layout.shard_numel for bucket in engine.reducer.buckets],
             "params": [group.param_buffer.clone() for group in engine.groups] if engine.stage != 3 else [],

@@ -139,6 +139,7 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
 
     from torch import nn
 
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.mesh import ParallelDims, build_shard_groups
     from lightning_zero.zero.engine import ZeroEngine
 
@@ -149,8 +150,8 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
     dense = copy.deepcopy(model)
     inputs = torch.randn(world, 5, 7)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], stage=stage, bucket_mb=0.0002, shard_groups=groups,
-                        collective_timeout=timeout, ranks_per_node=2)  # fmt: skip
+    config = ZeroConfig(stage=stage, bucket_mb=0.0002, collective_timeout=timeout)
+    engine = ZeroEngine(model, [optimizer], config, shard_groups=groups, ranks_per_node=2)
     for _ in range(2):  # the second backward runs in the learned bucket order
         optimizer.zero_grad()
         engine.backward(model(inputs[rank]).pow(2).sum())

@@ -20,12 +20,13 @@ working set (a unit gathered, the prefetched one, that gradient, the buckets) at
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
-from lightning_zero.config import ZERO_DEFAULTS, resolve_bucket_mb
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
@@ -78,10 +79,45 @@ def precision_bytes(precision: str) -> PrecisionBytes:
 # --------------------------------------------------------------------------------------------
 
 
+# plan_run's argument for each ZeroConfig knob the planner models; the others (offload_optimizer,
+# monitor, collective_timeout) change no predicted byte or second.
+PLANNED_KNOBS = {
+    "stage": "stage",
+    "tp": "tensor_parallel_size",
+    "sequence_parallel": "sequence_parallel",
+    "bucket_mb": "bucket_mb",
+    "prefetch_blocks": "prefetch_blocks",
+    "defer_grad_reduce": "defer_grad_reduce",
+    "overlap_comm": "overlap_comm",
+    "max_buckets_in_flight": "max_buckets_in_flight",
+    "overlap_param_gather": "overlap_param_gather",
+    "shard_size": "shard_size",
+    "hierarchical_reduce": "hierarchical_reduce",
+    "grad_comm_dtype": "grad_comm_dtype",
+    "param_comm_dtype": "param_comm_dtype",
+    "reduce_dtype": "reduce_dtype",
+}
+
+
+def knob_arguments(config: ZeroConfig) -> dict[str, Any]:
+    """``plan_run``'s knob arguments for ``config`` (stage 1 always defers: its
+    ``defer_grad_reduce`` changes nothing, as in the engine)."""
+    arguments = {argument: getattr(config, knob) for argument, knob in PLANNED_KNOBS.items()}
+    arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage == 2
+    return arguments
+
+
+def _given_knobs(function: Any, arguments: Mapping[str, Any], names: Any) -> list[str]:
+    """Which of ``names`` the call set to something other than ``function``'s default."""
+    parameters = inspect.signature(function).parameters
+    return [name for name in names if arguments[name] != parameters[name].default]
+
+
 def plan_run(
     model_config: Any,
+    zero_config: Optional[ZeroConfig] = None,
     *,
-    stage: int,
+    stage: Optional[int] = None,
     world_size: int,
     devices_per_node: int,
     tp: Union[int, str] = 1,
@@ -96,10 +132,10 @@ def plan_run(
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
     max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
     overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
-    shard_size: Union[None, int, str] = None,
-    hierarchical_reduce: bool = False,
-    grad_comm_dtype: Optional[str] = None,
-    param_comm_dtype: Optional[str] = None,
+    shard_size: Union[None, int, str] = ZERO_DEFAULTS.shard_size,
+    hierarchical_reduce: bool = ZERO_DEFAULTS.hierarchical_reduce,
+    grad_comm_dtype: Optional[str] = ZERO_DEFAULTS.grad_comm_dtype,
+    param_comm_dtype: Optional[str] = ZERO_DEFAULTS.param_comm_dtype,
     hardware: Union[str, Hardware, Mapping[str, Any], None] = None,
     mfu: Optional[float] = None,
     accumulate_grad_batches: int = 1,
@@ -113,7 +149,12 @@ def plan_run(
 
     Args:
         model_config: a ``LlamaConfig`` (or a preset name such as ``"70b"``).
-        stage: ZeRO stage 1, 2 or 3 (0 = Lightning's DDP, for comparison).
+        zero_config: the strategy's knobs as one :class:`~lightning_zero.config.ZeroConfig` (what
+            ``ZeroStrategy`` passes its engine); its fields give ``stage``, ``tp`` and the other
+            knob arguments below (``PLANNED_KNOBS``), which are then not passed. ``None``: the
+            keyword arguments (their defaults are ``ZeroConfig``'s).
+        stage: ZeRO stage 1, 2 or 3 (0 = Lightning's DDP, for comparison); required without
+            ``zero_config``.
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
         precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param) or ``"32-true"`` (4 + 4 + 8).
@@ -156,6 +197,18 @@ def plan_run(
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers.
     """
+    if zero_config is not None:
+        arguments = dict(locals())
+        given = _given_knobs(plan_run, arguments, PLANNED_KNOBS)
+        if given:
+            raise TypeError(
+                f"plan_run(zero_config=...): the knobs come from the config; set {', '.join(given)} in the"
+                f" ZeroConfig (dataclasses.replace(zero_config, {given[0]}=...)) instead of passing them too"
+            )
+        run = {name: value for name, value in arguments.items() if name not in ("model_config", "zero_config")}
+        return plan_run(model_config, **{**run, **knob_arguments(zero_config)})
+    if stage is None:
+        raise TypeError("plan_run: give stage=... (or the knobs whole, as zero_config=ZeroConfig(...))")
     from lightning_zero.models import resolve_config
 
     config = resolve_config(model_config)

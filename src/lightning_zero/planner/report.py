@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.checkpointing import checkpointing_mode
-from lightning_zero.config import ZERO_DEFAULTS, PlanConf
+from lightning_zero.config import ZERO_DEFAULTS
+from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, plan_run
 from lightning_zero.planner.hardware import load_hardware

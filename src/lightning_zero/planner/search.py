@@ -23,8 +23,8 @@ from itertools import product
 from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
-from lightning_zero.config import ZERO_DEFAULTS
-from lightning_zero.planner.arithmetic import plan_run
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+from lightning_zero.planner.arithmetic import _given_knobs, plan_run
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.plan import GiB, Plan
 
@@ -143,8 +143,13 @@ def _tp_sizes(devices_per_node: int) -> list[int]:
     return sizes
 
 
+# The ZeroConfig knobs the search keeps fixed (the others are its axes: stage, tp, bucket_mb, ...).
+FIXED_KNOBS = ("max_buckets_in_flight", "overlap_param_gather", "overlap_comm", "reduce_dtype")
+
+
 def search_layouts(
     model_config: Any,
+    zero_config: Optional[ZeroConfig] = None,
     *,
     world_size: int,
     devices_per_node: int,
@@ -163,8 +168,10 @@ def search_layouts(
     checkpointing: Sequence[str] = CHECKPOINTING_MODES,
     sequence_parallel: Sequence[bool] = (False, True),
     lossless: bool = False,
-    max_buckets_in_flight: int = 2,
+    max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
     overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
+    overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
+    reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
     hierarchical: Sequence[bool] = HIERARCHICAL,
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
@@ -173,7 +180,23 @@ def search_layouts(
     """Plan every layout (module docstring) with ``global_batch`` samples per optimizer step; return
     those that fit, ranked by predicted tokens/s (ties: less memory first). ``topology=False``
     leaves the topology knobs at their defaults (what an engine without them runs);
-    ``lossless=True`` plans no layout with a lossy wire format (``Plan.lossless``)."""
+    ``lossless=True`` plans no layout with a lossy wire format (``Plan.lossless``).
+
+    ``zero_config``: a :class:`~lightning_zero.config.ZeroConfig` whose ``FIXED_KNOBS`` every
+    layout keeps (then not passed as keywords); its searched knobs (stage, tp, bucket_mb,
+    prefetch_blocks, defer_grad_reduce, sequence_parallel and the topology ones) are the search's
+    axes, so they are ignored."""
+    if zero_config is not None:
+        given = _given_knobs(search_layouts, locals(), FIXED_KNOBS)
+        if given:
+            raise TypeError(
+                f"search_layouts(zero_config=...): {', '.join(given)} come from the config; set them in"
+                " the ZeroConfig instead of passing them too"
+            )
+        max_buckets_in_flight = zero_config.max_buckets_in_flight
+        overlap_param_gather = zero_config.overlap_param_gather
+        overlap_comm = zero_config.overlap_comm
+        reduce_dtype = zero_config.reduce_dtype
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
@@ -193,6 +216,8 @@ def search_layouts(
         reserved_gib=reserved_gib,
         max_buckets_in_flight=max_buckets_in_flight,
         overlap_param_gather=overlap_param_gather,
+        overlap_comm=overlap_comm,
+        reduce_dtype=reduce_dtype,
         suggest=False,
     )
     ranked: list[Ranked] = []

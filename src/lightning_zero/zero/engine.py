@@ -2,7 +2,7 @@
 
 Plain torch.distributed; usable without Lightning::
 
-    engine = ZeroEngine(model, [optimizer], stage=2, dp_group=None)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2), dp_group=None)
     loss = model(x).sum(); loss.backward()   # buckets reduce-scatter during backward
     optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
 
@@ -16,7 +16,7 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.collectives import INTRA_NODE, CommCounter
-from lightning_zero.compression import check_comm_dtype
-from lightning_zero.config import resolve_bucket_mb
+from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 from lightning_zero.zero.flat import (
     FlatLayout,
@@ -50,19 +49,6 @@ if TYPE_CHECKING:
 def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1; the rule in ``zero/bucketing.py``)."""
     return bucket_numel_for_bytes(bucket_mb, dtype.itemsize)
-
-
-def check_reduce_dtype(reduce_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype gradients are accumulated and reduced in: ``None`` means ``compute_dtype``;
-    otherwise fp32 or the compute dtype itself (ValueError for anything else)."""
-    if reduce_dtype is None:
-        return compute_dtype
-    if reduce_dtype not in (torch.float32, compute_dtype):
-        raise ValueError(
-            f"ZeroEngine: reduce_dtype must be torch.float32 or the compute dtype ({compute_dtype}), got"
-            f" {reduce_dtype}; reducing in a lower precision than the gradients are computed in loses bits."
-        )
-    return reduce_dtype
 
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
@@ -138,43 +124,31 @@ class ZeroEngine:
     """ZeRO stages 1, 2 and 3 for ``module`` trained by ``optimizers`` on one data-parallel rank.
 
     Args:
-        stage: 1 shards optimizer state (and fp32 master); 2 also shards gradients; 3 also
-            shards parameters (``zero/stage3/``: units gathered just in time).
+        config: the knobs, validated (:class:`lightning_zero.config.ZeroConfig`, where each is
+            documented once). The engine and its parts read ``config.<knob>`` where they use it:
+            ``stage``, ``bucket_mb``, ``overlap_comm``, ``defer_grad_reduce``,
+            ``max_buckets_in_flight`` (reducer, stage-2 pool; [Note: collectives in flight] in
+            ``reducer.py``), ``prefetch_blocks`` (``stage3/runtime.py``), ``offload_optimizer``,
+            ``collective_timeout`` ([Note: collective timeout] in ``zero/waits.py``),
+            ``overlap_param_gather`` ([Note: overlapped parameter gather] in ``param_gather.py``),
+            ``grad_comm_dtype``, ``param_comm_dtype`` (``compression.py``) and ``reduce_dtype``.
+            The layout knobs (``tensor_parallel_size``, ``sequence_parallel``, ``shard_size``,
+            ``hierarchical_reduce``) reach it as the process groups below; ``monitor`` is the
+            strategy's. The other arguments are runtime objects, not knobs:
         dp_group: data-parallel process group (``None``: the default group).
         compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
-            or ``torch.bfloat16``); master weights and optimizer state are fp32 either way.
-        bucket_mb: size of a gradient bucket in MiB: the reduce-scatter granularity.
-        overlap_comm: launch a bucket's reduce-scatter as soon as its gradients are ready.
-        defer_grad_reduce: stage 2 only: keep full-size gradients across micro batches and reduce
-            once at the last one (stage-1 gradient memory, 1/N of the communication).
-        max_buckets_in_flight: gradient reduce-scatters in flight at once (every stage; see
-            [Note: collectives in flight] in ``reducer.py``); stages 2-3: also the full-size bucket
-            buffers alive at once.
+            or ``torch.bfloat16``, from the precision); master weights and optimizer state are
+            fp32 either way.
         norm_group: group to sum gradient norms over (default: ``dp_group``).
-        prefetch_blocks: stage 3: units whose all-gather starts ahead of the one running.
         device: where parameters live (default: that of the module's first parameter; stage 3
             materializes meta parameters there, one unit at a time).
         wrap_policy: stage 3: ``(module, parent) -> bool`` picks the units (default:
             ``stage3.default_wrap_policy``).
-        offload_optimizer: keep the fp32 master chunks and the optimizer state in CPU memory;
-            each step copies the gradient chunk to CPU, steps there, and copies the updated
-            chunk back (``4 + K`` bytes per shard parameter leave the device).
         counter: where logical bytes sent are counted (share one with tensor parallelism so a
             step's dp and tp traffic show up together).
-        collective_timeout: seconds any wait of the engine on a collective may take before it
-            raises an error naming what this rank waited on (``None``: the process group's own
-            timeout). See [Note: collective timeout] in ``zero/waits.py``.
         failure: the channel through which a failing rank tells the others why, so they stop
             instead of waiting for it ([Note: failure channel] in ``zero/waits.py``; the strategy
             passes its own). ``None``: the engine opens one on the default store and closes it.
-        overlap_param_gather: stages 1-2: leave the post-step parameter all-gather (one per
-            bucket) in flight and wait for each bucket in the forward pre-hook of the modules that
-            own its parameters, so it overlaps the next forward (``False``: wait inside the step).
-            See [Note: overlapped parameter gather] in ``zero/param_gather.py``.
-        grad_comm_dtype: what the gradient reduce-scatter sends (``None``: the gradients' own
-            dtype; ``"fp32"``, ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``.
-        param_comm_dtype: what the parameter all-gathers send, same values; with a lossy one every
-            rank computes with the dequantized parameters, the fp32 masters stay exact.
         shard_groups: hybrid sharding / hierarchical reduction (``mesh.build_shard_groups``):
             ZeRO shards over ``shard_groups.shard`` (``dp_group`` must be ``None`` or that group),
             the reduced gradient chunk is all-reduced over ``shard_groups.replicate`` and, when
@@ -182,10 +156,6 @@ class ZeroEngine:
             ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
         ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
             in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
-        reduce_dtype: dtype gradients are accumulated over micro batches and reduced in
-            (``None``: ``compute_dtype``). ``torch.float32`` under bf16 compute keeps fp32 bucket
-            buffers and gradient chunks (4 bytes per element held and sent instead of 2); each
-            bf16 gradient is added into them in fp32.
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -196,80 +166,67 @@ class ZeroEngine:
         self,
         module: nn.Module,
         optimizers: list[Optimizer],
+        config: ZeroConfig,
         *,
-        stage: int,
         dp_group: Optional[dist.ProcessGroup] = None,
         compute_dtype: torch.dtype = torch.float32,
-        bucket_mb: Union[float, str] = "auto",
-        overlap_comm: bool = True,
-        defer_grad_reduce: bool = False,
-        max_buckets_in_flight: int = 2,
         norm_group: Optional[dist.ProcessGroup] = None,
-        prefetch_blocks: int = 1,
         device: Optional[torch.device] = None,
         wrap_policy=None,
-        offload_optimizer: bool = False,
         counter: Optional[CommCounter] = None,
-        collective_timeout: Optional[float] = None,
-        overlap_param_gather: bool = True,
-        grad_comm_dtype: Optional[str] = None,
-        param_comm_dtype: Optional[str] = None,
         shard_groups: Optional["ShardGroups"] = None,
         ranks_per_node: Optional[int] = None,
-        reduce_dtype: Optional[torch.dtype] = None,
         failure: Optional[FailureChannel] = None,
     ) -> None:
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(
+                f"ZeroEngine(config={config!r}): pass a lightning_zero.config.ZeroConfig (e.g."
+                " ZeroConfig(stage=2)); it validates every knob."
+            )
         if shard_groups is not None:
             if dp_group is not None and dp_group is not shard_groups.shard:
                 raise ValueError(
                     "ZeroEngine: with shard_groups, ZeRO shards over shard_groups.shard; pass dp_group=None"
                 )
             dp_group = shard_groups.shard
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeroEngine: stage must be 1, 2 or 3, got stage={stage}")
-        if stage == 3 and defer_grad_reduce:
-            raise ValueError(
-                "ZeroEngine: defer_grad_reduce keeps full gradients, which stage 3 never holds; use stage=2"
-            )
+        self.config = config
         self.module = module
-        self.stage = stage
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.compute_dtype = compute_dtype
-        self.offload_optimizer = offload_optimizer
         self.counter = counter if counter is not None else CommCounter()
         if ranks_per_node is None and self.counter.ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
             ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         if ranks_per_node is not None:
             self.counter.ranks_per_node = ranks_per_node
         self.shard_groups = shard_groups
-        self.collective_timeout = collective_timeout
-        check_comm_dtype(grad_comm_dtype, "grad_comm_dtype")
-        check_comm_dtype(param_comm_dtype, "param_comm_dtype")
+        # What the parameter all-gathers send here: config.param_comm_dtype, except that hybrid
+        # sharding inside a node sends plain values (its gathers cross no slow link).
+        param_comm_dtype = config.param_comm_dtype
         if shard_groups is not None and self.counter.link_of(shard_groups.shard) == INTRA_NODE:
-            param_comm_dtype = None  # hybrid sharding inside a node: its gathers cross no slow link
-        self.grad_comm_dtype = grad_comm_dtype
+            param_comm_dtype = None
         self.param_comm_dtype = param_comm_dtype
-        self.reduce_dtype = check_reduce_dtype(reduce_dtype, compute_dtype)
+        # config.reduce_dtype as a torch dtype: "fp32", or the compute dtype ("compute", "bf16").
+        self.reduce_dtype = torch.float32 if reduce_in_fp32(config.reduce_dtype) else compute_dtype
         self._owned_groups: list[dist.ProcessGroup] = []  # created here, destroyed in close()
         names = check_optimizer_params(module, optimizers)
         trainable = {
             id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad
         }
         grad_bytes = sum(p.numel() for p in trainable.values()) * self.reduce_dtype.itemsize
-        bucket_mb = resolve_bucket_mb(bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
-        self.bucket_mb = bucket_mb
-        check_elementwise(optimizers, stage)
+        bucket_mb = resolve_bucket_mb(config.bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
+        self.bucket_mb = bucket_mb  # in MiB, "auto" resolved
+        check_elementwise(optimizers, config.stage)
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
         self.device = device
         self._owns_failure = failure is None
         self.failure = failure if failure is not None else FailureChannel.open()
-        self.waiter = Waiter(collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
+        self.waiter = Waiter(config.collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
         self.stage3 = None
-        if stage == 3:
+        if config.stage == 3:
             flat_groups_per_optimizer = self._build_stage3(
                 module,
                 optimizers,
@@ -277,31 +234,28 @@ class ZeroEngine:
                 order,
                 device,
                 bucket_numel_for(bucket_mb, compute_dtype),
-                prefetch_blocks,
                 wrap_policy,
             )
         else:
             flat_groups_per_optimizer = self._build_flat(module, optimizers, names, order, device, bucket_mb)
 
-        use_full = stage == 1 or defer_grad_reduce
-        storage = FullGradStorage() if use_full else ShardedGradStorage(max_buckets_in_flight)
+        use_full = config.stage == 1 or config.defer_grad_reduce
+        storage = FullGradStorage() if use_full else ShardedGradStorage(config)
         self._reduced_groups = [
             group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)
         ]
         self.reducer = GradReducer(
             self._reduced_groups,
             storage,
+            config,
             dp_group=dp_group,
             dp_size=self.dp_size,
             device=device,
-            overlap_comm=overlap_comm,
             counter=self.counter,
             param_order=order,
             waiter=self.waiter,
-            comm_dtype=grad_comm_dtype,
             hybrid=self._hybrid_reduce(),
             reduce_in_fp32=self.reduce_dtype == torch.float32 and compute_dtype != torch.float32,
-            max_in_flight=max_buckets_in_flight,
         )
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
@@ -311,14 +265,14 @@ class ZeroEngine:
                 dp_size=self.dp_size,
                 counter=self.counter,
                 norm_group=norm_group,
-                gather_params=stage != 3,
+                gather_params=config.stage != 3,
                 comm_device=device,
                 waiter=self.waiter,
             )
             for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
         ]
         self._warn_replicated(optimizers)
-        self.param_gatherer = self._setup_param_side(module, overlap_param_gather)
+        self.param_gatherer = self._setup_param_side(module)
         if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
             self.stage3.on_backward_begin = self.reducer.begin_backward
             # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
@@ -346,18 +300,23 @@ class ZeroEngine:
 
         return functools.partial(UnitReplicatedOptimizer, units=[unit.groups for unit in self.stage3.units])
 
-    def _setup_param_side(self, module: nn.Module, overlap_param_gather: bool) -> Optional[ParamGatherer]:
+    @property
+    def stage(self) -> int:
+        """``config.stage``: 1, 2 or 3."""
+        return self.config.stage
+
+    def _setup_param_side(self, module: nn.Module) -> Optional[ParamGatherer]:
         """Offload copies for sharded optimizers ([Note: offload copies]) and, stages 1-2, the
         overlapped parameter all-gather ([Note: overlapped parameter gather])."""
         sharded = [opt for opt in self.optimizers if not isinstance(opt, ReplicatedOptimizer)]
-        if self.offload_optimizer:
+        if self.config.offload_optimizer:
             for opt in sharded:
                 groups = [group for groups in opt.flat_groups for group in groups]
                 pin_masters(groups, torch.device(self.device))
                 opt.rebind_segments()  # pinning moved the masters' storage
                 opt.offload = OffloadCopies(torch.device(self.device))
         gathering = [opt for opt in sharded if opt.gather_params]
-        if not overlap_param_gather or not gathering:
+        if not self.config.overlap_param_gather or not gathering:
             return None
         gatherer = ParamGatherer(
             module,
@@ -404,13 +363,13 @@ class ZeroEngine:
         if dist.get_world_size(groups.replicate) == 1 and not hierarchical:
             return None
         return HybridGradReduce(
+            self.config,
             shard_group=groups.shard,
             replicate_group=groups.replicate,
             dp_group=groups.dp,
             intra_group=groups.shard_intra,
             inter_group=groups.shard_inter,
             counter=self.counter,
-            comm_dtype=self.grad_comm_dtype,
         )
 
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
@@ -518,7 +477,7 @@ class ZeroEngine:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
 
-    def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, prefetch_blocks, wrap_policy):
+    def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, wrap_policy):
         from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
 
         units, per_optimizer, self.init_peak_param_bytes, root_holders = build_units(
@@ -533,7 +492,7 @@ class ZeroEngine:
             device=device,
             bucket_numel=bucket_numel,
             policy=wrap_policy or default_wrap_policy,
-            offload=self.offload_optimizer,
+            offload=self.config.offload_optimizer,
             param_comm_dtype=self.param_comm_dtype,
         )
         self.groups = [group for unit in units for group in unit.groups]
@@ -542,7 +501,7 @@ class ZeroEngine:
         self.stage3 = Stage3Runtime(
             units,
             ag_group,
-            prefetch_blocks=prefetch_blocks,
+            self.config,
             counter=self.counter,
             top=module,
             root_holders=root_holders,
@@ -582,7 +541,7 @@ class ZeroEngine:
                             dp_rank=self.dp_rank,
                             compute_dtype=dtype,
                             device=device,
-                            offload=self.offload_optimizer,
+                            offload=self.config.offload_optimizer,
                             param_comm_dtype=self.param_comm_dtype,
                         )
                     )

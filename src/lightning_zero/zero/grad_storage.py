@@ -14,7 +14,7 @@ do differently, and it lives in the two :class:`GradStorage` classes here:
 - :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
   A gradient is copied into a bucket buffer taken from a small pool, ``param.grad`` is dropped at
   once, and the buffer goes back to the pool when its reduce-scatter finishes, so peak gradient
-  memory is the chunk plus ``max_buckets_in_flight`` bucket buffers, each sized to the bucket it
+  memory is the chunk plus ``config.max_buckets_in_flight`` bucket buffers, each sized to the bucket it
   serves; once backward ends the pool is released, so between steps only the chunks remain.
   Every backward (every micro batch) reduces; the chunk accumulates.
 
@@ -47,6 +47,7 @@ import torch
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 
 if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.reducer import GradReducer
 
 
@@ -223,10 +224,8 @@ class ShardedGradStorage(GradStorage):
 
     reduces_every_backward = True
 
-    def __init__(self, max_buckets_in_flight: int = 2) -> None:
-        if max_buckets_in_flight < 1:
-            raise ValueError(f"max_buckets_in_flight must be >= 1, got {max_buckets_in_flight}")
-        self.max_buckets_in_flight = max_buckets_in_flight
+    def __init__(self, config: "ZeroConfig") -> None:
+        self.config = config  # reads max_buckets_in_flight: pool buffers alive at once
         self.free: list[torch.Tensor] = []  # pool buffers not serving a bucket right now
         self.allocated = 0  # pool buffers that exist right now
         self.high_water = 0  # most pool buffers alive at once
@@ -237,6 +236,11 @@ class ShardedGradStorage(GradStorage):
         self.max_bucket_numel = 0
         self.reducer: Optional["GradReducer"] = None
         self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
+
+    @property
+    def max_buckets_in_flight(self) -> int:
+        """``config.max_buckets_in_flight``: the most pool buffers alive at once."""
+        return self.config.max_buckets_in_flight
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets

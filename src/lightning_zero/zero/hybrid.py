@@ -40,13 +40,16 @@ nodes (or when no hybrid layout is set); a shard group inside one node gathers u
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import all_reduce_compressed, reduce_scatter_compressed
+
+if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
 
 # wait(work, what): wait on ``work`` (a collective's handle) under the engine's timeout rules.
 Wait = Callable[[Any, str], None]
@@ -56,6 +59,9 @@ class HybridGradReduce:
     """The replicate and hierarchical hops of one engine's gradient reduction.
 
     Args:
+        config: the knobs (``lightning_zero.config.ZeroConfig``); read here: ``grad_comm_dtype``,
+            what the cross-node hops send (the cross-node reduce-scatter of hierarchical
+            reduction, the all-reduce across replicas); the hops inside a node stay uncompressed.
         shard_group: ZeRO's group (the reducer's ``dp_group``); ``shard_size`` ranks.
         replicate_group: ranks holding the same chunk (``dp // shard_size`` ranks); the reduced
             chunk is all-reduced over it.
@@ -65,13 +71,11 @@ class HybridGradReduce:
             cross-node group (``nodes`` ranks) inside the shard group; ``None`` for a flat
             reduce-scatter over ``shard_group``.
         counter: where logical bytes are counted, by kind and link class.
-        comm_dtype: ``grad_comm_dtype``: what the cross-node hops send (the cross-node
-            reduce-scatter of hierarchical reduction, the all-reduce across replicas); the hops
-            inside a node stay uncompressed. ``None``: the gradients' own dtype.
     """
 
     def __init__(
         self,
+        config: "ZeroConfig",
         *,
         shard_group: Optional[dist.ProcessGroup],
         replicate_group: Optional[dist.ProcessGroup],
@@ -79,7 +83,6 @@ class HybridGradReduce:
         intra_group: Optional[dist.ProcessGroup] = None,
         inter_group: Optional[dist.ProcessGroup] = None,
         counter: Optional[CommCounter] = None,
-        comm_dtype: Optional[str] = None,
     ) -> None:
         if (intra_group is None) != (inter_group is None):
             raise ValueError("HybridGradReduce: give both intra_group and inter_group (hierarchical) or neither")
@@ -89,7 +92,7 @@ class HybridGradReduce:
         self.intra_group = intra_group
         self.inter_group = inter_group
         self.counter = counter if counter is not None else CommCounter()
-        self.comm_dtype = comm_dtype
+        self.config = config
         self.shard_size = dist.get_world_size(shard_group)
         self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.divisor = self.shard_size * self.replicate_size  # the full dp: gradients average over it
@@ -132,9 +135,10 @@ class HybridGradReduce:
         """Hop b of [Note: hierarchical reduction]: the one cross-node gradient collective of a
         hierarchical reduction ([Note: compression hook])."""
         label = "reduce_scatter_grads_cross_node"
-        if self.comm_dtype is not None:  # compressed: an all-to-all, pollable on any backend
+        comm_dtype = self.config.grad_comm_dtype
+        if comm_dtype is not None:  # compressed: an all-to-all, pollable on any backend
             work = reduce_scatter_compressed(
-                output, node_slice, self.inter_group, self.comm_dtype, async_op=True, counter=self.counter, label=label
+                output, node_slice, self.inter_group, comm_dtype, async_op=True, counter=self.counter, label=label
             )
             wait(work, "the compressed cross-node gradient reduce-scatter (hierarchical_reduce)")
             return
@@ -144,9 +148,10 @@ class HybridGradReduce:
     def replicate_all_reduce(self, chunk: torch.Tensor, wait: Wait) -> None:
         """Step 2 of [Note: hybrid gradient reduction]: sum the reduced chunk over the replicas;
         the one cross-replica gradient collective ([Note: compression hook])."""
-        if self.comm_dtype is not None:  # synchronous: a compressed reduce-scatter, then all-gather
+        comm_dtype = self.config.grad_comm_dtype
+        if comm_dtype is not None:  # synchronous: a compressed reduce-scatter, then all-gather
             all_reduce_compressed(
-                chunk, self.replicate_group, self.comm_dtype, counter=self.counter, label="all_reduce_grads_replicas"
+                chunk, self.replicate_group, comm_dtype, counter=self.counter, label="all_reduce_grads_replicas"
             )
             return
         work = all_reduce(

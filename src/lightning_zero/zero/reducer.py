@@ -36,7 +36,7 @@ Where the gradients live between backward and the reduce-scatter (stage 1 vs 2) 
 ``zero/grad_storage.py``.
 
 [Note: collectives in flight] A bucket's launch first waits for the oldest reduce-scatter still
-in flight while ``max_in_flight`` (the ``max_buckets_in_flight`` knob) of them are, in every stage.
+in flight while ``config.max_buckets_in_flight`` of them are, in every stage.
 Stage 2's pool bounds its bucket buffers the same way; for stage 1, whose buffers are the
 gradients, the limit bounds the collectives themselves: on gloo each one holds a receive buffer
 of its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
@@ -100,6 +100,7 @@ from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
 from lightning_zero.zero.waits import Waiter
 
 if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.hybrid import HybridGradReduce
 
 _BACKWARD_OF_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
@@ -140,60 +141,55 @@ class GradReducer:
     Args:
         groups: the flat groups whose parameters this reducer owns.
         storage: :class:`FullGradStorage` (stage 1) or :class:`ShardedGradStorage` (stage 2).
+        config: the knobs (``lightning_zero.config.ZeroConfig``); read here: ``overlap_comm``
+            (the starting value of :attr:`overlap_comm`, which a dynamic stage-3 phase turns off),
+            ``grad_comm_dtype`` (what the reduce-scatter sends, ``lightning_zero/compression.py``;
+            with ``hybrid`` only the hops that cross nodes, ``zero/hybrid.py``) and
+            ``max_buckets_in_flight`` ([Note: collectives in flight]).
         dp_group: the data-parallel process group (``None``: the default group).
-        overlap_comm: launch each bucket as soon as it is ready (``True``) or only once backward
-            ended (``False``).
         counter: logical bytes sent are added here.
         param_order: registration position per parameter id: the launch order of the first
             backward (see [Note: launch order]).
         waiter: how a reduce-scatter is waited on (time limit, polling, the failure channel);
             see ``zero/waits.py``.
-        comm_dtype: what the reduce-scatter sends (``None``: the gradients' own dtype; ``"fp32"``,
-            ``"bf16"``, ``"int8"``): see ``lightning_zero/compression.py``. With ``hybrid`` it
-            applies only to the hops that cross nodes (``zero/hybrid.py``).
         hybrid: the replicate / hierarchical hops around the shard-group reduce-scatter
             (``zero/hybrid.py``); ``None``: ``dp_group`` is all of dp, one flat reduce-scatter.
-        max_in_flight: most reduce-scatters in flight at once (``None``: no limit); see
-            [Note: collectives in flight].
+        reduce_in_fp32: fp32 bucket buffers and chunks under a lower-precision compute dtype
+            (``config.reduce_dtype="fp32"`` under bf16-mixed; the engine derives it).
     """
 
     def __init__(
         self,
         groups: list[FlatParamGroup],
         storage: GradStorage,
+        config: "ZeroConfig",
         *,
         dp_group: Optional[dist.ProcessGroup],
         dp_size: int,
         device: torch.device,
-        overlap_comm: bool = True,
         counter: Optional[CommCounter] = None,
         param_order: Optional[dict[int, int]] = None,
         waiter: Optional[Waiter] = None,
-        comm_dtype: Optional[str] = None,
         hybrid: Optional["HybridGradReduce"] = None,
         reduce_in_fp32: bool = False,
-        max_in_flight: Optional[int] = None,
     ) -> None:
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.max_in_flight = max_in_flight  # [Note: collectives in flight]
+        self.config = config
         self.in_flight_high_water = 0  # most reduce-scatters in flight at once so far
         self.dp_group = dp_group
-        self.comm_dtype = comm_dtype  # what the reduce-scatter sends (lightning_zero/compression.py)
         self.dp_size = dp_size
         self.hybrid = hybrid
         # Reduced gradients average over every dp rank: all replicas when sharding is hybrid.
         self.grad_divisor = hybrid.divisor if hybrid is not None else dp_size
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.device = device
-        self.overlap_comm = overlap_comm
+        self.overlap_comm = config.overlap_comm  # state: launch_at_end_of_backward turns it off
         self.counter = counter if counter is not None else CommCounter()
         self.waiter = waiter if waiter is not None else Waiter(poll=device.type == "cpu")
         self.storage = storage
         storage.reduce_in_fp32 = reduce_in_fp32
         backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
         self._reduce_op, self._divide_after = grad_reduce_op(backend)
-        if hybrid is not None or comm_dtype is not None:  # several hops or compressed: SUM, divide once
+        if hybrid is not None or config.grad_comm_dtype is not None:  # several hops or compressed: SUM, divide once
             self._reduce_op, self._divide_after = dist.ReduceOp.SUM, True
         self.timeline = SyncTimeline(clock=DeviceClock(device))
         self.sync_enabled = True
@@ -370,9 +366,8 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
             self._phase_pending = self.start_phase_marker(PHASE_BACKWARD)
-        if self.max_in_flight is not None:  # [Note: collectives in flight]
-            while len(self._in_flight) >= self.max_in_flight:
-                self._complete(self._in_flight[0])
+        while len(self._in_flight) >= self.config.max_buckets_in_flight:  # [Note: collectives in flight]
+            self._complete(self._in_flight[0])
         full = self.storage.full_grad_for_launch(bucket)
         # In place: this rank's chunk of the full bucket receives the sum (NCCL and gloo allow it).
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
@@ -380,9 +375,9 @@ class GradReducer:
         self.timeline.add("launch", self._layout_index[id(bucket)])
         if self.hybrid is not None and self.hybrid.hierarchical:  # [Note: hierarchical reduction]
             work = self.hybrid.launch_hierarchical(full, output)
-        elif self.comm_dtype is not None and self.hybrid is None:  # compressed: an all-to-all (any backend)
+        elif self.config.grad_comm_dtype is not None and self.hybrid is None:  # compressed: an all-to-all (any backend)
             work = reduce_scatter_compressed(
-                output, full, self.dp_group, self.comm_dtype, async_op=True, counter=self.counter,
+                output, full, self.dp_group, self.config.grad_comm_dtype, async_op=True, counter=self.counter,
                 label="reduce_scatter_grads",
             )  # fmt: skip
         else:

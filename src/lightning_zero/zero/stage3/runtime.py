@@ -102,7 +102,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zero.collectives import CommCounter, all_gather
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.waits import CollectiveTimeoutError, Waiter
+
+if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
 
 # Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
 # collectives can pair messages of different lengths.
@@ -181,7 +184,8 @@ class Stage3Runtime:
     Args:
         units: the units, root last.
         ag_group: process group for parameter all-gathers (a clone of the dp group).
-        prefetch_blocks: units whose all-gather is started ahead of the one running.
+        config: the knobs (``lightning_zero.config.ZeroConfig``); read here: ``prefetch_blocks``,
+            the units whose all-gather is started ahead of the one running.
         counter: logical bytes sent are added here.
         top: the module the engine wraps; a forward of it outside the step methods frees the
             root it gathered.
@@ -197,8 +201,8 @@ class Stage3Runtime:
         self,
         units: list[Unit],
         ag_group: dist.ProcessGroup,
+        config: "ZeroConfig",
         *,
-        prefetch_blocks: int,
         counter: CommCounter,
         top: Optional[nn.Module] = None,
         root_holders: Iterable[nn.Module] = (),
@@ -208,7 +212,7 @@ class Stage3Runtime:
         self.units = units
         self.root = units[-1]
         self.ag_group = ag_group
-        self.prefetch_blocks = prefetch_blocks
+        self.config = config
         self.counter = counter
         self.schedules: dict[str, Schedule] = {}
         self.phase: Optional[str] = None  # "train" / "eval" while the strategy runs a step method
@@ -396,7 +400,7 @@ class Stage3Runtime:
         schedule.position = found + 1
         self._start_gather(unit)
         unit.prefetched = False
-        for ahead in order[found + 1 : found + 1 + self.prefetch_blocks]:
+        for ahead in order[found + 1 : found + 1 + self.config.prefetch_blocks]:
             ahead_unit = self.units[ahead]
             if not ahead_unit.gathered:
                 self._start_gather(ahead_unit)
