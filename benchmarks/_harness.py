@@ -138,7 +138,9 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
     if getattr(args, "baseline_src", None):
         root = Path(args.baseline_src).resolve()
         package = next(p for p in (root / "src" / "lightning_zero", root / "lightning_zero") if p.is_dir())
-        sources[BASE] = snapshot_sources(script, work_dir, package, "snapshot_base")
+        # its own benchmark scripts too: a worker is the whole "before", library and harness
+        base_script = root / "benchmarks" / Path(script).name
+        sources[BASE] = snapshot_sources(str(base_script), work_dir, package, "snapshot_base")
         cases = [name for case in args.cases for name in (case, case + BASE)]
     results: dict[str, list[dict]] = {case: [] for case in cases}
     git = sources[""][2]
