@@ -257,7 +257,11 @@ class ShardedOptimizer:
                     group.copy_masters_to_params()
         if self.gather_params:  # stage 3 gathers lazily, at the next forward
             if self.reducer is not None:  # [Note: phase markers] in reducer.py
-                self.reducer.check_phase_marker(self.reducer.start_phase_marker(PHASE_PARAM_GATHER))
+                step = f"{type(self.optimizer).__name__}.step()"
+                self.reducer.check_phase_marker(
+                    self.reducer.start_phase_marker(PHASE_PARAM_GATHER),
+                    lambda: f"the phase marker ahead of the parameter all-gather after {step}",
+                )
             if self.param_gatherer is not None:  # [Note: overlapped parameter gather]
                 name = type(self.optimizer).__name__
                 groups = [group for groups in self.flat_groups for group in groups]

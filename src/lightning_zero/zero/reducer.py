@@ -398,9 +398,6 @@ class GradReducer:
         self._next_launch += 1
 
     def _complete(self, bucket: Bucket) -> None:
-        if self._phase_pending is not None:  # before any wait that could pair with another phase
-            pending, self._phase_pending = self._phase_pending, None
-            self.check_phase_marker(pending)
         assert bucket.pending is not None
         output, work = bucket.pending
 
@@ -411,6 +408,10 @@ class GradReducer:
                 f" in backward {self.finished_backwards + 1} on dp rank {self.dp_rank}; this rank's progress:"
                 f" {self.describe_progress()}"
             )
+
+        if self._phase_pending is not None:  # before any wait that could pair with another phase
+            pending, self._phase_pending = self._phase_pending, None
+            self.check_phase_marker(pending, lambda: f"the phase marker launched with {waiting_on()}")
 
         with record_function("lightning_zero::wait_reduce_scatter"):
             self.waiter.wait(work, waiting_on)
@@ -559,10 +560,14 @@ class GradReducer:
         )  # fmt: skip
         return mark, work, phase, steps
 
-    def check_phase_marker(self, pending: tuple[torch.Tensor, Any, int, int]) -> None:
-        """Wait for a phase marker; raise on every rank if the ranks are not at the same phase."""
+    def check_phase_marker(
+        self, pending: tuple[torch.Tensor, Any, int, int], describe: Optional[Callable[[], str]] = None
+    ) -> None:
+        """Wait for a phase marker; raise on every rank if the ranks are not at the same phase.
+        ``describe()`` names what the marker precedes (for a time-out message)."""
         mark, work, phase, steps = pending
-        self.waiter.wait(work, lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
+        what = describe or (lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
+        self.waiter.wait(work, what)
         high_phase, low_phase, most, fewest = mark.tolist()
         low_phase, fewest = -low_phase, -fewest
         if high_phase == low_phase and most == fewest:
