@@ -2,14 +2,17 @@
 
 The optimizer object the user returned from ``configure_optimizers`` is kept (so LR schedulers,
 ``isinstance`` checks and hyperparameters in ``param_groups`` keep working); only each param
-group's ``"params"`` list is replaced by the fp32 master chunks this rank owns (one per bucket,
-see [Note: flat layout] in ``flat.py``). Its state (Adam's ``exp_avg``/``exp_avg_sq``) therefore
-exists only for the chunk: that is the optimizer-state sharding of ZeRO stage 1.
+group's ``"params"`` list is replaced by views of the fp32 master chunks this rank owns (one chunk
+per bucket, see [Note: flat layout] in ``flat.py``): one view per parameter's owned run of a
+chunk, so each parameter keeps its own state and step count and one that no rank used can be
+skipped as under DDP ([Note: parameters nobody used] in ``reducer.py``). Its state (Adam's
+``exp_avg``/``exp_avg_sq``) therefore exists only for this rank's runs: that is the
+optimizer-state sharding of ZeRO stage 1.
 
 Around ``optimizer.step()``:
 
-- the reducer's ``finish_grad_sync`` hands each master its reduced gradient chunk
-  (:meth:`prepare_master_grads`; a view in fp32, an fp32 copy under bf16-mixed);
+- the reducer's ``finish_grad_sync`` hands each master's views their reduced gradient runs
+  (:meth:`prepare_master_grads`; views in fp32, of an fp32 copy under bf16-mixed);
 - a step post-hook writes the updated chunks back into the compute parameters and all-gathers
   every bucket, so each rank holds the full updated parameters again (:meth:`all_gather_params`);
 - ``optimizer.zero_grad()`` needs no patching: the reducer notices dropped master gradients
