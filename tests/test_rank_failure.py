@@ -26,9 +26,11 @@ CONCURRENT = 2  # launches at once (each is 2 processes; more would measure the 
 STAGES = ("zero1", "zero2", "zero3")
 RAISES = ("train_step", "callback", "backward", "optimizer", "validation")
 CASES = [f"{hazard}-{stage}" for hazard in (*RAISES, "kill", "no_loss") for stage in STAGES]
-# Manual optimization, one backward too few or too many on rank 1 (their own launches, so each
-# fixture stays well inside pytest-timeout); stage 3's gather schedule catches an extra backward.
+# Manual optimization, one backward too few or too many on rank 1, or a whole step skipped (their
+# own launches, so each fixture stays well inside pytest-timeout); stage 3's gather schedule
+# catches an extra backward; a skipped step is caught the same way at every stage (zero2 = zero1).
 MANUAL_CASES = [f"skip_backward-{stage}" for stage in STAGES] + ["extra_backward-zero1", "extra_backward-zero2"]
+MANUAL_CASES += ["skip_step-zero1", "skip_step-zero3"]
 
 
 def _start(out: Path, case: str) -> list[subprocess.Popen]:
@@ -160,4 +162,18 @@ def test_a_rank_that_runs_an_extra_backward_gets_a_named_error(manual_failures, 
     survivor, failing = _check_all_gone(out, case, ended[case])
     for log in (survivor, failing):  # its own marker's verdict, or the other rank's, posted first
         assert "different numbers of backward calls in a step" in log, log[-3000:]
-        assert "the parameter all-gather after a step" in log and "the gradient sync of a backward" in log, log[-3000:]
+        assert "an optimizer step after" in log and "the gradient sync of a backward" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in MANUAL_CASES if c.startswith("skip_step")])
+def test_a_rank_that_skips_a_whole_manual_step_gets_a_named_error(manual_failures, case):
+    """Manual optimization, issue 20: rank 1's ``training_step`` returns at once (no forward, no
+    ``manual_backward``, no step). Without the check rank 1 waits in Lightning's per-batch
+    broadcast and rank 0 in the step's gradient collectives until ``collective_timeout``; with it
+    rank 1 raises within 10 s naming the cause and the fix, and rank 0 stops naming rank 1."""
+    out, ended = manual_failures
+    survivor, failing = _check_all_gone(out, case, ended[case])
+    assert "training step 3 ran neither a backward nor an optimizer step on this rank" in failing, failing[-3000:]
+    assert "loss * 0" in failing, failing[-3000:]
+    assert "stops because another rank failed (global rank 1)" in survivor, survivor[-3000:]

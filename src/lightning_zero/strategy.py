@@ -390,6 +390,9 @@ class ZeroStrategy(DDPStrategy):
         try:
             output = super().training_step(*args, **kwargs)
             self._check_step_output(output)
+            module = self.lightning_module
+            if module is not None and not module.automatic_optimization:
+                self.engine.check_manual_train_step()
             return output
         except BaseException as exception:
             self._note_failure(exception)

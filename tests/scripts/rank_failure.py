@@ -18,6 +18,7 @@ so only the failure path can end the ranks quickly. At step 3 (``HAZARD_STEP``) 
   and optimizer step): the strategy raises, naming the fix.
 - ``skip_backward`` (manual optimization): skips its ``manual_backward`` but steps the optimizer;
 - ``extra_backward`` (manual optimization): runs a second ``manual_backward`` before the step.
+- ``skip_step`` (manual optimization): skips a whole training step (no backward, no step).
 
 Every case also has ``ModelCheckpoint(save_on_exception=True)`` and a callback whose
 ``on_exception`` records that it ran. Each rank writes ``OUT_DIR/<case>.hazard`` (rank 1: the wall
@@ -136,10 +137,12 @@ class ManualNet(Net):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         opt = self.optimizers()
+        now = "now" if batch_idx + 1 == HAZARD_STEP else ""  # once (this rank's global_step lags now)
+        if _hazard(self.out, self.case, self.global_rank, "skip_step", now):
+            return None
         opt.zero_grad()
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
-        now = "now" if self.global_step + 1 == HAZARD_STEP else ""
         if not _hazard(self.out, self.case, self.global_rank, "skip_backward", now):
             self.manual_backward(loss)
         if _hazard(self.out, self.case, self.global_rank, "extra_backward", now):
@@ -147,7 +150,7 @@ class ManualNet(Net):
         opt.step()
 
 
-MANUAL = ("skip_backward", "extra_backward")
+MANUAL = ("skip_backward", "extra_backward", "skip_step")
 
 
 def data(samples: int, seed: int) -> TensorDataset:

@@ -287,6 +287,8 @@ class ZeroEngine:
         self._step_pre_hooks += [opt.register_step_post_hook(self._count_step) for opt in optimizers]
         self._backwards_at_step: dict[int, int] = {}  # optimizer id -> backwards ended at its last step
         self._steps_of: dict[int, int] = {}  # optimizer id -> its steps so far
+        self._train_steps = 0  # training steps begun ([Note: a step without a backward])
+        self._at_train_step_start = (0, 0)  # (backwards ended, optimizer steps) when the last one began
         self._finished_at_pre_backward = 0
 
     def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
@@ -433,10 +435,14 @@ class ZeroEngine:
     # [Note: a step without a backward] A rank that steps an optimizer with no backward since
     # that optimizer's last step (its manual_backward skipped) issues the post-step collectives
     # while the others are still in their backward's reduce-scatters: the ops no longer pair up, a
-    # hang until collective_timeout. Such a rank is told apart locally for free; it then checks
-    # through the store (no collective can be trusted now) whether every rank does the same
-    # (then it is consistent and goes on) and otherwise raises within STEP_AGREEMENT_S, posting
-    # on the failure channel, so the ranks in their backward raise within one poll.
+    # hang until collective_timeout. A rank whose manual training step returns with neither a
+    # backward nor a step in it skipped the step: the others wait in that step's collectives while
+    # it waits in the next step's (Lightning broadcasts one tensor at the start of every batch),
+    # and no marker ([Note: phase markers] in reducer.py) is ever exchanged. Either rank is told
+    # apart locally for free; it then checks through the store (no collective can be trusted now)
+    # whether every rank does the same (then it is consistent and goes on) and otherwise raises
+    # within STEP_AGREEMENT_S, posting on the failure channel, so the ranks waiting in their
+    # collectives raise within one poll.
     def _check_backward_before_step(self, sharded: ShardedOptimizer) -> None:
         optimizer = sharded.optimizer
         if self.reducer.finished_backwards != self._backwards_at_step.get(id(optimizer), 0):
@@ -452,6 +458,23 @@ class ZeroEngine:
             " ran one: their gradient collectives would wait for this rank forever. Every rank must call"
             " backward (manual_backward) before each step, e.g. on a zero loss (`loss * 0`) where it has"
             " nothing to learn from."
+        )
+
+    def check_manual_train_step(self) -> None:
+        """A manual-optimization training step returned: raise if it ran no backward and no step
+        on this rank while other ranks did ([Note: a step without a backward])."""
+        if (self.reducer.finished_backwards, self.reducer.optimizer_steps) != self._at_train_step_start:
+            return
+        channel = self.waiter.failure
+        if channel is None or channel.all_ranks_reach(
+            f"train_step_without_backward/{self._train_steps}", STEP_AGREEMENT_S
+        ):
+            return
+        raise RuntimeError(
+            f"lightning_zero: training step {self._train_steps} ran neither a backward nor an optimizer step on this"
+            " rank, while other ranks ran them: their gradient collectives would wait for this rank forever."
+            " Every rank must take part in every step: call manual_backward (on a zero loss, `loss * 0`, where a"
+            " rank has nothing to learn from) and step on every rank."
         )
 
     def _right_before_update(self, sharded: ShardedOptimizer) -> None:
@@ -654,6 +677,9 @@ class ZeroEngine:
     # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
     def begin_step(self, kind: str) -> None:
         """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
+        if kind == "train":
+            self._train_steps += 1
+            self._at_train_step_start = (self.reducer.finished_backwards, self.reducer.optimizer_steps)
         if self.stage3 is not None:
             self.stage3.begin_step(kind)
         if self.param_gatherer is not None:

@@ -39,7 +39,6 @@ from torch.profiler import record_function
 from lightning_zero.collectives import CommCounter, all_gather, all_reduce
 from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
-from lightning_zero.zero.reducer import PHASE_PARAM_GATHER
 from lightning_zero.zero.waits import Waiter
 
 
@@ -168,15 +167,18 @@ class ShardedOptimizer:
         last host-to-device copy of the masters done, and no parameter all-gather reading them."""
         if self.param_gatherer is not None:
             self.param_gatherer.wait_all()
+        unused: set[int] = set()
+        if self.reducer is not None:  # [Note: phase markers] in reducer.py
+            step = f"{type(self.optimizer).__name__}.step()"
+            unused = self.reducer.agree_at_step(lambda: f"the phase marker of {step}, right before its update")
         if self.offload is not None:
             self.flush_offloaded_grads()
             self.offload.before_host_update()
-        self._drop_grads_of_unused()
+        self._drop_grads_of(unused)
 
-    def _drop_grads_of_unused(self) -> None:
+    def _drop_grads_of(self, unused: set[int]) -> None:
         """A parameter no dp rank gave a gradient since the last ``zero_grad`` is left alone by
         the step, as under DDP ([Note: parameters nobody used])."""
-        unused = self.reducer.unused_by_every_rank() if self.reducer is not None else ()
         for param_id in unused:
             for tensor in self._tensors_of_param_id(param_id):
                 if tensor.grad is not None:
@@ -259,12 +261,6 @@ class ShardedOptimizer:
                 else:
                     group.copy_masters_to_params()
         if self.gather_params:  # stage 3 gathers lazily, at the next forward
-            if self.reducer is not None:  # [Note: phase markers] in reducer.py
-                step = f"{type(self.optimizer).__name__}.step()"
-                self.reducer.check_phase_marker(
-                    self.reducer.start_phase_marker(PHASE_PARAM_GATHER),
-                    lambda: f"the phase marker ahead of the parameter all-gather after {step}",
-                )
             if self.param_gatherer is not None:  # [Note: overlapped parameter gather]
                 name = type(self.optimizer).__name__
                 groups = [group for groups in self.flat_groups for group in groups]
