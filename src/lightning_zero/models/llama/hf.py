@@ -1,7 +1,8 @@
 """The Hugging Face Llama layout: config.json fields, tensor names and the q/k rotary permutation.
 
-Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here; the
-reading, slicing and shard writing are model-agnostic (``lightning_zero.checkpoint.hf``).
+Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here (the
+reading of config.json into ``LlamaConfig`` fields in ``hf_config.py``); the reading, slicing and
+shard writing are model-agnostic (``lightning_zero.checkpoint.hf``).
 
 [Note: rotary permutation] Meta's Llama (and ours, see ``apply_rope``) rotates *adjacent* channel
 pairs ``(0, 1), (2, 3), ...`` of each head; ``transformers`` rotates the two *halves*
@@ -39,9 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -51,11 +50,9 @@ from torch import nn
 
 from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
 from lightning_zero.models.llama.config import LlamaConfig, preset_names
+from lightning_zero.models.llama.hf_config import ARCHITECTURE, CONFIG_FILE, PathLike, read_hf_config
 from lightning_zero.models.llama.rope import normalize_rope_scaling
 
-PathLike = Union[str, os.PathLike]
-CONFIG_FILE = "config.json"
-ARCHITECTURE = "LlamaForCausalLM"
 # Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
 IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # LlamaConfig fields that config.json decides (max_seq_len, the rotary table length, may differ).
@@ -66,40 +63,6 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_d
 # --------------------------------------------------------------------------------------------
 # config.json
 # --------------------------------------------------------------------------------------------
-
-
-def read_hf_config(path: PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of the model directory ``path``."""
-    config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(
-            f"{config_path}: missing; init_from needs a Hugging Face model directory (config.json + weights)"
-        )
-    try:
-        values = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_path}: unreadable ({exc})") from exc
-    if not isinstance(values, dict):
-        raise ValueError(f"{config_path}: expected a JSON object")
-    return values
-
-
-def _rope_scaling_from_hf(values: Mapping[str, Any], where: Path) -> Optional[dict[str, Any]]:
-    """``LlamaConfig.rope_scaling`` from a config.json (``rope_scaling`` wins over
-    ``rope_parameters``, as in transformers 5), with transformers' defaults filled in: the
-    context ``original_max_position_embeddings`` of ``llama3``/``yarn`` defaults to
-    ``max_position_embeddings``, which is always ``dynamic``'s; yarn's ``factor`` defaults to
-    their ratio."""
-    raw = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
-    rope_type = str(raw.get("rope_type") or raw.get("type") or "default")
-    max_positions = values.get("max_position_embeddings")
-    if rope_type == "dynamic" and max_positions is not None:
-        raw["original_max_position_embeddings"] = int(max_positions)
-    elif rope_type in ("llama3", "yarn") and max_positions is not None:
-        raw.setdefault("original_max_position_embeddings", int(max_positions))
-    if rope_type == "yarn" and raw.get("factor") is None and max_positions is not None:
-        raw["factor"] = int(max_positions) / int(raw["original_max_position_embeddings"])
-    return normalize_rope_scaling(raw, where=str(where))
 
 
 def hf_rope_fields(config: LlamaConfig) -> dict[str, Any]:
@@ -116,49 +79,8 @@ def hf_rope_fields(config: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_hf(path: PathLike) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face Llama directory, refusing what ``Llama`` cannot compute."""
-    values = read_hf_config(path)
-    where = Path(path) / CONFIG_FILE
-    model_type = values.get("model_type")
-    architectures = values.get("architectures") or [ARCHITECTURE]
-    if model_type != "llama" or any(arch != ARCHITECTURE for arch in architectures):
-        raise ValueError(
-            f"{where}: model_type {model_type!r}, architectures {architectures}: only Llama checkpoints "
-            f"(model_type 'llama', {ARCHITECTURE}) can be loaded"
-        )
-    rope_scaling = _rope_scaling_from_hf(values, where)
-    refusals = {
-        "attention_bias": (values.get("attention_bias", False), False),
-        "mlp_bias": (values.get("mlp_bias", False), False),
-        "hidden_act": (values.get("hidden_act", "silu"), "silu"),
-    }
-    for key, (got, want) in refusals.items():
-        if got != want:
-            raise ValueError(f"{where}: {key} = {got!r} is not supported (Llama uses {want!r})")
-    try:
-        dim, n_heads = int(values["hidden_size"]), int(values["num_attention_heads"])
-        head_dim = values.get("head_dim") or dim // n_heads
-        if head_dim * n_heads != dim:
-            raise ValueError(
-                f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported"
-            )
-        theta = values.get("rope_theta") or (values.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return LlamaConfig(
-            name=f"hf:{Path(path).resolve().name}",
-            vocab_size=int(values["vocab_size"]),
-            dim=dim,
-            n_layers=int(values["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(values.get("num_key_value_heads") or n_heads),
-            ffn_dim=int(values["intermediate_size"]),
-            max_seq_len=int(values.get("max_position_embeddings", 4096)),
-            norm_eps=float(values.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            tie_embeddings=bool(values.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ValueError(f"{where}: missing field {exc.args[0]!r}") from exc
+    """The :class:`LlamaConfig` of a Hugging Face Llama directory (``LlamaConfig.from_hf``)."""
+    return LlamaConfig.from_hf(path)
 
 
 def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
