@@ -1,8 +1,9 @@
 """The Hugging Face Llama layout: config.json fields, tensor names and the q/k rotary permutation.
 
 Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here (the
-reading of config.json into ``LlamaConfig`` fields in ``hf_config.py``); the reading, slicing and
-shard writing are model-agnostic (``lightning_zero.checkpoint.hf``).
+reading of config.json into ``LlamaConfig`` fields in ``hf_config.py``), import and export alike
+(:func:`export_hf`); the reading, slicing, assembling and shard writing are model-agnostic
+(``lightning_zero.checkpoint.hf``, ``lightning_zero.checkpoint.export``).
 
 [Note: rotary permutation] Meta's Llama (and ours, see ``apply_rope``) rotates *adjacent* channel
 pairs ``(0, 1), (2, 3), ...`` of each head; ``transformers`` rotates the two *halves*
@@ -40,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -48,8 +51,20 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
-from lightning_zero.models.llama.config import LlamaConfig, preset_names
+from lightning_zero.checkpoint.dcp import CheckpointError, read_dcp_metadata
+from lightning_zero.checkpoint.export import assemble
+from lightning_zero.checkpoint.hf import (
+    Source,
+    TensorSpec,
+    WeightFiles,
+    check_plan,
+    load_module_params,
+    open_weight_files,
+    parse_size,
+    write_safetensors_shards,
+)
+from lightning_zero.checkpoint.load import open_checkpoint
+from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
 from lightning_zero.models.llama.hf_config import ARCHITECTURE, CONFIG_FILE, PathLike, read_hf_config
 from lightning_zero.models.llama.rope import normalize_rope_scaling
 
@@ -255,3 +270,83 @@ class HFLlamaWeights:
 
     def __repr__(self) -> str:
         return f"HFLlamaWeights({str(self.path)!r}, {len(self.files.infos)} tensors, {self.files.format})"
+
+
+# --------------------------------------------------------------------------------------------
+# Export (``lightning-zero export --format hf``)
+# --------------------------------------------------------------------------------------------
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_hf(
+    ckpt: Union[str, os.PathLike],
+    out: Union[str, os.PathLike],
+    *,
+    dtype: Optional[str] = None,
+    max_shard_size: Union[str, int] = "5GB",
+) -> Path:
+    """Write the ``LlamaLM`` checkpoint ``ckpt`` as a Hugging Face Llama directory at ``out``.
+
+    ``out`` gets ``config.json``, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+    shards of at most ``max_shard_size`` (``5GB`` = 5 * 10^9 bytes, as Hugging Face counts) and
+    ``model.safetensors.index.json``. ``dtype``: ``fp32``, ``bf16`` or ``fp16``; ``None`` keeps the
+    saved dtype (fp32 masters). Streams one tensor at a time (assembled from its saved
+    rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
+    one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
+    max_shard_bytes = parse_size(max_shard_size)
+    opened = open_checkpoint(ckpt)
+    hparams = opened.state.get("hyper_parameters")
+    config_values = hparams.get("config") if isinstance(hparams, dict) else None
+    if not isinstance(config_values, dict):
+        raise CheckpointError(
+            f"{opened.path}: records no LlamaLM config in its hyper_parameters; --format hf exports LlamaLM checkpoints"
+        )
+    config = resolve_config(config_values)
+    base: Optional[dict[str, Any]] = None
+    init_from = hparams.get("init_from")
+    if init_from and Path(init_from, CONFIG_FILE).is_file():
+        base = read_hf_config(init_from)  # keep the source's token ids and max_position_embeddings
+    prefix = opened.meta.get("export_prefix", "")
+    metadata = read_dcp_metadata(str(opened.path / ".metadata"))
+    saved = opened.meta["params"]
+    plan = tensor_plan(config, to_hf=True)
+    missing = sorted(name for name in plan if prefix + name not in saved)
+    alias = {"output.weight"} if config.tie_embeddings else set()  # the tied head is the embedding
+    extra = sorted(
+        name[len(prefix) :]
+        for name in saved
+        if name.startswith(prefix) and name[len(prefix) :] not in plan and name[len(prefix) :] not in alias
+    )
+    if missing or extra:
+        raise CheckpointError(
+            f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}"
+        )
+    specs, sources = [], {}
+    for name, source in plan.items():
+        if list(saved[prefix + name]["shape"]) != list(source.shape):
+            raise CheckpointError(
+                f"{opened.path}: {name} has shape {saved[prefix + name]['shape']}, config gives {list(source.shape)}"
+            )
+        key = f"model.{prefix}{name}"
+        saved_dtype = metadata.state_dict_metadata[key].properties.dtype
+        specs.append(TensorSpec(source.key, tuple(source.shape), EXPORT_DTYPES[dtype] if dtype else saved_dtype))
+        sources[source.key] = (key, source)
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        key, source = sources[spec.name]
+        tensor = assemble(opened.path, metadata, key).view(source.shape)
+        return source.transform(tensor, None) if source.transform is not None else tensor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    write_safetensors_shards(out, specs, produce, max_shard_bytes=max_shard_bytes,
+                             metadata={"lightning_zero_format": opened.meta["format"]})  # fmt: skip
+    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, out_dtype, base), indent=2) + "\n")
+    return out
