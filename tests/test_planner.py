@@ -318,7 +318,7 @@ def test_sequence_parallel_and_selective_checkpointing_in_the_plan():
     """70B at tp=8: sequence parallelism shrinks the norm/residual activations (not the TP
     total, which only gains the norm gains' gradient sums); selective recompute costs one
     attention forward per block, full one whole block forward."""
-    from lightning_zero.planner.timing import attention_forward_flops, training_flops
+    from lightning_zero.planner.workload import attention_forward_flops, training_flops
 
     common = dict(stage=3, world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096)
     plain = plan_run("70b", **common)

@@ -1,13 +1,15 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> timing -> hardware -> plan -> fit -> arithmetic ->
-search -> report; calibrate on its own):
+Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> fit ->
+arithmetic -> search -> report; calibrate on its own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
-- :mod:`~lightning_zero.planner.timing`: the step-time model (FLOPs, collectives, the engine's
-  overlap, simulated bucket by bucket; [Note: step-time model]);
-- :mod:`~lightning_zero.planner.hardware`: ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.hardware`: a collective's time on a link, ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.workload`: what a micro batch computes (FLOPs, seconds per tensor
+  and unit) and the gradient buckets the engine cuts;
+- :mod:`~lightning_zero.planner.timing`: the step-time model (the engine's overlap, simulated
+  bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
 - :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
@@ -48,7 +50,7 @@ _EXPORTS = {  # public name -> the planner module that defines it
     "SearchResult": "search",
     "search_layouts": "search",
     "StepTime": "timing",
-    "collective_seconds": "timing",
+    "collective_seconds": "hardware",
     "step_time": "timing",
 }
 

@@ -1,7 +1,7 @@
 """Predict, before launch, what every rank holds, sends and spends per step for a Llama run.
 
 :func:`plan_run` is pure arithmetic on a :class:`~lightning_zero.models.LlamaConfig` (formulas in
-:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing` and docs/planner.md):
+:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing`, :mod:`lightning_zero.planner.workload` and docs/planner.md):
 it never builds the model, so a 70B plan takes milliseconds. :func:`compare_stages` lays stages
 0-3 side by side for one run.
 
@@ -45,14 +45,8 @@ from lightning_zero.planner.ledger import (
     model_state_bytes,
 )
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
-from lightning_zero.planner.timing import (
-    StepTime,
-    Workload,
-    engine_buckets,
-    llama_workload,
-    step_time,
-    training_flops,
-)
+from lightning_zero.planner.timing import StepTime, step_time
+from lightning_zero.planner.workload import Workload, engine_buckets, llama_workload, training_flops
 from lightning_zero.ring import ring_sent
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 

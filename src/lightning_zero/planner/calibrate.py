@@ -362,12 +362,12 @@ def measure_model_mfu(
     model: dict[str, int], *, micro_batch: int, seq_len: int, peak_flops: float, repeats: int = 3
 ) -> dict[str, float]:
     """Forward + backward of a Llama of shape ``model`` (single process, fp32): achieved fraction
-    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.timing.training_flops`)."""
+    of ``peak_flops`` by the planner's FLOP count (:func:`lightning_zero.planner.workload.training_flops`)."""
     import torch
 
     from lightning_zero.models import Llama
     from lightning_zero.models.llama import cross_entropy_loss
-    from lightning_zero.planner.timing import training_flops
+    from lightning_zero.planner.workload import training_flops
 
     config = bench_config(**model)
     torch.manual_seed(0)
