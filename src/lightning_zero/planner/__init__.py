@@ -1,7 +1,7 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> fit ->
-arithmetic -> search -> report; calibrate on its own):
+Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> traffic ->
+fit -> arithmetic -> search -> report; calibrate on its own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
@@ -11,6 +11,7 @@ arithmetic -> search -> report; calibrate on its own):
 - :mod:`~lightning_zero.planner.timing`: the step-time model (the engine's overlap, simulated
   bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
+- :mod:`~lightning_zero.planner.traffic`: the bytes a rank sends per step (dp per link and hop, tp per collective);
 - :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
 - :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
@@ -31,12 +32,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {  # public name -> the planner module that defines it
-    "PRECISIONS": "arithmetic",
+    "PRECISIONS": "ledger",
     "STAGES": "arithmetic",
-    "MemoryPerRank": "arithmetic",
-    "Plan": "arithmetic",
-    "PrecisionBytes": "arithmetic",
-    "TrafficPerRank": "arithmetic",
+    "MemoryPerRank": "plan",
+    "Plan": "plan",
+    "PrecisionBytes": "ledger",
+    "TrafficPerRank": "plan",
     "compare_stages": "arithmetic",
     "plan_run": "arithmetic",
     "precision_bytes": "arithmetic",

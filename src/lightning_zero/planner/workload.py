@@ -177,7 +177,7 @@ def _llama_workload(
         add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
         add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
     unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
-    # full recompute stops before w2 (non-reentrant checkpoint): see planner.arithmetic.tp_bytes_by_kind
+    # full recompute stops before w2 (non-reentrant checkpoint): see planner.traffic.tp_bytes_by_kind
     per_layer_tp = 4 * tp_all_reduce + (recomputed_tp if mode == "full" else 0.0)
     return Workload(
         tensors=tuple(tensors),
