@@ -31,6 +31,7 @@ from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
+    ATTENTION_KERNELS,
     COMM_DTYPES,
     PRECISIONS,
     PrecisionBytes,
@@ -186,7 +187,8 @@ def plan_run(
             ``"compute"`` (default): the precision's gradient bytes.
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
-    layout whose sizes do not divide, with the numbers.
+    layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
+    take, or a knob given both in ``zero_config`` and as a keyword.
     """
     if zero_config is not None:
         arguments = dict(locals())
@@ -205,6 +207,24 @@ def plan_run(
     config = resolve_config(model_config)
     if stage not in STAGES:
         raise ValueError(f"plan_run: stage must be one of {STAGES} (0 = plain DDP), got stage={stage!r}")
+    _check_switches(
+        sequence_parallel=sequence_parallel,
+        defer_grad_reduce=defer_grad_reduce,
+        overlap_comm=overlap_comm,
+        overlap_param_gather=overlap_param_gather,
+        hierarchical_reduce=hierarchical_reduce,
+        suggest=suggest,
+    )
+    if simulate not in (True, False, "if_fits") or not isinstance(simulate, (bool, str)):
+        raise ValueError(f"plan_run: simulate must be True, False or 'if_fits', got simulate={simulate!r}")
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"plan_run: attention must be one of {ATTENTION_KERNELS}, got attention={attention!r}")
+    if bucket_mb != "auto" and not _is_number(bucket_mb):
+        raise ValueError(f"plan_run: bucket_mb must be a number of MiB or 'auto', got bucket_mb={bucket_mb!r}")
+    if not _is_number(reserved_gib) or reserved_gib < 0:
+        raise ValueError(f"plan_run: reserved_gib must be a number >= 0, got reserved_gib={reserved_gib!r}")
+    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int):
+        raise ValueError(f"plan_run: prefetch_blocks must be an int, got prefetch_blocks={prefetch_blocks!r}")
     dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
     tp, dp = int(dims.tp), dims.dp
     seq_len = int(seq_len or config.max_seq_len)
@@ -417,6 +437,16 @@ def plan_run(
 def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
     """:func:`plan_run` for each stage with everything else equal (the side-by-side view)."""
     return [plan_run(model_config, stage=stage, **kwargs) for stage in stages]
+
+
+def _check_switches(**values: bool) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"plan_run: {name} must be True or False, got {name}={value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_positive(**values: int) -> None:
