@@ -1,7 +1,7 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
 Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> traffic ->
-fit -> arithmetic -> search -> report; measure -> calibrate on their own):
+fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
@@ -16,7 +16,8 @@ fit -> arithmetic -> search -> report; measure -> calibrate on their own):
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
 - :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
   its candidates as ``fit`` does;
-- :mod:`~lightning_zero.planner.report`: Hydra config in, tables / JSON / plot out (:func:`run_plan`);
+- :mod:`~lightning_zero.planner.tables`: tables, JSON, the memory plot, the search ranking;
+- :mod:`~lightning_zero.planner.report`: Hydra config in, those out (:func:`run_plan`);
 - :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (fits what
   :mod:`~lightning_zero.planner.measure` times on this machine, writes the hardware YAML);
 - :mod:`~lightning_zero.planner.bench_model`: the benchmark's run, shared by calibration and ``benchmarks/``.
