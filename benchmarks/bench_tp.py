@@ -100,7 +100,7 @@ def predicted(args: argparse.Namespace, case: Case) -> dict[str, Any]:
     activation bytes (``llama_activation_bytes``) and tp bytes per kind (``tp_bytes_by_kind``);
     the loss's all-reduces (which the planner leaves out) and the dp ring formula."""
     from lightning_zero.ledger import llama_activation_bytes
-    from lightning_zero.planner.arithmetic import tp_bytes_by_kind
+    from lightning_zero.planner.traffic import tp_bytes_by_kind
 
     config = model_config(args)
     tp, dp = case.tp, 2 // case.tp

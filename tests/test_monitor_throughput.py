@@ -7,7 +7,7 @@ import torch
 
 from lightning_zero.models import LlamaConfig
 from lightning_zero.planner.hardware import load_hardware
-from lightning_zero.planner.timing import training_flops
+from lightning_zero.planner.workload import training_flops
 from lightning_zero.throughput import ThroughputMeter, batch_tokens, peak_flops_for, training_flops_of
 
 

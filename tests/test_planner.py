@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from lightning_zero.config import ZeroConfig
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
 from lightning_zero.models import Llama, LlamaConfig, resolve_config
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
@@ -209,6 +210,12 @@ def test_64_rank_layout_validates_without_processes():
         (dict(precision="8-bit"), "precision"),
         (dict(seq_len=8192), r"seq_len\(8192\)"),
         (dict(hardware="tpu_v9"), "unknown hardware"),
+        (dict(attention="flash3"), r"plan_run: attention must be one of"),
+        (dict(simulate="sometimes"), r"plan_run: simulate must be True, False or 'if_fits'"),
+        (dict(overlap_comm="yes"), r"plan_run: overlap_comm must be True or False"),
+        (dict(bucket_mb="big"), r"plan_run: bucket_mb must be a number of MiB or 'auto'"),
+        (dict(reserved_gib=-1), r"plan_run: reserved_gib must be a number >= 0"),
+        (dict(prefetch_blocks=1.5), r"plan_run: prefetch_blocks must be an int"),
     ],
 )
 def test_bad_layouts_and_arguments_raise_with_the_numbers(changes, match):
@@ -218,6 +225,14 @@ def test_bad_layouts_and_arguments_raise_with_the_numbers(changes, match):
         kwargs["world_size"] = 64
     with pytest.raises(ValueError, match=match):
         plan_run(model, **kwargs)
+
+
+def test_unknown_arguments_are_refused_by_name():
+    with pytest.raises(TypeError, match="bukcet_mb"):
+        plan_run("70b", **{**RUN_70B, "stage": 3, "bukcet_mb": 25})
+    with pytest.raises(TypeError, match="bukcet_mb"):
+        run = {k: v for k, v in RUN_70B.items() if k != "tp"}
+        plan_run("70b", ZeroConfig(stage=3, tensor_parallel_size=8), **run, bukcet_mb=25)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -318,7 +333,7 @@ def test_sequence_parallel_and_selective_checkpointing_in_the_plan():
     """70B at tp=8: sequence parallelism shrinks the norm/residual activations (not the TP
     total, which only gains the norm gains' gradient sums); selective recompute costs one
     attention forward per block, full one whole block forward."""
-    from lightning_zero.planner.timing import attention_forward_flops, training_flops
+    from lightning_zero.planner.workload import attention_forward_flops, training_flops
 
     common = dict(stage=3, world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096)
     plain = plan_run("70b", **common)

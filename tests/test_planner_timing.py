@@ -15,15 +15,9 @@ import pytest
 
 from lightning_zero.planner import load_hardware, plan_run, search_layouts
 from lightning_zero.planner.calibrate import fit_latency_bandwidth
-from lightning_zero.planner.timing import (
-    Link,
-    PlannedBucket,
-    Tensor,
-    Workload,
-    collective_seconds,
-    simulate_backward,
-    simulate_forward,
-)
+from lightning_zero.planner.hardware import Link, collective_seconds
+from lightning_zero.planner.timing import simulate_backward, simulate_forward
+from lightning_zero.planner.workload import PlannedBucket, Tensor, Workload
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 H100 = "h100_80gb"

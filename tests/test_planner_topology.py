@@ -9,6 +9,7 @@ import json
 import pytest
 
 from lightning_zero.planner import load_hardware, plan_run, run_plan, search_layouts
+from lightning_zero.planner.hardware import Link
 from lightning_zero.planner.ledger import (
     INT8_BLOCK_SIZE,
     Hop,
@@ -17,7 +18,8 @@ from lightning_zero.planner.ledger import (
     dp_topology,
     model_state_bytes,
 )
-from lightning_zero.planner.timing import Link, Tensor, Workload, step_time
+from lightning_zero.planner.timing import step_time
+from lightning_zero.planner.workload import Tensor, Workload
 
 N = 2048  # parameters per tp rank in the ledger cases: divisible by every group and by 256
 

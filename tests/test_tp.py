@@ -333,7 +333,7 @@ def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None
     activations] in lightning_zero/saved_activations.py), and the bytes of each TP collective of
     that forward + backward equal the planner's ``tp_bytes_by_kind`` exactly."""
     from lightning_zero.ledger import llama_activation_bytes
-    from lightning_zero.planner.arithmetic import tp_bytes_by_kind
+    from lightning_zero.planner.traffic import tp_bytes_by_kind
     from lightning_zero.saved_activations import measure_saved_bytes
     from lightning_zero.tp.loss import TP_LOSS_LABEL
 

@@ -406,8 +406,9 @@ def _export(args: list[str]) -> None:
     parsed = parser.parse_args(args)
     if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
         _fail("--dtype and --max-shard-size apply to --format hf only")
-    from lightning_zero.checkpoint import export, export_hf
+    from lightning_zero.checkpoint import export
     from lightning_zero.checkpoint.dcp import CheckpointError
+    from lightning_zero.models.llama.hf import export_hf
 
     try:
         if parsed.format == "hf":

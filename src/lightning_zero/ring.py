@@ -6,7 +6,7 @@ sends ``(n-1)/n * N`` in a reduce-scatter, all-gather, all-to-all or broadcast, 
 ``2 (n-1)/n * N``, in an all-reduce (a reduce-scatter followed by an all-gather). The
 latency-bound ring steps are ``n - 1`` (twice for all-reduce). ``CommCounter``
 (``collectives.py``, [Note: logical bytes]) counts these, the planner predicts them
-(``planner/timing.py``, ``planner/arithmetic.py``), the calibration fits time against them
+(``planner/hardware.py``, ``planner/traffic.py``), the calibration fits time against them
 (``planner/calibrate.py``) and the benchmark harness counts the tapped ``torch.distributed``
 calls with them (``benchmarks/_probes.py``).
 """

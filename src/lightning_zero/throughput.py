@@ -11,7 +11,7 @@ the first (which carries start-up costs).
 - tokens/s per rank: tokens this rank trained on in the step / step time;
 - tokens/s in total: per rank x dp (every dp rank trains on as many tokens: the distributed
   sampler gives each the same number of batches; tp ranks of one group share their tokens);
-- MFU: the model's training FLOPs of the step on this rank (``planner.timing.training_flops``
+- MFU: the model's training FLOPs of the step on this rank (``planner.workload.training_flops``
   for a Llama-shaped config: matmuls and attention, recompute *not* counted; otherwise
   ``6 x parameters x tokens``) / step time / the hardware's peak FLOP/s for the precision
   (bf16 peak under bf16-mixed, fp32 under 32-true). Without a hardware config there is no MFU.
@@ -59,7 +59,7 @@ def _tensors(batch: Any):
 def training_flops_of(config: Any, num_params: int, sequences: int, length: int, tp: int = 1) -> float:
     """Model FLOPs of one forward + backward over ``sequences x length`` tokens on one tp rank."""
     if config is not None and all(hasattr(config, name) for name in LLAMA_FIELDS):
-        from lightning_zero.planner.timing import training_flops
+        from lightning_zero.planner.workload import training_flops
 
         return training_flops(config, micro_batch=sequences, seq_len=length, tp=tp)
     return 6.0 * num_params * sequences * length

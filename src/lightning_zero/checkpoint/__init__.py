@@ -27,15 +27,17 @@ directory into place and deletes the previous one. A directory without ``meta.js
 The package, one job a module: ``dcp`` (how owned ranges become DCP chunks; safe metadata
 reading), ``targets`` (which tensors a rank holds), ``publish`` (temporary directory, hashes, the
 atomic rename), ``save``, ``load`` (verify, strict fit check, read into any layout), ``state``
-(non-tensor state as JSON), ``ranks`` (agreement across ranks), ``export`` (one plain state dict,
-or a Hugging Face directory) and ``hf`` (reading and writing safetensors weight directories).
+(non-tensor state as JSON), ``ranks`` (agreement across ranks), ``export`` (one plain state dict;
+a model family's own layout, such as ``models/llama/hf.py``'s Hugging Face export, builds on its
+``assemble``) and ``hf`` (reading and writing safetensors weight directories). No module here
+knows a model family: models import ``checkpoint``, never the reverse.
 
 Loading verifies every file's size and sha256 against ``meta.json`` (spread over the ranks)
 before anything is read into the model; a failure names the file and changes nothing.
 """
 
 from lightning_zero.checkpoint.dcp import CheckpointError
-from lightning_zero.checkpoint.export import export, export_hf
+from lightning_zero.checkpoint.export import export
 from lightning_zero.checkpoint.load import (
     OpenedCheckpoint,
     apply_optimizer_state,
@@ -56,7 +58,6 @@ __all__ = [
     "OpenedCheckpoint",
     "apply_optimizer_state",
     "export",
-    "export_hf",
     "is_checkpoint",
     "load_model",
     "open_checkpoint",

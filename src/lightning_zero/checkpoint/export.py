@@ -89,7 +89,7 @@ def _read_rectangle(root: Path, storage: Any) -> torch.Tensor:
             raise CheckpointError(f"{path}: unreadable tensor at offset {storage.offset} ({exc})") from exc
 
 
-def _assemble(root: Path, metadata: Any, key: str) -> torch.Tensor:
+def assemble(root: Path, metadata: Any, key: str) -> torch.Tensor:
     """The full dense (storage-shaped) tensor ``key`` from every saved rectangle."""
     entry = metadata.state_dict_metadata[key]
     full = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
@@ -140,7 +140,7 @@ def _write_safetensors(root: Path, meta: dict[str, Any], out: Path, prefix: str,
         handle.write(struct.pack("<Q", len(blob)))
         handle.write(blob)
         for key, nbytes in order:
-            tensor = _assemble(root, metadata, key).contiguous()
+            tensor = assemble(root, metadata, key).contiguous()
             data = tensor.view(torch.uint8) if tensor.dtype == torch.bfloat16 else tensor
             raw = data.numpy().tobytes()
             if len(raw) != nbytes:
@@ -207,89 +207,4 @@ def export(ckpt: Union[str, os.PathLike], out: Union[str, os.PathLike], *, prefi
     finally:
         if partial.exists():
             partial.unlink()
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face layout
-# --------------------------------------------------------------------------------------------
-
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def export_hf(
-    ckpt: Union[str, os.PathLike],
-    out: Union[str, os.PathLike],
-    *,
-    dtype: Optional[str] = None,
-    max_shard_size: Union[str, int] = "5GB",
-) -> Path:
-    """Write the ``LlamaLM`` checkpoint ``ckpt`` as a Hugging Face Llama directory at ``out``.
-
-    ``out`` gets ``config.json``, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
-    shards of at most ``max_shard_size`` (``5GB`` = 5 * 10^9 bytes, as Hugging Face counts) and
-    ``model.safetensors.index.json``. ``dtype``: ``fp32``, ``bf16`` or ``fp16``; ``None`` keeps the
-    saved dtype (fp32 masters). Streams one tensor at a time (assembled from its saved
-    rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
-    one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
-    """
-    from lightning_zero.checkpoint.hf import TensorSpec, parse_size, write_safetensors_shards
-    from lightning_zero.checkpoint.load import open_checkpoint
-    from lightning_zero.models.llama import resolve_config
-    from lightning_zero.models.llama.hf import CONFIG_FILE, hf_config_dict, read_hf_config, tensor_plan
-
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
-    max_shard_bytes = parse_size(max_shard_size)
-    opened = open_checkpoint(ckpt)
-    hparams = opened.state.get("hyper_parameters")
-    config_values = hparams.get("config") if isinstance(hparams, dict) else None
-    if not isinstance(config_values, dict):
-        raise CheckpointError(
-            f"{opened.path}: records no LlamaLM config in its hyper_parameters; --format hf exports LlamaLM checkpoints"
-        )
-    config = resolve_config(config_values)
-    base: Optional[dict[str, Any]] = None
-    init_from = hparams.get("init_from")
-    if init_from and Path(init_from, CONFIG_FILE).is_file():
-        base = read_hf_config(init_from)  # keep the source's token ids and max_position_embeddings
-    prefix = opened.meta.get("export_prefix", "")
-    metadata = read_dcp_metadata(str(opened.path / ".metadata"))
-    saved = opened.meta["params"]
-    plan = tensor_plan(config, to_hf=True)
-    missing = sorted(name for name in plan if prefix + name not in saved)
-    alias = {"output.weight"} if config.tie_embeddings else set()  # the tied head is the embedding
-    extra = sorted(
-        name[len(prefix) :]
-        for name in saved
-        if name.startswith(prefix) and name[len(prefix) :] not in plan and name[len(prefix) :] not in alias
-    )
-    if missing or extra:
-        raise CheckpointError(
-            f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}"
-        )
-    specs, sources = [], {}
-    for name, source in plan.items():
-        if list(saved[prefix + name]["shape"]) != list(source.shape):
-            raise CheckpointError(
-                f"{opened.path}: {name} has shape {saved[prefix + name]['shape']}, config gives {list(source.shape)}"
-            )
-        key = f"model.{prefix}{name}"
-        saved_dtype = metadata.state_dict_metadata[key].properties.dtype
-        specs.append(TensorSpec(source.key, tuple(source.shape), EXPORT_DTYPES[dtype] if dtype else saved_dtype))
-        sources[source.key] = (key, source)
-
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        key, source = sources[spec.name]
-        tensor = _assemble(opened.path, metadata, key).view(source.shape)
-        return source.transform(tensor, None) if source.transform is not None else tensor
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
-    write_safetensors_shards(out, specs, produce, max_shard_bytes=max_shard_bytes,
-                             metadata={"lightning_zero_format": opened.meta["format"]})  # fmt: skip
-    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, out_dtype, base), indent=2) + "\n")
     return out

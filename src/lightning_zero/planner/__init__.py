@@ -1,20 +1,25 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> timing -> hardware -> plan -> fit -> arithmetic ->
-search -> report; calibrate on its own):
+Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> traffic ->
+fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
-- :mod:`~lightning_zero.planner.timing`: the step-time model (FLOPs, collectives, the engine's
-  overlap, simulated bucket by bucket; [Note: step-time model]);
-- :mod:`~lightning_zero.planner.hardware`: ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.hardware`: a collective's time on a link, ``conf/hardware`` configs;
+- :mod:`~lightning_zero.planner.workload`: what a micro batch computes (FLOPs, seconds per tensor
+  and unit) and the gradient buckets the engine cuts;
+- :mod:`~lightning_zero.planner.timing`: the step-time model (the engine's overlap, simulated
+  bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
+- :mod:`~lightning_zero.planner.traffic`: the bytes a rank sends per step (dp per link and hop, tp per collective);
 - :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
 - :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
   its candidates as ``fit`` does;
-- :mod:`~lightning_zero.planner.report`: Hydra config in, tables / JSON / plot out (:func:`run_plan`);
-- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (measures this machine);
+- :mod:`~lightning_zero.planner.tables`: tables, JSON, the memory plot, the search ranking;
+- :mod:`~lightning_zero.planner.report`: Hydra config in, those out (:func:`run_plan`);
+- :mod:`~lightning_zero.planner.calibrate`: ``lightning-zero plan calibrate`` (fits what
+  :mod:`~lightning_zero.planner.measure` times on this machine, writes the hardware YAML);
 - :mod:`~lightning_zero.planner.bench_model`: the benchmark's run, shared by calibration and ``benchmarks/``.
 
 [Note: planner imports] The names below load their module on first use (PEP 562), so importing
@@ -29,12 +34,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {  # public name -> the planner module that defines it
-    "PRECISIONS": "arithmetic",
+    "PRECISIONS": "ledger",
     "STAGES": "arithmetic",
-    "MemoryPerRank": "arithmetic",
-    "Plan": "arithmetic",
-    "PrecisionBytes": "arithmetic",
-    "TrafficPerRank": "arithmetic",
+    "MemoryPerRank": "plan",
+    "Plan": "plan",
+    "PrecisionBytes": "ledger",
+    "TrafficPerRank": "plan",
     "compare_stages": "arithmetic",
     "plan_run": "arithmetic",
     "precision_bytes": "arithmetic",
@@ -48,7 +53,7 @@ _EXPORTS = {  # public name -> the planner module that defines it
     "SearchResult": "search",
     "search_layouts": "search",
     "StepTime": "timing",
-    "collective_seconds": "timing",
+    "collective_seconds": "hardware",
     "step_time": "timing",
 }
 

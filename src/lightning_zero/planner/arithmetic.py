@@ -1,7 +1,7 @@
 """Predict, before launch, what every rank holds, sends and spends per step for a Llama run.
 
 :func:`plan_run` is pure arithmetic on a :class:`~lightning_zero.models.LlamaConfig` (formulas in
-:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing` and docs/planner.md):
+:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing`, :mod:`lightning_zero.planner.workload` and docs/planner.md):
 it never builds the model, so a 70B plan takes milliseconds. :func:`compare_stages` lays stages
 0-3 side by side for one run.
 
@@ -25,18 +25,16 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.checkpointing import checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, resolve_bucket_mb
 from lightning_zero.mesh import ParallelDims
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
+    ATTENTION_KERNELS,
     COMM_DTYPES,
     PRECISIONS,
-    DpTopology,
-    LinkBytes,
     PrecisionBytes,
-    dp_link_bytes,
     dp_topology,
     grad_bytes_per_param,
     llama_activation_bytes,
@@ -44,16 +42,10 @@ from lightning_zero.planner.ledger import (
     llama_param_counts,
     model_state_bytes,
 )
-from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
-from lightning_zero.planner.timing import (
-    StepTime,
-    Workload,
-    engine_buckets,
-    llama_workload,
-    step_time,
-    training_flops,
-)
-from lightning_zero.ring import ring_sent
+from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
+from lightning_zero.planner.timing import step_time
+from lightning_zero.planner.traffic import traffic_per_rank
+from lightning_zero.planner.workload import engine_buckets, llama_workload, training_flops
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -195,7 +187,8 @@ def plan_run(
             ``"compute"`` (default): the precision's gradient bytes.
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
-    layout whose sizes do not divide, with the numbers.
+    layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
+    take, or a knob given both in ``zero_config`` and as a keyword.
     """
     if zero_config is not None:
         arguments = dict(locals())
@@ -214,6 +207,24 @@ def plan_run(
     config = resolve_config(model_config)
     if stage not in STAGES:
         raise ValueError(f"plan_run: stage must be one of {STAGES} (0 = plain DDP), got stage={stage!r}")
+    _check_switches(
+        sequence_parallel=sequence_parallel,
+        defer_grad_reduce=defer_grad_reduce,
+        overlap_comm=overlap_comm,
+        overlap_param_gather=overlap_param_gather,
+        hierarchical_reduce=hierarchical_reduce,
+        suggest=suggest,
+    )
+    if simulate not in (True, False, "if_fits") or not isinstance(simulate, (bool, str)):
+        raise ValueError(f"plan_run: simulate must be True, False or 'if_fits', got simulate={simulate!r}")
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"plan_run: attention must be one of {ATTENTION_KERNELS}, got attention={attention!r}")
+    if bucket_mb != "auto" and not _is_number(bucket_mb):
+        raise ValueError(f"plan_run: bucket_mb must be a number of MiB or 'auto', got bucket_mb={bucket_mb!r}")
+    if not _is_number(reserved_gib) or reserved_gib < 0:
+        raise ValueError(f"plan_run: reserved_gib must be a number >= 0, got reserved_gib={reserved_gib!r}")
+    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int):
+        raise ValueError(f"plan_run: prefetch_blocks must be an int, got prefetch_blocks={prefetch_blocks!r}")
     dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
     tp, dp = int(dims.tp), dims.dp
     seq_len = int(seq_len or config.max_seq_len)
@@ -357,7 +368,7 @@ def plan_run(
             shard_size=shard_ranks,
             overhead_s=hw.step_overhead_s,
         )
-    traffic = _traffic(
+    traffic = traffic_per_rank(
         config,
         stage=stage,
         dims=dims,
@@ -428,125 +439,20 @@ def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs
     return [plan_run(model_config, stage=stage, **kwargs) for stage in stages]
 
 
+def _check_switches(**values: bool) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"plan_run: {name} must be True or False, got {name}={value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan_run: {name} must be a positive int, got {name}={value!r}")
-
-
-def _traffic(
-    config: Any,
-    *,
-    stage: int,
-    dims: ParallelDims,
-    padded: int,
-    dtype: PrecisionBytes,
-    micro_batch: int,
-    seq_len: int,
-    micro_batches: int,
-    defer_grad_reduce: bool,
-    activation_checkpointing: str,
-    sequence_parallel: bool,
-    hw: Hardware,
-    workload: Workload,
-    simulated: Optional[StepTime],
-    topology: DpTopology,
-    grad_comm_dtype: Optional[str],
-    param_comm_dtype: Optional[str],
-) -> TrafficPerRank:
-    # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
-    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
-    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch.
-    tp = int(dims.tp)
-    links = dp_link_bytes(
-        padded,
-        stage=stage,
-        topology=topology,
-        micro_batches=micro_batches,
-        defer_grad_reduce=defer_grad_reduce,
-        grad_bytes=dtype.grad,
-        param_bytes=dtype.param,
-        grad_comm_dtype=grad_comm_dtype,
-        param_comm_dtype=param_comm_dtype,
-    )
-    reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
-    all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
-    tokens = micro_batch * seq_len
-    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
-    tp_bytes = tp_bytes_by_kind(
-        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
-    )
-    flops = micro_batches * training_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
-    )
-    return TrafficPerRank(
-        dp_reduce_scatter_bytes=reduce_scatter,
-        dp_all_gather_bytes=all_gather,
-        dp_all_reduce_bytes=all_reduce,
-        tp_all_reduce_bytes=sum(tp_bytes.values()),
-        tp_bytes_by_kind=tp_bytes,
-        dp_link=_dp_link_name(links),
-        dp_bytes_per_s=hw.inter_node_bytes_per_s if links.inter_node_total else hw.intra_node_bytes_per_s,
-        tp_bytes_per_s=hw.intra_node_bytes_per_s,
-        flops_per_rank=flops,
-        compute_s=micro_batches * (workload.compute_forward_s + workload.compute_backward_s),
-        dp_s=simulated.dp_comm_s if simulated else 0.0,
-        tp_s=micro_batches * workload.tp_s,
-        exposed_comm_s=(simulated.exposed_comm_s + simulated.post_step_gather_s) if simulated else 0.0,
-        step_s=simulated.step_s if simulated else 0.0,
-        dp_link_bytes=links,
-        intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
-        inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
-    )
-
-
-def tp_bytes_by_kind(
-    config: Any,
-    *,
-    tokens: int,
-    tp: int,
-    act_bytes: int,
-    micro_batches: int = 1,
-    activation_checkpointing: CheckpointingLike = False,
-    sequence_parallel: bool = False,
-) -> dict[str, float]:
-    """Bytes one rank sends in the TP group per step, by the ``CommCounter`` label of each
-    collective (``tp/layers.py``; the loss's two small all-reduces are left out); all intra-node.
-
-    Without sequence parallelism: per block 2 all-reduces of ``B T dim`` forward (after wo, w2)
-    and 2 backward (the column-parallel inputs' gradients), plus the embedding's (forward) and
-    the head's (backward). With it, each of those becomes one reduce-scatter and one all-gather
-    of ``B T dim`` (``(tp-1)/tp`` of it each: the same total), plus ``2 n_layers + 1``
-    all-reduces of the norm gains' ``dim`` gradient elements. Full recompute repeats what the
-    block's saved tensors need: non-reentrant checkpointing stops before w2, so wo's all-reduce
-    (1 per block), or with sequence parallelism both all-gathers and wo's reduce-scatter.
-    Selective recompute repeats no collective.
-    """
-    if tp == 1:
-        return {}
-    full = checkpointing_mode(activation_checkpointing) == "full"
-    layers = config.n_layers
-    activation = tokens * config.dim * act_bytes
-    if not sequence_parallel:
-        all_reduces = (4 * layers + 2 + (layers if full else 0)) * micro_batches
-        return {"tp_all_reduce": all_reduces * ring_sent("all_reduce", activation, tp)}
-    gathers = (4 * layers + 2 + (2 * layers if full else 0)) * micro_batches
-    scatters = (4 * layers + 2 + (layers if full else 0)) * micro_batches
-    norm_grads = (2 * layers + 1) * micro_batches * ring_sent("all_reduce", config.dim * act_bytes, tp)
-    return {
-        "tp_all_gather_seq": gathers * ring_sent("all_gather", activation, tp),
-        "tp_reduce_scatter_seq": scatters * ring_sent("reduce_scatter", activation, tp),
-        "tp_all_reduce_norm_grad": norm_grads,
-    }
-
-
-def _dp_link_name(links: LinkBytes) -> str:
-    used = [
-        name
-        for name, total in (("intra_node", links.intra_node_total), ("inter_node", links.inter_node_total))
-        if total
-    ]
-    return "+".join(used) if used else "intra_node"
 
 
 def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool) -> tuple[str, ...]:

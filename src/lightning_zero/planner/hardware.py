@@ -1,4 +1,5 @@
-"""Hardware configs (``conf/hardware/*.yaml``): memory, links, peak FLOP/s, memory bandwidth.
+"""Hardware: a link's cost of one collective, and the configs (``conf/hardware/*.yaml``): memory,
+links, peak FLOP/s, memory bandwidth.
 
 The default hardware is the one ``conf/config.yaml`` selects (its ``hardware:`` default), read
 from that file, so the planner's Python default and the CLI's are the same by construction.
@@ -12,7 +13,46 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_zero.planner.timing import Link
+from lightning_zero.ring import ring_sent, ring_steps
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+# --------------------------------------------------------------------------------------------
+# One collective
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class as one rank sees it: per-step latency (s) and bandwidth (bytes/s, one way)."""
+
+    latency_s: float
+    bytes_per_s: float
+    time_factor: tuple[tuple[str, float], ...] = ()  # per collective kind, from a calibration
+
+    def factor(self, kind: str) -> float:
+        for name, value in self.time_factor:
+            if name == kind:
+                return value
+        return 1.0
+
+
+def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
+    """``factor x (steps x latency + sent_bytes / bandwidth)`` with the ring's steps and bytes
+    (``lightning_zero/ring.py``); 0 for a group of one rank. ``kind``: one of ``COLLECTIVE_KINDS``."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"collective kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    return link.factor(kind) * (
+        ring_steps(kind, ranks) * link.latency_s + ring_sent(kind, payload_bytes, ranks) / link.bytes_per_s
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 HARDWARE_DIR = CONF_DIR / "hardware"

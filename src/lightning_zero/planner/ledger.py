@@ -15,6 +15,14 @@ stage  params       grads        optimizer states
 
 For ``precision="32-true"`` with Adam the same table holds with ``param_bytes=4, grad_bytes=4,
 optim_bytes_per_param=8`` (the parameter shard is its own master copy).
+
+[Note: one ledger module] Every byte formula stays in this one module, although it runs past
+500 lines: model states, bytes per parameter by precision, the Llama shapes (parameter counts,
+activations) and the bytes per link class under hybrid sharding. They are one concern (bytes,
+never seconds: no hardware, no simulation), and this module is the one light file the runtime
+monitor and ``lightning_zero.ledger`` load ([Note: planner imports]); split, each of those
+imports would load several planner modules, and a formula's neighbours (the activation bytes
+beside the parameter counts they divide) would live apart.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ bucket fills one alone. With ``first_bucket_numel`` the first bucket closes afte
 ``min(first_bucket_numel, bucket_numel)`` elements ([Note: small first bucket] in flat.py).
 Each bucket is then padded to a multiple of ``dp``. :class:`~lightning_zero.zero.flat.FlatLayout`
 builds its buckets from :func:`bucket_sizes`, and the planner's step-time model
-(``planner/timing.py``) cuts the same buckets from parameter counts alone, so both agree by
+(``planner/workload.py``) cuts the same buckets from parameter counts alone, so both agree by
 construction. Plain integers only: no torch, importable by the planner.
 """
 

@@ -40,7 +40,7 @@ only slots no gradient reached, plus the padding, are zeroed before launch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -48,7 +48,12 @@ from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.zero.reducer import GradReducer
+
+
+class OldestFirst(Protocol):
+    """The reducer as a storage sees it (``GradReducer``): it can complete its oldest in-flight bucket."""
+
+    def complete_oldest(self) -> bool: ...
 
 
 class PendingReduce(NamedTuple):
@@ -234,7 +239,7 @@ class ShardedGradStorage(GradStorage):
         self.buckets: list[Bucket] = []
         self.chunk_bytes = 0
         self.max_bucket_numel = 0
-        self.reducer: Optional["GradReducer"] = None
+        self.reducer: Optional[OldestFirst] = None
         self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
 
     @property

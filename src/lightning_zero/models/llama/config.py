@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from lightning_zero.models.llama.hf_config import config_fields_from_hf
 from lightning_zero.models.llama.rope import normalize_rope_scaling
 
 # The Llama 2 family shares these; each size overrides the shape (Meta's params.json files).
@@ -119,10 +120,8 @@ class LlamaConfig:
         """The shape in a Hugging Face Llama directory's ``config.json`` (``hidden_size``,
         ``num_key_value_heads``, ``rope_theta``, ``rms_norm_eps``, ...); other architectures,
         ``tie_word_embeddings``, ``rope_parameters``/``rope_scaling``); other architectures, biases
-        and unsupported rope types are refused by name (see ``models/llama/hf.py``)."""
-        from lightning_zero.models.llama.hf import config_from_hf
-
-        return config_from_hf(path)
+        and unsupported rope types are refused by name (see ``models/llama/hf_config.py``)."""
+        return cls(**config_fields_from_hf(path))
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "LlamaConfig":

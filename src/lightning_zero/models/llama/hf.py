@@ -1,7 +1,9 @@
 """The Hugging Face Llama layout: config.json fields, tensor names and the q/k rotary permutation.
 
-Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here; the
-reading, slicing and shard writing are model-agnostic (``lightning_zero.checkpoint.hf``).
+Everything Llama-specific about ``transformers``' ``LlamaForCausalLM`` checkpoints lives here (the
+reading of config.json into ``LlamaConfig`` fields in ``hf_config.py``), import and export alike
+(:func:`export_hf`); the reading, slicing, assembling and shard writing are model-agnostic
+(``lightning_zero.checkpoint.hf``, ``lightning_zero.checkpoint.export``).
 
 [Note: rotary permutation] Meta's Llama (and ours, see ``apply_rope``) rotates *adjacent* channel
 pairs ``(0, 1), (2, 3), ...`` of each head; ``transformers`` rotates the two *halves*
@@ -49,13 +51,23 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint.hf import Source, WeightFiles, check_plan, load_module_params, open_weight_files
-from lightning_zero.models.llama.config import LlamaConfig, preset_names
+from lightning_zero.checkpoint.dcp import CheckpointError, read_dcp_metadata
+from lightning_zero.checkpoint.export import assemble
+from lightning_zero.checkpoint.hf import (
+    Source,
+    TensorSpec,
+    WeightFiles,
+    check_plan,
+    load_module_params,
+    open_weight_files,
+    parse_size,
+    write_safetensors_shards,
+)
+from lightning_zero.checkpoint.load import open_checkpoint
+from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
+from lightning_zero.models.llama.hf_config import ARCHITECTURE, CONFIG_FILE, PathLike, read_hf_config
 from lightning_zero.models.llama.rope import normalize_rope_scaling
 
-PathLike = Union[str, os.PathLike]
-CONFIG_FILE = "config.json"
-ARCHITECTURE = "LlamaForCausalLM"
 # Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
 IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # LlamaConfig fields that config.json decides (max_seq_len, the rotary table length, may differ).
@@ -66,40 +78,6 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_d
 # --------------------------------------------------------------------------------------------
 # config.json
 # --------------------------------------------------------------------------------------------
-
-
-def read_hf_config(path: PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of the model directory ``path``."""
-    config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(
-            f"{config_path}: missing; init_from needs a Hugging Face model directory (config.json + weights)"
-        )
-    try:
-        values = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_path}: unreadable ({exc})") from exc
-    if not isinstance(values, dict):
-        raise ValueError(f"{config_path}: expected a JSON object")
-    return values
-
-
-def _rope_scaling_from_hf(values: Mapping[str, Any], where: Path) -> Optional[dict[str, Any]]:
-    """``LlamaConfig.rope_scaling`` from a config.json (``rope_scaling`` wins over
-    ``rope_parameters``, as in transformers 5), with transformers' defaults filled in: the
-    context ``original_max_position_embeddings`` of ``llama3``/``yarn`` defaults to
-    ``max_position_embeddings``, which is always ``dynamic``'s; yarn's ``factor`` defaults to
-    their ratio."""
-    raw = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
-    rope_type = str(raw.get("rope_type") or raw.get("type") or "default")
-    max_positions = values.get("max_position_embeddings")
-    if rope_type == "dynamic" and max_positions is not None:
-        raw["original_max_position_embeddings"] = int(max_positions)
-    elif rope_type in ("llama3", "yarn") and max_positions is not None:
-        raw.setdefault("original_max_position_embeddings", int(max_positions))
-    if rope_type == "yarn" and raw.get("factor") is None and max_positions is not None:
-        raw["factor"] = int(max_positions) / int(raw["original_max_position_embeddings"])
-    return normalize_rope_scaling(raw, where=str(where))
 
 
 def hf_rope_fields(config: LlamaConfig) -> dict[str, Any]:
@@ -116,49 +94,8 @@ def hf_rope_fields(config: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_hf(path: PathLike) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face Llama directory, refusing what ``Llama`` cannot compute."""
-    values = read_hf_config(path)
-    where = Path(path) / CONFIG_FILE
-    model_type = values.get("model_type")
-    architectures = values.get("architectures") or [ARCHITECTURE]
-    if model_type != "llama" or any(arch != ARCHITECTURE for arch in architectures):
-        raise ValueError(
-            f"{where}: model_type {model_type!r}, architectures {architectures}: only Llama checkpoints "
-            f"(model_type 'llama', {ARCHITECTURE}) can be loaded"
-        )
-    rope_scaling = _rope_scaling_from_hf(values, where)
-    refusals = {
-        "attention_bias": (values.get("attention_bias", False), False),
-        "mlp_bias": (values.get("mlp_bias", False), False),
-        "hidden_act": (values.get("hidden_act", "silu"), "silu"),
-    }
-    for key, (got, want) in refusals.items():
-        if got != want:
-            raise ValueError(f"{where}: {key} = {got!r} is not supported (Llama uses {want!r})")
-    try:
-        dim, n_heads = int(values["hidden_size"]), int(values["num_attention_heads"])
-        head_dim = values.get("head_dim") or dim // n_heads
-        if head_dim * n_heads != dim:
-            raise ValueError(
-                f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported"
-            )
-        theta = values.get("rope_theta") or (values.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return LlamaConfig(
-            name=f"hf:{Path(path).resolve().name}",
-            vocab_size=int(values["vocab_size"]),
-            dim=dim,
-            n_layers=int(values["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(values.get("num_key_value_heads") or n_heads),
-            ffn_dim=int(values["intermediate_size"]),
-            max_seq_len=int(values.get("max_position_embeddings", 4096)),
-            norm_eps=float(values.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            tie_embeddings=bool(values.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ValueError(f"{where}: missing field {exc.args[0]!r}") from exc
+    """The :class:`LlamaConfig` of a Hugging Face Llama directory (``LlamaConfig.from_hf``)."""
+    return LlamaConfig.from_hf(path)
 
 
 def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
@@ -333,3 +270,83 @@ class HFLlamaWeights:
 
     def __repr__(self) -> str:
         return f"HFLlamaWeights({str(self.path)!r}, {len(self.files.infos)} tensors, {self.files.format})"
+
+
+# --------------------------------------------------------------------------------------------
+# Export (``lightning-zero export --format hf``)
+# --------------------------------------------------------------------------------------------
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_hf(
+    ckpt: Union[str, os.PathLike],
+    out: Union[str, os.PathLike],
+    *,
+    dtype: Optional[str] = None,
+    max_shard_size: Union[str, int] = "5GB",
+) -> Path:
+    """Write the ``LlamaLM`` checkpoint ``ckpt`` as a Hugging Face Llama directory at ``out``.
+
+    ``out`` gets ``config.json``, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+    shards of at most ``max_shard_size`` (``5GB`` = 5 * 10^9 bytes, as Hugging Face counts) and
+    ``model.safetensors.index.json``. ``dtype``: ``fp32``, ``bf16`` or ``fp16``; ``None`` keeps the
+    saved dtype (fp32 masters). Streams one tensor at a time (assembled from its saved
+    rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
+    one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
+    max_shard_bytes = parse_size(max_shard_size)
+    opened = open_checkpoint(ckpt)
+    hparams = opened.state.get("hyper_parameters")
+    config_values = hparams.get("config") if isinstance(hparams, dict) else None
+    if not isinstance(config_values, dict):
+        raise CheckpointError(
+            f"{opened.path}: records no LlamaLM config in its hyper_parameters; --format hf exports LlamaLM checkpoints"
+        )
+    config = resolve_config(config_values)
+    base: Optional[dict[str, Any]] = None
+    init_from = hparams.get("init_from")
+    if init_from and Path(init_from, CONFIG_FILE).is_file():
+        base = read_hf_config(init_from)  # keep the source's token ids and max_position_embeddings
+    prefix = opened.meta.get("export_prefix", "")
+    metadata = read_dcp_metadata(str(opened.path / ".metadata"))
+    saved = opened.meta["params"]
+    plan = tensor_plan(config, to_hf=True)
+    missing = sorted(name for name in plan if prefix + name not in saved)
+    alias = {"output.weight"} if config.tie_embeddings else set()  # the tied head is the embedding
+    extra = sorted(
+        name[len(prefix) :]
+        for name in saved
+        if name.startswith(prefix) and name[len(prefix) :] not in plan and name[len(prefix) :] not in alias
+    )
+    if missing or extra:
+        raise CheckpointError(
+            f"{opened.path}: parameters do not match a Llama {config}: missing {missing}, unexpected {extra}"
+        )
+    specs, sources = [], {}
+    for name, source in plan.items():
+        if list(saved[prefix + name]["shape"]) != list(source.shape):
+            raise CheckpointError(
+                f"{opened.path}: {name} has shape {saved[prefix + name]['shape']}, config gives {list(source.shape)}"
+            )
+        key = f"model.{prefix}{name}"
+        saved_dtype = metadata.state_dict_metadata[key].properties.dtype
+        specs.append(TensorSpec(source.key, tuple(source.shape), EXPORT_DTYPES[dtype] if dtype else saved_dtype))
+        sources[source.key] = (key, source)
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        key, source = sources[spec.name]
+        tensor = assemble(opened.path, metadata, key).view(source.shape)
+        return source.transform(tensor, None) if source.transform is not None else tensor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    write_safetensors_shards(out, specs, produce, max_shard_bytes=max_shard_bytes,
+                             metadata={"lightning_zero_format": opened.meta["format"]})  # fmt: skip
+    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, out_dtype, base), indent=2) + "\n")
+    return out

@@ -16,10 +16,13 @@ What stage 3 does differently from stage 2 is all in this package:
 - ``runtime.py`` -- **Forward / backward.** A unit's forward pre-hook gathers it (prefetching
   the next ``prefetch_blocks`` along the recorded schedule), its post-hook frees it; a hook on its
   outputs gathers it again before its backward, and it is freed when its backward is done
-  ([Note: freeing in backward]). The strategy names the phase ([Note: phases]); schedules keep
-  every rank's all-gathers in step ([Note: gather schedule]). Gradients go through the same
-  bucketed async reduce-scatter as stage 2 (``reducer.ShardedGradStorage``). After the step
-  nothing is gathered: the optimizer writes the updated chunk, and the next use gathers it.
+  ([Note: freeing in backward]). The strategy names the phase ([Note: phases]).
+- ``schedule.py`` -- recorded schedules and agreements keep every rank's all-gathers in step
+  ([Note: gather schedule]), also when ranks run different modules ([Note: dynamic execution]);
+  ``abort.py`` -- a rank that finds them out of step stops every rank ([Note: abort channel]).
+  Gradients go through the same bucketed async reduce-scatter as stage 2
+  (``reducer.ShardedGradStorage``). After the step nothing is gathered: the optimizer writes the
+  updated chunk, and the next use gathers it.
 - ``replicated_step.py`` -- optimizers that are not element-wise (Adafactor): full fp32 masters
   gathered and stepped one unit at a time ([Note: replicated step per unit]).
 - ``init.py`` -- **Sharded init.** A meta-device model is materialized, initialized (buffers
@@ -28,10 +31,12 @@ What stage 3 does differently from stage 2 is all in this package:
 
 from lightning_zero.zero.stage3.init import build_units, live_parameter_bytes
 from lightning_zero.zero.stage3.replicated_step import UnitReplicatedOptimizer
-from lightning_zero.zero.stage3.runtime import Schedule, Stage3Runtime, Unit, clone_dp_group
+from lightning_zero.zero.stage3.runtime import Stage3Runtime
+from lightning_zero.zero.stage3.schedule import Schedule, clone_dp_group
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
     SINGLE_UNIT_WARN_NUMEL,
+    Unit,
     WrapPolicy,
     assign_params,
     default_wrap_policy,

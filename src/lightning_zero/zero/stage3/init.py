@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
-from lightning_zero.zero.stage3.runtime import Unit
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
+    Unit,
     WrapPolicy,
     assign_params,
     default_wrap_policy,

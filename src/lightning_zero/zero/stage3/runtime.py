@@ -1,5 +1,16 @@
 """Stage-3 runtime: gathers, prefetches and frees units around forward and backward.
 
+Which unit every rank gathers next is agreed in ``schedule.py`` ([Note: gather schedule],
+[Note: dynamic execution]); how a rank that finds the ranks out of step stops them all is
+``abort.py`` ([Note: abort channel]).
+
+[Note: one runtime module] What is left here is one state machine: the hooks,
+the following of the open schedule and the step boundaries all read and write the same few
+fields (``open_kind``, ``phase``, ``in_backward``, each unit's ``gathered``/``prefetched``/
+``backward_uses``), and every hook's meaning depends on all of them. Split across files, a reader
+would have to hold three files open to follow one forward; the parts with a state of their own
+(agreement messages, the abort path, units) live beside it.
+
 [Note: phases] The phase comes from the caller (the strategy), never from grad mode:
 :meth:`Stage3Runtime.begin_step` opens a *training* or *evaluation* step, and the all-gathers
 until the step is closed belong to that step's schedule -- several forward/backward pairs (manual
@@ -9,34 +20,6 @@ the next ``begin_step``, by the end of its backward once the step method returne
 callback running the model) gathers each unit on demand with an agreement among ranks, and frees
 it after (the root: after the top module's forward, or at the next step / optimizer step at the
 latest).
-
-[Note: dynamic execution] SPMD is a promise about collectives, not about modules: an MoE that
-skips idle experts, LayerDrop drawn per rank, a tower run only for some batches make the ranks
-run different modules in one step. Two mechanisms keep the collectives agreed:
-
-- *Inside a unit* (experts inside a block unit): the unit is gathered whole on every rank, so
-  nothing about gathers changes; when the unit's backward is over, its parameters that got no
-  gradient on this rank count as zeros (``on_unit_skipped_in_backward`` -> ``mark_absent``), so
-  their bucket launches where it does on the ranks that used them ([Note: skipped units and
-  gradient buckets]).
-- *Whole units* that differ between ranks: the first step of a phase agrees on every gather
-  anyway ([Note: gather schedule]); when that agreement finds the ranks asking for different
-  units, the phase turns *dynamic* (on every rank at once: all saw the same exchange) instead of
-  raising. In a dynamic phase every gather is a round of agreement: each rank says which unit it
-  needs now (``_NEED``) or that it is done with the step (``_DONE``); every rank gathers the
-  lowest-indexed unit asked for, and a rank that did not ask frees it at once; rounds repeat until
-  this rank's unit is gathered. Each round serves some rank, so every need is met. A rank done
-  with its backward (before its final reduce-scatter launches) and with its step serves rounds
-  until every rank is done, and the gradient reducer launches only once backward ended
-  (``on_dynamic``: the reduce-scatters cannot wait on a peer that still gathers).
-
-Cost of a dynamic phase: one tiny all-gather (16 bytes per rank) per gather round, no prefetch,
-no overlap of the gradient reduce-scatters with backward, and the units some rank needs gathered
-on every rank (a rank skipping an expert still receives it). A phase whose ranks agree in its
-first step, and in which every unit ran on some rank, keeps the recorded schedule and pays
-nothing; there a unit skipped later is handled as before, and a unit run out of the recorded
-order later raises naming it. A unit that ran on no rank in the first step (LayerDrop dropped it
-everywhere) has no place in the schedule, so such a phase turns dynamic as well, with a warning.
 
 [Note: no_grad forwards in a training step] A forward that runs with grad disabled inside a
 training step (an EMA teacher, sampling from the student every N steps) takes no part in backward,
@@ -49,24 +32,6 @@ recorded schedule, its prefetch and the bytes of the training forward/backward s
 step without such forwards. A grad-disabled forward whose inputs require grad is the first pass of
 a reentrant activation checkpoint (``torch.utils.checkpoint`` runs it under ``no_grad``) and
 follows the schedule as before.
-
-[Note: gather schedule] Every rank must issue the same all-gathers in the same order. The first
-step of each phase *records* the order units are gathered in, checking before every gather that
-all ranks agree (one tiny all-gather of ``(kind, unit index)``): a module run a different number
-of times, or skipped, on one rank raises an error naming the module on every rank instead of a
-hang. Later steps follow the recorded schedule (and prefetch ``prefetch_blocks`` ahead along it):
-a unit skipped on this rank is still gathered (and freed at once) when a later unit is reached,
-units left when the step closes are flushed, and a unit run more often than recorded raises --
-on this rank at once, and on every other rank within a fraction of a second ([Note: abort
-channel]). All-gathers run on their own process group (a clone of the dp group),
-so their order never interleaves with the gradient reduce-scatters'.
-
-[Note: abort channel] A divergence found after the first step raises on the rank that found it,
-which posts the message on the engine's failure channel first ([Note: failure channel] in
-``zero/waits.py``); ranks waiting on an all-gather read it within one poll and raise it, naming
-module, step and rank. With ``collective_timeout`` a gloo all-gather wait that runs out raises
-naming the unit, and posts that message for the other ranks too. On NCCL (no host-side polling)
-the failure channel's abort ends a wait stuck on the failed rank.
 
 [Note: skipped units and gradient buckets] The gradient reducer launches its buckets' reduce-scatters
 strictly in one global order and, with its pool of ``max_buckets_in_flight`` buffers full, waits for
@@ -100,8 +65,6 @@ one reduce-scatter per bucket per backward.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
@@ -110,54 +73,23 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_zero.collectives import CommCounter, all_gather
-from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
-from lightning_zero.zero.waits import CollectiveTimeoutError, Waiter
+from lightning_zero.collectives import CommCounter
+from lightning_zero.zero.stage3.abort import AbortChannel
+from lightning_zero.zero.stage3.schedule import (
+    DEMAND,
+    DEMAND_HELD,
+    DONE,
+    EVAL,
+    NEED,
+    UNIT,
+    Agreement,
+    Schedule,
+)
+from lightning_zero.zero.stage3.units import Unit
+from lightning_zero.zero.waits import Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
-
-# Agreement messages are (kind, value) pairs of int64, all the same size so that no mismatch of
-# collectives can pair messages of different lengths.
-_UNIT = 1  # value: the unit index about to be gathered
-_EVAL = 2  # value: 1 = starting an evaluation step, 0 = this rank's evaluation loop ended
-_DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not gathered on this rank
-_DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
-_NEED = 5  # value: the unit this rank needs now, in a phase whose ranks run different modules
-_DONE = 6  # value: 0 -- this rank needs no more units in the open step (it serves the others)
-
-
-@dataclass
-class Unit:
-    """A module whose parameters are gathered and freed together, with its in-flight gathers."""
-
-    index: int
-    name: str
-    module: Optional[nn.Module]  # None for the root unit (parameters outside every unit module)
-    groups: list[ShardedFlatParamGroup] = field(default_factory=list)
-    works: list[Any] = field(default_factory=list)
-    gathered: bool = False
-    prefetched: bool = False  # gathered ahead by the schedule; its entry not consumed yet
-    backward_uses: int = 0  # forward calls whose post-backward has not run yet (this backward)
-    # One entry per forward of the unit in progress (outside backward), innermost last: whether its
-    # post-forward frees the unit (True/False: an on-demand no_grad forward that did / did not
-    # gather it; None: the usual rule).
-    forward_frees: list[Optional[bool]] = field(default_factory=list)
-
-    @property
-    def trainable(self) -> list[nn.Parameter]:
-        return [slot.param for group in self.groups for slot in group.layout.slots if slot.param.requires_grad]
-
-
-@dataclass
-class Schedule:
-    """The order units were gathered in during the first step of a phase ([Note: gather schedule])."""
-
-    order: list[int] = field(default_factory=list)
-    in_backward: list[bool] = field(default_factory=list)  # per entry: gathered for a backward
-    recorded: bool = False
-    position: int = 0
-    dynamic: bool = False  # the ranks ran different modules: every gather is agreed ([Note: dynamic execution])
 
 
 class _PostBackward(torch.autograd.Function):
@@ -194,7 +126,7 @@ class Stage3Runtime:
         optimizers: torch optimizers stepping the shards; after each ``step()`` every gathered
             unit is freed (its full parameters are stale), so the next use re-gathers.
         waiter: how an all-gather is waited on (``collective_timeout``, polling, the failure
-            channel through which a divergence is posted: [Note: abort channel]).
+            channel through which a divergence is posted: [Note: abort channel] in ``abort.py``).
     """
 
     def __init__(
@@ -231,6 +163,10 @@ class Stage3Runtime:
         self.dp_size = dist.get_world_size(ag_group)
         self.dp_rank = dist.get_rank(ag_group)
         self.device = next((u.groups[0].shard_buffer.device for u in units if u.groups), torch.device("cpu"))
+        self.channel = AbortChannel(
+            self.waiter, lambda: f"during {self._what()} of step {self.step} on dp rank {self.dp_rank}"
+        )
+        self.agreement = Agreement(units, ag_group, self.device, self.channel)
         self._handles: list[Any] = []
         for unit in units:
             if unit.module is not None:
@@ -247,23 +183,6 @@ class Stage3Runtime:
                 self._handles.append(module.register_forward_hook(self._make_root_post_forward(module is top)))
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
-
-    # -- failures ([Note: abort channel]) -----------------------------------------------------
-    def _abort(self, message: str) -> None:
-        """Raise ``message`` here and make every rank waiting on an all-gather raise it too."""
-        if self.waiter.failure is not None:
-            self.waiter.failure.post(message)
-        raise RuntimeError(message)
-
-    def _wait_work(self, work: Any, what: str = "a stage-3 agreement") -> None:
-        try:
-            self.waiter.wait(
-                work, lambda: f"{what} during {self._what()} of step {self.step} on dp rank {self.dp_rank}"
-            )
-        except CollectiveTimeoutError as err:  # the peers stop too, naming what this rank waited on
-            if self.waiter.failure is not None:
-                self.waiter.failure.post(str(err))
-            raise
 
     # -- gathering ------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -287,7 +206,7 @@ class Stage3Runtime:
         if unit.works:
             with record_function(f"lightning_zero::wait_all_gather::{unit.name}"):
                 for work in unit.works:
-                    self._wait_work(work, f"the all-gather of unit {unit.name!r}")
+                    self.channel.wait(work, f"the all-gather of unit {unit.name!r}")
             unit.works.clear()
 
     def _free(self, unit: Unit) -> None:
@@ -307,50 +226,7 @@ class Stage3Runtime:
     def _gathered_blocks(self) -> int:
         return sum(1 for unit in self.units[:-1] if unit.gathered)
 
-    # -- agreement ------------------------------------------------------------------------------
-    def _exchange(self, kind: int, value: int) -> list[tuple[int, int]]:
-        """Every dp rank's ``(kind, value)``, in dp rank order (collective over the gather group)."""
-        if self.dp_size == 1:
-            return [(kind, value)]
-        mine = torch.tensor([kind, value], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(2 * self.dp_size, dtype=torch.int64, device=self.device)
-        with record_function("lightning_zero::stage3_agree"):
-            self._wait_work(all_gather(everyone, mine, self.ag_group, async_op=True))
-        pairs = everyone.view(-1, 2).tolist()
-        return [(int(k), int(v)) for k, v in pairs]
-
-    def _describe(self, pair: tuple[int, int]) -> str:
-        kind, value = pair
-        if kind == _UNIT:
-            return self.units[value].name if 0 <= value < len(self.units) else "nothing"
-        if kind == _EVAL:
-            return "starting an evaluation step" if value else "evaluation loop ended"
-        if kind == _NEED:
-            return f"{self.units[value].name if 0 <= value < len(self.units) else 'nothing'} (needed now)"
-        if kind == _DONE:
-            return "done with the step"
-        if kind in (_DEMAND, _DEMAND_HELD):
-            name = self.units[value].name if 0 <= value < len(self.units) else "nothing"
-            return f"{name} (no_grad forward)"
-        return f"unknown message {pair}"
-
-    def _agree(self, unit: Unit, what: str) -> None:
-        """Every rank must be about to gather the same unit (first step of a phase, out-of-step)."""
-        everyone = self._exchange(_UNIT, unit.index)
-        if any(pair != (_UNIT, unit.index) for pair in everyone):
-            self._disagree(everyone, what)
-
-    def _disagree(self, everyone: list[tuple[int, int]], what: str) -> None:
-        """Raise (on every rank: each saw the same exchange) naming what each rank was about to gather."""
-        names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
-        raise RuntimeError(
-            f"lightning_zero ZeRO-3: ranks disagree on the next module to gather during {what} of step"
-            f" {self.step} ({names}). Every rank must run the same modules the same number of times"
-            " per step; a module skipped or run more often on one rank would deadlock the all-gathers."
-            " Make the control flow identical on all ranks (e.g. run the module with zero-weight input)."
-        )
-
-    # -- schedules ([Note: gather schedule]) ------------------------------------------------------
+    # -- schedules ([Note: gather schedule] in schedule.py) -------------------------------------
     def _what(self) -> str:
         if self.open_kind is None:
             return "a forward outside the step methods"
@@ -366,7 +242,7 @@ class Stage3Runtime:
             return
         kind = self.open_kind
         if kind is None:  # out of step: on demand, agreed every time
-            self._agree(unit, self._what())
+            self.agreement.agree(unit, self._what(), self.step)
             self._start_gather(unit)
             self._wait(unit)
             return
@@ -375,8 +251,8 @@ class Stage3Runtime:
             self._reach_dynamic(unit)
             return
         if not schedule.recorded:
-            everyone = self._exchange(_UNIT, unit.index)
-            if any(pair != (_UNIT, unit.index) for pair in everyone):
+            everyone = self.agreement.exchange(UNIT, unit.index)
+            if any(pair != (UNIT, unit.index) for pair in everyone):
                 self._turn_dynamic(schedule, everyone, self._what())
                 if not self._serve_round(everyone, unit):
                     self._reach_dynamic(unit)
@@ -390,7 +266,7 @@ class Stage3Runtime:
         try:
             found = order.index(unit.index, schedule.position)
         except ValueError:
-            self._abort(
+            self.channel.abort(
                 f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ran module {unit.name!r} during {self._what()} of"
                 f" step {self.step} more often than in the first {kind} step (or out of the recorded order)."
                 " Every rank must run the same modules the same number of times per step."
@@ -407,12 +283,11 @@ class Stage3Runtime:
                 ahead_unit.prefetched = True
         self._wait(unit)
 
-    # -- dynamic phases ([Note: dynamic execution]) ------------------------------------------------
+    # -- dynamic phases ([Note: dynamic execution] in schedule.py) -------------------------------
     def _turn_dynamic(self, schedule: Schedule, everyone: list[tuple[int, int]], what: str) -> None:
         """The first step's agreement found the ranks running different modules: from now on this
         phase agrees on every gather (every rank saw the same exchange, so all turn together)."""
-        if any(kind not in (_UNIT, _NEED, _DONE) for kind, _ in everyone):
-            self._disagree(everyone, what)
+        self.agreement.check_dynamic(everyone, what, self.step)
         schedule.dynamic = True
         if self.on_dynamic is not None:
             self.on_dynamic()
@@ -422,18 +297,8 @@ class Stage3Runtime:
         dropped it everywhere, a tower no batch needed yet) may run later, where the recorded
         schedule has no place for it: such a phase turns dynamic too ([Note: dynamic execution]).
         The first step's gathers were agreed, so every rank finds the same units idle."""
-        ran = set(schedule.order)
-        idle = [unit.name for unit in self.units if unit is not self.root and unit.groups and unit.index not in ran]
-        if not idle:
+        if not self.agreement.warn_idle_units(kind, schedule):
             return
-        warnings.warn(
-            f"lightning_zero ZeRO-3: {len(idle)} unit(s) ran on no rank in the first {kind} step"
-            f" ({', '.join(idle[:4])}{', ...' if len(idle) > 4 else ''}); they may run later, so every gather"
-            " of this phase is agreed among the ranks from now on (no prefetch, gradient reduce-scatters"
-            " after backward). A module that never runs in this phase costs that too: leave it out of"
-            " the model or freeze and detach it.",
-            stacklevel=2,
-        )
         schedule.dynamic = True
         if self.on_dynamic is not None:
             self.on_dynamic()
@@ -441,24 +306,21 @@ class Stage3Runtime:
     def _reach_dynamic(self, unit: Unit) -> None:
         """Rounds of agreement until ``unit`` is gathered here (each round gathers one unit some
         rank needs now, on every rank)."""
-        while not self._serve_round(self._exchange(_NEED, unit.index), unit):
+        while not self._serve_round(self.agreement.exchange(NEED, unit.index), unit):
             pass
 
     def _serve_until_done(self) -> None:
         """Take part in the other ranks' gathers until no rank needs a unit in this step."""
-        while not self._serve_round(self._exchange(_DONE, 0), None):
+        while not self._serve_round(self.agreement.exchange(DONE, 0), None):
             pass
 
     def _serve_round(self, everyone: list[tuple[int, int]], mine: Optional[Unit]) -> bool:
         """One round: every rank gathers the lowest-indexed unit any rank asked for (a rank that
         did not ask frees it at once). True when this rank's need is met: ``mine`` is gathered, or
         (``mine=None``) no rank asked for anything."""
-        if any(kind not in (_UNIT, _NEED, _DONE) for kind, _ in everyone):
-            self._disagree(everyone, self._what())
-        wanted = [value for kind, value in everyone if kind in (_UNIT, _NEED)]
-        if not wanted:
+        served = self.agreement.served(everyone, self._what(), self.step)
+        if served is None:
             return mine is None
-        served = self.units[min(wanted)]
         if served is mine:
             self._start_gather(mine)
             self._wait(mine)
@@ -484,10 +346,10 @@ class Stage3Runtime:
         if not unit.groups:
             return False
         held = unit.gathered
-        everyone = self._exchange(_DEMAND_HELD if held else _DEMAND, unit.index)
-        if any(kind not in (_DEMAND, _DEMAND_HELD) or value != unit.index for kind, value in everyone):
-            self._disagree(everyone, "a no_grad forward inside a training step")
-        if all(kind == _DEMAND_HELD for kind, _ in everyone):
+        everyone = self.agreement.exchange(DEMAND_HELD if held else DEMAND, unit.index)
+        if any(kind not in (DEMAND, DEMAND_HELD) or value != unit.index for kind, value in everyone):
+            self.agreement.disagree(everyone, "a no_grad forward inside a training step", self.step)
+        if all(kind == DEMAND_HELD for kind, _ in everyone):
             self._wait(unit)
             return False
         if held:  # gathered here but not on some other rank: join its all-gather, keep the unit
@@ -536,8 +398,8 @@ class Stage3Runtime:
         if not schedule.recorded and not schedule.dynamic and self.dp_size > 1:
             # The first step of a phase: a rank whose step ended while a peer still gathers (its
             # modules were a prefix of the peer's) finds out here, not in the next step.
-            everyone = self._exchange(_DONE, 0)
-            if any(pair != (_DONE, 0) for pair in everyone):
+            everyone = self.agreement.exchange(DONE, 0)
+            if any(pair != (DONE, 0) for pair in everyone):
                 self._turn_dynamic(schedule, everyone, self._what())
                 self._serve_round(everyone, None)
         if not schedule.recorded and not schedule.dynamic and self.dp_size > 1:
@@ -709,9 +571,9 @@ class Stage3Runtime:
             self._close()
 
     def _eval_step_agreement(self) -> None:
-        everyone = self._exchange(_EVAL, 1)
-        if any(kind != _EVAL for kind, _ in everyone):
-            names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
+        everyone = self.agreement.exchange(EVAL, 1)
+        if any(kind != EVAL for kind, _ in everyone):
+            names = self.agreement.describe_all(everyone)
             raise RuntimeError(
                 f"lightning_zero ZeRO-3: ranks are out of step at the start of evaluation step {self.step + 1} ({names})."
             )
@@ -722,14 +584,14 @@ class Stage3Runtime:
         evaluation schedule; return once every rank is done (collective over the gather group)."""
         self.end_eval_step()
         while True:
-            everyone = self._exchange(_EVAL, 0)
-            if all(pair == (_EVAL, 0) for pair in everyone):
+            everyone = self.agreement.exchange(EVAL, 0)
+            if all(pair == (EVAL, 0) for pair in everyone):
                 return
             schedule = self.schedules.get("eval")
-            running = [r for r, pair in enumerate(everyone) if pair == (_EVAL, 1)]
-            if schedule is None or not schedule.recorded or any(kind != _EVAL for kind, _ in everyone):
-                names = ", ".join(f"dp rank {r}: {self._describe(pair)}" for r, pair in enumerate(everyone))
-                self._abort(
+            running = [r for r, pair in enumerate(everyone) if pair == (EVAL, 1)]
+            if schedule is None or not schedule.recorded or any(kind != EVAL for kind, _ in everyone):
+                names = self.agreement.describe_all(everyone)
+                self.channel.abort(
                     f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ended its evaluation loop while dp ranks"
                     f" {running} still evaluate ({names}), and it ran no evaluation step to replay. Give every"
                     " rank the same number of evaluation batches (a DistributedSampler pads them)."
@@ -770,22 +632,3 @@ def _tensors(output: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(item)
     elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
         yield from _tensors(output.to_tuple())
-
-
-def clone_dp_group(dp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """A new process group with the same ranks as ``dp_group`` (collective over the world).
-
-    The engine that asks for it destroys it in ``close()``.
-    """
-    mine = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(dist.get_world_size()))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    unique = sorted({tuple(ranks) for ranks in everyone})
-    clone = None
-    for ranks in unique:
-        group = dist.new_group(list(ranks))
-        if tuple(mine) == ranks:
-            clone = group
-    if clone is None:
-        raise RuntimeError(f"clone_dp_group: this rank's dp ranks {mine} are not among {unique}")
-    return clone

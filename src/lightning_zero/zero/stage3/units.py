@@ -17,10 +17,36 @@ module outside all units that holds parameters) re-gathers the root on demand if
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
+
+from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
+
+
+@dataclass
+class Unit:
+    """A module whose parameters are gathered and freed together, with its in-flight gathers."""
+
+    index: int
+    name: str
+    module: Optional[nn.Module]  # None for the root unit (parameters outside every unit module)
+    groups: list[ShardedFlatParamGroup] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
+    gathered: bool = False
+    prefetched: bool = False  # gathered ahead by the schedule; its entry not consumed yet
+    backward_uses: int = 0  # forward calls whose post-backward has not run yet (this backward)
+    # One entry per forward of the unit in progress (outside backward), innermost last: whether its
+    # post-forward frees the unit (True/False: an on-demand no_grad forward that did / did not
+    # gather it; None: the usual rule).
+    forward_frees: list[Optional[bool]] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [slot.param for group in self.groups for slot in group.layout.slots if slot.param.requires_grad]
+
 
 WrapPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]  # (module, parent) -> is a unit
 

@@ -1,0 +1,134 @@
+"""What one rank sends per step: data-parallel bytes per link and hop (``ledger.dp_link_bytes``),
+tensor-parallel bytes per collective (:func:`tp_bytes_by_kind`), and the seconds the step-time
+model gives them; :func:`~lightning_zero.planner.arithmetic.plan_run` puts them in its
+:class:`~lightning_zero.planner.plan.TrafficPerRank`. Formulas: docs/planner.md, docs/topology.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.mesh import ParallelDims
+from lightning_zero.planner.hardware import Hardware
+from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
+from lightning_zero.planner.plan import TrafficPerRank
+from lightning_zero.planner.timing import StepTime
+from lightning_zero.planner.workload import Workload, training_flops
+from lightning_zero.ring import ring_sent
+
+
+def traffic_per_rank(
+    config: Any,
+    *,
+    stage: int,
+    dims: ParallelDims,
+    padded: int,
+    dtype: PrecisionBytes,
+    micro_batch: int,
+    seq_len: int,
+    micro_batches: int,
+    defer_grad_reduce: bool,
+    activation_checkpointing: str,
+    sequence_parallel: bool,
+    hw: Hardware,
+    workload: Workload,
+    simulated: Optional[StepTime],
+    topology: DpTopology,
+    grad_comm_dtype: Optional[str],
+    param_comm_dtype: Optional[str],
+) -> TrafficPerRank:
+    """The bytes one rank sends per step, by group, link and collective, with the seconds they take."""
+    # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
+    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
+    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch.
+    tp = int(dims.tp)
+    links = dp_link_bytes(
+        padded,
+        stage=stage,
+        topology=topology,
+        micro_batches=micro_batches,
+        defer_grad_reduce=defer_grad_reduce,
+        grad_bytes=dtype.grad,
+        param_bytes=dtype.param,
+        grad_comm_dtype=grad_comm_dtype,
+        param_comm_dtype=param_comm_dtype,
+    )
+    reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
+    all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
+    tokens = micro_batch * seq_len
+    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
+    tp_bytes = tp_bytes_by_kind(
+        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
+    )
+    flops = micro_batches * training_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+    )
+    return TrafficPerRank(
+        dp_reduce_scatter_bytes=reduce_scatter,
+        dp_all_gather_bytes=all_gather,
+        dp_all_reduce_bytes=all_reduce,
+        tp_all_reduce_bytes=sum(tp_bytes.values()),
+        tp_bytes_by_kind=tp_bytes,
+        dp_link=_dp_link_name(links),
+        dp_bytes_per_s=hw.inter_node_bytes_per_s if links.inter_node_total else hw.intra_node_bytes_per_s,
+        tp_bytes_per_s=hw.intra_node_bytes_per_s,
+        flops_per_rank=flops,
+        compute_s=micro_batches * (workload.compute_forward_s + workload.compute_backward_s),
+        dp_s=simulated.dp_comm_s if simulated else 0.0,
+        tp_s=micro_batches * workload.tp_s,
+        exposed_comm_s=(simulated.exposed_comm_s + simulated.post_step_gather_s) if simulated else 0.0,
+        step_s=simulated.step_s if simulated else 0.0,
+        dp_link_bytes=links,
+        intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
+        inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
+    )
+
+
+def tp_bytes_by_kind(
+    config: Any,
+    *,
+    tokens: int,
+    tp: int,
+    act_bytes: int,
+    micro_batches: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+    sequence_parallel: bool = False,
+) -> dict[str, float]:
+    """Bytes one rank sends in the TP group per step, by the ``CommCounter`` label of each
+    collective (``tp/layers.py``; the loss's two small all-reduces are left out); all intra-node.
+
+    Without sequence parallelism: per block 2 all-reduces of ``B T dim`` forward (after wo, w2)
+    and 2 backward (the column-parallel inputs' gradients), plus the embedding's (forward) and
+    the head's (backward). With it, each of those becomes one reduce-scatter and one all-gather
+    of ``B T dim`` (``(tp-1)/tp`` of it each: the same total), plus ``2 n_layers + 1``
+    all-reduces of the norm gains' ``dim`` gradient elements. Full recompute repeats what the
+    block's saved tensors need: non-reentrant checkpointing stops before w2, so wo's all-reduce
+    (1 per block), or with sequence parallelism both all-gathers and wo's reduce-scatter.
+    Selective recompute repeats no collective.
+    """
+    if tp == 1:
+        return {}
+    full = checkpointing_mode(activation_checkpointing) == "full"
+    layers = config.n_layers
+    activation = tokens * config.dim * act_bytes
+    if not sequence_parallel:
+        all_reduces = (4 * layers + 2 + (layers if full else 0)) * micro_batches
+        return {"tp_all_reduce": all_reduces * ring_sent("all_reduce", activation, tp)}
+    gathers = (4 * layers + 2 + (2 * layers if full else 0)) * micro_batches
+    scatters = (4 * layers + 2 + (layers if full else 0)) * micro_batches
+    norm_grads = (2 * layers + 1) * micro_batches * ring_sent("all_reduce", config.dim * act_bytes, tp)
+    return {
+        "tp_all_gather_seq": gathers * ring_sent("all_gather", activation, tp),
+        "tp_reduce_scatter_seq": scatters * ring_sent("reduce_scatter", activation, tp),
+        "tp_all_reduce_norm_grad": norm_grads,
+    }
+
+
+def _dp_link_name(links: LinkBytes) -> str:
+    used = [
+        name
+        for name, total in (("intra_node", links.intra_node_total), ("inter_node", links.inter_node_total))
+        if total
+    ]
+    return "+".join(used) if used else "intra_node"

@@ -1,0 +1,258 @@
+"""What one micro batch computes on one rank, in the engine's order: FLOPs, per-tensor backward
+and per-unit forward seconds (:class:`Workload`), and the gradient buckets the engine cuts
+(:func:`engine_buckets`). The step-time model (``timing.py``, [Note: step-time model]) simulates
+the collectives against this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.planner.hardware import Link, collective_seconds
+from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def _weights(config: Any, tp: int) -> dict[str, int]:
+    dim, head_dim = config.dim, config.dim // config.n_heads
+    kv_dim = (getattr(config, "n_kv_heads", None) or config.n_heads) * head_dim
+    return {
+        "wq": dim * dim // tp,
+        "wk": dim * kv_dim // tp,
+        "wv": dim * kv_dim // tp,
+        "wo": dim * dim // tp,
+        "w1": dim * config.ffn_dim // tp,
+        "w3": dim * config.ffn_dim // tp,
+        "w2": config.ffn_dim * dim // tp,
+    }
+
+
+def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1) -> float:
+    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``)."""
+    return 2.0 * micro_batch * seq_len * seq_len * config.dim / tp
+
+
+def recompute_flops(
+    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
+) -> float:
+    """FLOPs backward recomputes per micro batch on one tp rank ([Note: checkpointing modes]):
+    ``"full"`` every block's forward, ``"selective"`` every block's attention core
+    (:func:`attention_forward_flops`: no linear layer), ``"none"`` nothing."""
+    mode = checkpointing_mode(activation_checkpointing)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    if mode == "selective":
+        return config.n_layers * attention
+    if mode == "full":
+        block_weights = sum(_weights(config, tp).values())
+        return config.n_layers * (2.0 * micro_batch * seq_len * block_weights + attention)
+    return 0.0
+
+
+def training_flops(
+    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
+) -> float:
+    """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
+    ``6 x matmul params x tokens`` + attention, + :func:`recompute_flops` under checkpointing)."""
+    tokens = micro_batch * seq_len
+    block_weights = sum(_weights(config, tp).values())
+    block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp
+    )
+    head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
+    forward = config.n_layers * block_forward + head_forward
+    recompute = recompute_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+    )
+    return 3 * forward + recompute
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's schedule, in plain numbers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as one tp rank holds it, with the compute its backward costs."""
+
+    name: str
+    numel: int
+    reg_index: int  # registration order (``model.named_parameters()``)
+    unit: int  # stage-3 unit, in forward order: 0 embedding, 1..L blocks, L+1 final norm, L+2 head
+    group: int  # optimizer param group: 0 weight matrices (decay), 1 norm gains (no decay)
+    backward_s: float  # compute (and blocking tp collectives) of its backward, recompute included
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one micro batch computes on one rank, in seconds, in the engine's order."""
+
+    tensors: tuple[Tensor, ...]  # in registration order
+    unit_forward_s: tuple[float, ...]  # per unit, forward order (tp all-reduces included)
+    compute_forward_s: float
+    compute_backward_s: float
+    tp_s: float  # part of the two above spent in tp all-reduces (blocking)
+    shape_key: tuple = ()  # equal for workloads with the same tensors (bucket layouts can be shared)
+
+
+_WORKLOADS: dict[tuple, "Workload"] = {}
+
+
+def llama_workload(config: Any, **kwargs: Any) -> Workload:
+    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank
+    (memoized on every input: the layout search asks for the same one many times). Keywords:
+    those of :func:`_llama_workload`."""
+    key = (repr(config), *sorted(kwargs.items()))
+    workload = _WORKLOADS.get(key)
+    if workload is None:
+        if len(_WORKLOADS) > 256:
+            _WORKLOADS.clear()
+        workload = _WORKLOADS[key] = _llama_workload(config, **kwargs)
+    return workload
+
+
+def _llama_workload(
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    activation_checkpointing: CheckpointingLike,
+    flops_per_s: float,
+    tp_link: Link,
+    act_bytes: int,
+    sequence_parallel: bool = False,
+) -> Workload:
+    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank.
+
+    ``tp_all_reduce`` is one activation all-reduce of ``B T dim``, or under ``sequence_parallel``
+    the reduce-scatter plus all-gather that replace it (same bytes and ring steps); the norm
+    gains' gradient sums of sequence parallelism (``dim`` elements) are left out (latency only)."""
+    mode = checkpointing_mode(activation_checkpointing)
+    tokens = micro_batch * seq_len
+    weights = _weights(config, tp)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp) / flops_per_s
+    payload = tokens * config.dim * act_bytes
+    if sequence_parallel:
+        tp_gather = collective_seconds("all_gather", payload, tp, tp_link)
+        tp_all_reduce = collective_seconds("reduce_scatter", payload, tp, tp_link) + tp_gather
+        recomputed_tp = tp_all_reduce + tp_gather  # both gathers and wo's reduce-scatter
+    else:
+        tp_all_reduce = recomputed_tp = collective_seconds("all_reduce", payload, tp, tp_link)  # wo's
+    block_forward = sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce
+    head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp / flops_per_s
+
+    tensors: list[Tensor] = []
+
+    def add(name: str, numel: int, unit: int, group: int, backward_s: float) -> None:
+        tensors.append(Tensor(name, numel, len(tensors), unit, group, backward_s))
+
+    add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
+    for layer in range(config.n_layers):
+        unit = layer + 1
+        recompute = {"none": 0.0, "selective": attention, "full": block_forward}[mode]
+        prefix = f"layers.{layer}."
+        # backward runs w2, w3, w1, ffn_norm, wo, (attention core), wv, wk, wq, attention_norm
+        backward = {name: 4.0 * tokens * numel / flops_per_s for name, numel in weights.items()}
+        backward["w2"] += recompute + tp_all_reduce  # recompute precedes the block's first grad
+        backward["wv"] += 2 * attention
+        backward["wo"] += tp_all_reduce
+        add(prefix + "attention_norm.weight", config.dim, unit, 1, 0.0)
+        for name in ("wq", "wk", "wv", "wo"):
+            add(prefix + f"attention.{name}.weight", weights[name], unit, 0, backward[name])
+        add(prefix + "ffn_norm.weight", config.dim, unit, 1, 0.0)
+        for name in ("w1", "w3", "w2"):
+            add(prefix + f"feed_forward.{name}.weight", weights[name], unit, 0, backward[name])
+    head_backward = 2 * head_forward + tp_all_reduce
+    if getattr(config, "tie_embeddings", False):
+        # A tied head has no tensor of its own (its gradient completes at the embedding, the
+        # last tensor of backward): its backward compute precedes the final norm's gradient.
+        add("norm.weight", config.dim, config.n_layers + 1, 1, head_backward)
+    else:
+        add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
+        add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
+    unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
+    # full recompute stops before w2 (non-reentrant checkpoint): see planner.traffic.tp_bytes_by_kind
+    per_layer_tp = 4 * tp_all_reduce + (recomputed_tp if mode == "full" else 0.0)
+    return Workload(
+        tensors=tuple(tensors),
+        unit_forward_s=unit_forward,
+        compute_forward_s=sum(unit_forward),
+        compute_backward_s=sum(t.backward_s for t in tensors),
+        tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
+        shape_key=(repr(config), tp),
+    )
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    """A run of tensors reduced by one collective (``FlatLayout``'s buckets: [Note: bucket boundaries])."""
+
+    tensors: tuple[int, ...]  # indices into Workload.tensors, in the order their grads arrive
+    numel: int  # padded to a multiple of dp
+    first_reg_index: int  # the reducer launches later-registered buckets first
+
+
+def flat_buckets(
+    tensors: Sequence[Tensor],
+    indices: Sequence[int],
+    *,
+    bucket_numel: int,
+    dp: int,
+    first_bucket_numel: Optional[int] = None,
+) -> list[PlannedBucket]:
+    """``zero/flat.py``'s layout of ``indices`` (registration order): laid in reverse and cut by
+    :func:`~lightning_zero.zero.bucketing.bucket_sizes`, the engine's own rule."""
+    laid = list(reversed(list(indices)))  # registration order, reversed: the earliest comes last
+    counts = bucket_sizes(
+        (tensors[index].numel for index in laid), bucket_numel=bucket_numel, first_bucket_numel=first_bucket_numel
+    )
+    buckets: list[PlannedBucket] = []
+    taken = 0
+    for count in counts:
+        members = tuple(laid[taken : taken + count])
+        taken += count
+        used = sum(tensors[index].numel for index in members)
+        buckets.append(PlannedBucket(members, padded_numel(used, dp), tensors[members[-1]].reg_index))
+    return buckets
+
+
+_BUCKETS: dict[tuple, list[PlannedBucket]] = {}
+
+
+def engine_buckets(
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+) -> list[PlannedBucket]:
+    """Buckets in launch order. ZeRO: one layout per optimizer param group (per unit under stage 3),
+    launched by descending first registration index (``reducer.GradReducer``); stages 1-2 close
+    their first bucket at ``FIRST_BUCKET_MB`` of ``grad_bytes`` elements, as the engine's
+    ``FlatLayout`` does. DDP (stage 0): one layout over every parameter in reverse order. Memoized
+    by tensor shapes (the search asks for the same layouts for every micro batch and checkpointing
+    choice)."""
+    key = (workload.shape_key or id(workload), stage, bucket_numel, dp, grad_bytes)
+    if not workload.shape_key or key not in _BUCKETS:
+        if len(_BUCKETS) > 1024:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp, grad_bytes=grad_bytes)
+    return _BUCKETS[key]
+
+
+def _engine_buckets(
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+) -> list[PlannedBucket]:
+    tensors = workload.tensors
+    if stage == 0:
+        return flat_buckets(tensors, range(len(tensors)), bucket_numel=bucket_numel, dp=1)
+    first = first_bucket_numel(bucket_numel, grad_bytes) if stage in (1, 2) else None
+    layouts: dict[tuple[int, int], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        layouts.setdefault((tensor.unit if stage == 3 else 0, tensor.group), []).append(index)
+    buckets: list[PlannedBucket] = []
+    for key in sorted(layouts):
+        buckets.extend(flat_buckets(tensors, layouts[key], bucket_numel=bucket_numel, dp=dp, first_bucket_numel=first))
+    return sorted(buckets, key=lambda b: -b.first_reg_index)
