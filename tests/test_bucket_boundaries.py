@@ -9,7 +9,7 @@ from lightning_zero.models import Llama, LlamaConfig
 from lightning_zero.planner.bench_model import BENCH_MODEL
 from lightning_zero.planner.hardware import Link
 from lightning_zero.planner.workload import engine_buckets, llama_workload
-from lightning_zero.zero.engine import bucket_numel_for
+from lightning_zero.zero.build import bucket_numel_for
 from lightning_zero.zero.flat import FlatLayout, first_bucket_numel
 
 

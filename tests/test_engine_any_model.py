@@ -543,7 +543,7 @@ def test_divergence_raises_on_every_rank(tmp_path):
 
 
 def test_non_elementwise_optimizers_are_checked_per_stage():
-    from lightning_zero.zero.engine import check_elementwise
+    from lightning_zero.zero.build import check_elementwise
 
     model = nn.Linear(4, 4)
     check_elementwise([torch.optim.Adafactor(model.parameters())], 1)  # replicated full-master step

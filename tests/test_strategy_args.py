@@ -61,7 +61,7 @@ def test_supported_precision_maps_to_engine_plugins(precision, plugin):
 
 
 def test_optimizer_over_foreign_tensors_is_rejected():
-    from lightning_zero.zero.engine import check_optimizer_params
+    from lightning_zero.zero.build import check_optimizer_params
 
     model = torch.nn.Linear(2, 2)
     stray = torch.nn.Parameter(torch.zeros(3))

@@ -6,13 +6,14 @@ Plain torch.distributed; usable without Lightning::
     loss = model(x).sum(); loss.backward()   # buckets reduce-scatter during backward
     optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
 
-Stages differ in one place each: which :class:`~lightning_zero.zero.reducer.GradStorage` keeps the
-gradients (stage 1: full, stage 2: sharded), and ``zero/stage3/`` for parameters.
+Stages differ in one place each: which :class:`~lightning_zero.zero.grad_storage.GradStorage` keeps
+the gradients (stage 1: full, stage 2: sharded), and which parameter side (``param_side.py``)
+keeps the parameters (stages 1-2: full, all-gathered after each step; stage 3: sharded,
+``zero/stage3/``). Which optimizers are admitted and how the flat groups are cut: ``build.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from contextlib import contextmanager
@@ -25,96 +26,24 @@ from torch.optim import Optimizer
 
 from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes
-from lightning_zero.zero.flat import (
-    FlatLayout,
-    FlatParamGroup,
-    OwnedRange,
-    first_bucket_numel,
-    fp32_parameter_ids,
-    owned_ranges,
+from lightning_zero.zero.build import (
+    build_replicated,
+    build_sharded,
+    check_elementwise,
+    check_optimizer_params,
+    replicated_step,
 )
+from lightning_zero.zero.flat import OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
-from lightning_zero.zero.offload import OffloadCopies, pin_masters
 from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
+from lightning_zero.zero.param_side import offload_masters
 from lightning_zero.zero.reducer import GradReducer, SyncTimeline
 from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.mesh import ShardGroups
-
-
-def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` in a bucket of ``bucket_mb`` MiB (at least 1; the rule in ``zero/bucketing.py``)."""
-    return bucket_numel_for_bytes(bucket_mb, dtype.itemsize)
-
-
-# Optimizers whose update of an element depends on other elements of the same parameter (factored
-# second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
-NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
-# Of those, the ones every stage runs with full fp32 masters and replicated optimizer state
-# ([Note: non-element-wise optimizers] in optimizer.py; stage 3: one unit at a time,
-# [Note: replicated step per unit] in stage3/replicated_step.py). LBFGS (closure re-runs backward inside
-# step) and SparseAdam (needs sparse gradients) stay refused.
-REPLICATED_STEP_OPTIMIZERS = ("Adafactor",)
-
-
-def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
-    """ValueError for optimizers the engine cannot step exactly at ``stage``.
-
-    Element-wise optimizers are sharded at every stage; ``REPLICATED_STEP_OPTIMIZERS`` run at
-    every stage with replicated state (not over tensor-parallel-split parameters); the rest of
-    ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
-    """
-    for index, optimizer in enumerate(optimizers):
-        name = type(optimizer).__name__
-        if name in REPLICATED_STEP_OPTIMIZERS:
-            from lightning_zero.tp.layers import tp_shard_dim
-
-            split = [p for group in optimizer.param_groups for p in group["params"] if tp_shard_dim(p) is not None]
-            if split:
-                raise ValueError(
-                    f"lightning_zero: optimizer {index} is {name} over {len(split)} tensor-parallel-split"
-                    f" parameter(s) (the first of shape {tuple(split[0].shape)}): its factored row/column"
-                    " moments would be computed per tp shard, not over the dense weight. Use tp=1 with"
-                    f" {name}, or an element-wise optimizer (AdamW, SGD, ...) under tensor parallelism."
-                )
-            continue
-        if name in NON_ELEMENTWISE_OPTIMIZERS:
-            why = {
-                "LBFGS": "its step(closure) re-runs forward and backward several times per step, and each"
-                " backward is a gradient sync the engine's step does not expect",
-                "SparseAdam": "it needs sparse gradients, and ZeRO's flat gradient buffers are dense",
-            }.get(name, "its update of one element depends on other elements of the same parameter")
-            raise ValueError(
-                f"lightning_zero: optimizer {index} is {name}, which ZeRO stages cannot run: {why}. Use an"
-                " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...),"
-                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} (replicated optimizer state), or Lightning's ddp/fsdp"
-                " strategies for this optimizer."
-            )
-
-
-def replicated_step(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` steps full replicated masters ([Note: non-element-wise optimizers])."""
-    return type(optimizer).__name__ in REPLICATED_STEP_OPTIMIZERS
-
-
-def check_optimizer_params(module: nn.Module, optimizers: list[Optimizer]) -> dict[int, str]:
-    """Names of the module's parameters by id; ValueError if an optimizer holds a foreign tensor."""
-    names = {id(param): name for name, param in module.named_parameters()}
-    for index, optimizer in enumerate(optimizers):
-        for group_index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                if id(param) not in names:
-                    raise ValueError(
-                        f"lightning_zero: optimizer {index} ({type(optimizer).__name__}) param group"
-                        f" {group_index} holds a tensor of shape {tuple(param.shape)} that is not a"
-                        " parameter of the LightningModule. Build the optimizer from"
-                        " `self.parameters()` (or named submodules) inside `configure_optimizers`."
-                    )
-    return names
 
 
 STEP_AGREEMENT_S = 2.0  # [Note: a step without a backward]: how long a rank waits for the others
@@ -225,19 +154,21 @@ class ZeroEngine:
         self._owns_failure = failure is None
         self.failure = failure if failure is not None else FailureChannel.open()
         self.waiter = Waiter(config.collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
-        self.stage3 = None
+        where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
+        where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
         if config.stage == 3:
-            flat_groups_per_optimizer = self._build_stage3(
-                module,
-                optimizers,
-                names,
-                order,
-                device,
-                bucket_numel_for(bucket_mb, compute_dtype),
-                wrap_policy,
-            )
+            built = build_sharded(
+                module, optimizers, config, **where, dp_group=dp_group, wrap_policy=wrap_policy,
+                counter=self.counter, waiter=self.waiter,
+            )  # fmt: skip
         else:
-            flat_groups_per_optimizer = self._build_flat(module, optimizers, names, order, device, bucket_mb)
+            built = build_replicated(module, optimizers, config, **where, reduce_dtype=self.reduce_dtype)
+        self.groups = built.groups
+        self.frozen_params = built.frozen_params  # parameters no optimizer steps, kept as they are
+        self.init_peak_param_bytes = built.init_peak_param_bytes
+        self._owned_groups += built.owned_groups
+        self.params = built.params  # the parameter side: param_side.py
+        self.stage3 = built.params.runtime  # stage 3's runtime (None at stages 1-2), for inspection
 
         use_full = config.stage == 1 or config.defer_grad_reduce
         storage = FullGradStorage() if use_full else ShardedGradStorage(config)
@@ -265,20 +196,19 @@ class ZeroEngine:
                 dp_size=self.dp_size,
                 counter=self.counter,
                 norm_group=norm_group,
-                gather_params=config.stage != 3,
+                gather_params=self.params.gather_after_step,
                 comm_device=device,
                 waiter=self.waiter,
             )
-            for optimizer, flat_groups in zip(optimizers, flat_groups_per_optimizer)
+            for optimizer, flat_groups in zip(optimizers, built.per_optimizer)
         ]
         self._warn_replicated(optimizers)
-        self.param_gatherer = self._setup_param_side(module)
-        if self.stage3 is not None:  # [Note: activation checkpointing] in zero/stage3/runtime.py
-            self.stage3.on_backward_begin = self.reducer.begin_backward
-            # [Note: skipped units and gradient buckets] in zero/stage3/runtime.py
-            self.stage3.on_unit_skipped_in_backward = self.reducer.mark_absent
-            self.stage3.on_dynamic = self.reducer.launch_at_end_of_backward  # [Note: dynamic execution]
-            self.reducer.before_final_launch.append(self.stage3.flush_backward)
+        if config.offload_optimizer:
+            offload_masters(self.optimizers, torch.device(device))
+        self.params.attach(
+            self.optimizers, self.reducer, dp_group=dp_group, counter=self.counter, waiter=self.waiter
+        )  # fmt: skip
+        self.param_gatherer: Optional[ParamGatherer] = self.params.gatherer  # stages 1-2, overlap_param_gather
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
             sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
@@ -292,50 +222,19 @@ class ZeroEngine:
         self._finished_at_pre_backward = 0
 
     def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
-        """What steps ``optimizer``: its chunks (element-wise), or full replicated masters (stages
-        1-2: kept; stage 3: one unit at a time, see ``zero/stage3/replicated_step.py``)."""
-        if not replicated_step(optimizer):
-            return ShardedOptimizer
-        if self.stage3 is None:
-            return ReplicatedOptimizer
-        from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
-
-        return functools.partial(UnitReplicatedOptimizer, units=[unit.groups for unit in self.stage3.units])
+        """What steps ``optimizer``: its chunks (element-wise), or full replicated masters (the
+        parameter side says how: ``param_side.py``)."""
+        return self.params.sharded_optimizer_class(optimizer) if replicated_step(optimizer) else ShardedOptimizer
 
     @property
     def stage(self) -> int:
         """``config.stage``: 1, 2 or 3."""
         return self.config.stage
 
-    def _setup_param_side(self, module: nn.Module) -> Optional[ParamGatherer]:
-        """Offload copies for sharded optimizers ([Note: offload copies]) and, stages 1-2, the
-        overlapped parameter all-gather ([Note: overlapped parameter gather])."""
-        sharded = [opt for opt in self.optimizers if not isinstance(opt, ReplicatedOptimizer)]
-        if self.config.offload_optimizer:
-            for opt in sharded:
-                groups = [group for groups in opt.flat_groups for group in groups]
-                pin_masters(groups, torch.device(self.device))
-                opt.rebind_segments()  # pinning moved the masters' storage
-                opt.offload = OffloadCopies(torch.device(self.device))
-        gathering = [opt for opt in sharded if opt.gather_params]
-        if not self.config.overlap_param_gather or not gathering:
-            return None
-        gatherer = ParamGatherer(
-            module,
-            [group for opt in gathering for groups in opt.flat_groups for group in groups],
-            dp_group=self.dp_group,
-            counter=self.counter,
-            waiter=self.waiter,
-        )
-        for opt in gathering:
-            opt.param_gatherer = gatherer
-        return gatherer
-
     def wait_param_gathers(self) -> None:
         """Wait for every parameter all-gather still in flight (stages 1-2 with
         ``overlap_param_gather``); afterwards every parameter is whole. No-op otherwise."""
-        if self.param_gatherer is not None:
-            self.param_gatherer.wait_all()
+        self.params.wait()
 
     def pending_param_gathers(self) -> int:
         """Parameter all-gathers (buckets) launched after the last step and not waited for yet."""
@@ -377,15 +276,7 @@ class ZeroEngine:
     def _warn_replicated(self, optimizers: list[Optimizer]) -> None:
         names = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
         if names and self.dp_size > 1 and dist.get_rank() == 0:
-            what = (
-                " copies of its parameters on every dp rank, so its optimizer state and fp32 masters are"
-                " replicated, not sharded (only the stage-2 gradient shard saves memory), and each step"
-                " all-gathers its reduced gradients. See [Note: non-element-wise optimizers]."
-                if self.stage3 is None
-                else " copies of one unit's parameters at a time on every dp rank: its optimizer state is"
-                " replicated, not sharded (masters, gradients and parameters still are), and each step"
-                " all-gathers the fp32 master and gradient chunks. See [Note: replicated step per unit]."
-            )
+            what = self.params.replicated_step_warning
             warnings.warn(
                 f"lightning_zero: {', '.join(names)} is not element-wise: stage {self.stage} steps full fp32{what}",
                 stacklevel=3,
@@ -500,82 +391,6 @@ class ZeroEngine:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
 
-    def _build_stage3(self, module, optimizers, names, order, device, bucket_numel, wrap_policy):
-        from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
-
-        units, per_optimizer, self.init_peak_param_bytes, root_holders = build_units(
-            module,
-            optimizers,
-            names=names,
-            order=order,
-            dp_group=self.dp_group,
-            dp_size=self.dp_size,
-            dp_rank=self.dp_rank,
-            compute_dtype=self.compute_dtype,
-            device=device,
-            bucket_numel=bucket_numel,
-            policy=wrap_policy or default_wrap_policy,
-            offload=self.config.offload_optimizer,
-            param_comm_dtype=self.param_comm_dtype,
-        )
-        self.groups = [group for unit in units for group in unit.groups]
-        ag_group = clone_dp_group(self.dp_group)
-        self._owned_groups.append(ag_group)  # destroyed in close()
-        self.stage3 = Stage3Runtime(
-            units,
-            ag_group,
-            self.config,
-            counter=self.counter,
-            top=module,
-            root_holders=root_holders,
-            optimizers=optimizers,
-            waiter=self.waiter,
-        )
-        return per_optimizer
-
-    def _build_flat(self, module, optimizers, names, order, device, bucket_mb):
-        self.groups: list[FlatParamGroup] = []
-        flat_groups_per_optimizer: list[list[list[FlatParamGroup]]] = []
-        managed: set[int] = set()
-        fp32_ids = fp32_parameter_ids(module) if self.compute_dtype != torch.float32 else set()
-        for optimizer in optimizers:
-            per_param_group = []
-            for param_group in optimizer.param_groups:
-                params = sorted((p for p in param_group["params"] if p.requires_grad), key=lambda p: order[id(p)])
-                groups = []
-                # One flat group per compute dtype: norm layers with running stats stay fp32.
-                kept_fp32 = [p for p in params if id(p) in fp32_ids]
-                rest = [p for p in params if id(p) not in fp32_ids]
-                for members, dtype in ((rest, self.compute_dtype), (kept_fp32, torch.float32)):
-                    if not members:
-                        continue
-                    grad_dtype = self.reduce_dtype if self.reduce_dtype == torch.float32 else dtype
-                    bucket_numel = bucket_numel_for(bucket_mb, grad_dtype)
-                    layout = FlatLayout(
-                        members,
-                        [names[id(p)] for p in members],
-                        dp=self.dp_size,
-                        bucket_numel=bucket_numel,
-                        first_bucket_numel=first_bucket_numel(bucket_numel, grad_dtype.itemsize),
-                    )
-                    groups.append(
-                        FlatParamGroup(
-                            layout,
-                            dp_rank=self.dp_rank,
-                            compute_dtype=dtype,
-                            device=device,
-                            offload=self.config.offload_optimizer,
-                            param_comm_dtype=self.param_comm_dtype,
-                        )
-                    )
-                managed.update(id(p) for p in params)
-                per_param_group.append(groups)
-                self.groups.extend(groups)
-            flat_groups_per_optimizer.append(per_param_group)
-        # Parameters no optimizer steps (frozen, any dtype) are left exactly as they are.
-        self.frozen_params = [p for p in module.parameters() if id(p) not in managed]
-        return flat_groups_per_optimizer
-
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro batches inside skip the gradient collective (stage 1; stage 2 with defer).
@@ -615,7 +430,7 @@ class ZeroEngine:
     def frozen_param_bytes(self) -> int:
         """Bytes of the parameters no optimizer steps (stages 1-2: kept as they are, in full)."""
         seen: dict[int, int] = {}
-        for param in getattr(self, "frozen_params", []):
+        for param in self.frozen_params:
             storage = param.untyped_storage()
             seen[storage.data_ptr() if storage.nbytes() else id(storage)] = storage.nbytes()
         return sum(seen.values())
@@ -662,55 +477,34 @@ class ZeroEngine:
         return self.bucket_count() > len(self._reduced_groups)
 
     def unshard_parameters(self) -> None:
-        """Stage 3: every parameter becomes a full, independent tensor again (collective over dp)."""
-        if self.stage3 is not None:
-            # The module leaves with the exact values, not param_comm_dtype's dequantized ones.
-            compressed = [(group, group.param_comm_dtype) for group in self.groups]
-            for group, _ in compressed:
-                group.param_comm_dtype = None
-            try:
-                self.stage3.unshard()
-            finally:
-                for group, comm_dtype in compressed:
-                    group.param_comm_dtype = comm_dtype
+        """Stage 3: every parameter becomes a full, independent tensor again (collective over dp);
+        stages 1-2: nothing to do."""
+        self.params.unshard()
 
-    # -- the phase of a step (stage 3 gathers by phase; stages 1-2 need nothing) -----------------
+    # -- the phase of a step (stage 3 gathers by phase; stages 1-2 overlap their gathers by it) ----
     def begin_step(self, kind: str) -> None:
         """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
         if kind == "train":
             self._train_steps += 1
             self._at_train_step_start = (self.reducer.finished_backwards, self.reducer.optimizer_steps)
-        if self.stage3 is not None:
-            self.stage3.begin_step(kind)
-        if self.param_gatherer is not None:
-            if kind == "train":
-                self.param_gatherer.begin_train_step()
-            else:
-                self.param_gatherer.wait_all()
+        self.params.begin_step(kind)
 
     def end_step_call(self) -> None:
         """The training-step call returned (its backward may still follow)."""
-        if self.stage3 is not None:
-            self.stage3.end_step_call()
-        if self.param_gatherer is not None:
-            self.param_gatherer.end_train_step()
+        self.params.end_step_call()
 
     def end_eval_step(self) -> None:
-        if self.stage3 is not None:
-            self.stage3.end_eval_step()
+        self.params.end_eval_step()
 
     def end_eval_loop(self) -> None:
         """An evaluation loop ended on this rank; ranks with fewer batches serve the others."""
-        if self.stage3 is not None:
-            self.stage3.end_eval_loop()
+        self.params.end_eval_loop()
 
     def release_module(self) -> None:
         """Leave the module usable outside the engine (forward, ``state_dict``, another fit):
         stage 3 unshards every parameter, stages 1-2 put the fp32 masters back. Collective."""
         self.wait_param_gathers()
-        if self.stage3 is not None:
-            self.release_grads()  # before the whole module is gathered: nothing reads them after fit
-            self.unshard_parameters()
+        self.params.release(self.release_grads)
         self.restore_master_params()
 
     def release_grads(self) -> None:
@@ -738,14 +532,7 @@ class ZeroEngine:
         """Compute parameters from the fp32 masters (after loading them): stages 1-2 all-gather
         the full parameters; stage 3 refreshes each rank's shard (gathered on use)."""
         self.wait_param_gathers()
-        if self.stage3 is not None:
-            for group in self.groups:
-                copy = getattr(group, "copy_masters_to_params", None)
-                if copy is not None:
-                    copy()
-            return
-        for sharded in self.optimizers:
-            sharded.all_gather_params()
+        self.params.refresh_from_masters(self.optimizers)
 
     def master_chunk_weights(self, weight_of: "Callable[[nn.Parameter], float]") -> dict[int, torch.Tensor]:
         """Per-element weights of each master chunk, ``weight_of(param)`` for the elements of
@@ -781,13 +568,10 @@ class ZeroEngine:
         """Remove every hook and destroy the process groups the engine created (``destroy_groups=False``
         on the failure path: a gloo group's destructor waits for its collectives in flight, which a
         failed peer never completes)."""
-        if self.stage3 is not None:
-            self.stage3.remove_hooks()
+        self.params.remove_hooks()
         self.reducer.remove_hooks()
         for sharded in self.optimizers:
             sharded.remove_hooks()
-        if self.param_gatherer is not None:
-            self.param_gatherer.remove_hooks()
         for handle in self._step_pre_hooks:
             handle.remove()
         self._step_pre_hooks.clear()

@@ -371,7 +371,7 @@ class ShardedOptimizer:
 # (factored); its update of an element depends on whole rows and columns of the parameter. An
 # element-range chunk of the flat buffer ([Note: flat layout] in flat.py) cuts rows and whole
 # parameters apart, so the sharded step of ShardedOptimizer would compute other statistics than
-# the unsharded one. Such an optimizer (``REPLICATED_STEP_OPTIMIZERS`` in engine.py) therefore
+# the unsharded one. Such an optimizer (``REPLICATED_STEP_OPTIMIZERS`` in build.py) therefore
 # steps *full* fp32 masters of its parameters, identically on every dp rank:
 #
 # - the gradient sync is unchanged (buckets reduce-scatter during backward, stage 2 still keeps

@@ -361,7 +361,7 @@ class GradReducer:
 
     def launch_at_end_of_backward(self) -> None:
         """From now on launch every reduce-scatter once backward ended, as ``overlap_comm=False``
-        (stage 3 in a dynamic phase: [Note: dynamic execution] in stage3/runtime.py)."""
+        (stage 3 in a dynamic phase: [Note: dynamic execution] in stage3/schedule.py)."""
         self.overlap_comm = False
 
     def _complete_count(self, bucket: Bucket) -> int:

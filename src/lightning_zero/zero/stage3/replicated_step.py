@@ -1,7 +1,7 @@
 """Stage 3 with an optimizer that is not element-wise (Adafactor): full fp32 masters, one unit at a time.
 
 [Note: replicated step per unit] Stages 1-2 run such an optimizer (``REPLICATED_STEP_OPTIMIZERS``
-in ``engine.py``) on full fp32 masters that persist on every rank ([Note: non-element-wise
+in ``build.py``) on full fp32 masters that persist on every rank ([Note: non-element-wise
 optimizers] in ``zero/optimizer.py``). Stage 3 holds no full parameter between uses, so the full
 masters exist only while the step runs, and only for one unit at a time:
 
