@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.collectives import INTRA_NODE, CommCounter
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
+from lightning_zero.zero.agreements import StepChecks
 from lightning_zero.zero.build import (
     build_replicated,
     build_sharded,
@@ -44,9 +45,6 @@ from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.mesh import ShardGroups
-
-
-STEP_AGREEMENT_S = 2.0  # [Note: a step without a backward]: how long a rank waits for the others
 
 
 class ZeroEngine:
@@ -214,11 +212,8 @@ class ZeroEngine:
             sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
         self._step_pre_hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
-        self._step_pre_hooks += [opt.register_step_post_hook(self._count_step) for opt in optimizers]
-        self._backwards_at_step: dict[int, int] = {}  # optimizer id -> backwards ended at its last step
-        self._steps_of: dict[int, int] = {}  # optimizer id -> its steps so far
-        self._train_steps = 0  # training steps begun ([Note: a step without a backward])
-        self._at_train_step_start = (0, 0)  # (backwards ended, optimizer steps) when the last one began
+        self.step_checks = StepChecks(self.reducer, self.waiter)  # [Note: a step without a backward]
+        self._step_pre_hooks += [opt.register_step_post_hook(self.step_checks.count_step) for opt in optimizers]
         self._finished_at_pre_backward = 0
 
     def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
@@ -318,58 +313,13 @@ class ZeroEngine:
         loss.backward(**kwargs)
         self.post_backward()
 
-    def _count_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.reducer.optimizer_steps += 1  # [Note: parameters nobody used] in reducer.py
-        self._backwards_at_step[id(optimizer)] = self.reducer.finished_backwards
-        self._steps_of[id(optimizer)] = self._steps_of.get(id(optimizer), 0) + 1
-
-    # [Note: a step without a backward] A rank that steps an optimizer with no backward since
-    # that optimizer's last step (its manual_backward skipped) issues the post-step collectives
-    # while the others are still in their backward's reduce-scatters: the ops no longer pair up, a
-    # hang until collective_timeout. A rank whose manual training step returns with neither a
-    # backward nor a step in it skipped the step: the others wait in that step's collectives while
-    # it waits in the next step's (Lightning broadcasts one tensor at the start of every batch),
-    # and no marker ([Note: phase markers] in reducer.py) is ever exchanged. Either rank is told
-    # apart locally for free; it then checks through the store (no collective can be trusted now)
-    # whether every rank does the same (then it is consistent and goes on) and otherwise raises
-    # within STEP_AGREEMENT_S, posting on the failure channel, so the ranks waiting in their
-    # collectives raise within one poll.
-    def _check_backward_before_step(self, sharded: ShardedOptimizer) -> None:
-        optimizer = sharded.optimizer
-        if self.reducer.finished_backwards != self._backwards_at_step.get(id(optimizer), 0):
-            return
-        channel = self.waiter.failure
-        index = self.optimizers.index(sharded)
-        tag = f"step_without_backward/{index}/{self._steps_of.get(id(optimizer), 0)}"
-        if channel is None or channel.all_ranks_reach(tag, STEP_AGREEMENT_S):
-            return
-        raise RuntimeError(
-            f"lightning_zero: optimizer {index} ({type(optimizer).__name__}) steps on this rank without a"
-            f" backward since its last step (step {self._steps_of.get(id(optimizer), 0) + 1}), while other ranks"
-            " ran one: their gradient collectives would wait for this rank forever. Every rank must call"
-            " backward (manual_backward) before each step, e.g. on a zero loss (`loss * 0`) where it has"
-            " nothing to learn from."
-        )
-
     def check_manual_train_step(self) -> None:
         """A manual-optimization training step returned: raise if it ran no backward and no step
-        on this rank while other ranks did ([Note: a step without a backward])."""
-        if (self.reducer.finished_backwards, self.reducer.optimizer_steps) != self._at_train_step_start:
-            return
-        channel = self.waiter.failure
-        if channel is None or channel.all_ranks_reach(
-            f"train_step_without_backward/{self._train_steps}", STEP_AGREEMENT_S
-        ):
-            return
-        raise RuntimeError(
-            f"lightning_zero: training step {self._train_steps} ran neither a backward nor an optimizer step on this"
-            " rank, while other ranks ran them: their gradient collectives would wait for this rank forever."
-            " Every rank must take part in every step: call manual_backward (on a zero loss, `loss * 0`, where a"
-            " rank has nothing to learn from) and step on every rank."
-        )
+        on this rank while other ranks did ([Note: a step without a backward] in agreements.py)."""
+        self.step_checks.after_manual_train_step()
 
     def _right_before_update(self, sharded: ShardedOptimizer) -> None:
-        self._check_backward_before_step(sharded)
+        self.step_checks.before_update(self.optimizers.index(sharded), sharded.optimizer)
         sharded.before_update()
 
     def _before_step(self, optimizer: Optimizer, args, kwargs):
@@ -485,8 +435,7 @@ class ZeroEngine:
     def begin_step(self, kind: str) -> None:
         """A training (``"train"``) or evaluation (``"eval"``) step starts ([Note: phases])."""
         if kind == "train":
-            self._train_steps += 1
-            self._at_train_step_start = (self.reducer.finished_backwards, self.reducer.optimizer_steps)
+            self.step_checks.begin_train_step()
         self.params.begin_step(kind)
 
     def end_step_call(self) -> None:

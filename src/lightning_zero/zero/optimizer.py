@@ -168,9 +168,9 @@ class ShardedOptimizer:
         if self.param_gatherer is not None:
             self.param_gatherer.wait_all()
         unused: set[int] = set()
-        if self.reducer is not None:  # [Note: phase markers] in reducer.py
+        if self.reducer is not None:  # [Note: phase markers] in agreements.py
             step = f"{type(self.optimizer).__name__}.step()"
-            unused = self.reducer.agree_at_step(lambda: f"the phase marker of {step}, right before its update")
+            unused = self.reducer.markers.at_step(lambda: f"the phase marker of {step}, right before its update")
         if self.offload is not None:
             self.flush_offloaded_grads()
             self.offload.before_host_update()

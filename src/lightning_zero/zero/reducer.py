@@ -59,7 +59,7 @@ did not use), so the reduced gradient alone cannot tell "unused" from "zero". Th
 therefore records which parameters received a gradient on this rank since their optimizer's
 gradients were last dropped (across micro batches), and each optimizer step agrees on it before
 the update: the step's phase marker carries one int32 flag per parameter, reduced with MAX over
-all of dp ([Note: phase markers]). So the agreement adds no exchange of its own: ``4 P`` bytes for
+all of dp ([Note: phase markers] in ``agreements.py``). So the agreement adds no exchange of its own: ``4 P`` bytes for
 ``P`` parameters on a marker the step needs anyway, paid in every step (no rank can know without
 asking that the others used everything), counted as control bytes
 (``CommCounter.control_bytes``), apart from the gradient bytes. The optimizer steps one view per
@@ -68,32 +68,13 @@ drops the gradient of each parameter no rank used and torch skips it exactly as 
 its own per-parameter step count; the reduced zeros it would have had leave gradient clipping's
 norm unchanged.
 
-[Note: phase markers] A rank that runs an extra backward in a step issues that backward's
-reduce-scatters where the others issue the parameter all-gathers after their step: the ops no
-longer pair up and every rank waits until ``collective_timeout``. So each phase that issues
-collectives on the dp group starts with a marker, and markers are all the same all-reduce (MAX)
-of ``(phase, -phase, optimizer steps, -steps, one used flag per parameter)``: markers always pair
-with markers, so ranks at different phases or optimizer steps see it in the marker itself and
-all raise, naming both. Two phases, two markers per optimizer step:
-
-- a synchronizing backward launches its marker with its first bucket and waits for it before any
-  bucket wait (the flags are zeros: usage is not known yet);
-- each optimizer step waits for its marker right before the update, and the marker carries the
-  used flags ([Note: parameters nobody used]); whatever the step then issues (stages 1-2: the
-  parameter all-gather) follows the agreed marker.
-
-Cost: ``2 (16 + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted in
-``CommCounter.control_bytes``. A rank that steps without its backward, or skips a whole manual
-training step, is caught before it issues anything ([Note: a step without a backward] in
-engine.py); ``training_step`` returning no loss is refused by the strategy.
-
+Phase markers, which the used flags ride on: ``zero/agreements.py``.
 Waiting on collectives (time limit, polling, a failing peer): ``zero/waits.py``.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -102,6 +83,7 @@ from torch.profiler import record_function
 
 from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.compression import reduce_scatter_compressed
+from lightning_zero.zero.agreements import PHASE_BACKWARD, PendingMarker, PhaseMarkers
 from lightning_zero.zero.flat import FlatParamGroup, ParamSlot
 from lightning_zero.zero.grad_storage import Bucket, FullGradStorage, GradStorage, PendingReduce, ShardedGradStorage
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
@@ -122,23 +104,6 @@ def _inside_nested_backward() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-PHASE_BACKWARD, PHASE_STEP = 1, 2  # [Note: phase markers]
-PHASES = {
-    PHASE_BACKWARD: "the gradient sync of a backward",
-    PHASE_STEP: "an optimizer step",
-}
-
-
-@dataclass
-class PendingMarker:
-    """A phase marker in flight ([Note: phase markers]): what this rank sent, and the work."""
-
-    agreed: torch.Tensor  # after the wait: MAX over dp of every rank's marker
-    work: Any
-    phase: int
-    steps: int  # optimizer steps this rank had taken
 
 
 def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
@@ -228,14 +193,18 @@ class GradReducer:
 
         buckets = [Bucket(group, layout) for group in groups for layout in group.layout.buckets]
         # [Note: parameters nobody used]: usage since the last drop, agreed in layout order.
-        self._usage_slots = [slot for bucket in buckets for slot in bucket.layout.slots]
         self._used: set[int] = set()  # param ids that got a gradient here since their last drop
-        self._unused_by_all: set[int] = set()  # agreed at the last optimizer step's marker
-        self.optimizer_steps = 0  # optimizer steps taken so far (the engine counts them)
-        # [Note: phase markers]: launched with a synchronizing backward's first bucket, waited first
-        self._phase_pending: Optional[PendingMarker] = None
-        # What the used-parameter and phase agreements run over: every dp rank of every replica.
-        self._agree_group = hybrid.dp_group if hybrid is not None else dp_group
+        # [Note: phase markers] in agreements.py, over every dp rank of every replica; the used
+        # flags ride on the step's marker.
+        self.markers = PhaseMarkers(
+            [slot for bucket in buckets for slot in bucket.layout.slots],
+            self._used,
+            group=hybrid.dp_group if hybrid is not None else dp_group,
+            device=device,
+            counter=counter,
+            waiter=waiter,
+        )
+        self._phase_pending: Optional[PendingMarker] = None  # a backward's, launched with its first bucket
         self._layout_index = {id(bucket): i for i, bucket in enumerate(buckets)}
         # [Note: launch order]: before anything is learned, expected readiness = the
         # earliest-registered parameter in the bucket (its gradient comes last in backward).
@@ -383,7 +352,7 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
-            self._phase_pending = self.start_phase_marker(PHASE_BACKWARD)
+            self._phase_pending = self.markers.start(PHASE_BACKWARD)
         while len(self._in_flight) >= self.config.max_buckets_in_flight:  # [Note: collectives in flight]
             self._complete(self._in_flight[0])
         full = self.storage.full_grad_for_launch(bucket)
@@ -429,7 +398,7 @@ class GradReducer:
 
         if self._phase_pending is not None:  # before any wait that could pair with another phase
             pending, self._phase_pending = self._phase_pending, None
-            self.check_phase_marker(pending, lambda: f"the phase marker launched with {waiting_on()}")
+            self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
 
         with record_function("lightning_zero::wait_reduce_scatter"):
             self.waiter.wait(work, waiting_on)
@@ -543,60 +512,10 @@ class GradReducer:
         for callback in self.on_grads_reduced:
             callback()
 
-    # -- [Note: phase markers] -------------------------------------------------------------------------
-    def start_phase_marker(self, phase: int) -> PendingMarker:
-        """Launch this rank's marker of ``phase``: an all-reduce (MAX) over all of dp."""
-        steps = self.optimizer_steps
-        if phase == PHASE_STEP:  # [Note: parameters nobody used]
-            flags = [1 if id(slot.param) in self._used else 0 for slot in self._usage_slots]
-        else:
-            flags = [0] * len(self._usage_slots)
-        mark = torch.tensor([phase, -phase, steps, -steps, *flags], dtype=torch.int32).to(self.device)
-        work = all_reduce(
-            mark, self._agree_group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
-            label="agree_phase", control=True,
-        )  # fmt: skip
-        return PendingMarker(mark, work, phase, steps)
-
-    def check_phase_marker(self, pending: PendingMarker, describe: Optional[Callable[[], str]] = None) -> None:
-        """Wait for a phase marker; raise on every rank if the ranks are not at the same phase and
-        optimizer step. ``describe()`` names what the marker precedes (for a time-out message)."""
-        phase = pending.phase
-        what = describe or (lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
-        with record_function("lightning_zero::agree_phase"):
-            self.waiter.wait(pending.work, what)
-        agreed = pending.agreed.tolist()
-        high, low = agreed[0:4:2], [-value for value in agreed[1:4:2]]
-        if high == low:
-            if phase == PHASE_STEP:
-                flags = agreed[4:]
-                self._unused_by_all = {id(slot.param) for slot, flag in zip(self._usage_slots, flags) if not flag}
-            return
-        mine = (phase, pending.steps)
-        other = tuple(lo if hi == own else hi for hi, lo, own in zip(high, low, mine))
-
-        def where(phase_: int, steps: int) -> str:
-            return f"{PHASES.get(phase_, phase_)} after {steps} optimizer steps"
-
-        raise RuntimeError(
-            f"lightning_zero: dp rank {self.dp_rank} is at {where(*mine)}, another rank at {where(*other)}:"
-            " the ranks ran different numbers of backward calls in a step (one ran an extra backward, or"
-            " skipped one), so their collectives no longer pair up. Every rank must call backward"
-            " (manual_backward) the same number of times in each step, e.g. on a zero loss (`loss * 0`)"
-            " where it has nothing to learn from."
-        )
-
-    def agree_at_step(self, describe: Callable[[], str]) -> set[int]:
-        """The marker of an optimizer step, right before its update: check that every rank is at
-        this step, and return the ids of the parameters no dp rank gave a gradient since their
-        optimizer last dropped its gradients ([Note: parameters nobody used])."""
-        self.check_phase_marker(self.start_phase_marker(PHASE_STEP), describe)
-        return self._unused_by_all
-
     def unused_by_every_rank(self) -> set[int]:
         """Ids of the parameters no dp rank gave a gradient since their optimizer last dropped its
         gradients, as agreed at the last optimizer step's marker."""
-        return self._unused_by_all
+        return self.markers.unused_by_all
 
     def install_grad_views(self) -> None:
         """Call before a backward (the engine's ``pre_backward`` does, after its zero_grad check):
