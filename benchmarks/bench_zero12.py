@@ -44,14 +44,18 @@ class Case:
     make_module: Optional[Callable[[Any], Any]] = None  # default: LlamaLM
 
 
-# The two models of issue 13 (LlamaConfig fields as command-line flags), and tiny ones for --quick.
+# The two models of issue 13 and issue 24's (LlamaConfig fields as command-line flags), and tiny
+# ones for --quick.
 MODELS: dict[str, list[str]] = {
     "bench": ["--dim", "512", "--layers", "8", "--heads", "8", "--kv-heads", "4", "--ffn", "1536", "--vocab", "8192"],
     "small": ["--dim", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "768", "--vocab", "4096"],
+    # issue 24's harness: 29.9M parameters, MHA (4 heads, 4 KV heads), SwiGLU 1408, untied head
+    "issue24": ["--dim", "512", "--layers", "8", "--heads", "4", "--kv-heads", "4", "--ffn", "1408", "--vocab", "4096"],
 }
 QUICK_MODELS: dict[str, list[str]] = {
     "bench": ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"],
     "small": ["--dim", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "128"],
+    "issue24": ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "4", "--ffn", "176", "--vocab", "256"],
 }
 MODEL_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--vocab")
 QUICK_RUN = ["--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
