@@ -197,7 +197,8 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     runs: dict[str, Any] = {}
     for model in args.models:
         presets = bench_zero12.QUICK_MODELS if args.quick else bench_zero12.MODELS
-        model_argv = [a for a in argv if a != "--quick"] + presets[model] + (bench_zero12.QUICK_RUN if args.quick else [])
+        model_argv = bench_zero12._without_models([a for a in argv if a != "--quick"]) + presets[model]
+        model_argv += bench_zero12.QUICK_RUN if args.quick else []
         model_argv += ["--steps", str(max(args.steps, args.profile_steps))] if args.steps < args.profile_steps else []
         model_args = _parse(model_argv)
         config = model_config(model_args)
