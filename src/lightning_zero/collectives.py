@@ -24,17 +24,6 @@ in rank order into ``output`` (faster than gloo's own; the all-to-all completes 
 ``wait()``, so it can be polled). The receive buffer is the transient copy gloo's own
 reduce-scatter makes too; it lives until ``wait()``. NCCL keeps its native reduce-scatter.
 
-[Note: gloo messages in pieces] On gloo a collective that sends one large message per peer (its
-all-to-all, its all-gather) slows down far more than linearly past a few MiB per message (2 CPU
-ranks, one core each, loaded machine: a 25 MiB bucket's all-to-all took 55-125 ms where 1 MiB
-pieces of it took 30-47 ms and DDP's pipelined all-reduce of the same bucket 30 ms; gloo's
-all-gather 45-70 ms, two in-place broadcasts 20-35 ms; issue 24, ``benchmarks/profile_step.py``). So on gloo the reduce-scatter's all-to-all goes out in pieces of at most
-``GLOO_PIECE_BYTES`` per peer (each piece's send rows copied together first: one extra pass over
-the bucket, and a send buffer beside the receive buffer until ``wait()``), summed piece by piece
-in the same rank order as before (bit-identical), and the all-gather is one in-place broadcast
-per rank of its own chunk straight into ``output`` (no flat temporary, no copy back). Both send
-exactly the logical bytes of [Note: logical bytes] and can be polled.
-
 A group of one rank (dp=1 under tensor parallelism, a single process) issues no collective at
 all: the result is computed locally and a completed work handle is returned.
 
@@ -65,8 +54,6 @@ from lightning_zero.ring import ring_sent
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-GLOO_PIECE_BYTES = 2**20  # largest message per peer of a gloo all-to-all ([Note: gloo messages in pieces])
 
 INTRA_NODE = "intra_node"
 INTER_NODE = "inter_node"
@@ -248,97 +235,17 @@ def _reduce_scatter_by_all_to_all(
             f" output.numel()={output.numel()}"
         )
     send = input.reshape(-1)
-    chunk = output.numel()
-    piece = max(1, GLOO_PIECE_BYTES // send.element_size())
-    if chunk <= piece:
-        received = torch.empty_like(send)
-        work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
-        rows = received.view(size, -1)
+    received = torch.empty_like(send)
+    work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
+    rows = received.view(size, -1)
 
-        def finish() -> None:
-            target = output.view(-1)
-            target.copy_(rows[0])
-            for source in range(1, size):
-                target.add_(rows[source])
-
-        return finishing(work, finish, async_op, (send, received))
-    # [Note: gloo messages in pieces]: piece ``[lo, hi)`` of every rank's chunk in one all-to-all
-    if counter is not None:
-        counter.add(label, ring_sent("all_to_all", send.numel(), size), send.element_size(), counter.link_of(group))
-    send_rows = send.view(size, chunk)
-    pieces = []
-    with record_function(f"lightning_zero::{label}"):
-        for lo in range(0, chunk, piece):
-            hi = min(chunk, lo + piece)
-            piece_send = send_rows[:, lo:hi].contiguous()  # (size, hi - lo)
-            piece_received = torch.empty_like(piece_send)
-            work = dist.all_to_all_single(piece_received, piece_send, group=group, async_op=True)
-            pieces.append((lo, hi, piece_send, piece_received, work))
-
-    def finish_pieces() -> None:
+    def finish() -> None:
         target = output.view(-1)
-        for lo, hi, _, piece_received, _ in pieces:
-            target[lo:hi].copy_(piece_received[0])
-            for source in range(1, size):
-                target[lo:hi].add_(piece_received[source])
-        pieces.clear()
+        target.copy_(rows[0])
+        for source in range(1, size):
+            target.add_(rows[source])
 
-    return finishing(_AllWorks([work for *_, work in pieces]), finish_pieces, async_op, (send,))
-
-
-class _AllWorks:
-    """One handle for several works: completed when all are; ``wait()`` waits on each in order."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self._works = works
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        for work in self._works:
-            work.wait(*args, **kwargs)
-        return True
-
-
-def _all_gather_by_broadcasts(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Optional[dist.ProcessGroup],
-    size: int,
-    async_op: bool,
-    counter: Optional[CommCounter],
-    label: str,
-):
-    """[Note: gloo messages in pieces]: rank ``r`` broadcasts its ``input`` into chunk ``r`` of
-    every rank's ``output``, in place."""
-    if output.numel() != size * input.numel() or not output.is_contiguous():
-        raise ValueError(
-            f"all_gather: output (numel {output.numel()}, contiguous {output.is_contiguous()}) must be a"
-            f" contiguous tensor of group size ({size}) x input.numel()={input.numel()} elements"
-        )
-    if counter is not None:
-        counter.add(label, ring_sent("all_gather", output.numel(), size), output.element_size(), counter.link_of(group))
-    chunks = output.view(size, -1)
-    rank = dist.get_rank(group)
-    own = chunks[rank]
-    if own.data_ptr() != input.data_ptr():
-        own.copy_(input.reshape(-1))
-    with record_function(f"lightning_zero::{label}"):
-        works = [
-            dist.broadcast(
-                chunks[source],
-                src=source if group is None else dist.get_global_rank(group, source),
-                group=group,
-                async_op=True,
-            )
-            for source in range(size)
-        ]
-    handle = _AllWorks(works)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return finishing(work, finish, async_op, (send, received))
 
 
 def all_gather(
@@ -350,11 +257,7 @@ def all_gather(
     counter: Optional[CommCounter] = None,
     label: str = "all_gather",
 ):
-    """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``).
-    On gloo: one in-place broadcast per rank ([Note: gloo messages in pieces])."""
-    size = _group_size(group)
-    if size > 1 and dist.get_backend(group) == "gloo":
-        return _all_gather_by_broadcasts(output, input, group, size, async_op, counter, label)
+    """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``)."""
     return _chunked("all_gather", _all_gather, output, input, output, group, async_op, counter, label)
 
 
