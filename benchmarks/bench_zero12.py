@@ -8,6 +8,16 @@ strategy with its default knobs (``--knobs fixed``: every one with ``--bucket-mb
     python benchmarks/bench_zero12.py --quick                              # smoke: tiny models, 1 step, 1 round
     python benchmarks/bench_zero12.py --models small --cases zero2 ddp --rounds 3
 
+A third model, ``--models issue24``, is issue 24's harness: 29.9M parameters (dim 512, 8 layers,
+4 heads and 4 KV heads, SwiGLU 1408, vocab 4096, untied head), run at seq 128, batch 4 per rank,
+12 timed steps after 3 warm-up, 3 rounds:
+
+    python benchmarks/bench_zero12.py --models issue24 --cases ddp zero1 zero2 zero3 fsdp2 \
+        --batch 4 --steps 12 --warmup 3 --rounds 3 --out zero12_issue24.json
+
+(``benchmarks/profile_step.py`` runs the same cases under torch.profiler and says where each
+step's time goes.)
+
 Per case and model: median step time and its ratio to ddp (median of same-round ratios, each
 round's ratio listed), peak RSS per rank, model-state bytes per rank (measured, next to the ZeRO
 formula for what the strategy shards), logical bytes sent per step, and the exposed gradient
@@ -44,14 +54,18 @@ class Case:
     make_module: Optional[Callable[[Any], Any]] = None  # default: LlamaLM
 
 
-# The two models of issue 13 (LlamaConfig fields as command-line flags), and tiny ones for --quick.
+# The two models of issue 13 and issue 24's (LlamaConfig fields as command-line flags), and tiny
+# ones for --quick.
 MODELS: dict[str, list[str]] = {
     "bench": ["--dim", "512", "--layers", "8", "--heads", "8", "--kv-heads", "4", "--ffn", "1536", "--vocab", "8192"],
     "small": ["--dim", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "768", "--vocab", "4096"],
+    # issue 24's harness: 29.9M parameters, MHA (4 heads, 4 KV heads), SwiGLU 1408, untied head
+    "issue24": ["--dim", "512", "--layers", "8", "--heads", "4", "--kv-heads", "4", "--ffn", "1408", "--vocab", "4096"],
 }
 QUICK_MODELS: dict[str, list[str]] = {
     "bench": ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"],
     "small": ["--dim", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--vocab", "128"],
+    "issue24": ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "4", "--ffn", "176", "--vocab", "256"],
 }
 MODEL_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--vocab")
 QUICK_RUN = ["--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"]
@@ -339,6 +353,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _without_models(argv: list[str]) -> list[str]:
+    """``argv`` without ``--models NAME ...`` (its values run up to the next option)."""
+    out, skipping = [], False
+    for item in argv:
+        if item == "--models" or item.startswith("--models="):
+            skipping = item == "--models"
+            continue
+        if skipping and not item.startswith("--"):
+            continue
+        skipping = False
+        out.append(item)
+    return out
+
+
 def driver(args: argparse.Namespace, argv: list[str]) -> None:
     """Each model in turn, every case side by side ([Note: benchmark shape]); one JSON for all."""
     script = str(Path(__file__).resolve())
@@ -353,7 +381,9 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     runs: dict[str, Any] = {}
     for model in args.models:
         # Flags appended last win: the worker command line carries the concrete model and run.
-        model_argv = [a for a in argv if a != "--quick"] + presets[model] + (QUICK_RUN if args.quick else [])
+        # the worker gets the concrete model, not --models (a --baseline-src checkout may not know its name)
+        model_argv = _without_models([a for a in argv if a != "--quick"]) + presets[model]
+        model_argv += QUICK_RUN if args.quick else []
         if "--out" in model_argv:
             index = model_argv.index("--out")
             del model_argv[index : index + 2]
