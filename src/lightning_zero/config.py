@@ -251,6 +251,29 @@ def knob_docs() -> dict[str, str]:
     return docs
 
 
+def knob_views(cls: type) -> type:
+    """Class decorator for a holder of a ``zero_config`` (``ZeroStrategy``): ``obj.<knob>`` becomes a
+    read-only view of ``obj.zero_config.<knob>``, and the class docstring gets a ``Knobs`` section
+    generated from :func:`knob_docs`."""
+
+    def view(name: str) -> property:
+        def read(self: Any) -> Any:
+            return getattr(self.zero_config, name)
+
+        return property(
+            read, doc=f"``zero_config.{name}`` (read-only; documented on :class:`~lightning_zero.config.ZeroConfig`)."
+        )
+
+    for name in ZERO_DEFAULTS.as_dict():
+        setattr(cls, name, view(name))
+    cls.__doc__ = (
+        (cls.__doc__ or "").rstrip()
+        + "\n\n    Knobs (generated from ZeroConfig):\n"
+        + "".join(f"        {name}: {text}\n" for name, text in knob_docs().items())
+    )
+    return cls
+
+
 def _markdown(text: str) -> str:
     """reST inline markup of the knob docs as Markdown: ``x`` and :role:`x` become `x`."""
     text = re.sub(r":\w+:`~?([^`]+)`", lambda m: "`" + m.group(1).rsplit(".", 1)[-1] + "`", text)
