@@ -341,7 +341,7 @@ def _adafactor(rank, world, out_dir):
     from lightning_zero.checkpoint import Layout, load_model, open_checkpoint, save_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
-    from lightning_zero.zero.optimizer import ReplicatedOptimizer
+    from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
     steps, clip = 3, 0.05
     expected = [p.detach() for p in _adafactor_reference(steps, clip).parameters()]

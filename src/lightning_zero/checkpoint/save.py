@@ -67,8 +67,8 @@ def save_checkpoint(
             names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
             raise ValueError(
                 f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
-                " (see [Note: non-element-wise optimizers] in zero/optimizer.py); its factored state is not"
-                " saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
+                " (see [Note: non-element-wise optimizers] in zero/replicated_optimizer.py); its factored state"
+                " is not saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
                 " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
             )
         kinds: list[dict] = [{} for _ in optimizers]
