@@ -447,12 +447,14 @@ class ZeroStrategy(DDPStrategy):
         return {}  # likewise: each rank writes the optimizer state it owns
 
     def _checkpoint_layout(self) -> Any:
-        from lightning_zero.checkpoint import Layout
+        from lightning_zero.checkpoint import RankPlacement
 
         tp = self._dims.tp if self._dims is not None else 1
         tp_rank = self._device_mesh["tp"].get_local_rank() if self._device_mesh is not None else 0
         precision = getattr(self.precision_plugin, "precision", str(self.compute_dtype))
-        return Layout(self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision)
+        return RankPlacement(
+            self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision
+        )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

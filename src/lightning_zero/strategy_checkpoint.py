@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zero.checkpoint import Layout, apply_optimizer_state, load_model, open_checkpoint, restore_rng
+from lightning_zero.checkpoint import RankPlacement, apply_optimizer_state, load_model, open_checkpoint, restore_rng
 
 
 class CheckpointRestore:
@@ -26,7 +26,7 @@ class CheckpointRestore:
     module's tensors and the engine's masters; it also reads the optimizer states this rank
     owns) and :meth:`load_optimizers` (those states, then the RNG)."""
 
-    def __init__(self, path: Any, layout: Layout) -> None:
+    def __init__(self, path: Any, layout: RankPlacement) -> None:
         self.opened = open_checkpoint(path, layout)  # files verified before anything is read
         self.optimizer_states: list = []
 
@@ -34,7 +34,9 @@ class CheckpointRestore:
         """Lightning's non-tensor state (loops, callbacks, schedulers, hyperparameters)."""
         return self.opened.lightning_dict()
 
-    def load_model(self, module: nn.Module, *, engine: Any, optimizers: list, layout: Layout, strict: bool) -> None:
+    def load_model(
+        self, module: nn.Module, *, engine: Any, optimizers: list, layout: RankPlacement, strict: bool
+    ) -> None:
         self.optimizer_states = load_model(
             self.opened, module, engine=engine, optimizers=optimizers, layout=layout, strict=strict
         )

@@ -30,7 +30,14 @@ from lightning_zero.checkpoint.publish import (
 )
 from lightning_zero.checkpoint.ranks import all_gather_object, broadcast_object, labelled, raise_any
 from lightning_zero.checkpoint.state import encode
-from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, managed_names, module_entries, tp_dim_of
+from lightning_zero.checkpoint.targets import (
+    RankPlacement,
+    Targets,
+    engine_entries,
+    managed_names,
+    module_entries,
+    tp_dim_of,
+)
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
 _fault_hook: Optional[Callable[[str], None]] = None
@@ -43,7 +50,7 @@ def save_checkpoint(
     module: nn.Module,
     engine: Any,
     optimizers: list[Optimizer],
-    layout: Layout,
+    layout: RankPlacement,
 ) -> Path:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
 
@@ -125,7 +132,7 @@ def save_checkpoint(
         return target
 
 
-def _managed_info(engine: Any, layout: Layout) -> dict[str, Any]:
+def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     info = {}
     for owned in engine.owned_ranges():
         tp_dim = tp_dim_of(owned.param, layout)
