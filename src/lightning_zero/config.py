@@ -232,6 +232,16 @@ def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
 ZERO_DEFAULTS = ZeroConfig()
 """The defaults of every :class:`ZeroConfig` knob (what ``ZeroStrategy()`` uses)."""
 
+TOPOLOGY_KNOBS = ("shard_size", "hierarchical_reduce", "grad_comm_dtype", "param_comm_dtype")
+"""The knobs that shape how the dp ranks shard, reduce and compress (docs/topology.md); the
+planner's report and search vary them."""
+
+
+def topology_defaults() -> dict[str, Any]:
+    """``{knob: default}`` for :data:`TOPOLOGY_KNOBS`, from :data:`ZERO_DEFAULTS`: ZeRO over every
+    dp rank, a one-hop reduce, the native wire format."""
+    return {name: getattr(ZERO_DEFAULTS, name) for name in TOPOLOGY_KNOBS}
+
 
 def knob_docs() -> dict[str, str]:
     """``{knob: its documentation}`` from the ``Attributes:`` section of :class:`ZeroConfig`'s
