@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def tp_at_end(trainer: Any, max_steps: int) -> dict[str, Any]:
     """``zero_at_end`` plus the strategy's counter per kind: every step sends the same (the tp
-    layers and the dp engine count into one ``CommCounter``, ``ZeroStrategy._adopt_tp_counter``)."""
+    layers and the dp engine count into one ``CommCounter``, ``strategy_setup.find_tp_counter``)."""
     counter = trainer.strategy.engine.counter
     return {
         **zero_at_end(trainer, max_steps),

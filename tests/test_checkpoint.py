@@ -154,7 +154,7 @@ def _dp_groups(world, tp):
 def _save_body(rank, world, out, stage, tp):
     import torch.distributed as dist
 
-    from lightning_zero.checkpoint import Layout, save_checkpoint
+    from lightning_zero.checkpoint import RankPlacement, save_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
@@ -177,7 +177,7 @@ def _save_body(rank, world, out, stage, tp):
             engine.stage3.begin_step()
         model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
         opt.step()
-    layout = Layout(
+    layout = RankPlacement(
         world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage
     )
     save_checkpoint(Path(out, "ckpt"), {"global_step": 2, "optimizer_states": []}, module=model, engine=engine,
@@ -211,7 +211,7 @@ def _load_body(rank, world, out, cases):
     ``world`` or 1 (every rank its own dp=1 replica; rank 0 dumps)."""
     import torch.distributed as dist
 
-    from lightning_zero.checkpoint import Layout, apply_optimizer_state, load_model, open_checkpoint
+    from lightning_zero.checkpoint import RankPlacement, apply_optimizer_state, load_model, open_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
     from lightning_zero.zero.engine import ZeroEngine
@@ -224,7 +224,7 @@ def _load_body(rank, world, out, cases):
         dp_group = None if dp == world else singles[rank]
         engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), dp_group=dp_group)
         dp_rank = rank if dp == world else 0
-        layout = Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
+        layout = RankPlacement(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
         opened = open_checkpoint(Path(src, "ckpt"), layout)
         states = load_model(opened, model, engine=engine, optimizers=[opt], layout=layout)
         apply_optimizer_state(opened, [opt], states)
@@ -453,7 +453,7 @@ def test_malicious_pickles_are_not_executed(saved_dp2, tmp_path, monkeypatch):
 
 def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     """Single process, no engine: an unwritable target names the path; an existing one survives."""
-    from lightning_zero.checkpoint import CheckpointWriteError, Layout, save_checkpoint
+    from lightning_zero.checkpoint import CheckpointWriteError, RankPlacement, save_checkpoint
     from lightning_zero.models.llama import Llama
 
     model, before = _fresh_model_and_params()
@@ -461,16 +461,16 @@ def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tm
     blocker.write_text("x")
     with pytest.raises(CheckpointWriteError, match="not_a_dir"):
         save_checkpoint(
-            blocker / "last.ckpt", {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout()
+            blocker / "last.ckpt", {"global_step": 1}, module=model, engine=None, optimizers=[], layout=RankPlacement()
         )
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
     # publishing over an existing checkpoint replaces it whole; a stale temp dir is never "last"
     target = tmp_path / "last.ckpt"
-    save_checkpoint(target, {"global_step": 1}, module=model, engine=None, optimizers=[], layout=Layout())
+    save_checkpoint(target, {"global_step": 1}, module=model, engine=None, optimizers=[], layout=RankPlacement())
     (tmp_path / "last.ckpt.tmp-dead").mkdir()  # what a rank killed mid-write leaves behind
     other = Llama(_config())
-    save_checkpoint(target, {"global_step": 2}, module=other, engine=None, optimizers=[], layout=Layout())
+    save_checkpoint(target, {"global_step": 2}, module=other, engine=None, optimizers=[], layout=RankPlacement())
     reloaded = Llama(_config())
     _load_dense(target, reloaded)
     for name, value in reloaded.state_dict().items():

@@ -338,10 +338,10 @@ def _adafactor(rank, world, out_dir):
     round trip, optimizer-state checkpoint refused."""
     from pathlib import Path
 
-    from lightning_zero.checkpoint import Layout, load_model, open_checkpoint, save_checkpoint
+    from lightning_zero.checkpoint import RankPlacement, load_model, open_checkpoint, save_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
-    from lightning_zero.zero.optimizer import ReplicatedOptimizer
+    from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
     steps, clip = 3, 0.05
     expected = [p.detach() for p in _adafactor_reference(steps, clip).parameters()]
@@ -378,7 +378,7 @@ def _adafactor(rank, world, out_dir):
         state = next(iter(opt.state.values()))
         assert "row_var" in state or "variance" in state  # full (factored) state, not chunks
         if stage == 2 and dtype == torch.float32 and not offload:
-            layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
+            layout = RankPlacement(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
             target = Path(out_dir, "adafactor_ckpt")
             _optimizer_state_save_refused(target, model, engine, opt, layout)
             save_checkpoint(
@@ -460,7 +460,7 @@ def _adafactor_stage3(rank, world, out_dir):
     checkpointed (weights only)."""
     from pathlib import Path
 
-    from lightning_zero.checkpoint import Layout
+    from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.zero.stage3 import UnitReplicatedOptimizer
 
     steps, clip = 3, 0.05
@@ -486,7 +486,7 @@ def _adafactor_stage3(rank, world, out_dir):
         if dtype == torch.float32:
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=1e-6)
-            layout = Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=3)
+            layout = RankPlacement(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=3)
             target = Path(out_dir, "adafactor_stage3_ckpt")
             _optimizer_state_save_refused(target, model, engine, sharded.optimizer, layout)
         else:  # the same bf16 gradients and fp32 masters as stage 2

@@ -232,6 +232,16 @@ def resolve_bucket_mb(bucket_mb: Union[float, str], grad_bytes: float) -> float:
 ZERO_DEFAULTS = ZeroConfig()
 """The defaults of every :class:`ZeroConfig` knob (what ``ZeroStrategy()`` uses)."""
 
+TOPOLOGY_KNOBS = ("shard_size", "hierarchical_reduce", "grad_comm_dtype", "param_comm_dtype")
+"""The knobs that shape how the dp ranks shard, reduce and compress (docs/topology.md); the
+planner's report and search vary them."""
+
+
+def topology_defaults() -> dict[str, Any]:
+    """``{knob: default}`` for :data:`TOPOLOGY_KNOBS`, from :data:`ZERO_DEFAULTS`: ZeRO over every
+    dp rank, a one-hop reduce, the native wire format."""
+    return {name: getattr(ZERO_DEFAULTS, name) for name in TOPOLOGY_KNOBS}
+
 
 def knob_docs() -> dict[str, str]:
     """``{knob: its documentation}`` from the ``Attributes:`` section of :class:`ZeroConfig`'s
@@ -249,6 +259,29 @@ def knob_docs() -> dict[str, str]:
         elif line.strip():
             break
     return docs
+
+
+def knob_views(cls: type) -> type:
+    """Class decorator for a holder of a ``zero_config`` (``ZeroStrategy``): ``obj.<knob>`` becomes a
+    read-only view of ``obj.zero_config.<knob>``, and the class docstring gets a ``Knobs`` section
+    generated from :func:`knob_docs`."""
+
+    def view(name: str) -> property:
+        def read(self: Any) -> Any:
+            return getattr(self.zero_config, name)
+
+        return property(
+            read, doc=f"``zero_config.{name}`` (read-only; documented on :class:`~lightning_zero.config.ZeroConfig`)."
+        )
+
+    for name in ZERO_DEFAULTS.as_dict():
+        setattr(cls, name, view(name))
+    cls.__doc__ = (
+        (cls.__doc__ or "").rstrip()
+        + "\n\n    Knobs (generated from ZeroConfig):\n"
+        + "".join(f"        {name}: {text}\n" for name, text in knob_docs().items())
+    )
+    return cls
 
 
 def _markdown(text: str) -> str:

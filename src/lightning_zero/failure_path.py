@@ -30,10 +30,21 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError
+from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError, abort_nccl_after
 
 # What a collective says when its peer went away (gloo / NCCL / the store).
 _COLLECTIVE_ERROR = re.compile(r"Connection (closed|reset)|Broken pipe|NCCL|gloo|ProcessGroup|c10d|timed out|abort")
+
+
+def open_failure_channel(previous: Optional[FailureChannel]) -> FailureChannel:
+    """This rank's failure channel ([Note: failure channel] in ``zero/waits.py``), once the process
+    group is up; ``previous`` (a channel of an earlier setup) is closed first."""
+    import torch.distributed as dist
+
+    if previous is not None:
+        previous.close()
+    nccl = dist.get_backend() == "nccl"
+    return FailureChannel.open(on_peer_failure=abort_nccl_after() if nccl else None)
 
 
 def is_collective_error(exception: BaseException) -> bool:
@@ -91,3 +102,29 @@ class FailureNotice(Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.notice(exception)
+
+
+def warn_failed(channel: Optional[FailureChannel], global_rank: int, what: str) -> None:
+    """Step 2 of [Note: failure path]: say what this rank skipped (``what``) and why."""
+    import warnings
+
+    peer = channel.peer_failure if channel is not None else None
+    cause = f"global rank {peer[0]} failed" if peer is not None else "this rank failed"
+    warnings.warn(f"lightning_zero (global rank {global_rank}): {cause}; {what}.", stacklevel=2)
+
+
+def check_step_output(output: Any, module: Any, *, world_size: int, global_rank: int) -> None:
+    """A ``training_step`` that returns no loss makes Lightning skip this rank's backward and
+    optimizer step; its peers would wait for this rank's reduce-scatters forever. Raise now
+    (the failure path ends every rank within seconds) with the fix."""
+    if world_size == 1 or module is None or not module.automatic_optimization:
+        return
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if loss is None:
+        raise RuntimeError(
+            f"lightning_zero: training_step returned no loss on global rank {global_rank} at step"
+            f" {module.trainer.global_step + 1}. Lightning then skips this rank's backward and optimizer"
+            " step, while the other ranks wait in that step's gradient collectives. Under ZeroStrategy"
+            " every rank must take part in every step: to skip a batch, return a zero loss on every rank"
+            " that needs it (e.g. `return loss * 0`)."
+        )

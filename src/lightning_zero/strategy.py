@@ -29,17 +29,34 @@ from typing_extensions import override
 
 from lightning_zero._lightning_compat import optimizers_to_device
 from lightning_zero.collectives import CommCounter
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_docs
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
+from lightning_zero.failure_path import (
+    FailureNotice,
+    check_step_output,
+    note_failure,
+    open_failure_channel,
+    warn_failed,
+)
 from lightning_zero.precision import to_zero_precision
+from lightning_zero.strategy_setup import (
+    broadcast_module_states,
+    build_groups,
+    find_tp_counter,
+    move_real_tensors,
+    parallel_dims,
+    weigh_tp_norm,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_zero.strategy_checkpoint import CheckpointRestore
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
 
+@knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
 class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
@@ -124,6 +141,7 @@ class ZeroStrategy(DDPStrategy):
         self._dims: Any = None
         self._shard_groups: Any = None  # mesh.ShardGroups under hybrid sharding / hierarchical reduction
         self.failure_channel: Optional["FailureChannel"] = None  # [Note: failure path] in failure_path.py
+        self._restore: Optional["CheckpointRestore"] = None  # a checkpoint load across Lightning's three calls
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -175,50 +193,15 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_zero.mesh import ParallelDims, build_mesh
-
-        world_size = self.num_nodes * self.num_processes
-        dims = ParallelDims(
-            world_size=world_size,
-            devices_per_node=self.num_processes,
-            tp=self.tensor_parallel_size,
-            shard_size=self.shard_size,
-            hierarchical_reduce=self.hierarchical_reduce,
-        )  # raises on a bad layout before any process group starts
-        model_config = getattr(self.lightning_module, "config", None)
-        dims.validate(model_config if hasattr(model_config, "n_heads") else None)
-        if self.sequence_parallel and dims.tp == 1:
-            raise ValueError(
-                f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={self.tensor_parallel_size!r} resolved"
-                " to 1 rank per TP group; sequence parallelism needs tp > 1 (more devices per node, or"
-                " sequence_parallel=False)."
-            )
-        if self.sequence_parallel:  # a data module's sequence length must split over TP (checked before launch)
-            from lightning_zero.tp.layers import sequence_shard_len
-
-            trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-            seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
-            if isinstance(seq_len, int):
-                sequence_shard_len(seq_len, dims.tp)
-        self._dims = dims
+        # raises on a bad layout before any process group starts
+        self._dims = parallel_dims(self.zero_config, num_nodes=self.num_nodes, num_processes=self.num_processes,
+                                   lightning_module=self.lightning_module)  # fmt: skip
         super().setup_environment()  # starts the process group
-        self._open_failure_channel()
-        if dims.tp > 1:
-            self._device_mesh = build_mesh(dims, self.root_device.type)
+        self.failure_channel = open_failure_channel(self.failure_channel)
+        self._device_mesh, self._shard_groups = build_groups(self._dims, self.root_device.type)
+        if self._device_mesh is not None:
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self._device_mesh
-        if dims.replicate > 1 or dims.hierarchical:
-            from lightning_zero.mesh import build_shard_groups
-
-            self._shard_groups = build_shard_groups(dims)
-
-    def _open_failure_channel(self) -> None:
-        from lightning_zero.zero.waits import FailureChannel, abort_nccl_after
-
-        if self.failure_channel is not None:
-            self.failure_channel.close()
-        nccl = dist.get_backend() == "nccl"
-        self.failure_channel = FailureChannel.open(on_peer_failure=abort_nccl_after() if nccl else None)
 
     # -- failures ([Note: failure path] in failure_path.py) -------------------------------------
     @property
@@ -227,8 +210,6 @@ class ZeroStrategy(DDPStrategy):
         return self.failure_channel is not None and self.failure_channel.failed
 
     def _note_failure(self, exception: BaseException) -> None:
-        from lightning_zero.failure_path import note_failure
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         note_failure(self.failure_channel, exception, trainer if trainer is not None and trainer.state else None)
 
@@ -249,12 +230,15 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
-        self._move_real_tensors_to_device()
-        self._broadcast_module_states()
+        move_real_tensors(self.model, self.root_device)
+        # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
+        broadcast_module_states(self.model, self.dp_group)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-        self._adopt_tp_counter()
+        tp_counter = find_tp_counter(self.model)  # dp and tp traffic counted in one place
+        if tp_counter is not None:
+            self.comm_counter = tp_counter
         self.comm_counter.ranks_per_node = self.num_processes  # [Note: link classes] in collectives.py
         if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
@@ -269,33 +253,9 @@ class ZeroStrategy(DDPStrategy):
             # first, so no user hook between steps reads parameters still being gathered
             trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, ParamGatherBarrier)]
             trainer.callbacks.insert(0, ParamGatherBarrier(self._wait_param_gathers))
-        from lightning_zero.failure_path import FailureNotice
-
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
-
-    def _adopt_tp_counter(self) -> None:
-        """Count dp and tp traffic in one place: a tensor-parallel model keeps the counter its TP
-        layers count into (``tp_comm_counter``, see ``tp.parallelize_llama``); use it."""
-        assert self.model is not None
-        for module in self.model.modules():
-            counter = getattr(module, "tp_comm_counter", None)
-            if isinstance(counter, CommCounter):
-                self.comm_counter = counter
-                return
-
-    def _move_real_tensors_to_device(self) -> None:
-        """``model_to_device`` for everything not on the meta device (stage 3 materializes those)."""
-        assert self.model is not None
-        with torch.no_grad():
-            for module in self.model.modules():
-                for param in module._parameters.values():
-                    if param is not None and not param.is_meta and param.device != self.root_device:
-                        param.data = param.data.to(self.root_device)
-                for key, buffer in module._buffers.items():
-                    if buffer is not None and not buffer.is_meta:
-                        module._buffers[key] = buffer.to(self.root_device)
 
     @contextmanager
     @override
@@ -310,16 +270,6 @@ class ZeroStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:  # no DistributedDataParallel wrapper: the engine reduces
         pass
-
-    def _broadcast_module_states(self) -> None:
-        """Every dp rank starts from the weights of dp rank 0 (as DDP does at construction)."""
-        assert self.model is not None
-        group = self.dp_group
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-                if not tensor.is_meta:
-                    dist.broadcast(tensor.data, src=src, group=group)
 
     def _build_engine(self, optimizers: list) -> None:
         from lightning_zero.zero.engine import ZeroEngine
@@ -344,13 +294,7 @@ class ZeroStrategy(DDPStrategy):
             failure=self.failure_channel,
         )
         if self._device_mesh is not None:
-            from lightning_zero.tp.grad_norm import tp_grad_norm_weight
-
-            # [Note: TP grad norm] in tp/grad_norm.py: replicated elements count 1/tp in the norm.
-            tp = self._dims.tp
-            weights = self.engine.master_chunk_weights(lambda param: tp_grad_norm_weight(param, tp))
-            for sharded in self.engine.optimizers:
-                sharded.replicated_weight = weights
+            weigh_tp_norm(self.engine, self._dims.tp)
         self.precision_plugin.engine = self.engine  # type: ignore[attr-defined]
 
     def _attach_monitor(self, trainer: "pl.Trainer") -> None:
@@ -389,7 +333,7 @@ class ZeroStrategy(DDPStrategy):
         self.engine.begin_step("train")
         try:
             output = super().training_step(*args, **kwargs)
-            self._check_step_output(output)
+            check_step_output(output, self.lightning_module, world_size=self.world_size, global_rank=self.global_rank)
             module = self.lightning_module
             if module is not None and not module.automatic_optimization:
                 self.engine.check_manual_train_step()
@@ -399,23 +343,6 @@ class ZeroStrategy(DDPStrategy):
             raise
         finally:
             self.engine.end_step_call()  # the step's backward may still follow (automatic optimization)
-
-    def _check_step_output(self, output: Any) -> None:
-        """A ``training_step`` that returns no loss makes Lightning skip this rank's backward and
-        optimizer step; its peers would wait for this rank's reduce-scatters forever. Raise now
-        (the failure path ends every rank within seconds) with the fix."""
-        module = self.lightning_module
-        if self.world_size == 1 or module is None or not module.automatic_optimization:
-            return
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if loss is None:
-            raise RuntimeError(
-                f"lightning_zero: training_step returned no loss on global rank {self.global_rank} at step"
-                f" {module.trainer.global_step + 1}. Lightning then skips this rank's backward and optimizer"
-                " step, while the other ranks wait in that step's gradient collectives. Under ZeroStrategy"
-                " every rank must take part in every step: to skip a batch, return a zero loss on every rank"
-                " that needs it (e.g. `return loss * 0`)."
-            )
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
@@ -490,9 +417,10 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.engine is not None:
             if self.failed:  # [Note: failure path]: nothing that needs the peers
-                self._warn_failed("teardown left the module as it is (stage 3: this rank's shards only; stages"
-                                  " 1-2 under bf16-mixed: bf16 parameters) and skipped the collectives that need"
-                                  " every rank (gathers, destroying the engine's process groups)")  # fmt: skip
+                what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
+                        " bf16-mixed: bf16 parameters) and skipped the collectives that need every rank (gathers,"
+                        " destroying the engine's process groups)")  # fmt: skip
+                warn_failed(self.failure_channel, self.global_rank, what)
                 self.engine.close(destroy_groups=False)
             else:
                 # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
@@ -504,14 +432,7 @@ class ZeroStrategy(DDPStrategy):
             self.failure_channel.close()
         super().teardown()
 
-    def _warn_failed(self, what: str) -> None:
-        import warnings
-
-        peer = self.failure_channel.peer_failure if self.failure_channel is not None else None
-        cause = f"global rank {peer[0]} failed" if peer is not None else "this rank failed"
-        warnings.warn(f"lightning_zero (global rank {self.global_rank}): {cause}; {what}.", stacklevel=2)
-
-    # -- checkpoints (logic in checkpoint/) -----------------------------------------------------
+    # -- checkpoints (strategy_checkpoint.py; the logic in checkpoint/) -------------------------
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -526,12 +447,14 @@ class ZeroStrategy(DDPStrategy):
         return {}  # likewise: each rank writes the optimizer state it owns
 
     def _checkpoint_layout(self) -> Any:
-        from lightning_zero.checkpoint import Layout
+        from lightning_zero.checkpoint import RankPlacement
 
         tp = self._dims.tp if self._dims is not None else 1
         tp_rank = self._device_mesh["tp"].get_local_rank() if self._device_mesh is not None else 0
         precision = getattr(self.precision_plugin, "precision", str(self.compute_dtype))
-        return Layout(self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision)
+        return RankPlacement(
+            self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision
+        )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -541,8 +464,9 @@ class ZeroStrategy(DDPStrategy):
 
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
-            self._warn_failed(f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every"
-                              " rank); the last complete checkpoint is still the newest")  # fmt: skip
+            what = (f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every rank); the"
+                    " last complete checkpoint is still the newest")  # fmt: skip
+            warn_failed(self.failure_channel, self.global_rank, what)
             return
         self._wait_param_gathers()
         save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
@@ -550,34 +474,25 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_zero.checkpoint import open_checkpoint
+        from lightning_zero.strategy_checkpoint import CheckpointRestore
 
-        self._opened_checkpoint = open_checkpoint(checkpoint_path, self._checkpoint_layout())
-        self._loaded_optimizer_states: list = []
-        return self._opened_checkpoint.lightning_dict()
+        self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
+        return self._restore.lightning_dict()
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        opened = getattr(self, "_opened_checkpoint", None)
-        if opened is None:
+        if self._restore is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        from lightning_zero.checkpoint import load_model
-
         assert self.lightning_module is not None
-        self._loaded_optimizer_states = load_model(opened, self.lightning_module, engine=self.engine,
-                                                   optimizers=self.optimizers, layout=self._checkpoint_layout(),
-                                                   strict=strict)  # fmt: skip
+        self._restore.load_model(self.lightning_module, engine=self.engine, optimizers=self.optimizers,
+                                 layout=self._checkpoint_layout(), strict=strict)  # fmt: skip
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        opened = getattr(self, "_opened_checkpoint", None)
-        if opened is None:
+        if self._restore is None:
             return super().load_optimizer_state_dict(checkpoint)
-        from lightning_zero.checkpoint import apply_optimizer_state, restore_rng
-
-        apply_optimizer_state(opened, self.optimizers, self._loaded_optimizer_states)
-        restore_rng(opened)  # last restore step before the loop runs
-        self._opened_checkpoint, self._loaded_optimizer_states = None, []
+        self._restore.load_optimizers(self.optimizers)
+        self._restore = None
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -585,23 +500,3 @@ class ZeroStrategy(DDPStrategy):
             from lightning_zero.checkpoint import remove_checkpoint
 
             remove_checkpoint(filepath)
-
-
-def _knob_property(name: str) -> property:
-    def read(self: ZeroStrategy) -> Any:
-        return getattr(self.zero_config, name)
-
-    return property(
-        read, doc=f"``zero_config.{name}`` (read-only; documented on :class:`~lightning_zero.config.ZeroConfig`)."
-    )
-
-
-# ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object.
-for _name in ZERO_DEFAULTS.as_dict():
-    setattr(ZeroStrategy, _name, _knob_property(_name))
-del _name
-ZeroStrategy.__doc__ = (
-    (ZeroStrategy.__doc__ or "").rstrip()
-    + "\n\n    Knobs (generated from ZeroConfig):\n"
-    + "".join(f"        {name}: {text}\n" for name, text in knob_docs().items())
-)

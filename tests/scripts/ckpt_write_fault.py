@@ -38,7 +38,7 @@ def main(out: Path, stage: int) -> None:
     model = Llama(LlamaConfig(**CONFIG))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01))
-    layout = checkpoint.Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
+    layout = checkpoint.RankPlacement(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage)
     gen = torch.Generator().manual_seed(1)
 
     def step() -> None:

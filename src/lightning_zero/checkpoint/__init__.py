@@ -49,13 +49,13 @@ from lightning_zero.checkpoint.load import (
 )
 from lightning_zero.checkpoint.publish import CheckpointWriteError, remove_checkpoint
 from lightning_zero.checkpoint.save import save_checkpoint
-from lightning_zero.checkpoint.targets import Layout
+from lightning_zero.checkpoint.targets import RankPlacement
 
 __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
-    "Layout",
     "OpenedCheckpoint",
+    "RankPlacement",
     "apply_optimizer_state",
     "export",
     "is_checkpoint",

@@ -25,7 +25,14 @@ from lightning_zero.checkpoint.dcp import (
 from lightning_zero.checkpoint.publish import DCP_METADATA_FILE, FORMAT, META_FILE, PathLike, sha256_of
 from lightning_zero.checkpoint.ranks import all_gather_object, labelled, raise_any
 from lightning_zero.checkpoint.state import decode, set_rng_state
-from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, managed_names, module_entries, tp_dim_of
+from lightning_zero.checkpoint.targets import (
+    RankPlacement,
+    Targets,
+    engine_entries,
+    managed_names,
+    module_entries,
+    tp_dim_of,
+)
 
 
 def is_checkpoint(path: PathLike) -> bool:
@@ -76,14 +83,14 @@ def _verify_file(root: Path, name: str, info: dict[str, Any], with_hash: bool) -
     return None
 
 
-def open_checkpoint(path: PathLike, layout: Optional[Layout] = None) -> OpenedCheckpoint:
+def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> OpenedCheckpoint:
     """Read and verify the checkpoint directory ``path``; a collective when a process group exists.
 
     Every file's size is checked on every rank; the sha256 checks are split over the ranks.
     Raises :class:`CheckpointError` naming the first bad file; nothing is loaded anywhere.
     """
     root = Path(path)
-    layout = layout or Layout()
+    layout = layout or RankPlacement()
     with labelled("ckpt_open"):
         error = None
         meta: dict[str, Any] = {}
@@ -146,7 +153,7 @@ def load_model(
     *,
     engine: Any = None,
     optimizers: Optional[list[Optimizer]] = None,
-    layout: Optional[Layout] = None,
+    layout: Optional[RankPlacement] = None,
     strict: bool = True,
 ) -> list[dict[int, dict[str, torch.Tensor]]]:
     """Load the weights (and, with an engine, the optimizer state of the owned ranges).
@@ -164,7 +171,7 @@ def load_model(
     lacks are skipped, tensors the checkpoint lacks keep their current values (and fresh optimizer
     state); a shape mismatch still fails.
     """
-    layout = layout or Layout()
+    layout = layout or RankPlacement()
     optimizers = optimizers or []
     targets = Targets()
     kinds = [opt_meta["state"] for opt_meta in opened.meta["optimizers"]]
@@ -190,7 +197,7 @@ def load_model(
     return targets.optimizer_states
 
 
-def _expected_params(module: nn.Module, engine: Any, layout: Layout) -> dict[str, list[int]]:
+def _expected_params(module: nn.Module, engine: Any, layout: RankPlacement) -> dict[str, list[int]]:
     """``{name: dense shape}`` of every tensor the module saves (what ``meta.json`` lists)."""
     expected: dict[str, list[int]] = {}
     if engine is not None:

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from lightning_zero.checkpoint.ranks import broadcast_object
 from lightning_zero.checkpoint.state import encode, rng_state
-from lightning_zero.checkpoint.targets import Layout
+from lightning_zero.checkpoint.targets import RankPlacement
 
 FORMAT = "lightning_zero.sharded/1"
 
@@ -46,7 +46,7 @@ def fsync_write(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
-def begin_write(target: Path, layout: Layout) -> Path:
+def begin_write(target: Path, layout: RankPlacement) -> Path:
     """Create ``<target>.tmp-<token>`` (rank 0) and check every rank can write there."""
     error, tmp = None, None
     if layout.rank == 0:
@@ -64,7 +64,7 @@ def begin_write(target: Path, layout: Layout) -> Path:
     return Path(tmp)
 
 
-def write_rank_file(tmp: Path, layout: Layout) -> Optional[str]:
+def write_rank_file(tmp: Path, layout: RankPlacement) -> Optional[str]:
     try:
         fsync_write(tmp / f"rank{layout.rank}.json", json.dumps({"rng": encode(rng_state(), "rng")}))
     except OSError as exc:

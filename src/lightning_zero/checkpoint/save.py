@@ -30,7 +30,14 @@ from lightning_zero.checkpoint.publish import (
 )
 from lightning_zero.checkpoint.ranks import all_gather_object, broadcast_object, labelled, raise_any
 from lightning_zero.checkpoint.state import encode
-from lightning_zero.checkpoint.targets import Layout, Targets, engine_entries, managed_names, module_entries, tp_dim_of
+from lightning_zero.checkpoint.targets import (
+    RankPlacement,
+    Targets,
+    engine_entries,
+    managed_names,
+    module_entries,
+    tp_dim_of,
+)
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
 _fault_hook: Optional[Callable[[str], None]] = None
@@ -43,7 +50,7 @@ def save_checkpoint(
     module: nn.Module,
     engine: Any,
     optimizers: list[Optimizer],
-    layout: Layout,
+    layout: RankPlacement,
 ) -> Path:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
 
@@ -67,8 +74,8 @@ def save_checkpoint(
             names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
             raise ValueError(
                 f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
-                " (see [Note: non-element-wise optimizers] in zero/optimizer.py); its factored state is not"
-                " saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
+                " (see [Note: non-element-wise optimizers] in zero/replicated_optimizer.py); its factored state"
+                " is not saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
                 " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
             )
         kinds: list[dict] = [{} for _ in optimizers]
@@ -125,7 +132,7 @@ def save_checkpoint(
         return target
 
 
-def _managed_info(engine: Any, layout: Layout) -> dict[str, Any]:
+def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     info = {}
     for owned in engine.owned_ranges():
         tp_dim = tp_dim_of(owned.param, layout)

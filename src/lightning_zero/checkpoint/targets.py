@@ -19,8 +19,10 @@ from lightning_zero.checkpoint.dcp import (
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where this process sits: global rank, dp and tp coordinates, ZeRO stage, precision."""
+class RankPlacement:
+    """Where this process sits in the run: world size, global rank, dp and tp coordinates, ZeRO
+    stage, precision. A save records the saver's (``meta.json``); a load reads into the loader's,
+    whatever the saved one was."""
 
     world_size: int = 1
     rank: int = 0
@@ -32,7 +34,7 @@ class Layout:
     precision: str = "32-true"
 
 
-def tp_dim_of(param: Optional[torch.Tensor], layout: Layout) -> Optional[int]:
+def tp_dim_of(param: Optional[torch.Tensor], layout: RankPlacement) -> Optional[int]:
     if param is None or layout.tp_size == 1:
         return None
     return getattr(param, "_tp_shard_dim", None)
@@ -65,7 +67,7 @@ class Targets:
     optimizer_states: list[dict[int, dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
-def module_entries(module: nn.Module, skip: set[str], layout: Layout, targets: Targets, *, load: bool) -> dict:
+def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, targets: Targets, *, load: bool) -> dict:
     """``model.<name>`` for every module state-dict entry not in ``skip`` (whole local tensors).
 
     A Parameter the state dict lists under several names (tied weights: GPT-2's ``lm_head.weight``
@@ -116,7 +118,7 @@ def state_device(optimizer: Optimizer, master: torch.Tensor, key: str) -> torch.
 def engine_entries(
     engine: Any,
     optimizers: list[Optimizer],
-    layout: Layout,
+    layout: RankPlacement,
     targets: Targets,
     *,
     load: bool,

@@ -11,8 +11,9 @@ flight, stage 3 gathered blocks), activations saved for backward (or checkpointe
 plus one recomputed block) and the loss. Stages 2-3 copy each gradient autograd produces into a
 bucket buffer and drop it, so during backward one full gradient of the largest parameter (a
 gathered unit's embedding or head) lives beside the buckets (``param_grad``; stage 1 and
-deferred stage 2 let autograd write into the buckets: none); issue 24 measured stage 3's
-working set (a unit gathered, the prefetched one, that gradient, the buckets) at 0.44B. Not counted: the CUDA context and allocator slack
+deferred stage 2 let autograd write into the buckets: none), so stage 3's working set is a unit
+gathered, the prefetched one, that gradient and the buckets (measured against the plan in
+docs/planner.md and docs/benchmarks.md). Not counted: the CUDA context and allocator slack
 (``plan.reserved_gib`` is set aside for them), transient activation gradients (a few
 ``B x T x dim`` tensors), temporaries of the optimizer step, and the data loader.
 """

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_zero.checkpointing import checkpointing_mode
-from lightning_zero.config import ZERO_DEFAULTS
+from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.planner.arithmetic import STAGES, plan_run
@@ -104,14 +104,11 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     return model_config, kwargs, plan_options
 
 
-TOPOLOGY_KNOBS = ("shard_size", "hierarchical_reduce", "grad_comm_dtype", "param_comm_dtype")  # docs/topology.md
-
-
 def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:
     """``strategy.shard_size`` (None | int | "node"), ``strategy.hierarchical_reduce``,
     ``strategy.grad_comm_dtype`` / ``strategy.param_comm_dtype`` (None | fp32 | bf16 | int8) of the
     composed config, each defaulting as :class:`~lightning_zero.ZeroStrategy` does."""
-    knobs = {name: strategy.get(name, getattr(ZERO_DEFAULTS, name)) for name in TOPOLOGY_KNOBS}
+    knobs = {name: strategy.get(name, default) for name, default in topology_defaults().items()}
     shard = knobs["shard_size"]
     if isinstance(shard, str) and shard not in ("node",):
         if not shard.isdigit():
@@ -147,11 +144,7 @@ TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 def topology_plans(model_config: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, Plan]]:
     """The configured run under each of :data:`TOPOLOGY_OPTIONS` (other knobs as configured)."""
-    plain = {
-        **kwargs,
-        **dict.fromkeys(("shard_size", "grad_comm_dtype", "param_comm_dtype")),
-        "hierarchical_reduce": False,
-    }
+    plain = {**kwargs, **topology_defaults()}
     return [(label, plan_run(model_config, **{**plain, **change})) for label, change in TOPOLOGY_OPTIONS]
 
 

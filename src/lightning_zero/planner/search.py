@@ -23,7 +23,7 @@ from itertools import product
 from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.planner.arithmetic import _given_knobs, plan_run
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.plan import GiB, Plan
@@ -311,7 +311,7 @@ def _topologies(
     does not fit."""
     from lightning_zero.planner.ledger import dp_topology
 
-    plain = {"shard_size": None, "hierarchical_reduce": False, "grad_comm_dtype": None, "param_comm_dtype": None}
+    plain = topology_defaults()
     if stage == 0 or world_size <= devices_per_node:
         return [plain]
     native = "bf16" if str(precision) == "bf16-mixed" else "fp32"

@@ -40,7 +40,7 @@ def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
 # second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
 NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 # Of those, the ones every stage runs with full fp32 masters and replicated optimizer state
-# ([Note: non-element-wise optimizers] in optimizer.py; stage 3: one unit at a time,
+# ([Note: non-element-wise optimizers] in replicated_optimizer.py; stage 3: one unit at a time,
 # [Note: replicated step per unit] in stage3/replicated_step.py). LBFGS (closure re-runs backward inside
 # step) and SparseAdam (needs sparse gradients) stay refused.
 REPLICATED_STEP_OPTIMIZERS = ("Adafactor",)

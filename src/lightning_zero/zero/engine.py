@@ -37,10 +37,11 @@ from lightning_zero.zero.build import (
 from lightning_zero.zero.flat import OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
-from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
+from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
 from lightning_zero.zero.param_side import offload_masters
 from lightning_zero.zero.reducer import GradReducer, SyncTimeline
+from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:

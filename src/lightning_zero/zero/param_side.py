@@ -25,8 +25,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.offload import OffloadCopies, pin_masters
-from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
+from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer
+from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
 if TYPE_CHECKING:
     from lightning_zero.zero.reducer import GradReducer

@@ -3,7 +3,8 @@
 [Note: collective timeout] Every wait on a collective of the engine uses ``collective_timeout``
 seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
 what this rank was waiting on and how far its backward got, instead of hanging for the process
-group's default (30 minutes). On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
+group's own ``timeout`` (its default: docs/troubleshooting.md), far longer than any collective of a
+healthy step. On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
 ``wait(timeout=...)``; the reduce-scatter there is an all-to-all, which completes without
 ``wait()`` and so can be polled ([Note: reduce-scatter on gloo] in ``collectives.py``). On GPU the
 process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
@@ -13,8 +14,9 @@ process group's own timeout (NCCL watchdog) applies: polling would block the CPU
 engine (a stage-3 divergence, a ``collective_timeout``) -- posts one line in the process group's
 store before it does anything else: which global rank failed, with which exception, where. The
 first line posted wins (``compare_set``): when several ranks fail, it names the first cause.
-Every rank runs a daemon thread that polls that key (every 50 ms on small jobs, less often on
-large ones: each poll is one request to the store's host). What follows:
+Every rank runs a daemon thread that polls that key, often on small jobs and less often on large
+ones (``_poll_interval``: each poll is one request to the store's host, so the interval grows with
+the world size; the numbers are in docs/troubleshooting.md). What follows:
 
 - a *polled* wait (every wait of the engine on CPU) raises :class:`PeerFailedError` naming the
   failing rank and its exception within one poll;

@@ -2,7 +2,7 @@
 
 [Note: replicated step per unit] Stages 1-2 run such an optimizer (``REPLICATED_STEP_OPTIMIZERS``
 in ``build.py``) on full fp32 masters that persist on every rank ([Note: non-element-wise
-optimizers] in ``zero/optimizer.py``). Stage 3 holds no full parameter between uses, so the full
+optimizers] in ``zero/replicated_optimizer.py``). Stage 3 holds no full parameter between uses, so the full
 masters exist only while the step runs, and only for one unit at a time:
 
 - the gradient sync is stage 3's own (a reduce-scatter per bucket during backward); every chunk
@@ -43,7 +43,8 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.zero.flat import ChunkedParamGroup
-from lightning_zero.zero.optimizer import ReplicatedOptimizer, ShardedOptimizer
+from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
 
 def unhooked_step(optimizer: Optimizer) -> Callable[..., Any]:

@@ -1,0 +1,109 @@
+"""ZeroStrategy's setup steps that need no Lightning object of their own (Lightning glue).
+
+Before any process group starts, :func:`parallel_dims` turns the knobs and the cluster into the
+``(replicate, shard, tp)`` layout and checks it against the model and the data; once the process
+group is up, :func:`build_groups` makes the groups that layout needs. After it,
+:func:`move_real_tensors` and :func:`broadcast_module_states` give every dp rank the same module on
+its device before the engine flattens it; :func:`find_tp_counter` finds the counter the TP layers
+already count into, so dp and tp traffic land in one :class:`CommCounter`; :func:`weigh_tp_norm`
+tells the engine's clipping how TP-replicated elements count.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.collectives import CommCounter
+from lightning_zero.config import ZeroConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_zero.mesh import ParallelDims, ShardGroups
+    from lightning_zero.zero.engine import ZeroEngine
+
+
+def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lightning_module: Any) -> ParallelDims:
+    """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one (before any process
+    group starts): TP against the model's heads, sequence parallelism against TP and the data
+    module's sequence length."""
+    from lightning_zero.mesh import ParallelDims
+
+    dims = ParallelDims(
+        world_size=num_nodes * num_processes,
+        devices_per_node=num_processes,
+        tp=config.tensor_parallel_size,
+        shard_size=config.shard_size,
+        hierarchical_reduce=config.hierarchical_reduce,
+    )
+    model_config = getattr(lightning_module, "config", None)
+    dims.validate(model_config if hasattr(model_config, "n_heads") else None)
+    if config.sequence_parallel and dims.tp == 1:
+        raise ValueError(
+            f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={config.tensor_parallel_size!r} resolved"
+            " to 1 rank per TP group; sequence parallelism needs tp > 1 (more devices per node, or"
+            " sequence_parallel=False)."
+        )
+    if config.sequence_parallel:  # a data module's sequence length must split over TP (checked before launch)
+        from lightning_zero.tp.layers import sequence_shard_len
+
+        trainer = lightning_module._trainer if lightning_module is not None else None
+        seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+        if isinstance(seq_len, int):
+            sequence_shard_len(seq_len, dims.tp)
+    return dims
+
+
+def build_groups(dims: ParallelDims, device_type: str) -> tuple[Optional[DeviceMesh], Optional[ShardGroups]]:
+    """Once the process group is up: the ``("dp", "tp")`` mesh when ``tp > 1``, and the shard groups
+    under hybrid sharding or hierarchical reduction (``None`` where not needed)."""
+    from lightning_zero.mesh import build_mesh, build_shard_groups
+
+    mesh = build_mesh(dims, device_type) if dims.tp > 1 else None
+    shard_groups = build_shard_groups(dims) if dims.replicate > 1 or dims.hierarchical else None
+    return mesh, shard_groups
+
+
+def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
+    """[Note: TP grad norm] in ``tp/grad_norm.py``: in the global gradient norm of a tensor-parallel
+    model, elements replicated over the TP group count ``1/tp``."""
+    from lightning_zero.tp.grad_norm import tp_grad_norm_weight
+
+    weights = engine.master_chunk_weights(lambda param: tp_grad_norm_weight(param, tp))
+    for sharded in engine.optimizers:
+        sharded.replicated_weight = weights
+
+
+def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
+    """The counter a tensor-parallel model's TP layers count into (``tp_comm_counter``, see
+    ``tp.parallelize_llama``), or ``None``."""
+    for child in module.modules():
+        counter = getattr(child, "tp_comm_counter", None)
+        if isinstance(counter, CommCounter):
+            return counter
+    return None
+
+
+def move_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """``model_to_device`` for everything not on the meta device (stage 3 materializes those)."""
+    with torch.no_grad():
+        for child in module.modules():
+            for param in child._parameters.values():
+                if param is not None and not param.is_meta and param.device != device:
+                    param.data = param.data.to(device)
+            for key, buffer in child._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    child._buffers[key] = buffer.to(device)
+
+
+def broadcast_module_states(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Every dp rank starts from the weights of dp rank 0 of ``group`` (as DDP does at construction)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, src=src, group=group)
