@@ -48,13 +48,23 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("finish_grad_sync (divide, other)", ("lightning_zero::finish_grad_sync",)),
     ("param all-gather launch", ("lightning_zero::launch_param_gather", "lightning_zero::all_gather_params")),
     ("param all-gather wait", ("lightning_zero::wait_param_gather",)),
-    ("stage 3 gather/free", ("lightning_zero::all_gather_unit", "lightning_zero::wait_all_gather",
-                             "lightning_zero::free_unit", "lightning_zero::stage3")),  # fmt: skip
+    (
+        "stage 3 gather/free",
+        (
+            "lightning_zero::all_gather_unit",
+            "lightning_zero::wait_all_gather",
+            "lightning_zero::free_unit",
+            "lightning_zero::stage3",
+        ),
+    ),  # fmt: skip
     ("FSDP2 all-gather", ("FSDP::all_gather", "FSDP::pre_forward", "FSDP::pre_backward")),
     ("FSDP2 reduce-scatter", ("FSDP::post_backward",)),
     ("FSDP2 other", ("FSDP::",)),
     ("other lightning_zero labels", ("lightning_zero::",)),
-    ("AccumulateGrad nodes (+ DDP bucket copies, hook calls)", ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad",)),
+    (
+        "AccumulateGrad nodes (+ DDP bucket copies, hook calls)",
+        ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad",),
+    ),
     ("backward compute", ("autograd::engine::evaluate_function",)),
     ("end of backward outside autograd (sync)", ("bench::backward",)),
     ("forward + loss", ("bench::forward",)),
