@@ -41,7 +41,7 @@ Stage 2's pool bounds its bucket buffers the same way; for stage 1, whose buffer
 gradients, the limit bounds the collectives themselves: on gloo each one holds a receive buffer
 of its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
 rank's core beside backward, and launching every bucket at once made stage 1's step erratic on
-2 CPU ranks (1.08-1.35 s on the benchmark model where stage 2 ran 1.0-1.1 s). On NCCL a wait
+2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On NCCL a wait
 on an earlier collective does not block the host, so the limit costs nothing there.
 
 [Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
