@@ -10,6 +10,12 @@ Stages differ in one place each: which :class:`~lightning_zero.zero.grad_storage
 the gradients (stage 1: full, stage 2: sharded), and which parameter side (``param_side.py``)
 keeps the parameters (stages 1-2: full, all-gathered after each step; stage 3: sharded,
 ``zero/stage3/``). Which optimizers are admitted and how the flat groups are cut: ``build.py``.
+
+[Note: one engine module] Past 500 lines because this is the facade: the strategy, checkpoints,
+tensor parallelism and the monitor call the engine and nothing below it, so each of their needs is
+a short method here that delegates to the part that owns it (reducer, parameter side, sharded
+optimizers, step checks). Splitting the facade would scatter that surface over modules a caller
+would have to know.
 """
 
 from __future__ import annotations

@@ -69,6 +69,12 @@ its own per-parameter step count; the reduced zeros it would have had leave grad
 norm unchanged.
 
 Phase markers, which the used flags ride on: ``zero/agreements.py``.
+
+[Note: one reducer module] Past 500 lines, most of it the Notes above: end-of-backward
+detection, the learned launch order and the in-flight limit are one state machine over the same
+bucket list and readiness counts, driven by the same hooks; split apart they would share all of
+that state. What does not share it has left: storage (``grad_storage.py``), waiting
+(``waits.py``), agreements (``agreements.py``).
 Waiting on collectives (time limit, polling, a failing peer): ``zero/waits.py``.
 """
 
