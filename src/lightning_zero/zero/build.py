@@ -171,7 +171,7 @@ def build_replicated(
     return BuiltParams(
         groups,
         per_optimizer,
-        ReplicatedParams(module, groups, overlap_gather=config.overlap_param_gather),
+        ReplicatedParams(module, overlap_gather=config.overlap_param_gather),
         frozen_params=[p for p in module.parameters() if id(p) not in managed],
     )
 

@@ -213,7 +213,6 @@ class ZeroEngine:
         self.params.attach(
             self.optimizers, self.reducer, dp_group=dp_group, counter=self.counter, waiter=self.waiter
         )  # fmt: skip
-        self.param_gatherer: Optional[ParamGatherer] = self.params.gatherer  # stages 1-2, overlap_param_gather
         for sharded in self.optimizers:
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
             sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
@@ -232,6 +231,11 @@ class ZeroEngine:
     def stage(self) -> int:
         """``config.stage``: 1, 2 or 3."""
         return self.config.stage
+
+    @property
+    def param_gatherer(self) -> Optional[ParamGatherer]:
+        """Stages 1-2 with ``overlap_param_gather``: the overlapped post-step all-gather; else ``None``."""
+        return self.params.gatherer
 
     def wait_param_gathers(self) -> None:
         """Wait for every parameter all-gather still in flight (stages 1-2 with

@@ -62,9 +62,8 @@ class ReplicatedParams:
     gather_after_step = True  # ShardedOptimizer all-gathers the updated chunks after its step
     replicated_step_warning = REPLICATED_STEP_WARNING
 
-    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], *, overlap_gather: bool) -> None:
+    def __init__(self, module: nn.Module, *, overlap_gather: bool) -> None:
         self.module = module
-        self.groups = groups
         self.overlap_gather = overlap_gather
         self.gatherer: Optional[ParamGatherer] = None  # set in attach() when overlap_gather is on
         self.runtime: Optional[Stage3Runtime] = None

@@ -518,11 +518,6 @@ class GradReducer:
         for callback in self.on_grads_reduced:
             callback()
 
-    def unused_by_every_rank(self) -> set[int]:
-        """Ids of the parameters no dp rank gave a gradient since their optimizer last dropped its
-        gradients, as agreed at the last optimizer step's marker."""
-        return self.markers.unused_by_all
-
     def install_grad_views(self) -> None:
         """Call before a backward (the engine's ``pre_backward`` does, after its zero_grad check):
         stage 1 points each parameter's ``.grad`` into its bucket slot ([Note: gradients as
