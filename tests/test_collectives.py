@@ -1,7 +1,9 @@
 """``lightning_zero.collectives`` on gloo: the reduce-scatter runs as an all-to-all plus a local sum
 ([Note: reduce-scatter on gloo]): the same result as an all-reduce's chunk, pollable before
 ``wait()``, counted at the reduce-scatter's logical bytes, in place or not, over the whole world
-and over a subgroup, in fp32 and bf16 (one 4-rank launch)."""
+(dp rank 0 sends only the other chunks, the others all of theirs) and over a pair, in fp32 and
+bf16; the all-gather over a pair is an all-to-all ([Note: all-gather on gloo]), in place or not,
+pollable, exact, at the all-gather's logical bytes (one 4-rank launch)."""
 
 import time
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import CommCounter, Finishing, reduce_scatter
+from lightning_zero.collectives import CommCounter, Finishing, all_gather, reduce_scatter
 from tests.distributed import run_ranks
 
 
@@ -65,11 +67,43 @@ def _check_group(group, members: list[int], dtype: torch.dtype) -> None:
     assert torch.equal(in_place[: me * chunk], full[: me * chunk]), "other ranks' chunks untouched"
 
 
+def _check_all_gather(group, members: list[int], dtype: torch.dtype) -> None:
+    rank = dist.get_rank()
+    if rank not in members:
+        return
+    size, me = len(members), members.index(rank)
+    chunk = 777
+    expected = torch.cat([_rank_input(member, chunk, dtype) for member in members])
+    mine = slice(me * chunk, (me + 1) * chunk)
+
+    # Out of place, async, pollable before wait(); counted at (n-1)/n of the output.
+    counter = CommCounter()
+    output = torch.full((size * chunk,), float("nan"), dtype=dtype)
+    source = _rank_input(rank, chunk, dtype)
+    work = all_gather(output, source, group, async_op=True, counter=counter, label="ag")
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the gloo all-gather did not complete without wait()"
+        time.sleep(1e-3)
+    work.wait()
+    assert torch.equal(output, expected)
+    assert torch.equal(source, _rank_input(rank, chunk, dtype)), "the input is left as it was"
+    assert counter.bytes == {"ag": (size - 1) / size * output.numel() * output.element_size()}
+
+    # In place (stages 1-2's parameter buckets): the input is this rank's slot of the output.
+    in_place = torch.full((size * chunk,), float("nan"), dtype=dtype)
+    in_place[mine] = _rank_input(rank, chunk, dtype)
+    assert all_gather(in_place, in_place[mine], group) is None
+    assert torch.equal(in_place, expected)
+
+
 def _body(rank: int, world: int) -> None:
     pair = dist.new_group([1, 2])
     for dtype in (torch.float32, torch.bfloat16):
         _check_group(None, list(range(world)), dtype)
         _check_group(pair, [1, 2], dtype)
+        _check_all_gather(None, list(range(world)), dtype)
+        _check_all_gather(pair, [1, 2], dtype)
     # A wrong size is refused before anything is sent.
     try:
         reduce_scatter(torch.empty(3), torch.empty(10), None)
@@ -80,5 +114,5 @@ def _body(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_gloo_reduce_scatter_is_a_pollable_all_to_all():
+def test_gloo_reduce_scatter_and_pair_all_gather_are_pollable_all_to_alls():
     run_ranks(_body, 4, timeout_s=120)

@@ -18,11 +18,21 @@ and keeps one chunk: it sends an all-reduce's bytes (twice a reduce-scatter's) a
 than an all-reduce (measurements: docs/performance.md). Its async form also completes only inside
 ``wait()``, so a wait with a time limit cannot poll it. On a gloo group
 :func:`reduce_scatter` therefore runs an ``all_to_all_single`` (each rank sends chunk ``r`` of its
-input to rank ``r``: exactly ``(n-1)/n`` of the input, the logical bytes) into a receive buffer of
-the input's size, and the handle's ``wait()`` sums the ``n`` received versions of this rank's chunk
-in rank order into ``output`` (faster than gloo's own; the all-to-all completes without
-``wait()``, so it can be polled). The receive buffer is the transient copy gloo's own
-reduce-scatter makes too; it lives until ``wait()``. NCCL keeps its native reduce-scatter.
+input to rank ``r``: exactly ``(n-1)/n`` of the input, the logical bytes), and the handle's
+``wait()`` adds what arrived to this rank's own chunk (the all-to-all completes without
+``wait()``, so it can be polled). Where the other ranks' chunks lie next to each other in the
+input (dp rank 0, and both ranks of a pair) the all-to-all sends only those and receives only
+the ``n-1`` foreign versions of this rank's chunk; nothing goes to this rank itself, and the sum
+is ``own + received`` in rank order (for a pair ``a + b == b + a`` exactly), in place when
+``output`` is that chunk. Elsewhere the input's own chunk travels to this rank too (gloo copies it
+locally) and the ``n`` received versions are summed in rank order. The receive buffer lives until
+``wait()``. NCCL keeps its native reduce-scatter.
+
+[Note: all-gather on gloo] gloo's ``all_gather_into_tensor`` costs about twice what an all-to-all
+moving the same bytes costs (docs/performance.md). Over a pair of ranks :func:`all_gather`
+therefore is one all-to-all of the rank's own chunk into the peer's slot of ``output`` (the own
+slot is written in place, or copied from ``input``): the same bytes, pollable as well. Larger
+gloo groups and NCCL keep the native all-gather.
 
 A group of one rank (dp=1 under tensor parallelism, a single process) issues no collective at
 all: the result is computed locally and a completed work handle is returned.
@@ -228,19 +238,42 @@ def _reduce_scatter_by_all_to_all(
     counter: Optional[CommCounter],
     label: str,
 ):
-    """[Note: reduce-scatter on gloo]: an all-to-all, then the sum of this rank's ``size`` chunks."""
+    """[Note: reduce-scatter on gloo]: an all-to-all, then this rank's chunk plus what arrived."""
     if input.numel() != size * output.numel():
         raise ValueError(
             f"reduce_scatter: input.numel()={input.numel()} must be group size ({size}) x"
             f" output.numel()={output.numel()}"
         )
-    send = input.reshape(-1)
-    received = torch.empty_like(send)
-    work = all_to_all(received, send, group, async_op=True, counter=counter, label=label)
-    rows = received.view(size, -1)
+    chunk = output.numel()
+    rank = dist.get_rank(group)
+    full = input.reshape(-1)
+    own = full[rank * chunk : (rank + 1) * chunk]
+    if counter is not None:
+        counter.add(label, ring_sent("all_to_all", full.numel(), size), full.element_size(), counter.link_of(group))
+    others_adjacent = rank == 0 or size == 2
+    if others_adjacent:  # the other ranks' chunks are one run: send only them, receive n-1 chunks
+        send = full[chunk:] if rank == 0 else full[: rank * chunk]
+        splits = [0 if source == rank else chunk for source in range(size)]
+        received = torch.empty((size - 1) * chunk, dtype=full.dtype, device=full.device)
+    else:
+        send, splits = full, [chunk] * size
+        received = torch.empty_like(full)
+    with record_function(f"lightning_zero::{label}"):
+        work = dist.all_to_all_single(
+            received, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
+        )
+    rows = received.view(-1, chunk)
 
     def finish() -> None:
         target = output.view(-1)
+        if others_adjacent:
+            if target.data_ptr() != own.data_ptr():
+                torch.add(own, rows[0], out=target)
+            else:
+                target.add_(rows[0])
+            for row in rows[1:]:
+                target.add_(row)
+            return
         target.copy_(rows[0])
         for source in range(1, size):
             target.add_(rows[source])
@@ -257,8 +290,42 @@ def all_gather(
     counter: Optional[CommCounter] = None,
     label: str = "all_gather",
 ):
-    """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``)."""
+    """Concatenate every rank's ``input`` into ``output`` (``output.numel() == size * input.numel()``).
+    ``input`` may be this rank's slot of ``output``. A gloo pair runs one all-to-all ([Note:
+    all-gather on gloo])."""
+    size = _group_size(group)
+    if size == 2 and output.is_contiguous() and input.is_contiguous() and dist.get_backend(group) == "gloo":
+        return _all_gather_pair(output, input, group, async_op, counter, label)
     return _chunked("all_gather", _all_gather, output, input, output, group, async_op, counter, label)
+
+
+def _all_gather_pair(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool,
+    counter: Optional[CommCounter],
+    label: str,
+):
+    """[Note: all-gather on gloo]: this rank's chunk goes to the peer's slot of ``output`` and back."""
+    chunk = input.numel()
+    if output.numel() != 2 * chunk or output.dtype != input.dtype:
+        raise ValueError(
+            f"all_gather: output ({output.numel()} x {output.dtype}) must hold 2 x input"
+            f" ({chunk} x {input.dtype}) over a group of 2"
+        )
+    rank = dist.get_rank(group)
+    flat = output.view(-1)
+    mine, theirs = flat[rank * chunk : (rank + 1) * chunk], flat[(1 - rank) * chunk : (2 - rank) * chunk]
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.reshape(-1))
+    if counter is not None:
+        counter.add(label, ring_sent("all_gather", flat.numel(), 2), flat.element_size(), counter.link_of(group))
+    splits = [0, chunk] if rank == 0 else [chunk, 0]
+    with record_function(f"lightning_zero::{label}"):
+        return dist.all_to_all_single(
+            theirs, mine, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=async_op
+        )
 
 
 def all_reduce(

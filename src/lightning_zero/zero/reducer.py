@@ -39,7 +39,7 @@ Where the gradients live between backward and the reduce-scatter (stage 1 vs 2) 
 in flight while ``config.max_buckets_in_flight`` of them are, in every stage.
 Stage 2's pool bounds its bucket buffers the same way; for stage 1, whose buffers are the
 gradients, the limit bounds the collectives themselves: on gloo each one holds a receive buffer
-of its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
+of up to its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
 rank's core beside backward, and launching every bucket at once made stage 1's step erratic on
 2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On NCCL a wait
 on an earlier collective does not block the host, so the limit costs nothing there.
