@@ -129,7 +129,8 @@ def _reference(steps: int, micro: int, world: int, clip: float) -> list[torch.Te
 
 def _parity_and_views(rank, world, stage, expected):
     """Default-ish knobs (bucket_mb=25 > the model): several buckets, the first launched before
-    backward ends and small; stage 1 autograd writes into the bucket slots; params match."""
+    backward ends and small; stage 1: the first micro batch after zero_grad copies each gradient
+    into its (unfilled) slot, later ones let autograd write into the bucket slots; params match."""
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.flat import FIRST_BUCKET_MB
@@ -146,13 +147,19 @@ def _parity_and_views(rank, world, stage, expected):
     model.layers[0].weight.register_hook(  # its gradient is the last one backward computes
         lambda grad: launched_when_last_grad_came.append(len(reducer.timeline.launched_buckets()))
     )
-    for step, batch in enumerate(_inputs(3, 2, world)):
+    for step, batch in enumerate(_inputs(3, 3, world)):
         opt.zero_grad()
         for i, x in enumerate(batch):
             syncing = i == len(batch) - 1
             with engine.no_sync() if not syncing else torch.enable_grad():
                 engine.backward(model(x[rank]).pow(2).mean() / len(batch))
-            if stage == 1 and not syncing:
+            if stage == 1 and step > 0 and i == 0:
+                # right after zero_grad the buffer is not filled: each gradient was copied in
+                assert all(p.grad is None for p in model.parameters())
+                assert all(b.undefined for b in reducer.buckets)
+                used = sum(1 for p in model.parameters() if p.requires_grad) - 2  # `unused` has 2
+                assert sum(len(b.written_slots) for b in reducer.buckets) == used
+            if stage == 1 and not syncing and (step == 0 or i > 0):
                 # gradient_as_bucket_view: every .grad is its slot of the group's buffer
                 for group in engine.groups:
                     buffer = storage.buffers[id(group)]
@@ -308,5 +315,5 @@ def _all(rank, world, expected):
 
 def test_engine_gradient_path():
     torch.set_num_threads(1)
-    expected = [_reference(3, 2, 2, 0.05) for _ in (1, 2)]
+    expected = [_reference(3, 3, 2, 0.05) for _ in (1, 2)]
     run_ranks(_all, 2, args=(expected,), timeout_s=240)

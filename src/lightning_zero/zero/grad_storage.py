@@ -32,9 +32,14 @@ buckets reduced and not zeroed since (two backwards before a step) are re-armed 
 new gradient and get no view; fp32 buckets under bf16 compute (``reduce_dtype``) cannot be a
 bf16 parameter's ``.grad``, so each gradient is added in, cast to fp32. Frozen parameters have no
 slot; a tied parameter is one slot; reentrant checkpointing accumulates into the slot once per
-segment. Stage 2's pool buffers exist only while a bucket fills, so there the hook copies: the
-first gradient of a slot overwrites the (never zero-filled) pool buffer, later ones add, and
-only slots no gradient reached, plus the padding, are zeroed before launch.
+segment. A ``zero_grad`` does not fill the buffer with zeros (a pass over every gradient byte,
+after which autograd's ``grad += new`` reads it again): it marks the bucket *undefined*, and the
+first backward after it copies each gradient into its slot (no views: autograd hands over a
+fresh gradient and the hook copies it, one read and one write); only slots no gradient reached,
+plus the padding, are zeroed, before launch or before views are installed for the next micro
+batch, which accumulates in the views again. Stage 2's pool buffers exist only while a bucket
+fills, so there the hook always copies the same way: the first gradient of a slot overwrites the
+(never zero-filled) pool buffer, later ones add.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ class Bucket:
     pending: Optional[PendingReduce] = None
     chunk_is_fresh: bool = True  # next reduce overwrites the chunk instead of adding to it
     reduced_in_place: bool = False  # stage 1: the full buffer holds a reduced chunk (see re-arm)
-    written_slots: set[int] = field(default_factory=set)  # stage 2: slot offsets filled this backward
+    written_slots: set[int] = field(default_factory=set)  # slot offsets filled since the buffer was undefined
+    undefined: bool = False  # stage 1: zero_grad left the buffer as it was; only written_slots hold gradients
 
 
 def grad_dtype(group: FlatParamGroup, reduce_in_fp32: bool) -> torch.dtype:
@@ -173,6 +179,10 @@ class FullGradStorage(GradStorage):
             buffer = self.buffers[id(bucket.group)]
             if buffer.dtype != bucket.group.compute_dtype:
                 continue  # fp32 buckets under bf16 compute: each gradient is added in (cast)
+            if bucket.undefined:
+                if not bucket.written_slots:
+                    continue  # right after a zero_grad: the hook copies each first gradient in
+                self._define(bucket)  # a later micro batch: zero what no gradient reached, then views
             for slot in bucket.layout.slots:
                 param = slot.param
                 view = self._views.get(id(param))
@@ -193,15 +203,37 @@ class FullGradStorage(GradStorage):
         self._installed.discard(id(slot.param))
         self._rearm(bucket)
         target = self.buffers[id(bucket.group)][slot.offset : slot.end]
-        if installed and torch.is_grad_enabled():
+        if bucket.undefined and slot.offset not in bucket.written_slots:
+            target.copy_(grad.detach().reshape(-1))  # first gradient since zero_grad: overwrites
+            bucket.written_slots.add(slot.offset)
+        elif installed and torch.is_grad_enabled():
             # create_graph=True: autograd replaced the installed view by ``view + new`` out of place.
             target.copy_(grad.detach().reshape(-1))
         else:
             target.add_(grad.detach().reshape(-1))
         slot.param.grad = None
 
+    def _define(self, bucket: Bucket) -> None:
+        """An undefined bucket (after ``zero_grad``) becomes whole: zero the slots no gradient
+        reached, the gaps between slots and the padding."""
+        if not bucket.undefined:
+            return
+        full = self._bucket_buffer(bucket)
+        base = bucket.layout.start
+        cursor = base
+        for slot in sorted(bucket.layout.slots, key=lambda s: s.offset):
+            if slot.offset > cursor:
+                full[cursor - base : slot.offset - base].zero_()
+            if slot.offset not in bucket.written_slots:
+                full[slot.offset - base : slot.end - base].zero_()
+            cursor = max(cursor, slot.end)
+        full[cursor - base :].zero_()
+        bucket.undefined = False
+        bucket.written_slots.clear()
+
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
         self._rearm(bucket)
+        self._define(bucket)
         return self._bucket_buffer(bucket)
 
     def after_reduce(self, bucket: Bucket) -> None:
@@ -215,9 +247,17 @@ class FullGradStorage(GradStorage):
                 slot.param.grad = None
 
     def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
+        """No fill: the buckets become undefined, and their next gradients overwrite ([Note:
+        gradients as bucket views])."""
         for bucket in self.buckets if buckets is None else buckets:
-            self._bucket_buffer(bucket).zero_()
             bucket.reduced_in_place = False
+            bucket.undefined = True
+            bucket.written_slots.clear()
+            for slot in bucket.layout.slots:  # a view would show what the buffer held
+                view = self._views.get(id(slot.param))
+                if view is not None and slot.param.grad is view:
+                    slot.param.grad = None
+                self._installed.discard(id(slot.param))
 
     def grad_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
