@@ -78,8 +78,9 @@ _RING = {
     "all_gather_single": ("all_gather", 0),
     "_all_gather_base": ("all_gather", 0),
     "broadcast": ("broadcast", 0),
-    # our reduce-scatter on gloo ([Note: reduce-scatter on gloo] in collectives.py) and the
-    # compressed collectives: (n-1)/n of the input leaves each rank
+    # our reduce-scatter and pair all-gather on gloo ([Note: reduce-scatter on gloo], [Note:
+    # all-gather on gloo] in collectives.py) and the compressed collectives: (n-1)/n of the input
+    # leaves each rank; with split sizes, the rows sent to the other ranks
     "all_to_all_single": ("all_to_all", 1),
 }
 
@@ -147,7 +148,13 @@ class CollectiveTap:
                 if group is None:
                     group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
                 n = dist.get_world_size(group)
-                sent = ring_sent(kind, _tensor_bytes(tensor), n)
+                splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+                if kind == "all_to_all" and splits:  # rows to each rank; the own rank's stay here
+                    row_bytes = _tensor_bytes(tensor) / max(1, tensor.shape[0])
+                    own = dist.get_rank(group)
+                    sent = row_bytes * sum(size for rank, size in enumerate(splits) if rank != own)
+                else:
+                    sent = ring_sent(kind, _tensor_bytes(tensor), n)
                 tap.bytes[kind] = tap.bytes.get(kind, 0.0) + sent
                 tap.calls[kind] = tap.calls.get(kind, 0) + 1
             tap._depth.value = depth + 1
