@@ -20,6 +20,14 @@ def _rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(numel, generator=gen) * (1 + rank)).to(dtype)
 
 
+def _poll_until_completed(work, what: str) -> None:
+    """``work`` completes without ``wait()`` (a wait with a time limit can poll it)."""
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, f"{what} did not complete without wait()"
+        time.sleep(1e-3)
+
+
 def _check_group(group, members: list[int], dtype: torch.dtype) -> None:
     rank = dist.get_rank()
     if rank not in members:
@@ -47,10 +55,7 @@ def _check_group(group, members: list[int], dtype: torch.dtype) -> None:
     output = torch.full((chunk,), float("nan"), dtype=dtype)
     work = reduce_scatter(output, full, group, async_op=True, counter=counter, label="rs")
     assert isinstance(work, Finishing)
-    deadline = time.monotonic() + 30
-    while not work.is_completed():
-        assert time.monotonic() < deadline, "the gloo reduce-scatter did not complete without wait()"
-        time.sleep(1e-3)
+    _poll_until_completed(work, "the gloo reduce-scatter")
     assert output.isnan().all(), "the sum lands in wait(), not before"
     work.wait()
     assert_sum(output)
@@ -81,10 +86,7 @@ def _check_all_gather(group, members: list[int], dtype: torch.dtype) -> None:
     output = torch.full((size * chunk,), float("nan"), dtype=dtype)
     source = _rank_input(rank, chunk, dtype)
     work = all_gather(output, source, group, async_op=True, counter=counter, label="ag")
-    deadline = time.monotonic() + 30
-    while not work.is_completed():
-        assert time.monotonic() < deadline, "the gloo all-gather did not complete without wait()"
-        time.sleep(1e-3)
+    _poll_until_completed(work, "the gloo all-gather")
     work.wait()
     assert torch.equal(output, expected)
     assert torch.equal(source, _rank_input(rank, chunk, dtype)), "the input is left as it was"

@@ -203,10 +203,16 @@ def _chunked(
     size = _group_size(group)
     if size == 1:
         return _local(output, input, async_op)
-    if counter is not None:
-        counter.add(label, ring_sent(kind, full.numel(), size), full.element_size(), counter.link_of(group))
+    _count(counter, label, kind, full, size, group)
     with record_function(f"lightning_zero::{label}"):
         return op(output, input, group=group, async_op=async_op)
+
+
+def _count(counter: Optional[CommCounter], label: str, kind: str, full: torch.Tensor, size: int, group) -> None:
+    """Add a ``kind`` collective over ``full`` (its group-sized side) to ``counter`` under ``label``
+    ([Note: logical bytes]: :func:`~lightning_zero.ring.ring_sent`)."""
+    if counter is not None:
+        counter.add(label, ring_sent(kind, full.numel(), size), full.element_size(), counter.link_of(group))
 
 
 def reduce_scatter(
@@ -248,8 +254,7 @@ def _reduce_scatter_by_all_to_all(
     rank = dist.get_rank(group)
     full = input.reshape(-1)
     own = full[rank * chunk : (rank + 1) * chunk]
-    if counter is not None:
-        counter.add(label, ring_sent("all_to_all", full.numel(), size), full.element_size(), counter.link_of(group))
+    _count(counter, label, "all_to_all", full, size, group)
     others_adjacent = rank == 0 or size == 2
     if others_adjacent:  # the other ranks' chunks are one run: send only them, receive n-1 chunks
         send = full[chunk:] if rank == 0 else full[: rank * chunk]
@@ -319,8 +324,7 @@ def _all_gather_pair(
     mine, theirs = flat[rank * chunk : (rank + 1) * chunk], flat[(1 - rank) * chunk : (2 - rank) * chunk]
     if mine.data_ptr() != input.data_ptr():
         mine.copy_(input.reshape(-1))
-    if counter is not None:
-        counter.add(label, ring_sent("all_gather", flat.numel(), 2), flat.element_size(), counter.link_of(group))
+    _count(counter, label, "all_gather", flat, 2, group)
     splits = [0, chunk] if rank == 0 else [chunk, 0]
     with record_function(f"lightning_zero::{label}"):
         return dist.all_to_all_single(

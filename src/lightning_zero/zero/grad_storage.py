@@ -85,6 +85,18 @@ class Bucket:
     undefined: bool = False  # stage 1: zero_grad left the buffer as it was; only written_slots hold gradients
 
 
+def zero_unwritten(bucket: Bucket, full: torch.Tensor) -> None:
+    """Zero the slots of ``full`` (``bucket``'s buffer) that are not in ``bucket.written_slots``,
+    and the bucket's padding (slots are contiguous, padding only follows the last one)."""
+    base = bucket.layout.start
+    end = base
+    for slot in bucket.layout.slots:
+        if slot.offset not in bucket.written_slots:
+            full[slot.offset - base : slot.end - base].zero_()
+        end = max(end, slot.end)
+    full[end - base :].zero_()
+
+
 def grad_dtype(group: FlatParamGroup, reduce_in_fp32: bool) -> torch.dtype:
     """The dtype ``group``'s gradients are accumulated and reduced in: fp32 when asked
     (``reduce_dtype="fp32"``), else the group's compute dtype."""
@@ -215,19 +227,10 @@ class FullGradStorage(GradStorage):
 
     def _define(self, bucket: Bucket) -> None:
         """An undefined bucket (after ``zero_grad``) becomes whole: zero the slots no gradient
-        reached, the gaps between slots and the padding."""
+        reached and the padding."""
         if not bucket.undefined:
             return
-        full = self._bucket_buffer(bucket)
-        base = bucket.layout.start
-        cursor = base
-        for slot in sorted(bucket.layout.slots, key=lambda s: s.offset):
-            if slot.offset > cursor:
-                full[cursor - base : slot.offset - base].zero_()
-            if slot.offset not in bucket.written_slots:
-                full[slot.offset - base : slot.end - base].zero_()
-            cursor = max(cursor, slot.end)
-        full[cursor - base :].zero_()
+        zero_unwritten(bucket, self._bucket_buffer(bucket))
         bucket.undefined = False
         bucket.written_slots.clear()
 
@@ -241,9 +244,14 @@ class FullGradStorage(GradStorage):
         # The buffer now holds this rank's reduced chunk and stale sums elsewhere: no parameter
         # shows it as its gradient (``install_grad_views`` puts the views back before the next
         # backward that may add to a zeroed bucket).
+        self._drop_views(bucket)
+
+    def _drop_views(self, bucket: Bucket) -> None:
+        """No parameter of ``bucket`` keeps its slot as ``.grad`` (the buffer holds no gradient of it)."""
         for slot in bucket.layout.slots:
             self._installed.discard(id(slot.param))
-            if self._views.get(id(slot.param)) is not None and slot.param.grad is self._views[id(slot.param)]:
+            view = self._views.get(id(slot.param))
+            if view is not None and slot.param.grad is view:
                 slot.param.grad = None
 
     def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
@@ -253,11 +261,7 @@ class FullGradStorage(GradStorage):
             bucket.reduced_in_place = False
             bucket.undefined = True
             bucket.written_slots.clear()
-            for slot in bucket.layout.slots:  # a view would show what the buffer held
-                view = self._views.get(id(slot.param))
-                if view is not None and slot.param.grad is view:
-                    slot.param.grad = None
-                self._installed.discard(id(slot.param))
+            self._drop_views(bucket)  # a view would show what the buffer held
 
     def grad_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
@@ -313,7 +317,7 @@ class ShardedGradStorage(GradStorage):
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
         """A buffer for ``bucket``, not zeroed: every slot is written by its first gradient, and
-        what no gradient wrote is zeroed just before launch (``_zero_unwritten``)."""
+        what no gradient wrote is zeroed just before launch (``zero_unwritten``)."""
         dtype, numel = grad_dtype(bucket.group, self.reduce_in_fp32), bucket.layout.numel
         buffer = self._take_free(dtype, numel)
         while buffer is None and self.allocated >= self.max_buckets_in_flight:
@@ -349,19 +353,9 @@ class ShardedGradStorage(GradStorage):
             bucket.written_slots.add(slot.offset)
         slot.param.grad = None
 
-    def _zero_unwritten(self, bucket: Bucket, full: torch.Tensor) -> None:
-        """Zero the slots no gradient reached in this backward and the bucket's padding."""
-        base = bucket.layout.start
-        end = base
-        for slot in bucket.layout.slots:
-            if slot.offset not in bucket.written_slots:
-                full[slot.offset - base : slot.end - base].zero_()
-            end = max(end, slot.end)
-        full[end - base :].zero_()
-
     def full_grad_for_launch(self, bucket: Bucket) -> torch.Tensor:
         full = self._ensure_full_grad(bucket)
-        self._zero_unwritten(bucket, full)
+        zero_unwritten(bucket, full)
         return full
 
     def after_reduce(self, bucket: Bucket) -> None:
