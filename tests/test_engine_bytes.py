@@ -45,13 +45,18 @@ def _check(rank, world, stage, dtype, bucket_mb):
     assert got["optimizer"] == want.optimizer + state_beyond_formula(engine)
     if stage == 1:
         assert got["grads"] == want.grads
+        assert got["grad_buffers"] == 0
     else:
-        # Between steps only the gradient chunks live; during backward at most
-        # max_buckets_in_flight full-size bucket buffers joined them.
+        # The gradient state is the chunks; at most max_buckets_in_flight + 1 full-size bucket
+        # buffers joined them during backward, and the pool keeps them for the next one
+        # ([Note: the bucket pool outlives backward]) until the engine lets go.
         storage = engine.reducer.storage
         assert got["grads"] == want.grads
-        assert 1 <= storage.high_water <= storage.max_buckets_in_flight
-        assert storage.pool_bytes_high_water <= storage.max_buckets_in_flight * storage.max_bucket_numel * elem
+        assert 1 <= storage.high_water <= storage.max_buffers == engine.config.max_buckets_in_flight + 1
+        pool_limit = storage.max_buffers * storage.max_bucket_numel * elem
+        assert storage.pool_bytes_high_water <= pool_limit
+        assert 0 < got["grad_buffers"] <= pool_limit
+        assert got["grad_buffers"] == sum(b.numel() * b.element_size() for b in storage.free)
     # Unpadded, the formulas agree up to the padding.
     unpadded = model_state_bytes(
         num_params, stage=stage, dp=world, param_bytes=elem, grad_bytes=elem, optim_bytes_per_param=k
@@ -64,6 +69,14 @@ def _check(rank, world, stage, dtype, bucket_mb):
     assert sent["all_gather_params"] == padded * (world - 1) / world
     assert engine.counter.total_elements() == 2 * padded * (world - 1) / world
     assert engine.counter.bytes["reduce_scatter_grads"] == padded * (world - 1) / world * elem
+    if stage == 2:
+        storage = engine.reducer.storage
+        kept = [b.data_ptr() for b in storage.free]
+        model(torch.randn(8, 33, dtype=dtype)).float().pow(2).mean().backward()
+        assert sorted(b.data_ptr() for b in storage.free) == sorted(kept), "the next backward reuses the pool"
+        assert storage.allocated == len(kept)
+        engine.release_module()
+        assert engine.measured_bytes()["grad_buffers"] == 0 and storage.allocated == 0
     engine.close()
 
 

@@ -386,6 +386,8 @@ class ZeroEngine:
             "master": master,
             "optimizer_state": state,
             "total": params + grads + master + state,
+            # not model state: stage 2/3's bucket pool ([Note: the bucket pool outlives backward])
+            "grad_buffers": self.reducer.storage.buffer_bytes(),
         }
 
     def frozen_param_bytes(self) -> int:
@@ -465,6 +467,7 @@ class ZeroEngine:
         stage 3 unshards every parameter, stages 1-2 put the fp32 masters back. Collective."""
         self.wait_param_gathers()
         self.params.release(self.release_grads)
+        self.reducer.storage.release_buffers()  # stage 2's bucket pool; stage 1-2's gradients stay
         self.restore_master_params()
 
     def release_grads(self) -> None:
