@@ -100,10 +100,11 @@ def test_stage3_working_set_at_0_44b():
     zero3 = plans[3].memory
     assert zero3.prefetch_buffers == 2 * head and zero3.bucket_buffers == 3 * head
     assert zero3.total == zero3.model_states + 5 * head + zero3.activations + zero3.logits_and_loss + head
-    # what bench_memory.py measured (MiB above the post-import RSS, training peak, issue 24): the
+    # what bench_memory.py measured (MiB above the post-import RSS, the worse rank's fit peak,
+    # issue 24, session 9 with the pool kept: benchmarks/results/memory_session9.json): the
     # prediction is within 10%, and stage 3 below stage 2 below stage 1
-    assert 4588 * 2**20 / zero3.total == pytest.approx(1.0, abs=0.10)
-    assert 4857 * 2**20 / plans[2].memory.total == pytest.approx(1.0, abs=0.10)
+    assert 4571 * 2**20 / zero3.total == pytest.approx(1.0, abs=0.10)
+    assert 5170 * 2**20 / plans[2].memory.total == pytest.approx(1.0, abs=0.10)
     assert plans[3].memory.total < plans[2].memory.total < plans[1].memory.total
 
 
