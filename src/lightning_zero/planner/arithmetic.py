@@ -162,8 +162,8 @@ def plan_run(
         prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
         defer_grad_reduce: stage 2: full gradients over micro batches, one reduce-scatter at the last.
         overlap_comm: launch each bucket's collective during backward (else all after backward).
-        max_buckets_in_flight: reduce-scatters in flight at once; stage 2/3 pool one bucket buffer
-            more (``bucketing.pool_buffers``; backward waits beyond).
+        max_buckets_in_flight: reduce-scatters in flight at once; stage 2/3 bucket buffers alive
+            at once (``bucketing.pool_buffers``; backward waits beyond).
         overlap_param_gather: stages 1-2: hide the post-step parameter all-gather behind the next
             forward (``False``: the engine as it is today, exposed).
         shard_size: ZeRO shards over groups of this many consecutive dp ranks (``None``: all dp

@@ -28,7 +28,7 @@ class MemoryPerRank:
     grads: float
     master_weights: float  # fp32 master shard (part of the optimizer state)
     optimizer_moments: float  # Adam exp_avg + exp_avg_sq shard
-    bucket_buffers: float  # stage 2/3: the gradient bucket pool (in flight + the one filling, kept between backwards)
+    bucket_buffers: float  # stage 2/3: the gradient bucket pool (kept between backwards)
     prefetch_buffers: float  # stage 3: full params of the gathered blocks
     activations: float  # saved for backward by the transformer blocks and the final norm
     logits_and_loss: float

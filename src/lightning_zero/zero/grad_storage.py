@@ -14,8 +14,8 @@ do differently, and it lives in the two :class:`GradStorage` classes here:
 - :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
   A gradient is copied into a bucket buffer taken from a small pool, ``param.grad`` is dropped at
   once, and the buffer goes back to the pool when its reduce-scatter finishes, so peak gradient
-  memory is the chunk plus ``config.max_buckets_in_flight + 1`` bucket buffers (the ones in
-  flight and the one filling: ``bucketing.pool_buffers``), each sized to the bucket it serves. The pool outlives a backward ([Note: the bucket pool outlives backward]); the model
+  memory is the chunk plus ``config.max_buckets_in_flight`` bucket buffers
+  (``bucketing.pool_buffers``), each sized to the bucket it serves. The pool outlives a backward ([Note: the bucket pool outlives backward]); the model
   state is the chunks. Every backward (every micro batch) reduces; the chunk accumulates.
 
 [Note: the bucket pool outlives backward] Stage 2/3's bucket buffers stay in the pool between
@@ -294,7 +294,7 @@ class ShardedGradStorage(GradStorage):
     reduces_every_backward = True
 
     def __init__(self, config: "ZeroConfig") -> None:
-        self.config = config  # reads max_buckets_in_flight: the pool holds one buffer more
+        self.config = config  # reads max_buckets_in_flight: pool buffers alive at once
         self.free: list[torch.Tensor] = []  # pool buffers not serving a bucket right now
         self.allocated = 0  # pool buffers that exist right now
         self.high_water = 0  # most pool buffers alive at once
