@@ -73,9 +73,8 @@ def test_plan_model_states_equal_ledger(stage, precision, bytes_per_param):
 
 def test_engine_buffers_by_stage():
     plans = compare_stages("7b", world_size=8, devices_per_node=8, seq_len=512, bucket_mb=25.0, prefetch_blocks=2)
-    # The engine's pool holds max_buckets_in_flight (2) buffers of at most its largest bucket
-    # (zero/bucketing.pool_buffers): a tensor never straddles buckets, so the 32000 x 4096 output
-    # head (and embedding) is a bucket of its own.
+    # The engine's pool holds max_buckets_in_flight (2) buffers of its largest bucket: a tensor never
+    # straddles buckets, so the 32000 x 4096 output head (and embedding) is a bucket of its own.
     largest_bucket = 32000 * 4096
     assert [p.memory.bucket_buffers for p in plans] == [0, 0, 2 * largest_bucket * 2, 2 * largest_bucket * 2]
     block = llama_param_counts(LlamaConfig.from_name("7b")).block

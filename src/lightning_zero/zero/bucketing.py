@@ -50,14 +50,3 @@ def bucket_sizes(numels: Iterable[int], *, bucket_numel: int, first_bucket_numel
 def padded_numel(numel: int, dp: int) -> int:
     """``numel`` rounded up to a multiple of ``dp`` (a bucket splits evenly over the dp ranks)."""
     return -(-numel // dp) * dp
-
-
-def pool_buffers(max_buckets_in_flight: int) -> int:
-    """Stage 2/3: bucket buffers the gradient pool holds at most, as many as reduce-scatters may be
-    in flight ([Note: the bucket pool outlives backward] in ``zero/grad_storage.py``). So the
-    next bucket's first gradient waits for the oldest reduce-scatter when they are all out. One
-    buffer more let it fill while they are on the link (issue 24, session 9: reduce-scatter wait
-    plus agreements 160 -> 112 ms a step at 29.9M parameters, docs/benchmarks.md), but it moves
-    every recipe's planned bytes and tokens/s and one recipe's best layout: not taken until the
-    recipes are re-planned."""
-    return max_buckets_in_flight
