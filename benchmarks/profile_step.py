@@ -73,6 +73,18 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
 ]
 OTHER, UNTRACED, TOTAL = "other ops (Lightning loop)", "untraced (Python, sleeps)", "wall per step"
 
+# Minor page faults of the rank's process inside each bench label, summed since it started (the
+# profiler cannot see them: a fault inside ``aten::mm`` reads as a slower matmul). Fresh pages of
+# a large allocation fault in on first touch; a step that allocates what the last one freed back
+# to the OS pays them every time.
+FAULTS: dict[str, int] = {"bench::forward": 0, "bench::backward": 0}
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 
 def category_of(event: Any) -> str:
     node = event
@@ -117,6 +129,7 @@ def make_profiler_callback(first_step: int, steps: int, result: dict[str, Any]) 
         def __init__(self) -> None:
             self._profiler: Any = None
             self._started = 0.0
+            self._faults_at_start: dict[str, int] = {}
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if trainer.global_step == first_step:
@@ -125,13 +138,17 @@ def make_profiler_callback(first_step: int, steps: int, result: dict[str, Any]) 
                 self._profiler = profile(activities=[ProfilerActivity.CPU])
                 self._profiler.__enter__()
                 self._started = time.perf_counter()
+                self._faults_at_start = {**FAULTS, "total": _minor_faults()}
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self._profiler is None or trainer.global_step != first_step + steps:  # global_step counts this one
                 return
             wall_us = (time.perf_counter() - self._started) * 1e6
             self._profiler.__exit__(None, None, None)
+            faults = {**FAULTS, "total": _minor_faults()}
+            faults_per_step = {label: (faults[label] - self._faults_at_start[label]) / steps for label in faults}
             result.update(breakdown(self._profiler.events(), wall_us, steps), profiled_steps=steps)
+            result["minor_faults_per_step"] = faults_per_step
             self._profiler = None
 
     return StepProfiler()
@@ -146,13 +163,18 @@ def with_phase_labels(make_module: Any) -> Any:
         module = make_module(config)
         training_step, backward = module.training_step, module.backward
 
-        def labeled_step(*args: Any, **kwargs: Any) -> Any:
-            with record_function("bench::forward"):
-                return training_step(*args, **kwargs)
+        def labeled(label: str, fn: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                faults_before = _minor_faults()
+                try:
+                    with record_function(label):
+                        return fn(*args, **kwargs)
+                finally:
+                    FAULTS[label] += _minor_faults() - faults_before
 
-        def labeled_backward(*args: Any, **kwargs: Any) -> Any:
-            with record_function("bench::backward"):
-                return backward(*args, **kwargs)
+            return run
+
+        labeled_step, labeled_backward = labeled("bench::forward", training_step), labeled("bench::backward", backward)
 
         module.training_step, module.backward = labeled_step, labeled_backward
         return module
@@ -179,6 +201,25 @@ def worker(args: argparse.Namespace) -> None:
 def _mean_ranks(ranks: list[dict[str, Any]]) -> dict[str, float]:
     keys = {key for rank in ranks for key in rank["profile"].get("ms_per_step", {})}
     return {key: statistics.mean(rank["profile"]["ms_per_step"].get(key, 0.0) for rank in ranks) for key in keys}
+
+
+def faults_by_case(per_case: dict[str, Any]) -> str:
+    """Minor page faults per profiled step (mean of the ranks, median over rounds), per case."""
+    lines = [f"{'minor page faults per step (mean of 2 ranks)':<56}" + "".join(f"{c:>12}" for c in per_case)]
+    for label, name in (
+        ("bench::forward", "in training_step"),
+        ("bench::backward", "in backward"),
+        ("total", "whole step"),
+    ):
+        cells = ""
+        for case in per_case.values():
+            means = [
+                statistics.mean(rank.get("minor_faults_per_step", {}).get(label, 0.0) for rank in ranks)
+                for ranks in case["ranks_by_round"]
+            ]
+            cells += f"{statistics.median(means):12.0f}"
+        lines.append(f"{name:<56}{cells}")
+    return "\n".join(lines)
 
 
 def format_profiles(profiles: dict[str, dict[str, float]]) -> str:
@@ -235,6 +276,9 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
             }
         table = format_profiles(profiles) if profiles else "(no results)"
         print("\n" + table)
+        if per_case:
+            table += "\n\n" + faults_by_case(per_case)
+            print("\n" + faults_by_case(per_case))
         steps_line = ", ".join(f"{c} {v['unprofiled_step_s_median'] * 1e3:.0f} ms" for c, v in per_case.items())
         print(f"timed step medians (profiled steps included): {steps_line}")
         runs[model] = {"argv": model_argv, "cases": per_case, "table": table, "git": run["git"]}

@@ -14,9 +14,10 @@ do differently, and it lives in the two :class:`GradStorage` classes here:
 - :class:`ShardedGradStorage` (stage 2): only the reduced gradient chunk per bucket persists.
   A gradient is copied into a bucket buffer taken from a small pool, ``param.grad`` is dropped at
   once, and the buffer goes back to the pool when its reduce-scatter finishes, so peak gradient
-  memory is the chunk plus ``config.max_buckets_in_flight`` bucket buffers, each sized to the
-  bucket it serves. The pool outlives a backward ([Note: the bucket pool outlives backward]);
-  the model state is the chunks. Every backward (every micro batch) reduces; the chunk accumulates.
+  memory is the chunk plus ``config.max_buckets_in_flight + 1`` bucket buffers (the ones in
+  flight and the one filling: ``bucketing.pool_buffers``), each sized to the bucket it serves.
+  The pool outlives a backward ([Note: the bucket pool outlives backward]); the model state is
+  the chunks. Every backward (every micro batch) reduces; the chunk accumulates.
 
 [Note: the bucket pool outlives backward] Stage 2/3's bucket buffers stay in the pool between
 backwards and are released when the engine lets go of the module (``release``), as DeepSpeed keeps
@@ -24,12 +25,10 @@ its two ``reduce_bucket_size`` buffers. Handing them back after each backward co
 CUDA (the caching allocator keeps the blocks) but a lot on CPU: the allocator returns pages that
 big to the OS, and the next backward's first copy into a fresh buffer faults every 4 KiB page in
 again. On issue 24's 29.9M model that was 64 of stage 2's 110 ms of gradient hooks per step
-(docs/benchmarks.md, session 9). The price is at most ``max_buckets_in_flight`` buckets held
+(docs/benchmarks.md, session 9). The price is at most ``pool_buffers`` buckets held
 through the optimizer step and the next forward, which the peak already held during backward
 (the planner's "gradient buckets in flight"). ``grad_bytes`` stays the model state (the chunks);
-``buffer_bytes`` is the pool. One buffer more than reduce-scatters in flight would let the next
-bucket fill while they are on the link (measured in session 9); it changes the planner's bytes
-and step times for every recipe, so it waits for a re-plan of the recipes.
+``buffer_bytes`` is the pool.
 
 [Note: gradients as bucket views] Stage 1 (:class:`FullGradStorage`) lets autograd write into the
 buckets, as DDP's ``gradient_as_bucket_view``: before a backward (the engine's ``pre_backward``,
@@ -62,6 +61,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
 
 import torch
 
+from lightning_zero.zero.bucketing import pool_buffers
 from lightning_zero.zero.flat import BucketLayout, FlatParamGroup, ParamSlot
 
 if TYPE_CHECKING:
@@ -295,7 +295,7 @@ class ShardedGradStorage(GradStorage):
     reduces_every_backward = True
 
     def __init__(self, config: "ZeroConfig") -> None:
-        self.config = config  # reads max_buckets_in_flight: pool buffers alive at once
+        self.config = config  # reads max_buckets_in_flight: the pool holds one buffer more
         self.free: list[torch.Tensor] = []  # pool buffers not serving a bucket right now
         self.allocated = 0  # pool buffers that exist right now
         self.high_water = 0  # most pool buffers alive at once
@@ -308,9 +308,9 @@ class ShardedGradStorage(GradStorage):
         self.reduce_in_fp32 = False  # set by GradReducer (``reduce_dtype``)
 
     @property
-    def max_buckets_in_flight(self) -> int:
-        """``config.max_buckets_in_flight``: the most pool buffers alive at once."""
-        return self.config.max_buckets_in_flight
+    def max_buffers(self) -> int:
+        """The most pool buffers alive at once: ``pool_buffers(config.max_buckets_in_flight)``."""
+        return pool_buffers(self.config.max_buckets_in_flight)
 
     def bind(self, buckets: list[Bucket], device: torch.device) -> None:
         self.buckets = buckets
@@ -341,7 +341,7 @@ class ShardedGradStorage(GradStorage):
         what no gradient wrote is zeroed just before launch (``zero_unwritten``)."""
         dtype, numel = grad_dtype(bucket.group, self.reduce_in_fp32), bucket.layout.numel
         buffer = self._take_free(dtype, numel)
-        while buffer is None and self.allocated >= self.max_buckets_in_flight:
+        while buffer is None and self.allocated >= self.max_buffers:
             if self.free:  # free buffers of the wrong size: give one back, allocate the right size
                 self._release(self.free.pop(0))
                 break
@@ -388,11 +388,11 @@ class ShardedGradStorage(GradStorage):
         self.free.append(full._base if full._base is not None else full)
 
     def after_sync(self) -> None:
-        """Backward is over: the pool keeps its ``max_buckets_in_flight`` largest buffers for the
+        """Backward is over: the pool keeps its ``max_buffers`` largest buffers for the
         next one ([Note: the bucket pool outlives backward]); buffers allocated beyond it (a
         backward whose buckets filled out of order) go back to the allocator."""
         self.free.sort(key=lambda buffer: buffer.numel(), reverse=True)
-        while len(self.free) > self.max_buckets_in_flight:
+        while len(self.free) > self.max_buffers:
             self._release(self.free.pop())
 
     def zero_grad(self, buckets: Optional[list[Bucket]] = None) -> None:
