@@ -178,7 +178,7 @@ def _learned_order(rank, world, out_dir):
     stem_bucket = bucket_of[id(model.stem.weight)]
     assert reducer.timeline.launched_buckets()[-1] == stem_bucket
     sizes = sorted((b.layout.numel * 4 for b in reducer.buckets), reverse=True)
-    assert pool_bytes[2] <= sum(sizes[:2]), (pool_bytes, sizes)
+    assert pool_bytes[2] <= sum(sizes[: storage.max_buffers]), (pool_bytes, sizes)  # 2 in flight + 1 filling
     if rank == 0:
         torch.save({"pool_bytes": pool_bytes, "bucket_bytes": sizes}, os.path.join(out_dir, "pool.pt"))
     engine.close()
@@ -520,7 +520,7 @@ def _all(rank, world, expected, out_dir):
 def test_any_model_engine(tmp_path):
     run_ranks(_all, 2, args=(_reference_params(3), str(tmp_path)), timeout_s=420)
     pool = torch.load(tmp_path / "pool.pt")
-    # Step 1 learns the order (everything waits for the stem); afterwards at most two buffers.
+    # Step 1 learns the order (everything waits for the stem); afterwards at most three buffers.
     assert pool["pool_bytes"][2] < pool["pool_bytes"][0], pool
 
 

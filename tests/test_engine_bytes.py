@@ -47,13 +47,15 @@ def _check(rank, world, stage, dtype, bucket_mb):
         assert got["grads"] == want.grads
         assert got["grad_buffers"] == 0
     else:
-        # The gradient state is the chunks; at most max_buckets_in_flight full-size bucket
+        # The gradient state is the chunks; at most max_buckets_in_flight + 1 full-size bucket
         # buffers joined them during backward, and the pool keeps them for the next one
         # ([Note: the bucket pool outlives backward]) until the engine lets go.
         storage = engine.reducer.storage
         assert got["grads"] == want.grads
-        assert 1 <= storage.high_water <= storage.max_buckets_in_flight
-        pool_limit = storage.max_buckets_in_flight * storage.max_bucket_numel * elem
+        assert storage.max_buffers == engine.config.max_buckets_in_flight + 1
+        # the third bucket filled while the first two were on the link (zero/bucketing.pool_buffers)
+        assert storage.high_water == storage.max_buffers
+        pool_limit = storage.max_buffers * storage.max_bucket_numel * elem
         assert storage.pool_bytes_high_water <= pool_limit
         assert 0 < got["grad_buffers"] <= pool_limit
         assert got["grad_buffers"] == sum(b.numel() * b.element_size() for b in storage.free)

@@ -63,9 +63,9 @@ class ZeroConfig:
             reduce once at the last (stage-1 gradient memory, one reduce-scatter per step). Stage 1
             always defers.
         max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
-            first waits for the oldest); stage 2/3: also the full-size bucket buffers alive at once
-            (gradient memory is the shard plus this many buckets), kept between backwards and
-            freed when fit ends.
+            first waits for the oldest); stage 2/3: the pool of full-size bucket buffers holds one
+            more (those in flight and the one filling: gradient memory is the shard plus
+            ``max_buckets_in_flight + 1`` buckets), kept between backwards and freed when fit ends.
         monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
         collective_timeout: seconds any wait of the engine on a collective (gradient
             reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error

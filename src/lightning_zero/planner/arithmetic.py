@@ -47,7 +47,7 @@ from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
@@ -162,7 +162,8 @@ def plan_run(
         prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
         defer_grad_reduce: stage 2: full gradients over micro batches, one reduce-scatter at the last.
         overlap_comm: launch each bucket's collective during backward (else all after backward).
-        max_buckets_in_flight: stage 2/3 bucket buffers alive at once (backward waits beyond).
+        max_buckets_in_flight: reduce-scatters in flight at once; stage 2/3 pool one bucket buffer
+            more (``bucketing.pool_buffers``; backward waits beyond).
         overlap_param_gather: stages 1-2: hide the post-step parameter all-gather behind the next
             forward (``False``: the engine as it is today, exposed).
         shard_size: ZeRO shards over groups of this many consecutive dp ranks (``None``: all dp
@@ -311,7 +312,7 @@ def plan_run(
     optimizer_numel = shard if stage >= 1 else padded
     pooled = stage >= 2 and not defer_grad_reduce
     bucket_buffers = (
-        min(max_buckets_in_flight, len(buckets)) * max(b.numel for b in buckets) * dtype.grad
+        min(pool_buffers(max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
         else 0.0
     )

@@ -19,8 +19,8 @@ engine buckets it are ``workload.py``; a collective's cost on a link is ``hardwa
 - **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3/``): backward runs
   parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
   DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
-  time on the link; stage 2/3 stall backward when ``max_buckets_in_flight`` bucket buffers are
-  out (the oldest reduce-scatter must finish first), and every stage before launching a bucket
+  time on the link; stage 2/3 stall backward when ``pool_buffers(max_buckets_in_flight)`` bucket
+  buffers (one more than may be in flight) are out (the oldest reduce-scatter must finish first), and every stage before launching a bucket
   while ``max_buckets_in_flight`` reduce-scatters are in flight; everything still in flight when backward's
   compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
   ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
@@ -52,6 +52,7 @@ from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.planner.ledger import Hop
 from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets
+from lightning_zero.zero.bucketing import pool_buffers
 
 # --------------------------------------------------------------------------------------------
 # Simulating one micro batch
@@ -112,8 +113,8 @@ def simulate_backward(
     """Backward of one micro batch (see [Note: step-time model]).
 
     ``buckets`` in launch order with their collective times ``bucket_s``; ``sync=False`` (a
-    micro batch inside ``no_sync``) launches nothing. ``pool``: stage 2/3's
-    ``max_buckets_in_flight`` (``None``: full-size gradients, no pool). ``launch_cap``: the
+    micro batch inside ``no_sync``) launches nothing. ``pool``: stage 2/3's bucket buffers,
+    ``pool_buffers(max_buckets_in_flight)`` (``None``: full-size gradients, no pool). ``launch_cap``: the
     engine's limit on reduce-scatters in flight (every ZeRO stage: a launch first waits for the
     oldest; ``None``: no limit, DDP). ``gather_s`` (stage 3): per-unit all-gather time; units are
     reached in reverse, ``prefetch`` ahead.
@@ -340,7 +341,7 @@ def step_time(
             unit = workload.tensors[bucket.tensors[0]].unit
             per_unit[unit] += hops_seconds(gather_hops, bucket.numel)[0]
         gather_s = per_unit
-    pool = max_buckets_in_flight if stage in (2, 3) and not defer_grad_reduce else None
+    pool = pool_buffers(max_buckets_in_flight) if stage in (2, 3) and not defer_grad_reduce else None
     common = dict(
         overlap_comm=overlap_comm,
         pool=pool,
