@@ -250,8 +250,10 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
         presets = bench_zero12.QUICK_MODELS if args.quick else bench_zero12.MODELS
         model_argv = bench_zero12._without_models([a for a in argv if a != "--quick"]) + presets[model]
         model_argv += bench_zero12.QUICK_RUN if args.quick else []
-        model_argv += ["--steps", str(max(args.steps, args.profile_steps))] if args.steps < args.profile_steps else []
         model_args = _parse(model_argv)
+        if model_args.steps < model_args.profile_steps:  # the profiler must close before training ends
+            model_argv += ["--steps", str(model_args.profile_steps)]
+            model_args = _parse(model_argv)
         config = model_config(model_args)
         print(f"=== model {model}: {config.num_params() / 1e6:.1f}M params, batch {model_args.batch} x seq"
               f" {model_args.seq}, {model_args.profile_steps} profiled steps after {model_args.warmup} ===", flush=True)  # fmt: skip

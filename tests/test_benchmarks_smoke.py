@@ -98,6 +98,26 @@ def test_bench_memory_runs_and_writes_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_step_names_the_engine_categories_and_counts_page_faults(tmp_path):
+    """profile_step closes its profiler before training ends (a --quick run once died at exit with
+    it still open) and reports the engine's own labels and each rank's minor page faults."""
+    out = tmp_path / "profile.json"
+    proc = _run(
+        tmp_path, "profile_step.py", "--quick", "--models", "small", "--cases", "zero2", "--out", str(out)
+    )  # --quick's 1 timed step against the default 4 profiled steps
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "minor page faults per step" in proc.stdout, proc.stdout[-3000:]
+    zero2 = json.loads(out.read_text())["models"]["small"]["cases"]["zero2"]
+    for category in ("grad hook: copy into bucket", "reduce-scatter launch", "param all-gather launch"):
+        assert zero2["ms_per_step"][category] > 0, (category, zero2["ms_per_step"])
+    (ranks,) = zero2["ranks_by_round"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        faults = rank["minor_faults_per_step"]
+        assert faults["total"] >= faults["bench::forward"] + faults["bench::backward"] > 0, faults
+
+
+@pytest.mark.slow
 def test_planner_check_measures_every_case_it_predicts(tmp_path):
     """planner_check drives bench_zero12's workers with its own arguments: each case it predicts
     is also measured (a missing harness argument once left every measurement NaN)."""
