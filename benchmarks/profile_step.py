@@ -279,8 +279,9 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
         table = format_profiles(profiles) if profiles else "(no results)"
         print("\n" + table)
         if per_case:
-            table += "\n\n" + faults_by_case(per_case)
-            print("\n" + faults_by_case(per_case))
+            faults_table = faults_by_case(per_case)
+            print("\n" + faults_table)
+            table += "\n\n" + faults_table
         steps_line = ", ".join(f"{c} {v['unprofiled_step_s_median'] * 1e3:.0f} ms" for c, v in per_case.items())
         print(f"timed step medians (profiled steps included): {steps_line}")
         runs[model] = {"argv": model_argv, "cases": per_case, "table": table, "git": run["git"]}

@@ -20,8 +20,9 @@ engine buckets it are ``workload.py``; a collective's cost on a link is ``hardwa
   parameter by parameter in reverse registration order; a bucket's reduce-scatter (all-reduce for
   DDP) launches when its last gradient is ready, strictly in the reducer's launch order, one at a
   time on the link; stage 2/3 stall backward when ``pool_buffers(max_buckets_in_flight)`` bucket
-  buffers (one more than may be in flight) are out (the oldest reduce-scatter must finish first), and every stage before launching a bucket
-  while ``max_buckets_in_flight`` reduce-scatters are in flight; everything still in flight when backward's
+  buffers (one more than may be in flight) are out (the oldest reduce-scatter must finish
+  first), and every stage waits before launching a bucket while ``max_buckets_in_flight``
+  reduce-scatters are in flight; everything still in flight when backward's
   compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
   ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
   on every micro batch. Stage 3 all-gathers a unit (embedding, each block, final norm, head)

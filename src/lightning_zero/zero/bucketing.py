@@ -57,5 +57,5 @@ def pool_buffers(max_buckets_in_flight: int) -> int:
     in flight, so the next bucket fills while ``max_buckets_in_flight`` are on the link ([Note:
     the bucket pool outlives backward] in ``zero/grad_storage.py``). With exactly as many buffers
     as reduce-scatters in flight, backward stalled on the oldest one before the next bucket could
-    start filling (issue 24: 35-65 ms a step at 29.9M parameters)."""
+    start filling (issue 24; measured in docs/benchmarks.md, sessions 9 and 10)."""
     return max_buckets_in_flight + 1
