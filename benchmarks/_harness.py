@@ -13,6 +13,7 @@ of the two cases' medians within that round (``_stats.step_ratio``).
 
 Each rank runs the probes of ``_probes.py`` ([Note: benchmark probes]) and writes
 ``<case>.rank<r>.json``, which the driver merges into the table (``_stats.py``) and ``--out`` JSON.
+A case that fails shows as "did not run" there, and the driver then exits 1 naming it.
 
 The driver copies ``lightning_zero`` and ``benchmarks/`` first and runs every worker from the
 copy: other people commit to the same tree while a run takes minutes.
@@ -38,6 +39,7 @@ from _stats import format_table, machine_note, summarize
 
 
 BASE = "@base"  # suffix of a case run from --baseline-src's checkout
+FAILED_RUNS: list[str] = []  # "case round N: reason" for every worker pair that failed (exit_if_any_failed)
 
 # command-line flag -> LlamaConfig field of the benchmark's model (defaults: BENCH_MODEL)
 MODEL_FLAGS = {
@@ -175,12 +177,27 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
                 reason = "timed out" if returncode == -1 else f"exit code {returncode}"
                 print(f"[{case}] round {round_index}: failed ({reason}); log tail:\n{tail}", flush=True)
                 results[case].append({"error": f"{reason}: {_last_error_line(tail)}"})
+                FAILED_RUNS.append(f"{case} round {round_index}: {reason} (log: {log_path})")
                 continue
             print(f"[{case}] round {round_index}: {wall:.0f} s", flush=True)
             results[case].append({"ranks": ranks})
     if BASE in sources:
         git = {**git, "baseline": sources[BASE][2]}
     return {"results": results, "git": git}
+
+
+def exit_if_any_failed() -> None:
+    """Exit 1, naming them, if any worker pair failed: the tables and ``--out`` JSON are written
+    first (a failed case shows as "did not run"), but a script that lost a case must not look like
+    a clean run to whoever chains it (a CI step, a sweep, ``&&``)."""
+    if FAILED_RUNS:
+        print(
+            f"\n{len(FAILED_RUNS)} case run(s) failed:",
+            *(f"  {line}" for line in FAILED_RUNS),
+            sep="\n",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:
@@ -355,3 +372,4 @@ def bench_main(
         worker(args)
     else:
         driver(args, argv)
+        exit_if_any_failed()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_zero3  # noqa: E402
 import bench_zero12  # noqa: E402
-from _harness import add_common_args, model_config, run_cases  # noqa: E402
+from _harness import add_common_args, exit_if_any_failed, model_config, run_cases  # noqa: E402
 from _stats import machine_note, summarize  # noqa: E402
 
 # case -> (ZeRO stage for the planner, module whose worker runs it, label)
@@ -321,3 +321,4 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    exit_if_any_failed()

@@ -53,6 +53,17 @@ def test_bench_zero12_runs_and_writes_json(tmp_path):
     assert zero2["state_bytes"][0]["optimizer"] == pytest.approx(zero2["predicted_state_bytes"]["optimizer"], rel=0.02)
 
 
+def test_a_benchmark_that_loses_a_case_exits_non_zero_after_writing_its_json(tmp_path):
+    """A worker pair that fails (here: past a 1 s --case-timeout, still importing) leaves its row
+    as "did not run" in the table and the JSON, and the driver exits 1 naming the case and round."""
+    out = tmp_path / "zero12.json"
+    proc = _run(tmp_path, "bench_zero12.py", "--cases", "ddp", *TINY, *QUICK, "--case-timeout", "1", "--out", str(out))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 case run(s) failed" in proc.stderr and "ddp round 0: timed out" in proc.stderr, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["case"] for row in rows] == ["ddp"] and "error" in rows[0], rows
+
+
 @pytest.mark.slow
 def test_bench_tp_sequence_parallel_rows_match_the_planner(tmp_path):
     """tp2 and tp2_sp side by side: each rank's activation bytes kept for backward equal the
