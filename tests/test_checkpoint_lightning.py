@@ -5,14 +5,12 @@ the step-3 checkpoint and from ``ckpt_path="last"``, and resumes checkpoints at 
 (1 -> 2, 3 -> 2, 2 -> 3); one 1-rank launch resumes at dp 1 (stage 2 -> 1, 3 -> 3).
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import script_env
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (1, 2, 3)
@@ -20,12 +18,7 @@ RESHARD = [(2, 1, 2), (2, 3, 2), (2, 2, 3), (1, 2, 1), (1, 3, 3)]  # (devices, s
 
 
 def _launch(out: Path, devices: int, cases: list[str]) -> None:
-    env = script_env(ROOT)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/scripts/ckpt_train.py"), str(out), str(devices), *cases],
-        cwd=out, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launch("ckpt_train.py", out, devices, *cases, timeout_s=300, ranks=devices)
 
 
 @pytest.fixture(scope="module")

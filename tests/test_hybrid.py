@@ -20,7 +20,7 @@ import torch
 
 from lightning_zero.ledger import model_state_bytes
 from lightning_zero.mesh import ParallelDims
-from tests.distributed import ROOT, free_port, script_env
+from tests.distributed import ROOT, free_port, script_env, start_process
 
 # -- pure layout arithmetic (no process group) -------------------------------------------------
 
@@ -177,13 +177,11 @@ def _launch_two_nodes_of_two(out_dir, cases: list[str], timeout_s: float = 600) 
             ROLE_WORLD_SIZE="4",
             TORCHELASTIC_RUN_ID="lightning-zero-hybrid-test",
         )
-        log = open(os.path.join(out_dir, f"log.rank{rank}.txt"), "w")
         argv = [sys.executable, str(ROOT / "tests" / "scripts" / "hybrid.py"), str(out_dir), *cases]
-        procs.append((subprocess.Popen(argv, cwd=out_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True), log))  # fmt: skip
+        procs.append(start_process(argv, cwd=out_dir, env=env, log_path=os.path.join(out_dir, f"log.rank{rank}.txt")))
     failed = []
     try:
-        for rank, (proc, _) in enumerate(procs):
+        for rank, proc in enumerate(procs):
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -191,11 +189,10 @@ def _launch_two_nodes_of_two(out_dir, cases: list[str], timeout_s: float = 600) 
             if code != 0:
                 failed.append(rank)
     finally:
-        for proc, log in procs:
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            log.close()
     if failed:
         tails = [open(os.path.join(out_dir, f"log.rank{r}.txt")).read()[-3000:] for r in failed]
         raise AssertionError(f"ranks {failed} failed:\n" + "\n---\n".join(tails))

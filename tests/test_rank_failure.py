@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port, script_env
+from tests.distributed import free_port, script_env, start_process, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "rank_failure.py"
@@ -33,16 +32,15 @@ MANUAL_CASES = [f"skip_backward-{stage}" for stage in STAGES] + ["extra_backward
 MANUAL_CASES += ["skip_step-zero1", "skip_step-zero3"]
 
 
-def _start(out: Path, case: str) -> list[subprocess.Popen]:
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = script_env(ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
-                         WORLD_SIZE="2", NODE_RANK="0")  # fmt: skip
-        with open(out / f"{case}.rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), case], cwd=out, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-    return procs
+def _start(out: Path, case: str) -> list:
+    port = free_port()
+    argv = [sys.executable, str(SCRIPT), str(out), case]
+    return [
+        start_process(
+            argv, cwd=out, env=torchrun_env(script_env(ROOT), rank, 2, port), log_path=out / f"{case}.rank{rank}.log"
+        )
+        for rank in range(2)
+    ]
 
 
 def _run_all(out: Path, cases: list[str]) -> dict[str, list[tuple[int | None, float]]]:

@@ -36,7 +36,7 @@ LAUNCHES = [
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     for devices, cases in LAUNCHES:
-        launch("tp_parity.py", out, devices, *cases, timeout_s=400)
+        launch("tp_parity.py", out, devices, *cases, timeout_s=400, ranks=devices)
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.distributed import free_port, script_env
+from tests.distributed import launch_ranks, script_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "conformance.py"
 WORLD = 2
@@ -92,44 +92,6 @@ def all_runs() -> list[str]:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "STRATEGIES":
             strategies = ast.literal_eval(node.value)
     return [f"{case}-{strategy}" for case in cases for strategy in strategies]
-
-
-def launch_ranks(argv: list[str], *, cwd: Path, env: dict, timeout_s: float, world: int = WORLD,
-                 log_prefix: str = "launch") -> tuple[list[int | None], str]:  # fmt: skip
-    """Start ``world`` ranks of ``argv`` as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT set), each in its own session; wait at most ``timeout_s``, then kill every
-    rank's process group. Returns the exit codes (None: killed) and the tail of their output."""
-    import signal
-    import subprocess
-
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                        WORLD_SIZE=str(world), NODE_RANK="0")  # fmt: skip
-        log_path = Path(cwd) / f"{log_prefix}.rank{rank}.log"
-        logs.append(log_path)
-        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-            procs.append(subprocess.Popen(argv, cwd=cwd, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    codes: list[int | None] = []
-    try:
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:  # also when interrupted (pytest-timeout, Ctrl-C): never leave a rank behind
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    tails = []
-    for rank, log_path in enumerate(logs):
-        text = log_path.read_text(errors="replace")
-        tails.append(f"--- rank {rank} (exit {codes[rank]}) ---\n{text[-3000:]}")
-    return codes, "\n".join(tails)
 
 
 def run_matrix(out: Path, runs: list[str] | None = None, *, src: str | None = None,
