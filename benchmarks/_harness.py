@@ -2,8 +2,9 @@
 rows and tables: ``_stats.py``).
 
 [Note: benchmark shape] One command (the *driver*) runs every case of a benchmark, each case in
-its own pair of fresh processes: the driver starts ``python <script> --worker CASE ...`` (rank 0)
-and Lightning's launcher re-runs that command line for rank 1. A fresh pair per case is what
+its own pair of fresh processes: the driver starts ``python <script> --worker CASE ...`` twice at
+once, as torchrun starts ranks 0 and 1 (``run_pair``; Lightning's own launcher would start rank 1
+only when rank 0 reached ``fit``, and the pair would import Lightning one after the other). A fresh pair per case is what
 makes *peak RSS* mean something: ``ru_maxrss`` is a high-water mark over a process's life, and
 freed tensors stay in the allocator's arenas, so cases sharing a process would inherit each
 other's peaks. To keep time ratios fair on a shared machine, cases run in ``--rounds`` rounds,
@@ -24,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,15 +160,8 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
             case_dir.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, script, *argv, "--worker", worker_case, "--worker-dir", str(case_dir)]
             started = time.perf_counter()
-            log_path = case_dir / f"{worker_case}.log"
-            with open(log_path, "w") as log:
-                try:
-                    proc = subprocess.run(
-                        command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.case_timeout
-                    )
-                    returncode = proc.returncode
-                except subprocess.TimeoutExpired:
-                    returncode = -1
+            log_path = case_dir / f"{worker_case}.log"  # rank 0's; rank 1's is <case>.rank1.log
+            returncode = run_pair(command, env, [log_path, case_dir / f"{worker_case}.rank1.log"], args.case_timeout)
             wall = time.perf_counter() - started
             ranks = []
             for rank in (0, 1):
@@ -174,6 +170,8 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
                     ranks.append(json.loads(path.read_text()))
             if returncode != 0 or len(ranks) < 2:
                 tail = log_path.read_text()[-1500:]
+                if (case_dir / f"{worker_case}.rank1.log").exists():
+                    tail += "\n--- rank 1 ---\n" + (case_dir / f"{worker_case}.rank1.log").read_text()[-1500:]
                 reason = "timed out" if returncode == -1 else f"exit code {returncode}"
                 print(f"[{case}] round {round_index}: failed ({reason}); log tail:\n{tail}", flush=True)
                 results[case].append({"error": f"{reason}: {_last_error_line(tail)}"})
@@ -184,6 +182,47 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
     if BASE in sources:
         git = {**git, "baseline": sources[BASE][2]}
     return {"results": results, "git": git}
+
+
+PEER_GRACE_S = 60.0  # after one rank failed, how long the other may take to fail too
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_pair(command: list[str], env: dict, logs: list[Path], timeout_s: float) -> int:
+    """Start both ranks of ``command`` at once, as torchrun starts them (Lightning then starts no
+    process of its own), each in its own session with its own log; return 0 if both exited 0, the
+    first non-zero exit code otherwise, -1 if the pair ran past ``timeout_s``. A rank still alive
+    ``PEER_GRACE_S`` after its peer failed is killed (an incumbent strategy may wait out a
+    30-minute process-group timeout), and so is every rank at the timeout."""
+    port = str(_free_port())
+    procs = []
+    for rank, log_path in enumerate(logs):
+        rank_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(logs)), "NODE_RANK": "0"}  # fmt: skip
+        with open(log_path, "w") as log:
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=rank_env, start_new_session=True))  # fmt: skip
+    deadline, failed_at, code = time.monotonic() + timeout_s, None, 0
+    try:
+        while any(proc.poll() is None for proc in procs):
+            now = time.monotonic()
+            for proc in procs:
+                if proc.returncode not in (None, 0) and code == 0:
+                    code, failed_at = proc.returncode, now
+            if now > deadline or (failed_at is not None and now - failed_at > PEER_GRACE_S):
+                return -1 if now > deadline else code
+            time.sleep(0.1)
+        return next((proc.returncode for proc in procs if proc.returncode != 0), code)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def exit_if_any_failed() -> None:

@@ -43,8 +43,8 @@ def pin_rank_to_core() -> int:
     from lightning_zero.planner.bench_model import pin_to_core
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # Rank 1 is started by rank 0 after rank 0 pinned itself, and inherits that mask: the cores
-    # the job may use travel in BENCH_CORES, set by rank 0 before it pins.
+    # The cores the job may use, before this process pins itself (a rank that Lightning's launcher
+    # starts inherits its parent's pinned mask: BENCH_CORES, set before pinning, travels to it).
     if "BENCH_CORES" not in os.environ:
         os.environ["BENCH_CORES"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     return pin_to_core(local_rank, [int(c) for c in os.environ["BENCH_CORES"].split(",")])

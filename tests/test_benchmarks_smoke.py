@@ -34,9 +34,16 @@ def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess
 @pytest.mark.slow
 def test_bench_zero12_runs_and_writes_json(tmp_path):
     out = tmp_path / "zero12.json"
-    proc = _run(tmp_path, "bench_zero12.py", "--cases", "zero2", "ddp", *TINY, *QUICK, "--out", str(out))
+    logs = tmp_path / "logs"
+    proc = _run(
+        tmp_path, "bench_zero12.py", "--cases", "zero2", "ddp", *TINY, *QUICK, "--out", str(out), "--log-dir", str(logs)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "did not run" not in proc.stdout, proc.stdout
+    for case in ("zero2", "ddp"):  # both ranks started by the driver, torchrun-style, each with its log
+        rank0, rank1 = ((logs / "round0" / f"{case}{suffix}.log").read_text() for suffix in ("", ".rank1"))
+        assert "GLOBAL_RANK: 0," in rank0 and "GLOBAL_RANK: 1," not in rank0, rank0[-2000:]  # not rank 0's child
+        assert "GLOBAL_RANK: 1," in rank1, rank1[-2000:]
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"zero2", "ddp"}
     for row in rows.values():
