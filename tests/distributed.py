@@ -201,14 +201,14 @@ def _fork_server() -> Any:
 
 
 def _forkable(argv: list[str], env: dict, server_env: dict) -> bool:
-    if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
+    if len(argv) < 2 or argv[0] != sys.executable or not (argv[1].endswith(".py") or argv[1] == "-m" and len(argv) > 2):
         return False
     keys = {key for key in (*env, *server_env) if key.startswith(_IMPORT_TIME_VARS)}
     return all(env.get(key) == server_env.get(key) for key in keys)
 
 
 def start_process(argv: list[str], *, cwd, env: dict, log_path) -> Any:
-    """Start ``argv`` (``[sys.executable, SCRIPT, ...]``) in ``cwd`` with exactly ``env``, in its own
+    """Start ``argv`` (``[sys.executable, SCRIPT, ...]`` or ``[sys.executable, "-m", MODULE, ...]``) in ``cwd`` with exactly ``env``, in its own
     session, stdout and stderr into ``log_path``. Forked from the fork server when it can be (same
     behaviour from the script's first line on, without re-importing torch and Lightning), else a
     ``subprocess.Popen``. Either way the result has ``pid``, ``poll``, ``wait``, ``kill`` and

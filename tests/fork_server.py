@@ -5,7 +5,8 @@
 ``torch._dynamo``), and the multi-process tests start well over a hundred such processes: a third
 of ``.ci/run`` was imports. This server (started once per pytest session by
 ``tests.distributed.start_process``) imports them once, then forks a child per request, and the
-child runs the script exactly as ``python SCRIPT ARGS`` would from there on:
+child runs the script exactly as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would from
+there on:
 
 - its own session (``setsid``: the tests kill a rank's process group), working directory,
   environment (replaced whole, plus what the server's imports set in theirs, as the child's own
@@ -70,13 +71,19 @@ def _become_child(request: dict, sockets: list[socket.socket]) -> None:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
-    script, *args = request["argv"][1:]  # argv[0] is the interpreter
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    target, *args = request["argv"][1:]  # argv[0] is the interpreter
+    if target == "-m":  # python -m MODULE ARGS: runpy sets sys.argv[0] to the module's file
+        target, *args = args
+        sys.argv = ["-m", *args]
+        sys.path[0] = os.getcwd()
+        target = "-m " + target
+    else:
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0  # what Lightning's import computes from this environment
-    raise _RunScript(script)
+    raise _RunScript(target)
 
 
 def serve(path: str) -> None:
@@ -146,4 +153,7 @@ if __name__ == "__main__":
     if _script is not None:  # a forked child; outside the except block, so no exception context
         import runpy
 
-        _script_globals = runpy.run_path(_script, run_name="__main__")  # kept alive as __main__'s are
+        if _script.startswith("-m "):
+            _script_globals = runpy.run_module(_script[3:], run_name="__main__", alter_sys=True)
+        else:
+            _script_globals = runpy.run_path(_script, run_name="__main__")  # kept alive as __main__'s are

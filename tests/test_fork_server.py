@@ -100,6 +100,19 @@ def test_a_forked_script_ends_as_a_plain_one(tmp_path, mode, code):
         assert "During handling" not in output, output  # no exception context from the server
 
 
+def test_a_forked_module_runs_as_python_dash_m_runs_it(tmp_path):
+    """``python -m MODULE ARGS``: ``sys.argv[0]`` is the module's file, ``sys.path[0]`` the working
+    directory, ``__name__`` is ``"__main__"``."""
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    env = torchrun_env(script_env(ROOT), rank=0, world=1, port=12345)
+    proc = start_process([sys.executable, "-m", "probe_mod", "ok"], cwd=tmp_path, env=env, log_path=tmp_path / "m.log")
+    assert isinstance(proc, ForkedProcess)
+    assert proc.wait(timeout=120) == 0, (tmp_path / "m.log").read_text()
+    state = json.loads((tmp_path / "ok.json").read_text())
+    assert state["argv"] == [str(tmp_path / "probe_mod.py"), "ok"], state["argv"]
+    assert state["path0"] == str(tmp_path) and state["main"] == "__main__" and state["rank_zero"] == 0
+
+
 def test_killing_a_forked_rank_s_group_reports_the_signal(tmp_path):
     proc, cwd, _ = _run(tmp_path, "hang", True)
     deadline = time.monotonic() + 60
