@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -187,19 +186,15 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
 PEER_GRACE_S = 60.0  # after one rank failed, how long the other may take to fail too
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_pair(command: list[str], env: dict, logs: list[Path], timeout_s: float) -> int:
     """Start both ranks of ``command`` at once, as torchrun starts them (Lightning then starts no
     process of its own), each in its own session with its own log; return 0 if both exited 0, the
     first non-zero exit code otherwise, -1 if the pair ran past ``timeout_s``. A rank still alive
     ``PEER_GRACE_S`` after its peer failed is killed (an incumbent strategy may wait out a
     30-minute process-group timeout), and so is every rank at the timeout."""
-    port = str(_free_port())
+    from lightning_zero.ports import free_port  # the driver's package, not a baseline's
+
+    port = str(free_port())
     procs = []
     for rank, log_path in enumerate(logs):
         rank_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),

@@ -41,11 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lightning_zero.ports import free_port  # noqa: F401  (tests import it from here)
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple, errors) -> None:

@@ -7,7 +7,6 @@ module docstring.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from lightning_zero.planner.bench_model import (
     pin_to_core,
     seed_bench,
 )
+from lightning_zero.ports import free_port
 
 OPTIMIZER_BYTES_PER_PARAM_FP32 = 28  # AdamW, fp32: param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
 DEFAULT_SIZES_MB = (0.0625, 1.0, 8.0, 25.0)  # 25 MiB: the default bucket
@@ -147,12 +147,6 @@ def _collective_worker(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure_collectives(
     sizes_mb: Sequence[float] = DEFAULT_SIZES_MB,
     repeats: int = 7,
@@ -167,7 +161,7 @@ def measure_collectives(
 
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="lz_calibrate_") as out_dir:
-        port = _free_port()
+        port = free_port()
         processes = [
             context.Process(
                 target=_collective_worker,
