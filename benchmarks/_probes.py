@@ -5,7 +5,10 @@ the model-state bytes it holds.
 
 - pins itself to its own core (``os.sched_setaffinity``) and uses one torch thread;
 - times every optimizer step (``on_train_batch_start`` -> ``on_train_batch_end``; the first
-  ``--warmup`` steps are dropped);
+  ``--warmup`` steps are dropped), in wall seconds and in the CPU seconds the whole process used
+  (``time.process_time()``: every thread, gloo's included). On a core of its own a rank's wall time
+  is its CPU time plus the time it sat idle waiting for its peer; the CPU time moves less with
+  the host's load than the wall time does;
 - counts the logical bytes its collectives send in the timed steps (see [Note: logical bytes] in
   ``lightning_zero/collectives.py``), by wrapping the ``torch.distributed`` tensor collectives
   (:class:`CollectiveTap`), which our engine, FSDP and DeepSpeed call from Python; DDP's C++
@@ -248,6 +251,8 @@ def make_probe(
     class StepProbe(Callback):
         def __init__(self) -> None:
             self.step_s: list[float] = []
+            self.cpu_s: list[float] = []  # process CPU seconds per timed step (all threads)
+            self._cpu_start = 0.0
             self.sent: list[dict[str, float]] = []
             self.extra: list[dict[str, float]] = []
             self.states: dict[str, dict[str, int]] = {}
@@ -280,6 +285,7 @@ def make_probe(
 
                 self._saved = SavedActivations(pl_module).start()
             self._start = time.perf_counter()
+            self._cpu_start = time.process_time()
 
         def _stop_saved(self) -> None:
             # after training_step returned the loss, before zero_grad (its in-place writes) and backward
@@ -302,6 +308,7 @@ def make_probe(
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             elapsed = time.perf_counter() - self._start
+            cpu = time.process_time() - self._cpu_start
             if self._probing:
                 self.states["after_step"] = state_bytes(trainer)
                 return
@@ -315,6 +322,7 @@ def make_probe(
                 return
             tap.active = False
             self.step_s.append(elapsed)
+            self.cpu_s.append(cpu)
             self.sent.append(dict(tap.bytes))
             if extra_step is not None:
                 self.extra.append(extra_step(trainer))
@@ -330,6 +338,7 @@ def make_probe(
             sent_kinds = sorted({kind for step in self.sent for kind in step})
             return {
                 "step_s": self.step_s,
+                "cpu_s": self.cpu_s,
                 "sent_bytes_per_step": {k: statistics.median(s.get(k, 0.0) for s in self.sent) for k in sent_kinds}
                 if self.sent
                 else {},

@@ -28,6 +28,13 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         else None
         for r in rounds
     ]
+    # CPU seconds of a step: the mean of the ranks (each has a core of its own), median per round.
+    cpu_round_medians = [
+        statistics.median(statistics.fmean(cpus) for cpus in zip(*(rank["cpu_s"] for rank in r["ranks"])))
+        if "ranks" in r and all(rank.get("cpu_s") for rank in r["ranks"])
+        else None
+        for r in rounds
+    ]
     first = good[-1]
     row: dict[str, Any] = {
         "case": case,
@@ -35,6 +42,7 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         "step_s_median": statistics.median(step_times) if step_times else float("nan"),
         "step_s_round_medians": round_medians,
         "step_s_all": step_times,
+        "cpu_s_round_medians": cpu_round_medians,
         "peak_rss_bytes": [max(ranks[r]["peak_rss_bytes"] for ranks in good) for r in range(2)],
         "rss_before_fit_bytes": [ranks_r["rss_before_fit_bytes"] for ranks_r in first],
         "state_bytes": [rank["state_bytes"] for rank in first],
@@ -70,17 +78,23 @@ def _mb(value: Optional[float]) -> str:
     return "-" if value is None else f"{value / MIB:,.1f}"
 
 
-def step_ratio(row: dict, base: dict) -> float:
+def round_ratios(row: dict, base: dict, key: str = "step_s_round_medians") -> list[float]:
+    """This case's round median over the baseline's in the same round, for every round both ran
+    (``key``: ``"step_s_round_medians"``, wall, or ``"cpu_s_round_medians"``, CPU seconds)."""
+    return [
+        mine / theirs
+        for mine, theirs in zip(row.get(key) or [], base.get(key) or [])
+        if mine is not None and theirs is not None
+    ]
+
+
+def step_ratio(row: dict, base: dict, key: str = "step_s_round_medians") -> float:
     """Median over rounds of (this case's median step time / the baseline's) in the same round.
 
     The load of a shared machine drifts over minutes; a ratio within one round compares cases
     that ran a minute apart, and the median over rounds drops the round a burst of load hit.
     """
-    ratios = [
-        mine / theirs
-        for mine, theirs in zip(row["step_s_round_medians"], base["step_s_round_medians"])
-        if mine is not None and theirs is not None
-    ]
+    ratios = round_ratios(row, base, key)
     return statistics.median(ratios) if ratios else float("nan")
 
 
@@ -88,7 +102,7 @@ def format_table(rows: list[dict], baseline: str) -> str:
     """The side-by-side table: one row per case; step-time ratios to ``baseline`` by :func:`step_ratio`."""
     base = next((r for r in rows if r["case"] == baseline and "error" not in r), None)
     header = (
-        f"{'case':<18}{'step s':>8}{'x ' + baseline:>9}{'peak RSS MiB r0/r1':>20}"
+        f"{'case':<18}{'step s':>8}{'x ' + baseline:>9}{'CPU s':>8}{'peak RSS MiB r0/r1':>20}"
         f"{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}{'formula':>9}{'sent MiB/step':>15}"
     )
     lines = [header, "-" * len(header)]
@@ -101,8 +115,10 @@ def format_table(rows: list[dict], baseline: str) -> str:
         rss = "/".join(f"{b / MIB:,.0f}" for b in row["peak_rss_bytes"])
         predicted = row.get("predicted_state_bytes")
         sent = sum(row["sent_bytes_per_step"][0].values())
+        cpus = [c for c in row.get("cpu_s_round_medians") or [] if c is not None]
+        cpu = f"{statistics.median(cpus):.3f}" if cpus else "-"
         lines.append(
-            f"{row['case']:<18}{row['step_s_median']:>8.3f}{ratio:>9.2f}{rss:>20}"
+            f"{row['case']:<18}{row['step_s_median']:>8.3f}{ratio:>9.2f}{cpu:>8}{rss:>20}"
             f"{_mb(state.get('params')):>9}{_mb(state.get('grads')):>9}{_mb(state.get('optimizer')):>9}"
             f"{_mb(state.get('total')):>9}{_mb(predicted['total'] if predicted else None):>9}{sent / MIB:>15,.1f}"
         )

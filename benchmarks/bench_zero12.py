@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import add_common_args, bench_main, drive, run_worker  # noqa: E402
-from _stats import comm_table, machine_note, state_vs_formula, step_ratio  # noqa: E402
+from _stats import comm_table, machine_note, round_ratios, state_vs_formula, step_ratio  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -300,22 +300,22 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _round_ratios(row: dict, base: dict) -> str:
-    ratios = [
-        f"{mine / theirs:.3f}"
-        for mine, theirs in zip(row["step_s_round_medians"], base["step_s_round_medians"])
-        if mine is not None and theirs is not None
-    ]
-    return ", ".join(ratios)
-
-
 def _goal(lines: list[str], by_case: dict, case: str, base: str, limit: float) -> None:
+    """The goal's wall-time ratio (what it is judged by), then the same ratio of CPU seconds per
+    step: on one core per rank, wall = CPU + idle, and CPU moves less with the host's load."""
     row, other = by_case.get(case), by_case.get(base)
     if not row or not other:
         return
     ratio = step_ratio(row, other)
+    rounds = ", ".join(f"{r:.3f}" for r in round_ratios(row, other))
+    cpu = round_ratios(row, other, "cpu_s_round_medians")
+    cpu_text = (
+        f"; CPU s {step_ratio(row, other, 'cpu_s_round_medians'):.3f}x (rounds: {', '.join(f'{r:.3f}' for r in cpu)})"
+        if cpu
+        else ""
+    )
     lines.append(
-        f"goal: {case} step time {ratio:.3f}x {base} (<= {limit:g}; rounds: {_round_ratios(row, other)}):"
+        f"goal: {case} step time {ratio:.3f}x {base} (<= {limit:g}; rounds: {rounds}){cpu_text}:"
         f" {'met' if ratio <= limit else 'NOT met'}"
     )
 
