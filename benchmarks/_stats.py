@@ -15,6 +15,17 @@ from typing import Any, Optional
 MIB = 2**20
 
 
+def _round_medians(rounds: list[dict], key: str, combine: Any) -> list[Optional[float]]:
+    """Per round: the median over its steps of ``combine`` over the ranks' ``key`` values for that
+    step; ``None`` for a round that failed or whose ranks did not record ``key``."""
+    return [
+        statistics.median(combine(values) for values in zip(*(rank[key] for rank in r["ranks"])))
+        if "ranks" in r and all(rank.get(key) for rank in r["ranks"])
+        else None
+        for r in rounds
+    ]
+
+
 def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
     """Merge the rounds and ranks of one case into the row the table and JSON show."""
     good = [r["ranks"] for r in rounds if "ranks" in r]
@@ -22,19 +33,9 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         return {"case": case, "error": rounds[0].get("error", "no result") if rounds else "not run"}
     # A step takes as long as its slower rank; median over every timed step of every round.
     step_times = [max(times) for ranks in good for times in zip(*(rank["step_s"] for rank in ranks))]
-    round_medians = [
-        statistics.median(max(times) for times in zip(*(rank["step_s"] for rank in r["ranks"])))
-        if "ranks" in r
-        else None
-        for r in rounds
-    ]
+    round_medians = _round_medians(rounds, "step_s", max)
     # CPU seconds of a step: the mean of the ranks (each has a core of its own), median per round.
-    cpu_round_medians = [
-        statistics.median(statistics.fmean(cpus) for cpus in zip(*(rank["cpu_s"] for rank in r["ranks"])))
-        if "ranks" in r and all(rank.get("cpu_s") for rank in r["ranks"])
-        else None
-        for r in rounds
-    ]
+    cpu_round_medians = _round_medians(rounds, "cpu_s", statistics.fmean)
     first = good[-1]
     row: dict[str, Any] = {
         "case": case,

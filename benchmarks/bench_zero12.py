@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -309,11 +310,7 @@ def _goal(lines: list[str], by_case: dict, case: str, base: str, limit: float) -
     ratio = step_ratio(row, other)
     rounds = ", ".join(f"{r:.3f}" for r in round_ratios(row, other))
     cpu = round_ratios(row, other, "cpu_s_round_medians")
-    cpu_text = (
-        f"; CPU s {step_ratio(row, other, 'cpu_s_round_medians'):.3f}x (rounds: {', '.join(f'{r:.3f}' for r in cpu)})"
-        if cpu
-        else ""
-    )
+    cpu_text = f"; CPU s {statistics.median(cpu):.3f}x (rounds: {', '.join(f'{r:.3f}' for r in cpu)})" if cpu else ""
     lines.append(
         f"goal: {case} step time {ratio:.3f}x {base} (<= {limit:g}; rounds: {rounds}){cpu_text}:"
         f" {'met' if ratio <= limit else 'NOT met'}"
