@@ -8,7 +8,9 @@ the model-state bytes it holds.
   ``--warmup`` steps are dropped), in wall seconds and in the CPU seconds the whole process used
   (``time.process_time()``: every thread, gloo's included). On a core of its own a rank's wall time
   is its CPU time plus the time it sat idle waiting for its peer; the CPU time moves less with
-  the host's load than the wall time does;
+  the host's load than the wall time does. It also counts the minor page faults of each timed
+  step (``ru_minflt``): on CPU the allocator handing pages back and faulting them in again is a
+  cost of its own (docs/performance.md, "Training on CPU");
 - counts the logical bytes its collectives send in the timed steps (see [Note: logical bytes] in
   ``lightning_zero/collectives.py``), by wrapping the ``torch.distributed`` tensor collectives
   (:class:`CollectiveTap`), which our engine, FSDP and DeepSpeed call from Python; DDP's C++
@@ -253,6 +255,8 @@ def make_probe(
             self.step_s: list[float] = []
             self.cpu_s: list[float] = []  # process CPU seconds per timed step (all threads)
             self._cpu_start = 0.0
+            self.minor_faults: list[int] = []  # minor page faults per timed step (this process)
+            self._faults_start = 0
             self.sent: list[dict[str, float]] = []
             self.extra: list[dict[str, float]] = []
             self.states: dict[str, dict[str, int]] = {}
@@ -286,6 +290,7 @@ def make_probe(
                 self._saved = SavedActivations(pl_module).start()
             self._start = time.perf_counter()
             self._cpu_start = time.process_time()
+            self._faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def _stop_saved(self) -> None:
             # after training_step returned the loss, before zero_grad (its in-place writes) and backward
@@ -309,6 +314,7 @@ def make_probe(
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             elapsed = time.perf_counter() - self._start
             cpu = time.process_time() - self._cpu_start
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._faults_start
             if self._probing:
                 self.states["after_step"] = state_bytes(trainer)
                 return
@@ -323,6 +329,7 @@ def make_probe(
             tap.active = False
             self.step_s.append(elapsed)
             self.cpu_s.append(cpu)
+            self.minor_faults.append(faults)
             self.sent.append(dict(tap.bytes))
             if extra_step is not None:
                 self.extra.append(extra_step(trainer))
@@ -339,6 +346,7 @@ def make_probe(
             return {
                 "step_s": self.step_s,
                 "cpu_s": self.cpu_s,
+                "minor_faults": self.minor_faults,
                 "sent_bytes_per_step": {k: statistics.median(s.get(k, 0.0) for s in self.sent) for k in sent_kinds}
                 if self.sent
                 else {},

@@ -36,6 +36,7 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
     round_medians = _round_medians(rounds, "step_s", max)
     # CPU seconds of a step: the mean of the ranks (each has a core of its own), median per round.
     cpu_round_medians = _round_medians(rounds, "cpu_s", statistics.fmean)
+    faults_round_medians = _round_medians(rounds, "minor_faults", statistics.fmean)  # per rank and step
     first = good[-1]
     row: dict[str, Any] = {
         "case": case,
@@ -44,6 +45,7 @@ def summarize(case: str, rounds: list[dict]) -> dict[str, Any]:
         "step_s_round_medians": round_medians,
         "step_s_all": step_times,
         "cpu_s_round_medians": cpu_round_medians,
+        "minor_faults_round_medians": faults_round_medians,
         "peak_rss_bytes": [max(ranks[r]["peak_rss_bytes"] for ranks in good) for r in range(2)],
         "rss_before_fit_bytes": [ranks_r["rss_before_fit_bytes"] for ranks_r in first],
         "state_bytes": [rank["state_bytes"] for rank in first],
@@ -103,7 +105,7 @@ def format_table(rows: list[dict], baseline: str) -> str:
     """The side-by-side table: one row per case; step-time ratios to ``baseline`` by :func:`step_ratio`."""
     base = next((r for r in rows if r["case"] == baseline and "error" not in r), None)
     header = (
-        f"{'case':<18}{'step s':>8}{'x ' + baseline:>9}{'CPU s':>8}{'peak RSS MiB r0/r1':>20}"
+        f"{'case':<18}{'step s':>8}{'x ' + baseline:>9}{'CPU s':>8}{'faults':>8}{'peak RSS MiB r0/r1':>20}"
         f"{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}{'formula':>9}{'sent MiB/step':>15}"
     )
     lines = [header, "-" * len(header)]
@@ -118,8 +120,10 @@ def format_table(rows: list[dict], baseline: str) -> str:
         sent = sum(row["sent_bytes_per_step"][0].values())
         cpus = [c for c in row.get("cpu_s_round_medians") or [] if c is not None]
         cpu = f"{statistics.median(cpus):.3f}" if cpus else "-"
+        fault_counts = [f for f in row.get("minor_faults_round_medians") or [] if f is not None]
+        faults = f"{statistics.median(fault_counts):,.0f}" if fault_counts else "-"
         lines.append(
-            f"{row['case']:<18}{row['step_s_median']:>8.3f}{ratio:>9.2f}{cpu:>8}{rss:>20}"
+            f"{row['case']:<18}{row['step_s_median']:>8.3f}{ratio:>9.2f}{cpu:>8}{faults:>8}{rss:>20}"
             f"{_mb(state.get('params')):>9}{_mb(state.get('grads')):>9}{_mb(state.get('optimizer')):>9}"
             f"{_mb(state.get('total')):>9}{_mb(predicted['total'] if predicted else None):>9}{sent / MIB:>15,.1f}"
         )

@@ -49,6 +49,7 @@ def test_bench_zero12_runs_and_writes_json(tmp_path):
     for row in rows.values():
         assert row["step_s_median"] > 0
         assert all(cpu > 0 for cpu in row["cpu_s_round_medians"])  # CPU seconds per step, every round
+        assert all(faults is not None and faults >= 0 for faults in row["minor_faults_round_medians"])
         assert len(row["peak_rss_bytes"]) == 2
     zero2 = rows["zero2"]
     # The engine's own counter and the tapped torch.distributed calls agree, and both equal
