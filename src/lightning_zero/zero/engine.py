@@ -40,6 +40,7 @@ from lightning_zero.zero.build import (
     check_optimizer_params,
     replicated_step,
 )
+from lightning_zero.zero.cpu_heap import raise_glibc_thresholds
 from lightning_zero.zero.flat import OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
@@ -159,6 +160,8 @@ class ZeroEngine:
         self._owns_failure = failure is None
         self.failure = failure if failure is not None else FailureChannel.open()
         self.waiter = Waiter(config.collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
+        if torch.device(device).type == "cpu":
+            raise_glibc_thresholds()  # [Note: glibc's thresholds on CPU]
         where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
         where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
         if config.stage == 3:
