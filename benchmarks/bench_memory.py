@@ -98,19 +98,10 @@ def _libc() -> Any:
 
 def malloc_free_bytes() -> int:
     """Bytes glibc's malloc holds free in its arenas (``mallinfo2().fordblks``); 0 elsewhere."""
-    import ctypes
+    from lightning_zero.zero.cpu_heap import mallinfo2
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-        ] + [("keepcost", ctypes.c_size_t)]
-
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return 0
-    libc.mallinfo2.restype = MallInfo2
-    return int(libc.mallinfo2().fordblks)
+    info = mallinfo2()
+    return info["fordblks"] if info is not None else 0
 
 
 def reset_peak_rss() -> bool:

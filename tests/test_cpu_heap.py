@@ -24,18 +24,11 @@ pytestmark = pytest.mark.skipif(not uses_glibc(), reason="glibc's dynamic mmap a
 MIB = 1 << 20
 
 STEP_SCRIPT = """
-import ctypes, json, sys
+import json, sys
 import torch
 import torch.distributed as dist
+from lightning_zero.zero.cpu_heap import mallinfo2
 
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 torch.set_num_threads(1)
 torch.empty(8 << 20, dtype=torch.uint8).fill_(1)  # a first step's freed logits
 if sys.argv[1] == "engine":
@@ -46,11 +39,11 @@ if sys.argv[1] == "engine":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     model = torch.nn.Linear(8, 8)
     engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters())], ZeroConfig(stage=1))
-free_before, mapped_before = libc.mallinfo2().fordblks, libc.mallinfo2().hblkhd
+before = mallinfo2()
 transient = torch.ones(6 << 20)  # 24 MiB that a step allocates and frees, as logits-sized tensors are
-mapped = libc.mallinfo2().hblkhd - mapped_before
+mapped = mallinfo2()["hblkhd"] - before["hblkhd"]
 del transient
-kept_free = libc.mallinfo2().fordblks - free_before
+kept_free = mallinfo2()["fordblks"] - before["fordblks"]
 print(json.dumps({"kept_free": kept_free, "mapped": mapped}))
 """
 

@@ -31,8 +31,10 @@ allocator and the engine does nothing here.
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import sys
+from typing import Optional
 
 import torch
 
@@ -59,3 +61,37 @@ def raise_glibc_thresholds() -> None:
         return
     block = torch.empty(GLIBC_MAX_DYNAMIC_MMAP_THRESHOLD - 2 * _PAGE, dtype=torch.uint8)
     del block
+
+
+MALLINFO2_FIELDS = (
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+)
+
+
+def mallinfo2() -> Optional[dict[str, int]]:
+    """glibc's ``mallinfo2()`` as a dict (``hblkhd``: bytes mmapped, ``fordblks``: bytes held free);
+    None without glibc >= 2.33. For benchmarks and tests that ask where the allocator put memory."""
+    if not uses_glibc():
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {name: int(getattr(info, name)) for name in MALLINFO2_FIELDS}

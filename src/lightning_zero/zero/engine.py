@@ -159,8 +159,9 @@ class ZeroEngine:
         self.device = device
         self._owns_failure = failure is None
         self.failure = failure if failure is not None else FailureChannel.open()
-        self.waiter = Waiter(config.collective_timeout, poll=torch.device(device).type == "cpu", failure=self.failure)
-        if torch.device(device).type == "cpu":
+        on_cpu = torch.device(device).type == "cpu"
+        self.waiter = Waiter(config.collective_timeout, poll=on_cpu, failure=self.failure)
+        if on_cpu:
             raise_glibc_thresholds()  # [Note: glibc's thresholds on CPU]
         where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
         where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
