@@ -176,8 +176,12 @@ CASES: dict[str, Case] = {
 
 
 def zero_state_bytes(trainer: Any) -> dict[str, int]:
-    measured = trainer.strategy.engine.measured_bytes()
-    return {key: int(measured[key]) for key in ("params", "grads", "optimizer")}
+    engine = trainer.strategy.engine
+    measured = engine.measured_bytes()
+    states = {key: int(measured[key]) for key in ("params", "grads", "optimizer")}
+    if engine.stage3 is not None:  # after forward the head is still gathered: working set, not model state
+        states["params"] -= engine.stage3.gathered_bytes()
+    return states
 
 
 def zero_step_extra(trainer: Any) -> dict[str, float]:
@@ -243,10 +247,13 @@ def zero_at_end(trainer: Any, max_steps: int) -> dict[str, Any]:
 
     engine = trainer.strategy.engine
     factor = 3 if engine.stage == 3 else 2
+    # stage 3 keeps the head gathered from forward into backward from step 2 on ([Note: held into backward])
+    held = engine.stage3.held_numel() * (max_steps - 1) / max_steps if engine.stage == 3 else 0.0
+    ring = (engine.dp_size - 1) / engine.dp_size
     return {
         # the project's own prediction for what this engine manages (P/tp under TP, its dp)
         "predicted_state_bytes": predicted_bytes(engine, engine.optimizers[0].optimizer),
-        "predicted_sent_bytes_per_step": factor * (engine.dp_size - 1) / engine.dp_size * 4 * engine.num_params(),
+        "predicted_sent_bytes_per_step": ring * 4 * (factor * engine.num_params() - held),
         "engine_sent_bytes_per_step": engine.counter.total_bytes() / max_steps,
         # the agreements (used parameters, phase markers): not in the ZeRO formulas
         "engine_control_bytes_per_step": sum(engine.counter.control_bytes.values()) / max_steps,

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from lightning_zero.models import LlamaConfig
 from lightning_zero.planner import load_hardware, plan_run, run_plan, search_layouts
 from lightning_zero.planner.hardware import Link
 from lightning_zero.planner.ledger import (
@@ -151,9 +152,21 @@ def test_memory_follows_the_zero_formulas_with_shard_size_for_dp():
 def test_plan_traffic_is_the_ledger_and_tp_counts_as_intra_node():
     plan = _tiny_plan(tp=2, shard_size="node", grad_comm_dtype="int8", accumulate_grad_batches=2)
     topology = dp_topology(dp=4, devices_per_node=4, tp=2, shard_size="node")
+    tiny = LlamaConfig.from_name("tiny")
+    head = tiny.vocab_size * tiny.dim // 2  # held from forward into backward: gathered once per micro batch
     ledger = dp_link_bytes(
+        plan.padded_params_per_tp_rank,
+        stage=3,
+        topology=topology,
+        micro_batches=2,
+        grad_comm_dtype="int8",
+        held_numel=head,
+    )
+    without = dp_link_bytes(
         plan.padded_params_per_tp_rank, stage=3, topology=topology, micro_batches=2, grad_comm_dtype="int8"
     )
+    # 2 micro batches x a ring over the 2 dp ranks of a node x bf16 (the default precision's wire)
+    assert without.by_kind("all_gather") - ledger.by_kind("all_gather") == 2 * 1 / 2 * 2 * head
     assert plan.traffic.dp_link_bytes == ledger
     assert plan.traffic.inter_node_bytes == ledger.inter_node_total > 0
     assert plan.traffic.intra_node_bytes == ledger.intra_node_total + plan.traffic.tp_all_reduce_bytes
@@ -211,8 +224,10 @@ def test_70b_table_options_on_8_nodes():
     node = plan_run("70b", shard_size="node", **common)
     node8 = plan_run("70b", shard_size="node", grad_comm_dtype="int8", param_comm_dtype="int8", **common)
     grad = 2 * world.padded_params_per_tp_rank  # bf16 bytes of the whole gradient
-    assert world.traffic.inter_node_bytes == pytest.approx(4 * 63 / 64 * grad + 8 * 63 / 64 * grad)
-    assert hier.traffic.inter_node_bytes == pytest.approx(4 * 7 / 8 * grad / 8 + 8 * 63 / 64 * grad)
+    # gathers: 2 per micro batch of the whole model, less one of the head (held into backward)
+    gathers = 8 * grad - 4 * 2 * 32000 * 8192
+    assert world.traffic.inter_node_bytes == pytest.approx(4 * 63 / 64 * grad + 63 / 64 * gathers)
+    assert hier.traffic.inter_node_bytes == pytest.approx(4 * 7 / 8 * grad / 8 + 63 / 64 * gathers)
     assert node.traffic.inter_node_bytes == pytest.approx(4 * 2 * 7 / 8 * grad / 8)
     assert node8.traffic.inter_node_bytes == pytest.approx(node.traffic.inter_node_bytes / 2 * (1 + 4 / 256))
     assert world.memory.total == hier.memory.total < node.memory.total == node8.memory.total

@@ -756,6 +756,7 @@ class CountSent(L.Callback):
         self.sent: list[float] = []
         self.by_kind: list[dict[str, float]] = []
         self.padding_numel: int | None = None
+        self.held_numel = 0  # stage 3: elements held from forward into backward (gathered once)
         self._before: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -772,6 +773,8 @@ class CountSent(L.Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None and hasattr(engine, "padding_numel"):
             self.padding_numel = int(engine.padding_numel())
+        if engine is not None and getattr(engine, "stage3", None) is not None:
+            self.held_numel = int(engine.stage3.held_numel())
 
 
 def make_strategy(case: Case, strategy: str):
@@ -832,6 +835,7 @@ def run_one(run: str) -> dict[str, Any]:
     extra["sent_per_step"] = counter.sent
     extra["sent_by_kind"] = counter.by_kind
     extra["padding_numel"] = counter.padding_numel
+    extra["held_numel"] = counter.held_numel
     extra["num_params"] = sum(p.numel() for p in module.parameters())
     extra["num_trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
     extra["manual"] = not module.automatic_optimization

@@ -47,7 +47,8 @@ BF16_PROBE_TOL = {"rtol": 2e-2, "atol": 2e-2}  # a bf16 forward (under autocast)
 # keeps each rank's own; the eval-mode plain forward is compared on rank 0 only.
 RANK0_PROBE_ONLY = {"cnn_batchnorm", "cnn_batchnorm_bf16"}
 BF16_CASES = {"cnn_batchnorm_bf16", "int8_frozen_base_bf16", "moe_bf16"}
-# Cases whose stage-3 run must send exactly 3 P (dp-1)/dp elements per step (steps after the first).
+# Cases whose stage-3 run must send exactly (3 P - H) (dp-1)/dp elements per step (steps after the
+# first; H: the last block, held from its forward into its backward).
 COMM_CASES = {"blocks_in_moduledict", "blocks_in_sequential"}
 # Cases whose ZeRO runs save a sharded checkpoint after fit (``Case(checkpoint=True)``): every
 # parameter must be in it once, equal to the trained one (tied, shared, frozen int8, LoRA).
@@ -348,9 +349,10 @@ def _check_grad_reduce(extra: dict, rank: int) -> list[str]:
     return []
 
 
-def expected_stage3_elements(num_params: int, padding_numel: int, dp: int = WORLD) -> float:
-    """ZeRO-3 per step: all-gather in forward, again in backward, reduce-scatter: 3 (P+pad)(dp-1)/dp."""
-    return 3 * (num_params + padding_numel) * (dp - 1) / dp
+def expected_stage3_elements(num_params: int, padding_numel: int, held_numel: int = 0, dp: int = WORLD) -> float:
+    """ZeRO-3 per step: all-gather in forward, again in backward but the ``held_numel`` elements
+    held between them ([Note: held into backward]), reduce-scatter: (3 (P+pad) - H)(dp-1)/dp."""
+    return (3 * (num_params + padding_numel) - held_numel) * (dp - 1) / dp
 
 
 def _check_sent(extra: dict, rank: int) -> list[str]:
@@ -361,13 +363,16 @@ def _check_sent(extra: dict, rank: int) -> list[str]:
     num_params = extra["num_params"]
     if padding > WORLD * 64:  # a few elements per unit, never a whole block
         return [f"rank {rank}: padding {padding} elements for {num_params} parameters"]
-    want = expected_stage3_elements(num_params, padding)
+    held = extra.get("held_numel", 0)
+    if not held:
+        return [f"rank {rank}: no unit held from forward into backward (the last block should be)"]
+    want = expected_stage3_elements(num_params, padding, held)
     for step, value in enumerate(sent[1:], start=1):
         if abs(value - want) > 0.5:
             kinds = extra["sent_by_kind"][step]
             message = (
-                f"rank {rank} step {step}: sent {value:.0f} elements = {value / want:.2f} x 3 P (dp-1)/dp"
-                f" ({want:.0f}; P={num_params}, padding {padding}); by kind {kinds}"
+                f"rank {rank} step {step}: sent {value:.0f} elements = {value / want:.2f} x (3 P - H) (dp-1)/dp"
+                f" ({want:.0f}; P={num_params}, padding {padding}, H={held}); by kind {kinds}"
             )
             return [message]
     return []

@@ -88,6 +88,8 @@ class Record(L.Callback):
             self.measured = engine.measured_bytes()
             self.step_counters = state_beyond_formula(engine)  # per-run `step`s, no padding moments
             self.padded = engine.num_params() + engine.padding_numel()  # elements one replica holds
+            # stage 3: the head, held from its forward into its backward (gathered once a step)
+            self.held = engine.stage3.held_numel() if engine.stage3 is not None else 0
 
 
 def run(name: str, out_dir: str) -> None:
@@ -125,6 +127,7 @@ def run(name: str, out_dir: str) -> None:
             measured=record.measured,
             step_counters=record.step_counters,
             padded=record.padded,
+            held=record.held,
             shard=dims.shard,
             replicate=dims.replicate,
             stage=strategy.stage,

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
+from lightning_zero.zero.stage3.schedule import held_entries
 
 # --------------------------------------------------------------------------------------------
 # FLOPs
@@ -98,6 +99,23 @@ class Workload:
     compute_backward_s: float
     tp_s: float  # part of the two above spent in tp all-reduces (blocking)
     shape_key: tuple = ()  # equal for workloads with the same tensors (bucket layouts can be shared)
+
+
+def held_units(workload: Workload) -> frozenset[int]:
+    """Stage-3 units that stay gathered from their forward into their backward, by the engine's
+    rule (``held_entries``, [Note: held into backward] in ``zero/stage3/schedule.py``) applied to
+    this workload's order: its units gathered in forward order, then in reverse for backward. For
+    a decoder, the head (the final norm when the head is tied)."""
+    units = sorted({tensor.unit for tensor in workload.tensors})
+    order = units + units[::-1]
+    in_backward = [False] * len(units) + [True] * len(units)
+    return frozenset(unit for unit, held in zip(order, held_entries(order, in_backward)) if held)
+
+
+def held_numel(workload: Workload) -> int:
+    """Elements one rank's stage-3 backward does not all-gather again (:func:`held_units`)."""
+    held = held_units(workload)
+    return sum(tensor.numel for tensor in workload.tensors if tensor.unit in held)
 
 
 _WORKLOADS: dict[tuple, "Workload"] = {}

@@ -238,6 +238,10 @@ class Stage3Runtime:
         if not unit.groups:
             return
         if unit.gathered and not unit.prefetched:  # still gathered from an earlier use
+            schedule = self._open_schedule()
+            if schedule is not None and schedule.holds(unit.index):  # kept from its forward
+                schedule.position += 1
+                self._prefetch(schedule)
             self._wait(unit)
             return
         kind = self.open_kind
@@ -272,16 +276,33 @@ class Stage3Runtime:
                 " Every rank must run the same modules the same number of times per step."
             )
         for position in range(schedule.position, found):  # ran on other ranks, not here: keep in step
-            self._consume_skipped(self.units[order[position]], schedule.in_backward[position])
+            self._consume_entry(schedule, position)
         schedule.position = found + 1
+        if schedule.held[found]:  # gathered since its forward on every rank that needs it here
+            self.channel.abort(
+                f"lightning_zero ZeRO-3: dp rank {self.dp_rank} freed module {unit.name!r} between its forward"
+                f" and its backward in step {self.step} (an optimizer step or a forward outside the step"
+                " methods in between?); the other ranks keep it gathered there and issue no all-gather."
+            )
         self._start_gather(unit)
         unit.prefetched = False
-        for ahead in order[found + 1 : found + 1 + self.config.prefetch_blocks]:
-            ahead_unit = self.units[ahead]
-            if not ahead_unit.gathered:
+        self._prefetch(schedule)
+        self._wait(unit)
+
+    def _open_schedule(self) -> Optional[Schedule]:
+        """The open step's recorded schedule, if it has one and is not dynamic."""
+        schedule = self.schedules.get(self.open_kind) if self.open_kind is not None else None
+        return schedule if schedule is not None and schedule.recorded and not schedule.dynamic else None
+
+    def _prefetch(self, schedule: Schedule) -> None:
+        """Start the all-gathers of the ``prefetch_blocks`` entries after the one just consumed
+        (a held entry gathers nothing: [Note: held into backward])."""
+        end = schedule.position + self.config.prefetch_blocks
+        for position in range(schedule.position, min(end, len(schedule.order))):
+            ahead_unit = self.units[schedule.order[position]]
+            if not schedule.held[position] and not ahead_unit.gathered:
                 self._start_gather(ahead_unit)
                 ahead_unit.prefetched = True
-        self._wait(unit)
 
     # -- dynamic phases ([Note: dynamic execution] in schedule.py) -------------------------------
     def _turn_dynamic(self, schedule: Schedule, everyone: list[tuple[int, int]], what: str) -> None:
@@ -359,6 +380,15 @@ class Stage3Runtime:
         self._wait(unit)
         return True
 
+    def _consume_entry(self, schedule: Schedule, position: int) -> None:
+        """Issue what the recorded entry ``position`` issues on every rank, for a unit this rank
+        did not reach there; a held entry issues nothing ([Note: held into backward])."""
+        unit = self.units[schedule.order[position]]
+        if not schedule.held[position]:
+            self._consume_skipped(unit, schedule.in_backward[position])
+        elif self.on_unit_skipped_in_backward is not None:
+            self.on_unit_skipped_in_backward(unit.trainable)  # [Note: skipped units and gradient buckets]
+
     def _consume_skipped(self, unit: Unit, backward_entry: bool = False) -> None:
         if unit.prefetched:
             self._free(unit)
@@ -387,7 +417,7 @@ class Stage3Runtime:
         while schedule.position < len(schedule.order) and schedule.in_backward[schedule.position]:
             position = schedule.position
             schedule.position += 1
-            self._consume_skipped(self.units[schedule.order[position]], True)
+            self._consume_entry(schedule, position)
 
     def _close(self) -> None:
         """Close the open step: flush what its schedule still expects, free everything."""
@@ -408,8 +438,9 @@ class Stage3Runtime:
             self._serve_until_done()
         elif schedule.recorded:
             for position in range(schedule.position, len(schedule.order)):
-                self._consume_skipped(self.units[schedule.order[position]], schedule.in_backward[position])
-        schedule.recorded = True
+                self._consume_entry(schedule, position)
+        if not schedule.recorded:
+            schedule.finish_recording()
         schedule.position = 0
         self.open_kind = None
         for unit in self.units:
@@ -494,7 +525,10 @@ class Stage3Runtime:
                     if tensor.requires_grad:
                         tensor.register_hook(self._make_pre_backward(unit))
             frees = unit.forward_frees.pop() if unit.forward_frees else None
-            if frees is None or frees:
+            if frees is None:  # the usual rule: freed, unless held into its backward
+                schedule = self._open_schedule()
+                frees = schedule is None or not schedule.holds(unit.index)
+            if frees:
                 self._free(unit)
             return output
 
@@ -614,6 +648,24 @@ class Stage3Runtime:
                 for slot in group.layout.slots:
                     slot.param.data = slot.param.data.clone()
             self._free(unit)
+
+    def held_numel(self, kind: str = "train") -> int:
+        """Elements the recorded ``kind`` schedule keeps gathered from forward into backward,
+        gathering them once instead of twice per forward/backward pair ([Note: held into backward])."""
+        schedule = self.schedules.get(kind)
+        if schedule is None or not schedule.recorded or schedule.dynamic:
+            return 0
+        return sum(
+            group.layout.numel
+            for index, held in zip(schedule.order, schedule.held)
+            if held
+            for group in self.units[index].groups
+        )
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full unit buffers gathered now: the working set (a unit in use, prefetched, or
+        held into backward), not model state."""
+        return sum(group.full_buffer.untyped_storage().nbytes() for unit in self.units for group in unit.groups)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -39,6 +39,19 @@ nothing; there a unit skipped later is handled as before, and a unit run out of 
 order later raises naming it. A unit that ran on no rank in the first step (LayerDrop dropped it
 everywhere) has no place in the schedule, so such a phase turns dynamic as well, with a warning
 (:meth:`Agreement.warn_idle_units`).
+
+[Note: held into backward] A unit whose backward gather comes right after its forward gather in
+the recorded schedule -- nothing is gathered between the end of its forward and the start of its
+backward: the LM head of a decoder, the last unit forward runs and the first backward needs --
+is not freed after its forward from the second step on: it stays gathered through the loss into
+its backward, and that backward entry issues no all-gather. Which entries are held follows from
+the recorded schedule alone (:meth:`Schedule.finish_recording`), which every rank shares, so every
+rank skips the same all-gather whatever it ran: a rank that skipped the unit's forward gathers and
+frees it at the forward entry as before, and consumes the held entry without a collective. This
+is torchtitan's ``reshard_after_forward=False`` for the last block, chosen from the schedule. It
+saves ``(dp-1)/dp`` of that unit's bytes per forward/backward pair (a 32000 x 4096 fp32 head: 250
+MiB per rank at dp=2), and holds the unit only while the loss runs, where the freed unit would be
+gathered again at once; the planner counts it (``planner/ledger.held_unit_numel``).
 """
 
 from __future__ import annotations
@@ -67,6 +80,20 @@ NEED = 5  # value: the unit this rank needs now, in a phase whose ranks run diff
 DONE = 6  # value: 0 -- this rank needs no more units in the open step (it serves the others)
 
 
+def held_entries(order: list[int], in_backward: list[bool]) -> list[bool]:
+    """Per entry of a recorded schedule (unit indices, and whether each was gathered for a
+    backward): True where the unit stays gathered from the forward entry just before it, so the
+    entry issues no all-gather ([Note: held into backward]). The planner asks the same of its
+    model's forward/backward order."""
+    return [
+        position > 0
+        and in_backward[position]
+        and not in_backward[position - 1]
+        and order[position] == order[position - 1]
+        for position in range(len(order))
+    ]
+
+
 @dataclass
 class Schedule:
     """The order units were gathered in during the first step of a phase ([Note: gather schedule])."""
@@ -76,6 +103,25 @@ class Schedule:
     recorded: bool = False
     position: int = 0
     dynamic: bool = False  # the ranks ran different modules: every gather is agreed ([Note: dynamic execution])
+    # per entry: kept gathered from the forward entry before it, no all-gather ([Note: held into backward])
+    held: list[bool] = field(default_factory=list)
+
+    def finish_recording(self) -> None:
+        """The first step of the phase closed: mark its held entries ([Note: held into backward])."""
+        self.recorded = True
+        self.held = held_entries(self.order, self.in_backward)
+
+    def holds(self, unit_index: int) -> bool:
+        """The next entry is ``unit_index``'s held backward entry: the unit stays gathered after its
+        forward and its backward gathers nothing ([Note: held into backward])."""
+        position = self.position
+        return (
+            self.recorded
+            and not self.dynamic
+            and position < len(self.order)
+            and self.held[position]
+            and self.order[position] == unit_index
+        )
 
 
 class Agreement:

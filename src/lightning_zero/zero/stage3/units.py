@@ -8,7 +8,8 @@ kept until backward ends (FSDP2 does not reshard the root after forward either),
 using the tie finds it gathered, in forward and in backward; it is all-gathered once per step and
 its gradient -- summed by autograd over every use into one ``.grad`` -- is reduce-scattered once.
 Bytes per step stay exact: ``(dp-1)/dp`` of the root's elements are gathered once and
-reduce-scattered once, those of every other unit gathered twice and reduce-scattered once.
+reduce-scattered once, those of every other unit gathered twice (once for a unit held from its
+forward into its backward: [Note: held into backward] in ``schedule.py``) and reduce-scattered once.
 A module that directly registers a root parameter (a *root holder*: the tie's users, and every
 module outside all units that holds parameters) re-gathers the root on demand if it finds it freed
 (after an ``optimizer.step()``, or a forward outside the step methods).
