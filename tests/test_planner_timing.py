@@ -410,3 +410,29 @@ def test_search_marks_lossy_layouts_and_lossless_leaves_them_out():
     assert plan.lossless
     assert not dataclasses.replace(plan, grad_comm_dtype="bf16", reduce_dtype="fp32").lossless
     assert dataclasses.replace(plan, grad_comm_dtype="fp32", param_comm_dtype="bf16").lossless
+
+
+def test_held_units_follow_the_engines_rule():
+    # [Note: held into backward]: an entry is held when it is the backward entry right after the
+    # same unit's forward entry. The planner asks the engine's function about its own order.
+    from lightning_zero.models import LlamaConfig
+    from lightning_zero.planner.workload import held_numel, held_units, llama_workload
+    from lightning_zero.zero.stage3.schedule import held_entries
+
+    order, backward = [0, 1, 2, 2, 1, 0], [False, False, False, True, True, True]
+    assert held_entries(order, backward) == [False, False, False, True, False, False]
+    # a unit run twice in forward (0, 0): only the use right before its backward is held
+    assert held_entries([0, 0, 0], [False, False, True]) == [False, False, True]
+    # a backward entry after another unit's, or a forward after a forward, is not
+    assert held_entries([1, 0, 0, 1], [False, True, True, False]) == [False, False, False, False]
+
+    shape = dict(micro_batch=1, seq_len=16, tp=1, activation_checkpointing="none", flops_per_s=1e12,
+                 tp_link=Link(1e-5, 1e10), act_bytes=2)  # fmt: skip
+    untied = LlamaConfig.from_name("tiny")
+    workload = llama_workload(untied, **shape)
+    head = untied.n_layers + 2  # units: 0 embedding, 1..L blocks, L+1 final norm, L+2 head
+    assert held_units(workload) == {head}
+    assert held_numel(workload) == untied.vocab_size * untied.dim
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    assert held_units(llama_workload(tied, **shape)) == {untied.n_layers + 1}  # the final norm
+    assert held_numel(llama_workload(tied, **shape)) == untied.dim
