@@ -416,7 +416,7 @@ def test_held_units_follow_the_engines_rule():
     # [Note: held into backward]: an entry is held when it is the backward entry right after the
     # same unit's forward entry. The planner asks the engine's function about its own order.
     from lightning_zero.models import LlamaConfig
-    from lightning_zero.planner.workload import held_numel, held_units, llama_workload
+    from lightning_zero.planner.workload import gathered_once_numel, gathered_once_units, held_units, llama_workload
     from lightning_zero.zero.stage3.schedule import held_entries
 
     order, backward = [0, 1, 2, 2, 1, 0], [False, False, False, True, True, True]
@@ -431,8 +431,10 @@ def test_held_units_follow_the_engines_rule():
     untied = LlamaConfig.from_name("tiny")
     workload = llama_workload(untied, **shape)
     head = untied.n_layers + 2  # units: 0 embedding, 1..L blocks, L+1 final norm, L+2 head
-    assert held_units(workload) == {head}
-    assert held_numel(workload) == untied.vocab_size * untied.dim
-    tied = dataclasses.replace(untied, tie_embeddings=True)
-    assert held_units(llama_workload(tied, **shape)) == {untied.n_layers + 1}  # the final norm
-    assert held_numel(llama_workload(tied, **shape)) == untied.dim
+    assert held_units(workload) == gathered_once_units(workload) == {head}
+    assert gathered_once_numel(workload) == untied.vocab_size * untied.dim
+    # tied: the final norm is held, and the one embedding lives in the root (gathered once a step)
+    tied = llama_workload(dataclasses.replace(untied, tie_embeddings=True), **shape)
+    assert held_units(tied) == {untied.n_layers + 1}
+    assert gathered_once_units(tied) == {0, untied.n_layers + 1}
+    assert gathered_once_numel(tied) == untied.vocab_size * untied.dim + untied.dim

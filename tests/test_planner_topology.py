@@ -160,7 +160,7 @@ def test_plan_traffic_is_the_ledger_and_tp_counts_as_intra_node():
         topology=topology,
         micro_batches=2,
         grad_comm_dtype="int8",
-        held_numel=head,
+        gathered_once_numel=head,
     )
     without = dp_link_bytes(
         plan.padded_params_per_tp_rank, stage=3, topology=topology, micro_batches=2, grad_comm_dtype="int8"

@@ -210,9 +210,39 @@ def _disagreeing_first_step(rank, world):
         engine.close()
 
 
+def _tied_bytes_are_the_planners(rank, world):
+    """A tied Llama: the engine's bytes per step (from step 2 on) are what ``plan_run`` predicts --
+    the root (the one embedding) and the held final norm gathered once, every block twice."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.llama import build_llama
+    from lightning_zero.planner import plan_run
+    from lightning_zero.zero.engine import ZeroEngine
+
+    config = _config().__class__.from_name("tiny", **CFG, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = build_llama(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, bucket_mb=0.002), device=torch.device("cpu"))
+    assert engine.padding_numel() == 0  # the planner pads the whole model, the engine each unit
+    plan = plan_run(config, stage=3, world_size=world, devices_per_node=world, micro_batch=2, seq_len=8,
+                    precision="32-true", simulate=False, suggest=False)  # fmt: skip
+    for step, tokens in enumerate(_batches(3, world, 1)):
+        opt.zero_grad()
+        engine.counter.reset()
+        engine.stage3.begin_step()
+        _loss(model, tokens[0][rank]).backward()
+        opt.step()
+        if step > 0:
+            sent = engine.counter.bytes
+            assert sent["all_gather_params"] == plan.traffic.dp_all_gather_bytes, (sent, plan.traffic)
+            assert sent["reduce_scatter_grads"] == plan.traffic.dp_reduce_scatter_bytes, (sent, plan.traffic)
+    engine.close()
+
+
 def _all(rank, world, expected):
     for case, want in expected.items():
         _train(rank, world, *case, want)
+    _tied_bytes_are_the_planners(rank, world)
     _odd_control_flow(rank, world)
     _sharded_init_memory(rank, world)
     _disagreeing_first_step(rank, world)

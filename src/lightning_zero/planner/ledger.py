@@ -579,14 +579,15 @@ def dp_link_bytes(
     param_bytes: int = 2,
     grad_comm_dtype: Optional[str] = None,
     param_comm_dtype: Optional[str] = None,
-    held_numel: int = 0,
+    gathered_once_numel: int = 0,
 ) -> LinkBytes:
     """Data-parallel bytes one rank sends per optimizer step on each link class, for ``numel``
     parameters per tp rank (padded to a multiple of ``shard_size``): every hop of
     :meth:`DpTopology.grad_hops` times :func:`grad_syncs_per_step`, plus every hop of
     :meth:`DpTopology.gather_hops` times :func:`gathers_per_step`, less (stage 3) one gather per
-    micro batch of the ``held_numel`` elements kept gathered from forward into backward
-    (``planner.workload.held_numel``; [Note: held into backward] in ``zero/stage3/schedule.py``).
+    micro batch of the ``gathered_once_numel`` elements kept gathered from forward into backward
+    (``planner.workload.gathered_once_numel``: the unit held into backward, [Note: held into
+    backward] in ``zero/stage3/schedule.py``, and a tied embedding stored in the root unit).
     Stage 0 ignores the topology knobs (Lightning's DDP all-reduces over all dp ranks)."""
     out: dict[str, dict[str, float]] = {link: {} for link in LINK_CLASSES}
     plan = [
@@ -606,7 +607,7 @@ def dp_link_bytes(
         for hop in hops:
             kinds = out[hop.link]
             kinds[hop.kind] = kinds.get(hop.kind, 0.0) + count * hop.sent_bytes(numel)
-    if stage == 3 and held_numel:
+    if stage == 3 and gathered_once_numel:
         for hop in topology.gather_hops(param_bytes=param_bytes, param_comm_dtype=param_comm_dtype):
-            out[hop.link][hop.kind] -= micro_batches * hop.sent_bytes(held_numel)
+            out[hop.link][hop.kind] -= micro_batches * hop.sent_bytes(gathered_once_numel)
     return LinkBytes(intra_node=out["intra_node"], inter_node=out["inter_node"])

@@ -52,7 +52,7 @@ from typing import Any, Mapping, Optional, Sequence
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.planner.ledger import Hop
-from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets, held_units
+from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets, gathered_once_units
 from lightning_zero.zero.bucketing import pool_buffers
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def simulate_backward(
     ``pool_buffers(max_buckets_in_flight)`` (``None``: full-size gradients, no pool). ``launch_cap``: the
     engine's limit on reduce-scatters in flight (every ZeRO stage: a launch first waits for the
     oldest; ``None``: no limit, DDP). ``gather_s`` (stage 3): per-unit all-gather time; units are
-    reached in reverse, ``prefetch`` ahead; those held from forward (:func:`held_units`) are gathered.
+    reached in reverse, ``prefetch`` ahead; those gathered once a micro batch (:func:`gathered_once_units`) are.
     """
     tensors = workload.tensors
     compute = workload.compute_backward_s
@@ -126,7 +126,7 @@ def simulate_backward(
     t = link_free = 0.0
     comm = 0.0
     # stage 3: gathers in backward, units reached in reverse forward order
-    gather_end: dict[int, float] = dict.fromkeys(held_units(workload), 0.0) if gather_s else {}
+    gather_end: dict[int, float] = dict.fromkeys(gathered_once_units(workload), 0.0) if gather_s else {}
     reverse_units = list(range(n_units - 1, -1, -1))
 
     def reach(unit: int) -> None:
@@ -367,7 +367,7 @@ def step_time(
         for numel, count in sizes.items():
             tally(hops_seconds(grad_hops, numel)[1], count * syncing)
     if stage == 3 and gather_hops:
-        held = held_units(workload)  # gathered before each forward, again before each backward but these
+        held = gathered_once_units(workload)  # gathered before each forward, again before each backward but these
         gathers = Counter((b.numel, 1 if workload.tensors[b.tensors[0]].unit in held else 2) for b in buckets)
         for (numel, times), count in gathers.items():
             tally(hops_seconds(gather_hops, numel)[1], count * times * micro_batches)

@@ -14,7 +14,7 @@ from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
 from lightning_zero.planner.plan import TrafficPerRank
 from lightning_zero.planner.timing import StepTime
-from lightning_zero.planner.workload import Workload, held_numel, training_flops
+from lightning_zero.planner.workload import Workload, gathered_once_numel, training_flops
 from lightning_zero.ring import ring_sent
 
 
@@ -42,7 +42,7 @@ def traffic_per_rank(
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
     # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
     # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
-    # (once for the unit held from forward into backward).
+    # (once for the unit held from forward into backward, and for a tied embedding in the root).
     tp = int(dims.tp)
     links = dp_link_bytes(
         padded,
@@ -54,7 +54,7 @@ def traffic_per_rank(
         param_bytes=dtype.param,
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
-        held_numel=held_numel(workload) if stage == 3 else 0,
+        gathered_once_numel=gathered_once_numel(workload) if stage == 3 else 0,
     )
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding

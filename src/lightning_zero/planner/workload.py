@@ -99,6 +99,9 @@ class Workload:
     compute_backward_s: float
     tp_s: float  # part of the two above spent in tp all-reduces (blocking)
     shape_key: tuple = ()  # equal for workloads with the same tensors (bucket layouts can be shared)
+    # units whose parameters the engine stores in its root unit (a tied embedding: [Note: shared
+    # parameters] in zero/stage3/units.py): gathered when a step begins, kept until backward ends
+    root_units: frozenset[int] = frozenset()
 
 
 def held_units(workload: Workload) -> frozenset[int]:
@@ -112,10 +115,16 @@ def held_units(workload: Workload) -> frozenset[int]:
     return frozenset(unit for unit, held in zip(order, held_entries(order, in_backward)) if held)
 
 
-def held_numel(workload: Workload) -> int:
-    """Elements one rank's stage-3 backward does not all-gather again (:func:`held_units`)."""
-    held = held_units(workload)
-    return sum(tensor.numel for tensor in workload.tensors if tensor.unit in held)
+def gathered_once_units(workload: Workload) -> frozenset[int]:
+    """Stage-3 units all-gathered once per micro batch instead of twice: those held from forward
+    into backward (:func:`held_units`) and those stored in the root (``Workload.root_units``)."""
+    return held_units(workload) | workload.root_units
+
+
+def gathered_once_numel(workload: Workload) -> int:
+    """Elements one rank's stage-3 backward does not all-gather again (:func:`gathered_once_units`)."""
+    once = gathered_once_units(workload)
+    return sum(tensor.numel for tensor in workload.tensors if tensor.unit in once)
 
 
 _WORKLOADS: dict[tuple, "Workload"] = {}
@@ -204,6 +213,7 @@ def _llama_workload(
         compute_backward_s=sum(t.backward_s for t in tensors),
         tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
         shape_key=(repr(config), tp),
+        root_units=frozenset({0}) if getattr(config, "tie_embeddings", False) else frozenset(),
     )
 
 
