@@ -118,7 +118,8 @@ def simulate_backward(
     ``pool_buffers(max_buckets_in_flight)`` (``None``: full-size gradients, no pool). ``launch_cap``: the
     engine's limit on reduce-scatters in flight (every ZeRO stage: a launch first waits for the
     oldest; ``None``: no limit, DDP). ``gather_s`` (stage 3): per-unit all-gather time; units are
-    reached in reverse, ``prefetch`` ahead; those gathered once a micro batch (:func:`gathered_once_units`) are.
+    reached in reverse, ``prefetch`` ahead; those gathered once a micro batch (:func:`gathered_once_units`)
+    are gathered already.
     """
     tensors = workload.tensors
     compute = workload.compute_backward_s
@@ -367,8 +368,8 @@ def step_time(
         for numel, count in sizes.items():
             tally(hops_seconds(grad_hops, numel)[1], count * syncing)
     if stage == 3 and gather_hops:
-        held = gathered_once_units(workload)  # gathered before each forward, again before each backward but these
-        gathers = Counter((b.numel, 1 if workload.tensors[b.tensors[0]].unit in held else 2) for b in buckets)
+        once = gathered_once_units(workload)  # gathered before each forward, again before each backward but these
+        gathers = Counter((b.numel, 1 if workload.tensors[b.tensors[0]].unit in once else 2) for b in buckets)
         for (numel, times), count in gathers.items():
             tally(hops_seconds(gather_hops, numel)[1], count * times * micro_batches)
     post = 0.0

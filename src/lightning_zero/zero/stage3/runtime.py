@@ -290,9 +290,8 @@ class Stage3Runtime:
         self._wait(unit)
 
     def _open_schedule(self) -> Optional[Schedule]:
-        """The open step's recorded schedule, if it has one and is not dynamic."""
-        schedule = self.schedules.get(self.open_kind) if self.open_kind is not None else None
-        return schedule if schedule is not None and schedule.recorded and not schedule.dynamic else None
+        """The open step's schedule (recorded or not: :meth:`Schedule.holds` asks)."""
+        return self.schedules.get(self.open_kind) if self.open_kind is not None else None
 
     def _prefetch(self, schedule: Schedule) -> None:
         """Start the all-gathers of the ``prefetch_blocks`` entries after the one just consumed
@@ -653,7 +652,7 @@ class Stage3Runtime:
         """Elements the recorded ``kind`` schedule keeps gathered from forward into backward,
         gathering them once instead of twice per forward/backward pair ([Note: held into backward])."""
         schedule = self.schedules.get(kind)
-        if schedule is None or not schedule.recorded or schedule.dynamic:
+        if schedule is None or schedule.dynamic:  # ``held`` is empty until the schedule is recorded
             return 0
         return sum(
             group.layout.numel

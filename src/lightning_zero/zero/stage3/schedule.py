@@ -51,7 +51,7 @@ frees it at the forward entry as before, and consumes the held entry without a c
 is torchtitan's ``reshard_after_forward=False`` for the last block, chosen from the schedule. It
 saves ``(dp-1)/dp`` of that unit's bytes per forward/backward pair (a 32000 x 4096 fp32 head: 250
 MiB per rank at dp=2), and holds the unit only while the loss runs, where the freed unit would be
-gathered again at once; the planner counts it (``planner/ledger.held_unit_numel``).
+gathered again at once; the planner counts it (``planner/workload.gathered_once_units``).
 """
 
 from __future__ import annotations
