@@ -210,39 +210,55 @@ def _disagreeing_first_step(rank, world):
         engine.close()
 
 
-def _tied_bytes_are_the_planners(rank, world):
-    """A tied Llama: the engine's bytes per step (from step 2 on) are what ``plan_run`` predicts --
-    the root (the one embedding) and the held final norm gathered once, every block twice."""
+def _bytes_are_the_planners(rank, world):
+    """Tied and untied Llamas, prefetch 0-2: the engine's bytes per step (from step 2 on) are what
+    ``plan_run`` predicts -- a tied model's root (the one embedding) and the held unit gathered
+    once, every block twice -- and so is the most it holds gathered at once, the root beside the
+    units in flight ([Note: gathered working set]): both the walk of its own recorded schedule and
+    the planner's "stage-3 gathered blocks" row."""
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import build_llama
     from lightning_zero.planner import plan_run
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.stage3.schedule import gathered_high_water
 
-    config = _config().__class__.from_name("tiny", **CFG, tie_embeddings=True)
-    torch.manual_seed(0)
-    model = build_llama(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, bucket_mb=0.002), device=torch.device("cpu"))
-    assert engine.padding_numel() == 0  # the planner pads the whole model, the engine each unit
-    plan = plan_run(config, stage=3, world_size=world, devices_per_node=world, micro_batch=2, seq_len=8,
-                    precision="32-true", simulate=False, suggest=False)  # fmt: skip
-    for step, tokens in enumerate(_batches(3, world, 1)):
-        opt.zero_grad()
-        engine.counter.reset()
-        engine.stage3.begin_step()
-        _loss(model, tokens[0][rank]).backward()
-        opt.step()
-        if step > 0:
-            sent = engine.counter.bytes
-            assert sent["all_gather_params"] == plan.traffic.dp_all_gather_bytes, (sent, plan.traffic)
-            assert sent["reduce_scatter_grads"] == plan.traffic.dp_reduce_scatter_bytes, (sent, plan.traffic)
-    engine.close()
+    # vocab 512: the embedding and head (16,384 elements) outgrow a block (9,280), so the model's
+    # ends hold the most: the head and one block, not two heads
+    for tie, prefetch, vocab in ((True, 1, 64), (False, 0, 64), (False, 2, 64), (False, 1, 512), (True, 2, 512)):
+        config = _config().__class__.from_name("tiny", **{**CFG, "vocab_size": vocab}, tie_embeddings=tie)
+        torch.manual_seed(0)
+        model = build_llama(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        zero = ZeroConfig(stage=3, bucket_mb=0.002, prefetch_blocks=prefetch)
+        engine = ZeroEngine(model, [opt], zero, device=torch.device("cpu"))
+        assert engine.padding_numel() == 0  # the planner pads the whole model, the engine each unit
+        plan = plan_run(config, stage=3, world_size=world, devices_per_node=world, micro_batch=2, seq_len=8,
+                        precision="32-true", prefetch_blocks=prefetch, simulate=False, suggest=False)  # fmt: skip
+        runtime = engine.stage3
+        for step, tokens in enumerate(_batches(3, world, 1)):
+            opt.zero_grad()
+            engine.counter.reset()
+            runtime.begin_step()
+            _loss(model, tokens[0][rank]).backward()
+            opt.step()
+            if step > 0:
+                sent, case = engine.counter.bytes, (tie, prefetch, vocab)
+                assert sent["all_gather_params"] == plan.traffic.dp_all_gather_bytes, (case, sent)
+                assert sent["reduce_scatter_grads"] == plan.traffic.dp_reduce_scatter_bytes, (case, sent)
+        schedule = runtime.schedules["train"]
+        walked = gathered_high_water(schedule.order, schedule.in_backward, {u.index: u.numel for u in runtime.units[:-1]},
+                                     prefetch)  # fmt: skip
+        assert runtime.high_water_numel == walked, (tie, prefetch, vocab, runtime.high_water_numel, walked)
+        assert bool(runtime.root.groups) == tie
+        gathered = 4 * (runtime.high_water_numel + runtime.root.numel)
+        assert gathered == plan.memory.prefetch_buffers, (tie, prefetch, vocab, gathered, plan.memory.prefetch_buffers)
+        engine.close()
 
 
 def _all(rank, world, expected):
     for case, want in expected.items():
         _train(rank, world, *case, want)
-    _tied_bytes_are_the_planners(rank, world)
+    _bytes_are_the_planners(rank, world)
     _odd_control_flow(rank, world)
     _sharded_init_memory(rank, world)
     _disagreeing_first_step(rank, world)

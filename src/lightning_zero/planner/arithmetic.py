@@ -46,7 +46,7 @@ from lightning_zero.planner.ledger import (
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
-from lightning_zero.planner.workload import engine_buckets, llama_workload, training_flops
+from lightning_zero.planner.workload import engine_buckets, gathered_numel, llama_workload, training_flops
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
 
 STAGES = (0, 1, 2, 3)
@@ -316,8 +316,8 @@ def plan_run(
         if pooled and buckets
         else 0.0
     )
-    gathered_unit = max(counts.block, counts.embedding, counts.output)
-    prefetch = (prefetch_blocks + 1) * gathered_unit * dtype.param if stage == 3 else 0.0
+    # stage 3: the units in flight and the root ([Note: gathered working set] in zero/stage3/schedule.py)
+    prefetch = gathered_numel(workload, prefetch_blocks) * dtype.param if stage == 3 else 0.0
     # stages 2-3: autograd's gradient of one parameter, until the hook copies it into its bucket
     largest_param = max(counts.embedding, counts.output, llama_largest_block_param(config, tp=tp))
     param_grad = largest_param * dtype.grad if pooled else 0.0

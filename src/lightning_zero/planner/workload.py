@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
-from lightning_zero.zero.stage3.schedule import held_entries
+from lightning_zero.zero.stage3.schedule import gathered_high_water, held_entries
 
 # --------------------------------------------------------------------------------------------
 # FLOPs
@@ -125,6 +125,22 @@ def gathered_once_numel(workload: Workload) -> int:
     """Elements one rank's stage-3 backward does not all-gather again (:func:`gathered_once_units`)."""
     once = gathered_once_units(workload)
     return sum(tensor.numel for tensor in workload.tensors if tensor.unit in once)
+
+
+def gathered_numel(workload: Workload, prefetch: int) -> int:
+    """Most parameter elements one rank's stage 3 holds gathered at once with ``prefetch_blocks =
+    prefetch``: the engine's walk of the schedule (``gathered_high_water``, [Note: gathered working
+    set] in ``zero/stage3/schedule.py``) over this workload's order as the engine records it (the
+    root first, when there is one; then the other units in forward order, and in reverse for
+    backward), plus the root units, gathered for the whole step."""
+    numel: dict[int, int] = {}
+    for tensor in workload.tensors:
+        numel[tensor.unit] = numel.get(tensor.unit, 0) + tensor.numel
+    root = sum(numel.pop(unit, 0) for unit in workload.root_units)
+    units = sorted(numel)
+    order = sorted(workload.root_units)[:1] + units + units[::-1]
+    in_backward = [False] * (len(order) - len(units)) + [True] * len(units)
+    return root + gathered_high_water(order, in_backward, numel, prefetch)
 
 
 _WORKLOADS: dict[tuple, "Workload"] = {}

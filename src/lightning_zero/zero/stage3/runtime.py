@@ -153,6 +153,9 @@ class Stage3Runtime:
         self.step = 0
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
+        self.gathered_numel = 0  # elements of non-root units gathered now
+        # most of them at once so far ([Note: gathered working set] in schedule.py)
+        self.high_water_numel = 0
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
         # The reducer's: the trainable parameters of a unit whose backward this rank skipped, or
         # whose backward is over (those of them that got no gradient count as zeros).
@@ -193,6 +196,9 @@ class Stage3Runtime:
                 group.allocate()
                 unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
         unit.gathered = True
+        if unit is not self.root:
+            self.gathered_numel += unit.numel
+            self.high_water_numel = max(self.high_water_numel, self.gathered_numel)
 
     def _gather_again(self, unit: Unit) -> None:
         """Issue a gathered unit's all-gathers once more (a schedule entry skipped while in use)."""
@@ -217,6 +223,8 @@ class Stage3Runtime:
             for group in unit.groups:
                 group.free()
         unit.gathered = False
+        if unit is not self.root:
+            self.gathered_numel -= unit.numel
         unit.prefetched = False
 
     def _free_all(self) -> None:

@@ -45,6 +45,11 @@ class Unit:
     forward_frees: list[Optional[bool]] = field(default_factory=list)
 
     @property
+    def numel(self) -> int:
+        """Elements of the unit's parameters when gathered (padding included)."""
+        return sum(group.layout.numel for group in self.groups)
+
+    @property
     def trainable(self) -> list[nn.Parameter]:
         return [slot.param for group in self.groups for slot in group.layout.slots if slot.param.requires_grad]
 
