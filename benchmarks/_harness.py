@@ -63,6 +63,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_cases: list[str]
 
     for flag, key in MODEL_FLAGS.items():
         parser.add_argument(f"--{flag}", type=int, default=BENCH_MODEL[key])
+    parser.add_argument(
+        "--tie-embeddings", action="store_true", help="the output head is the embedding (one Parameter)"
+    )
     parser.add_argument("--seq", type=int, default=128, help="tokens per sample")
     parser.add_argument("--batch", type=int, default=2, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for every strategy")
@@ -90,7 +93,7 @@ def model_config(args: argparse.Namespace) -> Any:
     from lightning_zero.planner.bench_model import bench_config
 
     shape = {key: getattr(args, flag.replace("-", "_")) for flag, key in MODEL_FLAGS.items()}
-    return bench_config(**shape, max_seq_len=max(args.seq, 16))
+    return bench_config(**shape, max_seq_len=max(args.seq, 16), tie_embeddings=bool(args.tie_embeddings))
 
 
 def snapshot_sources(
