@@ -1,4 +1,5 @@
-"""What the ZeRO formulas leave out of a rank's optimizer-state bytes (shared by the byte tests)."""
+"""What the ZeRO formulas leave out of a rank's optimizer-state bytes, and what stage 3 holds
+gathered by its own rule (shared by the byte tests)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,13 @@ def state_beyond_formula(engine, moments_bytes: int = 8, step_bytes: int = 4) ->
     chunk_numel = sum(master.numel() for group in engine.groups for master in group.masters)
     padding_here = chunk_numel - sum(run.chunk_hi - run.chunk_lo for run in runs)
     return step_bytes * len(runs) - moments_bytes * padding_here
+
+
+def walked_high_water(runtime) -> int:
+    """The most non-root elements the engine's rule says a rank holds gathered at once, walking
+    the recorded training schedule ([Note: gathered working set] in zero/stage3/schedule.py)."""
+    from lightning_zero.zero.stage3.schedule import gathered_high_water
+
+    schedule = runtime.schedules["train"]
+    numel = {unit.index: unit.numel for unit in runtime.units[:-1]}
+    return gathered_high_water(schedule.order, schedule.in_backward, numel, runtime.config.prefetch_blocks)

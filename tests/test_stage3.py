@@ -4,6 +4,7 @@ memory between steps, gathered-unit high-water mark, bytes sent, sharded init, o
 import torch
 
 from tests.distributed import run_ranks
+from tests.engine_state import walked_high_water
 
 CFG = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -220,7 +221,6 @@ def _bytes_are_the_planners(rank, world):
     from lightning_zero.models.llama import build_llama
     from lightning_zero.planner import plan_run
     from lightning_zero.zero.engine import ZeroEngine
-    from lightning_zero.zero.stage3.schedule import gathered_high_water
 
     # vocab 512: the embedding and head (16,384 elements) outgrow a block (9,280), so the model's
     # ends hold the most: the head and one block, not two heads
@@ -245,9 +245,7 @@ def _bytes_are_the_planners(rank, world):
                 sent, case = engine.counter.bytes, (tie, prefetch, vocab)
                 assert sent["all_gather_params"] == plan.traffic.dp_all_gather_bytes, (case, sent)
                 assert sent["reduce_scatter_grads"] == plan.traffic.dp_reduce_scatter_bytes, (case, sent)
-        schedule = runtime.schedules["train"]
-        walked = gathered_high_water(schedule.order, schedule.in_backward, {u.index: u.numel for u in runtime.units[:-1]},
-                                     prefetch)  # fmt: skip
+        walked = walked_high_water(runtime)
         assert runtime.high_water_numel == walked, (tie, prefetch, vocab, runtime.high_water_numel, walked)
         assert bool(runtime.root.groups) == tie
         gathered = 4 * (runtime.high_water_numel + runtime.root.numel)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
+from tests.engine_state import walked_high_water
 
 pytest.importorskip("transformers")
 
@@ -109,16 +110,6 @@ def _seq2seq_loss(model, x):
     return model(input_ids=x, labels=x.flip(-1)).loss
 
 
-def _walked_high_water(runtime) -> int:
-    """The most non-root elements the engine's rule says a rank holds gathered at once, walking
-    the recorded training schedule ([Note: gathered working set])."""
-    from lightning_zero.zero.stage3.schedule import gathered_high_water
-
-    schedule = runtime.schedules["train"]
-    numel = {unit.index: unit.numel for unit in runtime.units[:-1]}
-    return gathered_high_water(schedule.order, schedule.in_backward, numel, runtime.config.prefetch_blocks)
-
-
 def _tied(rank, world):
     batches = _tokens(3, 64)
     _, _, want = _train(_gpt2, batches, _lm_loss, rank, sharded=False)
@@ -145,7 +136,7 @@ def _tied(rank, world):
     _close(got, want, "gpt2 tied")
     assert all(c is True for c in checks[3:]), checks  # from step 2 on (step 1 records the schedule)
     assert engine.stage3.held_numel() > 0, checks  # ln_f held once the schedule is recorded
-    assert engine.stage3.high_water_numel == _walked_high_water(engine.stage3) > 0
+    assert engine.stage3.high_water_numel == walked_high_water(engine.stage3) > 0
     assert model.transformer.wte.weight in [s.param for g in engine.stage3.root.groups for s in g.layout.slots]
     engine.unshard_parameters()
     engine.close()
@@ -335,7 +326,7 @@ def _blocks(rank, world):
         assert engine.stage3.held_numel() == sum(g.layout.numel for g in last.groups) > 0, (holder, reentrant)
         assert not engine.stage3.root.groups
         assert engine.stage3.high_water_backward <= 2, engine.stage3.high_water_backward  # freed in backward
-        walked = _walked_high_water(engine.stage3)
+        walked = walked_high_water(engine.stage3)
         assert engine.stage3.high_water_numel == walked > 0, (holder, reentrant, engine.stage3.high_water_numel, walked)
         engine.close()
 

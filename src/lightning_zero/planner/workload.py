@@ -104,14 +104,21 @@ class Workload:
     root_units: frozenset[int] = frozenset()
 
 
+def recorded_schedule(workload: Workload) -> tuple[list[int], list[bool]]:
+    """The stage-3 schedule the engine records for this workload ([Note: gather schedule] in
+    ``zero/stage3/schedule.py``): unit indices and whether each entry is a backward gather. The
+    root (gathered when the step begins and kept) is the first entry, when there is one; then the
+    other units in forward order, and in reverse for backward."""
+    units = sorted({tensor.unit for tensor in workload.tensors} - workload.root_units)
+    order = sorted(workload.root_units)[:1] + units + units[::-1]
+    return order, [False] * (len(order) - len(units)) + [True] * len(units)
+
+
 def held_units(workload: Workload) -> frozenset[int]:
     """Stage-3 units that stay gathered from their forward into their backward, by the engine's
     rule (``held_entries``, [Note: held into backward] in ``zero/stage3/schedule.py``) applied to
-    this workload's order: its units gathered in forward order, then in reverse for backward. For
-    a decoder, the head (the final norm when the head is tied)."""
-    units = sorted({tensor.unit for tensor in workload.tensors})
-    order = units + units[::-1]
-    in_backward = [False] * len(units) + [True] * len(units)
+    :func:`recorded_schedule`. For a decoder, the head (the final norm when the head is tied)."""
+    order, in_backward = recorded_schedule(workload)
     return frozenset(unit for unit, held in zip(order, held_entries(order, in_backward)) if held)
 
 
@@ -129,17 +136,14 @@ def gathered_once_numel(workload: Workload) -> int:
 
 def gathered_numel(workload: Workload, prefetch: int) -> int:
     """Most parameter elements one rank's stage 3 holds gathered at once with ``prefetch_blocks =
-    prefetch``: the engine's walk of the schedule (``gathered_high_water``, [Note: gathered working
-    set] in ``zero/stage3/schedule.py``) over this workload's order as the engine records it (the
-    root first, when there is one; then the other units in forward order, and in reverse for
-    backward), plus the root units, gathered for the whole step."""
+    prefetch``: the engine's walk (``gathered_high_water``, [Note: gathered working set] in
+    ``zero/stage3/schedule.py``) of :func:`recorded_schedule`, plus the root units, gathered for
+    the whole step."""
     numel: dict[int, int] = {}
     for tensor in workload.tensors:
         numel[tensor.unit] = numel.get(tensor.unit, 0) + tensor.numel
     root = sum(numel.pop(unit, 0) for unit in workload.root_units)
-    units = sorted(numel)
-    order = sorted(workload.root_units)[:1] + units + units[::-1]
-    in_backward = [False] * (len(order) - len(units)) + [True] * len(units)
+    order, in_backward = recorded_schedule(workload)
     return root + gathered_high_water(order, in_backward, numel, prefetch)
 
 

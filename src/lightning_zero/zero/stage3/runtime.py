@@ -662,12 +662,7 @@ class Stage3Runtime:
         schedule = self.schedules.get(kind)
         if schedule is None or schedule.dynamic:  # ``held`` is empty until the schedule is recorded
             return 0
-        return sum(
-            group.layout.numel
-            for index, held in zip(schedule.order, schedule.held)
-            if held
-            for group in self.units[index].groups
-        )
+        return sum(self.units[index].numel for index, held in zip(schedule.order, schedule.held) if held)
 
     def gathered_bytes(self) -> int:
         """Bytes of full unit buffers gathered now: the working set (a unit in use, prefetched, or
