@@ -3,7 +3,8 @@
 ``wait()``, counted at the reduce-scatter's logical bytes, in place or not, over the whole world
 (dp rank 0 sends only the other chunks, the others all of theirs) and over a pair, in fp32 and
 bf16; the all-gather over a pair is an all-to-all ([Note: all-gather on gloo]), in place or not,
-pollable, exact, at the all-gather's logical bytes (one 4-rank launch)."""
+pollable, exact, at the all-gather's logical bytes; a wait on any of them blocks in slices that
+run out without harm ([Note: sliced waits]) (one 4-rank launch)."""
 
 import time
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.collectives import CommCounter, Finishing, all_gather, reduce_scatter
+from lightning_zero.zero.waits import Waiter, _blocked_until_done, wire_work
 from tests.distributed import run_ranks
 
 
@@ -106,6 +108,7 @@ def _body(rank: int, world: int) -> None:
         _check_group(pair, [1, 2], dtype)
         _check_all_gather(None, list(range(world)), dtype)
         _check_all_gather(pair, [1, 2], dtype)
+    _check_sliced_waits(pair)
     # A wrong size is refused before anything is sent.
     try:
         reduce_scatter(torch.empty(3), torch.empty(10), None)
@@ -118,3 +121,35 @@ def _body(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_gloo_reduce_scatter_and_pair_all_gather_are_pollable_all_to_alls():
     run_ranks(_body, 4, timeout_s=120)
+
+
+def _check_sliced_waits(pair) -> None:
+    """[Note: sliced waits]: gloo's ``wait(timeout)`` on the engine's collectives returns when a
+    slice runs out (the work stays intact) and at once when the collective completes."""
+    rank = dist.get_rank()
+    if rank not in (1, 2):
+        return
+    me = rank - 1
+    source = _rank_input(rank, 2 * 500, torch.float32)
+    launches = {
+        "reduce-scatter": lambda: reduce_scatter(torch.empty(500), source, pair, async_op=True),
+        "all-gather": lambda: all_gather(torch.empty(1000), source[:500], pair, async_op=True),
+        "all-reduce": lambda: dist.all_reduce(source.clone(), group=pair, async_op=True),
+    }
+    for what, launch in launches.items():
+        dist.barrier(group=pair)
+        if me == 1:
+            time.sleep(0.3)  # the peer launches late: rank 1's first slice runs out
+        work = launch()
+        wire = wire_work(work)
+        assert isinstance(wire, dist.Work), (what, type(work))
+        if me == 0:
+            assert not _blocked_until_done(wire, None), f"{what}: a slice ran out, yet it reported done"
+            assert not wire.is_completed(), f"{what}: the timed-out slice completed the work"
+        Waiter(timeout_s=30, poll=True).wait(work, lambda what=what: what)
+        assert wire.is_completed()
+    expected = _rank_input(1, 1000, torch.float32) + _rank_input(2, 1000, torch.float32)
+    output = torch.empty(500)
+    work = reduce_scatter(output, source, pair, async_op=True)
+    Waiter(timeout_s=30, poll=True).wait(work, lambda: "the checked reduce-scatter")
+    assert torch.allclose(output, expected[me * 500 : (me + 1) * 500]), "a sliced wait returns the sum"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from lightning_zero.zero import waits
 from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError, Waiter
@@ -57,6 +59,29 @@ class Pending:
         self.done.wait()
         if self.error is not None:
             raise self.error
+        return True
+
+
+class SlicedWork(dist.Work):
+    """A c10d work that completes when told to and counts how it is waited on: ``wait(timeout)``
+    blocks at most ``timeout`` and then raises, as gloo's does ([Note: sliced waits])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+        self.slices: list[timedelta] = []
+        self.polls = 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.done.is_set()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if timeout > timedelta(0):
+            self.slices.append(timeout)
+            if not self.done.wait(timeout.total_seconds()):
+                raise RuntimeError("Operation timed out!")
+        self.done.wait()
         return True
 
 
@@ -158,3 +183,24 @@ def test_global_rank_0_does_not_wait_for_a_peer_that_is_gone(monkeypatch):
     started = time.monotonic()
     FailureChannel(DictStore(), "k", rank=0, world_size=2).post("RuntimeError: boom")  # a live peer never acks
     assert time.monotonic() - started >= 4.5
+
+
+def test_a_cpu_wait_blocks_on_the_work_in_slices_and_returns_when_it_completes():
+    """[Note: sliced waits]: no polling of ``is_completed()`` while gloo works, no sleep past the end."""
+    store = DictStore()
+    rank0, _ = _ranks(store)
+    work = SlicedWork()
+    threading.Timer(0.25, work.done.set).start()
+    started = time.monotonic()
+    Waiter(timeout_s=30, poll=True, failure=rank0).wait(work, lambda: "bucket 0")
+    assert time.monotonic() - started < 0.25 + waits.WAIT_SLICE_S + 0.1
+    assert len(work.slices) >= 0.25 / waits.WAIT_SLICE_S - 1, work.slices  # blocked, slice after slice
+    assert all(timedelta(milliseconds=1) <= s <= timedelta(seconds=waits.WAIT_SLICE_S) for s in work.slices)
+    assert work.polls <= len(work.slices) + 2, work.polls  # asked once per slice that ran out, not in a loop
+    # Between slices the limit and the failure channel are still checked.
+    with pytest.raises(CollectiveTimeoutError, match="bucket 1"):
+        Waiter(timeout_s=0.2, poll=True, failure=rank0).wait(SlicedWork(), lambda: "bucket 1")
+    rank0b, rank1b = _ranks(DictStore())
+    threading.Timer(0.2, rank1b.post, args=("ValueError: a bad batch",)).start()
+    with pytest.raises(PeerFailedError, match="ValueError: a bad batch"):
+        Waiter(timeout_s=None, poll=True, failure=rank0b).wait(SlicedWork(), lambda: "bucket 2")

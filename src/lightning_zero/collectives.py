@@ -160,6 +160,12 @@ class Finishing:
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
+    @property
+    def wire_work(self) -> Any:
+        """The wire collective's own work (``None``: nothing on the wire), which a waiter may
+        block on in slices before calling :meth:`wait` ([Note: sliced waits] in ``zero/waits.py``)."""
+        return self._work
+
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         if self._work is not None:
             self._work.wait(*args, **kwargs)

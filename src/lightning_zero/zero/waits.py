@@ -4,10 +4,21 @@
 seconds (``None``: the process group's own timeout). A wait that runs out raises an error saying
 what this rank was waiting on and how far its backward got, instead of hanging for the process
 group's own ``timeout`` (its default: docs/troubleshooting.md), far longer than any collective of a
-healthy step. On CPU (gloo) the wait polls ``work.is_completed()``: gloo ignores
-``wait(timeout=...)``; the reduce-scatter there is an all-to-all, which completes without
-``wait()`` and so can be polled ([Note: reduce-scatter on gloo] in ``collectives.py``). On GPU the
-process group's own timeout (NCCL watchdog) applies: polling would block the CPU on the GPU.
+healthy step. On CPU (gloo) the wait blocks in slices ([Note: sliced waits]) and checks the
+limit and the failure channel between them. On GPU the process group's own timeout (NCCL
+watchdog) applies: a wait there would block the CPU on the GPU.
+
+[Note: sliced waits] On CPU a rank's gloo thread shares the core with the training thread, so how
+a wait sleeps is on the step's path. A gloo work's ``wait(timeout)`` blocks on the work's
+condition variable and returns the moment the collective completes (a slice that runs out raises
+and leaves the work untouched); the engine's gloo collectives (the all-to-alls of
+``collectives.py``, all-reduce, all-gather, broadcast) all honour it. The waiter therefore blocks
+in slices of ``WAIT_SLICE_S`` on the c10d work under the handle (``Finishing.wire_work``), checking
+the time limit and the failure channel between slices: no wake-ups while gloo works, and none
+late. It used to poll ``is_completed()`` with sleeps growing to 1 ms, which woke the core up to a
+thousand times a second beside gloo's thread and returned up to a sleep after the collective
+ended. A handle with no c10d work under it (a test's fake) is still polled that way. A peer's
+failure is seen within one slice after the watcher read it.
 
 [Note: failure channel] A rank that fails -- its own exception anywhere in a step (the user's
 ``training_step``, a callback, backward, the optimizer step, validation), or an error of the
@@ -40,6 +51,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -48,6 +60,7 @@ ACK_GRACE_S = 2.0  # how long global rank 0 (the store's host) waits for its pee
 NCCL_ABORT_GRACE_S = 2.0  # after a peer's message: time for this rank to reach its failure path first
 MESSAGE_AFTER_ERROR_S = 1.0  # after a collective error: how long to look for the peer's message
 REPORTED_GRACE_S = 2.0  # how long a rank waits for the failing rank to print its own error first
+WAIT_SLICE_S = 0.02  # a CPU wait blocks this long at most between checks ([Note: sliced waits])
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -289,9 +302,9 @@ def abort_nccl_after(grace_s: float = NCCL_ABORT_GRACE_S) -> Callable[[], None]:
 class Waiter:
     """How the engine waits on a collective: the time limit, whether to poll, the failure channel.
 
-    ``poll=True`` (CPU/gloo, where ``wait`` blocks anyway) checks ``is_completed()`` with a short
-    sleep (gloo ignores ``wait(timeout=...)`` for some collectives) and, every iteration, whether
-    another rank failed -- when there is a time limit or a failure channel. ``poll=False`` (GPU)
+    ``poll=True`` (CPU/gloo) blocks on the work in slices of ``WAIT_SLICE_S`` and checks, between
+    slices, the time limit and whether another rank failed -- when there is a time limit or a
+    failure channel ([Note: sliced waits]). ``poll=False`` (GPU)
     only calls ``wait()`` (polling would block the CPU until the GPU catches up): there a failing
     peer ends the wait by the NCCL abort, and the error names it.
     """
@@ -309,8 +322,9 @@ class Waiter:
             return
         started = time.perf_counter()
         deadline = None if self.timeout_s is None else started + self.timeout_s
+        wire = wire_work(work)
         delay = 1e-5
-        while not work.is_completed():
+        while not (_blocked_until_done(wire, deadline) if wire is not None else work.is_completed()):
             now = time.perf_counter()
             if deadline is not None and now > deadline:
                 raise CollectiveTimeoutError(
@@ -322,8 +336,9 @@ class Waiter:
                 )
             if self.failure is not None:
                 self.failure.check()
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            if wire is None:  # a handle without a c10d work: poll
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
         self._finish(work, describe, time.perf_counter() - started)
 
     def _finish(self, work: Any, describe: Callable[[], str], waited: float) -> None:
@@ -334,3 +349,22 @@ class Waiter:
             if peer is not None:
                 raise peer from err
             raise RuntimeError(f"lightning_zero: {describe()} failed after {waited:.1f} s: {err}") from err
+
+
+def wire_work(work: Any) -> Optional[dist.Work]:
+    """The c10d work that ``work`` (a c10d work, or a handle that finishes one:
+    ``collectives.Finishing``) completes with, or ``None`` ([Note: sliced waits])."""
+    inner = getattr(work, "wire_work", work)
+    return inner if isinstance(inner, dist.Work) else None
+
+
+def _blocked_until_done(wire: dist.Work, deadline: Optional[float]) -> bool:
+    """Block on ``wire`` for one slice (less when ``deadline`` is nearer); True once it completed,
+    with or without an error (``Waiter._finish`` raises that). c10d reads a zero timeout as "no
+    limit", hence the 1 ms floor."""
+    seconds = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.perf_counter())
+    try:
+        wire.wait(timedelta(seconds=max(seconds, 1e-3)))
+    except RuntimeError:  # the slice ran out ("Operation timed out!"), or the collective failed
+        return wire.is_completed()
+    return True
