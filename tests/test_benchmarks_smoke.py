@@ -189,3 +189,41 @@ def test_planner_check_ranks_only_pairs_every_round_agrees_on():
     assert check.ranking_where_told_apart(predicted, pairs) == ["ddp/zero2"]
     assert check.ranking_where_told_apart({**predicted, "ddp": 0.9}, pairs) == []
     assert ("zero1", "zero2") not in check.told_apart({"zero1": [1.0, 1.0], "zero2": [1.01, 1.015]})
+
+
+@pytest.mark.slow
+def test_interleaved_ab_times_both_sides_in_one_pair_and_writes_json(tmp_path):
+    out = tmp_path / "ab.json"
+    proc = _run(
+        tmp_path, "interleaved_ab.py", "--switch", "polled_waits", "--stage", "2", "--models", "quick",
+        "--block", "1", "--pairs", "2", "--batch", "2", "--seq", "16", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["rank"], row["clock"]) for row in rows} == {(r, c) for r in (0, 1) for c in ("wall", "cpu")}
+    for row in rows:  # 2 pairs of 1-step blocks: 2 timed steps a side
+        assert len(row["a_steps_s"]) == len(row["b_steps_s"]) == 2, row
+        low, high = row["interval_95"]
+        assert low <= row["b_over_a"] <= high
+
+
+def test_interleaved_ab_switch_and_ratio():
+    import importlib.util
+
+    import torch.distributed as dist
+
+    import lightning_zero.zero.waits as waits
+
+    spec = importlib.util.spec_from_file_location("interleaved_ab", ROOT / "benchmarks" / "interleaved_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    work = dist.Work()
+    ab.SWITCHES["polled_waits"](True)  # B: the engine's waits see no c10d work under a handle, and poll
+    try:
+        assert waits.wire_work(work) is None
+    finally:
+        ab.SWITCHES["polled_waits"](False)
+    assert waits.wire_work(work) is work
+    assert ab.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
+    ratio, low, high = ab.ratio_interval([1.0, 1.1, 0.9, 1.0], [1.2, 1.3, 1.1, 1.2])
+    assert ratio == pytest.approx(1.2) and low <= ratio <= high and high > low
