@@ -18,7 +18,9 @@ the time limit and the failure channel between slices: no wake-ups while gloo wo
 late. It used to poll ``is_completed()`` with sleeps growing to 1 ms, which woke the core up to a
 thousand times a second beside gloo's thread and returned up to a sleep after the collective
 ended. A handle with no c10d work under it (a test's fake) is still polled that way. A peer's
-failure is seen within one slice after the watcher read it.
+failure is seen within one slice after the watcher read it. The step time did not move with it
+(an A/B inside one process pair, docs/benchmarks.md session 18): the change is in how a wait
+sleeps, not a speed-up.
 
 [Note: failure channel] A rank that fails -- its own exception anywhere in a step (the user's
 ``training_step``, a callback, backward, the optimizer step, validation), or an error of the
