@@ -13,10 +13,13 @@ in ``--block``). The report is the median step of each side with a bootstrap 95%
 ratio B / A (2,000 resamples of each side's steps), per rank, wall and CPU seconds
 (``time.process_time``: every thread of the rank).
 
-Switches (``SWITCHES``; A is main's behaviour, B the alternative):
+Switches (``SWITCHES``: ``(trainer, on)``, called at every step's start on both ranks; A is main's
+behaviour, B the alternative):
 
 - ``polled_waits``: B waits on the engine's collectives by polling ``is_completed()`` with sleeps
   growing to 1 ms, as before [Note: sliced waits] (``zero/waits.py``); A blocks in slices.
+- ``one_bucket_in_flight``: B launches a bucket's reduce-scatter only once the one before it
+  finished (``max_buckets_in_flight=1``; A: 2, the default).
 
     python benchmarks/interleaved_ab.py --switch polled_waits --stage 1 --models issue24 \\
         --steps 48 --block 4 --out ab.json
@@ -46,7 +49,7 @@ MODELS = {  # issue 24's two models (bench_zero12.py --models)
 WARMUP = 3  # steps before any is timed
 
 
-def _polled_waits(on: bool) -> None:
+def _polled_waits(trainer: Any, on: bool) -> None:
     import lightning_zero.zero.waits as waits
 
     if not hasattr(waits, "_sliced_wire_work"):
@@ -54,7 +57,21 @@ def _polled_waits(on: bool) -> None:
     waits.wire_work = (lambda work: None) if on else waits._sliced_wire_work
 
 
-SWITCHES: dict[str, Callable[[bool], None]] = {"polled_waits": _polled_waits}
+def _one_bucket_in_flight(trainer: Any, on: bool) -> None:
+    """B: ``max_buckets_in_flight=1`` (A: the default, 2); the reducer reads it at every launch,
+    and stage 2/3's pool, sized for the default, only uses fewer buffers."""
+    import dataclasses
+
+    reducer = trainer.strategy.engine.reducer
+    if not hasattr(reducer, "_config_a"):
+        reducer._config_a = reducer.config
+    reducer.config = dataclasses.replace(reducer._config_a, max_buckets_in_flight=1) if on else reducer._config_a
+
+
+SWITCHES: dict[str, Callable[[Any, bool], None]] = {
+    "polled_waits": _polled_waits,
+    "one_bucket_in_flight": _one_bucket_in_flight,
+}
 
 
 def ratio_interval(a: list[float], b: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -93,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
             self.side = "B" if (index // args.block) % 2 else "A"
-            flip(self.side == "B")
+            flip(trainer, self.side == "B")
             self.started = (time.perf_counter(), time.process_time())
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, index: int) -> None:

@@ -195,7 +195,7 @@ def test_planner_check_ranks_only_pairs_every_round_agrees_on():
 def test_interleaved_ab_times_both_sides_in_one_pair_and_writes_json(tmp_path):
     out = tmp_path / "ab.json"
     proc = _run(
-        tmp_path, "interleaved_ab.py", "--switch", "polled_waits", "--stage", "2", "--models", "quick",
+        tmp_path, "interleaved_ab.py", "--switch", "one_bucket_in_flight", "--stage", "2", "--models", "quick",
         "--block", "1", "--pairs", "2", "--batch", "2", "--seq", "16", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -218,11 +218,11 @@ def test_interleaved_ab_switch_and_ratio():
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     work = dist.Work()
-    ab.SWITCHES["polled_waits"](True)  # B: the engine's waits see no c10d work under a handle, and poll
+    ab.SWITCHES["polled_waits"](None, True)  # B: the engine's waits see no c10d work under a handle, and poll
     try:
         assert waits.wire_work(work) is None
     finally:
-        ab.SWITCHES["polled_waits"](False)
+        ab.SWITCHES["polled_waits"](None, False)
     assert waits.wire_work(work) is work
     assert ab.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
     ratio, low, high = ab.ratio_interval([1.0, 1.1, 0.9, 1.0], [1.2, 1.3, 1.1, 1.2])
