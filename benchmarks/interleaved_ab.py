@@ -22,7 +22,7 @@ behaviour, B the alternative):
   finished (``max_buckets_in_flight=1``; A: 2, the default).
 
     python benchmarks/interleaved_ab.py --switch polled_waits --stage 1 --models issue24 \\
-        --steps 48 --block 4 --out ab.json
+        --block 4 --pairs 8 --out ab.json
 """
 
 from __future__ import annotations
@@ -41,12 +41,16 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-MODELS = {  # issue 24's two models (bench_zero12.py --models)
-    "issue24": {"dim": 512, "n_layers": 8, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 1408, "vocab_size": 4096},
-    "small": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 704, "vocab_size": 4096},
-    "quick": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 128, "vocab_size": 256},
-}
 WARMUP = 3  # steps before any is timed
+
+
+def model_shape(name: str, quick: bool) -> dict[str, int]:
+    """``bench_zero12.py --models NAME`` (``--quick``: its tiny stand-in) as ``LlamaConfig`` fields."""
+    from _harness import MODEL_FLAGS
+    from bench_zero12 import MODELS, QUICK_MODELS
+
+    flags = (QUICK_MODELS if quick else MODELS)[name]
+    return {MODEL_FLAGS[flag.removeprefix("--")]: int(value) for flag, value in zip(flags[::2], flags[1::2])}
 
 
 def _polled_waits(trainer: Any, on: bool) -> None:
@@ -119,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
                 self.cpu[self.side].append(time.process_time() - self.started[1])
 
     timer = Timer()
-    config = bench_config(**MODELS[args.models])
+    config = bench_config(**model_shape(args.models, args.quick), max_seq_len=max(args.seq, 16))
     seed_bench()
     module = bench_module(config)
     data = bench_datamodule(config, seq_len=args.seq, batch_size=args.batch, max_steps=steps)
@@ -143,7 +147,8 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
         ranks = [json.loads((Path(work_dir) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     print(
-        f"switch {args.switch} (B) against main (A): stage {args.stage}, model {args.models}, batch {args.batch} x"
+        f"switch {args.switch} (B) against main (A): stage {args.stage}, model {args.models}"
+        f"{' (quick)' if args.quick else ''}, batch {args.batch} x"
         f" seq {args.seq}; {args.pairs} pairs of {args.block}-step blocks after {WARMUP} warm-up steps"
     )
     print(f"{'rank':>4}  {'clock':5}  {'A median s':>10}  {'B median s':>10}  {'B / A':>6}  {'95% interval':>15}")
@@ -170,7 +175,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--switch", choices=sorted(SWITCHES), required=True, help="what B changes")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=1)
-    parser.add_argument("--models", choices=sorted(MODELS), default="issue24")
+    parser.add_argument("--models", choices=("bench", "issue24", "small"), default="issue24", help="bench_zero12's")
+    parser.add_argument("--quick", action="store_true", help="the model's tiny stand-in (a smoke test)")
     parser.add_argument("--block", type=int, default=4, help="steps per side before the switch flips")
     parser.add_argument("--pairs", type=int, default=6, help="A blocks (and as many B blocks) timed")
     parser.add_argument("--batch", type=int, default=4)

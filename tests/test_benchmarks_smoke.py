@@ -195,7 +195,7 @@ def test_planner_check_ranks_only_pairs_every_round_agrees_on():
 def test_interleaved_ab_times_both_sides_in_one_pair_and_writes_json(tmp_path):
     out = tmp_path / "ab.json"
     proc = _run(
-        tmp_path, "interleaved_ab.py", "--switch", "one_bucket_in_flight", "--stage", "2", "--models", "quick",
+        tmp_path, "interleaved_ab.py", "--switch", "one_bucket_in_flight", "--stage", "2", "--quick",
         "--block", "1", "--pairs", "2", "--batch", "2", "--seq", "16", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -224,6 +224,9 @@ def test_interleaved_ab_switch_and_ratio():
     finally:
         ab.SWITCHES["polled_waits"](None, False)
     assert waits.wire_work(work) is work
+    assert ab.model_shape("issue24", quick=False) == {  # bench_zero12's issue-24 model, field by field
+        "dim": 512, "n_layers": 8, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 1408, "vocab_size": 4096,
+    }  # fmt: skip
     assert ab.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
     ratio, low, high = ab.ratio_interval([1.0, 1.1, 0.9, 1.0], [1.2, 1.3, 1.1, 1.2])
     assert ratio == pytest.approx(1.2) and low <= ratio <= high and high > low
