@@ -112,14 +112,23 @@ def _inside_nested_backward() -> bool:
     return False
 
 
-def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
-    """How to average gradients over dp on ``backend``: ``(op, divide_after)``.
+def grad_reduce_op(backend: str, dtype: torch.dtype, divisor: int) -> tuple[dist.ReduceOp, bool]:
+    """How to average gradients of ``dtype`` over ``divisor`` ranks on ``backend``: ``(op, divide_after)``.
 
-    NCCL averages inside the collective (``ReduceOp.AVG``, NCCL >= 2.10): no extra pass over the
-    reduced chunk and no overflow risk from summing in low precision first. Other backends (gloo
-    has no AVG) sum, and the engine divides this rank's chunk by dp afterwards.
+    [Note: exact averaging] NCCL averages inside the collective (``ReduceOp.AVG``, NCCL >= 2.10):
+    no extra pass over the reduced chunk. But for bf16/fp16 NCCL implements AVG as a pre-multiply
+    of every input by ``1/n`` *rounded to the dtype*: for ``n`` not a power of two that factor is
+    off (bf16's ``1/3`` is ``0.33398``, every gradient scaled by 1.002) and each value takes one
+    more rounding before the sum. So AVG is used where ``1/n`` is exact in the dtype or the
+    rounding is far below the sum's own (fp32, fp64), or ``n`` is a power of two (``1/n`` is
+    exact in every float format); otherwise the reduce-scatter sums and the engine divides this
+    rank's chunk by ``n`` afterwards, in the chunk's dtype (one correctly rounded division, as
+    gloo always does: gloo has no AVG). Summing first cannot overflow bf16 (fp32's range); for
+    fp16 an overflowing sum is an inf the loss scaler sees and skips, where AVG's bias would be
+    silent. Pinned by ``tests/test_reducer_grad_path.py`` (``test_grad_reduce_op_rule``).
     """
-    if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG"):
+    exact = dtype in (torch.float32, torch.float64) or (divisor & (divisor - 1)) == 0
+    if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG") and exact:
         return dist.ReduceOp.AVG, False
     return dist.ReduceOp.SUM, True
 
@@ -176,10 +185,9 @@ class GradReducer:
         self.waiter = waiter if waiter is not None else Waiter(poll=device.type == "cpu")
         self.storage = storage
         storage.reduce_in_fp32 = reduce_in_fp32
-        backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
-        self._reduce_op, self._divide_after = grad_reduce_op(backend)
-        if hybrid is not None or config.grad_comm_dtype is not None:  # several hops or compressed: SUM, divide once
-            self._reduce_op, self._divide_after = dist.ReduceOp.SUM, True
+        self._backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
+        # several hops or compressed: SUM, divide once ([Note: exact averaging] otherwise)
+        self._sum_then_divide = hybrid is not None or config.grad_comm_dtype is not None
         self.timeline = SyncTimeline(clock=DeviceClock(device))
         self.sync_enabled = True
         self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
@@ -356,6 +364,12 @@ class GradReducer:
                 return
             self._launch(bucket)
 
+    def _reduce_rule(self, dtype: torch.dtype) -> tuple[dist.ReduceOp, bool]:
+        """``(op, divide_after)`` for a bucket of ``dtype`` ([Note: exact averaging])."""
+        if self._sum_then_divide:
+            return dist.ReduceOp.SUM, True
+        return grad_reduce_op(self._backend, dtype, self.grad_divisor)
+
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
             self._phase_pending = self.markers.start(PHASE_BACKWARD)
@@ -378,7 +392,7 @@ class GradReducer:
                 output,
                 full,
                 self.dp_group,
-                op=self._reduce_op,
+                op=self._reduce_rule(full.dtype)[0],
                 async_op=True,
                 counter=self.counter,
                 label="reduce_scatter_grads",
@@ -417,9 +431,9 @@ class GradReducer:
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
         chunk = bucket.grad_chunk
         assert chunk is not None
-        # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp (grad_reduce_op); with
-        # hybrid sharding by every dp rank of every replica (``grad_divisor``).
-        divisor = self.grad_divisor if self._divide_after else 1
+        # reduced with SUM (gloo has no AVG; [Note: exact averaging]): divide this rank's chunk by dp;
+        # with hybrid sharding by every dp rank of every replica (``grad_divisor``).
+        divisor = self.grad_divisor if self._reduce_rule(output.dtype)[1] else 1
         if chunk.data_ptr() == output.data_ptr():
             if divisor != 1:
                 chunk.div_(divisor)  # stage 1: the chunk is the reduced part of the full buffer
