@@ -291,9 +291,9 @@ def run_worker(
     tap = collective_tap()  # installed by bench_main before lightning_zero bound its collectives
     core = pin_rank_to_core()
 
+    from lightning_zero.comm.ring import ring_sent
     from lightning_zero.ledger import model_state_bytes
     from lightning_zero.planner.bench_model import bench_datamodule, bench_module, bench_trainer, seed_bench
-    from lightning_zero.ring import ring_sent
 
     config = model_config(args)
     num_params = config.num_params()

@@ -12,7 +12,7 @@ the model-state bytes it holds.
   step (``ru_minflt``): on CPU the allocator handing pages back and faulting them in again is a
   cost of its own (docs/performance.md, "Training on CPU");
 - counts the logical bytes its collectives send in the timed steps (see [Note: logical bytes] in
-  ``lightning_zero/collectives.py``), by wrapping the ``torch.distributed`` tensor collectives
+  ``lightning_zero/comm/collectives.py``), by wrapping the ``torch.distributed`` tensor collectives
   (:class:`CollectiveTap`), which our engine, FSDP and DeepSpeed call from Python; DDP's C++
   reducer calls gloo past the tap, so its bytes come from its own bucket sizes;
 - in one extra, untimed *probe* step at the end, counts the model-state bytes it holds (params,
@@ -21,7 +21,7 @@ the model-state bytes it holds.
   the three, and ``total`` the largest sum at one point;
 - where a benchmark asks (``measure_activations``), counts in that probe step the activation bytes
   its forward keeps for backward (``training_step`` start to ``on_before_zero_grad``, see
-  [Note: measuring saved activations] in ``lightning_zero/saved_activations.py``);
+  [Note: measuring saved activations] in ``lightning_zero/planner/saved_activations.py``);
 - writes ``<case>.rank<r>.json``, which the driver merges into the table and ``--out`` JSON.
 """
 
@@ -73,7 +73,7 @@ def peak_rss_bytes() -> int:
 # --------------------------------------------------------------------------------------------
 
 # name in torch.distributed -> (kind, which tensor argument the count is taken from); the bytes
-# one rank sends are lightning_zero.ring.ring_sent(kind, that tensor's bytes, group size)
+# one rank sends are lightning_zero.comm.ring.ring_sent(kind, that tensor's bytes, group size)
 _RING = {
     "all_reduce": ("all_reduce", 0),
     "reduce_scatter_tensor": ("reduce_scatter", 1),
@@ -146,7 +146,7 @@ class CollectiveTap:
             if tap.active and depth == 0:
                 import torch.distributed as dist
 
-                from lightning_zero.ring import ring_sent  # not at import: the tap goes in first
+                from lightning_zero.comm.ring import ring_sent  # not at import: the tap goes in first
 
                 tensor = args[arg] if len(args) > arg else next(iter(kwargs.values()), None)
                 group = kwargs.get("group")
@@ -262,7 +262,7 @@ def make_probe(
             self.states: dict[str, dict[str, int]] = {}
             self.live_bytes = 0
             self.saved_activation_bytes: Optional[int] = None
-            self._saved: Any = None  # lightning_zero.saved_activations.SavedActivations, probe step
+            self._saved: Any = None  # lightning_zero.planner.saved_activations.SavedActivations, probe step
             self.end: dict[str, Any] = {}
             self._start = 0.0
             self._role = "warmup"
@@ -285,7 +285,7 @@ def make_probe(
             tap.bytes.clear()
             tap.calls.clear()
             if self._probing and measure_activations:
-                from lightning_zero.saved_activations import SavedActivations
+                from lightning_zero.planner.saved_activations import SavedActivations
 
                 self._saved = SavedActivations(pl_module).start()
             self._start = time.perf_counter()

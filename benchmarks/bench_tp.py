@@ -10,12 +10,12 @@ with ``sequence_parallel=True`` (the norms and residuals on T/tp tokens per rank
 ...), and ``dp2``: ``ZeroStrategy(stage=2, tensor_parallel_size=1)`` (each rank its own batch).
 
 Per case: the activation bytes each rank keeps for backward, measured in the probe step
-([Note: measuring saved activations] in ``lightning_zero/saved_activations.py``), beside the
+([Note: measuring saved activations] in ``lightning_zero/planner/saved_activations.py``), beside the
 planner's ``llama_activation_bytes(...).saved_after_forward(mode)``; logical bytes sent per step
 per collective kind as the strategy's ``CommCounter`` labels them (tp: the activations'
 all-reduces, or all-gathers and reduce-scatters with sequence parallelism, beside the planner's
 ``tp_bytes_by_kind``; the vocab-parallel loss's all-reduces; dp: gradient reduce-scatter +
-parameter all-gather beside the ZeRO formula, ``lightning_zero/ring.py``); step time, its
+parameter all-gather beside the ZeRO formula, ``lightning_zero/comm/ring.py``); step time, its
 same-round ratio to ``tp2``, and tokens per second over both ranks (dp=2 trains on twice the
 tokens per step at the same per-rank batch).
 """
@@ -180,7 +180,7 @@ def sent_table(by_case: dict[str, dict], args: argparse.Namespace) -> list[str]:
 
 def activation_table(by_case: dict[str, dict]) -> list[str]:
     """Activation bytes each rank keeps for backward (probe step) beside the planner's."""
-    from lightning_zero.checkpointing import checkpointing_mode
+    from lightning_zero.models.checkpointing import checkpointing_mode
 
     header = (
         f"{'case':<18}{'sp':>4}{'ckpt':>11}{'saved MiB r0':>14}{'r1':>9}{'planner':>10}{'diff':>8}"

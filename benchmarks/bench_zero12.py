@@ -243,7 +243,7 @@ def backward_tail_extra(trainer: Any) -> dict[str, float]:
 
 def zero_at_end(trainer: Any, max_steps: int) -> dict[str, Any]:
     """What only the live engine can tell (it is gone after fit)."""
-    from lightning_zero.monitor import predicted_bytes
+    from lightning_zero.trainer.monitor import predicted_bytes
 
     engine = trainer.strategy.engine
     factor = 3 if engine.stage == 3 else 2

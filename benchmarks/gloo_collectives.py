@@ -1,11 +1,11 @@
-"""gloo's collectives on this machine, one against another: why ``lightning_zero.collectives``
+"""gloo's collectives on this machine, one against another: why ``lightning_zero.comm.collectives``
 reduce-scatters with an all-to-all on gloo ([Note: reduce-scatter on gloo]).
 
     python benchmarks/gloo_collectives.py [--sizes-mb 1 10 25] [--repeats 15] [--ranks 2] [--out gloo.json]
 
 Per size (MiB of fp32 in the full tensor), the median wall time of: DDP's ``all_reduce``; gloo's
 own reduce-scatter (``reduce_scatter_single`` / ``reduce_scatter_tensor``); ours
-(``lightning_zero.collectives.reduce_scatter``: an all-to-all, then the sum of this rank's chunk);
+(``lightning_zero.comm.collectives.reduce_scatter``: an all-to-all, then the sum of this rank's chunk);
 the all-gather stages 1-2 run after the step. Each rank is pinned to its own core with one torch
 thread, as the other CPU benchmarks run. Per case, the slower rank's median.
 """
@@ -27,7 +27,7 @@ def _worker(rank: int, ranks: int, port: int, sizes_mb: list[float], repeats: in
     import torch
     import torch.distributed as dist
 
-    from lightning_zero.collectives import all_gather, reduce_scatter
+    from lightning_zero.comm.collectives import all_gather, reduce_scatter
 
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})

@@ -21,7 +21,7 @@ tokens per sequence). For each run it records, into one JSON:
   for the same model, stage, dp=1, micro batch and sequence length on ``h200_141gb``), and their
   ratio;
 - tokens/s and MFU (model FLOPs from ``planner.timing.training_flops``, recompute not counted,
-  against the hardware config's bf16 peak; [Note: throughput] in ``lightning_zero/throughput.py``).
+  against the hardware config's bf16 peak; [Note: throughput] in ``lightning_zero/runtime/throughput.py``).
 
 Why world size 1: this check is written for the one GPU a session may be lent. Several ranks on
 one GPU are not possible with NCCL (it refuses two ranks on the same device: "Duplicate GPU
@@ -60,7 +60,7 @@ from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.models import LlamaConfig, LlamaLM  # noqa: E402
 from lightning_zero.planner import plan_run  # noqa: E402
 from lightning_zero.planner.bench_model import STEPS_ONLY  # noqa: E402
-from lightning_zero.throughput import peak_flops_for, training_flops_of  # noqa: E402
+from lightning_zero.runtime.throughput import peak_flops_for, training_flops_of  # noqa: E402
 
 GPU = {
     "model": dict(

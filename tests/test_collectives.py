@@ -1,4 +1,4 @@
-"""``lightning_zero.collectives`` on gloo: the reduce-scatter runs as an all-to-all plus a local sum
+"""``lightning_zero.comm.collectives`` on gloo: the reduce-scatter runs as an all-to-all plus a local sum
 ([Note: reduce-scatter on gloo]): the same result as an all-reduce's chunk, pollable before
 ``wait()``, counted at the reduce-scatter's logical bytes, in place or not, over the whole world
 (dp rank 0 sends only the other chunks, the others all of theirs) and over a pair, in fp32 and
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import CommCounter, Finishing, all_gather, reduce_scatter
+from lightning_zero.comm.collectives import CommCounter, Finishing, all_gather, reduce_scatter
 from lightning_zero.zero.waits import Waiter, _blocked_until_done, wire_work
 from tests.distributed import run_ranks
 

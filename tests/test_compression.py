@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.compression import (
+from lightning_zero.comm.compression import (
     BLOCK_SIZE,
     dequantize_int8,
     int8_error_bound,
@@ -89,8 +89,8 @@ def _rank_input(rank: int, numel: int) -> torch.Tensor:
 def _collectives(rank, world):
     import torch.distributed as dist
 
-    from lightning_zero.collectives import CommCounter, all_gather, reduce_scatter
-    from lightning_zero.compression import all_gather_compressed, all_reduce_compressed, reduce_scatter_compressed
+    from lightning_zero.comm.collectives import CommCounter, all_gather, reduce_scatter
+    from lightning_zero.comm.compression import all_gather_compressed, all_reduce_compressed, reduce_scatter_compressed
 
     numel = world * CHUNK
     inputs = [_rank_input(r, numel) for r in range(world)]  # every rank's input, known to all
@@ -194,7 +194,7 @@ def _model() -> nn.Module:
 def _engine_step_bytes(stage, grad_comm_dtype, param_comm_dtype):
     import torch.distributed as dist
 
-    from lightning_zero.collectives import all_gather
+    from lightning_zero.comm.collectives import all_gather
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 

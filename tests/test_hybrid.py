@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
+from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.ledger import model_state_bytes
-from lightning_zero.mesh import ParallelDims
 from tests.distributed import ROOT, free_port, script_env, start_process
 
 # -- pure layout arithmetic (no process group) -------------------------------------------------

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_zero.mesh import ParallelDims
+from lightning_zero.comm.mesh import ParallelDims
 
 
 def _config(n_heads=8, n_kv_heads=8, vocab_size=32000, ffn_dim=256):

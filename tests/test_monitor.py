@@ -109,7 +109,7 @@ class _FakeEngine:
 
 
 def _warnings_for(engine, fraction, monkeypatch):
-    import lightning_zero.monitor as monitor_module
+    import lightning_zero.trainer.monitor as monitor_module
 
     seen = []
     monkeypatch.setattr(monitor_module, "rank_zero_warn", lambda message, **_: seen.append(message))

@@ -8,7 +8,7 @@ import torch
 from lightning_zero.models import LlamaConfig
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.workload import training_flops
-from lightning_zero.throughput import ThroughputMeter, batch_tokens, peak_flops_for, training_flops_of
+from lightning_zero.runtime.throughput import ThroughputMeter, batch_tokens, peak_flops_for, training_flops_of
 
 
 class FakeClock:
@@ -59,7 +59,7 @@ def test_llama_module_counts_its_input_tokens():
 def _table(rank: int, caplog) -> str:
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from lightning_zero.monitor import ZeroMonitor
+    from lightning_zero.trainer.monitor import ZeroMonitor
 
     clock = FakeClock()
     monitor = ZeroMonitor(hardware="h100_80gb")

@@ -16,7 +16,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.ledger import llama_activation_bytes, llama_param_counts, model_state_bytes
 from lightning_zero.models import Llama, LlamaConfig, resolve_config
 from lightning_zero.planner import MemoryPerRank, Plan, TrafficPerRank, compare_stages, plan_run, run_plan
-from lightning_zero.saved_activations import measure_saved_bytes
+from lightning_zero.planner.saved_activations import measure_saved_bytes
 
 H100 = "h100_80gb"
 RUN_70B = dict(
@@ -137,7 +137,7 @@ def test_dp_and_tp_bytes_follow_the_ring_formulas():
 
 
 # ---------------------------------------------------------------------------- activations
-# Measured as [Note: measuring saved activations] in lightning_zero/saved_activations.py says.
+# Measured as [Note: measuring saved activations] in lightning_zero/planner/saved_activations.py says.
 
 
 def _measured_saved_bytes(config, dtype, checkpointing, attention, batch, seq_len):

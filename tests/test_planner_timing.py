@@ -292,7 +292,7 @@ def test_calibrate_command_writes_a_valid_hardware_config(tmp_path):
 
 def test_planner_plans_exactly_the_precisions_the_strategy_accepts():
     from lightning_zero.planner import PRECISIONS
-    from lightning_zero.precision import SUPPORTED_PRECISION
+    from lightning_zero.trainer.precision import SUPPORTED_PRECISION
 
     assert set(PRECISIONS) == set(SUPPORTED_PRECISION)
     with pytest.raises(ValueError, match="16-mixed"):

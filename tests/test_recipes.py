@@ -165,7 +165,7 @@ def test_recipe_shrinks_to_two_cpu_ranks(recipe):
 def _strategy_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("lightning_zero.strategy") is not None
+    return importlib.util.find_spec("lightning_zero.trainer.strategy") is not None
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def test_reduce_dtype_knob_and_bytes():
 
 
 def test_monitor_predicts_fp32_gradient_bytes():
-    from lightning_zero.monitor import predicted_bytes
+    from lightning_zero.trainer.monitor import predicted_bytes
 
     @dataclasses.dataclass
     class FakeEngine:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_zero.ring import ring_sent, ring_steps
+from lightning_zero.comm.ring import ring_sent, ring_steps
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning_zero.precision import ZeroBf16Precision, ZeroPrecision
+from lightning_zero.trainer.precision import ZeroBf16Precision, ZeroPrecision
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def _all_imports(path: Path) -> set[str]:
     return names
 
 
-HYDRA_FREE = ("zero", "tp", "checkpoint", "config.py")  # under PACKAGE: never load omegaconf or Hydra
+HYDRA_FREE = ("zero", "tp", "comm", "checkpoint", "config.py")  # under PACKAGE: never load omegaconf or Hydra
 
 
 def test_engine_tp_checkpoint_and_config_never_reach_hydra():
@@ -125,10 +125,25 @@ def test_only_the_engine_walks_buckets_and_slots():
 
 
 def test_engine_and_tp_never_import_lightning():
-    for folder in ("zero", "tp"):
+    for folder in ("zero", "tp", "comm"):
         for path in (PACKAGE / folder).rglob("*.py"):
             text = path.read_text()
             assert not re.search(r"^\s*(import|from) lightning\b", text, re.M), path
+
+
+def test_runtime_and_fabric_door_never_import_lightning_pytorch():
+    # Two front doors over one runtime: only the Trainer's glue (trainer/) builds on lightning.pytorch;
+    # the shared runtime and the Fabric door (fabric/) may use lightning.fabric at most.
+    pattern = re.compile(
+        r"^\s*(import lightning\.pytorch|from lightning\.pytorch|from lightning import|import lightning as)\b", re.M
+    )
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for folder in ("runtime", "fabric")
+        for path in (PACKAGE / folder).rglob("*.py")
+        if pattern.search(path.read_text())
+    ]
+    assert offenders == []
 
 
 def test_monitor_and_public_ledger_load_no_planner_beyond_its_formulas():
@@ -139,7 +154,7 @@ def test_monitor_and_public_ledger_load_no_planner_beyond_its_formulas():
     import sys
 
     code = (
-        "import sys, lightning_zero.ledger, lightning_zero.monitor; "
+        "import sys, lightning_zero.ledger, lightning_zero.trainer.monitor; "
         "print(sorted(m for m in sys.modules if m.startswith('lightning_zero.planner')))"
     )
     out = subprocess.run(

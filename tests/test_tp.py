@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.collectives import CommCounter
-from lightning_zero.mesh import ParallelDims, build_mesh, dp_group_and_rank, tp_group_and_rank
+from lightning_zero.comm.collectives import CommCounter
+from lightning_zero.comm.mesh import ParallelDims, build_mesh, dp_group_and_rank, tp_group_and_rank
 from lightning_zero.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -330,11 +330,11 @@ def _check_sequence_parallel(dense: nn.Module, group: dist.ProcessGroup, dp_grou
 def _check_saved_activations(dense: nn.Module, group: dist.ProcessGroup) -> None:
     """What a tp=2 Llama keeps for backward per rank equals the planner's count (1%) for every
     checkpointing mode, with and without sequence parallelism ([Note: measuring saved
-    activations] in lightning_zero/saved_activations.py), and the bytes of each TP collective of
+    activations] in lightning_zero/planner/saved_activations.py), and the bytes of each TP collective of
     that forward + backward equal the planner's ``tp_bytes_by_kind`` exactly."""
     from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.planner.saved_activations import measure_saved_bytes
     from lightning_zero.planner.traffic import tp_bytes_by_kind
-    from lightning_zero.saved_activations import measure_saved_bytes
     from lightning_zero.tp.loss import TP_LOSS_LABEL
 
     size = dist.get_world_size(group)

@@ -14,8 +14,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ZeroStrategy": "lightning_zero.strategy",
-    "ZeroMonitor": "lightning_zero.monitor",
+    "ZeroStrategy": "lightning_zero.trainer.strategy",
+    "ZeroMonitor": "lightning_zero.trainer.monitor",
     "LlamaConfig": "lightning_zero.models",
     "Llama": "lightning_zero.models",
     "LlamaLM": "lightning_zero.models",

@@ -17,7 +17,7 @@ _TARGET = "lightning.pytorch.strategies"
 
 def _make_factory(stage: int):
     def factory(**kwargs: Any):
-        from lightning_zero.strategy import ZeroStrategy
+        from lightning_zero.trainer.strategy import ZeroStrategy
 
         return ZeroStrategy(stage=stage, **kwargs)
 

@@ -260,7 +260,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
     )
     callbacks = [checkpoint, LearningRateMonitor(logging_interval="step")]
     if cfg.trainer.enable_progress_bar:
-        from lightning_zero._lightning_compat import step_progress_bar
+        from lightning_zero.trainer._lightning_compat import step_progress_bar
 
         callbacks.append(step_progress_bar())  # "Step 40/300", not Lightning's "Epoch 0/-2"
     if cfg.checkpoint.save_last:
@@ -282,7 +282,7 @@ def _save_last_on_train_end(checkpoint: Any) -> Any:
 
     class SaveLastOnTrainEnd(Callback):
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            from lightning_zero._lightning_compat import last_saved_step, mark_saved
+            from lightning_zero.trainer._lightning_compat import last_saved_step, mark_saved
 
             if last_saved_step(checkpoint) == trainer.global_step or trainer.global_step == 0:
                 return

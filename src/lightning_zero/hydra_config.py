@@ -292,7 +292,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     if schemas.get("strategy") is ZeroStrategyConf:
         _check_zero_knobs(cfg.strategy)
     if "model" in cfg:
-        from lightning_zero.checkpointing import checkpointing_mode
+        from lightning_zero.models.checkpointing import checkpointing_mode
 
         checkpointing_mode(cfg.model.activation_checkpointing, "model.activation_checkpointing")
     OmegaConf.set_struct(cfg, True)

@@ -142,8 +142,8 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
 
     from torch import nn
 
+    from lightning_zero.comm.mesh import ParallelDims, build_shard_groups
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.mesh import ParallelDims, build_shard_groups
     from lightning_zero.zero.engine import ZeroEngine
 
     dims = ParallelDims(world_size=world, devices_per_node=2, shard_size=shard_size, hierarchical_reduce=hierarchical)

@@ -26,9 +26,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from lightning_zero.checkpointing import checkpointing_mode
+from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, resolve_bucket_mb
-from lightning_zero.mesh import ParallelDims
+from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
@@ -154,7 +154,7 @@ def plan_run(
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
-            backward); [Note: checkpointing modes] in ``lightning_zero/checkpointing.py``.
+            backward); [Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``.
         sequence_parallel: the norm/residual activations sharded over the sequence in the TP
             group (needs ``tp > 1`` and ``tp`` dividing ``seq_len``); the TP all-reduces become
             reduce-scatters + all-gathers of the same bytes, plus the norm gains' gradient sums.

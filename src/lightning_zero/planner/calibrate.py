@@ -49,11 +49,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lightning_zero.comm.ring import ring_sent, ring_steps
 from lightning_zero.planner.bench_model import (
     BENCH_MODEL,
 )
 from lightning_zero.planner.measure import DEFAULT_SIZES_MB, measure_collectives, measure_step_overhead
-from lightning_zero.ring import ring_sent, ring_steps
 
 QUICK_SIZES_MB = (0.0625, 1.0)
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_zero.ring import ring_sent, ring_steps
+from lightning_zero.comm.ring import ring_sent, ring_steps
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -40,7 +40,7 @@ class Link:
 
 def collective_seconds(kind: str, payload_bytes: float, ranks: int, link: Link) -> float:
     """``factor x (steps x latency + sent_bytes / bandwidth)`` with the ring's steps and bytes
-    (``lightning_zero/ring.py``); 0 for a group of one rank. ``kind``: one of ``COLLECTIVE_KINDS``."""
+    (``lightning_zero/comm/ring.py``); 0 for a group of one rank. ``kind``: one of ``COLLECTIVE_KINDS``."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"collective kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
     if ranks <= 1 or payload_bytes <= 0:

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
-from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
-from lightning_zero.ring import ring_sent
+from lightning_zero.comm.ring import ring_sent
+from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 
 
 @dataclass(frozen=True)
@@ -362,7 +362,7 @@ def llama_activation_bytes(
 LINK_CLASSES = ("intra_node", "inter_node")
 COMM_DTYPES = (None, "fp32", "bf16", "int8")
 # Block-wise int8: one fp32 scale per INT8_BLOCK_SIZE elements. Mirrors the block size constant of
-# lightning_zero.compression (the engine's); the planner keeps its own copy so it imports no engine.
+# lightning_zero.comm.compression (the engine's); the planner keeps its own copy so it imports no engine.
 INT8_BLOCK_SIZE = 256
 
 
@@ -401,7 +401,7 @@ class Hop:
         return numel * self.fraction * comm_element_bytes(self.comm_dtype, self.native_bytes)
 
     def sent_bytes(self, numel: float) -> float:
-        """Ring algorithm (``lightning_zero/ring.py``): all-reduce ``2 (n-1)/n x payload``, the
+        """Ring algorithm (``lightning_zero/comm/ring.py``): all-reduce ``2 (n-1)/n x payload``, the
         others ``(n-1)/n x payload``."""
         return ring_sent(self.kind, self.payload_bytes(numel), self.ranks)
 

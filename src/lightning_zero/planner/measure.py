@@ -66,7 +66,7 @@ def _collective_worker(
     import torch
     import torch.distributed as dist
 
-    from lightning_zero.collectives import all_gather, all_reduce, reduce_scatter
+    from lightning_zero.comm.collectives import all_gather, all_reduce, reduce_scatter
 
     pin_to_core(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

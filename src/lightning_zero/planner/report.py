@@ -9,10 +9,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_zero.checkpointing import checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
+from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.arithmetic import STAGES, plan_run
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS

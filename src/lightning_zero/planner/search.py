@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any, Optional, Sequence, Union
 
-from lightning_zero.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
+from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.planner.arithmetic import _given_knobs, plan_run
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.plan import GiB, Plan

@@ -13,7 +13,7 @@ engine buckets it are ``workload.py``; a collective's cost on a link is ``hardwa
   gains add no matmul FLOPs; element-wise work is inside the ``mfu`` assumption (calibrated on CPU).
 - **Collectives**: ``factor(kind) x (steps x latency + logical_bytes / bandwidth)`` with ring
   ``steps = n - 1`` (twice for all-reduce) and ``logical_bytes`` as ``CommCounter`` counts them
-  (both from ``lightning_zero/ring.py``, [Note: ring bytes]);
+  (both from ``lightning_zero/comm/ring.py``, [Note: ring bytes]);
   dp collectives use the inter-node link when the dp group spans nodes, tp collectives the
   intra-node one. ``factor`` is 1 unless a calibration measured otherwise.
 - **Overlap, as the engine does it** (``zero/reducer.py``, ``zero/stage3/``): backward runs

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
-from lightning_zero.mesh import ParallelDims
+from lightning_zero.comm.mesh import ParallelDims
+from lightning_zero.comm.ring import ring_sent
+from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
 from lightning_zero.planner.plan import TrafficPerRank
 from lightning_zero.planner.timing import StepTime
 from lightning_zero.planner.workload import Workload, gathered_once_numel, training_flops
-from lightning_zero.ring import ring_sent
 
 
 def traffic_per_rank(

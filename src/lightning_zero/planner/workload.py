@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
 from lightning_zero.zero.stage3.schedule import gathered_high_water, held_entries

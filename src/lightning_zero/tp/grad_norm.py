@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import all_reduce
+from lightning_zero.comm.collectives import all_reduce
 from lightning_zero.tp.layers import tp_shard_dim
 
 

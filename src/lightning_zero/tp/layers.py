@@ -36,7 +36,7 @@ The column layers keep the gathered ``[B, T, dim]`` input for their weight gradi
 all-gather in backward, unlike Megatron-LM's option of saving the shard): same bytes as without
 sequence parallelism, and the gathered input counted by the planner.
 
-Every collective goes through ``lightning_zero.collectives`` labelled (``tp_all_reduce``,
+Every collective goes through ``lightning_zero.comm.collectives`` labelled (``tp_all_reduce``,
 ``tp_all_gather_seq``, ``tp_reduce_scatter_seq``) and counts its logical bytes in the layer's
 ``counter`` (a ``CommCounter`` or ``None``).
 """
@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.collectives import CommCounter, all_gather, all_reduce, reduce_scatter
+from lightning_zero.comm.collectives import CommCounter, all_gather, all_reduce, reduce_scatter
 
 TP_LABEL = "tp_all_reduce"
 SP_GATHER_LABEL = "tp_all_gather_seq"

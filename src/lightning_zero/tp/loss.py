@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import CommCounter, all_reduce
+from lightning_zero.comm.collectives import CommCounter, all_reduce
 
 TP_LOSS_LABEL = "tp_all_reduce_loss"
 

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_zero.collectives import CommCounter, all_gather
-from lightning_zero.mesh import check_model_divisible
+from lightning_zero.comm.collectives import CommCounter, all_gather
+from lightning_zero.comm.mesh import check_model_divisible
 from lightning_zero.models.llama.model import RMSNorm
 from lightning_zero.tp.layers import (
     ColumnParallelLinear,

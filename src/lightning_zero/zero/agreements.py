@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_reduce
+from lightning_zero.comm.collectives import CommCounter, all_reduce
 from lightning_zero.zero.waits import Waiter
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_nu
 from lightning_zero.zero.param_side import ReplicatedParams, ShardedParams
 
 if TYPE_CHECKING:
-    from lightning_zero.collectives import CommCounter
+    from lightning_zero.comm.collectives import CommCounter
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.waits import Waiter
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.collectives import INTRA_NODE, CommCounter, local_only
+from lightning_zero.comm.collectives import INTRA_NODE, CommCounter, local_only
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
 from lightning_zero.zero.agreements import StepChecks
 from lightning_zero.zero.build import (
@@ -52,7 +52,7 @@ from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
-    from lightning_zero.mesh import ShardGroups
+    from lightning_zero.comm.mesh import ShardGroups
 
 
 class ZeroEngine:

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.collectives import CommCounter, all_gather
-from lightning_zero.compression import all_gather_compressed, is_lossy
+from lightning_zero.comm.collectives import CommCounter, all_gather
+from lightning_zero.comm.compression import all_gather_compressed, is_lossy
 from lightning_zero.zero.bucketing import FIRST_BUCKET_MB, bucket_sizes, first_bucket_numel, padded_numel
 
 __all__ = [  # FIRST_BUCKET_MB and first_bucket_numel: the engine imports them from here
@@ -182,7 +182,7 @@ class ChunkedParamGroup:
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.master_device = torch.device("cpu") if offload else device
-        # What the parameter all-gathers send (lightning_zero/compression.py). A lossy one writes the
+        # What the parameter all-gathers send (lightning_zero/comm/compression.py). A lossy one writes the
         # dequantized values into this rank's own chunk too (stages 1-2 gather in place), so the
         # fp32 masters must then be separate copies to stay exact.
         self.param_comm_dtype = param_comm_dtype

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.collectives import CommCounter, all_reduce, local_only, reduce_scatter
-from lightning_zero.compression import all_reduce_compressed, reduce_scatter_compressed
+from lightning_zero.comm.collectives import CommCounter, all_reduce, local_only, reduce_scatter
+from lightning_zero.comm.compression import all_reduce_compressed, reduce_scatter_compressed
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig

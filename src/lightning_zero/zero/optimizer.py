@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_reduce
+from lightning_zero.comm.collectives import CommCounter, all_reduce
 from lightning_zero.zero.flat import FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
 from lightning_zero.zero.waits import Waiter

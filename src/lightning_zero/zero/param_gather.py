@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter
-from lightning_zero.compression import all_gather_compressed
+from lightning_zero.comm.collectives import CommCounter
+from lightning_zero.comm.compression import all_gather_compressed
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.waits import Waiter
 

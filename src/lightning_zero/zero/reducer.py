@@ -87,8 +87,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_zero.collectives import CommCounter, all_reduce, reduce_scatter
-from lightning_zero.compression import reduce_scatter_compressed
+from lightning_zero.comm.collectives import CommCounter, all_reduce, reduce_scatter
+from lightning_zero.comm.compression import reduce_scatter_compressed
 from lightning_zero.zero.agreements import PHASE_BACKWARD, PendingMarker, PhaseMarkers
 from lightning_zero.zero.flat import FlatParamGroup, ParamSlot
 from lightning_zero.zero.grad_storage import Bucket, FullGradStorage, GradStorage, PendingReduce, ShardedGradStorage
@@ -141,7 +141,7 @@ class GradReducer:
         storage: :class:`FullGradStorage` (stage 1) or :class:`ShardedGradStorage` (stage 2).
         config: the knobs (``lightning_zero.config.ZeroConfig``); read here: ``overlap_comm``
             (the starting value of :attr:`overlap_comm`, which a dynamic stage-3 phase turns off),
-            ``grad_comm_dtype`` (what the reduce-scatter sends, ``lightning_zero/compression.py``;
+            ``grad_comm_dtype`` (what the reduce-scatter sends, ``lightning_zero/comm/compression.py``;
             with ``hybrid`` only the hops that cross nodes, ``zero/hybrid.py``) and
             ``max_buckets_in_flight`` ([Note: collectives in flight]).
         dp_group: the data-parallel process group (``None``: the default group).

@@ -13,7 +13,7 @@ import torch
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.collectives import all_gather
+from lightning_zero.comm.collectives import all_gather
 from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
 from lightning_zero.zero.optimizer import ShardedOptimizer

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_zero.checkpointing import checkpointing_mode
+from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig, resolve_config
 from lightning_zero.models.llama.model import Llama, build_llama
 
@@ -73,7 +73,7 @@ class LlamaLM(L.LightningModule):
         activation_checkpointing: ``False`` (keep every activation), ``"selective"`` (recompute
             attention's core in backward: rotary, GQA repeat, SDPA) or ``"full"`` / ``True``
             (recompute each transformer block); see [Note: checkpointing modes] in
-            ``lightning_zero/checkpointing.py``.
+            ``lightning_zero/models/checkpointing.py``.
         init_from: a Hugging Face Llama directory (``config.json`` + safetensors/``.bin``) to
             start from instead of random init. The shape comes from its ``config.json``; a
             ``config`` that sets a disagreeing shape field raises ``ValueError`` (``max_seq_len``

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig
 from lightning_zero.models.llama.rope import needs_dynamic_tables, rope_tables
 
@@ -112,7 +112,7 @@ class Attention(nn.Module):
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotary, grouped-query repeat and causal SDPA: q ``(B, T, q_heads, head_dim)``, k and v
     ``(B, T, kv_heads, head_dim)`` -> ``(B, T, q_heads * head_dim)``. What selective checkpointing
-    recomputes ([Note: checkpointing modes] in ``lightning_zero/checkpointing.py``)."""
+    recomputes ([Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``)."""
     batch, seq = q.shape[:2]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     repeats = q.size(2) // k.size(2)
@@ -203,7 +203,7 @@ class Llama(nn.Module):
         loss_fn: ``(logits, targets) -> mean loss``; tensor parallelism swaps in a vocab-parallel one.
         activation_checkpointing: ``"none"`` (``False``), ``"selective"`` (recompute attention's
             core only) or ``"full"`` (``True``: recompute each block in backward, keeping only its
-            input); see [Note: checkpointing modes] in ``lightning_zero/checkpointing.py``.
+            input); see [Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``.
         weight_source: ``None`` (random init), or pretrained weights with a
             ``load(module, prefix)`` method (``models.llama.hf.HFLlamaWeights``): then
             :meth:`init_module` reads each unit's tensors (this rank's TP slices) from it.

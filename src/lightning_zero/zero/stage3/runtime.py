@@ -73,7 +73,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_zero.collectives import CommCounter, local_only
+from lightning_zero.comm.collectives import CommCounter, local_only
 from lightning_zero.zero.stage3.abort import AbortChannel
 from lightning_zero.zero.stage3.schedule import (
     DEMAND,

@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_zero.collectives import all_gather, local_only
+from lightning_zero.comm.collectives import all_gather, local_only
 from lightning_zero.zero.stage3.abort import AbortChannel
 
 if TYPE_CHECKING:

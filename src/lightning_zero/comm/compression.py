@@ -1,5 +1,5 @@
 """Compressed collectives: ZeRO++'s qgZ (quantized gradient reduce-scatter) and qwZ (quantized
-weight all-gather), on plain ``torch.distributed`` through :mod:`lightning_zero.collectives`.
+weight all-gather), on plain ``torch.distributed`` through :mod:`lightning_zero.comm.collectives`.
 
 A ``comm_dtype`` says what travels on the wire:
 
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_zero.collectives import (
+from lightning_zero.comm.collectives import (
     CommCounter,
     all_gather,
     all_reduce,
@@ -164,7 +164,7 @@ def reduce_scatter_compressed(
     """Sum ``input`` over the group and leave chunk ``rank`` of the sum in ``output``, sending
     ``comm_dtype`` values (see the module docstring). ``output`` may be a view of ``input`` (it is
     written only when the collective finishes). ``comm_dtype=None`` (and ``"fp32"`` on an fp32
-    buffer) runs exactly :func:`lightning_zero.collectives.reduce_scatter`. With ``async_op`` the
+    buffer) runs exactly :func:`lightning_zero.comm.collectives.reduce_scatter`. With ``async_op`` the
     returned handle's ``wait()`` finishes the dequantize-and-sum."""
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
@@ -220,7 +220,7 @@ def all_gather_compressed(
 ):
     """Concatenate every rank's ``input`` into ``output`` (``size * input.numel()`` elements),
     sending ``comm_dtype`` values. ``comm_dtype=None``, a group of one rank, or a ``comm_dtype``
-    equal to the buffer's dtype run exactly :func:`lightning_zero.collectives.all_gather`. With a lossy ``comm_dtype`` *every* chunk of ``output``, this
+    equal to the buffer's dtype run exactly :func:`lightning_zero.comm.collectives.all_gather`. With a lossy ``comm_dtype`` *every* chunk of ``output``, this
     rank's own included, holds the dequantized values, so all ranks hold identical results.
     ``input`` may be a view of ``output`` (the result is written only when the collective finishes)."""
     check_comm_dtype(comm_dtype)

@@ -9,7 +9,7 @@ Every call goes through here so that (a) the op name the installed torch offers 
 [Note: logical bytes] We count what a ring algorithm sends from one rank, not wall time: for a
 group of ``n`` ranks, an all-gather whose output holds ``N`` elements sends ``(n-1)/n * N``; a
 reduce-scatter whose input holds ``N`` elements sends ``(n-1)/n * N``; an all-reduce of ``N``
-elements sends ``2 (n-1)/n * N`` (``lightning_zero/ring.py``, [Note: ring bytes]: the one formula the
+elements sends ``2 (n-1)/n * N`` (``lightning_zero/comm/ring.py``, [Note: ring bytes]: the one formula the
 planner, calibration and benchmarks use too). These counts are what the ZeRO paper's formulas talk
 about; wall time on CPU says little about a GPU cluster.
 
@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_zero.ring import ring_sent
+from lightning_zero.comm.ring import ring_sent
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -227,7 +227,7 @@ def _chunked(
 ):
     """Run a collective between a full tensor and its per-rank chunk; ``full`` (the group-sized
     side) is what [Note: logical bytes] counts: ``(n-1)/n`` of its elements leave each rank
-    (:func:`~lightning_zero.ring.ring_sent` of ``kind``)."""
+    (:func:`~lightning_zero.comm.ring.ring_sent` of ``kind``)."""
     size = _group_size(group)
     if local_only(size):
         return _local(output, input, async_op)
@@ -238,7 +238,7 @@ def _chunked(
 
 def _count(counter: Optional[CommCounter], label: str, kind: str, full: torch.Tensor, size: int, group) -> None:
     """Add a ``kind`` collective over ``full`` (its group-sized side) to ``counter`` under ``label``
-    ([Note: logical bytes]: :func:`~lightning_zero.ring.ring_sent`)."""
+    ([Note: logical bytes]: :func:`~lightning_zero.comm.ring.ring_sent`)."""
     if counter is not None:
         counter.add(label, ring_sent(kind, full.numel(), size), full.element_size(), counter.link_of(group))
 

@@ -27,18 +27,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero._lightning_compat import optimizers_to_device
-from lightning_zero.collectives import CommCounter
+from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.failure_path import (
-    FailureNotice,
-    check_step_output,
-    note_failure,
-    open_failure_channel,
-    warn_failed,
-)
-from lightning_zero.precision import to_zero_precision
-from lightning_zero.strategy_setup import (
+from lightning_zero.runtime.setup import (
     broadcast_module_states,
     build_groups,
     find_tp_counter,
@@ -46,13 +37,22 @@ from lightning_zero.strategy_setup import (
     parallel_dims,
     weigh_tp_norm,
 )
+from lightning_zero.trainer._lightning_compat import optimizers_to_device
+from lightning_zero.trainer.failure_path import (
+    FailureNotice,
+    check_step_output,
+    note_failure,
+    open_failure_channel,
+    warn_failed,
+)
+from lightning_zero.trainer.precision import to_zero_precision
 from lightning_zero.zero.waits import hold_collective_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_zero.strategy_checkpoint import CheckpointRestore
+    from lightning_zero.runtime.restore import CheckpointRestore
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
@@ -261,7 +261,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self.monitor:
             self._attach_monitor(trainer)
         if fitting and self.engine is not None and self.engine.param_gatherer is not None:
-            from lightning_zero.gather_barrier import ParamGatherBarrier
+            from lightning_zero.trainer.gather_barrier import ParamGatherBarrier
 
             # first, so no user hook between steps reads parameters still being gathered
             trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, ParamGatherBarrier)]
@@ -311,7 +311,7 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.engine = self.engine  # type: ignore[attr-defined]
 
     def _attach_monitor(self, trainer: "pl.Trainer") -> None:
-        from lightning_zero.monitor import ZeroMonitor
+        from lightning_zero.trainer.monitor import ZeroMonitor
 
         if not any(isinstance(callback, ZeroMonitor) for callback in trainer.callbacks):
             trainer.callbacks.append(ZeroMonitor())
@@ -487,7 +487,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_zero.strategy_checkpoint import CheckpointRestore
+        from lightning_zero.runtime.restore import CheckpointRestore
 
         self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
         return self._restore.lightning_dict()

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.collectives import CommCounter
+from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.config import ZeroConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_zero.mesh import ParallelDims, ShardGroups
+    from lightning_zero.comm.mesh import ParallelDims, ShardGroups
     from lightning_zero.zero.engine import ZeroEngine
 
 
@@ -31,7 +31,7 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
     """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one (before any process
     group starts): TP against the model's heads, sequence parallelism against TP and the data
     module's sequence length."""
-    from lightning_zero.mesh import ParallelDims
+    from lightning_zero.comm.mesh import ParallelDims
 
     dims = ParallelDims(
         world_size=num_nodes * num_processes,
@@ -61,7 +61,7 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
 def build_groups(dims: ParallelDims, device_type: str) -> tuple[Optional[DeviceMesh], Optional[ShardGroups]]:
     """Once the process group is up: the ``("dp", "tp")`` mesh when ``tp > 1``, and the shard groups
     under hybrid sharding or hierarchical reduction (``None`` where not needed)."""
-    from lightning_zero.mesh import build_mesh, build_shard_groups
+    from lightning_zero.comm.mesh import build_mesh, build_shard_groups
 
     mesh = build_mesh(dims, device_type) if dims.tp > 1 else None
     shard_groups = build_shard_groups(dims) if dims.replicate > 1 or dims.hierarchical else None

@@ -41,16 +41,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_zero._lightning_compat import is_accumulating
-from lightning_zero.collectives import LINK_CLASSES
+from lightning_zero.comm.collectives import LINK_CLASSES
 from lightning_zero.planner.ledger import PRECISIONS, grad_bytes_per_param, model_state_bytes, optimizer_state_bytes
-from lightning_zero.throughput import (
+from lightning_zero.runtime.throughput import (
     ThroughputMeter,
     batch_tokens,
     hardware_for_device,
     peak_flops_for,
     training_flops_of,
 )
+from lightning_zero.trainer._lightning_compat import is_accumulating
 
 
 def peak_memory_bytes(device: torch.device) -> int:
