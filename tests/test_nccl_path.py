@@ -219,3 +219,60 @@ def test_hardware_files_read_without_omegaconf():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[0] == "150754820096"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("device_like", [False, True])
+def test_no_host_read_inside_backward_on_a_device(one_rank_gloo, monkeypatch, stage, device_like):
+    """[Note: markers off the host path] and [Note: collectives in flight] in reducer.py: with waits
+    that do not block the host (``poll=False``, as on NCCL) no ``.tolist()/.item()/.cpu()`` runs
+    between the first bucket's launch and ``finish_grad_sync``, and stage 1 sets no in-flight limit
+    of the reducer's own; on CPU the marker is checked at the first bucket wait, as before."""
+    from lightning_zero.comm.collectives import WIRE_ONE_RANK_ENV
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.zero.engine import ZeroEngine
+
+    monkeypatch.setenv(WIRE_ONE_RANK_ENV, "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    config = ZeroConfig(stage=stage, bucket_mb=0.01, max_buckets_in_flight=1, collective_timeout=None)
+    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters())], config)
+    reducer = engine.reducer
+    reducer.waiter.poll = not device_like
+    assert reducer.markers.waiter is reducer.waiter
+    window = {"open": False}
+    reads = []
+    launch, finish = reducer._launch, reducer.finish_grad_sync
+
+    def first_launch(bucket):
+        window["open"] = True
+        return launch(bucket)
+
+    def finishing():
+        window["open"] = False
+        return finish()
+
+    monkeypatch.setattr(reducer, "_launch", first_launch)
+    monkeypatch.setattr(reducer, "finish_grad_sync", finishing)
+    for name in ("tolist", "item", "cpu"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            if window["open"]:
+                reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    for _ in range(2):
+        engine.pre_backward()
+        model(torch.randn(8, 64)).square().mean().backward()
+        engine.post_backward()
+    assert len(reducer.buckets) >= 3
+    if device_like:
+        assert reads == [], reads
+        if stage == 1:
+            assert reducer.in_flight_high_water > config.max_buckets_in_flight
+    else:
+        assert "tolist" in reads  # the CPU path checks the marker at the first bucket wait
+        assert reducer.in_flight_high_water == config.max_buckets_in_flight
+    engine.close()

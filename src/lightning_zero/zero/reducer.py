@@ -41,8 +41,21 @@ Stage 2's pool bounds its bucket buffers the same way; for stage 1, whose buffer
 gradients, the limit bounds the collectives themselves: on gloo each one holds a receive buffer
 of up to its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
 rank's core beside backward, and launching every bucket at once made stage 1's step erratic on
-2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On NCCL a wait
-on an earlier collective does not block the host, so the limit costs nothing there.
+2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On a device
+(``waiter.poll`` off: NCCL) the reducer sets no limit of its own: there ``work.wait()`` makes the
+compute stream wait for the collective, so a wait forced mid-backward stalls every later backward
+kernel behind the oldest reduce-scatter, and stage 1 has no memory reason for it (its buffers are
+the gradients). Stage 2's pool still bounds its buffers on a device (it completes the oldest bucket
+when no buffer is free: that wait is the reuse of the buffer, and must order after the collective).
+
+[Note: markers off the host path] On a device the host must not read a collective's result
+inside backward: ``.tolist()`` on a device tensor waits for every kernel queued before it, so the
+launch queue would drain in the middle of every backward. The backward's phase marker is
+therefore checked where the sync is already paid, in :meth:`GradReducer.finish_grad_sync` after
+its launches and waits are issued, not at the first bucket wait (the marker all-reduce is ordered
+before the buckets on NCCL's stream, so a marker that disagrees is still seen, and the host raises
+there). On CPU (gloo) a bucket's wait blocks the host, so the marker is checked before the first
+bucket wait, as before. ``tests/test_nccl_path.py`` counts host reads inside backward.
 
 [Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
 users) call it through wrappers. Instead, when a backward begins, the engine asks each sharded
@@ -373,7 +386,8 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
             self._phase_pending = self.markers.start(PHASE_BACKWARD)
-        while len(self._in_flight) >= self.config.max_buckets_in_flight:  # [Note: collectives in flight]
+        # [Note: collectives in flight]: on a device no limit of the reducer's own
+        while self.waiter.poll and len(self._in_flight) >= self.config.max_buckets_in_flight:
             self._complete(self._in_flight[0])
         full = self.storage.full_grad_for_launch(bucket)
         # In place: this rank's chunk of the full bucket receives the sum (NCCL and gloo allow it).
@@ -416,9 +430,8 @@ class GradReducer:
                 f" {self.describe_progress()}"
             )
 
-        if self._phase_pending is not None:  # before any wait that could pair with another phase
-            pending, self._phase_pending = self._phase_pending, None
-            self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
+        if self._phase_pending is not None and self.waiter.poll:  # before any wait that could pair with another phase
+            self._check_backward_marker(waiting_on)
 
         with record_function("lightning_zero::wait_reduce_scatter"):
             self.waiter.wait(work, waiting_on)
@@ -448,6 +461,12 @@ class GradReducer:
         bucket.pending = None
         self.storage.after_reduce(bucket)
         self._in_flight.remove(bucket)
+
+    def _check_backward_marker(self, waiting_on: Callable[[], str]) -> None:
+        """Check the backward's phase marker ([Note: phase markers], [Note: markers off the host path])."""
+        pending, self._phase_pending = self._phase_pending, None
+        assert pending is not None
+        self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
 
     def complete_oldest(self) -> bool:
         """Wait for the oldest in-flight bucket (frees its pool buffer); False if none is in flight."""
@@ -528,6 +547,8 @@ class GradReducer:
                 self._launch(self.buckets[self._next_launch])
             while self._in_flight:
                 self._complete(self._in_flight[0])
+            if self._phase_pending is not None:  # a device: [Note: markers off the host path]
+                self._check_backward_marker(lambda: f"the gradient sync of backward {self.finished_backwards + 1}")
         self.storage.after_sync()
         for callback in self.on_grads_reduced:
             callback()
