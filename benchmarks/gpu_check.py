@@ -327,7 +327,8 @@ def phase_preflight(ctx: dict[str, Any]) -> dict[str, Any]:
             versions[name] = None
     if ctx["device"].type == "cuda":
         versions["device"] = torch.cuda.get_device_name(ctx["device"])
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()  # a tuple on recent torch, an int on older ones
+        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     return {"ok": all(apis.values()), "apis": apis, "versions": versions}
 
 

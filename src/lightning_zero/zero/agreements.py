@@ -145,6 +145,8 @@ class PhaseMarkers:
         what = describe or (lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
         with record_function("lightning_zero::agree_phase"):
             if pending.ready is not None:  # CUDA: wait for the marker's copy only
+                if self.waiter.failure is not None:
+                    self.waiter.failure.check()
                 pending.ready.synchronize()
                 agreed = pending.host.tolist()
             else:
