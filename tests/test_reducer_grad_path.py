@@ -17,14 +17,39 @@ from tests.distributed import run_ranks
 # -- pure logic ---------------------------------------------------------------------------------
 
 
-def test_reduce_op_per_backend():
-    """NCCL averages inside the collective; gloo (no AVG) sums and the engine divides after."""
+def test_grad_reduce_op_rule():
+    """[Note: exact averaging]: NCCL averages inside the collective only where 1/dp is exact in the
+    dtype (a power of two) or the dtype is fp32/fp64; bf16/fp16 at dp = 3, 6, 12, 24 sum and divide
+    after; gloo (no AVG) always sums and divides."""
     from lightning_zero.zero.reducer import grad_reduce_op
 
-    assert grad_reduce_op("nccl") == (dist.ReduceOp.AVG, False)
-    assert grad_reduce_op("NCCL") == (dist.ReduceOp.AVG, False)
-    assert grad_reduce_op("gloo") == (dist.ReduceOp.SUM, True)
-    assert grad_reduce_op("mpi") == (dist.ReduceOp.SUM, True)
+    avg, sum_then_divide = (dist.ReduceOp.AVG, False), (dist.ReduceOp.SUM, True)
+    for dp in (1, 2, 3, 4, 6, 8, 12, 16, 24, 64):
+        power_of_two = dp & (dp - 1) == 0
+        for dtype in (torch.float32, torch.float64):
+            assert grad_reduce_op("nccl", dtype, dp) == avg, (dtype, dp)
+            assert grad_reduce_op("NCCL", dtype, dp) == avg, (dtype, dp)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert grad_reduce_op("nccl", dtype, dp) == (avg if power_of_two else sum_then_divide), (dtype, dp)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert grad_reduce_op("gloo", dtype, dp) == sum_then_divide
+            assert grad_reduce_op("mpi", dtype, dp) == sum_then_divide
+
+
+def test_bf16_premultiplied_average_is_what_the_rule_avoids():
+    """Why the rule exists: NCCL's bf16 AVG multiplies each input by bf16(1/n) before summing.
+    For n = 3 that factor is 1.002 x 1/3; the sum-then-divide the engine runs instead is within
+    bf16's half ulp of the exact mean, the pre-multiplied one is not."""
+    n = 3
+    grads = torch.full((n, 1000), 1.0, dtype=torch.bfloat16) + torch.linspace(0, 1, 1000, dtype=torch.bfloat16)
+    exact = grads.double().mean(0)
+    factor = torch.tensor(1.0 / n, dtype=torch.bfloat16)
+    premultiplied = (grads * factor).double().sum(0)  # NCCL's bf16 AVG, summed exactly (its best case)
+    sum_then_divide = (grads.sum(0) / n).double()  # the engine's SUM, then one divide in bf16
+    assert abs(float(factor) * n - 1) > 1e-3  # the factor itself is off by ~0.2 %
+    ulp = 2.0**-7  # bf16's relative spacing
+    assert ((sum_then_divide - exact).abs() / exact).max() <= ulp
+    assert ((premultiplied - exact) / exact).mean() > 1e-3  # a bias, the same sign everywhere
 
 
 def test_first_bucket_is_small_and_the_rest_keep_bucket_numel():

@@ -43,3 +43,21 @@ def test_cuda_timeline_measures_device_time_not_host_time():
     assert timeline.comm_s > 0.05 and timeline.comm_s > 5 * host_queued_s
     assert timeline.hidden_s == pytest.approx(timeline.comm_s / 2, rel=0.3)
     assert timeline.exposed_s == pytest.approx(timeline.comm_s / 2, rel=0.3)
+
+
+def test_snapshot_keeps_a_step_after_the_next_backward_clears():
+    """The monitor reads the previous step's snapshot on CUDA (issue 46, item 6): the next
+    backward's clear must leave it, spans, backward end and clock origin, as it was."""
+    from lightning_zero.zero.timeline import SyncTimeline
+
+    timeline = SyncTimeline()
+    timeline.add("launch", 0)
+    start = timeline.mark()
+    timeline.add("backward_end", -1)
+    timeline.spans.append((start, timeline.mark()))
+    before = (timeline.comm_s, timeline.hidden_s, timeline.launched_buckets())
+    snapshot = timeline.snapshot()
+    timeline.clear()
+    timeline.add("launch", 1)
+    assert (snapshot.comm_s, snapshot.hidden_s, snapshot.launched_buckets()) == before
+    assert timeline.comm_s == 0.0 and timeline.launched_buckets() == [1]

@@ -71,8 +71,9 @@ class ZeroConfig:
             reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
             saying what this rank waited on and how far its backward got ("5/12 params ready in
             bucket 3"), instead of hanging for the process group's ``timeout`` (30 minutes by
-            default). ``None`` leaves only the process group's timeout. On GPU the NCCL watchdog (the
-            process group's ``timeout``) applies as well. See docs/troubleshooting.md.
+            default). ``None`` leaves only the process group's timeout. On NCCL it becomes the
+            watchdog timeout of every process group the engine uses, the default group included
+            ([Note: collective timeout on NCCL] in ``zero/waits.py``). See docs/troubleshooting.md.
         overlap_param_gather: stages 1-2: the parameter all-gather after the optimizer step (one
             per bucket, ``(dp-1)/dp`` of the parameter bytes per rank) stays in flight and each
             bucket is waited for in the forward pre-hook of the modules owning its parameters, so

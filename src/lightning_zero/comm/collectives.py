@@ -35,7 +35,19 @@ slot is written in place, or copied from ``input``): the same bytes, pollable as
 gloo groups and NCCL keep the native all-gather.
 
 A group of one rank (dp=1 under tensor parallelism, a single process) issues no collective at
-all: the result is computed locally and a completed work handle is returned.
+all: the result is computed locally and a completed work handle is returned, unless the wire is
+forced ([Note: one rank on the wire]).
+
+[Note: one rank on the wire] The GPU a session may borrow is one device, and NCCL refuses two
+ranks on one device; at dp=1 every collective above short-circuits, so the engine's NCCL path
+(the in-place reduce-scatter with its averaging op, the all-gathers, ``work.wait()``'s stream
+semantics, the phase markers, compression, stage 3's exchanges) would never run there. With the
+environment variable ``LIGHTNING_ZERO_WIRE_ONE_RANK=1`` (:data:`WIRE_ONE_RANK_ENV`) a group of
+one rank issues the real collective anyway, through the same code a larger group runs
+(:func:`local_only` is the one test, read at each call). A one-rank collective's result equals the
+local one, so losses must not move: ``benchmarks/gpu_check.py`` compares the two runs, and
+``tests/test_collectives.py`` does on a one-rank gloo group. A test and device-check switch, not
+a knob: it only adds launches.
 
 [Note: link classes] Each collective's bytes are also counted by the link they cross:
 ``"intra_node"`` when every rank of its group sits on one node, ``"inter_node"`` when the group
@@ -52,6 +64,7 @@ node is ``global_rank // ranks_per_node``; :attr:`CommCounter.ranks_per_node` co
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -135,6 +148,15 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
+WIRE_ONE_RANK_ENV = "LIGHTNING_ZERO_WIRE_ONE_RANK"
+
+
+def local_only(size: int) -> bool:
+    """Whether a collective over a group of ``size`` ranks is computed locally with no launch:
+    one rank, unless ``LIGHTNING_ZERO_WIRE_ONE_RANK=1`` ([Note: one rank on the wire])."""
+    return size == 1 and os.environ.get(WIRE_ONE_RANK_ENV) != "1"
+
+
 class _Done:
     """The work handle of a collective over one rank: nothing to wait for."""
 
@@ -207,7 +229,7 @@ def _chunked(
     side) is what [Note: logical bytes] counts: ``(n-1)/n`` of its elements leave each rank
     (:func:`~lightning_zero.comm.ring.ring_sent` of ``kind``)."""
     size = _group_size(group)
-    if size == 1:
+    if local_only(size):
         return _local(output, input, async_op)
     _count(counter, label, kind, full, size, group)
     with record_function(f"lightning_zero::{label}"):
@@ -351,7 +373,7 @@ def all_reduce(
     """In-place all-reduce of ``tensor`` over the group (``control``: counted as a control
     exchange, apart from the data bytes)."""
     size = _group_size(group)
-    if size == 1:
+    if local_only(size):
         return _Done() if async_op else None
     if counter is not None:
         sent = ring_sent("all_reduce", tensor.numel(), size)

@@ -50,7 +50,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_zero.comm.collectives import CommCounter, all_gather, all_reduce, all_to_all, finishing, reduce_scatter
+from lightning_zero.comm.collectives import (
+    CommCounter,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    finishing,
+    local_only,
+    reduce_scatter,
+)
 
 BLOCK_SIZE = 256
 """Elements per int8 quantization block; each block carries one fp32 scale (4 bytes), so scales
@@ -160,7 +168,7 @@ def reduce_scatter_compressed(
     returned handle's ``wait()`` finishes the dequantize-and-sum."""
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
-    if comm_dtype is None or size == 1 or (comm_dtype == "fp32" and input.dtype == torch.float32):
+    if comm_dtype is None or local_only(size) or (comm_dtype == "fp32" and input.dtype == torch.float32):
         return reduce_scatter(output, input, group, async_op=async_op, counter=counter, label=label)
     if input.numel() != size * output.numel():
         raise ValueError(
@@ -217,7 +225,7 @@ def all_gather_compressed(
     ``input`` may be a view of ``output`` (the result is written only when the collective finishes)."""
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
-    if comm_dtype is None or size == 1 or _TORCH_DTYPE.get(comm_dtype) == input.dtype:
+    if comm_dtype is None or local_only(size) or _TORCH_DTYPE.get(comm_dtype) == input.dtype:
         return all_gather(output, input, group, async_op=async_op, counter=counter, label=label)
     if output.numel() != size * input.numel():
         raise ValueError(
@@ -260,7 +268,7 @@ def all_reduce_compressed(
     collectives on some ranks only."""
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
-    if comm_dtype is None or size == 1:
+    if comm_dtype is None or local_only(size):
         all_reduce(tensor, group, counter=counter, label=label)
         return
     flat = tensor.reshape(-1).float()

@@ -63,12 +63,23 @@ DEFAULT_OVERLAP_EFFICIENCY = 1.0
 DEFAULT_MFU = 0.4
 
 
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A plain YAML mapping, read with PyYAML (a Lightning dependency), not OmegaConf: the planner
+    runs where Hydra and OmegaConf are not installed (the GPU check, docs/gpu.md). Hardware files
+    use no interpolation, so the two readers agree."""
+    import yaml
+
+    with open(path) as stream:
+        values = yaml.safe_load(stream)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a YAML mapping, got {type(values).__name__}")
+    return values
+
+
 @functools.lru_cache(maxsize=1)
 def default_hardware_name() -> str:
     """The ``hardware`` entry of ``conf/config.yaml``'s defaults list (the one place it is written)."""
-    from omegaconf import OmegaConf
-
-    for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]:  # type: ignore[index]
+    for entry in _read_yaml(CONF_DIR / "config.yaml")["defaults"]:
         if isinstance(entry, dict) and "hardware" in entry:
             return str(entry["hardware"])
     raise RuntimeError(f"{CONF_DIR / 'config.yaml'} selects no hardware in its defaults list")
@@ -165,8 +176,6 @@ def load_hardware(hardware: Union[str, Path, Hardware, Mapping[str, Any], None] 
         return hardware
     if isinstance(hardware, Mapping):
         return Hardware.from_mapping(hardware)
-    from omegaconf import OmegaConf
-
     path = Path(hardware)
     if path.suffix not in (".yaml", ".yml") or not path.is_file():
         path = HARDWARE_DIR / f"{hardware}.yaml"
@@ -175,4 +184,4 @@ def load_hardware(hardware: Union[str, Path, Hardware, Mapping[str, Any], None] 
             f"unknown hardware {str(hardware)!r}; pick one of {available_hardware()} (hardware=NAME) "
             "or give a YAML path"
         )
-    return Hardware.from_mapping(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+    return Hardware.from_mapping(_read_yaml(path))

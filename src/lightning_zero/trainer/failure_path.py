@@ -32,8 +32,14 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_zero.zero.waits import CollectiveTimeoutError, FailureChannel, PeerFailedError, abort_nccl_after
 
-# What a collective says when its peer went away (gloo / NCCL / the store).
-_COLLECTIVE_ERROR = re.compile(r"Connection (closed|reset)|Broken pipe|NCCL|gloo|ProcessGroup|c10d|timed out|abort")
+# What a collective says when its peer went away (gloo / NCCL / the store), in any case.
+_COLLECTIVE_ERROR = re.compile(
+    r"Connection (closed|reset)|Broken pipe|NCCL|gloo|ProcessGroup|c10d|timed out|abort", re.IGNORECASE
+)
+# What the next torch.distributed call says after the NCCL abort cleared the groups ([Note: NCCL
+# abort] in zero/waits.py): "Default process group has not been initialized", "Invalid process
+# group specified or has been destroyed".
+_GROUP_GONE = re.compile(r"process group has not been initialized|process group specified|been destroyed", re.I)
 
 
 def open_failure_channel(previous: Optional[FailureChannel]) -> FailureChannel:
@@ -53,6 +59,8 @@ def is_collective_error(exception: BaseException) -> bool:
 
     if isinstance(exception, (CollectiveTimeoutError, PeerFailedError, dist.DistError)):
         return True
+    if isinstance(exception, ValueError):
+        return bool(_GROUP_GONE.search(str(exception)))
     return isinstance(exception, RuntimeError) and bool(_COLLECTIVE_ERROR.search(str(exception)))
 
 

@@ -17,7 +17,9 @@ its own; with ``Trainer(logger=False)`` it keeps them in ``history`` only):
   backward compute), and the hidden fraction ``(comm - exposed) / comm`` (see
   ``zero.timeline.SyncTimeline``). Measured on the device's own clock: CUDA events on CUDA (host
   times mean nothing there: NCCL's launch and wait return at once), host time on CPU, where gloo
-  shares the cores with backward, so the figure checks ordering more than speed;
+  shares the cores with backward, so the figure checks ordering more than speed. On CUDA they are
+  the previous step's (0 at the first): reading this step's events would make the host wait for
+  the device every step;
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
   while backward was still running;
 - ``zero/step_time_s``, ``zero/tokens_per_s`` (this rank), ``zero/tokens_per_s_total`` (x dp) and
@@ -101,6 +103,7 @@ class ZeroMonitor(Callback):
         self._warned = False
         self._sent_before: dict[str, float] = {}
         self._link_before: dict[str, float] = {}
+        self._previous_timeline: Optional[Any] = None  # CUDA: the figures logged lag one step
 
     def _engine(self, trainer: Any) -> Optional[Any]:
         return getattr(trainer.strategy, "engine", None)
@@ -146,10 +149,13 @@ class ZeroMonitor(Callback):
             sent = engine.counter.bytes_by_link.get(link, 0.0) - self._link_before.get(link, 0.0)
             metrics[f"zero/sent_bytes_by_link/{link}"] = sent
         timeline = engine.timeline
-        comm, exposed = timeline.comm_s, timeline.exposed_s
+        if engine.device.type == "cuda":  # the previous step's events: done, so no device sync ([Note: device clock])
+            timeline, self._previous_timeline = self._previous_timeline, timeline.snapshot()
+        comm, exposed = (timeline.comm_s, timeline.exposed_s) if timeline is not None else (0.0, 0.0)
         metrics["zero/comm_s"] = comm
         metrics["zero/exposed_comm_s"] = exposed
         metrics["zero/overlap_fraction"] = (timeline.hidden_s / comm) if comm > 0 else 0.0
+        timeline = engine.timeline  # host order of this step's events
         launch, end = timeline.index_of("launch"), timeline.index_of("backward_end")
         metrics["zero/first_launch_before_backward_end"] = float(0 <= launch < end)
         if self.throughput is not None:

@@ -46,6 +46,7 @@ from lightning_zero.trainer.failure_path import (
     warn_failed,
 )
 from lightning_zero.trainer.precision import to_zero_precision
+from lightning_zero.zero.waits import hold_collective_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -199,6 +200,13 @@ class ZeroStrategy(DDPStrategy):
         super().setup_environment()  # starts the process group
         self.failure_channel = open_failure_channel(self.failure_channel)
         self._device_mesh, self._shard_groups = build_groups(self._dims, self.root_device.type)
+        # [Note: collective timeout on NCCL] in zero/waits.py: the watchdog's limit is collective_timeout
+        groups: list = [None]
+        if self._device_mesh is not None:
+            groups += [self._device_mesh["dp"].get_group(), self._device_mesh["tp"].get_group()]
+        if self._shard_groups is not None:
+            groups += self._shard_groups.all()
+        hold_collective_timeout(groups, self.zero_config.collective_timeout)
         if self._device_mesh is not None:
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self._device_mesh
@@ -243,7 +251,12 @@ class ZeroStrategy(DDPStrategy):
         if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
-            optimizers_to_device(self.optimizers, self.root_device)
+            # state the engine put beside the host masters (offload_optimizer; Adagrad creates it in
+            # __init__) stays on the host: moving it to the device would break the first step
+            on_host = (
+                {id(s.optimizer) for s in self.engine.optimizers if s.offload is not None} if self.engine else set()
+            )
+            optimizers_to_device([opt for opt in self.optimizers if id(opt) not in on_host], self.root_device)
         self.setup_precision_plugin()
         if fitting and self.monitor:
             self._attach_monitor(trainer)

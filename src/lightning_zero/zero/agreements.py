@@ -72,6 +72,8 @@ class PendingMarker:
     work: Any
     phase: int
     steps: int  # optimizer steps this rank had taken
+    host: Optional[torch.Tensor] = None  # on CUDA: the agreed marker, copied to pinned memory
+    ready: Any = None  # on CUDA: an event recorded after that copy ([Note: markers off the host path])
 
 
 class PhaseMarkers:
@@ -115,7 +117,26 @@ class PhaseMarkers:
             mark, self.group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
             label="agree_phase", control=True,
         )  # fmt: skip
-        return PendingMarker(mark, work, phase, steps)
+        pending = PendingMarker(mark, work, phase, steps)
+        if self.device.type == "cuda":
+            self._copy_to_host(pending)
+        return pending
+
+    def _copy_to_host(self, pending: PendingMarker) -> None:
+        """Queue the agreed marker's copy to pinned host memory on a side stream that waits for the
+        collective only, not for the compute stream's later kernels, so reading it later waits for
+        the marker alone ([Note: markers off the host path] in reducer.py)."""
+        if getattr(self, "_copy_stream", None) is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the marker was written on it
+        with torch.cuda.stream(stream):
+            pending.work.wait()  # NCCL: this stream waits for the all-reduce
+            pending.host = torch.empty(pending.agreed.shape, dtype=pending.agreed.dtype, pin_memory=True)
+            pending.host.copy_(pending.agreed, non_blocking=True)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record(stream)
+        pending.agreed.record_stream(stream)
 
     def check(self, pending: PendingMarker, describe: Optional[Callable[[], str]] = None) -> None:
         """Wait for a phase marker; raise on every rank if the ranks are not at the same phase and
@@ -123,8 +144,14 @@ class PhaseMarkers:
         phase = pending.phase
         what = describe or (lambda: f"the phase marker of {PHASES.get(phase, phase)} on dp rank {self.dp_rank}")
         with record_function("lightning_zero::agree_phase"):
-            self.waiter.wait(pending.work, what)
-        agreed = pending.agreed.tolist()
+            if pending.ready is not None:  # CUDA: wait for the marker's copy only
+                if self.waiter.failure is not None:
+                    self.waiter.failure.check()
+                pending.ready.synchronize()
+                agreed = pending.host.tolist()
+            else:
+                self.waiter.wait(pending.work, what)
+                agreed = pending.agreed.tolist()
         high, low = agreed[0:4:2], [-value for value in agreed[1:4:2]]
         if high == low:
             if phase == PHASE_STEP:

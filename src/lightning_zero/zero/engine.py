@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.comm.collectives import INTRA_NODE, CommCounter
+from lightning_zero.comm.collectives import INTRA_NODE, CommCounter, local_only
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
 from lightning_zero.zero.agreements import StepChecks
 from lightning_zero.zero.build import (
@@ -271,7 +271,7 @@ class ZeroEngine:
         if groups is None:
             return None
         hierarchical = groups.shard_intra is not None
-        if dist.get_world_size(groups.replicate) == 1 and not hierarchical:
+        if local_only(dist.get_world_size(groups.replicate)) and not hierarchical:
             return None
         return HybridGradReduce(
             self.config,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.comm.collectives import CommCounter, all_reduce, reduce_scatter
+from lightning_zero.comm.collectives import CommCounter, all_reduce, local_only, reduce_scatter
 from lightning_zero.comm.compression import all_reduce_compressed, reduce_scatter_compressed
 
 if TYPE_CHECKING:
@@ -165,5 +165,5 @@ class HybridGradReduce:
         if self.hierarchical:
             node_slice = self._slices.pop(output.data_ptr())
             self.cross_node_reduce_scatter(output, node_slice, wait)
-        if self.replicate_size > 1:
+        if not local_only(self.replicate_size):
             self.replicate_all_reduce(output, wait)

@@ -41,8 +41,21 @@ Stage 2's pool bounds its bucket buffers the same way; for stage 1, whose buffer
 gradients, the limit bounds the collectives themselves: on gloo each one holds a receive buffer
 of up to its bucket's size ([Note: reduce-scatter on gloo] in ``collectives.py``) and runs on the
 rank's core beside backward, and launching every bucket at once made stage 1's step erratic on
-2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On NCCL a wait
-on an earlier collective does not block the host, so the limit costs nothing there.
+2 CPU ranks (the numbers: docs/benchmarks.md, stage 1's buckets in flight). On a device
+(``waiter.poll`` off: NCCL) the reducer sets no limit of its own: there ``work.wait()`` makes the
+compute stream wait for the collective, so a wait forced mid-backward stalls every later backward
+kernel behind the oldest reduce-scatter, and stage 1 has no memory reason for it (its buffers are
+the gradients). Stage 2's pool still bounds its buffers on a device (it completes the oldest bucket
+when no buffer is free: that wait is the reuse of the buffer, and must order after the collective).
+
+[Note: markers off the host path] On a device the host must not read a collective's result
+inside backward: ``.tolist()`` on a device tensor waits for every kernel queued before it, so the
+launch queue would drain in the middle of every backward. The backward's phase marker is
+therefore checked where the sync is already paid, in :meth:`GradReducer.finish_grad_sync` after
+its launches and waits are issued, not at the first bucket wait (the marker all-reduce is ordered
+before the buckets on NCCL's stream, so a marker that disagrees is still seen, and the host raises
+there). On CPU (gloo) a bucket's wait blocks the host, so the marker is checked before the first
+bucket wait, as before. ``tests/test_nccl_path.py`` counts host reads inside backward.
 
 [Note: zero_grad detection] The engine does not patch ``optimizer.zero_grad``: Lightning (and
 users) call it through wrappers. Instead, when a backward begins, the engine asks each sharded
@@ -112,14 +125,23 @@ def _inside_nested_backward() -> bool:
     return False
 
 
-def grad_reduce_op(backend: str) -> tuple[dist.ReduceOp, bool]:
-    """How to average gradients over dp on ``backend``: ``(op, divide_after)``.
+def grad_reduce_op(backend: str, dtype: torch.dtype, divisor: int) -> tuple[dist.ReduceOp, bool]:
+    """How to average gradients of ``dtype`` over ``divisor`` ranks on ``backend``: ``(op, divide_after)``.
 
-    NCCL averages inside the collective (``ReduceOp.AVG``, NCCL >= 2.10): no extra pass over the
-    reduced chunk and no overflow risk from summing in low precision first. Other backends (gloo
-    has no AVG) sum, and the engine divides this rank's chunk by dp afterwards.
+    [Note: exact averaging] NCCL averages inside the collective (``ReduceOp.AVG``, NCCL >= 2.10):
+    no extra pass over the reduced chunk. But for bf16/fp16 NCCL implements AVG as a pre-multiply
+    of every input by ``1/n`` *rounded to the dtype*: for ``n`` not a power of two that factor is
+    off (bf16's ``1/3`` is ``0.33398``, every gradient scaled by 1.002) and each value takes one
+    more rounding before the sum. So AVG is used where ``1/n`` is exact in the dtype or the
+    rounding is far below the sum's own (fp32, fp64), or ``n`` is a power of two (``1/n`` is
+    exact in every float format); otherwise the reduce-scatter sums and the engine divides this
+    rank's chunk by ``n`` afterwards, in the chunk's dtype (one correctly rounded division, as
+    gloo always does: gloo has no AVG). Summing first cannot overflow bf16 (fp32's range); for
+    fp16 an overflowing sum is an inf the loss scaler sees and skips, where AVG's bias would be
+    silent. Pinned by ``tests/test_reducer_grad_path.py`` (``test_grad_reduce_op_rule``).
     """
-    if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG"):
+    exact = dtype in (torch.float32, torch.float64) or (divisor & (divisor - 1)) == 0
+    if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG") and exact:
         return dist.ReduceOp.AVG, False
     return dist.ReduceOp.SUM, True
 
@@ -176,10 +198,9 @@ class GradReducer:
         self.waiter = waiter if waiter is not None else Waiter(poll=device.type == "cpu")
         self.storage = storage
         storage.reduce_in_fp32 = reduce_in_fp32
-        backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
-        self._reduce_op, self._divide_after = grad_reduce_op(backend)
-        if hybrid is not None or config.grad_comm_dtype is not None:  # several hops or compressed: SUM, divide once
-            self._reduce_op, self._divide_after = dist.ReduceOp.SUM, True
+        self._backend = dist.get_backend(dp_group) if dist.is_initialized() else "gloo"
+        # several hops or compressed: SUM, divide once ([Note: exact averaging] otherwise)
+        self._sum_then_divide = hybrid is not None or config.grad_comm_dtype is not None
         self.timeline = SyncTimeline(clock=DeviceClock(device))
         self.sync_enabled = True
         self.on_grads_reduced: list[Callable[[], None]] = []  # run after finish_grad_sync
@@ -356,10 +377,17 @@ class GradReducer:
                 return
             self._launch(bucket)
 
+    def _reduce_rule(self, dtype: torch.dtype) -> tuple[dist.ReduceOp, bool]:
+        """``(op, divide_after)`` for a bucket of ``dtype`` ([Note: exact averaging])."""
+        if self._sum_then_divide:
+            return dist.ReduceOp.SUM, True
+        return grad_reduce_op(self._backend, dtype, self.grad_divisor)
+
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
             self._phase_pending = self.markers.start(PHASE_BACKWARD)
-        while len(self._in_flight) >= self.config.max_buckets_in_flight:  # [Note: collectives in flight]
+        # [Note: collectives in flight]: on a device no limit of the reducer's own
+        while self.waiter.poll and len(self._in_flight) >= self.config.max_buckets_in_flight:
             self._complete(self._in_flight[0])
         full = self.storage.full_grad_for_launch(bucket)
         # In place: this rank's chunk of the full bucket receives the sum (NCCL and gloo allow it).
@@ -378,7 +406,7 @@ class GradReducer:
                 output,
                 full,
                 self.dp_group,
-                op=self._reduce_op,
+                op=self._reduce_rule(full.dtype)[0],
                 async_op=True,
                 counter=self.counter,
                 label="reduce_scatter_grads",
@@ -402,9 +430,8 @@ class GradReducer:
                 f" {self.describe_progress()}"
             )
 
-        if self._phase_pending is not None:  # before any wait that could pair with another phase
-            pending, self._phase_pending = self._phase_pending, None
-            self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
+        if self._phase_pending is not None and self.waiter.poll:  # before any wait that could pair with another phase
+            self._check_backward_marker(waiting_on)
 
         with record_function("lightning_zero::wait_reduce_scatter"):
             self.waiter.wait(work, waiting_on)
@@ -417,9 +444,9 @@ class GradReducer:
         self.timeline.spans.append((self._launch_times.pop(id(bucket)), self.timeline.mark()))
         chunk = bucket.grad_chunk
         assert chunk is not None
-        # gloo has no AVG: reduce with SUM, then divide this rank's chunk by dp (grad_reduce_op); with
-        # hybrid sharding by every dp rank of every replica (``grad_divisor``).
-        divisor = self.grad_divisor if self._divide_after else 1
+        # reduced with SUM (gloo has no AVG; [Note: exact averaging]): divide this rank's chunk by dp;
+        # with hybrid sharding by every dp rank of every replica (``grad_divisor``).
+        divisor = self.grad_divisor if self._reduce_rule(output.dtype)[1] else 1
         if chunk.data_ptr() == output.data_ptr():
             if divisor != 1:
                 chunk.div_(divisor)  # stage 1: the chunk is the reduced part of the full buffer
@@ -434,6 +461,12 @@ class GradReducer:
         bucket.pending = None
         self.storage.after_reduce(bucket)
         self._in_flight.remove(bucket)
+
+    def _check_backward_marker(self, waiting_on: Callable[[], str]) -> None:
+        """Check the backward's phase marker ([Note: phase markers], [Note: markers off the host path])."""
+        pending, self._phase_pending = self._phase_pending, None
+        assert pending is not None
+        self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
 
     def complete_oldest(self) -> bool:
         """Wait for the oldest in-flight bucket (frees its pool buffer); False if none is in flight."""
@@ -514,6 +547,8 @@ class GradReducer:
                 self._launch(self.buckets[self._next_launch])
             while self._in_flight:
                 self._complete(self._in_flight[0])
+            if self._phase_pending is not None:  # a device: [Note: markers off the host path]
+                self._check_backward_marker(lambda: f"the gradient sync of backward {self.finished_backwards + 1}")
         self.storage.after_sync()
         for callback in self.on_grads_reduced:
             callback()

@@ -10,11 +10,16 @@ waiting for this stream, and the mark after ``work.wait()`` is where this stream
 collective's completion, which is the later of "the collective finished" and "compute reached the
 wait". A span that ends at backward's end mark (plus the few kernels until the wait) was hidden;
 what runs past it is exposed, exactly what the step pays. Events are read (and synchronized) only
-when a figure is asked for, so a step that is not logged pays nothing but the event records.
+when a figure is asked for, so a step that is not logged pays nothing but the event records; the
+monitor reads the previous step's (``SyncTimeline.snapshot``), whose events are done by then, so
+reading them does not wait for the device to drain this step. (A span on the compute stream also
+includes the time a collective queued behind earlier ones on NCCL's stream: ``comm_s`` is an upper
+bound of the wire time; ``exposed_s``, what runs past backward's end, is what the step pays.)
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -83,6 +88,12 @@ class SyncTimeline:
         self.spans.clear()
         self.backward_end = None
         self.clock.reset()
+
+    def snapshot(self) -> "SyncTimeline":
+        """A copy that the next backward's :meth:`clear` leaves alone: the monitor reads the
+        previous step's figures on CUDA, whose events completed while this step ran, so reading
+        them does not wait for the device ([Note: device clock])."""
+        return SyncTimeline(list(self.events), list(self.spans), self.backward_end, copy.copy(self.clock))
 
     def _span_seconds(self) -> list[tuple[float, float]]:
         return [(self.clock.seconds(launch), self.clock.seconds(done)) for launch, done in self.spans]

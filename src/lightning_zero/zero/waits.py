@@ -5,8 +5,23 @@ seconds (``None``: the process group's own timeout). A wait that runs out raises
 what this rank was waiting on and how far its backward got, instead of hanging for the process
 group's own ``timeout`` (its default: docs/troubleshooting.md), far longer than any collective of a
 healthy step. On CPU (gloo) the wait blocks in slices ([Note: sliced waits]) and checks the
-limit and the failure channel between them. On GPU the process group's own timeout (NCCL
-watchdog) applies: a wait there would block the CPU on the GPU.
+limit and the failure channel between them. On GPU a wait does not block the host (it orders the
+compute stream after the collective), so the limit is the NCCL watchdog's: the process group's
+own timeout, which the strategy sets to ``collective_timeout`` ([Note: collective timeout on NCCL]).
+
+[Note: collective timeout on NCCL] A ``work.wait(timeout)`` on NCCL blocks the host until the
+collective completes (ProcessGroupNCCL's ``synchronizeInternal``): the overlap would be gone.
+So on NCCL ``collective_timeout`` becomes the timeout of every process group the engine's
+collectives use (the default group, the mesh's dp/tp groups, the hybrid layout's groups;
+``_set_pg_timeout``, as torchtitan sets its training timeout), right after they are created
+(:func:`hold_collective_timeout`, called by the strategy's ``setup_environment``). The watchdog
+then ends a collective that ran past it, and with torch's default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` tears the process down, printing the collective that timed
+out: a desync costs ``collective_timeout`` (300 s), not Lightning's 30 minutes. The price: any
+collective on those groups, Lightning's own barriers included, must finish within it, so a
+rank-0-only phase between two barriers (a full single-file export of a large model) longer than
+``collective_timeout`` needs a larger one. ``collective_timeout=None`` leaves the groups' own
+timeouts (``ZeroStrategy(timeout=...)``).
 
 [Note: sliced waits] On CPU a rank's gloo thread shares the core with the training thread, so how
 a wait sleeps is on the step's path. A gloo work's ``wait(timeout)`` blocks on the work's
@@ -36,10 +51,18 @@ the world size; the numbers are in docs/troubleshooting.md). What follows:
 - a *blocked* wait (a collective outside the engine, e.g. Lightning's own ``barrier``; every wait
   on GPU) ends when the failing process exits (gloo: its sockets close, the collective errors at
   once) or, on NCCL, when the watcher aborts the process groups a grace period after the message
-  (``_abort_process_group``: NCCL's host-side abort; a kernel already stuck on the device is the
-  driver's business). The error raised there is then rewritten to name the failing rank;
+  ([Note: NCCL abort]). The error raised there is then rewritten to name the failing rank;
 - the failure path issues no collective: the strategy skips checkpoint-on-exception saves,
   barriers, and teardown's gathers (see ``ZeroStrategy``);
+- [Note: NCCL abort] ``_abort_process_group()`` with no argument aborts every communicator (inside
+  one NCCL group call, so they cannot deadlock each other) and clears the default group: what
+  this rank runs next sees either the aborted collective's error or ``ValueError("Default process
+  group has not been initialized ...")`` from the next ``dist`` call; ``failure_path``
+  classifies both as a collective's error, so the error is rewritten to name the failing rank.
+  torch documents the call for ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``; under its default the
+  watchdog may tear the process down on the aborted work first, so the watcher writes the peer's
+  message to stderr before it aborts (either way this rank's last words name the failing rank).
+  A torch without the call fails at setup (:func:`abort_nccl_after`), not silently at the failure;
 - global rank 0 usually hosts the store (a TCPStore on ``MASTER_ADDR``), which dies with it. When
   it fails it waits up to ``ACK_GRACE_S`` for every peer's watcher to acknowledge the line, so
   its exit does not take the message along.
@@ -49,6 +72,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -249,6 +273,13 @@ class FailureChannel:
             except Exception:  # noqa: BLE001
                 pass
             if self.on_peer_failure is not None and not self.posted:
+                # [Note: NCCL abort]: the watchdog may end this process before Python raises
+                print(
+                    f"lightning_zero (global rank {self.rank}): global rank {origin} failed: {message};"
+                    " aborting this rank's NCCL process groups",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.on_peer_failure()
         return True
 
@@ -285,19 +316,58 @@ def _stop_watchers() -> None:
 def abort_nccl_after(grace_s: float = NCCL_ABORT_GRACE_S) -> Callable[[], None]:
     """An ``on_peer_failure`` for NCCL: ``grace_s`` after a peer's message, abort every process
     group, so a collective stuck waiting for the dead peer returns with an error ([Note: failure
-    channel]). gloo needs none: the peer's exit closes its sockets."""
+    channel], [Note: NCCL abort]). gloo needs none: the peer's exit closes its sockets.
+
+    Raises ``RuntimeError`` now (at setup, not at the failure) if this torch has no
+    ``_abort_process_group``: a survivor could then only end at ``collective_timeout``."""
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort_all is None:
+        raise RuntimeError(
+            f"lightning_zero: torch {torch_version()} has no torch.distributed.distributed_c10d._abort_process_group;"
+            " the NCCL failure path needs it to end a collective waiting for a dead peer (docs/gpu.md)."
+        )
 
     def abort() -> None:
         def later() -> None:
             time.sleep(grace_s)
             try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception:  # noqa: BLE001 - already destroyed, or a torch without it
+                abort_all()
+            except ValueError:  # "Invalid process group specified or has been destroyed": already gone
                 pass
 
         threading.Thread(target=later, name="lightning_zero-nccl-abort", daemon=True).start()
 
     return abort
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def hold_collective_timeout(groups: list[Optional[dist.ProcessGroup]], timeout_s: Optional[float]) -> list[Any]:
+    """[Note: collective timeout on NCCL] Make ``collective_timeout`` the NCCL watchdog's timeout
+    of every group in ``groups`` (``None``: the default group) whose backend is NCCL; returns the
+    groups it set. ``timeout_s=None`` (the user asked for the process group's own timeout) and
+    gloo groups (their waits are sliced and limited here) are left alone."""
+    if timeout_s is None:
+        return []
+    done: list[Any] = []
+    for group in groups:
+        target = group if group is not None else dist.group.WORLD
+        if any(target is seen for seen in done) or dist.get_backend(target) != "nccl":
+            continue
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is None:
+            raise RuntimeError(
+                f"lightning_zero: torch {torch_version()} has no torch.distributed.distributed_c10d._set_pg_timeout:"
+                f" collective_timeout={timeout_s:g} s cannot hold on NCCL. Pass collective_timeout=None and"
+                " ZeroStrategy(timeout=timedelta(...)) for the process group's own limit."
+            )
+        set_timeout(timedelta(seconds=timeout_s), target)
+        done.append(target)
+    return done
 
 
 @dataclass

@@ -73,7 +73,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_zero.comm.collectives import CommCounter
+from lightning_zero.comm.collectives import CommCounter, local_only
 from lightning_zero.zero.stage3.abort import AbortChannel
 from lightning_zero.zero.stage3.schedule import (
     DEMAND,
@@ -432,7 +432,7 @@ class Stage3Runtime:
         if kind is None:
             return
         schedule = self.schedules.setdefault(kind, Schedule())
-        if not schedule.recorded and not schedule.dynamic and self.dp_size > 1:
+        if not schedule.recorded and not schedule.dynamic and not local_only(self.dp_size):
             # The first step of a phase: a rank whose step ended while a peer still gathers (its
             # modules were a prefix of the peer's) finds out here, not in the next step.
             everyone = self.agreement.exchange(DONE, 0)

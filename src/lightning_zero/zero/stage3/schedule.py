@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from lightning_zero.comm.collectives import all_gather
+from lightning_zero.comm.collectives import all_gather, local_only
 from lightning_zero.zero.stage3.abort import AbortChannel
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class Agreement:
 
     def exchange(self, kind: int, value: int) -> list[tuple[int, int]]:
         """Every dp rank's ``(kind, value)``, in dp rank order (collective over the gather group)."""
-        if self.dp_size == 1:
+        if local_only(self.dp_size):
             return [(kind, value)]
         mine = torch.tensor([kind, value], dtype=torch.int64, device=self.device)
         everyone = torch.empty(2 * self.dp_size, dtype=torch.int64, device=self.device)
