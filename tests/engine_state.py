@@ -20,7 +20,7 @@ def state_beyond_formula(engine, moments_bytes: int = 8, step_bytes: int = 4) ->
 def walked_high_water(runtime) -> int:
     """The most non-root elements the engine's rule says a rank holds gathered at once, walking
     the recorded training schedule ([Note: gathered working set] in zero/stage3/schedule.py)."""
-    from lightning_zero.zero.stage3.schedule import gathered_high_water
+    from lightning_zero.zero.stage3.gather_order import gathered_high_water
 
     schedule = runtime.schedules["train"]
     numel = {unit.index: unit.numel for unit in runtime.units[:-1]}

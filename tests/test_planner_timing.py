@@ -417,7 +417,7 @@ def test_held_units_follow_the_engines_rule():
     # same unit's forward entry. The planner asks the engine's function about its own order.
     from lightning_zero.models import LlamaConfig
     from lightning_zero.planner.workload import gathered_once_numel, gathered_once_units, held_units, llama_workload
-    from lightning_zero.zero.stage3.schedule import held_entries
+    from lightning_zero.zero.stage3.gather_order import held_entries
 
     order, backward = [0, 1, 2, 2, 1, 0], [False, False, False, True, True, True]
     assert held_entries(order, backward) == [False, False, False, True, False, False]
