@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import re
 import sys
@@ -130,6 +131,7 @@ def groups_table(arg: str = "") -> str:
 _CHECKPOINTING = {"none": "no checkpointing", "selective": "selective checkpointing", "full": "full checkpointing"}
 
 
+@functools.cache
 def recipe_plan(name: str):
     """``(composed config, plan)`` of recipe ``name``: what ``lightning-zero plan recipe=NAME`` plans."""
     from lightning_zero.hydra_config import compose

@@ -39,9 +39,7 @@ def _load_generate():
 generate = _load_generate()
 
 
-@functools.cache
-def recipe_plan(name: str):
-    return generate.recipe_plan(name)
+recipe_plan = generate.recipe_plan  # cached: the recipe table and the header checks plan each recipe once
 
 
 def _fenced(text: str) -> list[tuple[str, str]]:
