@@ -298,13 +298,15 @@ def test_file_paths_exist(path):
     assert (missing := missing_file_paths(path)) == [], missing
 
 
-# -- 5. every fenced `lightning-zero` command in the README parses ----------------------------------
+# -- 5. every fenced `lightning-zero` command in README.md and docs/ parses ----------------------------------
 
 
-def readme_commands() -> list[str]:
+def fenced_commands(path: Path) -> list[str]:
+    """Every ``lightning-zero ...`` command of ``path``'s shell blocks (README: also unlabelled ones)."""
+    languages = ("bash", "sh", "shell", "console", *([""] if path.name == "README.md" else []))
     commands = []
-    for language, body in _fenced((ROOT / "README.md").read_text()):
-        if language not in ("", "bash", "sh", "shell", "console"):
+    for language, body in _fenced(path.read_text()):
+        if language not in languages:
             continue
         for line in body.replace("\\\n", " ").splitlines():
             line = line.strip().removeprefix("$ ")
@@ -352,11 +354,11 @@ def parse_command(command: str) -> None:
         cli.main(words)
 
 
-README_COMMANDS = readme_commands()
+COMMANDS = [(path, command) for path in DOCS for command in fenced_commands(path)]
 
 
-@pytest.mark.parametrize("command", README_COMMANDS)
-def test_readme_command_parses(command):
+@pytest.mark.parametrize("path, command", COMMANDS, ids=[f"{p.relative_to(ROOT)}:{c}" for p, c in COMMANDS])
+def test_fenced_command_parses(path, command):
     parse_command(command)
 
 
