@@ -72,7 +72,8 @@ class ZeroStrategy(DDPStrategy):
             blocks), embeddings, and modules with parameters beside a block container
             (``zero/stage3/units.py``; docs/stage3.md).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
-            ``ddp``) or ``"spawn"``.
+            ``ddp``), or ``"spawn"`` / ``"fork"`` / ``"forkserver"`` (multiprocessing, like
+            ``ddp_spawn`` / ``ddp_fork``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
 
