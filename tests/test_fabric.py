@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
     cases = [f"parity:{m}_{s}" for m in models for s in ["ddp", *STAGES]]
     if HAS_LITGPT:
         cases += ["parity:litgpt_order_ddp", "parity:litgpt_order_zero3"]
+    cases += [f"parity:llama_{s}bf16" for s in ["ddp", *STAGES]]
     cases += ["save:zero2", "save:zero3"]
     launch("fabric_run.py", out, *cases, timeout_s=500)
     # fresh processes: the checkpoint of step 3 on 2 ranks (other stages), then on 1 rank
@@ -65,6 +66,22 @@ def test_losses_norms_and_weights_match_fabric_ddp(runs, model, stage):
         assert got["params"].keys() == want["params"].keys()
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"{model} {stage} {name}")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_keeps_bf16_parameters_and_stays_near_ddp(runs):
+    # bf16-mixed: stages 2 and 3 keep the same bf16 gradient chunks and fp32 masters (equal up to
+    # rounding); stage 1 accumulates the micro batches' full bf16 gradients before reducing (another
+    # rounding order); ddp (fp32 parameters under autocast) is near.
+    for rank in (0, 1):
+        runs_of = {stage: _load(runs, f"llama_{stage}bf16", rank) for stage in ["ddp", *STAGES]}
+        for stage in STAGES:
+            assert runs_of[stage]["param_dtypes"] == ["torch.bfloat16"]
+            got, ddp = torch.tensor(runs_of[stage]["losses"]), torch.tensor(runs_of["ddp"]["losses"])
+            torch.testing.assert_close(got, ddp, rtol=0, atol=2e-2)
+        torch.testing.assert_close(torch.tensor(runs_of["zero3"]["losses"]), torch.tensor(runs_of["zero2"]["losses"]))
+        for name, value in runs_of["zero2"]["params"].items():
+            torch.testing.assert_close(runs_of["zero3"]["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
@@ -101,13 +118,14 @@ def test_litgpt_order_with_empty_init_matches_ddp(runs):
     # init_module(empty_init=True) (stage 3: meta, materialized unit by unit), setup(model), the
     # optimizer over model.parameters(), setup_optimizers, load_raw; then model.load_state_dict of the
     # initial weights writes through to the shards: an evaluation loss equals the first loss, and
-    # the next step equals ddp's.
+    # the next step equals ddp's; greedy generation (a no_grad forward per token) equals ddp's.
     _needs("litgpt")
     for rank in (0, 1):
         got, want = _load(runs, "litgpt_order_zero3", rank), _load(runs, "litgpt_order_ddp", rank)
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=1e-5)
         assert got["eval_loss"] == pytest.approx(got["losses"][0][0], abs=1e-6)
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-6)
+        assert torch.equal(got["generated"], want["generated"])  # token by token under no_grad
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 

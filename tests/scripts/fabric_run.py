@@ -114,11 +114,14 @@ def batch(step: int, micro: int, ranks: list[int], model: str = "") -> torch.Ten
 
 
 def make_fabric(strategy_name: str, model_name: str = "", **knobs) -> L.Fabric:
+    """``ddp`` or ``zero<stage>``, with a ``bf16`` suffix for ``precision="bf16-mixed"``."""
+    precision = "bf16-mixed" if strategy_name.endswith("bf16") else "32-true"
+    strategy_name = strategy_name.removesuffix("bf16")
     if strategy_name == "ddp":
         strategy = DDPStrategy(find_unused_parameters=model_name == "moe")
     else:
         strategy = lightning_zero.ZeroFabricStrategy(stage=int(strategy_name[-1]), **knobs)
-    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true")
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, precision=precision)
     fabric.launch()
     return fabric
 
@@ -192,8 +195,12 @@ def litgpt_order(out: str, strategy_name: str) -> None:
     with torch.no_grad():
         eval_loss = loss_of(model, batch(0, 0, ranks)).item()
     more, more_norms = train_steps(fabric, model, optimizer, scheduler, range(2, 3), "litgpt", ranks)
+    with torch.no_grad():  # greedy generation, one forward (stage 3: one evaluation step) per token
+        tokens = batch(9, 0, ranks)[:1, :3]
+        for _ in range(4):
+            tokens = torch.cat([tokens, model(tokens)[:, -1:].argmax(-1)], dim=1)
     result = {"losses": losses + more, "norms": norms + more_norms, "eval_loss": eval_loss,
-              "params": full_weights(fabric, model)}  # fmt: skip
+              "generated": tokens, "params": full_weights(fabric, model)}  # fmt: skip
     torch.save(result, os.path.join(out, f"litgpt_order_{strategy_name}.rank{fabric.global_rank}.pt"))
     fabric.strategy.teardown()
 
@@ -211,6 +218,8 @@ def parity(out: str, case: str) -> None:
     result = {"losses": losses, "norms": norms, "params": full_weights(fabric, model), "skipped": skipped}
     if model_name == "moe":
         result["idle"] = model._forward_module.module.idle if strategy_name == "ddp" else model._forward_module.idle
+    if strategy_name.endswith("bf16"):
+        result["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     engine = getattr(fabric.strategy, "engine", None)
     if engine is not None:
         from tests.engine_state import state_beyond_formula

@@ -60,7 +60,7 @@ from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.fabric.precision import compute_dtype_of, precision_name
-from lightning_zero.runtime.session import ZeroSession
+from lightning_zero.runtime.session import SessionViews, ZeroSession
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -75,7 +75,7 @@ def _in_backward() -> bool:
 
 
 @knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
-class ZeroFabricStrategy(DDPStrategy):
+class ZeroFabricStrategy(SessionViews, DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning Fabric strategy.
 
     Args:
@@ -171,29 +171,6 @@ class ZeroFabricStrategy(DDPStrategy):
     @property
     def compute_dtype(self) -> torch.dtype:
         return compute_dtype_of(self._precision)
-
-    # -- what the session holds -----------------------------------------------------------------
-    @property
-    def engine(self) -> Optional["ZeroEngine"]:
-        return self.session.engine
-
-    @property
-    def dp_size(self) -> int:
-        return self.session.dp_size(self.world_size)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank(self.global_rank)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
-
-    @property
-    def failed(self) -> bool:
-        """This rank failed, or knows another rank did: it issues no collective any more."""
-        return self.session.failed
 
     # -- environment ----------------------------------------------------------------------------
     @override

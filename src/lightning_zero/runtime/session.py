@@ -189,3 +189,39 @@ class ZeroSession:
         """The failure channel's watcher stops (after :meth:`close_engine`)."""
         if self.failure_channel is not None:
             self.failure_channel.close()
+
+
+class SessionViews:
+    """What both doors' strategies read from their :class:`ZeroSession` (``self.session``), for
+    a strategy class that also has ``world_size`` and ``global_rank`` (Lightning's and Fabric's
+    ``DDPStrategy``); listed first among the bases, so ``distributed_sampler_kwargs`` is this one."""
+
+    session: ZeroSession
+    world_size: int
+    global_rank: int
+
+    @property
+    def engine(self) -> Optional["ZeroEngine"]:
+        return self.session.engine
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.session.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.session.dp_size(self.world_size)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.session.dp_rank(self.global_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks of one TP group see the same batch; the data is split over dp only.
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    @property
+    def failed(self) -> bool:
+        """This rank failed, or knows another rank did: it issues no collective any more."""
+        return self.session.failed

@@ -23,7 +23,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -31,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.runtime.session import ZeroSession
+from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.failure_path import FailureNotice, check_step_output, where
 from lightning_zero.trainer.precision import to_zero_precision
@@ -42,12 +41,11 @@ if TYPE_CHECKING:
 
     from lightning_zero.comm.collectives import CommCounter
     from lightning_zero.runtime.restore import CheckpointRestore
-    from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
 
 @knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(SessionViews, DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
     Args:
@@ -149,10 +147,6 @@ class ZeroStrategy(DDPStrategy):
 
     # -- what the session holds (runtime/session.py) ---------------------------------------------
     @property
-    def engine(self) -> Optional["ZeroEngine"]:
-        return self.session.engine
-
-    @property
     def comm_counter(self) -> "CommCounter":
         """Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind."""
         return self.session.comm_counter
@@ -176,24 +170,6 @@ class ZeroStrategy(DDPStrategy):
         """The ``("dp", "tp")`` mesh when ``tensor_parallel_size > 1`` (else ``None``)."""
         return self.session.device_mesh
 
-    @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
-        return self.session.dp_group
-
-    @property
-    def dp_size(self) -> int:
-        return self.session.dp_size(self.world_size)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank(self.global_rank)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks of one TP group see the same batch; the data is split over dp only.
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
-
     @override
     def setup_environment(self) -> None:
         # raises on a bad layout before any process group starts
@@ -206,11 +182,6 @@ class ZeroStrategy(DDPStrategy):
             self.lightning_module._device_mesh = self.device_mesh
 
     # -- failures ([Note: failure path] in runtime/failure.py) -----------------------------------
-    @property
-    def failed(self) -> bool:
-        """This rank failed, or knows another rank did: it issues no collective any more."""
-        return self.session.failed
-
     def _note_failure(self, exception: BaseException) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self.session.note_failure(exception, where(trainer if trainer is not None and trainer.state else None))
