@@ -154,6 +154,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._eval_forward = False
         self._steps = 0  # optimizer steps taken (for the failure path's "training step N")
         self._hooks: list[Any] = []
+        self._after_forward_hook: Optional[Any] = None
         self._previous_excepthook: Optional[Callable[..., Any]] = None
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
@@ -244,8 +245,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
+            # first of the module's forward pre-hooks (the engine's come after: [Note: Fabric step boundaries])
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
-            self._hooks.append(module.register_forward_hook(self._after_forward, always_call=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
             if any(t.is_meta for t in module.parameters()) and not self._optimizers:
@@ -285,9 +286,13 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             raise RuntimeError("ZeroFabricStrategy: set up the model first (fabric.setup(model, ...)).")
         if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
             engine.release_module()
-        # the optimizers' state (Adagrad creates it in __init__) moves with the parameters
-        return self.session.build_engine(self._module, self._optimizers, compute_dtype=self.compute_dtype,
-                                         device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
+        engine = self.session.build_engine(self._module, self._optimizers, compute_dtype=self.compute_dtype,
+                                           device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
+        # last of the module's forward hooks: a step closes after the engine's own hooks ran
+        if self._after_forward_hook is not None:
+            self._after_forward_hook.remove()
+        self._after_forward_hook = self._module.register_forward_hook(self._after_forward, always_call=True)
+        return engine
 
     # -- step boundaries ([Note: Fabric step boundaries]) ---------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -457,8 +462,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         """A single file (``state_dict_type="full"``, or any plain ``torch.save`` of a state dict)."""
         from lightning_zero.checkpoint.full import load_full_state_dict
 
-        loaded = torch.load(path, map_location="cpu", weights_only=bool(weights_only) if weights_only is not None
-                            else True)  # fmt: skip
+        loaded = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
         if isinstance(state, nn.Module):  # load_raw: the file is the module's state dict
             load_full_state_dict(self._module_of(state), self.engine, loaded, strict=strict)
             return {}
@@ -545,6 +549,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict (fp32 masters) on every rank: a collective, every rank calls it."""
         if self.engine is None:
             return super().get_module_state_dict(module)
         from lightning_zero.checkpoint.full import gather_full_state_dict
@@ -554,9 +559,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- teardown -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
+        for handle in [*self._hooks, self._after_forward_hook]:
+            if handle is not None:
+                handle.remove()
         self._hooks.clear()
+        self._after_forward_hook = None
         if self._module is not None:
             self._module.__dict__.pop("load_state_dict", None)
         self.session.close_engine(self.global_rank)
