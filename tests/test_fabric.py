@@ -31,6 +31,37 @@ def _needs(model: str) -> None:
         pytest.skip(NO_LITGPT)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, "stage"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism is not available under Fabric"),
+        ({"state_dict_type": "dcp"}, "state_dict_type"),
+        ({"config": "zero2", "stage": 2}, "not both"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, match):
+    from lightning_zero import ZeroFabricStrategy
+
+    with pytest.raises(ValueError, match=match):
+        ZeroFabricStrategy(**kwargs)
+
+
+def test_registered_in_fabric_with_the_trainer_strategys_config():
+    import lightning as L
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+
+    assert {"zero1", "zero2", "zero3"} <= set(STRATEGY_REGISTRY)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero3")
+    assert isinstance(fabric.strategy, ZeroFabricStrategy) and fabric.strategy.stage == 3
+    twin = ZeroFabricStrategy(config=ZeroStrategy(stage=2, bucket_mb=4.0).zero_config)
+    assert (twin.stage, twin.bucket_mb) == (2, 4.0)
+    with pytest.raises(ValueError, match="supported: 32-true, bf16-mixed"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="bf16-true")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric")
