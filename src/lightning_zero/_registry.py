@@ -8,6 +8,7 @@ so ``import lightning_zero`` never pays for importing Lightning itself.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -17,50 +18,36 @@ _TRAINER = "lightning.pytorch.strategies"
 _FABRIC = "lightning.fabric.strategies"
 
 
-def _make_factory(stage: int):
+def _make_factory(stage: int, module_name: str, class_name: str):
     def factory(**kwargs: Any):
-        from lightning_zero.trainer.strategy import ZeroStrategy
-
-        return ZeroStrategy(stage=stage, **kwargs)
+        strategy_class = getattr(importlib.import_module(module_name), class_name)
+        return strategy_class(stage=stage, **kwargs)
 
     factory.__name__ = f"zero{stage}"
     return factory
 
 
-def _make_fabric_factory(stage: int):
-    def factory(**kwargs: Any):
-        from lightning_zero.fabric.strategy import ZeroFabricStrategy
-
-        return ZeroFabricStrategy(stage=stage, **kwargs)
-
-    factory.__name__ = f"zero{stage}"
-    return factory
+def _register_in(registry: Any, module_name: str, class_name: str, door: str) -> None:
+    for stage in (1, 2, 3):
+        name = f"zero{stage}"
+        if name not in registry:
+            registry.register(
+                name,
+                _make_factory(stage, module_name, class_name),
+                description=f"lightning_zero ZeRO stage {stage}{door}",
+            )
 
 
 def register_trainer() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for stage in (1, 2, 3):
-        name = f"zero{stage}"
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(
-                name,
-                _make_factory(stage),
-                description=f"lightning_zero ZeRO stage {stage}",
-            )
+    _register_in(StrategyRegistry, "lightning_zero.trainer.strategy", "ZeroStrategy", "")
 
 
 def register_fabric() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    for stage in (1, 2, 3):
-        name = f"zero{stage}"
-        if name not in STRATEGY_REGISTRY:
-            STRATEGY_REGISTRY.register(
-                name,
-                _make_fabric_factory(stage),
-                description=f"lightning_zero ZeRO stage {stage} (Fabric)",
-            )
+    _register_in(STRATEGY_REGISTRY, "lightning_zero.fabric.strategy", "ZeroFabricStrategy", " (Fabric)")
 
 
 _REGISTER = {_TRAINER: register_trainer, _FABRIC: register_fabric}
