@@ -187,6 +187,8 @@ def litgpt_order(out: str, strategy_name: str) -> None:
     model = fabric.setup(module)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
+    # [Note: stand-ins for meta parameters]: no engine (no gather) before the first call needing one
+    deferred = getattr(fabric.strategy, "engine", None) is None and not any(p.is_meta for p in model.parameters())
     fabric.load_raw(init_path, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0)
     ranks = [fabric.global_rank]
@@ -200,7 +202,7 @@ def litgpt_order(out: str, strategy_name: str) -> None:
         for _ in range(4):
             tokens = torch.cat([tokens, model(tokens)[:, -1:].argmax(-1)], dim=1)
     result = {"losses": losses + more, "norms": norms + more_norms, "eval_loss": eval_loss,
-              "generated": tokens, "params": full_weights(fabric, model)}  # fmt: skip
+              "generated": tokens, "deferred": deferred, "params": full_weights(fabric, model)}  # fmt: skip
     torch.save(result, os.path.join(out, f"litgpt_order_{strategy_name}.rank{fabric.global_rank}.pt"))
     fabric.strategy.teardown()
 

@@ -155,6 +155,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._steps = 0  # optimizer steps taken (for the failure path's "training step N")
         self._hooks: list[Any] = []
         self._after_forward_hook: Optional[Any] = None
+        # id(stand-in) -> (stand-in, meta parameter): [Note: stand-ins for meta parameters]
+        self._meta_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._previous_excepthook: Optional[Callable[..., Any]] = None
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
@@ -249,12 +251,53 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
-            if any(t.is_meta for t in module.parameters()) and not self._optimizers:
-                # LitGPT's order (fabric.setup(model) before the optimizer exists): Fabric refuses an
-                # optimizer over meta parameters, so stage 3 materializes its shards now; the
-                # optimizers' engine is built at setup_optimizers (one unshard in between).
-                self._ensure_engine()
+            if not self._optimizers:
+                self._stand_in_for_meta_parameters(module)
         return module
+
+    def _stand_in_for_meta_parameters(self, module: nn.Module) -> None:
+        """[Note: stand-ins for meta parameters] LitGPT's order sets up a model built under
+        ``init_module(empty_init=True)`` (stage 3: on the meta device) before its optimizer exists,
+        and Fabric's ``setup_optimizers`` refuses an optimizer over meta parameters. Building the
+        engine now would materialize the shards, and the optimizer's engine later would have to
+        gather the whole model on every rank to rebuild. So each meta parameter gets a stand-in
+        until the engine is built: a Parameter of the same shape, dtype and ``requires_grad`` on the
+        device, one element broadcast (NaN for floats) -- no memory, and nothing that reads it can
+        mistake it for weights. The optimizer is built over the stand-ins; :meth:`_restore_meta_parameters`
+        puts the meta parameters back (in the module and in the optimizers' param groups) right
+        before the engine materializes them, one unit at a time."""
+        stand_ins: dict[int, nn.Parameter] = {}
+        for child in module.modules():
+            for key, param in child._parameters.items():
+                if param is None or not param.is_meta:
+                    continue
+                stand_in = stand_ins.get(id(param))
+                if stand_in is None:  # a tied parameter gets one stand-in
+                    fill = float("nan") if param.is_floating_point() else 0
+                    value = torch.full((), fill, dtype=param.dtype, device=self.root_device).expand(param.shape)
+                    stand_in = stand_ins[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+                    self._meta_parameters[id(stand_in)] = (stand_in, param)
+                child._parameters[key] = stand_in
+
+    def _restore_meta_parameters(self) -> None:
+        """Back from the stand-ins to the meta parameters ([Note: stand-ins for meta parameters])."""
+        if not self._meta_parameters:
+            return
+        assert self._module is not None
+        original = {key: param for key, (_, param) in self._meta_parameters.items()}
+        for child in self._module.modules():
+            for key, param in child._parameters.items():
+                if param is not None and id(param) in original:
+                    child._parameters[key] = original[id(param)]
+        for optimizer in self._optimizers:
+            if any(id(param) in original for param in optimizer.state):
+                raise RuntimeError(
+                    "ZeroFabricStrategy: the optimizer stepped before the model's first forward; run the model"
+                    " (forward, fabric.backward) before optimizer.step()."
+                )
+            for group in optimizer.param_groups:
+                group["params"] = [original.get(id(param), param) for param in group["params"]]
+        self._meta_parameters.clear()
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -278,7 +321,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
 
     def _ensure_engine(self) -> "ZeroEngine":
         """The engine over the set-up module and every optimizer set up so far (built once; an
-        engine built without optimizers, for a forward or LitGPT's order, is rebuilt with them)."""
+        engine built without optimizers, for a forward before any optimizer was set up, is rebuilt
+        with them: one full gather)."""
         engine = self.engine
         if engine is not None and (engine.optimizers or not self._optimizers):
             return engine
@@ -286,6 +330,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             raise RuntimeError("ZeroFabricStrategy: set up the model first (fabric.setup(model, ...)).")
         if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
             engine.release_module()
+        self._restore_meta_parameters()
         engine = self.session.build_engine(self._module, self._optimizers, compute_dtype=self.compute_dtype,
                                            device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
         # last of the module's forward hooks: a step closes after the engine's own hooks ran
