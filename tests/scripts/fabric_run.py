@@ -197,12 +197,16 @@ def litgpt_order(out: str, strategy_name: str) -> None:
     with torch.no_grad():
         eval_loss = loss_of(model, batch(0, 0, ranks)).item()
     more, more_norms = train_steps(fabric, model, optimizer, scheduler, range(2, 3), "litgpt", ranks)
+    try:  # stage 3 holds shards only: a plain state_dict() would hand out empty parameters
+        plain_state_dict = sorted(model.state_dict())
+    except RuntimeError as error:
+        plain_state_dict = str(error)
     with torch.no_grad():  # greedy generation, one forward (stage 3: one evaluation step) per token
         tokens = batch(9, 0, ranks)[:1, :3]
         for _ in range(4):
             tokens = torch.cat([tokens, model(tokens)[:, -1:].argmax(-1)], dim=1)
     result = {"losses": losses + more, "norms": norms + more_norms, "eval_loss": eval_loss,
-              "generated": tokens, "deferred": deferred, "params": full_weights(fabric, model)}  # fmt: skip
+              "generated": tokens, "deferred": deferred, "state_dict": plain_state_dict, "params": full_weights(fabric, model)}  # fmt: skip
     torch.save(result, os.path.join(out, f"litgpt_order_{strategy_name}.rank{fabric.global_rank}.pt"))
     fabric.strategy.teardown()
 

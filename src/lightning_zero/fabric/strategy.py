@@ -251,6 +251,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
+            self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
             if not self._optimizers:
                 self._stand_in_for_meta_parameters(module)
         return module
@@ -591,6 +592,17 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         engine = self._ensure_engine()
         missing, unexpected = load_full_state_dict(self._module, engine, state_dict, strict=strict)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``model.state_dict()`` under stage 3 would hand out parameters with no storage (this rank
+        holds shards only): raise with the fix instead. ``keep_vars=True`` (checkpoints) is fine."""
+        if keep_vars or self.engine is None or self.engine.stage != 3:
+            return
+        raise RuntimeError(
+            "model.state_dict() under ZeRO stage 3: this rank holds only its shards of each parameter. Save with"
+            " fabric.save(path, {'model': model}) (sharded; ZeroFabricStrategy(state_dict_type='full') for one file),"
+            " or gather with fabric.strategy.get_module_state_dict(model) on every rank (a collective)."
+        )
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
