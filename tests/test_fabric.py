@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
     cases = [f"parity:{m}_{s}" for m in models for s in ["ddp", *STAGES]]
     if HAS_LITGPT:
         cases += ["parity:litgpt_order_ddp", "parity:litgpt_order_zero3"]
-    cases += [f"parity:llama_{s}bf16" for s in ["ddp", *STAGES]]
+    cases += [f"parity:llama_{s}bf16" for s in ["ddp", *STAGES]] + ["parity:llama_zero2defer"]
     cases += ["save:zero2", "save:zero3"]
     launch("fabric_run.py", out, *cases, timeout_s=500)
     # fresh processes: the checkpoint of step 3 on 2 ranks (other stages), then on 1 rank
@@ -124,12 +124,18 @@ def test_moe_skips_idle_experts_on_every_stage(runs):
 
 
 @pytest.mark.slow
-def test_no_gradient_collective_on_skipped_micro_batches_at_stage_1(runs):
+def test_no_gradient_collective_on_skipped_micro_batches(runs):
+    # stage 1, and stage 2 with defer_grad_reduce; stage 2 without it reduce-scatters every micro
+    # batch (its memory promise: the gradient shard only)
     for rank in (0, 1):
-        skipped = _load(runs, "llama_zero1", rank)["skipped"]
-        assert len(skipped) == 4 and all(calls == {} for calls in skipped), skipped
-        # stage 2 (without defer_grad_reduce) reduce-scatters every micro batch: its memory promise
+        for case in ("llama_zero1", "llama_zero2defer"):
+            skipped = _load(runs, case, rank)["skipped"]
+            assert len(skipped) == 4 and all(calls == {} for calls in skipped), (case, skipped)
         assert all(calls for calls in _load(runs, "llama_zero2", rank)["skipped"])
+        got, want = _load(runs, "llama_zero2defer", rank), _load(runs, "llama_ddp", rank)
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=1e-5)
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

@@ -114,9 +114,13 @@ def batch(step: int, micro: int, ranks: list[int], model: str = "") -> torch.Ten
 
 
 def make_fabric(strategy_name: str, model_name: str = "", **knobs) -> L.Fabric:
-    """``ddp`` or ``zero<stage>``, with a ``bf16`` suffix for ``precision="bf16-mixed"``."""
+    """``ddp`` or ``zero<stage>``, with a ``bf16`` suffix for ``precision="bf16-mixed"``, ``defer`` for
+    ``defer_grad_reduce=True``."""
     precision = "bf16-mixed" if strategy_name.endswith("bf16") else "32-true"
     strategy_name = strategy_name.removesuffix("bf16")
+    if strategy_name.endswith("defer"):
+        knobs["defer_grad_reduce"] = True
+        strategy_name = strategy_name.removesuffix("defer")
     if strategy_name == "ddp":
         strategy = DDPStrategy(find_unused_parameters=model_name == "moe")
     else:
