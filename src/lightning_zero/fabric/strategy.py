@@ -19,9 +19,9 @@ calls reach it:
 - ``fabric.backward`` finishes the gradient sync; ``no_backward_sync`` is the engine's ``no_sync``;
   ``clip_gradients`` clips by the global norm over the shards.
 - ``fabric.save``/``fabric.load``: the sharded checkpoint of ``checkpoint/`` (atomic, resumable on
-  another dp size or stage), or one full file with ``state_dict_type="full"``; ``load_raw`` and a
-  set-up model's ``load_state_dict`` write a full state dict through to the shards and masters
-  ([Note: full state dicts] in ``checkpoint/full.py``).
+  another dp size or stage), or one full file with ``state_dict_type="full"`` (``fabric/checkpoint.py``);
+  ``load_raw`` and a set-up model's ``load_state_dict`` write a full state dict through to the
+  shards and masters ([Note: full state dicts] in ``checkpoint/full.py``).
 - a failure: [Note: failure path] in ``runtime/failure.py``; a rank whose script ends with an
   exception posts it from ``sys.excepthook`` (Fabric has no exception hook of its own).
 
@@ -65,9 +65,8 @@ from lightning_zero.runtime.session import SessionViews, ZeroSession
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
 
+    from lightning_zero.fabric.checkpoint import FabricState
     from lightning_zero.zero.engine import ZeroEngine
-
-_FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was what
 
 
 def _in_backward() -> bool:
@@ -414,26 +413,12 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
                                               precision=precision_name(self._precision))  # fmt: skip
 
-    def _split_state(self, state: dict[str, Any]) -> tuple[Optional[str], list[str], dict[str, Any]]:
-        """(key of the set-up module, keys of optimizers, the other entries as saved)."""
-        module_key, optimizer_keys, others = None, [], {}
-        for key, value in state.items():
-            if isinstance(value, nn.Module):
-                if value is not self._module:
-                    raise ValueError(
-                        f"ZeroFabricStrategy: state[{key!r}] is a {type(value).__name__} that was not set up with"
-                        " this strategy; save the model returned by fabric.setup."
-                    )
-                module_key = key
-            elif isinstance(value, Optimizer):
-                if value not in self._optimizers:
-                    raise ValueError(f"ZeroFabricStrategy: state[{key!r}] is an optimizer that was not set up.")
-                optimizer_keys.append(key)
-            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-                others[key] = value.state_dict()
-            else:
-                others[key] = value
-        return module_key, optimizer_keys, others
+    def _state_io(self) -> "FabricState":
+        from lightning_zero.fabric.checkpoint import FabricState
+
+        engine = self._ensure_engine()
+        assert self._module is not None
+        return FabricState(self._module, self._optimizers, engine, self._layout())
 
     @override
     def save_checkpoint(
@@ -450,43 +435,12 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                     " complete checkpoint is still the newest")  # fmt: skip
             self.session.warn_failed(self.global_rank, what)
             return
-        engine = self._ensure_engine()
-        module_key, optimizer_keys, others = self._split_state(state)
-        if module_key is None:
-            raise ValueError("ZeroFabricStrategy.save: the state holds no set-up model; add it: {'model': model, ...}.")
-        optimizers = [state[key] for key in optimizer_keys]
-        engine.wait_param_gathers()
+        state_io = self._state_io()
         with self._noting_failures():
             if self.state_dict_type == "full":
-                self._save_full(Path(path), module_key, optimizer_keys, others)
-                return
-            from lightning_zero.checkpoint import save_checkpoint
-
-            checkpoint: dict[str, Any] = {
-                "state": others,
-                _FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys},
-            }
-            if optimizers:
-                checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
-            save_checkpoint(path, checkpoint, module=self._module, engine=engine, optimizers=optimizers,
-                            layout=self._layout())  # fmt: skip
-
-    def _save_full(self, path: Path, module_key: str, optimizer_keys: list[str], others: dict[str, Any]) -> None:
-        from lightning_zero.checkpoint.full import gather_full_state_dict
-
-        if optimizer_keys:
-            raise ValueError(
-                f"ZeroFabricStrategy(state_dict_type='full'): {optimizer_keys} are optimizers; a full file holds the"
-                " model (for LitGPT's tools and export) and no optimizer state. Save {'model': model} for the"
-                " file, and the training state with state_dict_type='sharded' (the default) to resume."
-            )
-        assert self.engine is not None
-        full = gather_full_state_dict(self._module, self.engine, self.engine.dp_group)
-        if self.global_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
-            torch.save({module_key: full, **others}, partial)
-            partial.replace(path)  # atomic: a reader sees the old file or the whole new one
+                state_io.save_full(Path(path), state)
+            else:
+                state_io.save_sharded(path, state)
 
     @override
     def load_checkpoint(
@@ -496,89 +450,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        from lightning_zero.checkpoint import is_checkpoint
-
-        self._ensure_engine()
+        state_io = self._state_io()
         with self._noting_failures():
-            if not is_checkpoint(path):
-                return self._load_file(Path(path), state, strict, weights_only)
-            return self._load_sharded(path, state, strict)
-
-    def _load_file(self, path: Path, state: Any, strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
-        """A single file (``state_dict_type="full"``, or any plain ``torch.save`` of a state dict)."""
-        from lightning_zero.checkpoint.full import load_full_state_dict
-
-        loaded = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-        if isinstance(state, nn.Module):  # load_raw: the file is the module's state dict
-            load_full_state_dict(self._module_of(state), self.engine, loaded, strict=strict)
-            return {}
-        if isinstance(state, Optimizer) or not state:
-            raise ValueError(
-                f"ZeroFabricStrategy: {path} is a single file; load it into the set-up model (fabric.load_raw(path,"
-                " model) or fabric.load(path, {'model': model})). Optimizer state is in sharded checkpoints only."
-            )
-        remainder = dict(loaded)
-        for key, value in list(state.items()):
-            if key not in remainder:
-                if strict:
-                    raise KeyError(f"The requested state contains a key '{key}' that does not exist in {path}.")
-                continue
-            saved = remainder.pop(key)
-            if isinstance(value, nn.Module):
-                load_full_state_dict(self._module_of(value), self.engine, saved, strict=strict)
-            elif isinstance(value, Optimizer):
-                raise ValueError(f"ZeroFabricStrategy: {path} holds no sharded optimizer state for {key!r}.")
-            elif hasattr(value, "load_state_dict"):
-                value.load_state_dict(saved)
-            else:
-                state[key] = saved
-        return remainder
-
-    def _module_of(self, module: nn.Module) -> nn.Module:
-        if module is not self._module:
-            raise ValueError("ZeroFabricStrategy: load into the model that was set up with this strategy.")
-        return module
-
-    def _load_sharded(self, path: Any, state: Any, strict: bool) -> dict[str, Any]:
-        from lightning_zero.checkpoint import apply_optimizer_state, load_model, open_checkpoint
-
-        layout = self._layout()
-        opened = open_checkpoint(path, layout)
-        keys = opened.state.get(_FABRIC_KEYS, {"model": None, "optimizers": []})
-        saved = dict(opened.state.get("state", {}))
-        if isinstance(state, Optimizer) or not state:
-            raise ValueError(
-                f"ZeroFabricStrategy: {path} is a sharded checkpoint; pass the objects to restore,"
-                " fabric.load(path, {'model': model, 'optimizer': optimizer, ...}) (or fabric.load_raw(path, model))."
-            )
-        if isinstance(state, nn.Module):
-            state = {keys["model"] or "model": state}
-        requested = set(state)
-        available = set(saved) | {keys["model"]} | set(keys["optimizers"])
-        missing = sorted(requested - available)
-        if strict and missing:
-            raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in {path}.")
-        module_key = next((k for k, v in state.items() if isinstance(v, nn.Module)), None)
-        if module_key is not None:
-            module = self._module_of(state[module_key])
-            optimizer_keys = [key for key in keys["optimizers"] if key in state]
-            optimizers = [state[key] for key in optimizer_keys]
-            if len(optimizers) != len(keys["optimizers"]):  # weights only (the optimizers' state stays)
-                optimizers, optimizer_keys = [], []
-                opened.meta["optimizers"] = []
-            states = load_model(opened, module, engine=self.engine, optimizers=optimizers, layout=layout,
-                                strict=strict)  # fmt: skip
-            apply_optimizer_state(opened, optimizers, states)
-        for key, value in list(state.items()):
-            if key not in saved:
-                continue
-            if isinstance(value, (nn.Module, Optimizer)):
-                continue
-            if hasattr(value, "load_state_dict"):
-                value.load_state_dict(saved.pop(key))
-            else:
-                state[key] = saved.pop(key)
-        return saved
+            return state_io.load(path, state, strict=strict, weights_only=weights_only)
 
     def _load_module_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``model.load_state_dict`` on the set-up model: through to the masters and the shards."""
