@@ -166,6 +166,9 @@ SUBPACKAGES = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
 # other objects (`config.<knob>`, a `ZeroConfig`): a dotted path starting with one is a module path only
 # when its second word is a module of that subpackage.
 HYDRA_WORDS = {"model", "strategy", "data", "trainer", "optim", "hardware", "plan", "checkpoint", "recipe", "hydra"}
+# Words that name a subpackage and also a user's object in the docs' code (`fabric.backward`: the
+# `L.Fabric` instance): such a path is the package's only where its second part is a module file.
+AMBIGUOUS_WORDS = HYDRA_WORDS | {"fabric"}
 NOT_MODULES = HYDRA_WORDS | {"config", "engine", "search", "optimizer", "lightning", "torch", "nn", "self", "cfg"}
 FILE_SUFFIXES = tuple(".py .md .yaml .yml .sh .json .toml .txt .bin .npy .png .csv .ckpt".split())
 
@@ -230,7 +233,7 @@ def dotted_paths(text: str) -> list[str]:
         if token.endswith(FILE_SUFFIXES):
             continue
         first, second = token.split(".")[:2]
-        if first in SUBPACKAGES and (first not in HYDRA_WORDS or (PACKAGE / first / f"{second}.py").exists()):
+        if first in SUBPACKAGES and (first not in AMBIGUOUS_WORDS or (PACKAGE / first / f"{second}.py").exists()):
             found.append(f"lightning_zero.{token}")
         elif first in stems and first not in NOT_MODULES and first not in SUBPACKAGES and first != "lightning_zero":
             found.append("?" + token)
