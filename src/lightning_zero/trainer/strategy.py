@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.runtime.restore import CheckpointRestore
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
@@ -120,6 +121,7 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
+        master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -150,7 +152,7 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision())
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
         return plugin
 
     @precision_plugin.setter
@@ -158,11 +160,16 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+
+    @property
+    def precision_policy(self) -> "PrecisionPolicy":
+        """Where each byte lives under the chosen precision (``runtime/precision.py``)."""
+        return self.precision_plugin.policy  # type: ignore[attr-defined]
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+        return self.precision_policy.compute_dtype
 
     # -- mesh -----------------------------------------------------------------------------------
     @property
@@ -238,6 +245,9 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
+        # bf16-true/16-true: the whole module in the half dtype, as ddp converts it (the -mixed
+        # plugins leave the casting to the engine, which takes the fp32 masters first)
+        self.model = self.precision_plugin.convert_module(self.model)
         move_real_tensors(self.model, self.root_device)
         # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
         broadcast_module_states(self.model, self.dp_group)
@@ -297,6 +307,8 @@ class ZeroStrategy(DDPStrategy):
             self.zero_config,  # whole: the engine's parts read config.<knob> where they use it
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=self.compute_dtype,
+            master_dtype=self.precision_policy.master_dtype,
+            norms_in_fp32=self.precision_policy.autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=self.root_device,

@@ -1,0 +1,142 @@
+"""Every precision Lightning users pick, under ZeroStrategy against ddp under the same precision.
+
+One launch of tests/scripts/precision_parity.py (2 CPU ranks) trains every case; here each is
+compared with its ddp twin, and the engine's measured model-state bytes with the ledger's. The
+planner's bytes per precision are checked against hand-computed values without any process.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero.ledger import model_state_bytes
+from lightning_zero.planner.ledger import precision_bytes
+from tests.distributed import launch
+
+# zero case -> (ddp case, loss atol, parameter atol, dtype of the parameters after fit)
+# bf16-true, stages 1-3 and the transformers Llama: with dp=2 the reduce-scatter adds the same two
+# bf16 numbers ddp's all-reduce adds, and halving is exact, so nothing differs: 0 tolerance.
+# tp=2 splits each matmul's inner sum over two ranks (another order of bf16 rounding), 16-true
+# divides after the sum where ddp divides before (fp16 subnormals lose a bit either way); Adam's
+# normalized update (lr 1e-2, about one bf16 ulp of a weight near 1) turns a last-bit difference in
+# a gradient into a step of one ulp, so parameters differ by a few ulps and losses by ~1e-3.
+# The fp32-state option is bf16 compute without autocast beside ddp's bf16-mixed (autocast keeps
+# softmax and norms in fp32): the same optimizer numbers, other rounding in forward.
+PAIRS = {
+    "llama_z1_bf16t": ("llama_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
+    "llama_z2_bf16t": ("llama_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
+    "llama_z3_bf16t": ("llama_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
+    "hf_z2_bf16t": ("hf_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
+    "hf_z3_bf16t": ("hf_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
+    "llama_tp2_bf16t": ("llama_ddp_same_bf16t", 5e-3, 8e-2, "torch.bfloat16"),
+    "llama_z2_16t": ("llama_ddp_16t", 2e-3, 8e-2, "torch.float16"),
+    "llama_z3_bf16t_fp32": ("llama_ddp_bf16m", 1e-2, 1.5e-1, "torch.float32"),
+}
+PRECISION_OF = {"bf16t": ("bf16-true", "auto"), "16t": ("16-true", "auto"), "fp32": ("bf16-true", "fp32")}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("precision")
+    launch("precision_parity.py", out, timeout_s=600)
+    return out
+
+
+def _load(results: Path, case: str, rank: int) -> dict:
+    return torch.load(results / f"{case}.rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_losses_and_parameters_match_ddp(results, case):
+    twin, loss_atol, param_atol, dtype = PAIRS[case]
+    for rank in (0, 1):
+        got, want = _load(results, case, rank), _load(results, twin, rank)
+        assert len(got["losses"]) == len(want["losses"]) == 4
+        assert all(torch.isfinite(torch.tensor(got["losses"])))
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=loss_atol, msg=case
+        )
+        assert got["params"].keys() == want["params"].keys()
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=param_atol, msg=f"{case} {name}")
+        # the module after fit: bf16 / fp16 as under ddp; with fp32 masters, the masters
+        assert got["dtypes"] == [dtype]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_model_state_bytes_equal_the_ledger(results, case):
+    precision, master_weights = PRECISION_OF[case.rsplit("_", 1)[1]]
+    row = precision_bytes(precision, master_weights)
+    for rank in (0, 1):
+        recorded = _load(results, case, rank)["bytes"]
+        measured, stage, dp = recorded["measured"], recorded["stage"], recorded["dp"]
+        state_dtype = (
+            "torch.float32" if row.state == 4 else ("torch.bfloat16" if "bf16" in precision else "torch.float16")
+        )
+        assert recorded["state_dtypes"] == [state_dtype]
+        assert recorded["master_dtypes"] == (["torch.float32"] if row.master else [state_dtype])
+        kwargs = dict(stage=stage, dp=dp, param_bytes=row.param, grad_bytes=row.grad,
+                      optim_bytes_per_param=row.optimizer)  # fmt: skip
+        padded = model_state_bytes(recorded["num_params"] + recorded["padding"], **kwargs)
+        assert measured["params"] == padded.params
+        assert measured["grads"] == padded.grads
+        # plus one fp32 ``step`` per stepped run, less the moments of the chunks' padding
+        assert measured["optimizer"] == padded.optimizer + recorded["beyond"]
+        # the monitor predicts from the same rule (unpadded)
+        assert recorded["predicted"] == model_state_bytes(recorded["num_params"], **kwargs).as_dict()
+    if case == "llama_z3_bf16t":  # the issue's figure: stage 3 holds 8 P / dp under bf16-true
+        assert measured["total"] - recorded["beyond"] == 8 * recorded["num_params"] / dp
+
+
+# ------------------------------------------------------------------ the planner, by hand, per precision
+
+P7B = 6_738_415_616  # Llama 2 7B; divisible by 8, so no padding
+
+
+@pytest.mark.parametrize(
+    "precision, master_weights, per_param",  # (params, grads, master, moments) bytes per parameter
+    [
+        ("32-true", "auto", (4, 4, 0, 8)),
+        ("bf16-mixed", "auto", (2, 2, 4, 8)),
+        ("16-mixed", "auto", (2, 2, 4, 8)),
+        ("bf16-true", "auto", (2, 2, 0, 4)),
+        ("16-true", "auto", (2, 2, 0, 4)),
+        ("bf16-true", "fp32", (2, 2, 4, 8)),
+        ("bf16-mixed", "fp32", (2, 2, 4, 8)),  # no effect: fp32 masters already
+    ],
+)
+def test_planner_bytes_per_precision_by_hand(precision, master_weights, per_param):
+    from lightning_zero.planner import plan_run
+
+    params, grads, master, moments = per_param
+    dp = 8
+    for stage in (1, 2, 3):
+        plan = plan_run("7b", stage=stage, world_size=dp, devices_per_node=dp, precision=precision,
+                        master_weights=master_weights, simulate=False, suggest=False)  # fmt: skip
+        memory = plan.memory
+        assert memory.params == params * P7B / (dp if stage == 3 else 1)
+        assert memory.grads == grads * P7B / (dp if stage >= 2 else 1)
+        assert memory.master_weights == master * P7B / dp
+        assert memory.optimizer_moments == moments * P7B / dp
+    # bf16-true, stage 3 over 8 ranks: 8 P / dp = P bytes of model state
+    if (precision, master_weights) == ("bf16-true", "auto"):
+        assert memory.model_states == P7B
+
+
+def test_cli_plan_prints_bf16_true_and_16_mixed_bytes(tmp_path, monkeypatch, capsys):
+    import json
+
+    from lightning_zero.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    states = {}
+    for precision in ("bf16-true", "16-mixed", "bf16-mixed"):
+        main(["plan", "model=llama7b", "trainer=gpu", "strategy=zero3", "plan.format=json",
+              f"trainer.precision={precision}"])  # fmt: skip
+        out = capsys.readouterr().out
+        states[precision] = json.loads(out[out.index("{") :])["plan"]["memory"]["model_states"]
+    assert states["bf16-true"] == 8 * P7B / 8
+    assert states["16-mixed"] == states["bf16-mixed"] == 16 * P7B / 8
