@@ -140,3 +140,61 @@ def test_cli_plan_prints_bf16_true_and_16_mixed_bytes(tmp_path, monkeypatch, cap
         states[precision] = json.loads(out[out.index("{") :])["plan"]["memory"]["model_states"]
     assert states["bf16-true"] == 8 * P7B / 8
     assert states["16-mixed"] == states["bf16-mixed"] == 16 * P7B / 8
+
+
+# ------------------------------------------------------------------ 16-mixed: the dynamic loss scale
+
+SCALED = ("z1_16m", "z2_16m", "z3_16m")
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loss_scale")
+    launch("loss_scale.py", out, timeout_s=600)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SCALED)
+def test_scale_trajectory_equals_ddp(scaled, case):
+    """GradScaler(init_scale=2**20, growth_interval=3), clip 1.0, 10 steps: the same steps overflow
+    and are skipped as under ddp, so the scale after every step is ddp's; losses within fp16 noise
+    (fp16 parameters where ddp keeps fp32 ones under autocast: the ops autocast leaves alone, the
+    embedding and the norms, round their weights to fp16 here)."""
+    for rank in (0, 1):
+        got, want = _load(scaled, case, rank), _load(scaled, "ddp_16m", rank)
+        assert len(got["scales"]) == 10 and got["scales"] == want["scales"]
+        scales = want["scales"]
+        assert scales[0] < 2.0**20 and any(b > a for a, b in zip(scales, scales[1:])), "backoff and growth both"
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=5e-3)
+        # skipped steps leave the step count alone, as GradScaler.step does: 10 - skipped
+        skipped = sum(anywhere for _, anywhere in got["overflows"])
+        assert got["steps"] == want["steps"] == [10.0 - skipped]
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(scaled):
+    """An inf in one element of rank 1's gradient lands in one rank's shard only: that rank alone
+    sees it, and every rank skips the step (parameters, step count unchanged), as ddp does."""
+    from tests.scripts.loss_scale import POISONED_BATCH
+
+    flags = [_load(scaled, "z2_16m_inf", rank)["overflows"][POISONED_BATCH] for rank in (0, 1)]
+    assert sorted(flags) == [(False, True), (True, True)], flags
+    for rank in (0, 1):
+        got, want = _load(scaled, "z2_16m_inf", rank), _load(scaled, "ddp_16m_inf", rank)
+        around = got["around"]
+        assert around["steps_before"] == around["steps_after"] == want["around"]["steps_after"]
+        for name, value in around["before"].items():
+            assert torch.equal(around["after"][name], value), name
+        assert got["scales"] == want["scales"]
+        assert got["scales"][POISONED_BATCH] == got["scales"][POISONED_BATCH - 1] / 2  # backoff
+
+
+@pytest.mark.slow
+def test_scale_and_losses_resume_exactly(scaled):
+    """Saved at step 5, resumed: the scale (and its growth tracker) and the losses continue as in
+    the uninterrupted run."""
+    for rank in (0, 1):
+        got, want = _load(scaled, "z2_16m_resume", rank), _load(scaled, "z2_16m_save", rank)
+        assert got["scales"] == want["scales"][5:]
+        assert got["losses"] == want["losses"][5:]

@@ -10,7 +10,8 @@ byte lives: ``runtime/precision.py``, docs/precision.md):
 - ``MixedPrecision("bf16-mixed" | "16-mixed")`` -> :class:`ZeroMixedPrecision`: the engine keeps
   half-precision compute parameters and gradients and fp32 master + optimizer state only in the
   shards (2 + 2 + 12 bytes/param, the ZeRO paper's mixed-precision Adam); forward also runs under
-  ``torch.autocast`` so the ops autocast keeps in fp32 stay there.
+  ``torch.autocast`` so the ops autocast keeps in fp32 stay there. ``16-mixed`` adds the user's
+  dynamic loss scaler, whose skip decision is global.
 - ``HalfPrecision("bf16-true" | "16-true")`` -> :class:`ZeroHalfPrecision`: the module is
   converted to the half dtype as under ddp, and the optimizer steps the half-precision chunks
   (2 + 2 + 4 bytes/param), or fp32 masters with ``ZeroStrategy(master_weights="fp32")``.
@@ -21,11 +22,12 @@ Every one routes gradient clipping to the engine, which clips the sharded gradie
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from torch.optim import Optimizer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy
@@ -67,11 +69,50 @@ class ZeroPrecision(_EngineClipping, Precision):
 
 class ZeroMixedPrecision(_EngineClipping, MixedPrecision):
     """bf16/fp16 compute parameters and gradients under autocast, with fp32 master weights and
-    optimizer state in the shards."""
+    optimizer state in the shards.
+
+    ``16-mixed`` keeps Lightning's loss scaling with the user's ``torch.amp.GradScaler`` (its
+    ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``; its state is the
+    plugin's ``state_dict``, saved in checkpoints and restored on resume), in GradScaler's order:
+    the loss is scaled before backward; after it, the scaler unscales this rank's fp32 gradient
+    shards and finds its inf/NaN; the ranks agree whether *any* shard overflowed ([Note: global
+    overflow] in ``zero/optimizer.py``: one int32 on the step's phase marker, no extra collective);
+    then gradient clipping (global norm, of unscaled gradients), ``scaler.step`` (which skips
+    the update on every rank alike) and ``scaler.update`` (growth or backoff).
+    """
 
     def __init__(self, precision: str = "bf16-mixed", device: str = "cpu", scaler: Optional[Any] = None) -> None:
         MixedPrecision.__init__(self, precision=precision, device=device, scaler=scaler)  # type: ignore[arg-type]
         self.policy = precision_policy(precision)
+        self.overflows: list[tuple[bool, bool]] = []  # per scaled step: (this rank's shard, any rank's)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        scaler = self.scaler
+        if scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # backward skipped: nothing to unscale or step (as Lightning does)
+        sharded = self._sharded(optimizer)
+        sharded.flush_offloaded_grads()  # offload: the shards on the host before the unscale reads them
+        scaler.unscale_(optimizer)
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        local = any(bool(value.item()) for value in found.values())
+        anywhere = sharded.agree_overflow(local)
+        if not found:  # no gradient on this rank: record the agreed answer for scaler.step/update
+            found[scaler._scale.device] = torch.zeros(1, device=scaler._scale.device)
+        for value in found.values():
+            value.fill_(float(anywhere))
+        self.overflows.append((local, anywhere))
+        self._after_closure(model, optimizer)
+        step_output = scaler.step(optimizer, **kwargs)  # skipped on every rank alike when anywhere
+        scaler.update()
+        return step_output
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -99,12 +140,6 @@ def to_zero_precision(plugin: Optional[Precision], master_weights: str = "auto")
     if type(plugin) is Precision:
         return ZeroPrecision()
     if isinstance(plugin, MixedPrecision):
-        if plugin.precision == "16-mixed":
-            raise ValueError(
-                "ZeroStrategy does not support precision='16-mixed' yet (its loss scale must skip a step on"
-                " every rank when any rank's gradient shard overflows). Use precision='bf16-mixed' on"
-                " hardware with bf16, or precision='16-true'."
-            )
         return ZeroMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
     if isinstance(plugin, HalfPrecision):
         return ZeroHalfPrecision(plugin.precision, master_weights)
