@@ -198,3 +198,13 @@ def test_scale_and_losses_resume_exactly(scaled):
         got, want = _load(scaled, "z2_16m_resume", rank), _load(scaled, "z2_16m_save", rank)
         assert got["scales"] == want["scales"][5:]
         assert got["losses"] == want["losses"][5:]
+
+
+def test_hydra_schema_accepts_every_precision_and_names_a_bad_one():
+    from lightning_zero.hydra_config import compose
+
+    for precision in ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"):
+        cfg = compose(["strategy=zero3", f"trainer.precision={precision}", "strategy.master_weights=fp32"])
+        assert cfg.trainer.precision == precision and cfg.strategy.master_weights == "fp32"
+    with pytest.raises(ValueError, match="trainer.precision.*64-true"):
+        compose(["strategy=zero2", "trainer.precision=64-true"])

@@ -103,3 +103,17 @@ def test_import_is_cheap_and_registers_whenever_lightning_loads():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_16_mixed_plugin_keeps_the_users_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    trainer = L.Trainer(
+        strategy="zero2", accelerator="cpu", devices=2, logger=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )  # fmt: skip
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, ZeroMixedPrecision) and plugin.scaler is scaler
+    policy = trainer.strategy.precision_policy
+    assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float16, torch.float32, True)
