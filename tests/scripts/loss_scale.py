@@ -53,6 +53,7 @@ class Record(L.Callback):
         self.losses: list[float] = []
         self.scales: list[float] = []
         self.around: dict = {}
+        self.bytes: dict = {}
         self._hook = None
 
     def _params(self, pl_module) -> dict:
@@ -76,6 +77,11 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
         self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None and batch_idx == STEPS - 1:
+            from tests.engine_state import bytes_record
+
+            self.bytes = bytes_record(engine)
         if self.poison and batch_idx == POISONED_BATCH:
             if self._hook is not None:
                 self._hook.remove()
@@ -118,6 +124,7 @@ def run(name: str, out_dir: str) -> None:
             "around": record.around,
             "steps": _adam_steps(trainer),
             "overflows": list(getattr(trainer.precision_plugin, "overflows", [])),
+            "bytes": record.bytes,
             "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
         },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),

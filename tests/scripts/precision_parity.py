@@ -93,24 +93,9 @@ class Record(L.Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None or trainer.global_step < STEPS:
             return
-        from lightning_zero.trainer.monitor import predicted_bytes
-        from tests.engine_state import state_beyond_formula
+        from tests.engine_state import bytes_record
 
-        optimizer = engine.optimizers[0].optimizer
-        state_elem = engine.master_dtype.itemsize
-        self.bytes = {
-            "measured": engine.measured_bytes(),
-            "predicted": predicted_bytes(engine, optimizer),
-            "padding": engine.padding_numel(),
-            "num_params": engine.num_params(),
-            "beyond": state_beyond_formula(engine, moments_bytes=2 * state_elem),
-            "state_dtypes": sorted(
-                {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
-            ),
-            "master_dtypes": sorted({str(m.dtype) for g in engine.groups for m in g.masters}),
-            "stage": engine.stage,
-            "dp": engine.dp_size,
-        }
+        self.bytes = bytes_record(engine)
 
 
 def run(name: str, out_dir: str) -> None:
