@@ -15,14 +15,14 @@ from lightning_zero.planner.ledger import precision_bytes
 from tests.distributed import launch
 
 # zero case -> (ddp case, loss atol, parameter atol, dtype of the parameters after fit)
-# bf16-true, stages 1-3 and the transformers Llama: with dp=2 the reduce-scatter adds the same two
-# bf16 numbers ddp's all-reduce adds, and halving is exact, so nothing differs: 0 tolerance.
-# tp=2 splits each matmul's inner sum over two ranks (another order of bf16 rounding), 16-true
-# divides after the sum where ddp divides before (fp16 subnormals lose a bit either way); Adam's
-# normalized update (lr 1e-2, about one bf16 ulp of a weight near 1) turns a last-bit difference in
-# a gradient into a step of one ulp, so parameters differ by a few ulps and losses by ~1e-3.
-# The fp32-state option is bf16 compute without autocast beside ddp's bf16-mixed (autocast keeps
-# softmax and norms in fp32): the same optimizer numbers, other rounding in forward.
+# bf16-true (stages 1-3, our Llama and the transformers one) and 16-true: with dp=2 the
+# reduce-scatter adds the same two half-precision numbers ddp's all-reduce adds (fp16: both halve
+# before the sum, [Note: fp16 pre-division] in zero/reducer.py), and halving is exact, so nothing
+# differs: 0 tolerance. tp=2 splits each matmul's inner sum over two ranks (another order of bf16
+# rounding); Adam's normalized update (lr 1e-2, about one bf16 ulp of a weight near 1) turns a
+# last-bit difference in a gradient into a step of one ulp, so parameters differ by a few ulps and
+# losses by ~1e-3. The fp32-state option is bf16 compute without autocast beside ddp's bf16-mixed
+# (autocast keeps softmax and norms in fp32): the same optimizer numbers, other rounding in forward.
 PAIRS = {
     "llama_z1_bf16t": ("llama_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
     "llama_z2_bf16t": ("llama_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
@@ -30,7 +30,7 @@ PAIRS = {
     "hf_z2_bf16t": ("hf_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
     "hf_z3_bf16t": ("hf_ddp_bf16t", 0.0, 0.0, "torch.bfloat16"),
     "llama_tp2_bf16t": ("llama_ddp_same_bf16t", 5e-3, 8e-2, "torch.bfloat16"),
-    "llama_z2_16t": ("llama_ddp_16t", 2e-3, 8e-2, "torch.float16"),
+    "llama_z2_16t": ("llama_ddp_16t", 0.0, 0.0, "torch.float16"),
     "llama_z3_bf16t_fp32": ("llama_ddp_bf16m", 1e-2, 1.5e-1, "torch.float32"),
 }
 PRECISION_OF = {
