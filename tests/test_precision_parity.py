@@ -101,6 +101,20 @@ def test_model_state_bytes_equal_the_ledger(results, case):
     _check_bytes(results, case)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16t", "fp32"])
+def test_half_precision_checkpoints_resume_exactly(results, kind):
+    """Saved at step 2 and resumed: bf16 masters and optimizer state (``"auto"``), or fp32 masters
+    beside bf16 parameters (the compute chunks refreshed from the loaded masters), continue the
+    uninterrupted run's steps 3-4 exactly."""
+    for rank in (0, 1):
+        got = _load(results, f"llama_z2_{kind}_resume", rank)
+        want = _load(results, f"llama_z2_{kind}_save", rank)
+        assert len(got["losses"]) == 2 and got["losses"] == want["losses"][2:]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+
+
 # ------------------------------------------------------------------ the planner, by hand, per precision
 
 P7B = 6_738_415_616  # Llama 2 7B; divisible by 8, so no padding

@@ -19,6 +19,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 4
@@ -76,7 +77,14 @@ CASES = {
     "hf_ddp_bf16t": ("hf", lambda: "ddp", "bf16-true", False),
     "hf_z2_bf16t": ("hf", zero(2), "bf16-true", False),
     "hf_z3_bf16t": ("hf", zero(3), "bf16-true", False),
+    # save at step 2, resume: bf16 masters and state; fp32 masters beside bf16 parameters
+    "llama_z2_bf16t_save": ("llama", zero(2), "bf16-true", False),
+    "llama_z2_bf16t_resume": ("llama", zero(2), "bf16-true", False),
+    "llama_z2_fp32_save": ("llama", zero(2, master_weights="fp32"), "bf16-true", False),
+    "llama_z2_fp32_resume": ("llama", zero(2, master_weights="fp32"), "bf16-true", False),
 }
+SAVES = {"llama_z2_bf16t_save": "bf16t", "llama_z2_fp32_save": "fp32"}
+RESUMES = {"llama_z2_bf16t_resume": "bf16t", "llama_z2_fp32_resume": "fp32"}
 
 
 class Record(L.Callback):
@@ -110,6 +118,7 @@ def run(name: str, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=batch, vocab_size=64, val_fraction=0.2, seed=3,
                            **where)  # fmt: skip
     record = Record()
+    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -117,14 +126,14 @@ def run(name: str, out_dir: str) -> None:
         precision=precision,
         max_steps=STEPS,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=name in SAVES,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[record],
+        callbacks=[record, *checkpoints],
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)
     inner = model.model
     if mesh is not None:
