@@ -113,6 +113,25 @@ def precision_policy(precision: str, master_weights: str = "auto") -> PrecisionP
     return PrecisionPolicy(name, dtype, master, autocast=False, loss_scaling=False, master_weights=master_weights)
 
 
+def unscale_and_agree(scaler: Any, optimizer: Any, sharded: Any) -> tuple[bool, bool]:
+    """``scaler.unscale_(optimizer)`` on this rank's fp32 gradient shards, then the ranks' global
+    overflow decision written into the scaler's record, so that ``scaler.step`` skips (or takes)
+    the step on every rank alike and ``scaler.update`` backs off (or grows) as GradScaler does
+    ([Note: global overflow] in ``zero/optimizer.py``). ``sharded``: the engine's
+    ``ShardedOptimizer`` for ``optimizer``. Returns ``(this rank's shard overflowed, any rank's)``.
+    Both front doors call it between the backward and the clipping."""
+    sharded.flush_offloaded_grads()  # offload: the shards on the host before the unscale reads them
+    scaler.unscale_(optimizer)
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    local = any(bool(value.item()) for value in found.values())
+    anywhere = sharded.agree_overflow(local)
+    if not found:  # no gradient on this rank: record the agreed answer for scaler.step/update
+        found[scaler._scale.device] = torch.zeros(1, device=scaler._scale.device)
+    for value in found.values():
+        value.fill_(float(anywhere))
+    return local, anywhere
+
+
 def precision_label(compute_dtype: torch.dtype, master_dtype: torch.dtype) -> tuple[str, str]:
     """``(precision, master_weights)`` whose ledger row holds the bytes of an engine with these
     dtypes (the monitor's prediction): the bytes depend on the two dtypes only."""

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy
+from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
 
 SUPPORTED_PRECISION = PRECISIONS
 
@@ -98,17 +98,7 @@ class ZeroMixedPrecision(_EngineClipping, MixedPrecision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # backward skipped: nothing to unscale or step (as Lightning does)
-        sharded = self._sharded(optimizer)
-        sharded.flush_offloaded_grads()  # offload: the shards on the host before the unscale reads them
-        scaler.unscale_(optimizer)
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        local = any(bool(value.item()) for value in found.values())
-        anywhere = sharded.agree_overflow(local)
-        if not found:  # no gradient on this rank: record the agreed answer for scaler.step/update
-            found[scaler._scale.device] = torch.zeros(1, device=scaler._scale.device)
-        for value in found.values():
-            value.fill_(float(anywhere))
-        self.overflows.append((local, anywhere))
+        self.overflows.append(unscale_and_agree(scaler, optimizer, self._sharded(optimizer)))
         self._after_closure(model, optimizer)
         step_output = scaler.step(optimizer, **kwargs)  # skipped on every rank alike when anywhere
         scaler.update()
