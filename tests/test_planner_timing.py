@@ -295,8 +295,8 @@ def test_planner_plans_exactly_the_precisions_the_strategy_accepts():
     from lightning_zero.trainer.precision import SUPPORTED_PRECISION
 
     assert set(PRECISIONS) == set(SUPPORTED_PRECISION)
-    with pytest.raises(ValueError, match="16-mixed"):
-        plan_run("tiny", stage=2, world_size=2, devices_per_node=2, precision="16-mixed")
+    with pytest.raises(ValueError, match="64-true"):
+        plan_run("tiny", stage=2, world_size=2, devices_per_node=2, precision="64-true")
 
 
 def test_default_hardware_is_config_yamls():

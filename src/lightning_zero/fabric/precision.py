@@ -7,8 +7,9 @@
   runs the forward under ``torch.autocast`` as it does for ddp, and leaves the module in fp32
   (``convert_module`` is the identity), so the engine takes the masters from fp32 values.
 
-Fabric's plugin stays in charge of what it does around a forward and a backward; the engine only
-needs the compute dtype (:func:`compute_dtype_of`).
+Fabric's plugin stays in charge of what it does around a forward and a backward; the engine reads
+where each byte lives from the plugin's :class:`~lightning_zero.runtime.precision.PrecisionPolicy`
+(:func:`policy_of`), the same object the Trainer door hands it.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from typing import Optional
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 
+from lightning_zero.runtime.precision import PrecisionPolicy, precision_policy
+
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
 
-def compute_dtype_of(plugin: Optional[Precision]) -> torch.dtype:
-    """The engine's compute dtype for Fabric's ``plugin``; raises naming the supported precisions."""
+def policy_of(plugin: Optional[Precision]) -> PrecisionPolicy:
+    """Where the engine keeps each byte under Fabric's ``plugin``; raises naming the supported precisions."""
     if plugin is None or type(plugin) is Precision:
-        return torch.float32
+        return precision_policy("32-true")
     if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
-        return torch.bfloat16
+        return precision_policy("bf16-mixed")
     name = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(
         f"ZeroFabricStrategy does not support precision={name!r} (supported: {', '.join(SUPPORTED_PRECISION)})."
@@ -35,6 +38,11 @@ def compute_dtype_of(plugin: Optional[Precision]) -> torch.dtype:
     )
 
 
+def compute_dtype_of(plugin: Optional[Precision]) -> torch.dtype:
+    """The engine's compute dtype for Fabric's ``plugin``."""
+    return policy_of(plugin).compute_dtype
+
+
 def precision_name(plugin: Optional[Precision]) -> str:
-    """``"32-true"`` or ``"bf16-mixed"``: what a checkpoint records."""
-    return "32-true" if compute_dtype_of(plugin) == torch.float32 else "bf16-mixed"
+    """The Lightning precision string a checkpoint records (``"32-true"``, ``"bf16-mixed"``)."""
+    return policy_of(plugin).name

@@ -59,7 +59,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.fabric.precision import compute_dtype_of, precision_name
+from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
             engine.release_module()
         self._restore_meta_parameters()
-        engine = self.session.build_engine(self._module, self._optimizers, compute_dtype=self.compute_dtype,
+        engine = self.session.build_engine(self._module, self._optimizers, precision=policy_of(self._precision),
                                            device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
         # last of the module's forward hooks: a step closes after the engine's own hooks ran
         if self._after_forward_hook is not None:

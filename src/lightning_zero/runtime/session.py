@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.comm.mesh import ParallelDims, ShardGroups
+    from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
@@ -115,11 +116,12 @@ class ZeroSession:
         module: nn.Module,
         optimizers: list,
         *,
-        compute_dtype: torch.dtype,
+        precision: "PrecisionPolicy",
         device: torch.device,
         ranks_per_node: int,
     ) -> "ZeroEngine":
-        """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first)."""
+        """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first), keeping
+        each byte where ``precision`` says (runtime/precision.py)."""
         from lightning_zero.zero.engine import ZeroEngine
 
         if self.engine is not None:
@@ -130,7 +132,9 @@ class ZeroSession:
             optimizers,
             self.config,  # whole: the engine's parts read config.<knob> where they use it
             dp_group=self.dp_group if groups is None else None,
-            compute_dtype=compute_dtype,
+            compute_dtype=precision.compute_dtype,
+            master_dtype=precision.master_dtype,
+            norms_in_fp32=precision.autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=device,

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.runtime.restore import CheckpointRestore
     from lightning_zero.zero.waits import FailureChannel
 
@@ -108,6 +109,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
+        master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -132,7 +134,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision())
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
         return plugin
 
     @precision_plugin.setter
@@ -140,11 +142,16 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+
+    @property
+    def precision_policy(self) -> "PrecisionPolicy":
+        """Where each byte lives under the chosen precision (``runtime/precision.py``)."""
+        return self.precision_plugin.policy  # type: ignore[attr-defined]
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+        return self.precision_policy.compute_dtype
 
     # -- what the session holds (runtime/session.py) ---------------------------------------------
     @property
@@ -204,6 +211,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
+        # bf16-true/16-true: the whole module in the half dtype, as ddp converts it (the -mixed
+        # plugins leave the casting to the engine, which takes the fp32 masters first)
+        self.model = self.precision_plugin.convert_module(self.model)
         # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
         self.session.prepare_module(self.model, self.root_device, ranks_per_node=self.num_processes)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -247,7 +257,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     def _build_engine(self, optimizers: list) -> None:
         assert self.lightning_module is not None
-        engine = self.session.build_engine(self.lightning_module, optimizers, compute_dtype=self.compute_dtype,
+        engine = self.session.build_engine(self.lightning_module, optimizers, precision=self.precision_policy,
                                            device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
         self.precision_plugin.engine = engine  # type: ignore[attr-defined]
 
