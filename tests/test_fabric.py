@@ -58,8 +58,8 @@ def test_registered_in_fabric_with_the_trainer_strategys_config():
     assert isinstance(fabric.strategy, ZeroFabricStrategy) and fabric.strategy.stage == 3
     twin = ZeroFabricStrategy(config=ZeroStrategy(stage=2, bucket_mb=4.0).zero_config)
     assert (twin.stage, twin.bucket_mb) == (2, 4.0)
-    with pytest.raises(ValueError, match="supported: 32-true, bf16-mixed"):
-        L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="bf16-true")
+    with pytest.raises(ValueError, match="supported: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="64-true")
 
 
 @pytest.fixture(scope="module")

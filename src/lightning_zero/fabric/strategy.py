@@ -59,13 +59,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name
+from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name, unscale_agreed
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
 
     from lightning_zero.fabric.checkpoint import FabricState
+    from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
 
 
@@ -152,6 +153,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._train_step_open = False
         self._eval_forward = False
         self._steps = 0  # optimizer steps taken (for the failure path's "training step N")
+        self.overflows: list[tuple[bool, bool]] = []  # 16-mixed, per step: (this rank's shard, any rank's)
         self._hooks: list[Any] = []
         self._after_forward_hook: Optional[Any] = None
         # id(stand-in) -> (stand-in, meta parameter): [Note: stand-ins for meta parameters]
@@ -167,12 +169,23 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
-        compute_dtype_of(precision)  # unsupported precisions fail now, before any process starts
+        # unsupported precisions fail now, before any process starts (DDPStrategy.__init__ sets it
+        # before self.zero_config exists: the knob's default is checked then, the knob at first use)
+        compute_dtype_of(precision, self._master_weights())
         self._precision = precision
+
+    def _master_weights(self) -> str:
+        config = self.__dict__.get("zero_config")
+        return config.master_weights if config is not None else "auto"
+
+    @property
+    def precision_policy(self) -> "PrecisionPolicy":
+        """Where each byte lives under Fabric's precision plugin (``fabric/precision.py``)."""
+        return policy_of(self._precision, self._master_weights())
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return compute_dtype_of(self._precision)
+        return self.precision_policy.compute_dtype
 
     # -- environment ----------------------------------------------------------------------------
     @override
@@ -331,7 +344,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
             engine.release_module()
         self._restore_meta_parameters()
-        engine = self.session.build_engine(self._module, self._optimizers, precision=policy_of(self._precision),
+        engine = self.session.build_engine(self._module, self._optimizers, precision=self.precision_policy,
                                            device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
         # last of the module's forward hooks: a step closes after the engine's own hooks ran
         if self._after_forward_hook is not None:
@@ -385,9 +398,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         """Clip by the global norm over every rank's gradient shards; returns that norm (as
-        ``torch.nn.utils.clip_grad_norm_`` does for the whole model)."""
-        self.precision.unscale_gradients(optimizer)
-        total = self._ensure_engine().sharded_optimizer(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
+        ``torch.nn.utils.clip_grad_norm_`` does for the whole model). Under ``16-mixed`` the
+        gradients are unscaled first, as Fabric does, with the global overflow decision
+        ([Note: Fabric loss scaling] in ``fabric/precision.py``)."""
+        total = self._unscale(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it"
@@ -398,8 +412,25 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        self.precision.unscale_gradients(optimizer)
-        self._ensure_engine().sharded_optimizer(optimizer).clip_grad_value_(float(clip_val))
+        self._unscale(optimizer).clip_grad_value_(float(clip_val))
+
+    def _unscale(self, optimizer: Optimizer) -> Any:
+        """``optimizer``'s sharded optimizer, its gradients unscaled (``16-mixed``, once per step) with
+        the overflow agreed over every rank ([Note: Fabric loss scaling] in ``fabric/precision.py``)."""
+        sharded = self._ensure_engine().sharded_optimizer(optimizer)
+        with self._noting_failures():
+            overflow = unscale_agreed(self._precision, optimizer, sharded)
+        if overflow is not None:
+            self.overflows.append(overflow)
+        return sharded
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Fabric's plugin steps (``scaler.step`` / ``scaler.update`` under ``16-mixed``), after the
+        unscale and the global overflow decision when ``clip_gradients`` did not make them."""
+        if self.engine is not None and isinstance(optimizer, Optimizer) and optimizer in self._optimizers:
+            self._unscale(optimizer)
+        return super().optimizer_step(optimizer, **kwargs)
 
     # -- collectives that the failure path skips ------------------------------------------------
     @override
