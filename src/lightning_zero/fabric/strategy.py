@@ -18,6 +18,9 @@ calls reach it:
 - step boundaries come from the calls the user makes ([Note: Fabric step boundaries]).
 - ``fabric.backward`` finishes the gradient sync; ``no_backward_sync`` is the engine's ``no_sync``;
   ``clip_gradients`` clips by the global norm over the shards.
+- precision: Fabric's plugin, mapped to the engine's policy in ``fabric/precision.py``; under
+  ``16-mixed`` the gradient shards are unscaled and the overflow agreed over every rank before
+  ``clip_gradients`` clips or the plugin's ``optimizer_step`` steps ([Note: Fabric loss scaling]).
 - ``fabric.save``/``fabric.load``: the sharded checkpoint of ``checkpoint/`` (atomic, resumable on
   another dp size or stage), or one full file with ``state_dict_type="full"`` (``fabric/checkpoint.py``);
   ``load_raw`` and a set-up model's ``load_state_dict`` write a full state dict through to the
