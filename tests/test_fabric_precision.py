@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     cases = [f"{mode}:{stage}" for mode in BF16_TRUE for stage in ["ddp", *STAGES]]
     cases += [f"fp16:{stage}" for stage in ["ddp", *STAGES]]
     cases += ["fp16inf:ddp", "fp16inf:zero2", "fp16inf:zero3", "fp16noclip:ddp", "fp16noclip:zero3"]
-    cases += ["fp16save:zero2"]
+    cases += ["fp16save:zero2", "btrue1:zero2fp32", "bf16m:ddp"]
     launch("fabric_precision.py", out, *cases, timeout_s=400)
     return out
 
@@ -129,3 +129,40 @@ def test_the_scaler_resumes_from_fabric_save(runs):
         assert got["steps"] == want["steps"]
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "precision", "master_weights"),
+    [*((f"btrue1_{s}", "bf16-true", "auto") for s in STAGES), ("btrue1_zero2fp32", "bf16-true", "fp32"),
+     *((f"fp16_{s}", "16-mixed", "auto") for s in STAGES)],
+)  # fmt: skip
+def test_bytes_per_rank_are_the_ledgers(runs, case, precision, master_weights):
+    """The engine's measured model-state bytes per rank equal the ledger's rule for the precision,
+    exactly once the padding and Adam's scalar steps are counted."""
+    from lightning_zero.ledger import model_state_bytes
+    from lightning_zero.planner.ledger import precision_bytes
+
+    row = precision_bytes(precision, master_weights)
+    for rank in (0, 1):
+        recorded = _load(runs, case, rank)["bytes"]
+        assert recorded["master_dtypes"] == (["torch.float32"] if row.master else ["torch.bfloat16"])
+        padded = model_state_bytes(recorded["num_params"] + recorded["padding"], stage=recorded["stage"], dp=2,
+                                   param_bytes=row.param, grad_bytes=row.grad, optim_bytes_per_param=row.optimizer)  # fmt: skip
+        measured = recorded["measured"]
+        assert (measured["params"], measured["grads"]) == (padded.params, padded.grads)
+        assert measured["optimizer"] == padded.optimizer + recorded["beyond"]
+    if case == "btrue1_zero3":  # stage 3 holds 8 P / dp under bf16-true
+        assert measured["total"] - recorded["beyond"] == 8 * recorded["num_params"] / 2
+
+
+@pytest.mark.slow
+def test_fp32_master_weights_under_bf16_true(runs):
+    # master_weights="fp32": bf16 compute parameters without autocast, fp32 masters and AdamW
+    # state in the shards; near ddp's bf16-mixed (the same optimizer numbers, other rounding in the
+    # forward: autocast keeps softmax and norms in fp32)
+    for rank in (0, 1):
+        got, want = _load(runs, "btrue1_zero2fp32", rank), _load(runs, "bf16m_ddp", rank)
+        assert got["param_dtypes"] == ["torch.bfloat16"]
+        assert got["bytes"]["master_dtypes"] == got["bytes"]["state_dtypes"] == ["torch.float32"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=1e-2)

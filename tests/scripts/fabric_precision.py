@@ -6,7 +6,8 @@ zero1, zero2, zero3). Modes:
 
 - ``btrue``: ``precision="bf16-true"``, the tiny Llama, 4 steps of 2 micro batches under
   ``no_backward_sync``, ``clip_gradients(max_norm=0.5)``, AdamW; per-step losses, parameter dtypes.
-  ``btrue1``: 4 steps of one batch, without clipping.
+  ``btrue1``: 4 steps of one batch, without clipping (``zero2fp32``: ``master_weights="fp32"``);
+  ``bf16m``: the same under ``bf16-mixed``.
 - ``fp16``: ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", init_scale=2**20,
   growth_interval=3))``, 10 steps, ``clip_gradients(max_norm=1.0)``: losses, the scale after every
   step, the strategy's overflow flags (this rank's shard, any rank's).
@@ -38,10 +39,13 @@ STEPS, POISONED, SAVED = 10, 6, 5
 
 
 def make_fabric(strategy_name: str, precision) -> L.Fabric:
+    """``ddp`` or ``zero<stage>``, with an ``fp32`` suffix for ``master_weights="fp32"``."""
     if strategy_name == "ddp":
         strategy = DDPStrategy()
     else:
-        strategy = lightning_zero.ZeroFabricStrategy(stage=int(strategy_name[-1]), bucket_mb=0.01)
+        master_weights = "fp32" if strategy_name.endswith("fp32") else "auto"
+        strategy = lightning_zero.ZeroFabricStrategy(stage=int(strategy_name.removesuffix("fp32")[-1]),
+                                                     bucket_mb=0.01, master_weights=master_weights)  # fmt: skip
     plugins = [precision] if not isinstance(precision, str) else None
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=plugins,
                       precision=precision if isinstance(precision, str) else None)  # fmt: skip
@@ -61,7 +65,7 @@ def adam_steps(optimizer) -> list[float]:
 
 
 def bf16_true(out: str, strategy_name: str, mode: str) -> None:
-    fabric = make_fabric(strategy_name, "bf16-true")
+    fabric = make_fabric(strategy_name, "bf16-mixed" if mode == "bf16m" else "bf16-true")
     model, optimizer = setup(fabric)
     losses = []
     micros, clip = (2, True) if mode == "btrue" else (1, False)
@@ -76,9 +80,18 @@ def bf16_true(out: str, strategy_name: str, mode: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     result = {"losses": losses, "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-              "params": full_weights(fabric, model)}  # fmt: skip
+              "params": full_weights(fabric, model), "bytes": _bytes(fabric)}  # fmt: skip
     torch.save(result, os.path.join(out, f"{mode}_{strategy_name}.rank{fabric.global_rank}.pt"))
     fabric.strategy.teardown()
+
+
+def _bytes(fabric) -> dict:
+    engine = getattr(fabric.strategy, "engine", None)
+    if engine is None:
+        return {}
+    from tests.engine_state import bytes_record
+
+    return bytes_record(engine)
 
 
 def _scaler(**settings) -> torch.amp.GradScaler:
@@ -134,6 +147,7 @@ def fp16(out: str, strategy_name: str, mode: str = "fp16") -> None:
     record["steps"] = adam_steps(optimizer)
     record["overflows"] = list(getattr(fabric.strategy, "overflows", []))
     record["params"] = full_weights(fabric, model)
+    record["bytes"] = _bytes(fabric)
     torch.save(record, os.path.join(out, f"{mode}_{strategy_name}.rank{fabric.global_rank}.pt"))
     fabric.strategy.teardown()
 
@@ -142,7 +156,7 @@ if __name__ == "__main__":
     out, *cases = sys.argv[1:]
     for item in cases:
         mode, strategy_name = item.split(":")
-        if mode.startswith("btrue"):
+        if mode.startswith("btrue") or mode == "bf16m":
             bf16_true(out, strategy_name, mode)
         else:
             fp16(out, strategy_name, mode)
