@@ -22,6 +22,7 @@ from lightning_zero.checkpoint.publish import (
     META_FILE,
     CheckpointWriteError,
     PathLike,
+    RecordingFileSystem,
     begin_write,
     fsync_write,
     publish,
@@ -86,11 +87,13 @@ def save_checkpoint(
             )
             skip = managed_names(engine)
         params = module_entries(module, skip, layout, targets, load=False)
+        writer = dcp.FileSystemWriter(str(tmp))
+        writer.fs = recording = RecordingFileSystem()  # names the file and the OS error of a failed write
         try:
             with labelled("ckpt_dcp_save"):
-                dcp.save(targets.tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkSavePlanner())
+                dcp.save(targets.tensors, storage_writer=writer, planner=ChunkSavePlanner())
         except (Exception, CheckpointException) as exc:
-            raise CheckpointWriteError(f"writing the shards of {str(target)!r} failed: {exc}") from exc
+            raise CheckpointWriteError(_shards_failed(target, exc, recording.errors, layout.rank)) from exc
         if _fault_hook is not None:
             _fault_hook("shards_written")
 
@@ -130,6 +133,26 @@ def save_checkpoint(
                 error = f"publishing {str(target)!r} failed: {exc}"
         raise_any([broadcast_object(error, "ckpt_publish")], CheckpointWriteError)
         return target
+
+
+def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: int) -> str:
+    """The message every rank raises when DCP's write failed: which rank could not write which
+    file and why (the OS error), when the ranks can still agree on it (DCP raised its
+    ``CheckpointException`` on every rank); else DCP's own error."""
+    lines = [f"rank {rank}: {errors[0]}"] if errors else []
+    if isinstance(exc, CheckpointException):
+        try:
+            gathered = all_gather_object(errors[0] if errors else None, "ckpt_write_errors")
+            lines = [f"rank {index}: {line}" for index, line in enumerate(gathered) if line]
+        except RuntimeError:  # a peer is gone: this rank's own line only
+            pass
+    if not lines:
+        return f"writing the shards of {str(target)!r} failed: {exc}"
+    return (
+        f"writing the shards of {str(target)!r} failed: {'; '.join(lines)}. Nothing was published: the"
+        " checkpoint saved before is still the newest. Free space, raise the quota or file-size limit"
+        " (ulimit -f), or save to another directory."
+    )
 
 
 def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from lightning_zero.trainer.failure_path import (
     warn_failed,
 )
 from lightning_zero.trainer.precision import to_zero_precision
+from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals, clean_checkpoint_leftovers
 from lightning_zero.zero.waits import hold_collective_timeout
 
 if TYPE_CHECKING:
@@ -218,6 +219,8 @@ class ZeroStrategy(DDPStrategy):
         return self.failure_channel is not None and self.failure_channel.failed
 
     def _note_failure(self, exception: BaseException) -> None:
+        if isinstance(exception, AgreedSigterm):
+            return  # every rank agreed to exit here: not a failure ([Note: signals as events])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         note_failure(self.failure_channel, exception, trainer if trainer is not None and trainer.state else None)
 
@@ -269,6 +272,9 @@ class ZeroStrategy(DDPStrategy):
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
+        if fitting:  # [Note: signals as events] in runtime/signals.py; [Note: staging names] in checkpoint/publish.py
+            attach_scheduler_signals(trainer, engine=self.engine, markers_cover_world=self.dp_size == self.world_size)
+            clean_checkpoint_leftovers(trainer)
 
     @contextmanager
     @override
