@@ -14,6 +14,8 @@ the process go on (a caught ``SystemExit(143)``), to keep the processes few:
   one of them is removed with a warning.
 - SIGTERM, per strategy, four trials: every rank exits with 143 within 10 s of the agreement; the
   last trial's processes really exit (143); ``OnExceptionCheckpoint`` saves on the way out.
+- ``async_checkpoint``: the files equal a synchronous save's byte for byte; a rank SIGKILLed inside a
+  background write leaves the previous checkpoint as ``last``, and it resumes exactly.
 - a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
   within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
   resumes exactly from the checkpoint before.
@@ -59,6 +61,9 @@ def _sigterm_trials(strategy: str) -> list[str]:
 
 
 EFBIG_TRIALS = ["fb_zero2=zero2:efbig@1", "fb_zero3=zero3:efbig@0"]
+# async_checkpoint: the same run saved synchronously and in the background; then a rank SIGKILLed
+# inside a background write (the step-4 save), the previous checkpoint (step 2) still `last`
+ASYNC_TRIALS = ["as_sync_zero3=zero3:", "as_async_zero3=zero3:", "ak_async_zero2=zero2:kill@1"]
 
 
 def _name(trial: str) -> str:
@@ -146,6 +151,7 @@ def runs(tmp_path_factory):
         )
         first.append(later(("sigterm", strategy), "sigterm", _sigterm_trials(strategy), 200 + job))
     first += [later(("efbig", _name(trial)), "efbig", [trial], 300 + job) for job, trial in enumerate(EFBIG_TRIALS)]
+    first.append(later("async", "async", ASYNC_TRIALS, 500))
     _run(first)
     # what a save killed mid-write leaves beside the hpc checkpoints of the killed zero2 trial
     planted = out / "rq_zero2_b" / f".lightning_zero-staging-0123456789ab-{'hpc_ckpt_2.ckpt'.encode().hex()}"
@@ -153,7 +159,7 @@ def runs(tmp_path_factory):
     (planted / "__0_0.distcp").write_bytes(b"partial")
     resumes = [t.partition(":")[0] for s in STRATEGIES for t in _requeue_trials(s)]
     resumes += [f"base_{s}={s}:" for s in STRATEGIES] + [
-        f"last_{_name(t)}={t.split('=')[1].split(':')[0]}:" for t in EFBIG_TRIALS
+        f"last_{_name(t)}={t.split('=')[1].split(':')[0]}:" for t in (*EFBIG_TRIALS, ASYNC_TRIALS[-1])
     ]
     _run([later("resume", "resume", resumes, 400)])
     return out, done, planted
@@ -313,3 +319,29 @@ def test_the_handler_only_records_and_the_boundary_acts_once():
     finally:
         agreement.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_last_one(runs):
+    out, done, _ = runs
+    launch = done["async"]
+    assert launch.ends[1][0] == -signal.SIGKILL and launch.ends[0][0] == 1, launch.ends
+    for step in (2, 4, 6):
+        sync = out / "as_sync_zero3" / "ckpts" / f"epoch=0-step={step}.ckpt"
+        background = out / "as_async_zero3" / "ckpts" / f"epoch=0-step={step}.ckpt"
+        names = sorted(p.name for p in sync.iterdir() if p.name.startswith(("__", "rank")))
+        assert names == ["__0_0.distcp", "__1_0.distcp", "rank0.json", "rank1.json"]
+        for name in names:
+            assert (sync / name).read_bytes() == (background / name).read_bytes(), (step, name)
+        meta = [json.loads((d / "meta.json").read_text()) for d in (sync, background)]
+        assert meta[0]["params"] == meta[1]["params"] and meta[0]["optimizers"] == meta[1]["optimizers"]
+    results = launch.results()
+    for rank in range(2):
+        assert results[rank]["as_async_zero3"]["losses"] == results[rank]["as_sync_zero3"]["losses"]
+    killed = out / "ak_async_zero2" / "ckpts"
+    assert not (killed / "epoch=0-step=4.ckpt").exists()
+    resumed = done["resume"].results()
+    for rank in range(2):
+        losses = resumed[rank]["last_ak_async_zero2"]["losses"]
+        assert sorted(losses, key=int) == ["3", "4", "5", "6"]  # from step 2's checkpoint
+        assert _same(losses, _baseline(done, "zero2", rank), list(losses)) <= TOL
+    assert not [p for p in killed.iterdir() if p.name.startswith(".lightning_zero-")]  # cleaned at the restart

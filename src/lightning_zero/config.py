@@ -111,6 +111,12 @@ class ZeroConfig:
             bytes per gradient element held (``P`` at stage 1, ``P / dp`` at stages 2-3) and twice
             the gradient bytes sent, for sums that do not drift over long accumulation. Under
             ``precision="32-true"`` both are fp32.
+        async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
+            it writes to host memory (one copy of this rank's checkpoint bytes, held while the save
+            is in flight); writing, hashing and the atomic publish run in a background thread over
+            a gloo process group of their own. The next save, the end of fit, a requeue and a load
+            wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
+            hold the same bytes as a synchronous save's. See docs/checkpoints.md.
     """
 
     stage: int = 2
@@ -130,6 +136,7 @@ class ZeroConfig:
     shard_size: Optional[Union[int, str]] = None
     hierarchical_reduce: bool = False
     reduce_dtype: str = "compute"
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -158,6 +165,7 @@ class ZeroConfig:
             "defer_grad_reduce",
             "monitor",
             "overlap_param_gather",
+            "async_checkpoint",
         ):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")

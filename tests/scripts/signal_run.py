@@ -22,6 +22,9 @@ MODE:
   process exits with its code). A trial name ending in ``_save`` adds ``OnExceptionCheckpoint``.
 - ``resume``: every trial is started again in its directory with no ``ckpt_path`` (a trial named
   ``base*`` is a fresh run: the uninterrupted losses); ``last:<name>`` trials resume ``ckpt_path="last"``.
+- ``async``: ``ZeroStrategy(async_checkpoint=True)`` when the trial's name has ``async`` in it;
+  ModelCheckpoint as under ``efbig``; ``kill@<R>``: rank ``R`` SIGKILLs itself inside the
+  background write of the step-4 checkpoint (after its shards are written, before the publish).
 - ``efbig``: at the end of step 3 rank ``R`` (the trial's signals field: ``efbig@<R>``) lowers its
   file-size limit to 32 KiB (above its RNG file, below its shard); the step-4 save (ModelCheckpoint every 2 steps, ``last.ckpt``) fails.
 
@@ -62,8 +65,9 @@ def _parse(trial: str) -> tuple[str, str, dict[int, tuple[str, int]]]:
     strategy, _, spec = rest.partition(":")
     moments = {}
     for part in filter(None, spec.split(",")):
-        if part.startswith("efbig@"):
-            moments[int(part[6:])] = ("efbig", 3)
+        if part.startswith(("efbig@", "kill@")):
+            kind, _, rank = part.partition("@")
+            moments[int(rank)] = (kind, 3 if kind == "efbig" else 4)
             continue
         rank, _, moment = part.partition(".")
         phase, _, step = moment.partition("@")
@@ -150,10 +154,10 @@ class Record(Callback):
             resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-def _strategy(name: str) -> Any:
+def _strategy(name: str, background: bool) -> Any:
     if name == "ddp":
         return "ddp"
-    return ZeroStrategy(stage=int(name[-1]), bucket_mb=0.002)
+    return ZeroStrategy(stage=int(name[-1]), bucket_mb=0.002, async_checkpoint=background)
 
 
 def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseException | None]:
@@ -161,7 +165,7 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
     last = name.startswith("last_")
     root = os.path.join(out, name[5:] if last else name)
     signum = signal.SIGUSR1 if mode == "requeue" else signal.SIGTERM
-    moment = moments_of.get(rank) if mode in ("requeue", "sigterm") else None
+    moment = moments_of.get(rank) if mode in ("requeue", "sigterm", "async") else None
     moments = Moments(moment, signum)
     if moment is not None and moment[0] == "save":
         checkpoint_save._fault_hook = lambda stage: moments.at("save", moments.moment[1])
@@ -169,7 +173,10 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
     record = Record(moments, efbig)
     signals = SchedulerSignals()
     callbacks: list = [record, signals]
-    if mode == "efbig":
+    if mode == "async" and moment is not None and moment[0] == "kill":  # SIGKILL in the step-4 background write
+        calls = iter(range(1, 100))
+        checkpoint_save._fault_hook = lambda stage: next(calls) == 3 and os.kill(os.getpid(), signal.SIGKILL)
+    if mode in ("efbig", "async"):
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=2, save_last=True,
                                          save_top_k=-1))  # fmt: skip
     save_at = [step for phase, step in moments_of.values() if phase == "save"]
@@ -180,7 +187,7 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
     L.seed_everything(0, verbose=False)
     model = Net(moments)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=_strategy(strategy), max_steps=MAX_STEPS, default_root_dir=root,
+        accelerator="cpu", devices=2, strategy=_strategy(strategy, "async" in name), max_steps=MAX_STEPS, default_root_dir=root,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=callbacks,
         val_check_interval=VAL_EVERY, limit_val_batches=2, num_sanity_val_steps=0,

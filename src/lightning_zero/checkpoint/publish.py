@@ -172,7 +172,7 @@ def fsync_write(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
-def begin_write(target: Path, layout: RankPlacement) -> Path:
+def begin_write(target: Path, layout: RankPlacement, group: Optional[Any] = None) -> Path:
     """Create the staging directory ([Note: staging names]) beside ``target`` (rank 0), after
     removing stale ones of the same target, and check every rank can write there."""
     error, tmp = None, None
@@ -186,15 +186,20 @@ def begin_write(target: Path, layout: RankPlacement) -> Path:
             tmp.mkdir()
         except OSError as exc:
             error = f"rank 0 cannot create a directory in {str(target.parent)!r} for the checkpoint: {exc}"
-    tmp, error = broadcast_object((str(tmp) if tmp else None, error), "ckpt_begin")
+    tmp, error = broadcast_object((str(tmp) if tmp else None, error), "ckpt_begin", group)
     if error:
         raise CheckpointWriteError(error)
     return Path(tmp)
 
 
-def write_rank_file(tmp: Path, layout: RankPlacement) -> Optional[str]:
+def rank_file_text() -> str:
+    """This rank's ``rank<r>.json``: its RNG states, read now."""
+    return json.dumps({"rng": encode(rng_state(), "rng")})
+
+
+def write_rank_file(tmp: Path, layout: RankPlacement, text: Optional[str] = None) -> Optional[str]:
     try:
-        fsync_write(tmp / f"rank{layout.rank}.json", json.dumps({"rng": encode(rng_state(), "rng")}))
+        fsync_write(tmp / f"rank{layout.rank}.json", rank_file_text() if text is None else text)
     except OSError as exc:
         return os_error_line(tmp / f"rank{layout.rank}.json", exc)
     return None

@@ -154,6 +154,9 @@ class SchedulerSignals(Callback):
         for logger in trainer.loggers:
             logger.save()
         trainer.save_checkpoint(path)
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()  # a background save is published before the scheduler may end the job
         if trainer.is_global_zero:
             requeue_slurm_job()
 
@@ -176,17 +179,18 @@ def attach_scheduler_signals(trainer: Any, *, engine: Any, markers_cover_world: 
     return callback
 
 
-def clean_checkpoint_leftovers(trainer: Any) -> None:
+def clean_checkpoint_leftovers(trainer: Any, directories: Optional[list[Path]] = None) -> None:
     """Rank 0 removes what a killed save left beside the checkpoints ([Note: staging names] in
-    ``checkpoint/publish.py``) in every directory the run saves to or resumes from, with a
-    warning; then every rank waits for it."""
+    ``checkpoint/publish.py``), with a warning, in ``directories`` (default: the run's directory
+    and every ``ModelCheckpoint``'s; a load cleans its checkpoint's directory too); then every
+    rank waits for it."""
     if trainer.is_global_zero:
-        directories = {Path(trainer.default_root_dir)}
-        directories |= {Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath}
-        ckpt_path = trainer.ckpt_path
-        if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
-            directories.add(Path(ckpt_path).parent)
-        for directory in sorted(directories):
+        if directories is None:
+            directories = [Path(trainer.default_root_dir)]
+            directories += [
+                Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath
+            ]
+        for directory in sorted(set(directories)):
             for line in clean_leftovers(directory):
                 warnings.warn(f"lightning_zero: {line}", stacklevel=2)
     trainer.strategy.barrier("lightning_zero-checkpoint-leftovers")

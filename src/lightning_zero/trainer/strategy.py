@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 
 import torch
@@ -121,6 +122,7 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
+        async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -144,6 +146,7 @@ class ZeroStrategy(DDPStrategy):
         self._shard_groups: Any = None  # mesh.ShardGroups under hybrid sharding / hierarchical reduction
         self.failure_channel: Optional["FailureChannel"] = None  # [Note: failure path] in failure_path.py
         self._restore: Optional["CheckpointRestore"] = None  # a checkpoint load across Lightning's three calls
+        self._saves: Any = None  # checkpoint/background.py's BackgroundSaves under async_checkpoint
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -410,6 +413,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._wait_param_gathers()
+        self.wait_for_checkpoint()  # [Note: background saves]: the end of fit leaves `last` complete
         super().on_train_end()
 
     def _end_eval_loop(self) -> None:
@@ -434,6 +438,10 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._saves is not None:  # [Note: background saves]
+            self._saves.abandon() if self.failed else self._saves.wait()
+            self._saves.close()
+            self._saves = None
         if self.engine is not None:
             if self.failed:  # [Note: failure path]: nothing that needs the peers
                 what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
@@ -479,7 +487,7 @@ class ZeroStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): not supported.")
-        from lightning_zero.checkpoint import save_checkpoint
+        from lightning_zero.checkpoint.background import BackgroundSaves, save
 
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
@@ -488,13 +496,23 @@ class ZeroStrategy(DDPStrategy):
             warn_failed(self.failure_channel, self.global_rank, what)
             return
         self._wait_param_gathers()
-        save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
-                        optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+        if self.zero_config.async_checkpoint and self._saves is None:
+            self._saves = BackgroundSaves(self.zero_config.collective_timeout)
+        save(self._saves, filepath, checkpoint, module=self.lightning_module, engine=self.engine,
+             optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Until a background save in flight is published ([Note: background saves]); raises its error."""
+        if self._saves is not None:
+            self._saves.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning_zero.runtime.restore import CheckpointRestore
 
+        self.wait_for_checkpoint()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            clean_checkpoint_leftovers(self.lightning_module.trainer, [Path(checkpoint_path).parent])
         self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
         return self._restore.lightning_dict()
 
@@ -518,4 +536,7 @@ class ZeroStrategy(DDPStrategy):
         if self.is_global_zero:
             from lightning_zero.checkpoint import remove_checkpoint
 
-            remove_checkpoint(filepath)
+            if self._saves is not None:  # once the newer one is published ([Note: background saves])
+                self._saves.remove_after(filepath)
+            else:
+                remove_checkpoint(filepath)

@@ -1,0 +1,160 @@
+"""Saves that do not stop training: a host copy at the step boundary, the write in a thread.
+
+[Note: background saves] With ``ZeroStrategy(async_checkpoint=True)`` a save waits only for
+:func:`~lightning_zero.checkpoint.save.snapshot` (the trainer state as JSON, the RNG file, the
+tensor map) and :func:`host_copy` (every tensor this rank writes, copied to host memory: pinned on
+a device). Writing, hashing and the atomic publish (``save.write_snapshot``) run in a thread, over
+a process group of their own (gloo, every rank, made at the first background save: a point every
+rank reaches together), so its collectives never interleave with the training step's on the
+default group. The files are the same bytes a synchronous save writes (the same tensors, values
+taken at the same boundary).
+
+One save is in flight at most: the next save, the end of fit (``on_train_end``), the requeue
+before ``scontrol`` and a load wait for it (every rank, so an error it raised, agreed on every
+rank, is raised on every rank there); a removal of an older checkpoint (``ModelCheckpoint``'s
+top-k) waits until the newer one is published. A failure, or a SIGKILL, abandons it: its staging
+directory is left, ``last`` is still the previous complete checkpoint, and the next start removes
+the leftover ([Note: staging names] in ``publish.py``). The cost in host memory is one copy of
+this rank's checkpoint tensors while a save is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.checkpoint.dcp import DenseChunks
+from lightning_zero.checkpoint.publish import PathLike, remove_checkpoint
+from lightning_zero.checkpoint.ranks import distributed
+from lightning_zero.checkpoint.save import Snapshot, save_checkpoint, snapshot, write_snapshot
+from lightning_zero.checkpoint.targets import RankPlacement
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone(memory_format=torch.contiguous_format)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def save(
+    saves: Optional["BackgroundSaves"],
+    path: PathLike,
+    checkpoint: dict[str, Any],
+    *,
+    module: Any,
+    engine: Any,
+    optimizers: list,
+    layout: RankPlacement,
+) -> None:
+    """``save.save_checkpoint``, or with ``saves`` its first half now and the rest in the background."""
+    if saves is None:
+        save_checkpoint(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+        return
+    started = time.perf_counter()
+    saves.wait()
+    taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+    saves.start(taken, layout, started)
+
+
+def host_copy(tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Copies of every tensor (and :class:`DenseChunks` rectangle) in host memory; their bytes."""
+    copied: dict[str, Any] = {}
+    total = 0
+    for name, value in tensors.items():
+        if isinstance(value, DenseChunks):
+            pieces = [(offsets, _to_host(piece)) for offsets, piece in value.pieces]
+            total += sum(piece.numel() * piece.element_size() for _, piece in pieces)
+            copied[name] = DenseChunks(value.global_size, pieces)
+        elif isinstance(value, torch.Tensor):
+            copied[name] = _to_host(value)
+            total += value.numel() * value.element_size()
+        else:
+            copied[name] = value
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies are done before training writes again
+    return copied, total
+
+
+class BackgroundSaves:
+    """[Note: background saves]: at most one save in flight; ``wait`` raises what it raised.
+
+    Args:
+        timeout_s: how long :meth:`wait` waits for a save in flight (``collective_timeout``);
+            ``None``: as long as it takes.
+    """
+
+    def __init__(self, timeout_s: Optional[float] = None) -> None:
+        self.timeout_s = timeout_s
+        self.group: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._removals: list[PathLike] = []
+        self.last_stall_s = 0.0  # how long the last save held the training loop
+        self.last_host_bytes = 0  # host bytes of its copy
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def start(self, taken: Snapshot, layout: RankPlacement, started: float) -> None:
+        """Copy ``taken``'s tensors to host memory, then write it in a thread (every rank)."""
+        self.wait()
+        if self.group is None and distributed():
+            timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        taken.tensors, self.last_host_bytes = host_copy(taken.tensors)
+        self._thread = threading.Thread(
+            target=self._write, args=(taken, layout), name="lightning_zero-checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+        self.last_stall_s = time.perf_counter() - started
+
+    def _write(self, taken: Snapshot, layout: RankPlacement) -> None:
+        try:
+            write_snapshot(taken, layout, self.group)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the training thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Until the save in flight is published; raise its error (``CheckpointWriteError``), else
+        do the removals that waited for it."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                self._removals = []
+                raise RuntimeError(
+                    f"lightning_zero: the background checkpoint save did not finish within {self.timeout_s:g} s"
+                    " (collective_timeout); another rank is most likely gone. The previous checkpoint is the newest."
+                )
+        error, self._error = self._error, None
+        removals, self._removals = self._removals, []
+        if error is not None:
+            raise error
+        for path in removals:
+            remove_checkpoint(path)
+
+    def remove_after(self, path: PathLike) -> None:
+        """Rank 0: remove ``path`` now, or once the save in flight is published (at the next wait;
+        never if it fails: the older checkpoint is then still the newest complete one)."""
+        if self._thread is not None:
+            self._removals.append(path)
+        else:
+            remove_checkpoint(path)
+
+    def abandon(self) -> None:
+        """A failure: stop waiting for the save in flight (its thread dies with the process)."""
+        self._thread, self._error, self._removals = None, None, []
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
