@@ -47,7 +47,7 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": {"dim": 64, "layers": 2, "heads": 4, "kv-heads": 2, "ffn": 128, "vocab": 256},
 }
 RUN_DEFAULTS = {"--seq": "64", "--batch": "1", "--steps": "2", "--warmup": "0", "--rounds": "1"}
-CASE_NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
+CASE_NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "zero1_async", "zero2_async", "zero3_async"]
 DDP_BYTES_PER_PARAM = 20  # weights 4 + grads 4 + DDP's bucket copy 4 + Adam 8
 SHARED_HEADROOM = 6 * GIB  # left to the other users of a shared machine (and the driver)
 
@@ -124,6 +124,8 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
         def __init__(self) -> None:
             self.points: dict[str, dict[str, int]] = {}
             self.save_s: float = float("nan")
+            self.background_s: float = float("nan")  # async_checkpoint: until the background save published
+            self.host_copy_bytes = 0  # async_checkpoint: the host copy the background save writes from
             self.peaks_reset = False
 
         def _point(self, name: str) -> None:
@@ -152,6 +154,12 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
             trainer.save_checkpoint(path)
             self.save_s = time.perf_counter() - started
             self._point("after_save")
+            saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: the write goes on (issue 43)
+            if saves is not None:
+                self.host_copy_bytes = saves.last_host_bytes
+                trainer.strategy.wait_for_checkpoint()
+                self.background_s = time.perf_counter() - started
+                self._point("after_background_save")
             trainer.strategy.barrier("bench_memory.saved")
             reset_peak_rss()
             if trainer.is_global_zero:
@@ -162,7 +170,8 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
         def result(self) -> dict[str, Any]:
             """Called after fit returned: the teardown's peak is VmHWM now ([Note: peak per phase])."""
             self._point("after_fit")
-            return {"memory_points": self.points, "save_stall_s": self.save_s, "peaks_reset": self.peaks_reset}
+            return {"memory_points": self.points, "save_stall_s": self.save_s, "peaks_reset": self.peaks_reset,
+                    "save_background_s": self.background_s, "save_host_copy_bytes": self.host_copy_bytes}  # fmt: skip
 
     return MemoryProbe()
 
@@ -250,6 +259,8 @@ def memory_rows(run_dir_rows: list[dict], log_dir: Path) -> list[dict]:
                     "cuda_peak_end": points["end"]["cuda_peak"],
                     "engine_total_at_train_start": points["train_start"].get("engine_total"),
                     "save_stall_s": rank["save_stall_s"],
+                    "save_background_s": rank.get("save_background_s", float("nan")),
+                    "save_host_copy_bytes": rank.get("save_host_copy_bytes", 0),
                 }
             )
         predicted = ranks[0]["planner_memory"]
@@ -319,6 +330,28 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def async_lines(rows: list[dict]) -> list[str]:
+    """Issue 43: the save stall with ``async_checkpoint`` beside the synchronous one (goal: at most
+    15% of it), the background write's own time and the host copy it holds."""
+    by_case = {row["case"]: row for row in rows if "error" not in row}
+    lines = []
+    for case, row in by_case.items():
+        sync = by_case.get(case.removesuffix("_async"))
+        if not case.endswith("_async") or sync is None:
+            continue
+        stall = max(r["save_stall_s"] for r in row["ranks"])
+        sync_stall = max(r["save_stall_s"] for r in sync["ranks"])
+        written = max(r["save_background_s"] for r in row["ranks"])
+        host = max(r["save_host_copy_bytes"] for r in row["ranks"])
+        ratio = stall / sync_stall
+        lines.append(
+            f"goal: {case} stall {stall:.2f} s vs {sync['case']} {sync_stall:.2f} s = {ratio:.1%} (at most 15%):"
+            f" {'met' if ratio <= 0.15 else 'NOT met'}; published after {written:.1f} s; host copy"
+            f" {host / MIB:,.0f} MiB per rank"
+        )
+    return lines
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
@@ -353,7 +386,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
 
     def report(rows: list[dict]) -> list[str]:
         table_rows[:] = memory_rows(rows, log_dir)
-        return [memory_table(table_rows), "", *goals(table_rows)]
+        return [memory_table(table_rows), "", *goals(table_rows), *async_lines(table_rows)]
 
     rows = drive(
         "memory", str(Path(__file__).resolve()), args, argv, known_cases=CASE_NAMES, baseline="zero2", report=report
