@@ -325,9 +325,10 @@ def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_la
     out, done, _ = runs
     launch = done["async"]
     assert launch.ends[1][0] == -signal.SIGKILL and launch.ends[0][0] == 1, launch.ends
-    for step in (2, 4, 6):
-        sync = out / "as_sync_zero3" / "ckpts" / f"epoch=0-step={step}.ckpt"
-        background = out / "as_async_zero3" / "ckpts" / f"epoch=0-step={step}.ckpt"
+    # last.ckpt: the second save of its step, written from the same host copy as the first
+    for step in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"):
+        sync = out / "as_sync_zero3" / "ckpts" / step
+        background = out / "as_async_zero3" / "ckpts" / step
         names = sorted(p.name for p in sync.iterdir() if p.name.startswith(("__", "rank")))
         assert names == ["__0_0.distcp", "__1_0.distcp", "rank0.json", "rank1.json"]
         for name in names:

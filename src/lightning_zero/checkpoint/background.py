@@ -9,7 +9,8 @@ rank reaches together), so its collectives never interleave with the training st
 default group. The files are the same bytes a synchronous save writes (the same tensors, values
 taken at the same boundary).
 
-One save is in flight at most: the next save, the end of fit (``on_train_end``), the requeue
+One host copy is in flight at most (saves of the same step share it, written in turn): the next
+save of another step, the end of fit (``on_train_end``), the requeue
 before ``scontrol`` and a load wait for it (every rank, so an error it raised, agreed on every
 rank, is raised on every rank there); a removal of an older checkpoint (``ModelCheckpoint``'s
 top-k) waits until the newer one is published. A failure, or a SIGKILL, abandons it: its staging
@@ -59,9 +60,8 @@ def save(
         save_checkpoint(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
         return
     started = time.perf_counter()
-    saves.wait()
     taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
-    saves.start(taken, layout, started)
+    saves.start(taken, layout, started, step=(checkpoint.get("epoch"), checkpoint.get("global_step")))
 
 
 def host_copy(tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -84,48 +84,71 @@ def host_copy(tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 class BackgroundSaves:
-    """[Note: background saves]: at most one save in flight; ``wait`` raises what it raised.
+    """[Note: background saves]: one host copy in flight; ``wait`` raises what its saves raised.
+
+    Saves of the same step (``ModelCheckpoint``'s top-k file and ``last.ckpt``) share that host
+    copy and are written one after the other by the same thread: only the first one copies.
 
     Args:
-        timeout_s: how long :meth:`wait` waits for a save in flight (``collective_timeout``);
+        timeout_s: how long :meth:`wait` waits for the saves in flight (``collective_timeout``);
             ``None``: as long as it takes.
     """
 
     def __init__(self, timeout_s: Optional[float] = None) -> None:
         self.timeout_s = timeout_s
         self.group: Any = None
+        self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._running = False  # the thread still takes saves from the queue
+        self._queue: list[tuple[Snapshot, RankPlacement]] = []
+        self._host: Optional[tuple[Any, dict[str, Any]]] = None  # (step, host copy) of the saves in flight
         self._error: Optional[BaseException] = None
         self._removals: list[PathLike] = []
         self.last_stall_s = 0.0  # how long the last save held the training loop
-        self.last_host_bytes = 0  # host bytes of its copy
+        self.last_host_bytes = 0  # host bytes of the last copy
 
     @property
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def start(self, taken: Snapshot, layout: RankPlacement, started: float) -> None:
-        """Copy ``taken``'s tensors to host memory, then write it in a thread (every rank)."""
+    def start(self, taken: Snapshot, layout: RankPlacement, started: float, step: Any = None) -> None:
+        """Write ``taken`` in the background (every rank, in the same order): from the host copy in
+        flight when it is of the same ``step`` and tensors, else from a new one, after the saves in
+        flight are done. Every rank writes every save once, in order, whichever way it went."""
+        with self._lock:
+            host = self._host
+            if self._running and step is not None and host is not None and host[0] == step:
+                if host[1].keys() == taken.tensors.keys():
+                    taken.tensors = host[1]
+                    self._queue.append((taken, layout))
+                    self.last_stall_s = time.perf_counter() - started
+                    return
         self.wait()
         if self.group is None and distributed():
             timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
             self.group = dist.new_group(backend="gloo", timeout=timeout)
         taken.tensors, self.last_host_bytes = host_copy(taken.tensors)
-        self._thread = threading.Thread(
-            target=self._write, args=(taken, layout), name="lightning_zero-checkpoint-writer", daemon=True
-        )
+        self._host, self._queue, self._running = (step, taken.tensors), [(taken, layout)], True
+        self._thread = threading.Thread(target=self._drain, name="lightning_zero-checkpoint-writer", daemon=True)
         self._thread.start()
         self.last_stall_s = time.perf_counter() - started
 
-    def _write(self, taken: Snapshot, layout: RankPlacement) -> None:
-        try:
-            write_snapshot(taken, layout, self.group)
-        except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the training thread
-            self._error = exc
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self._error is not None:
+                    self._queue, self._running = [], False
+                    return
+                taken, layout = self._queue.pop(0)
+            try:
+                write_snapshot(taken, layout, self.group)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the training thread
+                with self._lock:
+                    self._error = exc
 
     def wait(self) -> None:
-        """Until the save in flight is published; raise its error (``CheckpointWriteError``), else
-        do the removals that waited for it."""
+        """Until the saves in flight are published; raise their error (``CheckpointWriteError``),
+        else do the removals that waited for them."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(self.timeout_s)
@@ -135,6 +158,7 @@ class BackgroundSaves:
                     f"lightning_zero: the background checkpoint save did not finish within {self.timeout_s:g} s"
                     " (collective_timeout); another rank is most likely gone. The previous checkpoint is the newest."
                 )
+        self._host = None
         error, self._error = self._error, None
         removals, self._removals = self._removals, []
         if error is not None:
@@ -151,8 +175,10 @@ class BackgroundSaves:
             remove_checkpoint(path)
 
     def abandon(self) -> None:
-        """A failure: stop waiting for the save in flight (its thread dies with the process)."""
-        self._thread, self._error, self._removals = None, None, []
+        """A failure: stop waiting for the saves in flight (their thread dies with the process)."""
+        with self._lock:
+            self._queue, self._running = [], False
+        self._thread, self._host, self._error, self._removals = None, None, None, []
 
     def close(self) -> None:
         if self.group is not None:
