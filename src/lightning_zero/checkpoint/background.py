@@ -99,6 +99,7 @@ class BackgroundSaves:
         self.group: Any = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._abandoned: Optional[threading.Thread] = None
         self._running = False  # the thread still takes saves from the queue
         self._queue: list[tuple[Snapshot, RankPlacement]] = []
         self._host: Optional[tuple[Any, dict[str, Any]]] = None  # (step, host copy) of the saves in flight
@@ -178,9 +179,12 @@ class BackgroundSaves:
         """A failure: stop waiting for the saves in flight (their thread dies with the process)."""
         with self._lock:
             self._queue, self._running = [], False
+        self._abandoned = self._thread
         self._thread, self._host, self._error, self._removals = None, None, None, []
 
     def close(self) -> None:
-        if self.group is not None:
+        """Destroy the saves' process group, unless an abandoned save may still be in it."""
+        alive = self._abandoned is not None and self._abandoned.is_alive()
+        if self.group is not None and not alive:
             dist.destroy_process_group(self.group)
             self.group = None

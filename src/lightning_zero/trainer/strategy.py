@@ -438,8 +438,13 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._saves is not None:  # [Note: background saves]
-            self._saves.abandon() if self.failed else self._saves.wait()
+        save_error = None
+        if self._saves is not None:  # [Note: background saves]: `last` complete, or left as it was
+            try:
+                self._saves.abandon() if self.failed else self._saves.wait()
+            except BaseException as error:  # a background save failed: raised after the teardown
+                save_error = error
+                self._saves.abandon()
             self._saves.close()
             self._saves = None
         if self.engine is not None:
@@ -458,6 +463,8 @@ class ZeroStrategy(DDPStrategy):
         if self.failure_channel is not None:
             self.failure_channel.close()
         super().teardown()
+        if save_error is not None:
+            raise save_error
 
     # -- checkpoints (strategy_checkpoint.py; the logic in checkpoint/) -------------------------
     @property
