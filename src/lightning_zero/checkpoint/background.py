@@ -16,7 +16,8 @@ rank, is raised on every rank there); a removal of an older checkpoint (``ModelC
 top-k) waits until the newer one is published. A failure, or a SIGKILL, abandons it: its staging
 directory is left, ``last`` is still the previous complete checkpoint, and the next start removes
 the leftover ([Note: staging names] in ``publish.py``). The cost in host memory is one copy of
-this rank's checkpoint tensors while a save is in flight.
+this rank's checkpoint tensors, kept from one save to the next: the next copy writes into it
+(fresh pages are slower to fill than the copy itself).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from lightning_zero.checkpoint.save import Snapshot, save_checkpoint, snapshot, 
 from lightning_zero.checkpoint.targets import RankPlacement
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+def _to_host(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+    """``tensor`` copied into host memory: into ``into`` (the previous save's buffer) when it fits."""
     tensor = tensor.detach()
+    if into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype:
+        return into.copy_(tensor, non_blocking=tensor.device.type != "cpu")
     if tensor.device.type == "cpu":
         return tensor.clone(memory_format=torch.contiguous_format)
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
@@ -64,17 +68,26 @@ def save(
     saves.start(taken, layout, started, step=(checkpoint.get("epoch"), checkpoint.get("global_step")))
 
 
-def host_copy(tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """Copies of every tensor (and :class:`DenseChunks` rectangle) in host memory; their bytes."""
+def host_copy(tensors: dict[str, Any], reuse: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], int]:
+    """Copies of every tensor (and :class:`DenseChunks` rectangle) in host memory, written into
+    ``reuse`` (a previous copy of the same entries, no longer read) where shapes match: fresh host
+    pages cost more than the copy itself (page faults: 2.5 GiB took 9 s on the 2-core benchmark
+    machine, the same copy into touched pages under 1 s). Returns the copies and their bytes."""
+    reuse = reuse or {}
     copied: dict[str, Any] = {}
     total = 0
     for name, value in tensors.items():
+        old = reuse.get(name)
         if isinstance(value, DenseChunks):
-            pieces = [(offsets, _to_host(piece)) for offsets, piece in value.pieces]
+            olds = old.pieces if isinstance(old, DenseChunks) and len(old.pieces) == len(value.pieces) else None
+            pieces = [
+                (offsets, _to_host(piece, olds[index][1] if olds and olds[index][0] == offsets else None))
+                for index, (offsets, piece) in enumerate(value.pieces)
+            ]
             total += sum(piece.numel() * piece.element_size() for _, piece in pieces)
             copied[name] = DenseChunks(value.global_size, pieces)
         elif isinstance(value, torch.Tensor):
-            copied[name] = _to_host(value)
+            copied[name] = _to_host(value, old if isinstance(old, torch.Tensor) else None)
             total += value.numel() * value.element_size()
         else:
             copied[name] = value
@@ -103,6 +116,7 @@ class BackgroundSaves:
         self._running = False  # the thread still takes saves from the queue
         self._queue: list[tuple[Snapshot, RankPlacement]] = []
         self._host: Optional[tuple[Any, dict[str, Any]]] = None  # (step, host copy) of the saves in flight
+        self._buffers: dict[str, Any] = {}  # the last host copy: the next copy's buffers
         self._error: Optional[BaseException] = None
         self._removals: list[PathLike] = []
         self.last_stall_s = 0.0  # how long the last save held the training loop
@@ -128,7 +142,8 @@ class BackgroundSaves:
         if self.group is None and distributed():
             timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
             self.group = dist.new_group(backend="gloo", timeout=timeout)
-        taken.tensors, self.last_host_bytes = host_copy(taken.tensors)
+        taken.tensors, self.last_host_bytes = host_copy(taken.tensors, self._buffers)
+        self._buffers = taken.tensors  # written again by the next save of another step, once this one is done
         self._host, self._queue, self._running = (step, taken.tensors), [(taken, layout)], True
         self._thread = threading.Thread(target=self._drain, name="lightning_zero-checkpoint-writer", daemon=True)
         self._thread.start()
@@ -181,6 +196,7 @@ class BackgroundSaves:
             self._queue, self._running = [], False
         self._abandoned = self._thread
         self._thread, self._host, self._error, self._removals = None, None, None, []
+        self._buffers = {}  # an abandoned save may still read them
 
     def close(self) -> None:
         """Destroy the saves' process group, unless an abandoned save may still be in it."""
