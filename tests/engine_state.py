@@ -17,10 +17,32 @@ def state_beyond_formula(engine, moments_bytes: int = 8, step_bytes: int = 4) ->
     return step_bytes * len(runs) - moments_bytes * padding_here
 
 
+def bytes_record(engine) -> dict:
+    """What a test needs to hold an engine's measured model-state bytes against the ledger's: the
+    measurement, the monitor's prediction (the ledger's rule, unpadded), the padding, the state
+    beyond the formula (:func:`state_beyond_formula`, moments in the optimizer state's dtype) and
+    the dtypes of the masters and the optimizer state."""
+    from lightning_zero.trainer.monitor import predicted_bytes
+
+    optimizer = engine.optimizers[0].optimizer
+    state = [value for values in optimizer.state.values() for key, value in values.items() if key != "step"]
+    return {
+        "measured": engine.measured_bytes(),
+        "predicted": predicted_bytes(engine, optimizer),
+        "padding": engine.padding_numel(),
+        "num_params": engine.num_params(),
+        "beyond": state_beyond_formula(engine, moments_bytes=2 * engine.master_dtype.itemsize),
+        "state_dtypes": sorted({str(value.dtype) for value in state}),
+        "master_dtypes": sorted({str(m.dtype) for group in engine.groups for m in group.masters}),
+        "stage": engine.stage,
+        "dp": engine.dp_size,
+    }
+
+
 def walked_high_water(runtime) -> int:
     """The most non-root elements the engine's rule says a rank holds gathered at once, walking
     the recorded training schedule ([Note: gathered working set] in zero/stage3/schedule.py)."""
-    from lightning_zero.zero.stage3.schedule import gathered_high_water
+    from lightning_zero.zero.stage3.gather_order import gathered_high_water
 
     schedule = runtime.schedules["train"]
     numel = {unit.index: unit.numel for unit in runtime.units[:-1]}

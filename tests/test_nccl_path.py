@@ -100,14 +100,15 @@ def test_collective_timeout_becomes_the_nccl_groups_timeout(one_rank_gloo, monke
 
 
 def test_strategy_sets_the_nccl_timeout_from_collective_timeout(monkeypatch):
-    """ZeroStrategy.setup_environment hands every group it built to hold_collective_timeout."""
+    """ZeroStrategy.setup_environment (through ZeroSession.start, shared with the Fabric door) hands
+    every group it built to hold_collective_timeout."""
     import lightning as L
 
     from lightning_zero import ZeroStrategy
-    from lightning_zero.trainer import strategy as strategy_module
+    from lightning_zero.runtime import session as session_module
 
     seen = []
-    monkeypatch.setattr(strategy_module, "hold_collective_timeout", lambda groups, t: seen.append((list(groups), t)))
+    monkeypatch.setattr(session_module, "hold_collective_timeout", lambda groups, t: seen.append((list(groups), t)))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     from lightning_zero.ports import free_port
 

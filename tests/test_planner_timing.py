@@ -295,8 +295,8 @@ def test_planner_plans_exactly_the_precisions_the_strategy_accepts():
     from lightning_zero.trainer.precision import SUPPORTED_PRECISION
 
     assert set(PRECISIONS) == set(SUPPORTED_PRECISION)
-    with pytest.raises(ValueError, match="16-mixed"):
-        plan_run("tiny", stage=2, world_size=2, devices_per_node=2, precision="16-mixed")
+    with pytest.raises(ValueError, match="64-true"):
+        plan_run("tiny", stage=2, world_size=2, devices_per_node=2, precision="64-true")
 
 
 def test_default_hardware_is_config_yamls():
@@ -417,7 +417,7 @@ def test_held_units_follow_the_engines_rule():
     # same unit's forward entry. The planner asks the engine's function about its own order.
     from lightning_zero.models import LlamaConfig
     from lightning_zero.planner.workload import gathered_once_numel, gathered_once_units, held_units, llama_workload
-    from lightning_zero.zero.stage3.schedule import held_entries
+    from lightning_zero.zero.stage3.gather_order import held_entries
 
     order, backward = [0, 1, 2, 2, 1, 0], [False, False, False, True, True, True]
     assert held_entries(order, backward) == [False, False, False, True, False, False]

@@ -6,7 +6,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning_zero.trainer.precision import ZeroBf16Precision, ZeroPrecision
+from lightning_zero.trainer.precision import ZeroHalfPrecision, ZeroMixedPrecision, ZeroPrecision
 
 
 @pytest.mark.parametrize(
@@ -46,18 +46,39 @@ def test_registered_names():
     assert lightning_zero.ZeroStrategy is ZeroStrategy
 
 
-@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["64-true", "64"])
 def test_unsupported_precision_fails_at_trainer_construction(precision):
     with pytest.raises(ValueError, match="precision"):
         L.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision=precision, logger=False)
 
 
-@pytest.mark.parametrize("precision, plugin", [("32-true", ZeroPrecision), ("bf16-mixed", ZeroBf16Precision)])
-def test_supported_precision_maps_to_engine_plugins(precision, plugin):
+@pytest.mark.parametrize(
+    "precision, plugin, compute, master",
+    [
+        ("32-true", ZeroPrecision, torch.float32, torch.float32),
+        ("bf16-mixed", ZeroMixedPrecision, torch.bfloat16, torch.float32),
+        ("bf16-true", ZeroHalfPrecision, torch.bfloat16, torch.bfloat16),
+        ("16-true", ZeroHalfPrecision, torch.float16, torch.float16),
+    ],
+)
+def test_supported_precision_maps_to_engine_plugins(precision, plugin, compute, master):
     trainer = L.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision=precision, logger=False)
     assert isinstance(trainer.strategy.precision_plugin, plugin)
-    expected = torch.float32 if precision == "32-true" else torch.bfloat16
-    assert trainer.strategy.compute_dtype == expected
+    assert trainer.strategy.compute_dtype == compute
+    assert trainer.strategy.precision_policy.master_dtype == master
+
+
+def test_master_weights_knob_gives_fp32_masters_under_bf16_true():
+    strategy = ZeroStrategy(stage=3, master_weights="fp32")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="bf16-true", logger=False)
+    policy = trainer.strategy.precision_policy
+    assert (policy.compute_dtype, policy.master_dtype, policy.master_weights) == (
+        torch.bfloat16,
+        torch.float32,
+        "fp32",
+    )
+    with pytest.raises(ValueError, match="master_weights"):
+        ZeroStrategy(master_weights="bf16")
 
 
 def test_optimizer_over_foreign_tensors_is_rejected():
@@ -82,3 +103,17 @@ def test_import_is_cheap_and_registers_whenever_lightning_loads():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_16_mixed_plugin_keeps_the_users_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    trainer = L.Trainer(
+        strategy="zero2", accelerator="cpu", devices=2, logger=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )  # fmt: skip
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, ZeroMixedPrecision) and plugin.scaler is scaler
+    policy = trainer.strategy.precision_policy
+    assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float16, torch.float32, True)

@@ -166,3 +166,51 @@ def test_monitor_and_public_ledger_load_no_planner_beyond_its_formulas():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['lightning_zero.planner', 'lightning_zero.planner.ledger']"
+
+
+def test_plan_path_imports_neither_lightning_nor_torch(tmp_path):
+    # `lightning-zero plan` is arithmetic: a fresh interpreter that takes LlamaConfig through
+    # lightning_zero.models, asks for --help, gets a bad recipe and a bad value refused, and runs
+    # the CLI's plan and layout search loads no torch or Lightning ([Note: light command line]).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, json, sys\n"
+        "import lightning_zero.models\n"
+        "lightning_zero.models.LlamaConfig, lightning_zero.models.resolve_config\n"
+        "after_models = sorted(m for m in ('lightning', 'torch') if m in sys.modules)\n"
+        "from lightning_zero.cli import main\n"
+        "exits = []\n"
+        "for args in (['--help'], ['plan', 'recipe=nosuch'], ['plan', 'recipe=llama70b', 'strategy.bucket_mb=-3']):\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "            main(args)\n"
+        "        exits.append(0)\n"
+        "    except SystemExit as error:\n"
+        "        exits.append(error.code)\n"
+        "outputs = []\n"
+        "for extra in ([], ['plan.search=true', 'plan.top=2']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        main(['plan', 'recipe=llama70b', 'plan.format=json', *extra])\n"
+        "    outputs.append(json.loads(out.getvalue()))\n"
+        "heavy = sorted(m for m in ('lightning', 'torch') if m in sys.modules)\n"
+        "print(json.dumps([after_models, heavy, exits, outputs[0]['plan']['world_size'], len(outputs[1]['search']['top'])]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    after_models, heavy, exits, world_size, top = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (after_models, heavy) == ([], [])
+    assert exits == [0, 2, 1]  # usage; an unknown recipe; Hydra's exit for the bad bucket_mb
+    assert world_size == 64 and top == 2  # the plan and the search ran
+    assert list(tmp_path.iterdir()) == []  # and wrote nothing

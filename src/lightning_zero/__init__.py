@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ZeroStrategy": "lightning_zero.trainer.strategy",
+    "ZeroFabricStrategy": "lightning_zero.fabric.strategy",
     "ZeroMonitor": "lightning_zero.trainer.monitor",
     "LlamaConfig": "lightning_zero.models",
     "Llama": "lightning_zero.models",

@@ -14,6 +14,11 @@ itself only ever sees the overrides, so the task functions put the subcommand ba
 ``sys.argv`` before Lightning reads it, and in a multirun they replace the sweep by this job's own
 overrides (and point ``hydra.run.dir`` at this job's directory), so every child re-runs exactly
 this job, in this job's directory.
+
+[Note: light command line] ``lightning-zero --help``, a bad argument and ``plan`` answer in well
+under a second: this module imports omegaconf and the Hydra schema (``hydra_config``) where a
+command needs them, Lightning and torch only inside ``train``, and the planner imports neither
+(``tests/test_structure.py`` checks the plan path).
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-
-from lightning_zero.hydra_config import check_recipe_overrides, register_recipes, validate
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 USAGE = """\
 usage: lightning-zero COMMAND [ARGS]
@@ -103,12 +107,14 @@ def _fail(message: str) -> None:
 
 def _run_hydra(command: str, task: Callable[[DictConfig], Any], args: list[str]) -> None:
     """Run ``task`` under ``hydra.main`` with ``args`` as Hydra's command line."""
-    import hydra
+    from lightning_zero.hydra_config import check_recipe_overrides, register_recipes
 
     try:
         check_recipe_overrides([arg for arg in args if not arg.startswith("-")])
     except ValueError as error:
         _fail(str(error))
+    import hydra  # after the recipe check: an unknown recipe fails without loading Hydra
+
     register_recipes()
     program = sys.argv[0]
     saved_argv = sys.argv
@@ -154,6 +160,7 @@ def child_argv(full_argv: Sequence[str], hydra_cfg: Any) -> list[str]:
 def _prepare_relaunch() -> Path:
     """Point ``sys.argv`` and Hydra's ``run.dir`` at this job for Lightning's launcher; return the dir."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir).resolve()
@@ -169,6 +176,8 @@ def _prepare_relaunch() -> Path:
 
 
 def _train_task(cfg: DictConfig) -> None:
+    from lightning_zero.hydra_config import validate
+
     run_dir = _prepare_relaunch()
     saved_environ = dict(os.environ)
     try:
@@ -198,6 +207,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
 
 def build_module(cfg: DictConfig) -> Any:
     """``LlamaLM`` from the ``model`` and ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
+    from omegaconf import OmegaConf
+
     from lightning_zero.models import LlamaLM
 
     model_conf = OmegaConf.to_object(cfg.model)
@@ -295,6 +306,8 @@ def _save_last_on_train_end(checkpoint: Any) -> Any:
 
 def write_resolved_config(cfg: DictConfig, run_dir: Path) -> Path:
     """Write the fully resolved config to ``run_dir/resolved_config.yaml`` (re-runnable as is)."""
+    from omegaconf import OmegaConf
+
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESOLVED_CONFIG
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -303,6 +316,8 @@ def write_resolved_config(cfg: DictConfig, run_dir: Path) -> Path:
 
 def local_process_count(cfg: DictConfig) -> int:
     """Processes this machine runs: ``trainer.devices`` (an int, a list, or ``auto`` = 1 on CPU)."""
+    from omegaconf import OmegaConf
+
     devices = cfg.trainer.devices
     if isinstance(devices, int):
         return max(1, devices)
@@ -371,6 +386,8 @@ def _forget_process_group(saved_environ: dict[str, str]) -> None:
 
 
 def _plan_task(cfg: DictConfig) -> None:
+    from lightning_zero.hydra_config import validate
+
     try:
         from lightning_zero.planner import run_plan
     except ImportError as error:

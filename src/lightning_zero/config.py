@@ -111,6 +111,13 @@ class ZeroConfig:
             bytes per gradient element held (``P`` at stage 1, ``P / dp`` at stages 2-3) and twice
             the gradient bytes sent, for sums that do not drift over long accumulation. Under
             ``precision="32-true"`` both are fp32.
+        master_weights: under ``precision="bf16-true"`` / ``"16-true"``: ``"auto"`` (default) steps
+            the half-precision parameters themselves, with optimizer state in the same dtype, as
+            Lightning's ddp holds them (``2 + 2 + 4`` bytes per parameter for AdamW before
+            sharding; stage 3 holds ``8 P / dp``); ``"fp32"`` keeps fp32 master weights and fp32
+            optimizer state in the shards under the same half-precision compute (``2 + 2 + 12``,
+            the bf16-mixed bytes), for fine-tunes whose bf16 updates stall. No effect under
+            ``32-true`` and the ``-mixed`` precisions (fp32 masters already). See docs/precision.md.
         async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
             it writes to host memory (one copy of this rank's checkpoint bytes, held while the save
             is in flight); writing, hashing and the atomic publish run in a background thread over
@@ -136,6 +143,7 @@ class ZeroConfig:
     shard_size: Optional[Union[int, str]] = None
     hierarchical_reduce: bool = False
     reduce_dtype: str = "compute"
+    master_weights: str = "auto"
     async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
@@ -204,6 +212,12 @@ class ZeroConfig:
                 "reduce_dtype",
                 'give "compute" (gradients in the compute dtype; "bf16" is the same under bf16-mixed)'
                 ' or "fp32" (accumulate and reduce gradients in fp32).',
+            )
+        if self.master_weights not in ("auto", "fp32"):
+            fail(
+                "master_weights",
+                'give "auto" (under bf16-true/16-true the optimizer steps the half-precision parameters,'
+                ' as ddp does) or "fp32" (fp32 master weights and optimizer state in the shards).',
             )
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))

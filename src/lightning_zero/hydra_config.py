@@ -291,6 +291,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise _config_error(error, "", schemas.get(group)) from None
     if schemas.get("strategy") is ZeroStrategyConf:
         _check_zero_knobs(cfg.strategy)
+        if "trainer" in cfg:
+            _check_zero_precision(str(cfg.trainer.precision))
     if "model" in cfg:
         from lightning_zero.models.checkpointing import checkpointing_mode
 
@@ -310,6 +312,16 @@ def _check_zero_knobs(strategy: DictConfig) -> None:
             name = message[len("ZeroStrategy(") : message.index("=")]
             message = f"invalid config at 'strategy.{name}': {message}"
         raise ValueError(message) from None
+
+
+def _check_zero_precision(precision: str) -> None:
+    """``trainer.precision`` is one ZeroStrategy accepts (``runtime/precision.py``, docs/precision.md)."""
+    from lightning_zero.runtime.precision import check_precision
+
+    try:
+        check_precision(precision)
+    except ValueError as error:
+        raise ValueError(f"invalid config at 'trainer.precision': {error}") from None
 
 
 # --------------------------------------------------------------------------------------------

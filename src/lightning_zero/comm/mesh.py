@@ -25,18 +25,20 @@ reduction splits it once more into ``(nodes_per_shard, local)``: an in-node grou
 cross-node group (same local position), see ``zero/hybrid.py``.
 
 :class:`ParallelDims` is pure arithmetic: it validates a 64-rank layout in one process without any
-process group (the planner uses it). Only :func:`build_mesh` needs ``torch.distributed``.
+process group (the planner uses it). Only the builders (:func:`build_mesh`,
+:func:`build_shard_groups`) need ``torch.distributed``, and import it when called, so the planner
+(``lightning-zero plan``) reads :class:`ParallelDims` without importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp", "tp")
 
@@ -265,6 +267,10 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     Needs an initialized default process group of ``dims.world_size`` ranks; creates one
     sub-group per row (tp) and per column (dp).
     """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed to be initialized (init_process_group)")
     world = dist.get_world_size()
@@ -304,6 +310,8 @@ def build_shard_groups(dims: ParallelDims) -> ShardGroups:
 
     Needs an initialized default process group of ``dims.world_size`` ranks.
     """
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         raise RuntimeError("build_shard_groups needs torch.distributed to be initialized (init_process_group)")
     world = dist.get_world_size()

@@ -1,29 +1,33 @@
-"""Model families. Llama 2 (presets ``tiny``, ``7b``, ``13b``, ``70b``) lives in :mod:`.llama`."""
+"""Model families. Llama 2 (presets ``tiny``, ``7b``, ``13b``, ``70b``) lives in :mod:`.llama`.
 
-from lightning_zero.models.llama import (
-    Attention,
-    FeedForward,
-    Llama,
-    LlamaConfig,
-    LlamaLM,
-    RMSNorm,
-    TransformerBlock,
-    WarmupCosine,
-    cross_entropy_loss,
-    preset_names,
-    resolve_config,
-)
+Names are imported lazily (as ``lightning_zero``'s own): ``LlamaConfig`` and ``resolve_config``
+are plain Python, and taking them (the planner, ``lightning-zero plan``) does not import torch or
+Lightning; ``LlamaLM`` imports Lightning when it is first taken.
+"""
 
-__all__ = [
-    "Attention",
-    "FeedForward",
-    "Llama",
-    "LlamaConfig",
-    "LlamaLM",
-    "RMSNorm",
-    "TransformerBlock",
-    "WarmupCosine",
-    "cross_entropy_loss",
-    "preset_names",
-    "resolve_config",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Attention": "lightning_zero.models.llama.model",
+    "FeedForward": "lightning_zero.models.llama.model",
+    "Llama": "lightning_zero.models.llama.model",
+    "LlamaConfig": "lightning_zero.models.llama.config",
+    "LlamaLM": "lightning_zero.models.llama.lightning",
+    "RMSNorm": "lightning_zero.models.llama.model",
+    "TransformerBlock": "lightning_zero.models.llama.model",
+    "WarmupCosine": "lightning_zero.models.llama.lightning",
+    "cross_entropy_loss": "lightning_zero.models.llama.model",
+    "preset_names": "lightning_zero.models.llama.config",
+    "resolve_config": "lightning_zero.models.llama.config",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_zero.models' has no attribute {name!r}")

@@ -42,7 +42,7 @@ _EXPORTS = {  # public name -> the planner module that defines it
     "TrafficPerRank": "plan",
     "compare_stages": "arithmetic",
     "plan_run": "arithmetic",
-    "precision_bytes": "arithmetic",
+    "precision_bytes": "ledger",
     "Hardware": "hardware",
     "available_hardware": "hardware",
     "default_hardware_name": "hardware",

@@ -34,14 +34,13 @@ from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     ATTENTION_KERNELS,
     COMM_DTYPES,
-    PRECISIONS,
-    PrecisionBytes,
     dp_topology,
     grad_bytes_per_param,
     llama_activation_bytes,
     llama_largest_block_param,
     llama_param_counts,
     model_state_bytes,
+    precision_bytes,
 )
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
@@ -56,15 +55,6 @@ DEFAULT_MFU = 0.4
 # --------------------------------------------------------------------------------------------
 # Inputs: precision
 # --------------------------------------------------------------------------------------------
-
-
-def precision_bytes(precision: str) -> PrecisionBytes:
-    if str(precision) not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
-            f"use one of {sorted(PRECISIONS)} (trainer.precision=...)"
-        )
-    return PRECISIONS[str(precision)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +79,7 @@ PLANNED_KNOBS = {
     "grad_comm_dtype": "grad_comm_dtype",
     "param_comm_dtype": "param_comm_dtype",
     "reduce_dtype": "reduce_dtype",
+    "master_weights": "master_weights",
 }
 
 
@@ -137,6 +128,7 @@ def plan_run(
     suggest: bool = True,
     simulate: Union[bool, str] = True,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
+    master_weights: str = ZERO_DEFAULTS.master_weights,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -150,7 +142,9 @@ def plan_run(
             ``zero_config``.
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
-        precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param) or ``"32-true"`` (4 + 4 + 8).
+        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (2 + 2 + 12 bytes/param), ``"32-true"``
+            (4 + 4 + 8) or ``"bf16-true"`` / ``"16-true"`` (2 + 2 + 4: bf16 optimizer state, no
+            master); ``ledger.precision_bytes`` is the rule.
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
@@ -187,6 +181,9 @@ def plan_run(
         reduce_dtype: ``"fp32"``: gradients held, bucketed and sent in fp32 under bf16-mixed
             (4 bytes per element, ``ledger.grad_bytes_per_param``; no fp32 cast at the step);
             ``"compute"`` (default): the precision's gradient bytes.
+        master_weights: ``"fp32"``: fp32 masters and optimizer state under ``bf16-true`` /
+            ``16-true`` (the ``-mixed`` bytes); ``"auto"``: the precision's own
+            ([Note: master_weights] in ``runtime/precision.py``).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
@@ -253,7 +250,9 @@ def plan_run(
     if not 0 < mfu <= 1:
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
-    dtype = dataclasses.replace(precision_bytes(precision), grad=grad_bytes_per_param(precision, reduce_dtype))
+    dtype = dataclasses.replace(
+        precision_bytes(precision, master_weights), grad=grad_bytes_per_param(precision, reduce_dtype)
+    )
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
         bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
     if bucket_mb <= 0 or prefetch_blocks < 0:

@@ -101,19 +101,50 @@ class PrecisionBytes:
     moments: int  # Adam exp_avg + exp_avg_sq
     activation: int
     optimizer_step_bytes: int  # bytes the AdamW step moves per stepped parameter (timing)
+    state: int = 4  # bytes per element of optimizer state (fp32, or the half dtype under -true)
 
     @property
     def optimizer(self) -> int:
         return self.master + self.moments
 
+    def optimizer_bytes(self, fp32_state_bytes: int) -> int:
+        """Optimizer bytes per parameter for an optimizer holding ``fp32_state_bytes`` of state per
+        parameter in fp32 (:func:`optimizer_state_bytes`): the master plus that state in this
+        precision's state dtype."""
+        return self.master + fp32_state_bytes * self.state // 4
 
-# Exactly the precisions ZeroStrategy accepts (precision.SUPPORTED_PRECISION; a test keeps them equal).
-# Optimizer step traffic: fp32 AdamW reads/writes param, exp_avg, exp_avg_sq and reads the grad
-# (28 B); bf16-mixed adds the grad-shard cast to fp32 (2 + 4 B) and the master -> bf16 copy (4 + 2 B).
+
+# Exactly the precisions ZeroStrategy accepts (runtime/precision.PRECISIONS; a test keeps them
+# equal); where each byte lives: docs/precision.md. Optimizer step traffic: fp32 AdamW reads/writes
+# param, exp_avg, exp_avg_sq and reads the grad (28 B); the -mixed ones add the grad-shard cast to
+# fp32 (2 + 4 B) and the master -> half copy (4 + 2 B); the -true ones move half of fp32's 28 B.
+_MIXED = PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40)
+_TRUE_HALF = PrecisionBytes(param=2, grad=2, master=0, moments=4, activation=2, optimizer_step_bytes=14, state=2)
 PRECISIONS: dict[str, PrecisionBytes] = {
     "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4, optimizer_step_bytes=28),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40),
+    "bf16-mixed": _MIXED,
+    "16-mixed": _MIXED,  # plus one fp32 loss scale (and its growth tracker) per rank
+    "bf16-true": _TRUE_HALF,
+    "16-true": _TRUE_HALF,
 }
+
+
+def precision_bytes(precision: str, master_weights: str = "auto") -> PrecisionBytes:
+    """Bytes per parameter of ``precision``: the one rule the planner, the monitor and the tests
+    read. ``master_weights="fp32"`` (``ZeroConfig.master_weights``) under ``bf16-true``/``16-true``
+    adds fp32 masters and fp32 optimizer state to the half-precision compute: the bytes of the
+    ``-mixed`` row ([Note: master_weights] in ``runtime/precision.py``)."""
+    if str(precision) not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
+            f"use one of {sorted(PRECISIONS)} (trainer.precision=...)"
+        )
+    if master_weights not in ("auto", "fp32"):
+        raise ValueError(f"precision_bytes: master_weights must be 'auto' or 'fp32', got {master_weights!r}")
+    row = PRECISIONS[str(precision)]
+    if master_weights == "fp32" and row.master == 0 and row.param == 2:
+        return _MIXED
+    return row
 
 
 def grad_bytes_per_param(precision: str, reduce_dtype: str = "compute") -> int:

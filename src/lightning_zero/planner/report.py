@@ -98,6 +98,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         attention=str(plan_options["attention"]),
         reserved_gib=float(plan_options["reserved_gib"]),
         reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
+        master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")

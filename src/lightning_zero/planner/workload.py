@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
-from lightning_zero.zero.stage3.schedule import gathered_high_water, held_entries
+from lightning_zero.zero.stage3.gather_order import gathered_high_water, held_entries
 
 # --------------------------------------------------------------------------------------------
 # FLOPs
@@ -137,8 +137,22 @@ def gathered_once_numel(workload: Workload) -> int:
 def gathered_numel(workload: Workload, prefetch: int) -> int:
     """Most parameter elements one rank's stage 3 holds gathered at once with ``prefetch_blocks =
     prefetch``: the engine's walk (``gathered_high_water``, [Note: gathered working set] in
-    ``zero/stage3/schedule.py``) of :func:`recorded_schedule`, plus the root units, gathered for
-    the whole step."""
+    ``zero/stage3/gather_order.py``) of :func:`recorded_schedule`, plus the root units, gathered for
+    the whole step. Memoized by tensor shapes, as :func:`engine_buckets`."""
+    if not workload.shape_key:
+        return _gathered_numel(workload, prefetch)
+    key = (workload.shape_key, prefetch)
+    if key not in _GATHERED:
+        if len(_GATHERED) > 1024:
+            _GATHERED.clear()
+        _GATHERED[key] = _gathered_numel(workload, prefetch)
+    return _GATHERED[key]
+
+
+_GATHERED: dict[tuple, int] = {}
+
+
+def _gathered_numel(workload: Workload, prefetch: int) -> int:
     numel: dict[int, int] = {}
     for tensor in workload.tensors:
         numel[tensor.unit] = numel.get(tensor.unit, 0) + tensor.numel

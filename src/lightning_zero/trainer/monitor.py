@@ -44,7 +44,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero.comm.collectives import LINK_CLASSES
-from lightning_zero.planner.ledger import PRECISIONS, grad_bytes_per_param, model_state_bytes, optimizer_state_bytes
+from lightning_zero.planner.ledger import (
+    grad_bytes_per_param,
+    model_state_bytes,
+    optimizer_state_bytes,
+    precision_bytes,
+)
+from lightning_zero.runtime.precision import precision_label
 from lightning_zero.runtime.throughput import (
     ThroughputMeter,
     batch_tokens,
@@ -65,9 +71,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
-    parameter come from the ledger's one table: ``PRECISIONS`` and ``optimizer_state_bytes``)."""
-    precision = "32-true" if engine.compute_dtype == torch.float32 else "bf16-mixed"
-    per_param = PRECISIONS[precision]
+    parameter come from the ledger's one rule: ``precision_bytes`` and ``optimizer_state_bytes``)."""
+    precision, master_weights = precision_label(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
+    per_param = precision_bytes(precision, master_weights)
     reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
     return model_state_bytes(
         engine.num_params(),
@@ -75,7 +81,7 @@ def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
         dp=engine.dp_size,
         param_bytes=per_param.param,
         grad_bytes=grad_bytes_per_param(precision, reduce_dtype),
-        optim_bytes_per_param=per_param.master + optimizer_state_bytes(optimizer),
+        optim_bytes_per_param=per_param.optimizer_bytes(optimizer_state_bytes(optimizer)),
     ).as_dict()
 
 

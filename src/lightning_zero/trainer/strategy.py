@@ -10,7 +10,10 @@ Lightning's loop calls into them:
   ``accumulate_grad_batches``; the engine then skips the gradient collective (stage 1).
 - gradient clipping goes through the precision plugin to the engine's global-norm clipping.
 - a failure on one rank: tell the others, then no collective ([Note: failure path] in
-  ``failure_path.py``).
+  ``runtime/failure.py``).
+
+What builds the mesh, the engine and the failure channel is :class:`~lightning_zero.runtime.session.ZeroSession`,
+shared with the Fabric door (``fabric/strategy.py``).
 """
 
 from __future__ import annotations
@@ -21,46 +24,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.runtime.setup import (
-    broadcast_module_states,
-    build_groups,
-    find_tp_counter,
-    move_real_tensors,
-    parallel_dims,
-    weigh_tp_norm,
-)
+from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
-from lightning_zero.trainer.failure_path import (
-    FailureNotice,
-    check_step_output,
-    note_failure,
-    open_failure_channel,
-    warn_failed,
-)
+from lightning_zero.trainer.failure_path import FailureNotice, check_step_output, where
 from lightning_zero.trainer.precision import to_zero_precision
 from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals, clean_checkpoint_leftovers
-from lightning_zero.zero.waits import hold_collective_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.runtime.restore import CheckpointRestore
-    from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
 
 @knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(SessionViews, DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning strategy.
 
     Args:
@@ -74,7 +62,8 @@ class ZeroStrategy(DDPStrategy):
             blocks), embeddings, and modules with parameters beside a block container
             (``zero/stage3/units.py``; docs/stage3.md).
         start_method: how Lightning starts local processes: ``"popen"`` (re-run the script, like
-            ``ddp``) or ``"spawn"``.
+            ``ddp``), or ``"spawn"`` / ``"fork"`` / ``"forkserver"`` (multiprocessing, like
+            ``ddp_spawn`` / ``ddp_fork``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
 
@@ -122,6 +111,7 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
+        master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
@@ -137,14 +127,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.wrap_policy = wrap_policy
-        self.engine: Optional["ZeroEngine"] = None
-        # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
-        self.comm_counter = CommCounter()
-        self._device_mesh: Optional["DeviceMesh"] = None
-        self._dims: Any = None
-        self._shard_groups: Any = None  # mesh.ShardGroups under hybrid sharding / hierarchical reduction
-        self.failure_channel: Optional["FailureChannel"] = None  # [Note: failure path] in failure_path.py
+        # mesh, engine, failure channel, counter: the runtime both doors share (runtime/session.py)
+        self.session = ZeroSession(self.zero_config, wrap_policy)
         self._restore: Optional["CheckpointRestore"] = None  # a checkpoint load across Lightning's three calls
         self._saves: Any = None  # checkpoint/background.py's BackgroundSaves under async_checkpoint
 
@@ -154,7 +138,7 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision())
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
         return plugin
 
     @precision_plugin.setter
@@ -162,70 +146,59 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+
+    @property
+    def precision_policy(self) -> "PrecisionPolicy":
+        """Where each byte lives under the chosen precision (``runtime/precision.py``)."""
+        return self.precision_plugin.policy  # type: ignore[attr-defined]
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+        return self.precision_policy.compute_dtype
+
+    # -- what the session holds (runtime/session.py) ---------------------------------------------
+    @property
+    def comm_counter(self) -> "CommCounter":
+        """Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind."""
+        return self.session.comm_counter
+
+    @property
+    def failure_channel(self) -> Optional["FailureChannel"]:
+        """[Note: failure path] in runtime/failure.py."""
+        return self.session.failure_channel
+
+    @property
+    def wrap_policy(self) -> Optional[Any]:
+        return self.session.wrap_policy
+
+    @property
+    def _dims(self) -> Any:
+        return self.session.dims
 
     # -- mesh -----------------------------------------------------------------------------------
     @property
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The ``("dp", "tp")`` mesh when ``tensor_parallel_size > 1`` (else ``None``)."""
-        return self._device_mesh
-
-    @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
-        if self._device_mesh is None:
-            return None
-        return self._device_mesh["dp"].get_group()
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size if self._dims is None else self._dims.dp
-
-    @property
-    def dp_rank(self) -> int:
-        if self._device_mesh is None:
-            return self.global_rank
-        return self._device_mesh["dp"].get_local_rank()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks of one TP group see the same batch; the data is split over dp only.
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+        return self.session.device_mesh
 
     @override
     def setup_environment(self) -> None:
         # raises on a bad layout before any process group starts
-        self._dims = parallel_dims(self.zero_config, num_nodes=self.num_nodes, num_processes=self.num_processes,
-                                   lightning_module=self.lightning_module)  # fmt: skip
+        self.session.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes,
+                                 module=self.lightning_module)  # fmt: skip
         super().setup_environment()  # starts the process group
-        self.failure_channel = open_failure_channel(self.failure_channel)
-        self._device_mesh, self._shard_groups = build_groups(self._dims, self.root_device.type)
-        # [Note: collective timeout on NCCL] in zero/waits.py: the watchdog's limit is collective_timeout
-        groups: list = [None]
-        if self._device_mesh is not None:
-            groups += [self._device_mesh["dp"].get_group(), self._device_mesh["tp"].get_group()]
-        if self._shard_groups is not None:
-            groups += self._shard_groups.all()
-        hold_collective_timeout(groups, self.zero_config.collective_timeout)
-        if self._device_mesh is not None:
+        self.session.start(self.root_device.type)
+        if self.device_mesh is not None:
             assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._device_mesh
+            self.lightning_module._device_mesh = self.device_mesh
 
-    # -- failures ([Note: failure path] in failure_path.py) -------------------------------------
-    @property
-    def failed(self) -> bool:
-        """This rank failed, or knows another rank did: it issues no collective any more."""
-        return self.failure_channel is not None and self.failure_channel.failed
-
+    # -- failures ([Note: failure path] in runtime/failure.py) -----------------------------------
     def _note_failure(self, exception: BaseException) -> None:
         if isinstance(exception, AgreedSigterm):
             return  # every rank agreed to exit here: not a failure ([Note: signals as events])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        note_failure(self.failure_channel, exception, trainer if trainer is not None and trainer.state else None)
+        self.session.note_failure(exception, where(trainer if trainer is not None and trainer.state else None))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -244,16 +217,14 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
-        move_real_tensors(self.model, self.root_device)
+        # bf16-true/16-true: the whole module in the half dtype, as ddp converts it (the -mixed
+        # plugins leave the casting to the engine, which takes the fp32 masters first)
+        self.model = self.precision_plugin.convert_module(self.model)
         # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
-        broadcast_module_states(self.model, self.dp_group)
+        self.session.prepare_module(self.model, self.root_device, ranks_per_node=self.num_processes)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-        tp_counter = find_tp_counter(self.model)  # dp and tp traffic counted in one place
-        if tp_counter is not None:
-            self.comm_counter = tp_counter
-        self.comm_counter.ranks_per_node = self.num_processes  # [Note: link classes] in collectives.py
         if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
         if fitting:
@@ -294,30 +265,10 @@ class ZeroStrategy(DDPStrategy):
         pass
 
     def _build_engine(self, optimizers: list) -> None:
-        from lightning_zero.zero.engine import ZeroEngine
-
-        if self.engine is not None:
-            self.engine.close()
         assert self.lightning_module is not None
-        groups = self._shard_groups
-        self.engine = ZeroEngine(
-            self.lightning_module,
-            optimizers,
-            self.zero_config,  # whole: the engine's parts read config.<knob> where they use it
-            dp_group=self.dp_group if groups is None else None,
-            compute_dtype=self.compute_dtype,
-            # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
-            norm_group=dist.group.WORLD if groups is None else groups.replica,
-            device=self.root_device,
-            wrap_policy=self.wrap_policy,
-            counter=self.comm_counter,
-            shard_groups=groups,
-            ranks_per_node=self.num_processes,
-            failure=self.failure_channel,
-        )
-        if self._device_mesh is not None:
-            weigh_tp_norm(self.engine, self._dims.tp)
-        self.precision_plugin.engine = self.engine  # type: ignore[attr-defined]
+        engine = self.session.build_engine(self.lightning_module, optimizers, precision=self.precision_policy,
+                                           device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
+        self.precision_plugin.engine = engine  # type: ignore[attr-defined]
 
     def _attach_monitor(self, trainer: "pl.Trainer") -> None:
         from lightning_zero.trainer.monitor import ZeroMonitor
@@ -447,21 +398,10 @@ class ZeroStrategy(DDPStrategy):
                 self._saves.abandon()
             self._saves.close()
             self._saves = None
-        if self.engine is not None:
-            if self.failed:  # [Note: failure path]: nothing that needs the peers
-                what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
-                        " bf16-mixed: bf16 parameters) and skipped the collectives that need every rank (gathers,"
-                        " destroying the engine's process groups)")  # fmt: skip
-                warn_failed(self.failure_channel, self.global_rank, what)
-                self.engine.close(destroy_groups=False)
-            else:
-                # Leave the module usable outside the Trainer (forward, state_dict): full parameters,
-                # fp32 under bf16-mixed as under ddp.
-                self.engine.release_module()
-                self.engine.close()
-            self.engine = None
-        if self.failure_channel is not None:
-            self.failure_channel.close()
+        # Leave the module usable outside the Trainer (forward, state_dict): full parameters, fp32
+        # under bf16-mixed as under ddp; on the failure path without the collectives.
+        self.session.close_engine(self.global_rank)
+        self.session.close()
         super().teardown()
         if save_error is not None:
             raise save_error
@@ -481,14 +421,9 @@ class ZeroStrategy(DDPStrategy):
         return {}  # likewise: each rank writes the optimizer state it owns
 
     def _checkpoint_layout(self) -> Any:
-        from lightning_zero.checkpoint import RankPlacement
-
-        tp = self._dims.tp if self._dims is not None else 1
-        tp_rank = self._device_mesh["tp"].get_local_rank() if self._device_mesh is not None else 0
         precision = getattr(self.precision_plugin, "precision", str(self.compute_dtype))
-        return RankPlacement(
-            self.world_size, self.global_rank, self.dp_size, self.dp_rank, tp, tp_rank, self.stage, precision
-        )
+        return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
+                                              precision=precision)  # fmt: skip
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -500,7 +435,7 @@ class ZeroStrategy(DDPStrategy):
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
             what = (f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every rank); the"
                     " last complete checkpoint is still the newest")  # fmt: skip
-            warn_failed(self.failure_channel, self.global_rank, what)
+            self.session.warn_failed(self.global_rank, what)
             return
         self._wait_param_gathers()
         if self.zero_config.async_checkpoint and self._saves is None:

@@ -14,18 +14,20 @@ turn that into a named error on every rank within seconds:
 reduce-scatters where the others issue the parameter all-gathers after their step: the ops no
 longer pair up and every rank waits until ``collective_timeout``. So each phase that issues
 collectives on the dp group starts with a marker, and markers are all the same all-reduce (MAX)
-of ``(phase, -phase, optimizer steps, -steps, one used flag per parameter)``: markers always pair
+of ``(phase, -phase, optimizer steps, -steps, overflow, one used flag per parameter)``: markers always pair
 with markers, so ranks at different phases or optimizer steps see it in the marker itself and
 all raise, naming both. Two phases, two markers per optimizer step:
 
 - a synchronizing backward launches its marker with its first bucket and waits for it before any
   bucket wait (the flags are zeros: usage is not known yet);
 - each optimizer step waits for its marker right before the update, and the marker carries the
-  used flags ([Note: parameters nobody used]); whatever the step then issues (stages 1-2: the
+  used flags ([Note: parameters nobody used]) and, under a loss scale, this rank's overflow flag
+  ([Note: global overflow] in ``optimizer.py``); whatever the step then issues (stages 1-2: the
   parameter all-gather) follows the agreed marker.
 
-Cost: ``2 (16 + 4 R + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted
-in ``CommCounter.control_bytes`` (``R``: the riders' slots, [Note: marker riders]). A rank that steps without its backward, or skips a whole manual
+Cost: ``2 (20 + 4 R + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted
+in ``CommCounter.control_bytes`` (``R``: the riders' slots, [Note: marker riders]). A rank that
+steps without its backward, or skips a whole manual
 training step, is caught before it issues anything ([Note: a step without a backward]); ``training_step`` returning no loss is refused by the strategy.
 
 [Note: a step without a backward] A rank that steps an optimizer with no backward since that
@@ -124,17 +126,20 @@ class PhaseMarkers:
         self.waiter = waiter
         self.optimizer_steps = 0  # optimizer steps taken so far (StepChecks counts them)
         self.unused_by_all: set[int] = set()  # agreed at the last optimizer step's marker
+        self.overflow_anywhere = False  # agreed at the last optimizer step's marker ([Note: global overflow])
         self.riders: list[MarkerRider] = []  # [Note: marker riders]
 
-    def start(self, phase: int) -> PendingMarker:
-        """Launch this rank's marker of ``phase``: an all-reduce (MAX) over all of dp."""
+    def start(self, phase: int, overflow: bool = False) -> PendingMarker:
+        """Launch this rank's marker of ``phase``: an all-reduce (MAX) over all of dp. ``overflow``:
+        this rank's gradient shard holds an inf/NaN ([Note: global overflow] in optimizer.py)."""
         steps = self.optimizer_steps
         if phase == PHASE_STEP:  # [Note: parameters nobody used] in reducer.py
             flags = [1 if id(slot.param) in self.used else 0 for slot in self.slots]
         else:
             flags = [0] * len(self.slots)
         riding = [value for rider in self.riders for value in rider.values()]  # [Note: marker riders]
-        mark = torch.tensor([phase, -phase, steps, -steps, *riding, *flags], dtype=torch.int32).to(self.device)
+        mark = torch.tensor([phase, -phase, steps, -steps, int(overflow), *riding, *flags], dtype=torch.int32)
+        mark = mark.to(self.device)
         work = all_reduce(
             mark, self.group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
             label="agree_phase", control=True,
@@ -176,11 +181,12 @@ class PhaseMarkers:
                 agreed = pending.agreed.tolist()
         high, low = agreed[0:4:2], [-value for value in agreed[1:4:2]]
         if high == low:
-            start = 4
+            start = 5
             for rider in self.riders:  # [Note: marker riders]
                 rider.agreed(agreed[start : start + rider.width])
                 start += rider.width
             if phase == PHASE_STEP:
+                self.overflow_anywhere = bool(agreed[4])
                 flags = agreed[start:]
                 self.unused_by_all = {id(slot.param) for slot, flag in zip(self.slots, flags) if not flag}
             return
@@ -198,11 +204,12 @@ class PhaseMarkers:
             " where it has nothing to learn from."
         )
 
-    def at_step(self, describe: Callable[[], str]) -> set[int]:
+    def at_step(self, describe: Callable[[], str], overflow: bool = False) -> set[int]:
         """The marker of an optimizer step, right before its update: check that every rank is at
         this step, and return the ids of the parameters no dp rank gave a gradient since their
-        optimizer last dropped its gradients ([Note: parameters nobody used] in reducer.py)."""
-        self.check(self.start(PHASE_STEP), describe)
+        optimizer last dropped its gradients ([Note: parameters nobody used] in reducer.py).
+        Afterwards ``overflow_anywhere`` says whether any rank passed ``overflow=True``."""
+        self.check(self.start(PHASE_STEP, overflow), describe)
         return self.unused_by_all
 
 

@@ -128,13 +128,15 @@ def build_replicated(
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     param_comm_dtype: Any,
+    master_dtype: torch.dtype = torch.float32,
+    norms_in_fp32: bool = True,
 ) -> BuiltParams:
     """Stages 1-2: one flat group per optimizer param group and compute dtype (norm layers with
     running statistics stay fp32 under bf16-mixed); parameters no optimizer steps stay as they are."""
     groups: list[FlatParamGroup] = []
     per_optimizer: list[list[list[FlatParamGroup]]] = []
     managed: set[int] = set()
-    fp32_ids = fp32_parameter_ids(module) if compute_dtype != torch.float32 else set()
+    fp32_ids = fp32_parameter_ids(module) if compute_dtype != torch.float32 and norms_in_fp32 else set()
     for optimizer in optimizers:
         per_param_group = []
         for param_group in optimizer.param_groups:
@@ -160,6 +162,7 @@ def build_replicated(
                         dp_rank=dp_rank,
                         compute_dtype=dtype,
                         device=device,
+                        master_dtype=master_dtype if dtype == compute_dtype else torch.float32,
                         offload=config.offload_optimizer,
                         param_comm_dtype=param_comm_dtype,
                     )
@@ -190,6 +193,8 @@ def build_sharded(
     dp_rank: int,
     compute_dtype: torch.dtype,
     param_comm_dtype: Any,
+    master_dtype: torch.dtype = torch.float32,
+    norms_in_fp32: bool = True,
     wrap_policy: Optional[Callable[..., bool]],
     counter: CommCounter,
     waiter: Waiter,
@@ -207,6 +212,8 @@ def build_sharded(
         dp_size=dp_size,
         dp_rank=dp_rank,
         compute_dtype=compute_dtype,
+        master_dtype=master_dtype,
+        norms_in_fp32=norms_in_fp32,
         device=device,
         bucket_numel=bucket_numel_for(bucket_mb, compute_dtype),
         policy=wrap_policy or default_wrap_policy,

@@ -72,9 +72,16 @@ class ZeroEngine:
             ``hierarchical_reduce``) reach it as the process groups below; ``monitor`` is the
             strategy's. The other arguments are runtime objects, not knobs:
         dp_group: data-parallel process group (``None``: the default group).
-        compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``
-            or ``torch.bfloat16``, from the precision); master weights and optimizer state are
-            fp32 either way.
+        compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``,
+            ``torch.bfloat16`` or ``torch.float16``, from the precision).
+        master_dtype: what the optimizers step, and so their state's dtype: ``torch.float32``
+            (default: fp32 master chunks beside half-precision compute parameters, or the fp32
+            parameters themselves), or ``compute_dtype`` (``bf16-true``: the half-precision
+            parameter chunks are stepped in place, no master copy; [Note: master_weights] in
+            ``runtime/precision.py``).
+        norms_in_fp32: norm layers with running statistics keep fp32 parameters when the compute
+            dtype is lower (the ``-mixed`` precisions, as under ddp's autocast); ``False`` under
+            the ``-true`` ones, where ddp converts the whole module.
         norm_group: group to sum gradient norms over (default: ``dp_group``).
         device: where parameters live (default: that of the module's first parameter; stage 3
             materializes meta parameters there, one unit at a time).
@@ -95,7 +102,7 @@ class ZeroEngine:
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
-    parameters of norm layers with running statistics (BatchNorm) stay fp32.
+    parameters of norm layers with running statistics (BatchNorm) stay fp32 (``norms_in_fp32``).
     """
 
     def __init__(
@@ -106,6 +113,8 @@ class ZeroEngine:
         *,
         dp_group: Optional[dist.ProcessGroup] = None,
         compute_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        norms_in_fp32: bool = True,
         norm_group: Optional[dist.ProcessGroup] = None,
         device: Optional[torch.device] = None,
         wrap_policy=None,
@@ -131,6 +140,7 @@ class ZeroEngine:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.compute_dtype = compute_dtype
+        self.master_dtype = master_dtype
         self.counter = counter if counter is not None else CommCounter()
         if ranks_per_node is None and self.counter.ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
             ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -166,6 +176,7 @@ class ZeroEngine:
             raise_glibc_thresholds()  # [Note: glibc's thresholds on CPU]
         where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
         where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
+        where.update(master_dtype=master_dtype, norms_in_fp32=norms_in_fp32)
         if config.stage == 3:
             built = build_sharded(
                 module, optimizers, config, **where, dp_group=dp_group, wrap_policy=wrap_policy,

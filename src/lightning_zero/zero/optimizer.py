@@ -18,6 +18,20 @@ Around ``optimizer.step()``:
 - ``optimizer.zero_grad()`` needs no patching: the reducer notices dropped master gradients
   ([Note: zero_grad detection] in ``reducer.py``), per optimizer.
 
+[Note: global overflow] Under a dynamic loss scale (``16-mixed``) a step whose gradients hold an
+inf or NaN is skipped, and the scale backs off (``torch.amp.GradScaler``). Each rank holds only
+its shard of the reduced gradients, so an inf lands in one rank's shard: that rank alone would
+skip while the others step, and the stages-1-2 all-gather after the step would pair with nothing.
+The decision must be global, and the step already makes an exchange every rank issues at the
+same point: the step's phase marker ([Note: phase markers] in ``agreements.py``), a MAX
+all-reduce. :meth:`ShardedOptimizer.agree_overflow` runs that marker early, after the unscale
+and before the update, with one more int32 (this rank's overflow flag): MAX is "any rank", so
+every rank learns the same answer. Cost: 4 bytes per step, no extra collective, no extra wait
+(the marker's wait moves, it is not added). The step's own ``before_update`` then reuses the
+agreed marker instead of issuing another. On a global overflow no rank calls
+``optimizer.step()``: optimizer state, step counts and parameters stay as they were, and no
+post-step all-gather is issued anywhere.
+
 Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) are accepted: their
 per-element state tensors are cut into the same chunks as the parameters (padding reads zero)
 and scalar state (``step``) is copied, so the sharded step starts where the unsharded would.
@@ -96,6 +110,7 @@ class ShardedOptimizer:
 
         self._point_optimizer_at_masters(eager_state)
         self._handed_out: dict[int, tuple[torch.Tensor, int]] = {}  # master id -> (grad, version)
+        self._agreed_unused: Optional[set[int]] = None  # the step marker, already agreed ([Note: global overflow])
         self._post_hook = optimizer.register_step_post_hook(self._after_step)
 
     def _point_optimizer_at_masters(self, eager_state: dict) -> None:
@@ -170,13 +185,33 @@ class ShardedOptimizer:
         if self.param_gatherer is not None:
             self.param_gatherer.wait_all()
         unused: set[int] = set()
-        if self.reducer is not None:  # [Note: phase markers] in agreements.py
-            step = f"{type(self.optimizer).__name__}.step()"
-            unused = self.reducer.markers.at_step(lambda: f"the phase marker of {step}, right before its update")
+        if self._agreed_unused is not None:  # agreed with the overflow flag ([Note: global overflow])
+            unused, self._agreed_unused = self._agreed_unused, None
+        elif self.reducer is not None:  # [Note: phase markers] in agreements.py
+            unused = self._step_marker()
         if self.offload is not None:
             self.flush_offloaded_grads()
             self.offload.before_host_update()
         self._drop_grads_of(unused)
+
+    def _step_marker(self, overflow: bool = False) -> set[int]:
+        step = f"{type(self.optimizer).__name__}.step()"
+        return self.reducer.markers.at_step(lambda: f"the phase marker of {step}, right before its update", overflow)
+
+    def agree_overflow(self, overflow: bool) -> bool:
+        """Whether any dp rank's gradient shard overflowed (``overflow``: this rank's), agreed on
+        the step's own phase marker, run now ([Note: global overflow]). Call once per step after
+        the gradients are unscaled; when it returns ``False`` the step must follow (its update
+        reuses the marker), when ``True`` every rank skips the step."""
+        if self.reducer is None:
+            raise RuntimeError("lightning_zero: agree_overflow needs the engine's reducer (its phase markers)")
+        self.flush_offloaded_grads()
+        unused = self._step_marker(overflow)
+        if self.reducer.markers.overflow_anywhere:
+            self._agreed_unused = None
+            return True
+        self._agreed_unused = unused
+        return False
 
     def _drop_grads_of(self, unused: set[int]) -> None:
         """A parameter no dp rank gave a gradient since the last ``zero_grad`` is left alone by

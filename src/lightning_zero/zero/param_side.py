@@ -112,8 +112,12 @@ class ReplicatedParams:
         """Teardown: nothing to gather (the masters go back into the module next)."""
 
     def refresh_from_masters(self, optimizers: list[ShardedOptimizer]) -> None:
-        """After loading masters: all-gather the full parameters."""
+        """After loading masters: this rank's compute chunks from its masters (separate copies under
+        the -mixed precisions and ``master_weights="fp32"``), then all-gather the full parameters."""
         for sharded in optimizers:
+            for groups in sharded.flat_groups:
+                for group in groups:
+                    group.copy_masters_to_params()
             sharded.all_gather_params()
 
     def remove_hooks(self) -> None:

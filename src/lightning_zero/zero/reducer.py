@@ -139,6 +139,13 @@ def grad_reduce_op(backend: str, dtype: torch.dtype, divisor: int) -> tuple[dist
     gloo always does: gloo has no AVG). Summing first cannot overflow bf16 (fp32's range); for
     fp16 an overflowing sum is an inf the loss scaler sees and skips, where AVG's bias would be
     silent. Pinned by ``tests/test_reducer_grad_path.py`` (``test_grad_reduce_op_rule``).
+
+    [Note: fp16 pre-division] fp16 with ``n`` a power of two is the exception on gloo: there the
+    reducer divides the bucket by ``n`` *before* the summing reduce-scatter (exact: a power of two
+    only moves the exponent), which is what NCCL's AVG does for it. A sum of ``n`` values each at
+    most ``65504 / n`` cannot overflow, so an fp16 reduction overflows exactly when some rank's
+    own gradient did, as under ddp, whose fp32 buckets never overflow in the sum: the loss scale
+    then skips the same steps on CPU and GPU as ddp does (docs/precision.md).
     """
     exact = dtype in (torch.float32, torch.float64) or (divisor & (divisor - 1)) == 0
     if str(backend).lower() == "nccl" and hasattr(dist.ReduceOp, "AVG") and exact:
@@ -381,7 +388,16 @@ class GradReducer:
         """``(op, divide_after)`` for a bucket of ``dtype`` ([Note: exact averaging])."""
         if self._sum_then_divide:
             return dist.ReduceOp.SUM, True
+        if self._divides_before(dtype):
+            return dist.ReduceOp.SUM, False
         return grad_reduce_op(self._backend, dtype, self.grad_divisor)
+
+    def _divides_before(self, dtype: torch.dtype) -> bool:
+        """[Note: fp16 pre-division]: fp16, a power-of-two divisor, a plain SUM reduce-scatter."""
+        n = self.grad_divisor
+        if dtype != torch.float16 or self._sum_then_divide or n & (n - 1) or n == 1:
+            return False
+        return grad_reduce_op(self._backend, dtype, n)[1]
 
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
@@ -402,6 +418,8 @@ class GradReducer:
                 label="reduce_scatter_grads",
             )  # fmt: skip
         else:
+            if self._divides_before(full.dtype):  # [Note: fp16 pre-division]
+                full.div_(self.grad_divisor)
             work = reduce_scatter(
                 output,
                 full,

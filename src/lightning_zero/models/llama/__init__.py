@@ -1,39 +1,41 @@
-"""Llama 2 and 3.x, one job a module: ``config`` (shapes and presets), ``rope`` (rotary tables and
-rope scaling), ``model`` (the decoder with Meta's
+"""Llama 2 and 3.x, one job a module: ``config`` (shapes and presets), ``rope_scaling`` (the rope
+scaling dict, checked; plain Python), ``rope`` (rotary tables), ``model`` (the decoder with Meta's
 module names), ``lightning`` (``LlamaLM``), ``hf_config`` (a Hugging Face config.json read into
 config fields) and ``hf`` (the rest of the Hugging Face layout: name map, the q/k rotary
 permutation, loading, and ``export_hf``), so the generic weight reader and writer in
-``checkpoint/`` stay model-agnostic."""
+``checkpoint/`` stay model-agnostic.
 
-from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
-from lightning_zero.models.llama.lightning import LlamaLM, PerplexityFromLoss, WarmupCosine, split_batch
-from lightning_zero.models.llama.model import (
-    Attention,
-    FeedForward,
-    Llama,
-    RMSNorm,
-    TransformerBlock,
-    apply_rope,
-    build_llama,
-    cross_entropy_loss,
-    rope_tables,
-)
+Names are imported lazily: ``config``, ``rope_scaling`` and ``hf_config`` import neither torch nor
+Lightning, so the planner can read a ``LlamaConfig`` without either."""
 
-__all__ = [
-    "Attention",
-    "FeedForward",
-    "Llama",
-    "LlamaConfig",
-    "LlamaLM",
-    "PerplexityFromLoss",
-    "RMSNorm",
-    "TransformerBlock",
-    "WarmupCosine",
-    "apply_rope",
-    "build_llama",
-    "cross_entropy_loss",
-    "preset_names",
-    "resolve_config",
-    "rope_tables",
-    "split_batch",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Attention": "lightning_zero.models.llama.model",
+    "FeedForward": "lightning_zero.models.llama.model",
+    "Llama": "lightning_zero.models.llama.model",
+    "LlamaConfig": "lightning_zero.models.llama.config",
+    "LlamaLM": "lightning_zero.models.llama.lightning",
+    "PerplexityFromLoss": "lightning_zero.models.llama.lightning",
+    "RMSNorm": "lightning_zero.models.llama.model",
+    "TransformerBlock": "lightning_zero.models.llama.model",
+    "WarmupCosine": "lightning_zero.models.llama.lightning",
+    "apply_rope": "lightning_zero.models.llama.model",
+    "build_llama": "lightning_zero.models.llama.model",
+    "cross_entropy_loss": "lightning_zero.models.llama.model",
+    "preset_names": "lightning_zero.models.llama.config",
+    "resolve_config": "lightning_zero.models.llama.config",
+    "rope_tables": "lightning_zero.models.llama.rope",
+    "split_batch": "lightning_zero.models.llama.lightning",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_zero.models.llama' has no attribute {name!r}")

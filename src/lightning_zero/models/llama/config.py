@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.models.llama.hf_config import config_fields_from_hf
-from lightning_zero.models.llama.rope import normalize_rope_scaling
+from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
 
 # The Llama 2 family shares these; each size overrides the shape (Meta's params.json files).
 _LLAMA2_BASE: dict[str, Any] = dict(vocab_size=32000, max_seq_len=4096, norm_eps=1e-5, rope_theta=10000.0)

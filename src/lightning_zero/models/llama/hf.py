@@ -66,7 +66,7 @@ from lightning_zero.checkpoint.hf import (
 from lightning_zero.checkpoint.load import open_checkpoint
 from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
 from lightning_zero.models.llama.hf_config import ARCHITECTURE, CONFIG_FILE, PathLike, read_hf_config
-from lightning_zero.models.llama.rope import normalize_rope_scaling
+from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
 
 # Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
 IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)

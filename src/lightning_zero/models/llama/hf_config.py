@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_zero.models.llama.rope import normalize_rope_scaling
+from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
 
 PathLike = Union[str, os.PathLike]
 CONFIG_FILE = "config.json"

@@ -44,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig
-from lightning_zero.models.llama.rope import needs_dynamic_tables, rope_tables
+from lightning_zero.models.llama.rope import rope_tables
+from lightning_zero.models.llama.rope_scaling import needs_dynamic_tables
 
 
 class RMSNorm(nn.Module):

@@ -27,36 +27,39 @@ What stage 3 does differently from stage 2 is all in this package:
   gathered and stepped one unit at a time ([Note: replicated step per unit]).
 - ``init.py`` -- **Sharded init.** A meta-device model is materialized, initialized (buffers
   included, [Note: buffer init]) and sharded one unit at a time.
+- ``gather_order.py`` -- a recorded order's held entries and the most it holds gathered at once
+  ([Note: gathered working set]); plain Python, which the planner reads too.
+
+Names are imported lazily (as ``lightning_zero``'s own), so ``gather_order`` is read without
+importing torch.
 """
 
-from lightning_zero.zero.stage3.init import build_units, live_parameter_bytes
-from lightning_zero.zero.stage3.replicated_step import UnitReplicatedOptimizer
-from lightning_zero.zero.stage3.runtime import Stage3Runtime
-from lightning_zero.zero.stage3.schedule import Schedule, clone_dp_group
-from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
-from lightning_zero.zero.stage3.units import (
-    SINGLE_UNIT_WARN_NUMEL,
-    Unit,
-    WrapPolicy,
-    assign_params,
-    default_wrap_policy,
-    find_units,
-    is_block_container,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SINGLE_UNIT_WARN_NUMEL",
-    "Schedule",
-    "ShardedFlatParamGroup",
-    "Stage3Runtime",
-    "Unit",
-    "UnitReplicatedOptimizer",
-    "WrapPolicy",
-    "assign_params",
-    "build_units",
-    "clone_dp_group",
-    "default_wrap_policy",
-    "find_units",
-    "is_block_container",
-    "live_parameter_bytes",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "SINGLE_UNIT_WARN_NUMEL": "lightning_zero.zero.stage3.units",
+    "Schedule": "lightning_zero.zero.stage3.schedule",
+    "ShardedFlatParamGroup": "lightning_zero.zero.stage3.storage",
+    "Stage3Runtime": "lightning_zero.zero.stage3.runtime",
+    "Unit": "lightning_zero.zero.stage3.units",
+    "UnitReplicatedOptimizer": "lightning_zero.zero.stage3.replicated_step",
+    "WrapPolicy": "lightning_zero.zero.stage3.units",
+    "assign_params": "lightning_zero.zero.stage3.units",
+    "build_units": "lightning_zero.zero.stage3.init",
+    "clone_dp_group": "lightning_zero.zero.stage3.schedule",
+    "default_wrap_policy": "lightning_zero.zero.stage3.units",
+    "find_units": "lightning_zero.zero.stage3.units",
+    "is_block_container": "lightning_zero.zero.stage3.units",
+    "live_parameter_bytes": "lightning_zero.zero.stage3.init",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_zero.zero.stage3' has no attribute {name!r}")

@@ -158,6 +158,8 @@ def build_units(
     compute_dtype: torch.dtype,
     device: torch.device,
     bucket_numel: int,
+    master_dtype: torch.dtype = torch.float32,
+    norms_in_fp32: bool = True,
     policy: WrapPolicy = default_wrap_policy,
     offload: bool = False,
     param_comm_dtype: Optional[str] = None,
@@ -227,7 +229,9 @@ def build_units(
         peak_bytes = max(peak_bytes, live_parameter_bytes(module))
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
-        keep_fp32 = fp32_parameter_ids(unit_module or module) if compute_dtype != torch.float32 else set()
+        keep_fp32 = (
+            fp32_parameter_ids(unit_module or module) if compute_dtype != torch.float32 and norms_in_fp32 else set()
+        )
         for param in params:
             key = slot_of.get(id(param), ("frozen", param.dtype))
             if key[0] != "frozen" and id(param) in keep_fp32:
@@ -243,7 +247,7 @@ def build_units(
                 dp_rank=dp_rank,
                 compute_dtype=dtype,
                 device=device,
-                master_dtype=torch.float32 if managed else dtype,
+                master_dtype=(master_dtype if dtype == compute_dtype else torch.float32) if managed else dtype,
                 offload=offload and managed,
                 param_comm_dtype=param_comm_dtype if managed else None,  # frozen weights travel exact
             )

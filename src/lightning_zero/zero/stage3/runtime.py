@@ -154,7 +154,7 @@ class Stage3Runtime:
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
         self.gathered_numel = 0  # elements of non-root units gathered now
-        # most of them at once so far ([Note: gathered working set] in schedule.py)
+        # most of them at once so far ([Note: gathered working set] in gather_order.py)
         self.high_water_numel = 0
         self.on_backward_begin: Optional[Callable[[], None]] = None  # the reducer's, see notes
         # The reducer's: the trainable parameters of a unit whose backward this rank skipped, or

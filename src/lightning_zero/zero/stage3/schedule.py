@@ -53,19 +53,8 @@ saves ``(dp-1)/dp`` of that unit's bytes per forward/backward pair (a 32000 x 40
 MiB per rank at dp=2), and holds the unit only while the loss runs, where the freed unit would be
 gathered again at once; the planner counts it (``planner/workload.gathered_once_units``).
 
-[Note: gathered working set] Besides its shards, a rank holds the units in flight: on reaching an
-entry of the recorded schedule it has that entry's unit gathered and starts the all-gathers of the
-next ``prefetch_blocks`` entries (a held entry gathers nothing but counts against that window); a
-unit is freed after its forward (unless held into its backward) and after its backward, before the
-next entry is reached (its post-backward function runs before the hook on its input's producer).
-:func:`gathered_high_water` walks a schedule that way and returns the most elements gathered at
-once; the root unit (a tied embedding) is gathered beside them for the whole step. For a decoder
-that is ``(prefetch_blocks + 1)`` blocks in the middle of the model, but at its ends the embedding
-or the head with ``prefetch_blocks`` blocks: a 0.44B Llama with a 49M-element embedding and
-35M-element blocks holds 84M elements at ``prefetch_blocks=1``, not twice its largest unit. The
-planner's "stage-3 gathered blocks" row is this function of its own order
-(``planner/workload.gathered_numel``), and the engine measures the same
-(``Stage3Runtime.high_water_numel``).
+What a recorded schedule holds gathered, and which of its entries are held, is plain arithmetic
+in ``gather_order.py`` ([Note: gathered working set]), shared with the planner.
 """
 
 from __future__ import annotations
@@ -80,6 +69,7 @@ from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import all_gather, local_only
 from lightning_zero.zero.stage3.abort import AbortChannel
+from lightning_zero.zero.stage3.gather_order import held_entries
 
 if TYPE_CHECKING:
     from lightning_zero.zero.stage3.units import Unit
@@ -92,42 +82,6 @@ DEMAND = 3  # value: the unit a no_grad forward in a training step needs, not ga
 DEMAND_HELD = 4  # value: the unit a no_grad forward in a training step needs, gathered on this rank
 NEED = 5  # value: the unit this rank needs now, in a phase whose ranks run different modules
 DONE = 6  # value: 0 -- this rank needs no more units in the open step (it serves the others)
-
-
-def held_entries(order: list[int], in_backward: list[bool]) -> list[bool]:
-    """Per entry of a recorded schedule (unit indices, and whether each was gathered for a
-    backward): True where the unit stays gathered from the forward entry just before it, so the
-    entry issues no all-gather ([Note: held into backward]). The planner asks the same of its
-    model's forward/backward order."""
-    return [
-        position > 0
-        and in_backward[position]
-        and not in_backward[position - 1]
-        and order[position] == order[position - 1]
-        for position in range(len(order))
-    ]
-
-
-def gathered_high_water(order: list[int], in_backward: list[bool], numel: dict[int, int], prefetch: int) -> int:
-    """Most elements of non-root units gathered at once on a rank that follows the recorded
-    schedule ``order`` / ``in_backward`` entry by entry ([Note: gathered working set]);
-    ``numel``: each non-root unit's gathered elements (the root, recorded as the first entry and
-    gathered for the whole step, is left out); ``prefetch``: ``prefetch_blocks``. The planner's
-    "stage-3 gathered blocks" row is this (plus the root), the engine's
-    ``Stage3Runtime.high_water_numel`` measures it."""
-    held = held_entries(order, in_backward)
-    gathered: set[int] = set()
-    most = 0
-    for position, unit in enumerate(order):
-        gathered.add(unit)
-        for ahead in range(position + 1, min(position + 1 + prefetch, len(order))):
-            if not held[ahead]:
-                gathered.add(order[ahead])
-        most = max(most, sum(numel.get(index, 0) for index in gathered))
-        keep = position + 1 < len(order) and held[position + 1]  # stays gathered into its backward
-        if not keep:
-            gathered.discard(unit)
-    return most
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` under ZeRO: Fabric's state dicts onto ``checkpoint/``.
+
+Fabric hands a strategy a dict such as LitGPT's ``{"model": model, "optimizer": optimizer,
+"scheduler": scheduler, "iter_num": 3}``. :class:`FabricState` maps it onto the sharded
+checkpoint of ``checkpoint/`` (docs/checkpoints.md): the set-up model and its optimizers are
+written as every rank's shards (any dp size or stage reads them back), stateful objects as their
+``state_dict()`` and plain values as they are, both in the checkpoint's JSON state, with a record
+of which key was the model and which the optimizers. ``state_dict_type="full"`` writes one
+``torch.save`` file instead (global rank 0, atomically), and a single file -- that one, or any
+plain state dict -- loads into the sharded model through ``checkpoint/full.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from lightning_zero.checkpoint import RankPlacement
+    from lightning_zero.zero.engine import ZeroEngine
+
+FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was the model and the optimizers
+
+
+@dataclass
+class FabricState:
+    """Saves and loads Fabric state dicts for one set-up ``module`` (and its ``optimizers``, every
+    one set up) on this rank's ``layout``. Every rank calls each method (collectives)."""
+
+    module: nn.Module
+    optimizers: list[Optimizer]
+    engine: "ZeroEngine"
+    layout: "RankPlacement"
+
+    def split(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
+        """(key of the set-up module, keys of its optimizers, the other entries as saved)."""
+        module_key, optimizer_keys, others = None, [], {}
+        for key, value in state.items():
+            if isinstance(value, nn.Module):
+                self._check_module(value, key)
+                module_key = key
+            elif isinstance(value, Optimizer):
+                if value not in self.optimizers:
+                    raise ValueError(f"ZeroFabricStrategy: state[{key!r}] is an optimizer that was not set up.")
+                optimizer_keys.append(key)
+            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+                others[key] = value.state_dict()
+            else:
+                others[key] = value
+        if module_key is None:
+            raise ValueError("ZeroFabricStrategy.save: the state holds no set-up model; add it: {'model': model, ...}.")
+        return module_key, optimizer_keys, others
+
+    def _check_module(self, module: nn.Module, key: Any = "model") -> nn.Module:
+        if module is not self.module:
+            raise ValueError(
+                f"ZeroFabricStrategy: state[{key!r}] is a {type(module).__name__} that was not set up with this"
+                " strategy; save and load the model returned by fabric.setup."
+            )
+        return module
+
+    # -- save ------------------------------------------------------------------------------------
+    def save_sharded(self, path: Any, state: dict[str, Any]) -> None:
+        from lightning_zero.checkpoint import save_checkpoint
+
+        module_key, optimizer_keys, others = self.split(state)
+        optimizers = [state[key] for key in optimizer_keys]
+        self.engine.wait_param_gathers()
+        checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
+        if optimizers:
+            checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
+        save_checkpoint(path, checkpoint, module=self.module, engine=self.engine, optimizers=optimizers,
+                        layout=self.layout)  # fmt: skip
+
+    def save_full(self, path: Path, state: dict[str, Any]) -> None:
+        from lightning_zero.checkpoint.full import gather_full_state_dict
+
+        module_key, optimizer_keys, others = self.split(state)
+        if optimizer_keys:
+            raise ValueError(
+                f"ZeroFabricStrategy(state_dict_type='full'): {optimizer_keys} are optimizers; a full file holds the"
+                " model (for LitGPT's tools and export) and no optimizer state. Save {'model': model} for the"
+                " file, and the training state with state_dict_type='sharded' (the default) to resume."
+            )
+        self.engine.wait_param_gathers()
+        full = gather_full_state_dict(self.module, self.engine, self.engine.dp_group)
+        if self.layout.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".partial")
+            torch.save({module_key: full, **others}, partial)
+            partial.replace(path)  # atomic: a reader sees the old file or the whole new one
+
+    # -- load ------------------------------------------------------------------------------------
+    def load(
+        self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]], *, strict: bool,
+        weights_only: Optional[bool],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Restore ``state`` in place from ``path`` (a sharded checkpoint or a single file); returns
+        the saved entries ``state`` did not ask for."""
+        from lightning_zero.checkpoint import is_checkpoint
+
+        if state is None or isinstance(state, Optimizer) or (isinstance(state, dict) and not state):
+            raise ValueError(
+                f"ZeroFabricStrategy: pass the objects to restore from {path}: fabric.load(path, {{'model': model,"
+                " 'optimizer': optimizer, ...}) or fabric.load_raw(path, model). Optimizer state is restored with"
+                " its model, from sharded checkpoints."
+            )
+        if is_checkpoint(path):
+            return self._load_sharded(path, state, strict)
+        return self._load_file(Path(path), state, strict, weights_only)
+
+    def _load_file(
+        self, path: Path, state: Union[nn.Module, dict[str, Any]], strict: bool, weights_only: Optional[bool]
+    ) -> dict[str, Any]:
+        """A single file (``state_dict_type="full"``, or any plain ``torch.save`` of a state dict)."""
+        from lightning_zero.checkpoint.full import load_full_state_dict
+
+        loaded = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        if isinstance(state, nn.Module):  # load_raw: the file is the module's state dict
+            load_full_state_dict(self._check_module(state), self.engine, loaded, strict=strict)
+            return {}
+        remainder = dict(loaded)
+        for key, value in list(state.items()):
+            if key not in remainder:
+                if strict:
+                    raise KeyError(f"The requested state contains a key '{key}' that does not exist in {path}.")
+                continue
+            saved = remainder.pop(key)
+            if isinstance(value, nn.Module):
+                load_full_state_dict(self._check_module(value, key), self.engine, saved, strict=strict)
+            elif isinstance(value, Optimizer):
+                raise ValueError(f"ZeroFabricStrategy: {path} is a single file, without sharded state for {key!r}.")
+            elif hasattr(value, "load_state_dict"):
+                value.load_state_dict(saved)
+            else:
+                state[key] = saved
+        return remainder
+
+    def _load_sharded(self, path: Any, state: Union[nn.Module, dict[str, Any]], strict: bool) -> dict[str, Any]:
+        from lightning_zero.checkpoint import apply_optimizer_state, load_model, open_checkpoint
+
+        opened = open_checkpoint(path, self.layout)
+        keys = opened.state.get(FABRIC_KEYS, {"model": None, "optimizers": []})
+        saved = dict(opened.state.get("state", {}))
+        if isinstance(state, nn.Module):  # load_raw of a sharded checkpoint: the weights
+            state = {keys["model"] or "model": state}
+        missing = sorted(set(state) - (set(saved) | {keys["model"]} | set(keys["optimizers"])))
+        if strict and missing:
+            raise KeyError(f"The requested state contains a key '{missing[0]}' that does not exist in {path}.")
+        module_key = next((key for key, value in state.items() if isinstance(value, nn.Module)), None)
+        if module_key is not None:
+            module = self._check_module(state[module_key], module_key)
+            optimizers = [state[key] for key in keys["optimizers"] if key in state]
+            if len(optimizers) != len(keys["optimizers"]):  # weights only: the optimizers' state stays
+                optimizers = []
+                opened.meta["optimizers"] = []
+            states = load_model(opened, module, engine=self.engine, optimizers=optimizers, layout=self.layout,
+                                strict=strict)  # fmt: skip
+            apply_optimizer_state(opened, optimizers, states)
+        for key, value in list(state.items()):
+            if key not in saved or isinstance(value, (nn.Module, Optimizer)):
+                continue
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(saved.pop(key))
+            else:
+                state[key] = saved.pop(key)
+        return saved

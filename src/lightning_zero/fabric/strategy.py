@@ -1,0 +1,529 @@
+"""ZeroFabricStrategy: the ZeRO engine behind Lightning Fabric (``L.Fabric(strategy="zero3")``).
+
+A thin door over the runtime both doors share (:class:`~lightning_zero.runtime.session.ZeroSession`:
+layout, groups, failure channel, engine, checkpoint layout); this file only decides *when* Fabric's
+calls reach it:
+
+- ``setup_environment``: the layout is checked before the process group starts, the session
+  starts after it (as under the Trainer).
+- ``setup_module``: the module on the device (meta tensors stay), every dp rank with dp rank 0's
+  weights; ``setup_optimizer`` records the optimizer. The engine is built over the module and
+  every optimizer set up so far at the first call that needs it (the first forward, a
+  ``fabric.load``, a save), so both ``fabric.setup(model, opt)`` and LitGPT's order
+  (``fabric.setup(model)``, the optimizer over ``model.parameters()``, then
+  ``fabric.setup_optimizers(opt)``) build one engine with every optimizer.
+- ``module_init_context`` (``fabric.init_module()``): under stage 3 the model is built on the meta
+  device and the engine materializes it one unit at a time (``zero/stage3/init.py``), as the
+  Trainer's ``configure_model`` path does.
+- step boundaries come from the calls the user makes ([Note: Fabric step boundaries]).
+- ``fabric.backward`` finishes the gradient sync; ``no_backward_sync`` is the engine's ``no_sync``;
+  ``clip_gradients`` clips by the global norm over the shards.
+- ``fabric.save``/``fabric.load``: the sharded checkpoint of ``checkpoint/`` (atomic, resumable on
+  another dp size or stage), or one full file with ``state_dict_type="full"`` (``fabric/checkpoint.py``);
+  ``load_raw`` and a set-up model's ``load_state_dict`` write a full state dict through to the
+  shards and masters ([Note: full state dicts] in ``checkpoint/full.py``).
+- a failure: [Note: failure path] in ``runtime/failure.py``; a rank whose script ends with an
+  exception posts it from ``sys.excepthook`` (Fabric has no exception hook of its own).
+
+[Note: Fabric step boundaries] The Trainer names each step through its hooks; under Fabric the
+set-up model's forward does:
+
+- a forward with grad enabled, when no training step is open, opens one (``begin_step("train")``);
+  forwards before the backward belong to it; ``fabric.backward`` ends it (and with it the gradient
+  sync). Each micro batch of a ``no_backward_sync`` loop is one such step, as under the Trainer's
+  ``accumulate_grad_batches``. ``optimizer.step()`` frees every gathered unit (stage 3).
+- a forward under ``torch.no_grad()`` / ``torch.inference_mode()`` outside a training step is one
+  evaluation step (``begin_step("eval")`` ... ``end_eval_step()``): stage 3 gathers along the
+  recorded evaluation schedule and frees everything after it. Token-by-token generation is one
+  evaluation step per forward. Every rank must run the same number of such forwards.
+- a grad-disabled forward inside an open training step (an EMA teacher) follows
+  [Note: no_grad forwards in a training step] in ``zero/stage3/runtime.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.config import ZeroConfig, knob_views
+from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name
+from lightning_zero.runtime.session import SessionViews, ZeroSession
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+    from lightning_zero.fabric.checkpoint import FabricState
+    from lightning_zero.zero.engine import ZeroEngine
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
+class ZeroFabricStrategy(SessionViews, DDPStrategy):
+    """ZeRO data parallelism (stages 1-3) as a Lightning Fabric strategy.
+
+    Args:
+        config: a :class:`~lightning_zero.config.ZeroConfig` (e.g. the Trainer strategy's
+            ``ZeroStrategy(...).zero_config``), or ``None`` to build one from ``knobs``.
+        state_dict_type: ``"sharded"`` (default): ``fabric.save`` writes a sharded checkpoint
+            directory (every rank its shards; resumes on any dp size or stage); ``"full"``: one
+            file, ``torch.save`` of the state with the model's full state dict (fp32 masters), as
+            FSDP's ``state_dict_type="full"`` writes it for LitGPT's tools; written by global rank
+            0, without optimizer state.
+        wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+            process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+        knobs: every field of :class:`~lightning_zero.config.ZeroConfig` (``stage``, ``bucket_mb``,
+            ...), the same knobs as ``ZeroStrategy``'s, validated by the same object.
+
+    [Note: one config, two doors] ``ZeroStrategy`` is a ``lightning.pytorch`` strategy and Fabric
+    accepts only ``lightning.fabric`` ones, so the Fabric door is a twin class; what makes them
+    the same is the one ``ZeroConfig`` both take (``ZeroFabricStrategy(config=trainer_strategy.
+    zero_config)`` is the Trainer strategy's configuration) and the one runtime both call.
+    Tensor parallelism (``tensor_parallel_size > 1``) stays with the Trainer door for now: its
+    model transform runs in the LightningModule's ``configure_model``.
+    """
+
+    strategy_name = "zero_fabric"
+
+    def __init__(
+        self,
+        config: Optional[ZeroConfig] = None,
+        *,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        wrap_policy: Optional[Callable[..., bool]] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **knobs: Any,
+    ) -> None:
+        if config is not None and knobs:
+            raise ValueError(
+                f"ZeroFabricStrategy(config=..., {', '.join(sorted(knobs))}=...): pass the knobs in the config or"
+                " as keywords, not both (dataclasses.replace(config, ...) changes one)."
+            )
+        self.zero_config = config if config is not None else ZeroConfig(**knobs)
+        if self.zero_config.tensor_parallel_size != 1:
+            raise ValueError(
+                f"ZeroFabricStrategy(tensor_parallel_size={self.zero_config.tensor_parallel_size!r}): tensor"
+                " parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
+                " ZeroStrategy (its LightningModule's configure_model applies the TP transform)."
+            )
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
+                " resumable on any layout) or 'full' (one file with the full model state dict)."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.state_dict_type = state_dict_type
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self.session = ZeroSession(self.zero_config, wrap_policy)
+        self._module: Optional[nn.Module] = None
+        self._optimizers: list[Optimizer] = []
+        self._train_step_open = False
+        self._eval_forward = False
+        self._steps = 0  # optimizer steps taken (for the failure path's "training step N")
+        self._hooks: list[Any] = []
+        self._after_forward_hook: Optional[Any] = None
+        # id(stand-in) -> (stand-in, meta parameter): [Note: stand-ins for meta parameters]
+        self._meta_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        self._previous_excepthook: Optional[Callable[..., Any]] = None
+
+    # -- precision (fabric/precision.py) --------------------------------------------------------
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Optional[Precision]) -> None:
+        compute_dtype_of(precision)  # unsupported precisions fail now, before any process starts
+        self._precision = precision
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype_of(self._precision)
+
+    # -- environment ----------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        # raises on a bad layout before any process group starts
+        self.session.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes, module=None)
+        super().setup_environment()  # starts the process group
+        self.session.start(self.root_device.type)
+        if self._previous_excepthook is None:
+            self._previous_excepthook = sys.excepthook
+            sys.excepthook = self._excepthook
+
+    def _where(self) -> str:
+        return f"training step {self._steps + 1}"
+
+    def _excepthook(self, kind: type, exception: BaseException, trace: Any) -> None:
+        """[Note: failure path]: a script that ends with an exception posts it first."""
+        self.session.note_failure(exception, self._where())
+        previous = self._previous_excepthook or sys.__excepthook__
+        previous(kind, exception, trace)
+
+    def note_failure(self, exception: BaseException) -> None:
+        """Tell the other ranks that this rank failed with ``exception`` (for loops that catch
+        their exceptions themselves; an uncaught one is posted by ``sys.excepthook``)."""
+        self.session.note_failure(exception, self._where())
+
+    @contextmanager
+    def _noting_failures(self) -> Generator[None, None, None]:
+        try:
+            yield
+        except BaseException as exception:
+            self.note_failure(exception)
+            raise
+
+    # -- module and optimizers ------------------------------------------------------------------
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        if self.zero_config.stage != 3:
+            return super().module_init_context(empty_init=empty_init)
+        # Stage 3: built on the meta device; the engine materializes one unit at a time from the
+        # module's own initialization (zero/stage3/init.py), so empty_init changes nothing here.
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        from lightning_zero.runtime.setup import move_real_tensors
+
+        move_real_tensors(module, self.root_device)  # meta tensors stay: stage 3 materializes them
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+        # optimizers first: the engine is built once, over all of them (stage 3 from the meta model)
+        optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
+        module = self.setup_module(module)
+        self._ensure_engine()
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self._module is not None and self._module is not module:
+            raise ValueError(
+                "ZeroFabricStrategy: one model per strategy; fabric.setup was already called with another"
+                f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
+            )
+        if self._module is None:
+            self._module = module
+            # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
+            self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
+            # first of the module's forward pre-hooks (the engine's come after: [Note: Fabric step boundaries])
+            self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
+            # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
+            module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
+            self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            if not self._optimizers:
+                self._stand_in_for_meta_parameters(module)
+        return module
+
+    def _stand_in_for_meta_parameters(self, module: nn.Module) -> None:
+        """[Note: stand-ins for meta parameters] LitGPT's order sets up a model built under
+        ``init_module(empty_init=True)`` (stage 3: on the meta device) before its optimizer exists,
+        and Fabric's ``setup_optimizers`` refuses an optimizer over meta parameters. Building the
+        engine now would materialize the shards, and the optimizer's engine later would have to
+        gather the whole model on every rank to rebuild. So each meta parameter gets a stand-in
+        until the engine is built: a Parameter of the same shape, dtype and ``requires_grad`` on the
+        device, one element broadcast (NaN for floats) -- no memory, and nothing that reads it can
+        mistake it for weights. The optimizer is built over the stand-ins; :meth:`_restore_meta_parameters`
+        puts the meta parameters back (in the module and in the optimizers' param groups) right
+        before the engine materializes them, one unit at a time."""
+        stand_ins: dict[int, nn.Parameter] = {}
+        for child in module.modules():
+            for key, param in child._parameters.items():
+                if param is None or not param.is_meta:
+                    continue
+                stand_in = stand_ins.get(id(param))
+                if stand_in is None:  # a tied parameter gets one stand-in
+                    fill = float("nan") if param.is_floating_point() else 0
+                    value = torch.full((), fill, dtype=param.dtype, device=self.root_device).expand(param.shape)
+                    stand_in = stand_ins[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+                    self._meta_parameters[id(stand_in)] = (stand_in, param)
+                child._parameters[key] = stand_in
+
+    def _restore_meta_parameters(self) -> None:
+        """Back from the stand-ins to the meta parameters ([Note: stand-ins for meta parameters])."""
+        if not self._meta_parameters:
+            return
+        assert self._module is not None
+        original = {key: param for key, (_, param) in self._meta_parameters.items()}
+        for child in self._module.modules():
+            for key, param in child._parameters.items():
+                if param is not None and id(param) in original:
+                    child._parameters[key] = original[id(param)]
+        for optimizer in self._optimizers:
+            if any(id(param) in original for param in optimizer.state):
+                raise RuntimeError(
+                    "ZeroFabricStrategy: the optimizer stepped before the model's first forward; run the model"
+                    " (forward, fabric.backward) before optimizer.step()."
+                )
+            for group in optimizer.param_groups:
+                group["params"] = [original.get(id(param), param) for param in group["params"]]
+        self._meta_parameters.clear()
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._engine_has_optimizers() and optimizer not in self._optimizers:
+            raise RuntimeError(
+                f"ZeroFabricStrategy: {type(optimizer).__name__} was set up after the ZeRO engine was built (at"
+                " the model's first forward, or fabric.load/save). Set up every optimizer before the first"
+                " forward: fabric.setup(model, opt1, opt2) or fabric.setup_optimizers(opt1, opt2)."
+            )
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+            optimizer.register_step_post_hook(self._count_step)
+        return optimizer
+
+    def _count_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is self._optimizers[0]:
+            self._steps += 1
+
+    def _engine_has_optimizers(self) -> bool:
+        return self.engine is not None and bool(self.engine.optimizers)
+
+    def _ensure_engine(self) -> "ZeroEngine":
+        """The engine over the set-up module and every optimizer set up so far (built once; an
+        engine built without optimizers, for a forward before any optimizer was set up, is rebuilt
+        with them: one full gather)."""
+        engine = self.engine
+        if engine is not None and (engine.optimizers or not self._optimizers):
+            return engine
+        if self._module is None:
+            raise RuntimeError("ZeroFabricStrategy: set up the model first (fabric.setup(model, ...)).")
+        if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
+            engine.release_module()
+        self._restore_meta_parameters()
+        engine = self.session.build_engine(self._module, self._optimizers, precision=policy_of(self._precision),
+                                           device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
+        # last of the module's forward hooks: a step closes after the engine's own hooks ran
+        if self._after_forward_hook is not None:
+            self._after_forward_hook.remove()
+        self._after_forward_hook = self._module.register_forward_hook(self._after_forward, always_call=True)
+        return engine
+
+    # -- step boundaries ([Note: Fabric step boundaries]) ---------------------------------------
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            return
+        if self.engine is None and not self._optimizers and self.zero_config.stage != 3:
+            return  # stages 1-2 without an optimizer: the module is whole on every rank, nothing to do
+        engine = self._ensure_engine()
+        if self._train_step_open:
+            return
+        if torch.is_grad_enabled():
+            engine.begin_step("train")
+            self._train_step_open = True
+        else:
+            engine.begin_step("eval")
+            self._eval_forward = True
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward() or self.engine is None:
+            return
+        if self._eval_forward:
+            self._eval_forward = False
+            self.engine.end_eval_step()
+        elif self._train_step_open:
+            self.engine.end_step_call()  # its backward follows
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        engine = self.engine
+        if engine is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        with self._noting_failures():
+            engine.pre_backward()
+            super().backward(tensor, module, *args, **kwargs)
+            engine.post_backward()  # the gradient sync ends here, whatever the loss reached
+        self._train_step_open = False
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global norm over every rank's gradient shards; returns that norm (as
+        ``torch.nn.utils.clip_grad_norm_`` does for the whole model)."""
+        self.precision.unscale_gradients(optimizer)
+        total = self._ensure_engine().sharded_optimizer(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it"
+                " cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway,"
+                " set `error_if_nonfinite=False`"
+            )
+        return total
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        self._ensure_engine().sharded_optimizer(optimizer).clip_grad_value_(float(clip_val))
+
+    # -- collectives that the failure path skips ------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.failed:
+            return  # [Note: failure path]: the peers are not coming
+        super().barrier(*args, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _layout(self) -> Any:
+        return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
+                                              precision=precision_name(self._precision))  # fmt: skip
+
+    def _state_io(self) -> "FabricState":
+        from lightning_zero.fabric.checkpoint import FabricState
+
+        engine = self._ensure_engine()
+        assert self._module is not None
+        return FabricState(self._module, self._optimizers, engine, self._layout())
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        if storage_options is not None or filter:
+            raise TypeError("ZeroFabricStrategy.save: storage_options and filter are not supported.")
+        if self.failed:  # [Note: failure path]
+            what = (f"the checkpoint {str(path)!r} was not saved (a sharded checkpoint needs every rank); the last"
+                    " complete checkpoint is still the newest")  # fmt: skip
+            self.session.warn_failed(self.global_rank, what)
+            return
+        state_io = self._state_io()
+        with self._noting_failures():
+            if self.state_dict_type == "full":
+                state_io.save_full(Path(path), state)
+            else:
+                state_io.save_sharded(path, state)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        state_io = self._state_io()
+        with self._noting_failures():
+            return state_io.load(path, state, strict=strict, weights_only=weights_only)
+
+    def _load_module_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``model.load_state_dict`` on the set-up model: through to the masters and the shards."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from lightning_zero.checkpoint.full import load_full_state_dict
+
+        if assign:
+            raise ValueError("load_state_dict(assign=True) on a ZeRO-sharded model: the engine owns the storage.")
+        assert self._module is not None
+        engine = self._ensure_engine()
+        missing, unexpected = load_full_state_dict(self._module, engine, state_dict, strict=strict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``model.state_dict()`` under stage 3 would hand out parameters with no storage (this rank
+        holds shards only): raise with the fix instead. ``keep_vars=True`` (checkpoints) is fine."""
+        if keep_vars or self.engine is None or self.engine.stage != 3:
+            return
+        raise RuntimeError(
+            "model.state_dict() under ZeRO stage 3: this rank holds only its shards of each parameter. Save with"
+            " fabric.save(path, {'model': model}) (sharded; ZeroFabricStrategy(state_dict_type='full') for one file),"
+            " or gather with fabric.strategy.get_module_state_dict(model) on every rank (a collective)."
+        )
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict (fp32 masters) on every rank: a collective, every rank calls it."""
+        if self.engine is None:
+            return super().get_module_state_dict(module)
+        from lightning_zero.checkpoint.full import gather_full_state_dict
+
+        return gather_full_state_dict(module, self.engine, self.engine.dp_group)
+
+    # -- teardown -------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        for handle in [*self._hooks, self._after_forward_hook]:
+            if handle is not None:
+                handle.remove()
+        self._hooks.clear()
+        self._after_forward_hook = None
+        if self._module is not None:
+            self._module.__dict__.pop("load_state_dict", None)
+        self.session.close_engine(self.global_rank)
+        self.session.close()
+        if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
+        self._previous_excepthook = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: "_StrategyRegistry") -> None:
+        pass  # registered by lightning_zero._registry as "zero1"/"zero2"/"zero3"
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the engine keeps gradients local (stage 1; stage 2 with
+    ``defer_grad_reduce``; stage 2 otherwise reduce-scatters every micro batch, its memory promise)."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if module is not self.strategy._module:
+            raise TypeError("no_backward_sync: pass the model set up with this strategy (fabric.setup's result).")
+        if self.strategy.engine is None and not self.strategy._optimizers:
+            warnings.warn("no_backward_sync before any optimizer was set up: nothing to skip", stacklevel=3)
+            return nullcontext()
+        return self.strategy._ensure_engine().no_sync()

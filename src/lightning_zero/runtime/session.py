@@ -1,0 +1,231 @@
+"""ZeroSession: what both front doors call to run ZeRO on this rank (no ``lightning.pytorch``).
+
+The Trainer strategy (``trainer/strategy.py``) and the Fabric strategy (``fabric/strategy.py``)
+are thin layers that decide *when*; the session does the same things in the same order for both:
+
+1. :meth:`plan_layout` (before any process group starts): the ``(replicate, shard, tp)`` layout
+   from the knobs and the cluster, checked against the model; raises on a bad one.
+2. :meth:`start` (once the door started the default process group): the failure channel
+   ([Note: failure path] in ``runtime/failure.py``), the mesh and shard groups, the NCCL watchdog's
+   timeout.
+3. :meth:`prepare_module`: the module on the device, every dp rank starting from dp rank 0's
+   weights (as DDP does at construction); meta tensors are left for stage 3 to materialize.
+4. :meth:`build_engine`: the :class:`~lightning_zero.zero.engine.ZeroEngine` over the module and
+   the optimizers, with the groups, the counter and the failure channel of this session.
+5. :meth:`checkpoint_layout` for saves and loads; :meth:`close_engine` at teardown (the failure
+   path's teardown when this rank or a peer failed); :meth:`close`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.comm.collectives import CommCounter
+from lightning_zero.config import ZeroConfig
+from lightning_zero.runtime.failure import note_failure, open_failure_channel, warn_failed
+from lightning_zero.runtime.setup import (
+    broadcast_module_states,
+    build_groups,
+    find_tp_counter,
+    move_real_tensors,
+    parallel_dims,
+    weigh_tp_norm,
+)
+from lightning_zero.zero.waits import hold_collective_timeout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_zero.checkpoint import RankPlacement
+    from lightning_zero.comm.mesh import ParallelDims, ShardGroups
+    from lightning_zero.runtime.precision import PrecisionPolicy
+    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.waits import FailureChannel
+
+
+class ZeroSession:
+    """One rank's ZeRO run: layout, process groups, failure channel, engine.
+
+    Args:
+        config: the knobs (:class:`~lightning_zero.config.ZeroConfig`), passed whole to the engine.
+        wrap_policy: stage 3's unit policy (``zero/stage3/units.py``), or ``None`` for the default.
+    """
+
+    def __init__(self, config: ZeroConfig, wrap_policy: Optional[Callable[..., bool]] = None) -> None:
+        self.config = config
+        self.wrap_policy = wrap_policy
+        self.dims: Optional["ParallelDims"] = None
+        self.device_mesh: Optional["DeviceMesh"] = None
+        self.shard_groups: Optional["ShardGroups"] = None
+        self.failure_channel: Optional["FailureChannel"] = None
+        self.engine: Optional["ZeroEngine"] = None
+        # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
+        self.comm_counter = CommCounter()
+
+    # -- 1. layout, before any process group ----------------------------------------------------
+    def plan_layout(self, *, num_nodes: int, num_processes: int, module: Any) -> "ParallelDims":
+        """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one."""
+        self.dims = parallel_dims(self.config, num_nodes=num_nodes, num_processes=num_processes,
+                                  lightning_module=module)  # fmt: skip
+        return self.dims
+
+    # -- 2. once the default process group is up ------------------------------------------------
+    def start(self, device_type: str) -> None:
+        """Failure channel, mesh and shard groups, and the collective timeout of every group."""
+        if self.dims is None:
+            raise RuntimeError("ZeroSession.start: call plan_layout first (before the process group starts)")
+        self.failure_channel = open_failure_channel(self.failure_channel)
+        self.device_mesh, self.shard_groups = build_groups(self.dims, device_type)
+        # [Note: collective timeout on NCCL] in zero/waits.py: the watchdog's limit is collective_timeout
+        groups: list = [None]
+        if self.device_mesh is not None:
+            groups += [self.device_mesh["dp"].get_group(), self.device_mesh["tp"].get_group()]
+        if self.shard_groups is not None:
+            groups += self.shard_groups.all()
+        hold_collective_timeout(groups, self.config.collective_timeout)
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        """The data-parallel group when there is a ``("dp", "tp")`` mesh, else ``None`` (the default group)."""
+        return None if self.device_mesh is None else self.device_mesh["dp"].get_group()
+
+    def dp_size(self, world_size: int) -> int:
+        return world_size if self.dims is None else self.dims.dp
+
+    def dp_rank(self, global_rank: int) -> int:
+        return global_rank if self.device_mesh is None else self.device_mesh["dp"].get_local_rank()
+
+    # -- 3. the module ---------------------------------------------------------------------------
+    def prepare_module(self, module: nn.Module, device: torch.device, *, ranks_per_node: int) -> None:
+        """``module`` on ``device`` (meta tensors stay: stage 3 materializes them), with dp rank 0's
+        weights on every dp rank, and its TP layers' counter adopted."""
+        move_real_tensors(module, device)
+        broadcast_module_states(module, self.dp_group)
+        tp_counter = find_tp_counter(module)  # dp and tp traffic counted in one place
+        if tp_counter is not None:
+            self.comm_counter = tp_counter
+        self.comm_counter.ranks_per_node = ranks_per_node  # [Note: link classes] in collectives.py
+
+    # -- 4. the engine ---------------------------------------------------------------------------
+    def build_engine(
+        self,
+        module: nn.Module,
+        optimizers: list,
+        *,
+        precision: "PrecisionPolicy",
+        device: torch.device,
+        ranks_per_node: int,
+    ) -> "ZeroEngine":
+        """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first), keeping
+        each byte where ``precision`` says (runtime/precision.py)."""
+        from lightning_zero.zero.engine import ZeroEngine
+
+        if self.engine is not None:
+            self.engine.close()
+        groups = self.shard_groups
+        self.engine = ZeroEngine(
+            module,
+            optimizers,
+            self.config,  # whole: the engine's parts read config.<knob> where they use it
+            dp_group=self.dp_group if groups is None else None,
+            compute_dtype=precision.compute_dtype,
+            master_dtype=precision.master_dtype,
+            norms_in_fp32=precision.autocast,
+            # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
+            norm_group=dist.group.WORLD if groups is None else groups.replica,
+            device=device,
+            wrap_policy=self.wrap_policy,
+            counter=self.comm_counter,
+            shard_groups=groups,
+            ranks_per_node=ranks_per_node,
+            failure=self.failure_channel,
+        )
+        if self.device_mesh is not None:
+            assert self.dims is not None
+            weigh_tp_norm(self.engine, self.dims.tp)
+        return self.engine
+
+    # -- 5. checkpoints, failures, teardown ------------------------------------------------------
+    def checkpoint_layout(self, *, world_size: int, global_rank: int, precision: str) -> "RankPlacement":
+        """Where this rank sits, as a checkpoint records it (and a load reads into)."""
+        from lightning_zero.checkpoint import RankPlacement
+
+        tp = self.dims.tp if self.dims is not None else 1
+        tp_rank = self.device_mesh["tp"].get_local_rank() if self.device_mesh is not None else 0
+        return RankPlacement(world_size, global_rank, self.dp_size(world_size), self.dp_rank(global_rank), tp,
+                             tp_rank, self.config.stage, precision)  # fmt: skip
+
+    @property
+    def failed(self) -> bool:
+        """This rank failed, or knows another rank did: it issues no collective any more."""
+        return self.failure_channel is not None and self.failure_channel.failed
+
+    def note_failure(self, exception: BaseException, where: str) -> None:
+        """Step 1 of [Note: failure path]: post ``exception`` (or name the peer that caused it)."""
+        note_failure(self.failure_channel, exception, where)
+
+    def warn_failed(self, global_rank: int, what: str) -> None:
+        """Step 2 of [Note: failure path]: say what this rank skipped and why."""
+        warn_failed(self.failure_channel, global_rank, what)
+
+    def close_engine(self, global_rank: int) -> None:
+        """Teardown: the module usable outside the engine (full parameters, fp32 under bf16-mixed,
+        as under ddp), hooks and the engine's groups gone; on the failure path without anything
+        that needs the peers."""
+        if self.engine is None:
+            return
+        if self.failed:  # [Note: failure path]: nothing that needs the peers
+            what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
+                    " bf16-mixed: bf16 parameters) and skipped the collectives that need every rank (gathers,"
+                    " destroying the engine's process groups)")  # fmt: skip
+            self.warn_failed(global_rank, what)
+            self.engine.close(destroy_groups=False)
+        else:
+            self.engine.release_module()
+            self.engine.close()
+        self.engine = None
+
+    def close(self) -> None:
+        """The failure channel's watcher stops (after :meth:`close_engine`)."""
+        if self.failure_channel is not None:
+            self.failure_channel.close()
+
+
+class SessionViews:
+    """What both doors' strategies read from their :class:`ZeroSession` (``self.session``), for
+    a strategy class that also has ``world_size`` and ``global_rank`` (Lightning's and Fabric's
+    ``DDPStrategy``); listed first among the bases, so ``distributed_sampler_kwargs`` is this one."""
+
+    session: ZeroSession
+    world_size: int
+    global_rank: int
+
+    @property
+    def engine(self) -> Optional["ZeroEngine"]:
+        return self.session.engine
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.session.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.session.dp_size(self.world_size)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.session.dp_rank(self.global_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks of one TP group see the same batch; the data is split over dp only.
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    @property
+    def failed(self) -> bool:
+        """This rank failed, or knows another rank did: it issues no collective any more."""
+        return self.session.failed
