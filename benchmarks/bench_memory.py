@@ -47,7 +47,7 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": {"dim": 64, "layers": 2, "heads": 4, "kv-heads": 2, "ffn": 128, "vocab": 256},
 }
 RUN_DEFAULTS = {"--seq": "64", "--batch": "1", "--steps": "2", "--warmup": "0", "--rounds": "1"}
-CASE_NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
+CASE_NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "zero1_async", "zero2_async", "zero3_async"]
 DDP_BYTES_PER_PARAM = 20  # weights 4 + grads 4 + DDP's bucket copy 4 + Adam 8
 SHARED_HEADROOM = 6 * GIB  # left to the other users of a shared machine (and the driver)
 
@@ -55,6 +55,9 @@ SHARED_HEADROOM = 6 * GIB  # left to the other users of a shared machine (and th
 def extra_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="0.44b", help="model size (sets the model flags)")
     parser.add_argument("--no-save", action="store_true", help="skip the timed checkpoint save")
+    parser.add_argument(
+        "--second-save", action="store_true", help="time a second save of the same state (steady state)"
+    )
     parser.add_argument(
         "--trim-probe",
         action="store_true",
@@ -115,7 +118,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
+def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_save: bool = False) -> Any:
     """A callback reading RSS (now and peak) at ``on_train_start`` and ``on_train_end``, then
     timing one ``trainer.save_checkpoint`` (the save stall) at ``on_train_end``."""
     from lightning.pytorch.callbacks import Callback
@@ -124,6 +127,12 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
         def __init__(self) -> None:
             self.points: dict[str, dict[str, int]] = {}
             self.save_s: float = float("nan")
+            self.background_s: float = float("nan")  # async_checkpoint: until the background save published
+            self.host_copy_bytes = 0  # async_checkpoint: the host copy the background save writes from
+            self.copy_s: float = float("nan")  # async_checkpoint: the strategy's own part of the stall
+            self.second_save = second_save
+            self.save2_s: float = float("nan")
+            self.copy2_s: float = float("nan")
             self.peaks_reset = False
 
         def _point(self, name: str) -> None:
@@ -152,6 +161,21 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
             trainer.save_checkpoint(path)
             self.save_s = time.perf_counter() - started
             self._point("after_save")
+            saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: the write goes on (issue 43)
+            if saves is not None:
+                self.host_copy_bytes = saves.last_host_bytes
+                self.copy_s = saves.last_stall_s  # inside ZeroStrategy.save_checkpoint: snapshot + host copy
+                trainer.strategy.wait_for_checkpoint()
+                self.background_s = time.perf_counter() - started
+                self._point("after_background_save")
+            if self.second_save:  # a second save of the same state: a steady-state one (issue 43)
+                trainer.strategy.barrier("bench_memory.save2")
+                started = time.perf_counter()
+                trainer.save_checkpoint(path)
+                self.save2_s = time.perf_counter() - started
+                if saves is not None:
+                    self.copy2_s = saves.last_stall_s
+                    trainer.strategy.wait_for_checkpoint()
             trainer.strategy.barrier("bench_memory.saved")
             reset_peak_rss()
             if trainer.is_global_zero:
@@ -162,7 +186,9 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False) -> Any:
         def result(self) -> dict[str, Any]:
             """Called after fit returned: the teardown's peak is VmHWM now ([Note: peak per phase])."""
             self._point("after_fit")
-            return {"memory_points": self.points, "save_stall_s": self.save_s, "peaks_reset": self.peaks_reset}
+            return {"memory_points": self.points, "save_stall_s": self.save_s, "peaks_reset": self.peaks_reset,
+                    "save_background_s": self.background_s, "save_host_copy_bytes": self.host_copy_bytes,
+                    "save_copy_s": self.copy_s, "save2_stall_s": self.save2_s, "save2_copy_s": self.copy2_s}  # fmt: skip
 
     return MemoryProbe()
 
@@ -192,7 +218,8 @@ def predicted_memory(args: argparse.Namespace, stage: int) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     case = ZERO12_CASES[args.worker]
-    probe = make_memory_probe(Path(args.worker_dir), save=not args.no_save, trim=args.trim_probe)
+    probe = make_memory_probe(Path(args.worker_dir), save=not args.no_save, trim=args.trim_probe,
+                              second_save=args.second_save)  # fmt: skip
     if case.family == "zero":
         hooks: dict[str, Any] = dict(state_bytes=zero_state_bytes, at_end=zero_at_end)
     else:
@@ -250,6 +277,11 @@ def memory_rows(run_dir_rows: list[dict], log_dir: Path) -> list[dict]:
                     "cuda_peak_end": points["end"]["cuda_peak"],
                     "engine_total_at_train_start": points["train_start"].get("engine_total"),
                     "save_stall_s": rank["save_stall_s"],
+                    "save_background_s": rank.get("save_background_s", float("nan")),
+                    "save_host_copy_bytes": rank.get("save_host_copy_bytes", 0),
+                    "save_copy_s": rank.get("save_copy_s", float("nan")),
+                    "save2_stall_s": rank.get("save2_stall_s", float("nan")),
+                    "save2_copy_s": rank.get("save2_copy_s", float("nan")),
                 }
             )
         predicted = ranks[0]["planner_memory"]
@@ -319,6 +351,36 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def async_lines(rows: list[dict]) -> list[str]:
+    """Issue 43: the save stall with ``async_checkpoint`` beside the synchronous one (goal: at most
+    15% of it), the background write's own time and the host copy it holds."""
+    by_case = {row["case"]: row for row in rows if "error" not in row}
+    lines = []
+    for case, row in by_case.items():
+        sync = by_case.get(case.removesuffix("_async"))
+        if not case.endswith("_async") or sync is None:
+            continue
+        stall = max(r["save_stall_s"] for r in row["ranks"])
+        sync_stall = max(r["save_stall_s"] for r in sync["ranks"])
+        written = max(r["save_background_s"] for r in row["ranks"])
+        host = max(r["save_host_copy_bytes"] for r in row["ranks"])
+        copy = max(r["save_copy_s"] for r in row["ranks"])
+        ratio = stall / sync_stall
+        stall2 = max(r["save2_stall_s"] for r in row["ranks"])
+        sync2 = max(r["save2_stall_s"] for r in sync["ranks"])
+        if stall2 == stall2 and sync2 == sync2:  # --second-save: the host buffers are reused then
+            lines.append(
+                f"second save: {case} stall {stall2:.2f} s vs {sync['case']} {sync2:.2f} s = {stall2 / sync2:.1%}"
+            )
+        lines.append(
+            f"goal: {case} stall {stall:.2f} s vs {sync['case']} {sync_stall:.2f} s = {ratio:.1%} (at most 15%):"
+            f" {'met' if ratio <= 0.15 else 'NOT met'} (snapshot + host copy {copy:.2f} s of it); published after"
+            f" {written:.1f} s; host copy"
+            f" {host / MIB:,.0f} MiB per rank"
+        )
+    return lines
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
@@ -353,7 +415,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
 
     def report(rows: list[dict]) -> list[str]:
         table_rows[:] = memory_rows(rows, log_dir)
-        return [memory_table(table_rows), "", *goals(table_rows)]
+        return [memory_table(table_rows), "", *goals(table_rows), *async_lines(table_rows)]
 
     rows = drive(
         "memory", str(Path(__file__).resolve()), args, argv, known_cases=CASE_NAMES, baseline="zero2", report=report

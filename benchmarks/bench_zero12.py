@@ -162,6 +162,10 @@ CASES: dict[str, Case] = {
     "zero2_inflight4": Case(
         "ZeroStrategy(stage=2, max_buckets_in_flight=4)", 2, _zero(2, max_buckets_in_flight=4), "zero"
     ),
+    # issue 43: the checkpoint written in the background (bench_memory.py times the save stall)
+    "zero1_async": Case("ZeroStrategy(stage=1, async_checkpoint=True)", 1, _zero(1, async_checkpoint=True), "zero"),
+    "zero2_async": Case("ZeroStrategy(stage=2, async_checkpoint=True)", 2, _zero(2, async_checkpoint=True), "zero"),
+    "zero3_async": Case("ZeroStrategy(stage=3, async_checkpoint=True)", 3, _zero(3, async_checkpoint=True), "zero"),
     "ddp": Case("DDPStrategy", 0, _ddp, "ddp"),
     "fsdp_grad_op": Case('FSDPStrategy("SHARD_GRAD_OP"), per block', 2, _fsdp, "fsdp"),
     "fsdp2": Case("ModelParallelStrategy(dp=2, tp=1), fully_shard per block", 3, _fsdp2, "fsdp2", _fsdp2_module),

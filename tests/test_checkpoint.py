@@ -468,7 +468,8 @@ def test_unwritable_directory_fails_clearly_and_keeps_the_previous_checkpoint(tm
     # publishing over an existing checkpoint replaces it whole; a stale temp dir is never "last"
     target = tmp_path / "last.ckpt"
     save_checkpoint(target, {"global_step": 1}, module=model, engine=None, optimizers=[], layout=RankPlacement())
-    (tmp_path / "last.ckpt.tmp-dead").mkdir()  # what a rank killed mid-write leaves behind
+    staging = f".lightning_zero-staging-0123456789ab-{'last.ckpt'.encode().hex()}"
+    (tmp_path / staging).mkdir()  # what a rank killed mid-write leaves behind ([Note: staging names])
     other = Llama(_config())
     save_checkpoint(target, {"global_step": 2}, module=other, engine=None, optimizers=[], layout=RankPlacement())
     reloaded = Llama(_config())

@@ -93,4 +93,4 @@ def test_checkpoint_directory_layout(results):
     ckpt = results / "ckpts" / "2" / "epoch=0-step=3.ckpt"
     names = {p.name for p in ckpt.iterdir()}
     assert {"meta.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.json", "rank1.json"} <= names
-    assert not list((results / "ckpts" / "2").glob("*.tmp-*"))
+    assert not list((results / "ckpts" / "2").glob(".lightning_zero-*"))  # [Note: staging names]

@@ -194,7 +194,7 @@ def test_checkpoint_layout_and_full_file(runs):
     assert _load(runs, "save_zero2", 0)["layout"] == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rank0.json", "rank1.json"
     ]  # fmt: skip
-    assert not [p.name for p in runs.iterdir() if ".tmp-" in p.name or p.name.endswith(".partial")]
+    assert not [p.name for p in runs.iterdir() if p.name.startswith(".lightning_zero-") or p.name.endswith(".partial")]
     # the full file is a plain state dict LitGPT's tools (and the model itself) read without lightning_zero
     full = torch.load(runs / "full_zero2.pth", weights_only=True)
     assert full["iter_num"] == 3

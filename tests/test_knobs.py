@@ -68,7 +68,12 @@ def test_planner_reads_the_same_defaults():
     for argument, knob in PLANNED_KNOBS.items():
         if argument != "stage":  # required (or from zero_config): 0 plans Lightning's DDP
             assert parameters[argument].default is getattr(ZERO_DEFAULTS, knob), argument
-    assert set(PLANNED_KNOBS.values()) | {"offload_optimizer", "monitor", "collective_timeout"} == set(KNOBS)
+    assert set(PLANNED_KNOBS.values()) | {
+        "offload_optimizer",
+        "monitor",
+        "collective_timeout",
+        "async_checkpoint",
+    } == set(KNOBS)
     search = inspect.signature(search_layouts).parameters
     for name in FIXED_KNOBS:
         assert search[name].default is getattr(ZERO_DEFAULTS, name), name

@@ -269,6 +269,8 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
     assert {"trainer.devices=8", "trainer.num_nodes=2", "hydra.run.dir=outputs/slurm_4242"} <= set(args)
     header = (LAUNCH_DIR / "slurm.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=8" in header and "#SBATCH --gpus-per-node=8" in header
+    # the time-limit warning and the requeue it answers (docs/checkpoints.md, "Scheduler signals")
+    assert "#SBATCH --signal=USR1@90" in header and "#SBATCH --requeue" in header
 
     # 2) Under that environment (what srun gives rank 11), Lightning picks SLURMEnvironment with
     #    the ranks SLURM assigned, and accepts the devices/num_nodes the script passes.

@@ -118,6 +118,12 @@ class ZeroConfig:
             optimizer state in the shards under the same half-precision compute (``2 + 2 + 12``,
             the bf16-mixed bytes), for fine-tunes whose bf16 updates stall. No effect under
             ``32-true`` and the ``-mixed`` precisions (fp32 masters already). See docs/precision.md.
+        async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
+            it writes to host memory (one copy of this rank's checkpoint bytes, held while the save
+            is in flight); writing, hashing and the atomic publish run in a background thread over
+            a gloo process group of their own. The next save, the end of fit, a requeue and a load
+            wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
+            hold the same bytes as a synchronous save's. See docs/checkpoints.md.
     """
 
     stage: int = 2
@@ -138,6 +144,7 @@ class ZeroConfig:
     hierarchical_reduce: bool = False
     reduce_dtype: str = "compute"
     master_weights: str = "auto"
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -166,6 +173,7 @@ class ZeroConfig:
             "defer_grad_reduce",
             "monitor",
             "overlap_param_gather",
+            "async_checkpoint",
         ):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")

@@ -17,12 +17,14 @@ optimizer ``i``, e.g. ``exp_avg``, for the elements of parameter ``name``; scala
 [Note: dense coordinates] in ``checkpoint/dcp.py``), so a load at another dp, tp or ZeRO stage
 just reads other rectangles.
 
-[Note: atomic publish] Ranks write into ``<name>.tmp-<token>`` next to the target. When every rank
-has written and hashed its files (an all-gather of the per-rank file lists), rank 0 writes
-``meta.json`` last, moves any previous checkpoint of that name aside, renames the temporary
-directory into place and deletes the previous one. A directory without ``meta.json``, or under a
-``.tmp-``/``.old-`` name, is never a checkpoint (Lightning's ``ckpt_path="last"`` matches
-``last*.ckpt`` only), so a run killed mid-write leaves the previous checkpoint as the last one.
+[Note: atomic publish] Ranks write into a staging directory next to the target
+(``.lightning_zero-staging-<token>-<hex of the name>``: [Note: staging names] in ``publish.py``).
+When every rank has written and hashed its files (an all-gather of the per-rank file lists), rank
+0 writes ``meta.json`` last, moves any previous checkpoint of that name aside (under a
+``.lightning_zero-retired-`` name), renames the staging directory into place and deletes the
+previous one. A directory without ``meta.json``, or under a staging/retired name, is never a
+checkpoint, and no such name matches what Lightning scans for (``hpc_ckpt_*``, ``last*.ckpt``), so
+a run killed mid-write leaves the previous checkpoint as the last one.
 
 The package, one job a module: ``dcp`` (how owned ranges become DCP chunks; safe metadata
 reading), ``targets`` (which tensors a rank holds), ``publish`` (temporary directory, hashes, the

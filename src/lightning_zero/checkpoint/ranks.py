@@ -20,21 +20,22 @@ def labelled(name: str) -> Iterator[None]:
         yield
 
 
-def all_gather_object(value: Any, label: str) -> list[Any]:
+def all_gather_object(value: Any, label: str, group: Optional[Any] = None) -> list[Any]:
+    """Over ``group`` (``None``: the default group; a group of every rank, as the background saves use)."""
     if not distributed():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size(group)
     with labelled(label):
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=group)
     return out
 
 
-def broadcast_object(value: Any, label: str) -> Any:
+def broadcast_object(value: Any, label: str, group: Optional[Any] = None) -> Any:
     if not distributed():
         return value
     box = [value]
     with labelled(label):
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

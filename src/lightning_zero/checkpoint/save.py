@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,9 +22,11 @@ from lightning_zero.checkpoint.publish import (
     META_FILE,
     CheckpointWriteError,
     PathLike,
+    RecordingFileSystem,
     begin_write,
     fsync_write,
     publish,
+    rank_file_text,
     sha256_of,
     write_rank_file,
 )
@@ -43,6 +45,65 @@ from lightning_zero.checkpoint.targets import (
 _fault_hook: Optional[Callable[[str], None]] = None
 
 
+@dataclass
+class Snapshot:
+    """What a save writes, taken at the step boundary: the trainer state as JSON, this rank's RNG
+    file, the tensors to write (the live ones, or host copies: :func:`host_copy`), and what
+    ``meta.json`` needs from the model and the optimizers."""
+
+    target: Path
+    encoded_state: Any
+    rng_file: str
+    tensors: dict[str, Any]
+    params: dict[str, Any]
+    managed: dict[str, Any]
+    kinds: list[dict]
+    optimizer_groups: list[tuple[str, Any]]  # (type name, encoded param groups) per optimizer
+    with_optimizer: bool
+    has_inner_model: bool
+
+
+def snapshot(
+    path: PathLike,
+    checkpoint: dict[str, Any],
+    *,
+    module: nn.Module,
+    engine: Any,
+    optimizers: list[Optimizer],
+    layout: RankPlacement,
+) -> Snapshot:
+    """The first half of :func:`save_checkpoint`: no file and no collective, only reads."""
+    trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
+    targets = Targets()
+    with_optimizer = "optimizer_states" in checkpoint
+    if with_optimizer and engine is not None and getattr(engine, "has_replicated_optimizers", lambda: False)():
+        names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
+        raise ValueError(
+            f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
+            " (see [Note: non-element-wise optimizers] in zero/replicated_optimizer.py); its factored state"
+            " is not saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
+            " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
+        )
+    kinds: list[dict] = [{} for _ in optimizers]
+    skip: set[str] = set()
+    if engine is not None:
+        engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
+        skip = managed_names(engine)
+    params = module_entries(module, skip, layout, targets, load=False)
+    groups = [
+        (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                                    f"optimizer {index}"))
+        for index, opt in enumerate(optimizers)
+    ]  # fmt: skip
+    inner = getattr(module, "model", None)
+    return Snapshot(
+        target=Path(path), encoded_state=encoded_state, rng_file=rank_file_text(), tensors=targets.tensors,
+        params=params, managed=_managed_info(engine, layout) if engine is not None else {}, kinds=kinds,
+        optimizer_groups=groups, with_optimizer=with_optimizer, has_inner_model=isinstance(inner, nn.Module),
+    )  # fmt: skip
+
+
 def save_checkpoint(
     path: PathLike,
     checkpoint: dict[str, Any],
@@ -59,77 +120,86 @@ def save_checkpoint(
     stored as JSON. When it has no ``optimizer_states`` (``save_weights_only``) no optimizer
     state is written. A collective over the default process group: every rank must call it.
     Raises :class:`CheckpointWriteError` on every rank if any rank cannot write; the previous
-    checkpoint at ``path`` is then untouched.
+    checkpoint at ``path`` is then untouched. :func:`snapshot` then :func:`write_snapshot`
+    (``checkpoint/background.py`` runs the second half in a thread).
     """
-    target = Path(path)
     with labelled("ckpt_save"):
-        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
-        tmp = begin_write(target, layout)
-        raise_any(all_gather_object(write_rank_file(tmp, layout), "ckpt_rank_files"), CheckpointWriteError)
+        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+        return write_snapshot(taken, layout)
 
-        targets = Targets()
-        with_optimizer = "optimizer_states" in checkpoint
-        if with_optimizer and engine is not None and getattr(engine, "has_replicated_optimizers", lambda: False)():
-            names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
-            raise ValueError(
-                f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
-                " (see [Note: non-element-wise optimizers] in zero/replicated_optimizer.py); its factored state"
-                " is not saved by element ranges. Save the weights only (ModelCheckpoint(save_weights_only=True),"
-                " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
-            )
-        kinds: list[dict] = [{} for _ in optimizers]
-        skip: set[str] = set()
-        if engine is not None:
-            engine_entries(
-                engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer
-            )
-            skip = managed_names(engine)
-        params = module_entries(module, skip, layout, targets, load=False)
+
+def write_snapshot(taken: Snapshot, layout: RankPlacement, group: Optional[Any] = None) -> Path:
+    """The second half of :func:`save_checkpoint`: every rank writes its files, rank 0 publishes.
+    Collectives over ``group`` (``None``: the default group)."""
+    target = taken.target
+    tmp = begin_write(target, layout, group)
+    raise_any(all_gather_object(write_rank_file(tmp, layout, taken.rng_file), "ckpt_rank_files", group),
+              CheckpointWriteError)  # fmt: skip
+    writer = dcp.FileSystemWriter(str(tmp))
+    writer.fs = recording = RecordingFileSystem()  # names the file and the OS error of a failed write
+    try:
+        with labelled("ckpt_dcp_save"):
+            dcp.save(taken.tensors, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointWriteError(_shards_failed(target, exc, recording.errors, layout.rank, group)) from exc
+    if _fault_hook is not None:
+        _fault_hook("shards_written")
+
+    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"]
+    if layout.rank == 0:
+        mine.append(tmp / DCP_METADATA_FILE)
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in mine}
+    try:
+        all_files = all_gather_object(files, "ckpt_manifest", group)
+        all_kinds = all_gather_object(taken.kinds, "ckpt_state_kinds", group)
+        all_params = all_gather_object(taken.managed, "ckpt_params", group)
+    except RuntimeError as exc:  # a peer died or timed out mid-write (gloo/NCCL errors are RuntimeErrors)
+        raise CheckpointWriteError(
+            f"writing {str(target)!r}: a rank failed before every rank had written its shards ({exc});"
+            " nothing was published, the previous checkpoint of that name is untouched"
+        ) from exc
+
+    error = None
+    if layout.rank == 0:
         try:
-            with labelled("ckpt_dcp_save"):
-                dcp.save(targets.tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkSavePlanner())
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointWriteError(f"writing the shards of {str(target)!r} failed: {exc}") from exc
-        if _fault_hook is not None:
-            _fault_hook("shards_written")
+            params = dict(taken.params)
+            for rank_params in all_params:
+                params.update(rank_params)
+            meta = {
+                "format": FORMAT,
+                "layout": asdict(layout),
+                "params": params,
+                "optimizers": _optimizer_meta(taken.optimizer_groups, all_kinds) if taken.with_optimizer else [],
+                "export_prefix": "model." if taken.has_inner_model and _all_under_model(params) else "",
+                "trainer_state": taken.encoded_state,
+                "files": {name: info for rank_files in all_files for name, info in rank_files.items()},
+            }
+            fsync_write(tmp / META_FILE, json.dumps(meta))
+            publish(tmp, target)
+        except OSError as exc:
+            error = f"publishing {str(target)!r} failed: {exc}"
+    raise_any([broadcast_object(error, "ckpt_publish", group)], CheckpointWriteError)
+    return target
 
-        mine = [
-            p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"
-        ]
-        if layout.rank == 0:
-            mine.append(tmp / DCP_METADATA_FILE)
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in mine}
+
+def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: int, group: Optional[Any]) -> str:
+    """The message every rank raises when DCP's write failed: which rank could not write which
+    file and why (the OS error), when the ranks can still agree on it (DCP raised its
+    ``CheckpointException`` on every rank); else DCP's own error."""
+    lines = [f"rank {rank}: {errors[0]}"] if errors else []
+    if isinstance(exc, CheckpointException):
         try:
-            all_files = all_gather_object(files, "ckpt_manifest")
-            all_kinds = all_gather_object(kinds, "ckpt_state_kinds")
-            all_params = all_gather_object(_managed_info(engine, layout) if engine is not None else {}, "ckpt_params")
-        except RuntimeError as exc:  # a peer died or timed out mid-write (gloo/NCCL errors are RuntimeErrors)
-            raise CheckpointWriteError(
-                f"writing {str(target)!r}: a rank failed before every rank had written its shards ({exc});"
-                " nothing was published, the previous checkpoint of that name is untouched"
-            ) from exc
-
-        error = None
-        if layout.rank == 0:
-            try:
-                for rank_params in all_params:
-                    params.update(rank_params)
-                meta = {
-                    "format": FORMAT,
-                    "layout": asdict(layout),
-                    "params": params,
-                    "optimizers": _optimizer_meta(optimizers, all_kinds) if with_optimizer else [],
-                    "export_prefix": _export_prefix(module, params),
-                    "trainer_state": encoded_state,
-                    "files": {name: info for rank_files in all_files for name, info in rank_files.items()},
-                }
-                fsync_write(tmp / META_FILE, json.dumps(meta))
-                publish(tmp, target)
-            except OSError as exc:
-                error = f"publishing {str(target)!r} failed: {exc}"
-        raise_any([broadcast_object(error, "ckpt_publish")], CheckpointWriteError)
-        return target
+            gathered = all_gather_object(errors[0] if errors else None, "ckpt_write_errors", group)
+            lines = [f"rank {index}: {line}" for index, line in enumerate(gathered) if line]
+        except RuntimeError:  # a peer is gone: this rank's own line only
+            pass
+    if not lines:
+        return f"writing the shards of {str(target)!r} failed: {exc}"
+    return (
+        f"writing the shards of {str(target)!r} failed: {'; '.join(lines)}. Nothing was published: the"
+        " checkpoint saved before is still the newest. Free space, raise the quota or file-size limit"
+        " (ulimit -f), or save to another directory."
+    )
 
 
 def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
@@ -140,22 +210,16 @@ def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     return info
 
 
-def _optimizer_meta(optimizers: list[Optimizer], all_kinds: list[list[dict]]) -> list[dict[str, Any]]:
+def _optimizer_meta(groups: list[tuple[str, Any]], all_kinds: list[list[dict]]) -> list[dict[str, Any]]:
     meta = []
-    for index, optimizer in enumerate(optimizers):
+    for index, (type_name, param_groups) in enumerate(groups):
         kinds: dict[str, Any] = {}
         for rank_kinds in all_kinds:
             kinds.update(rank_kinds[index])
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        meta.append(
-            {"type": type(optimizer).__name__, "param_groups": encode(groups, f"optimizer {index}"), "state": kinds}
-        )
+        meta.append({"type": type_name, "param_groups": param_groups, "state": kinds})
     return meta
 
 
-def _export_prefix(module: nn.Module, params: dict[str, Any]) -> str:
-    """``"model."`` when every entry lives under ``module.model`` (``LlamaLM``), else ``""``."""
-    inner = getattr(module, "model", None)
-    if isinstance(inner, nn.Module) and params and all(name.startswith("model.") for name in params):
-        return "model."
-    return ""
+def _all_under_model(params: dict[str, Any]) -> bool:
+    """``"model."`` is the export prefix when every entry lives under ``module.model`` (``LlamaLM``)."""
+    return bool(params) and all(name.startswith("model.") for name in params)

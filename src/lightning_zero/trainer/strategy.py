@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 
 import torch
@@ -34,6 +35,7 @@ from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.failure_path import FailureNotice, check_step_output, where
 from lightning_zero.trainer.precision import to_zero_precision
+from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals, clean_checkpoint_leftovers
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -110,6 +112,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
+        async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -127,6 +130,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # mesh, engine, failure channel, counter: the runtime both doors share (runtime/session.py)
         self.session = ZeroSession(self.zero_config, wrap_policy)
         self._restore: Optional["CheckpointRestore"] = None  # a checkpoint load across Lightning's three calls
+        self._saves: Any = None  # checkpoint/background.py's BackgroundSaves under async_checkpoint
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -191,6 +195,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     # -- failures ([Note: failure path] in runtime/failure.py) -----------------------------------
     def _note_failure(self, exception: BaseException) -> None:
+        if isinstance(exception, AgreedSigterm):
+            return  # every rank agreed to exit here: not a failure ([Note: signals as events])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self.session.note_failure(exception, where(trainer if trainer is not None and trainer.state else None))
 
@@ -240,6 +246,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
+        if fitting:  # [Note: signals as events] in runtime/signals.py; [Note: staging names] in checkpoint/publish.py
+            attach_scheduler_signals(trainer, engine=self.engine, markers_cover_world=self.dp_size == self.world_size)
+            clean_checkpoint_leftovers(trainer)
 
     @contextmanager
     @override
@@ -355,6 +364,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._wait_param_gathers()
+        self.wait_for_checkpoint()  # [Note: background saves]: the end of fit leaves `last` complete
         super().on_train_end()
 
     def _end_eval_loop(self) -> None:
@@ -379,11 +389,22 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        save_error = None
+        if self._saves is not None:  # [Note: background saves]: `last` complete, or left as it was
+            try:
+                self._saves.abandon() if self.failed else self._saves.wait()
+            except BaseException as error:  # a background save failed: raised after the teardown
+                save_error = error
+                self._saves.abandon()
+            self._saves.close()
+            self._saves = None
         # Leave the module usable outside the Trainer (forward, state_dict): full parameters, fp32
         # under bf16-mixed as under ddp; on the failure path without the collectives.
         self.session.close_engine(self.global_rank)
         self.session.close()
         super().teardown()
+        if save_error is not None:
+            raise save_error
 
     # -- checkpoints (strategy_checkpoint.py; the logic in checkpoint/) -------------------------
     @property
@@ -408,7 +429,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): not supported.")
-        from lightning_zero.checkpoint import save_checkpoint
+        from lightning_zero.checkpoint.background import BackgroundSaves, save
 
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
@@ -417,13 +438,23 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             self.session.warn_failed(self.global_rank, what)
             return
         self._wait_param_gathers()
-        save_checkpoint(filepath, checkpoint, module=self.lightning_module, engine=self.engine,
-                        optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+        if self.zero_config.async_checkpoint and self._saves is None:
+            self._saves = BackgroundSaves(self.zero_config.collective_timeout)
+        save(self._saves, filepath, checkpoint, module=self.lightning_module, engine=self.engine,
+             optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Until a background save in flight is published ([Note: background saves]); raises its error."""
+        if self._saves is not None:
+            self._saves.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning_zero.runtime.restore import CheckpointRestore
 
+        self.wait_for_checkpoint()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            clean_checkpoint_leftovers(self.lightning_module.trainer, [Path(checkpoint_path).parent])
         self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
         return self._restore.lightning_dict()
 
@@ -447,4 +478,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         if self.is_global_zero:
             from lightning_zero.checkpoint import remove_checkpoint
 
-            remove_checkpoint(filepath)
+            if self._saves is not None:  # once the newer one is published ([Note: background saves])
+                self._saves.remove_after(filepath)
+            else:
+                remove_checkpoint(filepath)

@@ -25,8 +25,9 @@ all raise, naming both. Two phases, two markers per optimizer step:
   ([Note: global overflow] in ``optimizer.py``); whatever the step then issues (stages 1-2: the
   parameter all-gather) follows the agreed marker.
 
-Cost: ``2 (20 + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted in
-``CommCounter.control_bytes``. A rank that steps without its backward, or skips a whole manual
+Cost: ``2 (20 + 4 R + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted
+in ``CommCounter.control_bytes`` (``R``: the riders' slots, [Note: marker riders]). A rank that
+steps without its backward, or skips a whole manual
 training step, is caught before it issues anything ([Note: a step without a backward]); ``training_step`` returning no loss is refused by the strategy.
 
 [Note: a step without a backward] A rank that steps an optimizer with no backward since that
@@ -39,6 +40,12 @@ exchanged. Either rank is told apart locally for free; it then checks through th
 collective can be trusted now) whether every rank does the same (then it is consistent and goes
 on) and otherwise raises within ``STEP_AGREEMENT_S``, posting on the failure channel, so the
 ranks waiting in their collectives raise within one poll.
+
+[Note: marker riders] Something else the ranks must agree on once per step (a scheduler's signal:
+[Note: signals as events] in ``runtime/signals.py``) rides on the markers instead of paying a
+collective of its own: a :class:`MarkerRider` adds ``width`` int32 slots to every marker (both
+phases, so markers still pair), each rank puts its values in, and the rider gets the MAX over dp
+once the marker is checked. Riders must be the same, in the same order, on every rank.
 """
 
 from __future__ import annotations
@@ -77,6 +84,20 @@ class PendingMarker:
     ready: Any = None  # on CUDA: an event recorded after that copy ([Note: markers off the host path])
 
 
+class MarkerRider(Protocol):
+    """Values that ride on every phase marker ([Note: marker riders])."""
+
+    width: int  # int32 slots on every marker
+
+    def values(self) -> list[int]:
+        """This rank's values, read when a marker launches (``width`` ints, >= 0)."""
+        ...
+
+    def agreed(self, values: list[int]) -> None:
+        """The MAX over every rank of the group, once a marker was checked."""
+        ...
+
+
 class PhaseMarkers:
     """[Note: phase markers] over ``group`` (every dp rank of every replica).
 
@@ -106,6 +127,7 @@ class PhaseMarkers:
         self.optimizer_steps = 0  # optimizer steps taken so far (StepChecks counts them)
         self.unused_by_all: set[int] = set()  # agreed at the last optimizer step's marker
         self.overflow_anywhere = False  # agreed at the last optimizer step's marker ([Note: global overflow])
+        self.riders: list[MarkerRider] = []  # [Note: marker riders]
 
     def start(self, phase: int, overflow: bool = False) -> PendingMarker:
         """Launch this rank's marker of ``phase``: an all-reduce (MAX) over all of dp. ``overflow``:
@@ -115,7 +137,9 @@ class PhaseMarkers:
             flags = [1 if id(slot.param) in self.used else 0 for slot in self.slots]
         else:
             flags = [0] * len(self.slots)
-        mark = torch.tensor([phase, -phase, steps, -steps, int(overflow), *flags], dtype=torch.int32).to(self.device)
+        riding = [value for rider in self.riders for value in rider.values()]  # [Note: marker riders]
+        mark = torch.tensor([phase, -phase, steps, -steps, int(overflow), *riding, *flags], dtype=torch.int32)
+        mark = mark.to(self.device)
         work = all_reduce(
             mark, self.group, op=dist.ReduceOp.MAX, async_op=True, counter=self.counter,
             label="agree_phase", control=True,
@@ -157,9 +181,13 @@ class PhaseMarkers:
                 agreed = pending.agreed.tolist()
         high, low = agreed[0:4:2], [-value for value in agreed[1:4:2]]
         if high == low:
+            start = 5
+            for rider in self.riders:  # [Note: marker riders]
+                rider.agreed(agreed[start : start + rider.width])
+                start += rider.width
             if phase == PHASE_STEP:
                 self.overflow_anywhere = bool(agreed[4])
-                flags = agreed[5:]
+                flags = agreed[start:]
                 self.unused_by_all = {id(slot.param) for slot, flag in zip(self.slots, flags) if not flag}
             return
         mine = (phase, pending.steps)

@@ -53,6 +53,7 @@ from lightning_zero.zero.waits import FailureChannel, Waiter
 
 if TYPE_CHECKING:
     from lightning_zero.comm.mesh import ShardGroups
+    from lightning_zero.zero.agreements import MarkerRider
 
 
 class ZeroEngine:
@@ -338,6 +339,14 @@ class ZeroEngine:
         self.pre_backward()
         loss.backward(**kwargs)
         self.post_backward()
+
+    def ride_phase_markers(self, rider: "MarkerRider") -> None:
+        """Carry ``rider``'s values on every phase marker ([Note: marker riders] in agreements.py):
+        agreed over every dp rank of every replica (the world when ``tp == 1``) at each backward
+        and optimizer step, for ``4 * rider.width`` bytes a marker. Call on every rank, in the
+        same order."""
+        if rider not in self.reducer.markers.riders:
+            self.reducer.markers.riders.append(rider)
 
     def check_manual_train_step(self) -> None:
         """A manual-optimization training step returned: raise if it ran no backward and no step

@@ -1,0 +1,348 @@
+"""The run survives its scheduler (issue 43): SIGUSR1 / SIGTERM at any moment, a save failing on one rank.
+
+Every launch is tests/scripts/signal_run.py as 2 ranks started the way srun starts them (``SLURM_*``
+variables: Lightning's ``SLURMEnvironment`` with auto-requeue), each rank sending itself the signal
+at its own moment of a step (inside backward, in forward, inside the optimizer step, a stage-3
+gather, validation, a checkpoint save). Trials are looped inside a launch where the protocol lets
+the process go on (a caught ``SystemExit(143)``), to keep the processes few:
+
+- requeue, per strategy (ddp with ``SchedulerSignals``, zero1-3): two trials; the first trains on
+  after its requeue (its losses must equal the uninterrupted run's), the second is SIGKILLed as
+  the scheduler would once its ``scontrol requeue`` ran. Then one launch starts every trial again
+  in its directory with no ``ckpt_path``: it resumes from ``hpc_ckpt_1.ckpt`` and its losses equal
+  an uninterrupted run's (fresh ``base_*`` runs in that launch). A staging directory planted beside
+  one of them is removed with a warning.
+- SIGTERM, per strategy, four trials: every rank exits with 143 within 10 s of the agreement; the
+  last trial's processes really exit (143); ``OnExceptionCheckpoint`` saves on the way out.
+- ``async_checkpoint``: the files equal a synchronous save's byte for byte; a rank SIGKILLed inside a
+  background write leaves the previous checkpoint as ``last``, and it resumes exactly.
+- a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
+  within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
+  resumes exactly from the checkpoint before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port, script_env, start_process
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "signal_run.py"
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+EXIT_WITHIN_S = 10.0
+HANG_S = 120.0  # one launch (several trials of a few steps each) on a loaded 2-core box
+TOL = 1e-5
+
+
+def _requeue_trials(strategy: str) -> list[str]:
+    second = "1.gather@3" if strategy == "zero3" else "1.backward@4"
+    return [
+        f"rq_{strategy}_a={strategy}:0.backward@3,1.forward@3",
+        f"rq_{strategy}_b={strategy}:0.optimizer@3,{second}",
+    ]
+
+
+def _sigterm_trials(strategy: str) -> list[str]:
+    during_save = "0.save@2" if strategy != "ddp" else "0.after_step@2"
+    return [
+        f"tm_{strategy}_a={strategy}:0.backward@3,1.forward@3",
+        f"tm_{strategy}_b={strategy}:{during_save},1.optimizer@3",
+        f"tm_{strategy}_c={strategy}:0.validation@2,1.gather@3",
+        f"tm_{strategy}_d_save={strategy}:0.forward@3,1.backward@3",
+    ]
+
+
+EFBIG_TRIALS = ["fb_zero2=zero2:efbig@1", "fb_zero3=zero3:efbig@0"]
+# async_checkpoint: the same run saved synchronously and in the background; then a rank SIGKILLed
+# inside a background write (the step-4 save), the previous checkpoint (step 2) still `last`
+ASYNC_TRIALS = ["as_sync_zero3=zero3:", "as_async_zero3=zero3:", "ak_async_zero2=zero2:kill@1"]
+
+
+def _name(trial: str) -> str:
+    return trial.partition("=")[0]
+
+
+def _slurm_env(out: Path, rank: int, port: int, job: int) -> dict:
+    env = script_env(ROOT)
+    env.update(
+        SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank), SLURM_JOB_ID=str(job), SLURM_JOB_NAME="signal_run", SLURM_NODELIST="127.0.0.1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LZ_SCONTROL_LOG=str(out / f"scontrol.{job}.log"),
+        PATH=f"{out / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+    )  # fmt: skip
+    return env
+
+
+class Launch:
+    """One job step: 2 ranks of signal_run.py in ``out``; ``job`` is its SLURM job id."""
+
+    def __init__(self, out: Path, mode: str, trials: list[str], job: int, kill_after_requeues: int = 0) -> None:
+        self.out, self.mode, self.job, self.kill_after = out, mode, job, kill_after_requeues
+        port = free_port()
+        argv = [sys.executable, str(SCRIPT), str(out), mode, *trials]
+        self.procs = [
+            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job), log_path=out / f"{mode}.{job}.rank{rank}.log")
+            for rank in range(2)
+        ]  # fmt: skip
+        self.started = time.monotonic()
+        self.ends: list = [None, None]  # (exit code or None if killed, wall time)
+        self.killed = False
+
+    def requeues(self) -> int:
+        log = self.out / f"scontrol.{self.job}.log"
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    def poll(self) -> bool:
+        """True once every rank ended (SIGKILLing them as the scheduler would, or as hung)."""
+        for rank, proc in enumerate(self.procs):
+            if self.ends[rank] is None and proc.poll() is not None:
+                self.ends[rank] = (proc.returncode, time.time())
+        hung = time.monotonic() - self.started > HANG_S
+        if (self.kill_after and self.requeues() >= self.kill_after) or hung:
+            self.killed = self.killed or not hung
+            for rank, proc in enumerate(self.procs):
+                if self.ends[rank] is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    self.ends[rank] = (None if hung else "killed", time.time())
+        return all(end is not None for end in self.ends)
+
+    def results(self) -> list[dict]:
+        return [json.loads((self.out / f"{self.mode}.{self.job}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _run(launches: list, concurrent: int = 2) -> None:
+    waiting, running = list(launches), []
+    while waiting or running:
+        while waiting and len(running) < concurrent:
+            running.append(waiting.pop(0)())
+        time.sleep(0.02)
+        running = [launch for launch in running if not launch.poll()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("signals")
+    (out / "bin").mkdir()
+    scontrol = out / "bin" / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$LZ_SCONTROL_LOG"\n')
+    scontrol.chmod(0o755)
+    done: dict = {}
+
+    def later(key, *args, **kwargs):
+        def start():
+            done[key] = Launch(out, *args, **kwargs)
+            return done[key]
+
+        return start
+
+    first = []
+    for job, strategy in enumerate(STRATEGIES):
+        first.append(
+            later(("requeue", strategy), "requeue", _requeue_trials(strategy), 100 + job, kill_after_requeues=2)
+        )
+        first.append(later(("sigterm", strategy), "sigterm", _sigterm_trials(strategy), 200 + job))
+    first += [later(("efbig", _name(trial)), "efbig", [trial], 300 + job) for job, trial in enumerate(EFBIG_TRIALS)]
+    first.append(later("async", "async", ASYNC_TRIALS, 500))
+    _run(first)
+    # what a save killed mid-write leaves beside the hpc checkpoints of the killed zero2 trial
+    planted = out / "rq_zero2_b" / f".lightning_zero-staging-0123456789ab-{'hpc_ckpt_2.ckpt'.encode().hex()}"
+    planted.mkdir()
+    (planted / "__0_0.distcp").write_bytes(b"partial")
+    resumes = [t.partition(":")[0] for s in STRATEGIES for t in _requeue_trials(s)]
+    resumes += [f"base_{s}={s}:" for s in STRATEGIES] + [
+        f"last_{_name(t)}={t.split('=')[1].split(':')[0]}:" for t in (*EFBIG_TRIALS, ASYNC_TRIALS[-1])
+    ]
+    _run([later("resume", "resume", resumes, 400)])
+    return out, done, planted
+
+
+def _agreed_steps(result: dict) -> int:
+    return len(result["agreed"])
+
+
+def _baseline(done: dict, strategy: str, rank: int) -> dict[str, float]:
+    return done["resume"].results()[rank][f"base_{strategy}"]["losses"]
+
+
+def _same(losses: dict, base: dict, steps: list[str]) -> float:
+    return max(abs(losses[step] - base[step]) for step in steps)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_requeue_signal_saves_requeues_and_resumes_exactly(runs, strategy):
+    out, done, _ = runs
+    launch = done[("requeue", strategy)]
+    assert launch.killed, f"{strategy}: the second trial never requeued (ends: {launch.ends}); see {out}"
+    assert launch.requeues() == 2
+    assert sorted(_baseline(done, strategy, 0), key=int) == [str(step) for step in range(1, 7)]
+    first = [result[f"rq_{strategy}_a"] for result in launch.results()]
+    for rank, result in enumerate(first):  # agreed once, on both ranks, and trained on exactly
+        assert [event["requeue"] for event in result["agreed"]] == [True], (rank, result)
+        base = _baseline(done, strategy, rank)
+        assert _same(result["losses"], base, list(base)) <= TOL
+        # the flags rode on the phase markers under ZeRO; ddp paid one all-reduce per batch
+        assert result["exchanges"] == (6 if strategy == "ddp" else 0)
+    resumed = done["resume"].results()
+    for trial in _requeue_trials(strategy):
+        name = _name(trial)
+        assert (out / name / "hpc_ckpt_1.ckpt").exists()
+        for rank in range(2):
+            losses = resumed[rank][name]["losses"]
+            steps = sorted(losses, key=int)
+            assert int(steps[0]) in (4, 5), (name, steps)  # resumed at the boundary of step 3 or 4
+            assert steps[-1] == "6"
+            assert _same(losses, _baseline(done, strategy, rank), steps) <= TOL
+
+
+def test_a_staging_directory_left_behind_is_removed_with_a_warning(runs):
+    out, done, planted = runs
+    assert not planted.exists()
+    log = (out / "resume.400.rank0.log").read_text()
+    assert "removed" in log and planted.name in log and "never finished" in log
+    for path in (out / "rq_zero2_b").iterdir():  # nothing a scan for checkpoints could mistake
+        assert not path.name.startswith(".lightning_zero-"), path
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sigterm_at_any_moment_exits_every_rank_with_143(runs, strategy):
+    out, done, _ = runs
+    launch = done[("sigterm", strategy)]
+    assert [end[0] for end in launch.ends] == [143, 143], f"{strategy}: {launch.ends}; logs in {out}"
+    results = launch.results()
+    for trial in _sigterm_trials(strategy):
+        name = _name(trial)
+        per_rank = [result[name] for result in results]
+        agreed_steps = {tuple(sorted(r["losses"], key=int))[-1] for r in per_rank}
+        assert len(agreed_steps) == 1, (name, per_rank)  # both ranks stopped after the same step
+        for result in per_rank:
+            assert result["exit"] == 143, (name, result)
+            assert [event["terminate"] for event in result["agreed"]] == [True]
+            assert result["ended"] - result["agreed"][0]["at"] <= EXIT_WITHIN_S
+    agreed = max(result[_name(_sigterm_trials(strategy)[-1])]["agreed"][0]["at"] for result in results)
+    assert max(end[1] for end in launch.ends) - agreed <= EXIT_WITHIN_S  # the processes are gone
+    saved = out / _name(_sigterm_trials(strategy)[-1]) / "on_sigterm.ckpt"
+    assert saved.exists() and (strategy == "ddp" or (saved / "meta.json").exists())
+
+
+@pytest.mark.parametrize("trial", EFBIG_TRIALS)
+def test_a_save_failing_on_one_rank_names_it_and_resumes_from_the_one_before(runs, trial):
+    out, done, _ = runs
+    name = _name(trial)
+    failing = int(trial.rpartition("@")[2])
+    launch = done[("efbig", name)]
+    codes = [end[0] for end in launch.ends]
+    assert codes == [1, 1], (codes, out)
+    assert max(end[1] for end in launch.ends) - min(end[1] for end in launch.ends) <= EXIT_WITHIN_S
+    for rank, result in enumerate(launch.results()):
+        error = result[name]["error"]
+        assert result[name]["exit"] == "CheckpointWriteError", (rank, result[name])
+        assert f"rank {failing}: cannot write" in error and "File too large" in error and "EFBIG" in error, error
+        assert str(out / name / "ckpts") in error
+    strategy = trial.split("=")[1].split(":")[0]
+    resumed = done["resume"].results()
+    for rank in range(2):
+        losses = resumed[rank][f"last_{name}"]["losses"]
+        assert sorted(losses, key=int) == ["3", "4", "5", "6"]  # from step 2's checkpoint: step 4's failed
+        assert _same(losses, _baseline(done, strategy, rank), list(losses)) <= TOL
+
+
+# --------------------------------------------------------------------------------------------
+# Without processes: staging names, leftovers, the agreement's rules
+# --------------------------------------------------------------------------------------------
+
+
+def test_staging_names_never_look_like_checkpoints(tmp_path):
+    """Nothing a save writes on the way matches what Lightning scans for ([Note: staging names])."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from lightning_zero.checkpoint.publish import RETIRED, STAGING, side_name
+
+    for target in ("hpc_ckpt_1.ckpt", "last.ckpt", "epoch=0-step=4.ckpt", "x" * 300 + ".ckpt"):
+        for prefix in (STAGING, RETIRED):
+            name = side_name(prefix, tmp_path / target)
+            assert "hpc_ckpt_" not in name and not name.endswith(".ckpt") and not name.startswith("last")
+            assert len(name) <= 255
+            (tmp_path / name).mkdir()
+    max_version = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder
+    assert max_version(tmp_path, "hpc_ckpt_") is None  # Lightning's SLURM resume finds nothing to resume
+
+
+def test_leftovers_are_removed_and_a_checkpoint_moved_aside_is_restored(tmp_path):
+    from lightning_zero.checkpoint.publish import RETIRED, STAGING, clean_leftovers, side_name
+
+    (tmp_path / "last.ckpt").mkdir()
+    kept = tmp_path / "epoch=0-step=2.ckpt"
+    kept.mkdir()
+    (tmp_path / side_name(STAGING, tmp_path / "last.ckpt")).mkdir()  # a save killed before its publish
+    (tmp_path / side_name(RETIRED, tmp_path / "last.ckpt")).mkdir()  # killed before removing the old one
+    moved = tmp_path / side_name(RETIRED, tmp_path / "hpc_ckpt_2.ckpt")  # killed between the two renames
+    moved.mkdir()
+    (moved / "meta.json").write_text("{}")
+    (tmp_path / "hpc_ckpt_1.ckpt.tmp-30179fcb00f7").mkdir()  # an older version's staging name
+    lines = clean_leftovers(tmp_path)
+    assert len(lines) == 4, lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=2.ckpt", "hpc_ckpt_2.ckpt", "last.ckpt"]
+    assert (tmp_path / "hpc_ckpt_2.ckpt" / "meta.json").exists()
+    assert any("restored" in line and "hpc_ckpt_2.ckpt" in line for line in lines)
+    assert clean_leftovers(tmp_path) == []
+
+
+def test_the_handler_only_records_and_the_boundary_acts_once():
+    """[Note: signals as events]: a signal is recorded, agreed at a boundary (riding on markers or
+    by an exchange), and cleared once acted on; riders put their slots on every phase marker."""
+    from lightning_zero.runtime.signals import SignalAgreement
+
+    agreement = SignalAgreement(signal.SIGUSR1)
+    agreement.install()
+    try:
+        assert agreement.boundary(lambda values: values) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert agreement.values() == [1, 0] and agreement.pending().startswith("the requeue signal")
+        agreement.agreed([0, 0])  # a marker launched before the signal: nothing agreed yet
+        agreement.agreed([0, 1])  # the next marker: another rank had SIGTERM
+        assert agreement.rode
+        agreed = agreement.boundary(None)
+        assert (agreed.requeue, agreed.terminate) == (False, True)
+        assert agreement.values() == [1, 0] and not agreement.rode  # this rank's own signal still pending
+        agreed = agreement.boundary(lambda values: values)
+        assert (agreed.requeue, agreed.terminate) == (True, False) and agreed.received_at[0] > 0
+        assert agreement.values() == [0, 0] and agreement.pending() is None
+    finally:
+        agreement.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_last_one(runs):
+    out, done, _ = runs
+    launch = done["async"]
+    assert launch.ends[1][0] == -signal.SIGKILL and launch.ends[0][0] == 1, launch.ends
+    # last.ckpt: the second save of its step, written from the same host copy as the first
+    for step in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"):
+        sync = out / "as_sync_zero3" / "ckpts" / step
+        background = out / "as_async_zero3" / "ckpts" / step
+        names = sorted(p.name for p in sync.iterdir() if p.name.startswith(("__", "rank")))
+        assert names == ["__0_0.distcp", "__1_0.distcp", "rank0.json", "rank1.json"]
+        for name in names:
+            assert (sync / name).read_bytes() == (background / name).read_bytes(), (step, name)
+        meta = [json.loads((d / "meta.json").read_text()) for d in (sync, background)]
+        assert meta[0]["params"] == meta[1]["params"] and meta[0]["optimizers"] == meta[1]["optimizers"]
+    results = launch.results()
+    for rank in range(2):
+        assert results[rank]["as_async_zero3"]["losses"] == results[rank]["as_sync_zero3"]["losses"]
+    killed = out / "ak_async_zero2" / "ckpts"
+    assert not (killed / "epoch=0-step=4.ckpt").exists()
+    resumed = done["resume"].results()
+    for rank in range(2):
+        losses = resumed[rank]["last_ak_async_zero2"]["losses"]
+        assert sorted(losses, key=int) == ["3", "4", "5", "6"]  # from step 2's checkpoint
+        assert _same(losses, _baseline(done, "zero2", rank), list(losses)) <= TOL
+    assert not [p for p in killed.iterdir() if p.name.startswith(".lightning_zero-")]  # cleaned at the restart
