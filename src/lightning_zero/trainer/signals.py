@@ -90,6 +90,12 @@ class SchedulerSignals(Callback):
     carried the flags: ddp, ``tp > 1``).
     """
 
+    # Its on_train_batch_end reads flags, not parameters: without this the gather barrier would
+    # wait for every overlapped parameter gather after each step ([Note: parameter reads between
+    # steps] in trainer/gather_barrier.py). The hpc save it makes goes through save_checkpoint,
+    # which waits for the gathers itself.
+    reads_parameters_between_steps = False
+
     def __init__(self) -> None:
         self.agreement = SignalAgreement()
         self.events: list[AgreedSignals] = []
