@@ -14,7 +14,8 @@ the process go on (a caught ``SystemExit(143)``), to keep the processes few:
   one of them is removed with a warning.
 - SIGTERM, per strategy, four trials: every rank exits with 143 within 10 s of the agreement; the
   last trial's processes really exit (143); ``OnExceptionCheckpoint`` saves on the way out.
-- ``async_checkpoint``: the files equal a synchronous save's byte for byte; a rank SIGKILLed inside a
+- ``async_checkpoint``: the files equal a synchronous save's byte for byte, every host copy written
+  into the buffers filled after the first step; a rank SIGKILLed inside a
   background write leaves the previous checkpoint as ``last``, and it resumes exactly.
 - a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
   within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
@@ -338,6 +339,9 @@ def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_la
     results = launch.results()
     for rank in range(2):
         assert results[rank]["as_async_zero3"]["losses"] == results[rank]["as_sync_zero3"]["losses"]
+        # [Note: host buffers before the first save]: filled after the first step, every save copied into them
+        host = results[rank]["as_async_zero3"]["host"]
+        assert host["prepared"] == host["copied"] > 0 and host["fresh"] == 0, host
     killed = out / "ak_async_zero2" / "ckpts"
     assert not (killed / "epoch=0-step=4.ckpt").exists()
     resumed = done["resume"].results()
