@@ -166,7 +166,8 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_
             if saves is not None:
                 self.host_copy_bytes = saves.last_host_bytes
                 # [Note: host buffers before the first save]: fresh bytes 0 when the save used them
-                self.prepared = {"bytes": saves.prepared_bytes, "s": saves.prepare_s, "fresh": saves.fresh_bytes}
+                self.prepared = {"bytes": saves.prepared_bytes, "s": saves.prepare_s, "fresh": saves.fresh_bytes,
+                                 "wait": saves.prepare_wait_s}  # fmt: skip
                 self.copy_s = saves.last_stall_s  # inside ZeroStrategy.save_checkpoint: snapshot + host copy
                 trainer.strategy.wait_for_checkpoint()
                 self.background_s = time.perf_counter() - started
@@ -386,7 +387,8 @@ def async_lines(rows: list[dict]) -> list[str]:
         if prepared:
             lines.append(
                 f"host buffers: {case} filled after the first step in {max(p['s'] for p in prepared):.1f} s (off the"
-                f" loop), {max(p['bytes'] for p in prepared) / MIB:,.0f} MiB per rank; fresh pages at the first save"
+                f" loop), {max(p['bytes'] for p in prepared) / MIB:,.0f} MiB per rank; the first save waited"
+                f" {max(p.get('wait', 0.0) for p in prepared):.2f} s for them; fresh pages at the first save"
                 f" {max(p['fresh'] for p in prepared) / MIB:,.0f} MiB"
             )
         lines.append(

@@ -350,3 +350,26 @@ def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_la
         assert sorted(losses, key=int) == ["3", "4", "5", "6"]  # from step 2's checkpoint
         assert _same(losses, _baseline(done, "zero2", rank), list(losses)) <= TOL
     assert not [p for p in killed.iterdir() if p.name.startswith(".lightning_zero-")]  # cleaned at the restart
+
+
+def test_the_first_host_copy_goes_into_buffers_filled_before_it():
+    # [Note: host buffers before the first save]: shaped from the live tensors' shapes only, filled once
+    import torch
+
+    from lightning_zero.checkpoint.background import BackgroundSaves, _tensors_of, host_copy
+    from lightning_zero.checkpoint.dcp import DenseChunks
+
+    live = {"model.w": DenseChunks((4, 4), [((0, 0), torch.randn(2, 4)), ((2, 0), torch.randn(2, 4))]),
+            "optim.0.w.step": torch.tensor(3.0), "note": 1}  # fmt: skip
+    saves = BackgroundSaves()
+    saves.prepare(live)
+    saves._take_prepared()
+    assert saves.prepared and saves.prepared_bytes == 2 * 8 * 4 + 4
+    prepared = {t.data_ptr() for t in _tensors_of(saves._buffers)}
+    saves.prepare(live)  # once: the buffers stay those of the first prepare
+    assert {t.data_ptr() for t in _tensors_of(saves._buffers)} == prepared
+    copied, total = host_copy(live, saves._buffers)
+    assert total == saves.prepared_bytes and {t.data_ptr() for t in _tensors_of(copied)} == prepared
+    for (_, mine), (_, theirs) in zip(copied["model.w"].pieces, live["model.w"].pieces):
+        assert torch.equal(mine, theirs)
+    assert copied["optim.0.w.step"].item() == 3.0 and copied["note"] == 1

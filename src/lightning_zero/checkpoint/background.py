@@ -158,6 +158,7 @@ class BackgroundSaves:
         self.prepare_error: Optional[BaseException] = None  # the first save then allocates its own
         self.prepared_bytes = 0  # host bytes the prepared buffers took
         self.prepare_s = 0.0  # how long their thread took (off the training loop)
+        self.prepare_wait_s = 0.0  # how long the first save waited for that thread (part of its stall)
         self.fresh_bytes = 0  # host bytes the saves' copies allocated (not reused, not prepared): all saves
 
     @property
@@ -191,7 +192,9 @@ class BackgroundSaves:
         """The prepared buffers become the next copy's (waiting for their thread if at work)."""
         if self._preparing is None:
             return
+        waited = time.perf_counter()
         self._preparing.join()  # at once when done: it stays set, so buffers are prepared once
+        self.prepare_wait_s += time.perf_counter() - waited
         if not self._buffers:
             self._buffers = self._prepared
         self._prepared = {}
