@@ -129,6 +129,7 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_
             self.save_s: float = float("nan")
             self.background_s: float = float("nan")  # async_checkpoint: until the background save published
             self.host_copy_bytes = 0  # async_checkpoint: the host copy the background save writes from
+            self.prepared: dict[str, float] = {}  # async_checkpoint: the buffers filled after the first step
             self.copy_s: float = float("nan")  # async_checkpoint: the strategy's own part of the stall
             self.second_save = second_save
             self.save2_s: float = float("nan")
@@ -164,6 +165,9 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_
             saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: the write goes on (issue 43)
             if saves is not None:
                 self.host_copy_bytes = saves.last_host_bytes
+                # [Note: host buffers before the first save]: fresh bytes 0 when the save used them
+                self.prepared = {"bytes": saves.prepared_bytes, "s": saves.prepare_s, "fresh": saves.fresh_bytes,
+                                 "wait": saves.prepare_wait_s}  # fmt: skip
                 self.copy_s = saves.last_stall_s  # inside ZeroStrategy.save_checkpoint: snapshot + host copy
                 trainer.strategy.wait_for_checkpoint()
                 self.background_s = time.perf_counter() - started
@@ -188,7 +192,8 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_
             self._point("after_fit")
             return {"memory_points": self.points, "save_stall_s": self.save_s, "peaks_reset": self.peaks_reset,
                     "save_background_s": self.background_s, "save_host_copy_bytes": self.host_copy_bytes,
-                    "save_copy_s": self.copy_s, "save2_stall_s": self.save2_s, "save2_copy_s": self.copy2_s}  # fmt: skip
+                    "save_copy_s": self.copy_s, "save2_stall_s": self.save2_s, "save2_copy_s": self.copy2_s,
+                    "save_prepared": self.prepared}  # fmt: skip
 
     return MemoryProbe()
 
@@ -282,6 +287,7 @@ def memory_rows(run_dir_rows: list[dict], log_dir: Path) -> list[dict]:
                     "save_copy_s": rank.get("save_copy_s", float("nan")),
                     "save2_stall_s": rank.get("save2_stall_s", float("nan")),
                     "save2_copy_s": rank.get("save2_copy_s", float("nan")),
+                    "save_prepared": rank.get("save_prepared", {}),
                 }
             )
         predicted = ranks[0]["planner_memory"]
@@ -336,11 +342,16 @@ def goals(rows: list[dict]) -> list[str]:
             continue
         # training and teardown (stage 3 gathers the whole module then); the save is reported apart
         # (no per-phase peaks: the fit's, the save included)
-        peak = max(max(r["end_peak_above"], _teardown_or_fit_peak(r)) for r in row["ranks"])
+        # async_checkpoint's host buffers are taken after the first step ([Note: host buffers
+        # before the first save]): the planner models training, so they are left out, and named
+        held = {r["rank"]: r.get("save_prepared", {}).get("bytes", 0) for r in row["ranks"]}
+        peak = max(max(r["end_peak_above"], _teardown_or_fit_peak(r)) - held[r["rank"]] for r in row["ranks"])
         peaks[row["case"]] = peak
         ratio = peak / row["planner_memory"]["total"]
+        less = f" (less {max(held.values()) / MIB:,.0f} MiB of checkpoint host buffers)" if any(held.values()) else ""
         lines.append(
-            f"goal: {row['case']} peak {ratio:.3f}x predicted (within 10%): {'met' if abs(ratio - 1) <= 0.10 else 'NOT met'}"
+            f"goal: {row['case']} peak{less} {ratio:.3f}x predicted (within 10%):"
+            f" {'met' if abs(ratio - 1) <= 0.10 else 'NOT met'}"
         )
     if all(case in peaks for case in ("zero1", "zero2", "zero3")):
         order = peaks["zero3"] < peaks["zero2"] < peaks["zero1"]
@@ -371,6 +382,14 @@ def async_lines(rows: list[dict]) -> list[str]:
         if stall2 == stall2 and sync2 == sync2:  # --second-save: the host buffers are reused then
             lines.append(
                 f"second save: {case} stall {stall2:.2f} s vs {sync['case']} {sync2:.2f} s = {stall2 / sync2:.1%}"
+            )
+        prepared = [r["save_prepared"] for r in row["ranks"] if r["save_prepared"]]
+        if prepared:
+            lines.append(
+                f"host buffers: {case} filled after the first step in {max(p['s'] for p in prepared):.1f} s (off the"
+                f" loop), {max(p['bytes'] for p in prepared) / MIB:,.0f} MiB per rank; the first save waited"
+                f" {max(p.get('wait', 0.0) for p in prepared):.2f} s for them; fresh pages at the first save"
+                f" {max(p['fresh'] for p in prepared) / MIB:,.0f} MiB"
             )
         lines.append(
             f"goal: {case} stall {stall:.2f} s vs {sync['case']} {sync_stall:.2f} s = {ratio:.1%} (at most 15%):"

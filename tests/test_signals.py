@@ -14,7 +14,8 @@ the process go on (a caught ``SystemExit(143)``), to keep the processes few:
   one of them is removed with a warning.
 - SIGTERM, per strategy, four trials: every rank exits with 143 within 10 s of the agreement; the
   last trial's processes really exit (143); ``OnExceptionCheckpoint`` saves on the way out.
-- ``async_checkpoint``: the files equal a synchronous save's byte for byte; a rank SIGKILLed inside a
+- ``async_checkpoint``: the files equal a synchronous save's byte for byte, every host copy written
+  into the buffers filled after the first step; a rank SIGKILLed inside a
   background write leaves the previous checkpoint as ``last``, and it resumes exactly.
 - a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
   within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
@@ -338,6 +339,9 @@ def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_la
     results = launch.results()
     for rank in range(2):
         assert results[rank]["as_async_zero3"]["losses"] == results[rank]["as_sync_zero3"]["losses"]
+        # [Note: host buffers before the first save]: filled after the first step, every save copied into them
+        host = results[rank]["as_async_zero3"]["host"]
+        assert host["prepared"] == host["copied"] > 0 and host["fresh"] == 0, host
     killed = out / "ak_async_zero2" / "ckpts"
     assert not (killed / "epoch=0-step=4.ckpt").exists()
     resumed = done["resume"].results()
@@ -346,3 +350,26 @@ def test_background_saves_write_the_same_bytes_and_a_kill_mid_write_keeps_the_la
         assert sorted(losses, key=int) == ["3", "4", "5", "6"]  # from step 2's checkpoint
         assert _same(losses, _baseline(done, "zero2", rank), list(losses)) <= TOL
     assert not [p for p in killed.iterdir() if p.name.startswith(".lightning_zero-")]  # cleaned at the restart
+
+
+def test_the_first_host_copy_goes_into_buffers_filled_before_it():
+    # [Note: host buffers before the first save]: shaped from the live tensors' shapes only, filled once
+    import torch
+
+    from lightning_zero.checkpoint.background import BackgroundSaves, _tensors_of, host_copy
+    from lightning_zero.checkpoint.dcp import DenseChunks
+
+    live = {"model.w": DenseChunks((4, 4), [((0, 0), torch.randn(2, 4)), ((2, 0), torch.randn(2, 4))]),
+            "optim.0.w.step": torch.tensor(3.0), "note": 1}  # fmt: skip
+    saves = BackgroundSaves()
+    saves.prepare(live)
+    saves._take_prepared()
+    assert saves.prepared and saves.prepared_bytes == 2 * 8 * 4 + 4
+    prepared = {t.data_ptr() for t in _tensors_of(saves._buffers)}
+    saves.prepare(live)  # once: the buffers stay those of the first prepare
+    assert {t.data_ptr() for t in _tensors_of(saves._buffers)} == prepared
+    copied, total = host_copy(live, saves._buffers)
+    assert total == saves.prepared_bytes and {t.data_ptr() for t in _tensors_of(copied)} == prepared
+    for (_, mine), (_, theirs) in zip(copied["model.w"].pieces, live["model.w"].pieces):
+        assert torch.equal(mine, theirs)
+    assert copied["optim.0.w.step"].item() == 3.0 and copied["note"] == 1

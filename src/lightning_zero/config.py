@@ -119,8 +119,8 @@ class ZeroConfig:
             the bf16-mixed bytes), for fine-tunes whose bf16 updates stall. No effect under
             ``32-true`` and the ``-mixed`` precisions (fp32 masters already). See docs/precision.md.
         async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
-            it writes to host memory (one copy of this rank's checkpoint bytes, held while the save
-            is in flight); writing, hashing and the atomic publish run in a background thread over
+            it writes to host memory (one copy of this rank's checkpoint bytes, allocated by a thread
+            after the first optimizer step and kept for every save); writing, hashing and the atomic publish run in a background thread over
             a gloo process group of their own. The next save, the end of fit, a requeue and a load
             wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
             hold the same bytes as a synchronous save's. See docs/checkpoints.md.

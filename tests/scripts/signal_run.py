@@ -147,11 +147,17 @@ class Record(Callback):
     def __init__(self, moments: Moments, efbig_rank: int | None) -> None:
         self.moments, self.efbig_rank = moments, efbig_rank
         self.losses: dict[int, float] = {}
+        self.host: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses[trainer.global_step] = float(outputs["loss"])
         if self.efbig_rank == trainer.global_rank and trainer.global_step == 3:
             resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: where its host copies came from
+        if saves is not None:
+            self.host = {"prepared": saves.prepared_bytes, "copied": saves.last_host_bytes, "fresh": saves.fresh_bytes}
 
 
 def _strategy(name: str, background: bool) -> Any:
@@ -202,6 +208,7 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
     agreement = next(cb for cb in trainer.callbacks if isinstance(cb, SchedulerSignals))
     result = {
         "losses": record.losses,
+        "host": record.host,
         "started": started,
         "sent": moments.sent_at,
         "agreed": [

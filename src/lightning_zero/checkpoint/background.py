@@ -18,6 +18,16 @@ directory is left, ``last`` is still the previous complete checkpoint, and the n
 the leftover ([Note: staging names] in ``publish.py``). The cost in host memory is one copy of
 this rank's checkpoint tensors, kept from one save to the next: the next copy writes into it
 (fresh pages are slower to fill than the copy itself).
+
+[Note: host buffers before the first save] Fresh host pages cost more than the copy itself
+(page faults: 2.5 GiB took 9 s on the 2-core benchmark machine, the same copy into touched pages
+under 1 s), so a first save that allocated its copy would hold training for most of a
+synchronous save. :meth:`BackgroundSaves.prepare` takes that memory earlier: after the first
+optimizer step (the optimizer state exists then), a thread of its own allocates and writes every
+page of buffers shaped as the save's tensors (pinned on a device), off the training loop; the first
+save writes into them (waiting for that thread if it is still at work). The thread reads only
+shapes and dtypes and issues no collective. The host memory is thus taken from the first optimizer
+step on, not from the first save; without ``async_checkpoint`` nothing is taken.
 """
 
 from __future__ import annotations
@@ -68,12 +78,34 @@ def save(
     saves.start(taken, layout, started, step=(checkpoint.get("epoch"), checkpoint.get("global_step")))
 
 
+def _each_tensor(tensors: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """``fn`` of every tensor and :class:`DenseChunks` piece of ``tensors``; other entries left out."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if isinstance(value, DenseChunks):
+            out[name] = DenseChunks(value.global_size, [(offsets, fn(piece)) for offsets, piece in value.pieces])
+        elif isinstance(value, torch.Tensor):
+            out[name] = fn(value)
+    return out
+
+
+def _tensors_of(tensors: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor and :class:`DenseChunks` piece of ``tensors``."""
+    found: list[torch.Tensor] = []
+    _each_tensor(tensors, found.append)
+    return found
+
+
+def _touched(spec: torch.Tensor) -> torch.Tensor:
+    """A host tensor shaped as ``spec`` (a meta tensor) with every page written: no fault left."""
+    return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=torch.cuda.is_available()).zero_()
+
+
 def host_copy(tensors: dict[str, Any], reuse: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], int]:
     """Copies of every tensor (and :class:`DenseChunks` rectangle) in host memory, written into
-    ``reuse`` (a previous copy of the same entries, no longer read) where shapes match: fresh host
-    pages cost more than the copy itself (page faults: 2.5 GiB took 9 s on the 2-core benchmark
-    machine, the same copy into touched pages under 1 s). Returns the copies and their bytes."""
-    reuse = reuse or {}
+    ``reuse`` (a previous copy of the same entries, no longer read, or the buffers
+    :meth:`BackgroundSaves.prepare` filled) where shapes match. Returns the copies and their bytes."""
+    reuse = reuse or {}  # [Note: host buffers before the first save]
     copied: dict[str, Any] = {}
     total = 0
     for name, value in tensors.items():
@@ -121,6 +153,51 @@ class BackgroundSaves:
         self._removals: list[PathLike] = []
         self.last_stall_s = 0.0  # how long the last save held the training loop
         self.last_host_bytes = 0  # host bytes of the last copy
+        self._preparing: Optional[threading.Thread] = None  # filling the first save's buffers
+        self._prepared: dict[str, Any] = {}
+        self.prepare_error: Optional[BaseException] = None  # the first save then allocates its own
+        self.prepared_bytes = 0  # host bytes the prepared buffers took
+        self.prepare_s = 0.0  # how long their thread took (off the training loop)
+        self.prepare_wait_s = 0.0  # how long the first save waited for that thread (part of its stall)
+        self.fresh_bytes = 0  # host bytes the saves' copies allocated (not reused, not prepared): all saves
+
+    @property
+    def prepared(self) -> bool:
+        """:meth:`prepare` ran, or a save made buffers of its own."""
+        return self._preparing is not None or bool(self._buffers)
+
+    def prepare(self, tensors: dict[str, Any]) -> None:
+        """[Note: host buffers before the first save]: fill buffers shaped as ``tensors`` (the live
+        tensors a save writes: only their shapes and dtypes are read, here) in a thread; once."""
+        if self.prepared:
+            return
+        spec = _each_tensor(tensors, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        self._preparing = threading.Thread(
+            target=self._fill, args=(spec,), name="lightning_zero-checkpoint-buffers", daemon=True
+        )
+        self._preparing.start()
+
+    def _fill(self, spec: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            buffers = _each_tensor(spec, _touched)
+        except (MemoryError, RuntimeError) as exc:  # out of (pinned) host memory: the first save allocates
+            self.prepare_error = exc
+            return
+        self.prepared_bytes = sum(t.numel() * t.element_size() for t in _tensors_of(buffers))
+        self.prepare_s = time.perf_counter() - started
+        self._prepared = buffers
+
+    def _take_prepared(self) -> None:
+        """The prepared buffers become the next copy's (waiting for their thread if at work)."""
+        if self._preparing is None:
+            return
+        waited = time.perf_counter()
+        self._preparing.join()  # at once when done: it stays set, so buffers are prepared once
+        self.prepare_wait_s += time.perf_counter() - waited
+        if not self._buffers:
+            self._buffers = self._prepared
+        self._prepared = {}
 
     @property
     def in_flight(self) -> bool:
@@ -142,7 +219,11 @@ class BackgroundSaves:
         if self.group is None and distributed():
             timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
             self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._take_prepared()
+        reused = {t.data_ptr() for t in _tensors_of(self._buffers)}
         taken.tensors, self.last_host_bytes = host_copy(taken.tensors, self._buffers)
+        self.fresh_bytes += sum(t.numel() * t.element_size() for t in _tensors_of(taken.tensors)
+                                if t.data_ptr() not in reused)  # fmt: skip
         self._buffers = taken.tensors  # written again by the next save of another step, once this one is done
         self._host, self._queue, self._running = (step, taken.tensors), [(taken, layout)], True
         self._thread = threading.Thread(target=self._drain, name="lightning_zero-checkpoint-writer", daemon=True)

@@ -86,11 +86,8 @@ def snapshot(
             " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
         )
     kinds: list[dict] = [{} for _ in optimizers]
-    skip: set[str] = set()
-    if engine is not None:
-        engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
-        skip = managed_names(engine)
-    params = module_entries(module, skip, layout, targets, load=False)
+    params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                          with_optimizer=with_optimizer)  # fmt: skip
     groups = [
         (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                                     f"optimizer {index}"))
@@ -102,6 +99,25 @@ def snapshot(
         params=params, managed=_managed_info(engine, layout) if engine is not None else {}, kinds=kinds,
         optimizer_groups=groups, with_optimizer=with_optimizer, has_inner_model=isinstance(inner, nn.Module),
     )  # fmt: skip
+
+
+def save_entries(
+    targets: Targets,
+    kinds: list[dict],
+    *,
+    module: nn.Module,
+    engine: Any,
+    optimizers: list[Optimizer],
+    layout: RankPlacement,
+    with_optimizer: bool,
+) -> dict[str, Any]:
+    """The tensors a save writes into ``targets`` (the live ones: reads only), the optimizer state
+    kinds into ``kinds``; returns the module entries' shapes for ``meta.json``."""
+    skip: set[str] = set()
+    if engine is not None:
+        engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
+        skip = managed_names(engine)
+    return module_entries(module, skip, layout, targets, load=False)
 
 
 def save_checkpoint(

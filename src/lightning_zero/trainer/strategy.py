@@ -443,6 +443,33 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         save(self._saves, filepath, checkpoint, module=self.lightning_module, engine=self.engine,
              optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.zero_config.async_checkpoint and (self._saves is None or not self._saves.prepared):
+            self._prepare_saves()
+        return output
+
+    def _prepare_saves(self) -> None:
+        """[Note: host buffers before the first save] in checkpoint/background.py: once the optimizer
+        state exists (a skipped first step, 16-mixed's overflow, has none yet: the next one then)."""
+        from lightning_zero.checkpoint.background import BackgroundSaves
+        from lightning_zero.checkpoint.save import save_entries
+        from lightning_zero.checkpoint.targets import Targets
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        callbacks = trainer.checkpoint_callbacks if trainer is not None else []
+        with_optimizer = not callbacks or not all(getattr(cb, "save_weights_only", False) for cb in callbacks)
+        if with_optimizer and not any(opt.state for opt in self.optimizers):
+            return
+        if self._saves is None:
+            self._saves = BackgroundSaves(self.zero_config.collective_timeout)
+        self._wait_param_gathers()
+        targets = Targets()
+        save_entries(targets, [{} for _ in self.optimizers], module=self.lightning_module, engine=self.engine,
+                     optimizers=self.optimizers, layout=self._checkpoint_layout(), with_optimizer=with_optimizer)  # fmt: skip
+        self._saves.prepare(targets.tensors)
+
     def wait_for_checkpoint(self) -> None:
         """Until a background save in flight is published ([Note: background saves]); raises its error."""
         if self._saves is not None:
