@@ -8,8 +8,7 @@ Everything else is imported lazily, so the import stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_zero._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -25,11 +24,7 @@ _LAZY = {
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def _register_strategies() -> None:

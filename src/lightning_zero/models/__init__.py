@@ -7,8 +7,7 @@ Lightning; ``LlamaLM`` imports Lightning when it is first taken.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_zero._lazy import lazy_attributes
 
 _LAZY = {
     "Attention": "lightning_zero.models.llama.model",
@@ -26,8 +25,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_zero.models' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -10,8 +10,7 @@ Lightning, so the planner can read a ``LlamaConfig`` without either."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_zero._lazy import lazy_attributes
 
 _LAZY = {
     "Attention": "lightning_zero.models.llama.model",
@@ -34,8 +33,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_zero.models.llama' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -36,8 +36,7 @@ importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_zero._lazy import lazy_attributes
 
 _LAZY = {
     "SINGLE_UNIT_WARN_NUMEL": "lightning_zero.zero.stage3.units",
@@ -58,8 +57,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_zero.zero.stage3' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
