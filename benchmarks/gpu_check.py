@@ -29,6 +29,9 @@ Phases, in order of value (each one's checks: docs/gpu.md):
 7. ``uninitialized_fill``: zero2 and zero3 forced with ``fill_uninitialized_memory`` (NaN in every
    fresh float allocation): a read before write shows as a non-finite loss.
 8. ``profile``: one forced zero2 step under the profiler: device time per ``lightning_zero::`` label.
+9. ``async_checkpoint``: zero3 forced, a checkpoint every 2 steps, saved synchronously and with
+   ``async_checkpoint=True``: the same losses, byte-identical tensor files, and how long each save
+   held the training loop (the background copy goes from the device into pinned host buffers).
 
 Why one rank: NCCL refuses two ranks on one device ("Duplicate GPU detected"); the wire is
 forced instead, so the collectives, their ops, in-place buffers and stream semantics all run
@@ -85,7 +88,7 @@ GPU = {
     "micro_batch": 8,
     "seq_len": 1024,
     "steps": 30,
-    "short_steps": 10,  # phases 5-7
+    "short_steps": 10,  # phases 5-9
     "warmup": 5,
     "hardware": "h200_141gb",
 }
@@ -100,7 +103,7 @@ DRY = {
 }
 RUNS = ("single", "zero1", "zero2", "zero3")
 PHASES = ("preflight", "probes", "runs", "forced", "offload_clip_monitor", "zero3_offload_accum_ckpt",
-          "uninitialized_fill", "profile")  # fmt: skip
+          "uninitialized_fill", "profile", "async_checkpoint")  # fmt: skip
 
 
 class SingleDevice(SingleDeviceStrategy):
@@ -178,8 +181,10 @@ def run_one(
     trainer_args: Optional[dict[str, Any]] = None,
     activation_checkpointing: bool = False,
     profile: bool = False,
+    checkpoint_dir: Optional[Path] = None,
 ) -> dict[str, Any]:
-    """One training run of ``kind`` ("single" or "zeroN"); returns its figures."""
+    """One training run of ``kind`` ("single" or "zeroN"); returns its figures. ``checkpoint_dir``:
+    a ``ModelCheckpoint`` there every 2 steps, and the seconds each save held the loop."""
     steps = steps or settings["steps"]
     trainer_args = dict(trainer_args or {})
     accumulate = trainer_args.get("accumulate_grad_batches", 1)
@@ -199,16 +204,22 @@ def run_one(
     profiler_box: dict[str, Any] = {}
     if profile:
         callbacks.append(ProfileLastStep(device, profiler_box))
+    stalls: list[float] = []
+    if checkpoint_dir is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=2, save_top_k=-1))
+        trainer_args["enable_checkpointing"] = True
+        strategy.save_checkpoint = _timed_saves(strategy.save_checkpoint, device, stalls)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
         strategy=strategy,
         precision="bf16-mixed",
         max_steps=steps,
-        **STEPS_ONLY,
         use_distributed_sampler=False,  # dp=1: the same rows in the same order as the single run
         callbacks=callbacks,
-        **trainer_args,
+        **{**STEPS_ONLY, **trainer_args},
     )
     loader = DataLoader(token_batches(settings, steps * accumulate * settings["micro_batch"]),
                         batch_size=settings["micro_batch"], shuffle=False)  # fmt: skip
@@ -257,8 +268,24 @@ def run_one(
         result["measured_over_predicted"] = result["max_memory_allocated"] / plan.memory.total
     if profiler_box:
         result["profile"] = profiler_box["table"]
+    if checkpoint_dir is not None:
+        result["save_stall_s"] = stalls
     del trainer, model
     return result
+
+
+def _timed_saves(save: Callable[..., Any], device: torch.device, stalls: list[float]) -> Callable[..., Any]:
+    """``save`` (a strategy's ``save_checkpoint``), noting how long each call held the training loop."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = save(*args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stalls.append(time.perf_counter() - started)
+        return out
+
+    return timed
 
 
 class ProfileLastStep(L.Callback):
@@ -451,6 +478,31 @@ def phase_profile(ctx: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def phase_async_checkpoint(ctx: dict[str, Any]) -> dict[str, Any]:
+    import tempfile
+
+    runs, dirs = {}, {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_ckpt_") as root:
+        for mode in ("sync", "async"):
+            dirs[mode] = Path(root, mode)
+            runs[mode] = run_one("zero3", ctx["settings"], ctx["accelerator"], ctx["device"],
+                                 steps=ctx["settings"]["short_steps"], forced=True,
+                                 knobs={"async_checkpoint": mode == "async"}, checkpoint_dir=dirs[mode])  # fmt: skip
+        saved = sorted(p.relative_to(dirs["sync"]) for p in dirs["sync"].rglob("*") if p.suffix == ".distcp")
+        differing = [str(p) for p in saved if (dirs["sync"] / p).read_bytes() != (dirs["async"] / p).read_bytes()]
+    stalls = {mode: runs[mode]["save_stall_s"] for mode in runs}
+    ok = (runs["sync"]["losses"] == runs["async"]["losses"] and bool(saved) and not differing
+          and len(stalls["sync"]) == len(stalls["async"]) > 0)  # fmt: skip
+    return {
+        "ok": ok,
+        "tensor_files": len(saved),
+        "differing_files": differing,
+        "save_stall_s": stalls,
+        "async_over_sync": sum(stalls["async"]) / max(sum(stalls["sync"]), 1e-9),
+        "runs": runs,
+    }
+
+
 PHASE_FUNCTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "preflight": phase_preflight,
     "probes": phase_probes,
@@ -460,6 +512,7 @@ PHASE_FUNCTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "zero3_offload_accum_ckpt": phase_zero3_combo,
     "uninitialized_fill": phase_uninitialized,
     "profile": phase_profile,
+    "async_checkpoint": phase_async_checkpoint,
 }
 
 

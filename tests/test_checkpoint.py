@@ -182,6 +182,8 @@ def _save_body(rank, world, out, stage, tp):
     )
     save_checkpoint(Path(out, "ckpt"), {"global_step": 2, "optimizer_states": []}, module=model, engine=engine,
                     optimizers=[opt], layout=layout)  # fmt: skip
+    if tp == 1:
+        _count_host_copies(Path(out, f"host_copies.rank{rank}.json"), model, engine, opt, layout)
     _dump_owned(engine, opt, Path(out, f"saved.rank{rank}.pt"), tp_rank=rank % tp)
     if tp > 1:
         from lightning_zero.tp import gather_tp_state_dict
@@ -193,6 +195,40 @@ def _save_body(rank, world, out, stage, tp):
     if rank == 0:
         torch.save(dense, Path(out, "dense.pt"))
     engine.close()
+
+
+def _count_host_copies(path, model, engine, opt, layout):
+    """``Tensor.cpu`` calls made while collecting what a save writes: a synchronous save's snapshot
+    copies each device tensor to the host there; a background save's snapshot and the shapes its
+    buffers are prepared from must not (on a GPU each would be a pageable device-to-host copy on
+    the training thread, before the copy into the pinned buffers: [Note: background saves])."""
+    from lightning_zero.checkpoint.background import live_tensors
+    from lightning_zero.checkpoint.save import snapshot
+
+    calls = []
+    real_cpu = torch.Tensor.cpu
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.is_floating_point())  # not the RNG states' bytes (JSON, a few KiB)
+        return real_cpu(self, *args, **kwargs)
+
+    entries = dict(module=model, engine=engine, optimizers=[opt], layout=layout)
+    counts = {}
+    torch.Tensor.cpu = counted
+    try:
+        for case, collect in {
+            "sync": lambda: snapshot(Path(path).parent / "unused", {"optimizer_states": []}, **entries),
+            "background": lambda: snapshot(
+                Path(path).parent / "unused", {"optimizer_states": []}, **entries, keep_device=True
+            ),  # fmt: skip
+            "prepare": lambda: live_tensors(**entries, with_optimizer=True),
+        }.items():
+            calls.clear()
+            collect()
+            counts[case] = sum(calls)
+    finally:
+        torch.Tensor.cpu = real_cpu
+    Path(path).write_text(json.dumps(counts))
 
 
 def _save_stages(rank, world, out, stages, loads):
@@ -312,6 +348,16 @@ def test_reshard_dp_and_stage(saved, world, saved_stage, stage):
     params = torch.load(Path(saved, "load", f"{tag}.params.pt"))
     for name, value in params.items():
         assert torch.equal(value, want[name]["master"]), name  # compute params refreshed from masters
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_background_save_leaves_device_tensors_to_its_own_copy(saved, stage):
+    """[Note: background saves]: no tensor goes to pageable host memory while a background save
+    (or the shapes of its prepared buffers) is collected; a synchronous save's does copy."""
+    for rank in range(2):
+        counts = json.loads(Path(saved, f"s{stage}", f"host_copies.rank{rank}.json").read_text())
+        assert counts["background"] == counts["prepare"] == 0, counts
+        assert counts["sync"] > 0, counts  # the count sees the copies a snapshot makes
 
 
 def test_saved_weights_agree_across_stages(saved):

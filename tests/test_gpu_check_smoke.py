@@ -42,7 +42,7 @@ def test_gpu_check_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
     phases = report["phases"]
     assert list(phases) == [
         "preflight", "probes", "runs", "forced", "offload_clip_monitor", "zero3_offload_accum_ckpt",
-        "uninitialized_fill", "profile",
+        "uninitialized_fill", "profile", "async_checkpoint",
     ]  # fmt: skip
     assert phases["preflight"]["versions"]["omegaconf"] is None and phases["preflight"]["versions"]["hydra"] is None
     assert all(phases["probes"]["checks"].values())
@@ -62,3 +62,6 @@ def test_gpu_check_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
         assert phases["forced"]["vs_short_circuit"][kind]["max_abs"] == 0.0
     assert phases["zero3_offload_accum_ckpt"]["run"]["finite"]
     assert any("reduce_scatter" in key for key in phases["profile"]["profile"])
+    saves = phases["async_checkpoint"]
+    assert saves["tensor_files"] > 0 and saves["differing_files"] == [], saves
+    assert len(saves["save_stall_s"]["sync"]) == len(saves["save_stall_s"]["async"]) > 0, saves

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from lightning_zero.checkpoint.dcp import DenseChunks
 from lightning_zero.checkpoint.publish import PathLike, remove_checkpoint
 from lightning_zero.checkpoint.ranks import distributed
-from lightning_zero.checkpoint.save import Snapshot, save_checkpoint, snapshot, write_snapshot
-from lightning_zero.checkpoint.targets import RankPlacement
+from lightning_zero.checkpoint.save import Snapshot, save_checkpoint, save_entries, snapshot, write_snapshot
+from lightning_zero.checkpoint.targets import RankPlacement, Targets
 
 
 def _to_host(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
@@ -74,8 +74,18 @@ def save(
         save_checkpoint(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
         return
     started = time.perf_counter()
-    taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+    taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                     keep_device=True)  # fmt: skip
     saves.start(taken, layout, started, step=(checkpoint.get("epoch"), checkpoint.get("global_step")))
+
+
+def live_tensors(*, module: Any, engine: Any, optimizers: list, layout: RankPlacement, with_optimizer: bool) -> dict:
+    """The tensors a save of this rank writes, as views of the live ones (nothing copied, on any
+    device): what :meth:`BackgroundSaves.prepare` shapes its buffers from."""
+    targets = Targets(keep_device=True)
+    save_entries(targets, [{} for _ in optimizers], module=module, engine=engine, optimizers=optimizers,
+                 layout=layout, with_optimizer=with_optimizer)  # fmt: skip
+    return targets.tensors
 
 
 def _each_tensor(tensors: dict[str, Any], fn: Any) -> dict[str, Any]:

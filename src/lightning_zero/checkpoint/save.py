@@ -71,11 +71,16 @@ def snapshot(
     engine: Any,
     optimizers: list[Optimizer],
     layout: RankPlacement,
+    keep_device: bool = False,
 ) -> Snapshot:
-    """The first half of :func:`save_checkpoint`: no file and no collective, only reads."""
+    """The first half of :func:`save_checkpoint`: no file and no collective, only reads.
+
+    ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
+    that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
+    device tensor is copied to the host here."""
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
-    targets = Targets()
+    targets = Targets(keep_device=keep_device)
     with_optimizer = "optimizer_states" in checkpoint
     if with_optimizer and engine is not None and getattr(engine, "has_replicated_optimizers", lambda: False)():
         names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})

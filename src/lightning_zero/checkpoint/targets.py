@@ -65,6 +65,14 @@ class Targets:
     tensors: dict[str, Any] = field(default_factory=dict)
     copies: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (name, destination, staged)
     optimizer_states: list[dict[int, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # Saving: keep device tensors where they are (views of the live ones) instead of copying them
+    # to pageable host memory here; a background save copies them into its pinned buffers
+    # ([Note: background saves] in background.py), the shapes-only prepare reads no values at all.
+    keep_device: bool = False
+
+    def saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as a save collects it: on the host, unless :attr:`keep_device`."""
+        return tensor if self.keep_device else tensor.cpu()
 
 
 def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, targets: Targets, *, load: bool) -> dict:
@@ -90,7 +98,7 @@ def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, tar
             targets.copies.append((name, tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
             flat = staged
         else:
-            flat = tensor.reshape(-1).cpu()
+            flat = targets.saved(tensor.reshape(-1))
         add_chunks(targets.tensors, f"model.{name}", size, pieces_over(flat, pieces))
         info[name] = {"shape": list(dense_shape(tensor.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
     return info
@@ -143,7 +151,7 @@ def engine_entries(
             targets.copies.append((owned.name, master[lo:hi], staged))
             add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(staged, pieces))
         else:
-            add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(master[lo:hi].cpu(), pieces))
+            add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(targets.saved(master[lo:hi]), pieces))
         # The optimizer's state is keyed by what it steps: a view of the owned run (its state
         # tensors are the run's own) or, for a frozen stage-3 shard, the master chunk.
         stepped = engine.optimizer_tensor(owned)
@@ -173,11 +181,11 @@ def engine_entries(
                 )
             if value.shape == stepped.shape:
                 kind = "chunk"
-                flat = (value.detach() if own_run else value.detach()[lo:hi]).cpu()
+                flat = targets.saved(value.detach() if own_run else value.detach()[lo:hi])
                 add_chunks(targets.tensors, f"optim.{index}.{owned.name}.{key}", size, pieces_over(flat, pieces))
             elif value.numel() == 1:
                 kind = "scalar"
-                targets.tensors[f"optim.{index}.{owned.name}.{key}"] = value.detach().reshape(()).cpu()
+                targets.tensors[f"optim.{index}.{owned.name}.{key}"] = targets.saved(value.detach().reshape(()))
             else:
                 raise TypeError(
                     f"lightning_zero checkpoint: optimizer {index} state {key!r} has shape {tuple(value.shape)},"

@@ -453,9 +453,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def _prepare_saves(self) -> None:
         """[Note: host buffers before the first save] in checkpoint/background.py: once the optimizer
         state exists (a skipped first step, 16-mixed's overflow, has none yet: the next one then)."""
-        from lightning_zero.checkpoint.background import BackgroundSaves
-        from lightning_zero.checkpoint.save import save_entries
-        from lightning_zero.checkpoint.targets import Targets
+        from lightning_zero.checkpoint.background import BackgroundSaves, live_tensors
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         callbacks = trainer.checkpoint_callbacks if trainer is not None else []
@@ -465,10 +463,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         if self._saves is None:
             self._saves = BackgroundSaves(self.zero_config.collective_timeout)
         self._wait_param_gathers()
-        targets = Targets()
-        save_entries(targets, [{} for _ in self.optimizers], module=self.lightning_module, engine=self.engine,
-                     optimizers=self.optimizers, layout=self._checkpoint_layout(), with_optimizer=with_optimizer)  # fmt: skip
-        self._saves.prepare(targets.tensors)
+        self._saves.prepare(live_tensors(module=self.lightning_module, engine=self.engine, optimizers=self.optimizers,
+                                         layout=self._checkpoint_layout(), with_optimizer=with_optimizer))  # fmt: skip
 
     def wait_for_checkpoint(self) -> None:
         """Until a background save in flight is published ([Note: background saves]); raises its error."""
