@@ -67,14 +67,33 @@ EFBIG_TRIALS = ["fb_zero2=zero2:efbig@1", "fb_zero3=zero3:efbig@0"]
 ASYNC_TRIALS = ["as_sync_zero3=zero3:", "as_async_zero3=zero3:", "ak_async_zero2=zero2:kill@1"]
 
 
+# tp=2 x dp=2 (4 ranks, a tiny LlamaLM): the flags cannot ride on the dp-only phase markers, so
+# every training batch pays one 8-byte all-reduce over the world. Every rank sends itself the
+# signal at its own moment of step 3 (validation@2: before step 3), so all agree once, after step 3.
+TP_STAGES = ("tp2z1", "tp2z2", "tp2z3")
+TP_REQUEUE_TRIALS = [  # the last one is SIGKILLed once its scontrol ran, then resumed
+    "rq_tp2z1=tp2z1:0.backward@3,1.forward@3,2.optimizer@3,3.validation@2",
+    "rq_tp2z2=tp2z2:0.forward@3,1.optimizer@3,2.backward@3,3.after_step@3",
+    "rq_tp2z3=tp2z3:0.gather@3,1.backward@3,2.forward@3,3.optimizer@3",
+]
+TP_SIGTERM_TRIALS = [
+    "tm_tp2z1=tp2z1:0.optimizer@3,1.backward@3,2.forward@3,3.gather@3",
+    "tm_tp2z2=tp2z2:0.validation@2,1.gather@3,2.backward@3,3.forward@3",
+    "tm_tp2z3=tp2z3:0.backward@3,1.gather@3,2.after_step@3,3.validation@2",
+]
+# one launch after the requeue launch: the uninterrupted runs, the killed trial resumed from its
+# hpc checkpoint (a trial with no signals finds it: no ckpt_path), then the SIGTERM trials
+TP_SECOND = [f"base_{s}={s}:" for s in TP_STAGES] + ["rq_tp2z3=tp2z3:", *TP_SIGTERM_TRIALS]
+
+
 def _name(trial: str) -> str:
     return trial.partition("=")[0]
 
 
-def _slurm_env(out: Path, rank: int, port: int, job: int) -> dict:
+def _slurm_env(out: Path, rank: int, port: int, job: int, ranks: int) -> dict:
     env = script_env(ROOT)
     env.update(
-        SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
+        SLURM_NTASKS=str(ranks), SLURM_NTASKS_PER_NODE=str(ranks), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
         SLURM_LOCALID=str(rank), SLURM_JOB_ID=str(job), SLURM_JOB_NAME="signal_run", SLURM_NODELIST="127.0.0.1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LZ_SCONTROL_LOG=str(out / f"scontrol.{job}.log"),
         PATH=f"{out / 'bin'}{os.pathsep}{env.get('PATH', '')}",
@@ -83,18 +102,21 @@ def _slurm_env(out: Path, rank: int, port: int, job: int) -> dict:
 
 
 class Launch:
-    """One job step: 2 ranks of signal_run.py in ``out``; ``job`` is its SLURM job id."""
+    """One job step: ``ranks`` ranks of signal_run.py in ``out``; ``job`` is its SLURM job id."""
 
-    def __init__(self, out: Path, mode: str, trials: list[str], job: int, kill_after_requeues: int = 0) -> None:
-        self.out, self.mode, self.job, self.kill_after = out, mode, job, kill_after_requeues
+    def __init__(
+        self, out: Path, mode: str, trials: list[str], job: int, kill_after_requeues: int = 0, ranks: int = 2
+    ) -> None:
+        self.out, self.mode, self.job, self.kill_after, self.ranks = out, mode, job, kill_after_requeues, ranks
         port = free_port()
         argv = [sys.executable, str(SCRIPT), str(out), mode, *trials]
         self.procs = [
-            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job), log_path=out / f"{mode}.{job}.rank{rank}.log")
-            for rank in range(2)
+            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job, ranks),
+                          log_path=out / f"{mode}.{job}.rank{rank}.log")
+            for rank in range(ranks)
         ]  # fmt: skip
         self.started = time.monotonic()
-        self.ends: list = [None, None]  # (exit code or None if killed, wall time)
+        self.ends: list = [None] * ranks  # (exit code or None if killed, wall time)
         self.killed = False
 
     def requeues(self) -> int:
@@ -117,7 +139,9 @@ class Launch:
         return all(end is not None for end in self.ends)
 
     def results(self) -> list[dict]:
-        return [json.loads((self.out / f"{self.mode}.{self.job}.rank{rank}.json").read_text()) for rank in range(2)]
+        return [
+            json.loads((self.out / f"{self.mode}.{self.job}.rank{rank}.json").read_text()) for rank in range(self.ranks)
+        ]
 
 
 def _run(launches: list, concurrent: int = 2) -> None:
@@ -145,7 +169,7 @@ def runs(tmp_path_factory):
 
         return start
 
-    first = []
+    first = [later("tp_requeue", "requeue", TP_REQUEUE_TRIALS, 600, kill_after_requeues=3, ranks=4)]
     for job, strategy in enumerate(STRATEGIES):
         first.append(
             later(("requeue", strategy), "requeue", _requeue_trials(strategy), 100 + job, kill_after_requeues=2)
@@ -162,7 +186,7 @@ def runs(tmp_path_factory):
     resumes += [f"base_{s}={s}:" for s in STRATEGIES] + [
         f"last_{_name(t)}={t.split('=')[1].split(':')[0]}:" for t in (*EFBIG_TRIALS, ASYNC_TRIALS[-1])
     ]
-    _run([later("resume", "resume", resumes, 400)])
+    _run([later("tp_second", "sigterm", TP_SECOND, 601, ranks=4), later("resume", "resume", resumes, 400)])
     return out, done, planted
 
 
@@ -373,3 +397,63 @@ def test_the_first_host_copy_goes_into_buffers_filled_before_it():
     for (_, mine), (_, theirs) in zip(copied["model.w"].pieces, live["model.w"].pieces):
         assert torch.equal(mine, theirs)
     assert copied["optim.0.w.step"].item() == 3.0 and copied["note"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# tp=2 x dp=2: the agreement is one all-reduce over the world per training batch
+# --------------------------------------------------------------------------------------------
+
+
+def _tp_base(done: dict, stage: str, rank: int) -> dict[str, float]:
+    return done["tp_second"].results()[rank][f"base_{stage}"]["losses"]
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tp_requeue_signal_saves_requeues_and_resumes_exactly(runs, stage):
+    out, done, _ = runs
+    launch = done["tp_requeue"]
+    assert launch.killed, f"the last tp trial never requeued (ends: {launch.ends}); see {out}"
+    assert launch.requeues() == 3  # once per trial: rank 0 of the agreement only
+    trial = next(t for t in TP_REQUEUE_TRIALS if t.startswith(f"rq_{stage}="))
+    name = _name(trial)
+    assert (out / name / "hpc_ckpt_1.ckpt" / "meta.json").exists()
+    assert not (out / name / "hpc_ckpt_2.ckpt").exists()
+    for rank in range(4):
+        base = _tp_base(done, stage, rank)
+        assert sorted(base, key=int) == [str(step) for step in range(1, 7)]
+        assert done["tp_second"].results()[rank][f"base_{stage}"]["exchanges"] == 6  # one per batch
+    # TP peers trained on the same batches, dp peers on different ones: two runs of losses, 2 ranks each
+    runs_of_losses = [tuple(sorted(_tp_base(done, stage, rank).items())) for rank in range(4)]
+    assert sorted(runs_of_losses.count(losses) for losses in set(runs_of_losses)) == [2, 2], runs_of_losses
+    if trial != TP_REQUEUE_TRIALS[-1]:  # trained on after its requeue: agreed once, the same losses
+        for rank, result in enumerate(launch.results()):
+            result = result[name]
+            assert result["sent"] is not None, (rank, result)  # its moment came
+            assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(True, False)]
+            assert result["exit"] is None and result["exchanges"] == 6, (rank, result)
+            assert _same(result["losses"], _tp_base(done, stage, rank), list(map(str, range(1, 7)))) <= TOL
+        return
+    resumed = done["tp_second"].results()  # the killed trial, started again in its directory
+    for rank in range(4):
+        result = resumed[rank][name]
+        assert sorted(result["losses"], key=int) == ["4", "5", "6"], (rank, result)  # from step 3's boundary
+        assert _same(result["losses"], _tp_base(done, stage, rank), ["4", "5", "6"]) <= TOL
+        assert result["agreed"] == [] and result["exchanges"] == 3
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tp_sigterm_at_any_moment_exits_every_rank_with_143(runs, stage):
+    out, done, _ = runs
+    launch = done["tp_second"]
+    assert [end[0] for end in launch.ends] == [143] * 4, f"{launch.ends}; logs in {out}"
+    name = _name(next(t for t in TP_SIGTERM_TRIALS if t.startswith(f"tm_{stage}=")))
+    per_rank = [result[name] for result in launch.results()]
+    for rank, result in enumerate(per_rank):
+        assert result["exit"] == 143 and result["sent"] is not None, (rank, result)
+        assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(False, True)]
+        assert sorted(result["losses"], key=int)[-1] == "3", (rank, result)  # every rank stopped after step 3
+        assert result["exchanges"] == 3  # one all-reduce per training batch
+        assert result["ended"] - result["agreed"][0]["at"] <= EXIT_WITHIN_S
+        assert _same(result["losses"], _tp_base(done, stage, rank), ["1", "2", "3"]) <= TOL
+    if name == _name(TP_SIGTERM_TRIALS[-1]):  # the last trial's processes are gone
+        assert max(end[1] for end in launch.ends) - max(r["agreed"][0]["at"] for r in per_rank) <= EXIT_WITHIN_S
