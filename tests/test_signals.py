@@ -67,18 +67,20 @@ EFBIG_TRIALS = ["fb_zero2=zero2:efbig@1", "fb_zero3=zero3:efbig@0"]
 ASYNC_TRIALS = ["as_sync_zero3=zero3:", "as_async_zero3=zero3:", "ak_async_zero2=zero2:kill@1"]
 
 
-# tp=2 x dp=2 (4 ranks, a tiny LlamaLM): the flags cannot ride on the dp-only phase markers, so
-# every training batch pays one 8-byte all-reduce over the world. Every rank sends itself the
-# signal at its own moment of step 3 (validation@2: before step 3), so all agree once, after step 3.
+# tp=2 x dp=2 (4 ranks, a tiny LlamaLM; TP groups {0, 1} and {2, 3}): the flags cannot ride on the
+# dp-only phase markers, so every training batch pays one 8-byte all-reduce over the world. Each
+# signalled rank sends itself the signal at its own moment of step 3 (validation@2: before step 3),
+# so all agree once, after step 3. In the `_dp` trials only one dp group ({1, 3} or {0, 2}) gets a
+# signal: their TP peers learn of it from the world all-reduce alone (dp markers would leave them out).
 TP_STAGES = ("tp2z1", "tp2z2", "tp2z3")
 TP_REQUEUE_TRIALS = [  # the last one is SIGKILLed once its scontrol ran, then resumed
     "rq_tp2z1=tp2z1:0.backward@3,1.forward@3,2.optimizer@3,3.validation@2",
-    "rq_tp2z2=tp2z2:0.forward@3,1.optimizer@3,2.backward@3,3.after_step@3",
+    "rq_tp2z2_dp=tp2z2:1.optimizer@3,3.backward@3",
     "rq_tp2z3=tp2z3:0.gather@3,1.backward@3,2.forward@3,3.optimizer@3",
 ]
 TP_SIGTERM_TRIALS = [
-    "tm_tp2z1=tp2z1:0.optimizer@3,1.backward@3,2.forward@3,3.gather@3",
-    "tm_tp2z2=tp2z2:0.validation@2,1.gather@3,2.backward@3,3.forward@3",
+    "tm_tp2z1_dp=tp2z1:0.after_step@3,2.gather@3",
+    "tm_tp2z2=tp2z2:0.save@2,1.gather@3,2.backward@3,3.forward@3",
     "tm_tp2z3=tp2z3:0.backward@3,1.gather@3,2.after_step@3,3.validation@2",
 ]
 # one launch after the requeue launch: the uninterrupted runs, the killed trial resumed from its
@@ -90,12 +92,13 @@ def _name(trial: str) -> str:
     return trial.partition("=")[0]
 
 
-def _slurm_env(out: Path, rank: int, port: int, job: int, ranks: int) -> dict:
+def _slurm_env(out: Path, rank: int, port: int, job: int, ranks: int, hold_at: int) -> dict:
     env = script_env(ROOT)
     env.update(
         SLURM_NTASKS=str(ranks), SLURM_NTASKS_PER_NODE=str(ranks), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
         SLURM_LOCALID=str(rank), SLURM_JOB_ID=str(job), SLURM_JOB_NAME="signal_run", SLURM_NODELIST="127.0.0.1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LZ_SCONTROL_LOG=str(out / f"scontrol.{job}.log"),
+        LZ_SCONTROL_HOLD_AT=str(hold_at),
         PATH=f"{out / 'bin'}{os.pathsep}{env.get('PATH', '')}",
     )  # fmt: skip
     return env
@@ -111,7 +114,7 @@ class Launch:
         port = free_port()
         argv = [sys.executable, str(SCRIPT), str(out), mode, *trials]
         self.procs = [
-            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job, ranks),
+            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job, ranks, kill_after_requeues),
                           log_path=out / f"{mode}.{job}.rank{rank}.log")
             for rank in range(ranks)
         ]  # fmt: skip
@@ -158,7 +161,14 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("signals")
     (out / "bin").mkdir()
     scontrol = out / "bin" / "scontrol"
-    scontrol.write_text('#!/bin/sh\necho "$@" >> "$LZ_SCONTROL_LOG"\n')
+    # the n-th requeue of a launch that is killed after n (LZ_SCONTROL_HOLD_AT) holds rank 0 until
+    # the kill, as SLURM ends a running job it requeues: no later step (and no later signal of
+    # that trial) can race the test's SIGKILL
+    scontrol.write_text(
+        '#!/bin/sh\necho "$@" >> "$LZ_SCONTROL_LOG"\n'
+        'if [ "$LZ_SCONTROL_HOLD_AT" -gt 0 ] && [ "$(wc -l < "$LZ_SCONTROL_LOG")" -ge "$LZ_SCONTROL_HOLD_AT" ]; then\n'
+        "  sleep 600\nfi\n"
+    )
     scontrol.chmod(0o755)
     done: dict = {}
 
@@ -404,6 +414,10 @@ def test_the_first_host_copy_goes_into_buffers_filled_before_it():
 # --------------------------------------------------------------------------------------------
 
 
+def _signalled(trial: str) -> set[int]:
+    return {int(part.partition(".")[0]) for part in trial.partition(":")[2].split(",") if part}
+
+
 def _tp_base(done: dict, stage: str, rank: int) -> dict[str, float]:
     return done["tp_second"].results()[rank][f"base_{stage}"]["losses"]
 
@@ -414,7 +428,7 @@ def test_tp_requeue_signal_saves_requeues_and_resumes_exactly(runs, stage):
     launch = done["tp_requeue"]
     assert launch.killed, f"the last tp trial never requeued (ends: {launch.ends}); see {out}"
     assert launch.requeues() == 3  # once per trial: rank 0 of the agreement only
-    trial = next(t for t in TP_REQUEUE_TRIALS if t.startswith(f"rq_{stage}="))
+    trial = next(t for t in TP_REQUEUE_TRIALS if t.startswith(f"rq_{stage}"))
     name = _name(trial)
     assert (out / name / "hpc_ckpt_1.ckpt" / "meta.json").exists()
     assert not (out / name / "hpc_ckpt_2.ckpt").exists()
@@ -428,7 +442,7 @@ def test_tp_requeue_signal_saves_requeues_and_resumes_exactly(runs, stage):
     if trial != TP_REQUEUE_TRIALS[-1]:  # trained on after its requeue: agreed once, the same losses
         for rank, result in enumerate(launch.results()):
             result = result[name]
-            assert result["sent"] is not None, (rank, result)  # its moment came
+            assert (result["sent"] is not None) == (rank in _signalled(trial)), (rank, result)  # its moment came
             assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(True, False)]
             assert result["exit"] is None and result["exchanges"] == 6, (rank, result)
             assert _same(result["losses"], _tp_base(done, stage, rank), list(map(str, range(1, 7)))) <= TOL
@@ -446,10 +460,11 @@ def test_tp_sigterm_at_any_moment_exits_every_rank_with_143(runs, stage):
     out, done, _ = runs
     launch = done["tp_second"]
     assert [end[0] for end in launch.ends] == [143] * 4, f"{launch.ends}; logs in {out}"
-    name = _name(next(t for t in TP_SIGTERM_TRIALS if t.startswith(f"tm_{stage}=")))
+    trial = next(t for t in TP_SIGTERM_TRIALS if t.startswith(f"tm_{stage}"))
+    name = _name(trial)
     per_rank = [result[name] for result in launch.results()]
     for rank, result in enumerate(per_rank):
-        assert result["exit"] == 143 and result["sent"] is not None, (rank, result)
+        assert result["exit"] == 143 and (result["sent"] is not None) == (rank in _signalled(trial)), (rank, result)
         assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(False, True)]
         assert sorted(result["losses"], key=int)[-1] == "3", (rank, result)  # every rank stopped after step 3
         assert result["exchanges"] == 3  # one all-reduce per training batch
