@@ -1,14 +1,15 @@
 """The run survives its scheduler (issue 43): SIGUSR1 / SIGTERM at any moment, a save failing on one rank.
 
-Every launch is tests/scripts/signal_run.py as 2 ranks started the way srun starts them (``SLURM_*``
-variables: Lightning's ``SLURMEnvironment`` with auto-requeue), each rank sending itself the signal
-at its own moment of a step (inside backward, in forward, inside the optimizer step, a stage-3
-gather, validation, a checkpoint save). Trials are looped inside a launch where the protocol lets
+Every launch is tests/scripts/signal_run.py as 2 ranks (4 under tensor parallelism) started the
+way srun starts them (``SLURM_*`` variables: Lightning's ``SLURMEnvironment`` with auto-requeue),
+each rank sending itself the signal at its own moment of a step (inside backward, in forward,
+inside the optimizer step, a stage-3 gather, validation, a checkpoint save). Trials are looped inside a launch where the protocol lets
 the process go on (a caught ``SystemExit(143)``), to keep the processes few:
 
 - requeue, per strategy (ddp with ``SchedulerSignals``, zero1-3): two trials; the first trains on
   after its requeue (its losses must equal the uninterrupted run's), the second is SIGKILLed as
-  the scheduler would once its ``scontrol requeue`` ran. Then one launch starts every trial again
+  the scheduler would once its ``scontrol requeue`` ran (the fake ``scontrol`` holds rank 0 there
+  until the kill, as SLURM ends a job it requeues). Then one launch starts every trial again
   in its directory with no ``ckpt_path``: it resumes from ``hpc_ckpt_1.ckpt`` and its losses equal
   an uninterrupted run's (fresh ``base_*`` runs in that launch). A staging directory planted beside
   one of them is removed with a warning.
@@ -17,6 +18,12 @@ the process go on (a caught ``SystemExit(143)``), to keep the processes few:
 - ``async_checkpoint``: the files equal a synchronous save's byte for byte, every host copy written
   into the buffers filled after the first step; a rank SIGKILLed inside a
   background write leaves the previous checkpoint as ``last``, and it resumes exactly.
+- tp=2 x dp=2 (a tiny ``LlamaLM``), stages 1-3, two launches of 4 ranks: requeue (trained on after
+  it, or SIGKILLed and resumed from ``hpc_ckpt_1.ckpt``: the uninterrupted losses; the second
+  launch runs the uninterrupted ``base_*`` runs, the resume, then the SIGTERM trials) and SIGTERM
+  (143 on every rank, all stopped after the same step), signals at different moments on different
+  ranks, some reaching one dp group only; the flags cannot ride on the dp-only phase markers, so
+  the agreement is one all-reduce over the world per training batch (``exchanges``).
 - a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
   within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
   resumes exactly from the checkpoint before.
