@@ -1,14 +1,15 @@
 """The run survives its scheduler (issue 43): SIGUSR1 / SIGTERM at any moment, a save failing on one rank.
 
-Every launch is tests/scripts/signal_run.py as 2 ranks started the way srun starts them (``SLURM_*``
-variables: Lightning's ``SLURMEnvironment`` with auto-requeue), each rank sending itself the signal
-at its own moment of a step (inside backward, in forward, inside the optimizer step, a stage-3
-gather, validation, a checkpoint save). Trials are looped inside a launch where the protocol lets
+Every launch is tests/scripts/signal_run.py as 2 ranks (4 under tensor parallelism) started the
+way srun starts them (``SLURM_*`` variables: Lightning's ``SLURMEnvironment`` with auto-requeue),
+each rank sending itself the signal at its own moment of a step (inside backward, in forward,
+inside the optimizer step, a stage-3 gather, validation, a checkpoint save). Trials are looped inside a launch where the protocol lets
 the process go on (a caught ``SystemExit(143)``), to keep the processes few:
 
 - requeue, per strategy (ddp with ``SchedulerSignals``, zero1-3): two trials; the first trains on
   after its requeue (its losses must equal the uninterrupted run's), the second is SIGKILLed as
-  the scheduler would once its ``scontrol requeue`` ran. Then one launch starts every trial again
+  the scheduler would once its ``scontrol requeue`` ran (the fake ``scontrol`` holds rank 0 there
+  until the kill, as SLURM ends a job it requeues). Then one launch starts every trial again
   in its directory with no ``ckpt_path``: it resumes from ``hpc_ckpt_1.ckpt`` and its losses equal
   an uninterrupted run's (fresh ``base_*`` runs in that launch). A staging directory planted beside
   one of them is removed with a warning.
@@ -17,6 +18,12 @@ the process go on (a caught ``SystemExit(143)``), to keep the processes few:
 - ``async_checkpoint``: the files equal a synchronous save's byte for byte, every host copy written
   into the buffers filled after the first step; a rank SIGKILLed inside a
   background write leaves the previous checkpoint as ``last``, and it resumes exactly.
+- tp=2 x dp=2 (a tiny ``LlamaLM``), stages 1-3, two launches of 4 ranks: requeue (trained on after
+  it, or SIGKILLed and resumed from ``hpc_ckpt_1.ckpt``: the uninterrupted losses; the second
+  launch runs the uninterrupted ``base_*`` runs, the resume, then the SIGTERM trials) and SIGTERM
+  (143 on every rank, all stopped after the same step), signals at different moments on different
+  ranks, some reaching one dp group only; the flags cannot ride on the dp-only phase markers, so
+  the agreement is one all-reduce over the world per training batch (``exchanges``).
 - a save failing with ``EFBIG`` on one rank (rank 1 at zero2, rank 0 at zero3): every rank ends
   within 10 s with an error naming the rank, the file and the OS error; ``ckpt_path="last"``
   resumes exactly from the checkpoint before.
@@ -67,34 +74,59 @@ EFBIG_TRIALS = ["fb_zero2=zero2:efbig@1", "fb_zero3=zero3:efbig@0"]
 ASYNC_TRIALS = ["as_sync_zero3=zero3:", "as_async_zero3=zero3:", "ak_async_zero2=zero2:kill@1"]
 
 
+# tp=2 x dp=2 (4 ranks, a tiny LlamaLM; TP groups {0, 1} and {2, 3}): the flags cannot ride on the
+# dp-only phase markers, so every training batch pays one 8-byte all-reduce over the world. Each
+# signalled rank sends itself the signal at its own moment of step 3 (validation@2: before step 3),
+# so all agree once, after step 3. In the `_dp` trials only one dp group ({1, 3} or {0, 2}) gets a
+# signal: their TP peers learn of it from the world all-reduce alone (dp markers would leave them out).
+TP_STAGES = ("tp2z1", "tp2z2", "tp2z3")
+TP_REQUEUE_TRIALS = [  # the last one is SIGKILLed once its scontrol ran, then resumed
+    "rq_tp2z1=tp2z1:0.backward@3,1.forward@3,2.optimizer@3,3.validation@2",
+    "rq_tp2z2_dp=tp2z2:1.optimizer@3,3.backward@3",
+    "rq_tp2z3=tp2z3:0.gather@3,1.backward@3,2.forward@3,3.optimizer@3",
+]
+TP_SIGTERM_TRIALS = [
+    "tm_tp2z1_dp=tp2z1:0.after_step@3,2.gather@3",
+    "tm_tp2z2=tp2z2:0.save@2,1.gather@3,2.backward@3,3.forward@3",
+    "tm_tp2z3=tp2z3:0.backward@3,1.gather@3,2.after_step@3,3.validation@2",
+]
+# one launch after the requeue launch: the uninterrupted runs, the killed trial resumed from its
+# hpc checkpoint (a trial with no signals finds it: no ckpt_path), then the SIGTERM trials
+TP_SECOND = [f"base_{s}={s}:" for s in TP_STAGES] + ["rq_tp2z3=tp2z3:", *TP_SIGTERM_TRIALS]
+
+
 def _name(trial: str) -> str:
     return trial.partition("=")[0]
 
 
-def _slurm_env(out: Path, rank: int, port: int, job: int) -> dict:
+def _slurm_env(out: Path, rank: int, port: int, job: int, ranks: int, hold_at: int) -> dict:
     env = script_env(ROOT)
     env.update(
-        SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
+        SLURM_NTASKS=str(ranks), SLURM_NTASKS_PER_NODE=str(ranks), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID=str(rank),
         SLURM_LOCALID=str(rank), SLURM_JOB_ID=str(job), SLURM_JOB_NAME="signal_run", SLURM_NODELIST="127.0.0.1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LZ_SCONTROL_LOG=str(out / f"scontrol.{job}.log"),
+        LZ_SCONTROL_HOLD_AT=str(hold_at),
         PATH=f"{out / 'bin'}{os.pathsep}{env.get('PATH', '')}",
     )  # fmt: skip
     return env
 
 
 class Launch:
-    """One job step: 2 ranks of signal_run.py in ``out``; ``job`` is its SLURM job id."""
+    """One job step: ``ranks`` ranks of signal_run.py in ``out``; ``job`` is its SLURM job id."""
 
-    def __init__(self, out: Path, mode: str, trials: list[str], job: int, kill_after_requeues: int = 0) -> None:
-        self.out, self.mode, self.job, self.kill_after = out, mode, job, kill_after_requeues
+    def __init__(
+        self, out: Path, mode: str, trials: list[str], job: int, kill_after_requeues: int = 0, ranks: int = 2
+    ) -> None:
+        self.out, self.mode, self.job, self.kill_after, self.ranks = out, mode, job, kill_after_requeues, ranks
         port = free_port()
         argv = [sys.executable, str(SCRIPT), str(out), mode, *trials]
         self.procs = [
-            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job), log_path=out / f"{mode}.{job}.rank{rank}.log")
-            for rank in range(2)
+            start_process(argv, cwd=out, env=_slurm_env(out, rank, port, job, ranks, kill_after_requeues),
+                          log_path=out / f"{mode}.{job}.rank{rank}.log")
+            for rank in range(ranks)
         ]  # fmt: skip
         self.started = time.monotonic()
-        self.ends: list = [None, None]  # (exit code or None if killed, wall time)
+        self.ends: list = [None] * ranks  # (exit code or None if killed, wall time)
         self.killed = False
 
     def requeues(self) -> int:
@@ -117,7 +149,9 @@ class Launch:
         return all(end is not None for end in self.ends)
 
     def results(self) -> list[dict]:
-        return [json.loads((self.out / f"{self.mode}.{self.job}.rank{rank}.json").read_text()) for rank in range(2)]
+        return [
+            json.loads((self.out / f"{self.mode}.{self.job}.rank{rank}.json").read_text()) for rank in range(self.ranks)
+        ]
 
 
 def _run(launches: list, concurrent: int = 2) -> None:
@@ -134,7 +168,14 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("signals")
     (out / "bin").mkdir()
     scontrol = out / "bin" / "scontrol"
-    scontrol.write_text('#!/bin/sh\necho "$@" >> "$LZ_SCONTROL_LOG"\n')
+    # the n-th requeue of a launch that is killed after n (LZ_SCONTROL_HOLD_AT) holds rank 0 until
+    # the kill, as SLURM ends a running job it requeues: no later step (and no later signal of
+    # that trial) can race the test's SIGKILL
+    scontrol.write_text(
+        '#!/bin/sh\necho "$@" >> "$LZ_SCONTROL_LOG"\n'
+        'if [ "$LZ_SCONTROL_HOLD_AT" -gt 0 ] && [ "$(wc -l < "$LZ_SCONTROL_LOG")" -ge "$LZ_SCONTROL_HOLD_AT" ]; then\n'
+        "  sleep 600\nfi\n"
+    )
     scontrol.chmod(0o755)
     done: dict = {}
 
@@ -145,7 +186,7 @@ def runs(tmp_path_factory):
 
         return start
 
-    first = []
+    first = [later("tp_requeue", "requeue", TP_REQUEUE_TRIALS, 600, kill_after_requeues=3, ranks=4)]
     for job, strategy in enumerate(STRATEGIES):
         first.append(
             later(("requeue", strategy), "requeue", _requeue_trials(strategy), 100 + job, kill_after_requeues=2)
@@ -162,7 +203,7 @@ def runs(tmp_path_factory):
     resumes += [f"base_{s}={s}:" for s in STRATEGIES] + [
         f"last_{_name(t)}={t.split('=')[1].split(':')[0]}:" for t in (*EFBIG_TRIALS, ASYNC_TRIALS[-1])
     ]
-    _run([later("resume", "resume", resumes, 400)])
+    _run([later("tp_second", "sigterm", TP_SECOND, 601, ranks=4), later("resume", "resume", resumes, 400)])
     return out, done, planted
 
 
@@ -373,3 +414,68 @@ def test_the_first_host_copy_goes_into_buffers_filled_before_it():
     for (_, mine), (_, theirs) in zip(copied["model.w"].pieces, live["model.w"].pieces):
         assert torch.equal(mine, theirs)
     assert copied["optim.0.w.step"].item() == 3.0 and copied["note"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# tp=2 x dp=2: the agreement is one all-reduce over the world per training batch
+# --------------------------------------------------------------------------------------------
+
+
+def _signalled(trial: str) -> set[int]:
+    return {int(part.partition(".")[0]) for part in trial.partition(":")[2].split(",") if part}
+
+
+def _tp_base(done: dict, stage: str, rank: int) -> dict[str, float]:
+    return done["tp_second"].results()[rank][f"base_{stage}"]["losses"]
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tp_requeue_signal_saves_requeues_and_resumes_exactly(runs, stage):
+    out, done, _ = runs
+    launch = done["tp_requeue"]
+    assert launch.killed, f"the last tp trial never requeued (ends: {launch.ends}); see {out}"
+    assert launch.requeues() == 3  # once per trial: rank 0 of the agreement only
+    trial = next(t for t in TP_REQUEUE_TRIALS if t.startswith(f"rq_{stage}"))
+    name = _name(trial)
+    assert (out / name / "hpc_ckpt_1.ckpt" / "meta.json").exists()
+    assert not (out / name / "hpc_ckpt_2.ckpt").exists()
+    for rank in range(4):
+        base = _tp_base(done, stage, rank)
+        assert sorted(base, key=int) == [str(step) for step in range(1, 7)]
+        assert done["tp_second"].results()[rank][f"base_{stage}"]["exchanges"] == 6  # one per batch
+    # TP peers trained on the same batches, dp peers on different ones: two runs of losses, 2 ranks each
+    runs_of_losses = [tuple(sorted(_tp_base(done, stage, rank).items())) for rank in range(4)]
+    assert sorted(runs_of_losses.count(losses) for losses in set(runs_of_losses)) == [2, 2], runs_of_losses
+    if trial != TP_REQUEUE_TRIALS[-1]:  # trained on after its requeue: agreed once, the same losses
+        for rank, result in enumerate(launch.results()):
+            result = result[name]
+            assert (result["sent"] is not None) == (rank in _signalled(trial)), (rank, result)  # its moment came
+            assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(True, False)]
+            assert result["exit"] is None and result["exchanges"] == 6, (rank, result)
+            assert _same(result["losses"], _tp_base(done, stage, rank), list(map(str, range(1, 7)))) <= TOL
+        return
+    resumed = done["tp_second"].results()  # the killed trial, started again in its directory
+    for rank in range(4):
+        result = resumed[rank][name]
+        assert sorted(result["losses"], key=int) == ["4", "5", "6"], (rank, result)  # from step 3's boundary
+        assert _same(result["losses"], _tp_base(done, stage, rank), ["4", "5", "6"]) <= TOL
+        assert result["agreed"] == [] and result["exchanges"] == 3
+
+
+@pytest.mark.parametrize("stage", TP_STAGES)
+def test_tp_sigterm_at_any_moment_exits_every_rank_with_143(runs, stage):
+    out, done, _ = runs
+    launch = done["tp_second"]
+    assert [end[0] for end in launch.ends] == [143] * 4, f"{launch.ends}; logs in {out}"
+    trial = next(t for t in TP_SIGTERM_TRIALS if t.startswith(f"tm_{stage}"))
+    name = _name(trial)
+    per_rank = [result[name] for result in launch.results()]
+    for rank, result in enumerate(per_rank):
+        assert result["exit"] == 143 and (result["sent"] is not None) == (rank in _signalled(trial)), (rank, result)
+        assert [(event["requeue"], event["terminate"]) for event in result["agreed"]] == [(False, True)]
+        assert sorted(result["losses"], key=int)[-1] == "3", (rank, result)  # every rank stopped after step 3
+        assert result["exchanges"] == 3  # one all-reduce per training batch
+        assert result["ended"] - result["agreed"][0]["at"] <= EXIT_WITHIN_S
+        assert _same(result["losses"], _tp_base(done, stage, rank), ["1", "2", "3"]) <= TOL
+    if name == _name(TP_SIGTERM_TRIALS[-1]):  # the last trial's processes are gone
+        assert max(end[1] for end in launch.ends) - max(r["agreed"][0]["at"] for r in per_rank) <= EXIT_WITHIN_S

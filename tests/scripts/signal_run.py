@@ -2,10 +2,14 @@
 
 Usage: python tests/scripts/signal_run.py OUT_DIR MODE TRIAL [TRIAL ...]
 
-Started as srun starts a job step (``SLURM_*`` variables, 2 tasks on one node): Lightning detects
-``SLURMEnvironment`` (auto-requeue on, SIGUSR1) and starts no process of its own. A trial is
-``<name>=<strategy>:<signals>``, e.g. ``z2a=zero2:0.backward@3,1.forward@3``: rank 0 sends itself
-the signal inside backward of training step 3, rank 1 in step 3's forward. Moments:
+Started as srun starts a job step (``SLURM_*`` variables, ``SLURM_NTASKS`` tasks on one node, the
+Trainer's ``devices``): Lightning detects ``SLURMEnvironment`` (auto-requeue on, SIGUSR1) and starts
+no process of its own. A trial is ``<name>=<strategy>:<signals>``, e.g.
+``z2a=zero2:0.backward@3,1.forward@3``: rank 0 sends itself the signal inside backward of training
+step 3, rank 1 in step 3's forward. Strategies: ``ddp``, ``zero<N>`` (a small MLP), and
+``tp<T>z<N>``: ``ZeroStrategy(stage=N, tensor_parallel_size=T)`` on a tiny ``LlamaLM`` (e.g.
+``tp2z3`` on 4 tasks: tp=2 x dp=2), whose tokens depend on the step and the dp rank only (TP peers
+train on the same batch). Moments:
 
 - ``forward``: in ``training_step``, before the forward; ``gather``: a block's forward pre-hook
   (under stage 3, while its parameters are gathered); ``backward``: a tensor hook inside backward
@@ -22,6 +26,8 @@ MODE:
   process exits with its code). A trial name ending in ``_save`` adds ``OnExceptionCheckpoint``.
 - ``resume``: every trial is started again in its directory with no ``ckpt_path`` (a trial named
   ``base*`` is a fresh run: the uninterrupted losses); ``last:<name>`` trials resume ``ckpt_path="last"``.
+  In any mode a trial with no signals runs uninterrupted, or, where its directory holds an
+  ``hpc_ckpt_N.ckpt``, resumes from it as a requeued job does (no ``ckpt_path``).
 - ``async``: ``ZeroStrategy(async_checkpoint=True)`` when the trial's name has ``async`` in it;
   ModelCheckpoint as under ``efbig``; ``kill@<R>``: rank ``R`` SIGKILLs itself inside the
   background write of the step-4 checkpoint (after its shards are written, before the publish).
@@ -54,10 +60,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 import lightning_zero  # noqa: E402,F401
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
+from lightning_zero.models import LlamaLM  # noqa: E402
 from lightning_zero.trainer.signals import SchedulerSignals  # noqa: E402
 
 MAX_STEPS = 6
 VAL_EVERY = 2
+TP_CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
 def _parse(trial: str) -> tuple[str, str, dict[int, tuple[str, int]]]:
@@ -87,14 +95,11 @@ class Moments:
             os.kill(os.getpid(), self.signum)
 
 
-class Net(L.LightningModule):
-    def __init__(self, moments: Moments) -> None:
-        super().__init__()
-        self.moments = moments
-        self.inp = nn.Linear(8, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
-        self.head = nn.Linear(64, 4)
-        self.blocks[1].register_forward_pre_hook(lambda module, args: self._at("gather"))
+class Signalled:
+    """What both models share: the step a moment belongs to, and the moments' hooks."""
+
+    moments: Moments
+    trainer: Any
 
     def _step(self) -> int:
         return self.trainer.global_step + 1
@@ -102,6 +107,34 @@ class Net(L.LightningModule):
     def _at(self, phase: str) -> None:
         if self.trainer.training:
             self.moments.at(phase, self._step())
+
+    def _backward_hook(self, step: int) -> Any:
+        return lambda grad: self.moments.at("backward", step)
+
+    def _watch_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        opt.register_step_pre_hook(lambda *args: self.moments.at("optimizer", self._step()))
+        opt.register_step_post_hook(lambda *args: self.moments.at("after_step", self._step()))
+        return opt
+
+    def _generator(self, step: int, salt: int, rank: int) -> torch.Generator:
+        """The data of a step depends on the step and ``rank`` only (not on the loader's state)."""
+        return torch.Generator().manual_seed(1000 * salt + 10 * step + rank)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(list(range(64)), batch_size=1)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(list(range(2)), batch_size=1)
+
+
+class Net(Signalled, L.LightningModule):
+    def __init__(self, moments: Moments) -> None:
+        super().__init__()
+        self.moments = moments
+        self.inp = nn.Linear(8, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(64, 4)
+        self.blocks[1].register_forward_pre_hook(lambda module, args: self._at("gather"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -111,12 +144,8 @@ class Net(L.LightningModule):
                 x.register_hook(self._backward_hook(self._step()))
         return self.head(x)
 
-    def _backward_hook(self, step: int) -> Any:
-        return lambda grad: self.moments.at("backward", step)
-
     def _batch(self, step: int, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The data of a step depends on the step and the rank only (not on the loader's state)."""
-        gen = torch.Generator().manual_seed(1000 * salt + 10 * step + self.global_rank)
+        gen = self._generator(step, salt, self.global_rank)
         return torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -131,16 +160,51 @@ class Net(L.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        opt.register_step_pre_hook(lambda *args: self.moments.at("optimizer", self._step()))
-        opt.register_step_post_hook(lambda *args: self.moments.at("after_step", self._step()))
-        return opt
+        return self._watch_optimizer(torch.optim.AdamW(self.parameters(), lr=1e-2))
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(list(range(64)), batch_size=1)
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(list(range(2)), batch_size=1)
+class TpNet(Signalled, LlamaLM):
+    """A tiny ``LlamaLM`` the TP plan parallelizes (``tp*`` strategies), with the same moments.
+
+    Its tokens depend on the step and the dp rank only: TP peers train on the same batch, dp peers
+    on different ones, whatever the loader's state (so a resumed run meets the same data)."""
+
+    def __init__(self, moments: Moments) -> None:
+        super().__init__(TP_CONFIG, lr=1e-2, warmup_steps=1, max_steps=MAX_STEPS)
+        self.moments = moments
+        self._watched = False
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if not self._watched:  # block 1's pre-hook: a stage-3 gather; after block 0: inside backward
+            self._watched = True
+            self.model.layers[1].register_forward_pre_hook(lambda module, args: self._at("gather"))
+            self.model.layers[0].register_forward_hook(lambda module, args, out: self._watch_backward(out))
+
+    def _watch_backward(self, out: torch.Tensor) -> None:
+        if out.requires_grad and self.trainer.training:
+            out.register_hook(self._backward_hook(self._step()))
+
+    def _tokens(self, step: int, salt: int) -> torch.Tensor:
+        gen = self._generator(step, salt, getattr(self.trainer.strategy, "dp_rank", self.global_rank))
+        return torch.randint(0, TP_CONFIG["vocab_size"], (2, 17), generator=gen)
+
+    def batch_tokens(self, batch: Any) -> tuple[int, int]:  # ZeroMonitor's count: the loader's items are ignored
+        return 2, 16
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._at("forward")
+        return self._loss(self._tokens(self._step(), 1))[0]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.moments.at("validation", self.trainer.global_step)
+        self._evaluate(self._tokens(batch_idx, 2), "val")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        config = super().configure_optimizers()
+        self._watch_optimizer(config["optimizer"])
+        return config
 
 
 class Record(Callback):
@@ -163,6 +227,9 @@ class Record(Callback):
 def _strategy(name: str, background: bool) -> Any:
     if name == "ddp":
         return "ddp"
+    if name.startswith("tp"):  # tp<T>z<N>: tensor_parallel_size T x dp (the rest of the ranks), stage N
+        tp, _, stage = name[2:].partition("z")
+        return ZeroStrategy(stage=int(stage), tensor_parallel_size=int(tp), bucket_mb=0.01)
     return ZeroStrategy(stage=int(name[-1]), bucket_mb=0.002, async_checkpoint=background)
 
 
@@ -191,9 +258,10 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
     if name.endswith("_save"):
         callbacks.append(OnExceptionCheckpoint(dirpath=root, filename="on_sigterm"))
     L.seed_everything(0, verbose=False)
-    model = Net(moments)
+    model = TpNet(moments) if strategy.startswith("tp") else Net(moments)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=_strategy(strategy, "async" in name), max_steps=MAX_STEPS, default_root_dir=root,
+        accelerator="cpu", devices=int(os.environ["SLURM_NTASKS"]), strategy=_strategy(strategy, "async" in name),
+        max_steps=MAX_STEPS, default_root_dir=root,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=callbacks,
         val_check_interval=VAL_EVERY, limit_val_batches=2, num_sanity_val_steps=0,
