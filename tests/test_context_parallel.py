@@ -54,6 +54,46 @@ def test_refused_layouts_name_the_fix(cp, tp, n_heads, n_kv_heads, seq_len, sp, 
         check_context_parallel(cp, tp=tp, model_config=config, seq_len=seq_len, sequence_parallel=sp)
 
 
+@pytest.mark.parametrize(
+    "knobs, processes, n_heads, seq_len, match",
+    [
+        (dict(cp=4), 4, 2, 2048, r"tp\(1\) x cp\(4\) = 4 does not divide n_heads\(2\).*pick cp from \[1, 2\]"),
+        (dict(cp=2), 2, 4, 2047, r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"),
+        (dict(cp=2, tensor_parallel_size=2, sequence_parallel=True), 4, 4, 2050, r"does not split over tp\(2\)"),
+        (dict(ep=2), 2, 4, 2048, r"ZeroStrategy\(ep=2\): LlamaLM has no expert layers"),
+    ],
+)
+def test_strategy_refuses_a_layout_before_any_process_group(knobs, processes, n_heads, seq_len, match):
+    """The runtime's layout check (``runtime/setup.py``) asks ``LlamaLM.check_parallel_dims``,
+    before any process group starts, with the trainer's data module's ``seq_len``."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.setup import parallel_dims
+
+    module = LlamaLM(dict(CONFIG, n_heads=n_heads, n_kv_heads=2, dim=8 * n_heads))
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=seq_len), strategy=SimpleNamespace(**knobs))
+    with pytest.raises(ValueError, match=match):
+        parallel_dims(ZeroConfig(**knobs), num_nodes=1, num_processes=processes, lightning_module=module)
+    assert not dist.is_initialized()
+
+
+def test_strategy_states_the_kv_repeat_before_launch():
+    from types import SimpleNamespace
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.setup import parallel_dims
+
+    module = LlamaLM(CONFIG)  # 2 kv heads: 1 per TP rank at tp=2, repeated 2x for cp=2
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=SEQ), strategy=SimpleNamespace())
+    with pytest.warns(UserWarning, match=r"n_kv_heads\(2\) / tp\(2\) = 1 .* repeated 2x"):
+        parallel_dims(ZeroConfig(cp=2, tensor_parallel_size=2), num_nodes=1, num_processes=4, lightning_module=module)
+
+
 def test_kv_replication_is_stated():
     config = LlamaConfig.from_name("tiny", n_heads=8, n_kv_heads=2, dim=64)
     assert "repeated" not in ulysses_layout(2, 1, config).describe()
