@@ -88,11 +88,23 @@ def test_layout_groups(kwargs, expected):
 
 
 def test_cp_one_ep_one_changes_nothing():
-    for kwargs in (dict(world_size=64, devices_per_node=8, tp=2), dict(world_size=16, devices_per_node=4, shard_size=4)):
+    for kwargs in (
+        dict(world_size=64, devices_per_node=8, tp=2),
+        dict(world_size=16, devices_per_node=4, shard_size=4),
+    ):
         plain, named = ParallelDims(**kwargs), ParallelDims(**kwargs, cp=1, ep=1)
-        assert (named.dp, named.dp_cp, named.shard, named.replicate) == (plain.dp, plain.dp, plain.shard, plain.replicate)
+        assert (named.dp, named.dp_cp, named.shard, named.replicate) == (
+            plain.dp,
+            plain.dp,
+            plain.shard,
+            plain.replicate,
+        )
         for kind in ("dp", "shard", "replicate", "replica"):
-            assert named.rank_groups(kind) == plain.rank_groups(kind) == named.rank_groups("dp_cp" if kind == "dp" else kind)
+            assert (
+                named.rank_groups(kind)
+                == plain.rank_groups(kind)
+                == named.rank_groups("dp_cp" if kind == "dp" else kind)
+            )
         assert str(named) == str(plain)
 
 
@@ -103,9 +115,15 @@ def test_gradient_divisor_is_dp_times_cp_for_both_domains():
 
 
 BAD_LAYOUTS = [  # (ParallelDims kwargs, expected message)
-    (dict(world_size=8, devices_per_node=8, cp=3), r"cp\(3\) does not divide world_size\(8\) / tp\(1\) = 8.*\[1, 2, 4, 8\]"),
+    (
+        dict(world_size=8, devices_per_node=8, cp=3),
+        r"cp\(3\) does not divide world_size\(8\) / tp\(1\) = 8.*\[1, 2, 4, 8\]",
+    ),
     (dict(world_size=8, devices_per_node=4, tp=4, cp=4), r"cp\(4\) does not divide world_size\(8\) / tp\(4\) = 2"),
-    (dict(world_size=8, devices_per_node=8, ep=3), r"ep\(3\) does not divide dp\(8\) = world_size\(8\) / tp\(1\).*\[1, 2, 4, 8\]"),
+    (
+        dict(world_size=8, devices_per_node=8, ep=3),
+        r"ep\(3\) does not divide dp\(8\) = world_size\(8\) / tp\(1\).*\[1, 2, 4, 8\]",
+    ),
     (dict(world_size=8, devices_per_node=8, tp=2, cp=2, ep=8), r"ep\(8\) does not divide dp\*cp\(4\).*cp\(2\)"),
     (dict(world_size=8, devices_per_node=8, ep=0), r"ep must be a positive int, got 0"),
     (dict(world_size=8, devices_per_node=8, cp="2"), r"cp must be a positive int, got '2'"),

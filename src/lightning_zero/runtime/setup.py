@@ -22,7 +22,6 @@ from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.config import ZeroConfig
 
 if TYPE_CHECKING:
-
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims
     from lightning_zero.zero.engine import ZeroEngine
 

@@ -249,7 +249,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
         if fitting:  # [Note: signals as events] in runtime/signals.py; [Note: staging names] in checkpoint/publish.py
-            attach_scheduler_signals(trainer, engine=self.engine, markers_cover_world=self.session.dense_size(self.world_size) == self.world_size)
+            attach_scheduler_signals(
+                trainer,
+                engine=self.engine,
+                markers_cover_world=self.session.dense_size(self.world_size) == self.world_size,
+            )
             clean_checkpoint_leftovers(trainer)
 
     @contextmanager
