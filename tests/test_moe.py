@@ -124,11 +124,9 @@ def _hf_model(case: str):
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_hf_logits_match_transformers(tmp_path, case):
-    from lightning_zero.models.moe.hf import from_pretrained
-
     theirs = _hf_model(case)
     theirs.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path).eval()
+    ours = MoETransformer.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (ours(idx) - theirs(idx).logits).abs().max().item()

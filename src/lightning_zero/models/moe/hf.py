@@ -246,23 +246,6 @@ class HFMoEWeights:
                 self.bytes_read += tensor.numel() * tensor.element_size()
 
 
-def from_pretrained(path: PathLike, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
-                    max_seq_len: Optional[int] = None):  # fmt: skip
-    """A ``MoETransformer`` with the weights of a Hugging Face Mixtral / Qwen3-MoE directory."""
-    from lightning_zero.models.moe.model import MoETransformer
-
-    config = config_from_hf(path, max_seq_len)
-    weights = HFMoEWeights(path, config)
-    with torch.device("meta"):
-        model = MoETransformer(config)
-    model.to_empty(device=device)
-    model.to(dtype)
-    model.tie_weights()
-    model.weight_source = weights
-    model.init_weights()
-    return model
-
-
 def pretrained_config(requested: Any, path: PathLike) -> MoEConfig:
     """config.json's shape; ``requested`` may only agree with it (or be ``None``/``"hf"``)."""
     loaded = config_from_hf(path)

@@ -115,10 +115,20 @@ class MoETransformer(Llama):
     @classmethod
     def from_pretrained(cls, path: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                         max_seq_len: Optional[int] = None) -> "MoETransformer":  # fmt: skip
-        """The model in a Hugging Face Mixtral or Qwen3-MoE directory (``models/moe/hf.py``)."""
-        from lightning_zero.models.moe.hf import from_pretrained
+        """The model in a Hugging Face Mixtral or Qwen3-MoE directory (``models/moe/hf.py``), with
+        parameters in ``dtype`` on ``device``; in fp32 its logits equal transformers'."""
+        from lightning_zero.models.moe.hf import HFMoEWeights, config_from_hf
 
-        return from_pretrained(path, dtype, device, max_seq_len)
+        config = config_from_hf(path, max_seq_len)
+        weights = HFMoEWeights(path, config)
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.tie_weights()
+        model.weight_source = weights
+        model.init_weights()
+        return model
 
     def make_block(self, config: Any, layer_id: int) -> nn.Module:
         return MoEBlock(config, layer_id)
