@@ -124,6 +124,17 @@ class ZeroConfig:
             a gloo process group of their own. The next save, the end of fit, a requeue and a load
             wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
             hold the same bytes as a synchronous save's. See docs/checkpoints.md.
+        cp: context-parallel size: ranks that each hold a contiguous slice of every sequence (the
+            same samples), so a rank keeps ``T / cp`` tokens of activations. ``world_size = dp * cp *
+            tp`` (cp between dp and tp in the rank order); ZeRO shards dense parameters, gradients
+            and optimizer state over the ``dp * cp`` ranks of one tp rank and averages dense
+            gradients over them. Needs a model that splits sequences over cp (its
+            ``check_parallel_dims``). See docs/topology.md.
+        ep: expert-parallel size: ``ep`` consecutive ranks of the ``dp * cp`` group split a mixture
+            of experts' experts (each holds ``num_experts / ep``; tokens reach their experts by
+            all-to-all). Must divide ``dp * cp``; expert parameters are sharded (stages 1-3) over the
+            ``dp * cp / ep`` ranks holding the same experts. Needs a model with expert layers (its
+            ``check_parallel_dims``). See docs/topology.md.
     """
 
     stage: int = 2
@@ -145,6 +156,8 @@ class ZeroConfig:
     reduce_dtype: str = "compute"
     master_weights: str = "auto"
     async_checkpoint: bool = False
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -166,6 +179,16 @@ class ZeroConfig:
             fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
         if not _is_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
             fail("max_buckets_in_flight", "must be an int >= 1.")
+        if not _is_int(self.cp) or self.cp < 1:
+            fail("cp", "the context-parallel size must be an int >= 1 (1: every rank holds whole sequences).")
+        if not _is_int(self.ep) or self.ep < 1:
+            fail("ep", "the expert-parallel size must be an int >= 1 (1: every rank holds every expert).")
+        if self.ep > 1 and (self.shard_size is not None or self.hierarchical_reduce):
+            raise ValueError(
+                f"ZeroStrategy(ep={self.ep}, shard_size={self.shard_size!r}, hierarchical_reduce="
+                f"{self.hierarchical_reduce}): hybrid sharding of expert parameters is not supported yet;"
+                " with ep > 1 use shard_size=None and hierarchical_reduce=False (or ep=1)."
+            )
         for name in (
             "sequence_parallel",
             "overlap_comm",

@@ -134,6 +134,14 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 " parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
                 " ZeroStrategy (its LightningModule's configure_model applies the TP transform)."
             )
+        for name in ("cp", "ep"):
+            if getattr(self.zero_config, name) != 1:
+                raise ValueError(
+                    f"ZeroFabricStrategy({name}={getattr(self.zero_config, name)!r}): "
+                    + ("context" if name == "cp" else "expert")
+                    + f" parallelism is not available under Fabric yet; use {name}=1, or the Trainer's ZeroStrategy"
+                    " (its LightningModule declares the layouts it can run: check_parallel_dims)."
+                )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"

@@ -83,9 +83,25 @@ PLANNED_KNOBS = {
 }
 
 
+UNPLANNED_KNOBS = ("cp", "ep")
+"""ZeroConfig knobs that change predicted bytes and seconds but that the planner does not model yet:
+a plan with one of them above 1 is refused (:func:`refuse_unplanned`), never silently made without it."""
+
+
+def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming each of :data:`UNPLANNED_KNOBS` set above 1 in ``knobs``."""
+    asked = [f"{name}={knobs[name]}" for name in UNPLANNED_KNOBS if knobs.get(name, 1) not in (1, None)]
+    if asked:
+        raise ValueError(
+            f"{where}: {', '.join(asked)} is not planned yet (context and expert parallelism: issues 55 and 54);"
+            " plan the run with cp=1 and ep=1, or launch it without a plan"
+        )
+
+
 def knob_arguments(config: ZeroConfig) -> dict[str, Any]:
     """``plan_run``'s knob arguments for ``config`` (stage 1 always defers: its
     ``defer_grad_reduce`` changes nothing, as in the engine)."""
+    refuse_unplanned(config.as_dict(), "plan_run(zero_config=ZeroConfig(...))")
     arguments = {argument: getattr(config, knob) for argument, knob in PLANNED_KNOBS.items()}
     arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage == 2
     return arguments

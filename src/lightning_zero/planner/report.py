@@ -13,7 +13,7 @@ from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.models.checkpointing import checkpointing_mode
-from lightning_zero.planner.arithmetic import STAGES, plan_run
+from lightning_zero.planner.arithmetic import STAGES, plan_run, refuse_unplanned
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
 from lightning_zero.planner.plan import Plan
@@ -62,6 +62,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if isinstance(strategy, str):
         strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
     stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
+    refuse_unplanned(strategy, "lightning-zero plan (strategy.cp / strategy.ep)")
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
     plan_options = {**PLAN_DEFAULTS, **(container.get("plan") or {})}

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
-from lightning_zero.planner.arithmetic import _given_knobs, plan_run
+from lightning_zero.planner.arithmetic import _given_knobs, plan_run, refuse_unplanned
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.plan import GiB, Plan
 
@@ -193,6 +193,7 @@ def search_layouts(
                 f"search_layouts(zero_config=...): {', '.join(given)} come from the config; set them in"
                 " the ZeroConfig instead of passing them too"
             )
+        refuse_unplanned(zero_config.as_dict(), "search_layouts(zero_config=ZeroConfig(...))")
         max_buckets_in_flight = zero_config.max_buckets_in_flight
         overlap_param_gather = zero_config.overlap_param_gather
         overlap_comm = zero_config.overlap_comm

@@ -113,6 +113,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
+        cp: int = ZERO_DEFAULTS.cp,
+        ep: int = ZERO_DEFAULTS.ep,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -247,7 +249,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
         if fitting:  # [Note: signals as events] in runtime/signals.py; [Note: staging names] in checkpoint/publish.py
-            attach_scheduler_signals(trainer, engine=self.engine, markers_cover_world=self.dp_size == self.world_size)
+            attach_scheduler_signals(
+                trainer,
+                engine=self.engine,
+                markers_cover_world=self.session.dense_size(self.world_size) == self.world_size,
+            )
             clean_checkpoint_leftovers(trainer)
 
     @contextmanager
