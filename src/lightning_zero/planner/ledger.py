@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.ring import ring_sent
+from lightning_zero.cp.layout import kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 
 
@@ -321,6 +322,7 @@ def llama_activation_bytes(
     tp: int = 1,
     attention: str = "fused",
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> ActivationBytes:
     """Activation bytes the ``lightning_zero.models.Llama`` block keeps for backward, per tp rank.
 
@@ -342,18 +344,32 @@ def llama_activation_bytes(
     layers read stays ``N * dim``), and a fully checkpointed block keeps ``N / tp`` tokens of input.
     Selective checkpointing keeps q, k, v as ``wq``/``wk``/``wv`` made them (``N (q + 2 kv) a``:
     not repeated) instead of the rotated/repeated copies and the kernel's log-sum-exp/probabilities.
+
+    With context parallelism (``cp > 1``, [Note: Ulysses attention] in ``cp/ulysses.py``) a rank
+    holds ``N / cp`` tokens of everything outside attention, and attention runs on all ``N``
+    tokens of ``heads / (tp cp)`` heads: the same bytes as ``N / cp`` tokens of ``heads / tp``
+    heads, so every term above is divided by ``cp`` (the exchanges keep nothing of their own),
+    plus, for the fused kernel, its output in head layout (``attention_output_heads``: the kernel
+    keeps it for backward, and ``wo`` keeps the copy exchanged back, ``attention_output``).
+    Under selective checkpointing the kept q, k, v are the exchanged ones: key/value heads
+    repeated for the exchange (``cp.layout.kv_head_repeats``) count repeated.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"llama_activation_bytes: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
     for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("act_bytes", act_bytes), ("tp", tp)):
         if value < 1:
             raise ValueError(f"llama_activation_bytes: {name} must be >= 1, got {value!r}")
-    if sequence_parallel and seq_len % tp != 0:
-        raise ValueError(f"llama_activation_bytes: sequence_parallel needs tp({tp}) to divide seq_len({seq_len})")
-    tokens, dim, a = micro_batch * seq_len, config.dim, act_bytes
+    if cp < 1 or seq_len % cp != 0:
+        raise ValueError(f"llama_activation_bytes: cp({cp}) must be >= 1 and divide seq_len({seq_len})")
+    if sequence_parallel and (seq_len // cp) % tp != 0:
+        raise ValueError(
+            f"llama_activation_bytes: sequence_parallel needs tp({tp}) to divide seq_len({seq_len}) / cp({cp})"
+        )
+    tokens, dim, a = micro_batch * seq_len // cp, config.dim, act_bytes  # this rank's tokens
     q_dim = dim // tp  # this rank's query heads * head_dim
     kv_dim = _kv_heads(config) * (dim // config.n_heads) // tp
     heads = config.n_heads // tp
+    exchanged_kv_dim = kv_dim * (kv_head_repeats(heads, _kv_heads(config) // tp, cp) if cp > 1 else 1)
     norm = _rms_norm_saved_bytes(tokens, dim, a, tp, sequence_parallel)
     terms: dict[str, float] = {
         "attention_norm": norm,
@@ -362,11 +378,15 @@ def llama_activation_bytes(
     }
     if attention == "fused":
         terms["attention_logsumexp"] = tokens * heads * 4
+        if cp > 1:  # the kernel keeps its output; wo keeps the exchanged copy (attention_output)
+            terms["attention_output_heads"] = tokens * q_dim * a
     else:
-        terms["attention_probs"] = micro_batch * heads * seq_len * seq_len * a
+        terms["attention_probs"] = micro_batch * heads * seq_len * seq_len // cp * a
     terms["ffn_norm"] = norm
     terms["swiglu"] = 4 * tokens * (config.ffn_dim // tp) * a
-    core = terms["attention_q_k_v"] + terms.get("attention_logsumexp", 0.0) + terms.get("attention_probs", 0.0)
+    core = terms["attention_q_k_v"] + sum(
+        terms.get(name, 0.0) for name in ("attention_logsumexp", "attention_probs", "attention_output_heads")
+    )
     per_layer = float(sum(terms.values()))
     vocab = config.vocab_size // tp
     return ActivationBytes(
@@ -380,7 +400,7 @@ def llama_activation_bytes(
         # (int64) and out-of-range mask, the loss's mask and the kept tokens' int64 indices
         loss_saved=float(tokens * vocab * 4 + tokens * 8 + (tokens * (8 + 1 + 1 + 8) if tp > 1 else 0)),
         logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
-        selective_per_layer=per_layer - core + tokens * (q_dim + 2 * kv_dim) * a,
+        selective_per_layer=per_layer - core + tokens * (q_dim + 2 * exchanged_kv_dim) * a,
         selective_recompute=float(core),
     )
 

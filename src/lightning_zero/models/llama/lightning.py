@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -84,7 +85,10 @@ class LlamaLM(L.LightningModule):
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
     parallelized there with :func:`lightning_zero.tp.parallelize_llama`, sequence-parallel when
-    the strategy says so (``ZeroStrategy(sequence_parallel=True)``).
+    the strategy says so (``ZeroStrategy(sequence_parallel=True)``); then, when it has a ``cp``
+    dimension larger than 1 (``ZeroStrategy(cp=C)``), made context-parallel with
+    :func:`lightning_zero.cp.parallelize.parallelize_context`: each batch is then this rank's slice
+    of every sequence (``TokenDataModule`` hands it out), see docs/context_parallel.md.
     """
 
     @classmethod
@@ -165,6 +169,43 @@ class LlamaLM(L.LightningModule):
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
         if tp_mesh is not None and not self._tp_applied:
             self._parallelize(tp_mesh)
+        cp_group = self._cp_group()
+        if cp_group is not None and self.model.context_parallel_size == 1:
+            from lightning_zero.cp.parallelize import parallelize_context
+
+            tp = tp_mesh.size() if tp_mesh is not None else 1
+            parallelize_context(self.model, cp_group, counter=getattr(self.model, "tp_comm_counter", None), tp=tp)
+
+    def _cp_group(self) -> Optional[Any]:
+        """The strategy's ``cp`` process group when it has more than one rank, else ``None``."""
+        mesh = self.device_mesh
+        if mesh is None or "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
+            return None
+        return mesh["cp"].get_group()
+
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: Llama runs ``cp > 1`` (Ulysses
+        attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``, and
+        with sequence parallelism ``tp`` the slice) and has no experts (``ep`` must be 1). Raises
+        ``ValueError`` naming the fix; states a key/value head repeat before launch."""
+        if dims.ep > 1:
+            raise ValueError(
+                f"ZeroStrategy(ep={dims.ep}): LlamaLM has no expert layers to split; use ep=1 or a mixture-of-experts"
+                " model family"
+            )
+        from lightning_zero.cp.layout import check_context_parallel
+
+        trainer = self._trainer
+        seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+        layout = check_context_parallel(
+            dims.cp,
+            tp=dims.tp,
+            model_config=self.config,
+            seq_len=seq_len if isinstance(seq_len, int) else None,
+            sequence_parallel=self._sequence_parallel(),
+        )
+        if dims.cp > 1 and layout is not None and layout.kv_repeats > 1:
+            warnings.warn(f"lightning_zero: {layout.describe()}", stacklevel=2)
 
     def _tp_mesh(self) -> Optional[Any]:
         """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""
