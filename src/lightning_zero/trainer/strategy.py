@@ -113,7 +113,10 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
+        mixed_params: Literal["auto", "fp32", "half"] = ZERO_DEFAULTS.mixed_params,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
+        cp: int = ZERO_DEFAULTS.cp,
+        ep: int = ZERO_DEFAULTS.ep,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -140,7 +143,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config)
         return plugin
 
     @precision_plugin.setter
@@ -148,7 +151,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config)
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
@@ -249,8 +252,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
         # [Note: signal boundaries] in runtime/signals.py: every entry point, not only fit
-        self._signals = attach_scheduler_signals(trainer, engine=self.engine,
-                                                 markers_cover_world=self.dp_size == self.world_size)  # fmt: skip
+        self._signals = attach_scheduler_signals(
+            trainer, engine=self.engine, markers_cover_world=self.session.dense_size(self.world_size) == self.world_size
+        )
         self._signals.closes_eval_loops = True  # after stage 3's ranks served each other (_end_eval_loop)
         if fitting:  # [Note: staging names] in checkpoint/publish.py
             clean_checkpoint_leftovers(trainer)
