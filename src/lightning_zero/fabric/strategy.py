@@ -113,7 +113,7 @@ FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
-        "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights",
+        "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
     }
 )  # fmt: skip
 
