@@ -235,3 +235,24 @@ def test_token_exchange_equals_the_whole_model(tmp_path, world_size):
             assert data == pytest.approx(r["predicted"]), (rank, case, data, r["predicted"])
     zero_case = results[0][f"tiny_moe_shared/ep{world_size}/none_on_last"]
     assert zero_case["received"][-1] == 0 and min(zero_case["received"][:-1]) > 0  # the last rank got no token
+
+
+def test_expert_load_meter_reports_the_step_without_a_sync_on_cpu():
+    from lightning_zero.runtime.expert_load import ExpertLoadMeter
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.from_name("tiny_moe"))
+    meter = ExpertLoadMeter()
+    assert meter.step(model.take_moe_stats()) == {}  # nothing routed yet
+    idx = torch.randint(0, 256, (2, 8))
+    for _ in range(2):  # two micro-batches of one step
+        model(idx)
+    balance, z = (term.item() for term in model.aux_terms())
+    metrics = meter.step(model.take_moe_stats())
+    assert metrics["moe/layer0/tokens_mean"] == 2 * 16 * 2 / 4  # 2 forwards x 16 tokens x top-2 / 4 experts
+    assert metrics["moe/layer1/tokens_min"] <= metrics["moe/layer1/tokens_mean"] <= metrics["moe/layer1/tokens_max"]
+    assert metrics["moe/balance_loss"] == pytest.approx(balance) and metrics["moe/z_loss"] == pytest.approx(z)
+    assert model.take_moe_stats() is None  # taken
+    with torch.no_grad():
+        model(idx)  # evaluation forwards are not counted
+    assert model.take_moe_stats() is None

@@ -167,8 +167,10 @@ class ZeroSession:
 
         tp = self.dims.tp if self.dims is not None else 1
         tp_rank = self.dims.group_rank("tp", global_rank) if self.dims is not None else 0
+        ep = self.dims.ep if self.dims is not None else 1
+        ep_rank = self.dims.group_rank("ep", global_rank) if ep > 1 else 0
         return RankPlacement(world_size, global_rank, self.dp_size(world_size), self.dp_rank(global_rank), tp,
-                             tp_rank, self.config.stage, precision)  # fmt: skip
+                             tp_rank, self.config.stage, precision, ep, ep_rank)  # fmt: skip
 
     @property
     def failed(self) -> bool:
