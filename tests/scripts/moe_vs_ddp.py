@@ -83,12 +83,20 @@ def run(case: str, out_dir: str) -> None:
     strategy_ = trainer.strategy
     counted = dict(strategy_.comm_counter.snapshot()["bytes"]) if isinstance(strategy_, ZeroStrategy) else {}
     monitor = [cb for cb in trainer.callbacks if type(cb).__name__ == "ZeroMonitor"]
-    history = [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
+    history = (
+        [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
+    )
     params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
     offsets = {i: moe.experts.expert_offset for i, moe in enumerate(model.model.moe_layers())}
     torch.save(
-        {"losses": model.losses, "loads": model.loads, "params": params, "offsets": offsets, "counted": counted,
-         "monitor": history},  # fmt: skip
+        {
+            "losses": model.losses,
+            "loads": model.loads,
+            "params": params,
+            "offsets": offsets,
+            "counted": counted,
+            "monitor": history,
+        },  # fmt: skip
         os.path.join(out_dir, f"{case}.rank{trainer.global_rank}.pt"),
     )
 

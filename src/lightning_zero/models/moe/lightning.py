@@ -5,6 +5,7 @@ the training loss and the experts split over the strategy's ``ep`` group."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -67,6 +68,7 @@ class MoELM(LlamaLM):
                 self.model = build_moe(self.config, self.pretrained)
             self._parallelize_experts(group)
             self.model.to_empty(device=target)
+            self.model.mark_expert_params()  # to_empty made new Parameter objects
             self.model.init_weights()
         super().configure_model()  # builds the model if not yet, checkpointing, context parallelism
         if group is not None and not self._ep_applied:
@@ -77,6 +79,11 @@ class MoELM(LlamaLM):
         tensor parallelism (``check_moe_layout``), and context parallelism as Llama's attention
         runs it. Raises ``ValueError`` naming the fix, before any process group starts."""
         check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        if dims.ep > 1 and importlib.util.find_spec("lightning_zero.zero.domains") is None:
+            raise ValueError(
+                f"ZeroStrategy(ep={dims.ep}): this build's ZeRO engine has no expert-parameter domain yet (expert"
+                " parameters would be averaged with other ranks' experts); use ep=1"
+            )
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
     def _ep_group(self) -> Optional[Any]:

@@ -31,7 +31,7 @@ from torch import nn
 from lightning_zero.ep.dispatch import ExpertParallel, route_to_experts
 from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama
 from lightning_zero.models.moe.config import MoEConfig
-from lightning_zero.models.moe.experts import GroupedExperts
+from lightning_zero.models.moe.experts import GroupedExperts, mark_expert_params
 from lightning_zero.models.moe.router import Router, balance_loss, expert_counts, z_loss
 
 
@@ -127,6 +127,7 @@ class MoETransformer(Llama):
             model = cls(config)
         model.to_empty(device=device)
         model.to(dtype)
+        model.mark_expert_params()
         model.tie_weights()
         model.weight_source = weights
         model.init_weights()
@@ -137,6 +138,12 @@ class MoETransformer(Llama):
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers if layer.moe is not None]
+
+    def mark_expert_params(self) -> None:
+        """(Re)mark every stacked expert Parameter ([Note: stacked experts]); anything that makes new
+        Parameter objects (``to_empty`` from meta, a dtype change) drops the marks."""
+        for moe in self.moe_layers():
+            mark_expert_params(moe.experts)
 
     def init_block(self, layer: nn.Module, layer_id: int, trunc_normal: Callable, generator: Any) -> None:
         depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
