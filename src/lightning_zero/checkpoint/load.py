@@ -32,7 +32,7 @@ from lightning_zero.checkpoint.targets import (
     managed_names,
     module_entries,
     param_of_key,
-    split_of,
+    tp_dim_of,
 )
 
 
@@ -203,13 +203,11 @@ def _expected_params(module: nn.Module, engine: Any, layout: RankPlacement) -> d
     expected: dict[str, list[int]] = {}
     if engine is not None:
         for name, param in engine.managed_parameters().items():
-            split = split_of(param, layout)
-            expected[name] = list(dense_shape(param.shape, split.dim, split.ranks))
+            expected[name] = list(dense_shape(param.shape, tp_dim_of(param, layout), layout.tp_size))
     params = dict(module.named_parameters())
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name not in expected and isinstance(tensor, torch.Tensor):
-            split = split_of(params.get(name), layout)
-            expected[name] = list(dense_shape(tensor.shape, split.dim, split.ranks))
+            expected[name] = list(dense_shape(tensor.shape, tp_dim_of(params.get(name), layout), layout.tp_size))
     return expected
 
 

@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.targets import (
     managed_names,
     module_entries,
     param_of_key,
-    split_of,
+    tp_dim_of,
 )
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
@@ -236,8 +236,8 @@ def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: in
 def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     info = {}
     for owned in engine.owned_ranges():
-        split = split_of(owned.param, layout)
-        info[owned.name] = {"shape": list(dense_shape(owned.shape, split.dim, split.ranks)), "tp_dim": split.dim}
+        tp_dim = tp_dim_of(owned.param, layout)
+        info[owned.name] = {"shape": list(dense_shape(owned.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
     return info
 
 

@@ -32,32 +32,12 @@ class RankPlacement:
     tp_rank: int = 0
     stage: int = 0
     precision: str = "32-true"
-    ep_size: int = 1
-    ep_rank: int = 0
 
 
-@dataclass(frozen=True)
-class Split:
-    """How a rank's tensor sits in the dense one: slice ``rank`` of ``ranks`` equal slices along
-    ``dim`` (``None``: whole). A TP-split parameter is split over tp (``_tp_shard_dim``); an expert
-    parameter under expert parallelism over ep (``_ep_shard_dim``: the rows of this ep rank's
-    experts, [Note: stacked experts] in ``models/moe/experts.py``), so a checkpoint saved at one
-    ``ep`` loads at any other, as across tp."""
-
-    dim: Optional[int] = None
-    ranks: int = 1
-    rank: int = 0
-
-
-def split_of(param: Optional[torch.Tensor], layout: RankPlacement) -> Split:
-    """The :class:`Split` of ``param`` on this rank (``None``: a buffer, whole)."""
-    if param is None:
-        return Split()
-    if layout.ep_size > 1 and getattr(param, "_lz_expert", False):
-        return Split(int(getattr(param, "_ep_shard_dim", 0)), layout.ep_size, layout.ep_rank)
-    if layout.tp_size == 1:
-        return Split()
-    return Split(getattr(param, "_tp_shard_dim", None), layout.tp_size, layout.tp_rank)
+def tp_dim_of(param: Optional[torch.Tensor], layout: RankPlacement) -> Optional[int]:
+    if param is None or layout.tp_size == 1:
+        return None
+    return getattr(param, "_tp_shard_dim", None)
 
 
 def managed_names(engine: Any) -> set[str]:
@@ -117,9 +97,9 @@ def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, tar
         if name in skip or not isinstance(tensor, torch.Tensor) or id(tensor) in skipped_params:
             continue
         tensor = tensor.detach()
-        split = split_of(params.get(name), layout)
-        size = storage_shape(dense_shape(tensor.shape, split.dim, split.ranks))
-        pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=split.dim, tp_rank=split.rank)
+        tp_dim = tp_dim_of(params.get(name), layout)
+        size = storage_shape(dense_shape(tensor.shape, tp_dim, layout.tp_size))
+        pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=tp_dim, tp_rank=layout.tp_rank)
         if load:
             staged = torch.empty(tensor.numel(), dtype=tensor.dtype)
             targets.copies.append((name, tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
@@ -127,7 +107,7 @@ def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, tar
         else:
             flat = targets.saved(tensor.reshape(-1))
         add_chunks(targets.tensors, f"model.{name}", size, pieces_over(flat, pieces))
-        info[name] = {"shape": list(dense_shape(tensor.shape, split.dim, split.ranks)), "tp_dim": split.dim}
+        info[name] = {"shape": list(dense_shape(tensor.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
     return info
 
 
@@ -168,9 +148,9 @@ def engine_entries(
     which = optimizer_index(optimizers)
     targets.optimizer_states = [{} for _ in optimizers]
     for owned in engine.owned_ranges():
-        split = split_of(owned.param, layout)
-        size = storage_shape(dense_shape(owned.shape, split.dim, split.ranks))
-        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=split.dim, tp_rank=split.rank)
+        tp_dim = tp_dim_of(owned.param, layout)
+        size = storage_shape(dense_shape(owned.shape, tp_dim, layout.tp_size))
+        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=tp_dim, tp_rank=layout.tp_rank)
         lo, hi = owned.chunk_lo, owned.chunk_hi
         master = owned.master.detach()
         if load:

@@ -146,7 +146,7 @@ class ZeroSession:
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=precision.compute_dtype,
             master_dtype=precision.master_dtype,
-            norms_in_fp32=precision.autocast,
+            norms_in_fp32=precision.half_params_under_autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=device,
@@ -167,10 +167,8 @@ class ZeroSession:
 
         tp = self.dims.tp if self.dims is not None else 1
         tp_rank = self.dims.group_rank("tp", global_rank) if self.dims is not None else 0
-        ep = self.dims.ep if self.dims is not None else 1
-        ep_rank = self.dims.group_rank("ep", global_rank) if ep > 1 else 0
         return RankPlacement(world_size, global_rank, self.dp_size(world_size), self.dp_rank(global_rank), tp,
-                             tp_rank, self.config.stage, precision, ep, ep_rank)  # fmt: skip
+                             tp_rank, self.config.stage, precision)  # fmt: skip
 
     @property
     def failed(self) -> bool:
