@@ -63,7 +63,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name, unscale_agreed
+from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 
 if TYPE_CHECKING:
@@ -184,19 +184,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
-        # unsupported precisions fail now, before any process starts (DDPStrategy.__init__ sets it
-        # before self.zero_config exists: the knob's default is checked then, the knob at first use)
-        compute_dtype_of(precision, self._master_weights())
+        # unsupported precisions fail now, before any process starts (Fabric's connector sets the
+        # plugin after __init__; a strategy built without zero_config gets the knobs' defaults)
+        policy_of(precision, self.__dict__.get("zero_config"))
         self._precision = precision
-
-    def _master_weights(self) -> str:
-        config = self.__dict__.get("zero_config")
-        return config.master_weights if config is not None else "auto"
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
-        """Where each byte lives under Fabric's precision plugin (``fabric/precision.py``)."""
-        return policy_of(self._precision, self._master_weights())
+        """Where each byte lives under Fabric's precision plugin and the knobs (``fabric/precision.py``)."""
+        return policy_of(self._precision, self.zero_config)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -493,7 +489,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- checkpoints ----------------------------------------------------------------------------
     def _layout(self) -> Any:
         return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
-                                              precision=precision_name(self._precision))  # fmt: skip
+                                              precision=self.precision_policy.name)  # fmt: skip
 
     def _value_dtype(self, param: nn.Parameter) -> torch.dtype:
         """The dtype ddp holds ``param`` in ([Note: full state dicts]): the module's own dtype, fp32
