@@ -80,8 +80,11 @@ def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
     policy = engine_policy(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
     per_param = policy_bytes(policy)
     reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
+    local_experts, ep = engine.expert_split()  # [Note: expert domain]: experts / ep, sharded over edp
     return model_state_bytes(
-        engine.num_params(),
+        engine.num_params() + (ep - 1) * local_experts,
+        expert_params=ep * local_experts,
+        ep=ep,
         stage=engine.stage,
         dp=engine.dp_size,
         param_bytes=per_param.param,
