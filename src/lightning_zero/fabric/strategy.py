@@ -422,7 +422,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
     def _monitor_step(self, engine: "ZeroEngine") -> None:
         assert self.step_monitor is not None
-        metrics = self.step_monitor.step_end(engine)
+        metrics = self.step_monitor.step_end(engine, self._module)
         if self._report is not None:
             self._report.log_dict(metrics, step=self._steps)
         message = self.step_monitor.overlap_warning(engine, metrics, metrics["zero/comm_s"], self._steps)

@@ -70,7 +70,7 @@ class ZeroMonitor(Callback):
         engine = self._engine(trainer)
         if engine is None or is_accumulating(trainer):
             return
-        metrics = self.monitor.step_end(engine)
+        metrics = self.monitor.step_end(engine, pl_module)
         if trainer.loggers:  # Trainer(logger=False): history only (Lightning warns once per metric otherwise)
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)
         self._maybe_warn_overlap(engine, metrics, metrics["zero/comm_s"], trainer.global_step)
