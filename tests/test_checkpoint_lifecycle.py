@@ -487,3 +487,114 @@ def test_last_moved_aside_by_a_killed_publish_resumes_from_it(cells):
         assert sorted(resumed) == [5, 6] and resumed == {s: base[s] for s in resumed}, (resumed, base)
     assert not (out / "ma_z3" / "ckpts" / "last-v1.ckpt").exists()
     _no_dangling_link_nor_leftover(out / "ma_z3")
+
+
+# --------------------------------------------------------------------------------------------
+# Through Fabric (tests/scripts/fabric_ckpt_run.py): the same lifecycle behind fabric.save / load
+# --------------------------------------------------------------------------------------------
+
+FABRIC_SCRIPT = ROOT / "tests" / "scripts" / "fabric_ckpt_run.py"
+
+
+def _fabric_launch(out: Path, cases: list[str]) -> dict:
+    argv = [sys.executable, str(FABRIC_SCRIPT), str(out), *cases]
+    started = time.time()
+    codes, tails = launch_ranks(argv, cwd=out, env=script_env(ROOT), timeout_s=240,
+                                log_prefix=cases[0].replace(":", "_"))  # fmt: skip
+    return {"codes": codes, "tails": tails, "started": started, "ended": time.time()}
+
+
+def _fabric_result(out: Path, name: str, rank: int) -> dict:
+    path = out / f"{name}.rank{rank}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def fabric_cells(tmp_path_factory):
+    from lightning_zero.checkpoint.publish import RETIRED, STAGING, side_name
+
+    root = tmp_path_factory.mktemp("fabric_lifecycle")
+    launches = {"async": ["async:zero1", "async:zero2", "async:zero3", "exit:zero2"], "kill": ["kill:zero3"],
+                "efbig": ["efbig:zero2", "fullfail:zero2"]}  # fmt: skip
+    for key in launches:  # a directory each: a first save cleans its directory
+        (root / key).mkdir()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(_fabric_launch, root / key, cases) for key, cases in launches.items()}
+        done = {key: future.result() for key, future in futures.items()}
+    out = root / "async"
+    # fault 8: what a kill between the two renames of a publish leaves, and an older release's staging name
+    os.rename(out / "fa2_3", out / side_name(RETIRED, out / "fa2_3"))
+    (out / "fa2_6.tmp-0123456789ab").mkdir()
+    (out / side_name(STAGING, out / "fa1_9")).mkdir()
+    done["resume"] = _fabric_launch(out, ["resume:zero1", "resume:zero2", "resume:zero3"])
+    return root, done
+
+
+@pytest.mark.slow
+def test_fabric_saves_in_the_background_and_resumes_exactly(fabric_cells):
+    """``ZeroFabricStrategy(async_checkpoint=True)`` (dropped by the fourth release: every save was
+    synchronous) saves in the background; the checkpoints resume with the uninterrupted losses."""
+    from lightning_zero.checkpoint import open_checkpoint
+
+    root, done = fabric_cells
+    out = root / "async"
+    assert done["async"]["codes"] == [0, 0], done["async"]["tails"]
+    assert done["resume"]["codes"] == [0, 0], done["resume"]["tails"]
+    for stage in (1, 2, 3):
+        for rank in (0, 1):
+            saved = _fabric_result(out, f"fa_zero{stage}", rank)
+            assert saved["background"] == [True, True], saved
+            resumed = _fabric_result(out, f"resume_zero{stage}", rank)["losses"]
+            assert resumed == saved["losses"][3:], (stage, rank, resumed, saved["losses"])
+        assert open_checkpoint(out / f"fa{stage}_6").state["state"]["iter_num"] == 6
+
+
+@pytest.mark.slow
+def test_fabric_publishes_the_save_in_flight_when_the_script_ends_without_teardown(fabric_cells):
+    """LitGPT's scripts never tear the strategy down: the background save in flight when the
+    script ends is published before the process exits, and the exit code is 0."""
+    from lightning_zero.checkpoint import open_checkpoint
+
+    root, done = fabric_cells
+    out = root / "async"
+    assert done["async"]["codes"] == [0, 0], done["async"]["tails"]
+    assert open_checkpoint(out / "fx2_6").state["state"]["iter_num"] == 6
+    assert "terminate called" not in done["async"]["tails"]
+
+
+@pytest.mark.slow
+def test_fabric_load_restores_a_moved_aside_checkpoint_and_cleans_leftovers(fabric_cells):
+    """Fault 8 (Fabric side): ``fabric.load`` of a checkpoint a killed publish moved aside failed
+    with a bare FileNotFoundError, and Fabric never cleaned staging leftovers; now the load moves
+    it back first, and the directory's leftovers (an older release's ``.tmp-`` name too) are gone."""
+    root, done = fabric_cells
+    out = root / "async"
+    assert done["resume"]["codes"] == [0, 0], done["resume"]["tails"]
+    names = _fabric_result(out, "resume_zero2", 0)["names"]
+    assert "fa2_3" in names and not [n for n in names if n.startswith(".lightning_zero-") or ".tmp-" in n], names
+
+
+@pytest.mark.slow
+def test_fabric_rank_killed_in_a_background_save_exits_and_keeps_the_previous(fabric_cells):
+    from lightning_zero.checkpoint import is_checkpoint, open_checkpoint
+
+    root, done = fabric_cells
+    launch = done["kill"]
+    assert launch["codes"][1] == -9 and launch["codes"][0] not in (0, None), launch["tails"]
+    assert launch["ended"] - launch["started"] < EXIT_WITHIN_S + 30, launch["tails"]
+    assert open_checkpoint(root / "kill" / "fk3_3").state["state"]["iter_num"] == 3
+    assert not is_checkpoint(root / "kill" / "fk3_6")
+
+
+@pytest.mark.slow
+def test_fabric_full_disk_fails_every_rank(fabric_cells):
+    """Rank 1's disk full in a background save: both ranks raise naming EFBIG at the teardown.
+    Suspected: Fabric's full save raises on rank 0 only. Confirmed on the fourth release's code
+    (rank 1 returned as if saved); now every rank raises."""
+    root, done = fabric_cells
+    for rank in (0, 1):
+        error = _fabric_result(root / "efbig", "fb_zero2", rank).get("error") or ""
+        assert "CheckpointWriteError" in error and "EFBIG" in error and "rank 1" in error, error
+        full = _fabric_result(root / "efbig", "fullfail_zero2", rank)
+        assert full["raised"] is True and "global rank 0" in full["error"], (rank, full)
+    assert not (root / "efbig" / "full_zero2.pth").exists()

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 if TYPE_CHECKING:
     from lightning_zero.checkpoint import RankPlacement
+    from lightning_zero.runtime.checkpoints import CheckpointLifecycle
     from lightning_zero.zero.engine import ZeroEngine
 
 FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was the model and the optimizers
@@ -65,19 +66,19 @@ class FabricState:
         return module
 
     # -- save ------------------------------------------------------------------------------------
-    def save_sharded(self, path: Any, state: dict[str, Any]) -> None:
-        from lightning_zero.checkpoint import save_checkpoint
-
+    def save_sharded(self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int) -> None:
+        """Through ``lifecycle`` ([Note: checkpoint lifecycle]): in the background under
+        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step."""
         module_key, optimizer_keys, others = self.split(state)
         optimizers = [state[key] for key in optimizer_keys]
         self.engine.wait_param_gathers()
         checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
         if optimizers:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
-        save_checkpoint(path, checkpoint, module=self.module, engine=self.engine, optimizers=optimizers,
-                        layout=self.layout)  # fmt: skip
+        lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
+                       layout=self.layout)  # fmt: skip
 
-    def save_full(self, path: Path, state: dict[str, Any]) -> None:
+    def save_full(self, path: Path, state: dict[str, Any], lifecycle: "CheckpointLifecycle") -> None:
         from lightning_zero.checkpoint.full import gather_full_state_dict
 
         module_key, optimizer_keys, others = self.split(state)
@@ -89,11 +90,8 @@ class FabricState:
             )
         self.engine.wait_param_gathers()
         full = gather_full_state_dict(self.module, self.engine, self.engine.dp_group)
-        if self.layout.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
-            torch.save({module_key: full, **others}, partial)
-            partial.replace(path)  # atomic: a reader sees the old file or the whole new one
+        # global rank 0 writes, atomically; its error is raised on every rank ([Note: checkpoint lifecycle])
+        lifecycle.save_file(path, lambda staged: torch.save({module_key: full, **others}, staged))
 
     # -- load ------------------------------------------------------------------------------------
     def load(

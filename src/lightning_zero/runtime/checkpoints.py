@@ -46,6 +46,7 @@ its own about a save.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -154,6 +155,7 @@ class CheckpointLifecycle:
         self.records: list[SaveRecord] = []
         self.is_open = False
         self._at_exit = False
+        self._cleaned: set[Path] = set()
 
     # -- leftovers ------------------------------------------------------------------------------
     @staticmethod
@@ -174,6 +176,15 @@ class CheckpointLifecycle:
                 for line in clean_leftovers(directory):
                     warnings.warn(f"lightning_zero: {line}", stacklevel=3)
         barrier()
+
+    def clean_once(self, directory: PathLike, barrier: Callable[[], None]) -> None:
+        """:meth:`clean` of ``directory`` the first time this run saves there (Fabric, which has no
+        start that knows its checkpoint directories); every rank calls it."""
+        directory = Path(directory)
+        if directory not in self._cleaned:
+            self._cleaned.add(directory)
+            self.restore_before_resolve([directory])
+            self.clean([directory], barrier)
 
     # -- open / close ---------------------------------------------------------------------------
     def open(self) -> None:
@@ -248,6 +259,42 @@ class CheckpointLifecycle:
             atexit.register(self._wait_at_exit)
         return record
 
+    def save_file(self, path: PathLike, write: Callable[[Path], None]) -> Optional[SaveRecord]:
+        """One file at ``path`` written by global rank 0 (``write(staged_path)``, e.g. a
+        ``torch.save``), published atomically (staged under a hidden name, synced, renamed, the
+        directory synced); its error is raised on every rank. Every rank calls it (a broadcast)."""
+        from lightning_zero.checkpoint.publish import STAGING, CheckpointWriteError, fsync_directory, side_name
+        from lightning_zero.checkpoint.ranks import broadcast_object
+
+        if self._failed():
+            return None
+        self.wait()
+        path = Path(path)
+        record = SaveRecord(path, None, False, self._is_global_zero())
+        self.records.append(record)
+        record.advance(SaveState.AGREED)
+        error = None
+        if self._is_global_zero():
+            staged = path.parent / side_name(STAGING, path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                record.advance(SaveState.STAGED)
+                write(staged)
+                with open(staged, "rb+") as handle:
+                    os.fsync(handle.fileno())
+                record.advance(SaveState.WRITTEN)
+                os.replace(staged, path)
+                fsync_directory(path.parent)
+            except Exception as exc:  # noqa: BLE001 - disk full, permissions: raised on every rank below
+                error = f"global rank 0 could not write {str(path)!r}: {type(exc).__name__}: {exc}"
+                remove_checkpoint(staged)
+        error = broadcast_object(error, "ckpt_file_publish")
+        if error is not None:
+            record.advance(SaveState.ABANDONED)
+            raise CheckpointWriteError(f"{error}. Nothing was published; an earlier file of that name is untouched.")
+        record.advance(SaveState.PUBLISHED)
+        return record
+
     def prepare(self, tensors: dict[str, Any]) -> None:
         """[Note: host buffers before the first save] in ``checkpoint/background.py``."""
         if self.async_checkpoint:
@@ -309,6 +356,4 @@ class CheckpointLifecycle:
             traceback.print_exc()
             print("lightning_zero: the background checkpoint save in flight at exit failed", file=sys.stderr)
             sys.stderr.flush()
-            import os
-
             os._exit(1)
