@@ -60,7 +60,7 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 def test_planner_reads_the_same_defaults():
     from lightning_zero.hydra_config import PlanConf
-    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, plan_run
+    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, UNPLANNED_KNOBS, plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
     from lightning_zero.planner.search import FIXED_KNOBS, search_layouts
 
@@ -68,7 +68,7 @@ def test_planner_reads_the_same_defaults():
     for argument, knob in PLANNED_KNOBS.items():
         if argument != "stage":  # required (or from zero_config): 0 plans Lightning's DDP
             assert parameters[argument].default is getattr(ZERO_DEFAULTS, knob), argument
-    assert set(PLANNED_KNOBS.values()) | {
+    assert set(PLANNED_KNOBS.values()) | set(UNPLANNED_KNOBS) | {
         "offload_optimizer",
         "monitor",
         "collective_timeout",

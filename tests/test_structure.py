@@ -30,7 +30,7 @@ def _all_imports(path: Path) -> set[str]:
     return names
 
 
-HYDRA_FREE = ("zero", "tp", "comm", "checkpoint", "config.py")  # under PACKAGE: never load omegaconf or Hydra
+HYDRA_FREE = ("zero", "tp", "cp", "comm", "checkpoint", "config.py")  # under PACKAGE: never load omegaconf or Hydra
 
 
 def test_engine_tp_checkpoint_and_config_never_reach_hydra():
@@ -125,7 +125,7 @@ def test_only_the_engine_walks_buckets_and_slots():
 
 
 def test_engine_and_tp_never_import_lightning():
-    for folder in ("zero", "tp", "comm"):
+    for folder in ("zero", "tp", "cp", "comm"):
         for path in (PACKAGE / folder).rglob("*.py"):
             text = path.read_text()
             assert not re.search(r"^\s*(import|from) lightning\b", text, re.M), path

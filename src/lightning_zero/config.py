@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from lightning_zero.runtime.precision import check_precision_knobs
+
 COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
 
 
@@ -118,12 +120,33 @@ class ZeroConfig:
             optimizer state in the shards under the same half-precision compute (``2 + 2 + 12``,
             the bf16-mixed bytes), for fine-tunes whose bf16 updates stall. No effect under
             ``32-true`` and the ``-mixed`` precisions (fp32 masters already). See docs/precision.md.
+        mixed_params: under ``precision="16-mixed"`` / ``"bf16-mixed"``, what the engine holds
+            between steps. ``"fp32"``: Lightning's semantics, as ddp holds them: fp32 parameters and
+            gradients, the forward under autocast, fp32 gradients reduced, the parameter chunk its
+            own master (``4 + 4 + 8`` bytes per parameter for AdamW before sharding; twice the
+            gradient and parameter bytes sent); under 16-mixed the loss scale takes ddp's steps.
+            ``"half"``: DeepSpeed's semantics: half-precision parameters and gradients at every
+            stage, fp32 masters and optimizer state only in the shards (``2 + 2 + 12``; the same
+            ``16 P / dp`` at stage 3, less at stages 1-2). ``"auto"`` (default): ``"fp32"`` under
+            16-mixed (ddp's numbers), ``"half"`` under bf16-mixed. No effect under ``32-true`` and
+            the ``-true`` precisions. See docs/precision.md.
         async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
             it writes to host memory (one copy of this rank's checkpoint bytes, allocated by a thread
             after the first optimizer step and kept for every save); writing, hashing and the atomic publish run in a background thread over
             a gloo process group of their own. The next save, the end of fit, a requeue and a load
             wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
             hold the same bytes as a synchronous save's. See docs/checkpoints.md.
+        cp: context-parallel size: ranks that each hold a contiguous slice of every sequence (the
+            same samples), so a rank keeps ``T / cp`` tokens of activations. ``world_size = dp * cp *
+            tp`` (cp between dp and tp in the rank order); ZeRO shards dense parameters, gradients
+            and optimizer state over the ``dp * cp`` ranks of one tp rank and averages dense
+            gradients over them. Needs a model that splits sequences over cp (its
+            ``check_parallel_dims``). See docs/topology.md.
+        ep: expert-parallel size: ``ep`` consecutive ranks of the ``dp * cp`` group split a mixture
+            of experts' experts (each holds ``num_experts / ep``; tokens reach their experts by
+            all-to-all). Must divide ``dp * cp``; expert parameters are sharded (stages 1-3) over the
+            ``dp * cp / ep`` ranks holding the same experts. Needs a model with expert layers (its
+            ``check_parallel_dims``). See docs/topology.md.
     """
 
     stage: int = 2
@@ -144,7 +167,10 @@ class ZeroConfig:
     hierarchical_reduce: bool = False
     reduce_dtype: str = "compute"
     master_weights: str = "auto"
+    mixed_params: str = "auto"
     async_checkpoint: bool = False
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -166,6 +192,16 @@ class ZeroConfig:
             fail("prefetch_blocks", "must be an int >= 0 (0 gathers each unit only when it runs).")
         if not _is_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
             fail("max_buckets_in_flight", "must be an int >= 1.")
+        if not _is_int(self.cp) or self.cp < 1:
+            fail("cp", "the context-parallel size must be an int >= 1 (1: every rank holds whole sequences).")
+        if not _is_int(self.ep) or self.ep < 1:
+            fail("ep", "the expert-parallel size must be an int >= 1 (1: every rank holds every expert).")
+        if self.ep > 1 and (self.shard_size is not None or self.hierarchical_reduce):
+            raise ValueError(
+                f"ZeroStrategy(ep={self.ep}, shard_size={self.shard_size!r}, hierarchical_reduce="
+                f"{self.hierarchical_reduce}): hybrid sharding of expert parameters is not supported yet;"
+                " with ep > 1 use shard_size=None and hierarchical_reduce=False (or ep=1)."
+            )
         for name in (
             "sequence_parallel",
             "overlap_comm",
@@ -213,12 +249,7 @@ class ZeroConfig:
                 'give "compute" (gradients in the compute dtype; "bf16" is the same under bf16-mixed)'
                 ' or "fp32" (accumulate and reduce gradients in fp32).',
             )
-        if self.master_weights not in ("auto", "fp32"):
-            fail(
-                "master_weights",
-                'give "auto" (under bf16-true/16-true the optimizer steps the half-precision parameters,'
-                ' as ddp does) or "fp32" (fp32 master weights and optimizer state in the shards).',
-            )
+        check_precision_knobs(master_weights=self.master_weights, mixed_params=self.mixed_params)
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

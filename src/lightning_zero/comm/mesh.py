@@ -1,13 +1,31 @@
-"""The (dp, tp) parallel sizes, their validation, and the 2-D ``DeviceMesh`` built from them.
+"""The parallel layout (dp, cp, ep, tp), its validation, and the process groups built from it.
 
-[Note: mesh layout] Global ranks are laid out row-major on a ``(dp, tp)`` grid::
+[Note: mesh layout] Global ranks are laid out row-major on a ``(dp, cp, tp)`` grid::
 
-    mesh = arange(world_size).view(dp, tp)
+    mesh = arange(world_size).view(dp, cp, tp)
 
-so a TP group is one row (``tp`` consecutive global ranks, i.e. ranks of one node, which talk over
-NVLink) and a DP group is one column (the same local position on every node). With
-``world_size=8, tp=4``: TP groups ``[0,1,2,3] [4,5,6,7]``; DP groups ``[0,4] [1,5] [2,6] [3,7]``.
-TP never crosses a node, so ``tp`` must divide ``devices_per_node``. ZeRO shards over ``dp`` only.
+so a TP group is ``tp`` consecutive global ranks (ranks of one node, which talk over NVLink), a CP
+group the ``cp`` ranks of one dp index and one tp rank (slices of the same samples), and a DP group
+the ranks of one cp index and one tp rank (different samples). With ``cp == 1`` (the default) this
+is the ``(dp, tp)`` grid: with ``world_size=8, tp=4``, TP groups ``[0,1,2,3] [4,5,6,7]``; DP groups
+``[0,4] [1,5] [2,6] [3,7]``. TP never crosses a node, so ``tp`` must divide ``devices_per_node``.
+
+The *dense* group ``dp_cp`` is every rank of one tp rank (``dp * cp`` of them): ZeRO shards dense
+parameters, gradients and optimizer state over it, and dense gradients are averaged over it (cp
+ranks saw different tokens of the same samples). With ``cp == 1`` it is the DP group.
+
+Experts ([Note: expert groups]): an EP group is ``ep`` consecutive members of the dp_cp group
+(tokens go to their experts' ranks by all-to-all over it; each EP rank holds ``num_experts / ep``
+experts); an EDP group (expert data parallel) the ``dp * cp / ep`` members holding the same experts
+(stride ``ep`` inside dp_cp): ZeRO shards expert parameters over it. With ``world_size=8, tp=2,
+ep=2`` (dp_cp = 4): dp_cp ``[0,2,4,6] [1,3,5,7]``; EP ``[0,2] [4,6] [1,3] [5,7]``; EDP ``[0,4]
+[2,6] [1,5] [3,7]``.
+
+[Note: gradient averaging over dp_cp] A dense gradient is summed over the dp_cp group; an expert's
+gradient is a sum over the tokens routed to it from every dp_cp rank (the all-to-all brings them to
+its EP rank, the EDP reduction sums the EP groups), so with each rank's loss averaged over its own
+tokens both end up divided by ``dp * cp``, as under ddp. :meth:`ParallelDims.grad_divisor` is that
+rule, for the engine and the planner.
 
 [Note: hybrid layout] With ``shard_size`` the dp dimension splits further into
 ``(replicate, shard)``, so the full layout is ``(replicate, shard, tp)``::
@@ -41,11 +59,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp", "tp")
+GROUP_KINDS = ("tp", "dp", "cp", "dp_cp", "ep", "edp", "shard", "replicate", "replica", "shard_intra", "shard_inter")
+"""What :meth:`ParallelDims.rank_groups` takes."""
 
 
 @dataclass
 class ParallelDims:
-    """How ``world_size`` ranks split into data-parallel and tensor-parallel groups.
+    """How ``world_size`` ranks split into data-, context-, expert- and tensor-parallel groups.
 
     Args:
         world_size: total number of ranks (processes, one per device).
@@ -58,9 +78,13 @@ class ParallelDims:
         hierarchical_reduce: reduce gradients in two hops when a shard group spans nodes (in-node
             reduce-scatter, then a cross-node one of the node's slice); ignored (``hierarchical``
             is False) when the shard group fits inside one node or a node holds one dp rank.
+        cp: context-parallel size: ranks holding contiguous slices of the same sequences.
+        ep: expert-parallel size: consecutive members of the dp_cp group that split the experts
+            (each holds ``num_experts / ep``); must divide ``dp * cp``.
 
-    ``dp = world_size // tp`` ranks hold the same TP shard and split the batch (and, under ZeRO,
-    the optimizer state / gradients / parameters of that shard, over groups of ``shard`` of them).
+    ``dp_cp = world_size // tp`` ranks hold the same TP shard (the dense group: under ZeRO they
+    split its optimizer state / gradients / parameters, over groups of ``shard`` of them);
+    ``dp = dp_cp // cp`` of them take different samples. See [Note: mesh layout].
     """
 
     world_size: int
@@ -68,6 +92,8 @@ class ParallelDims:
     tp: Union[int, str] = 1
     shard_size: Optional[Union[int, str]] = None
     hierarchical_reduce: bool = False
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in ("world_size", "devices_per_node"):
@@ -96,11 +122,41 @@ class ParallelDims:
                 f"world_size({self.world_size}) is not a whole number of nodes of "
                 f"devices_per_node({self.devices_per_node})"
             )
+        self._check_cp_ep()
         self._check_shard_size()
 
+    def _check_cp_ep(self) -> None:
+        for name in ("cp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims: {name} must be a positive int, got {value!r}")
+        dp_cp = self.dp_cp
+        if dp_cp % self.cp != 0:
+            raise ValueError(
+                f"cp({self.cp}) does not divide world_size({self.world_size}) / tp({self.tp}) = {dp_cp}: "
+                f"dp * cp * tp must equal world_size; pick cp from {_divisors(dp_cp)}"
+            )
+        if dp_cp % self.ep != 0:
+            raise ValueError(
+                f"ep({self.ep}) does not divide {self._dense_size()}: expert-parallel groups are ep consecutive"
+                f" ranks of the dense (dp*cp) group; pick ep from {_divisors(dp_cp)}"
+            )
+        if self.ep > 1 and (self.shard_size is not None or self.hierarchical_reduce):
+            raise ValueError(
+                f"ep({self.ep}) with shard_size({self.shard_size!r}) / hierarchical_reduce({self.hierarchical_reduce}):"
+                " hybrid sharding of expert parameters over the expert-data-parallel group is not supported yet;"
+                " use shard_size=None and hierarchical_reduce=False with ep > 1, or ep=1"
+            )
+
+    def _dense_size(self) -> str:
+        """``dp_cp`` spelled out with where it comes from, for error messages."""
+        if self.cp == 1:
+            return f"dp({self.dp_cp}) = world_size({self.world_size}) / tp({self.tp})"
+        return f"dp*cp({self.dp_cp}) = world_size({self.world_size}) / tp({self.tp}), cp({self.cp})"
+
     def _check_shard_size(self) -> None:
-        shard, dp, local = self.shard_size, self.dp, self.dp_per_node
-        where = f"dp({dp}) = world_size({self.world_size}) / tp({self.tp}), {local} dp rank(s) per node"
+        shard, dp, local = self.shard_size, self.dp_cp, self.dp_per_node
+        where = f"{self._dense_size()}, {local} dp rank(s) per node"
         if shard is None:
             return
         if shard == "node":
@@ -121,22 +177,22 @@ class ParallelDims:
 
     @property
     def dp_per_node(self) -> int:
-        """dp ranks inside one node (``devices_per_node // tp``, at most ``dp``)."""
-        return min(self.devices_per_node // self.tp, self.dp)  # type: ignore[operator]
+        """dp_cp ranks inside one node (``devices_per_node // tp``, at most ``dp_cp``)."""
+        return min(self.devices_per_node // self.tp, self.dp_cp)  # type: ignore[operator]
 
     @property
     def shard(self) -> int:
-        """dp ranks one ZeRO shard group holds (``shard_size`` resolved; ``dp`` when ``None``)."""
+        """dp_cp ranks one ZeRO shard group holds (``shard_size`` resolved; ``dp_cp`` when ``None``)."""
         if self.shard_size is None:
-            return self.dp
+            return self.dp_cp
         if self.shard_size == "node":
             return self.dp_per_node
         return self.shard_size  # type: ignore[return-value]
 
     @property
     def replicate(self) -> int:
-        """Shard groups, i.e. ranks holding the same chunk (``dp // shard``)."""
-        return self.dp // self.shard
+        """Shard groups, i.e. ranks holding the same chunk (``dp_cp // shard``)."""
+        return self.dp_cp // self.shard
 
     @property
     def shard_spans_nodes(self) -> bool:
@@ -184,16 +240,10 @@ class ParallelDims:
         return shard[shard.index(rank) % self.dp_per_node :: self.dp_per_node]
 
     def rank_groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (``"shard"``, ``"replicate"``, ``"replica"``, ``"shard_intra"``,
-        ``"shard_inter"``, ``"dp"``), each once, as lists of global ranks."""
-        of = {
-            "shard": self.shard_ranks,
-            "replicate": self.replicate_ranks,
-            "replica": self.replica_ranks,
-            "shard_intra": self.shard_intra_ranks,
-            "shard_inter": self.shard_inter_ranks,
-            "dp": self.dp_ranks,
-        }[kind]
+        """Every group of ``kind`` (one of :data:`GROUP_KINDS`), each once, as lists of global ranks."""
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"ParallelDims.rank_groups({kind!r}): kind must be one of {GROUP_KINDS}")
+        of = getattr(self, f"{kind}_ranks")
         groups: list[list[int]] = []
         for rank in range(self.world_size):
             ranks = of(rank)
@@ -202,9 +252,52 @@ class ParallelDims:
         return groups
 
     @property
-    def dp(self) -> int:
-        """Data-parallel size: ranks that hold the same TP shard."""
+    def dp_cp(self) -> int:
+        """The dense group's size (``dp * cp``): ranks that hold the same TP shard; ZeRO shards dense
+        parameters over them and averages dense gradients over them."""
         return self.world_size // self.tp  # type: ignore[operator]
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ranks that take different samples (``world_size // (tp * cp)``)."""
+        return self.dp_cp // self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size (``dp * cp // ep``): ranks holding the same experts; ZeRO shards
+        expert parameters over them."""
+        return self.dp_cp // self.ep
+
+    def grad_divisor(self, expert: bool = False) -> int:
+        """[Note: gradient averaging over dp_cp]: what a summed gradient is divided by, dense
+        (``expert=False``: summed over dp_cp) or expert (summed over edp after the ep all-to-alls
+        brought every dp_cp rank's tokens to it): ``dp * cp`` for both, as under ddp."""
+        return self.dp_cp
+
+    def dp_cp_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s dense group: every rank of its tp rank, in dp_cp-rank order."""
+        return list(range(rank % self.tp, self.world_size, self.tp))  # type: ignore[operator, arg-type]
+
+    def cp_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding slices of the same samples as ``rank`` (same dp index, same tp rank)."""
+        dense = self.dp_cp_ranks(rank)
+        start = (dense.index(rank) // self.cp) * self.cp
+        return dense[start : start + self.cp]
+
+    def ep_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s expert-parallel group (``ep`` consecutive dp_cp members)."""
+        dense = self.dp_cp_ranks(rank)
+        start = (dense.index(rank) // self.ep) * self.ep
+        return dense[start : start + self.ep]
+
+    def edp_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same experts as ``rank`` (stride ``ep`` inside dp_cp)."""
+        dense = self.dp_cp_ranks(rank)
+        return dense[dense.index(rank) % self.ep :: self.ep]
+
+    def group_rank(self, kind: str, rank: int) -> int:
+        """``rank``'s index inside its group of ``kind``."""
+        return getattr(self, f"{kind}_ranks")(rank).index(rank)
 
     @property
     def tp_enabled(self) -> bool:
@@ -227,13 +320,17 @@ class ParallelDims:
         return list(range(start, start + self.tp))  # type: ignore[operator]
 
     def dp_ranks(self, rank: int) -> list[int]:
-        """Global ranks in ``rank``'s DP group (see [Note: mesh layout])."""
-        return list(range(rank % self.tp, self.world_size, self.tp))  # type: ignore[operator]
+        """Global ranks in ``rank``'s DP group: same cp index and tp rank, different samples (see
+        [Note: mesh layout]; with ``cp == 1`` the dense group)."""
+        dense = self.dp_cp_ranks(rank)
+        return dense[dense.index(rank) % self.cp :: self.cp]
 
     def __str__(self) -> str:
         return (
             f"ParallelDims(world_size={self.world_size}, devices_per_node={self.devices_per_node}, "
             f"dp={self.dp}, tp={self.tp}"
+            + (f", cp={self.cp}" if self.cp > 1 else "")
+            + (f", ep={self.ep}" if self.ep > 1 else "")
             + (f", replicate={self.replicate}, shard={self.shard}" if self.shard_size is not None else "")
             + ")"
         )
@@ -262,10 +359,11 @@ def check_model_divisible(tp: int, model_config: Any) -> None:
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
-    """Build the 2-D ``DeviceMesh`` with dims ``("dp", "tp")`` (see [Note: mesh layout]).
+    """Build the ``DeviceMesh`` the model's parallelize functions read (see [Note: mesh layout]):
+    ``("dp", "tp")`` (``"dp"`` is the dense group) when ``cp == 1``, ``("dp", "cp", "tp")`` otherwise.
 
     Needs an initialized default process group of ``dims.world_size`` ranks; creates one
-    sub-group per row (tp) and per column (dp).
+    sub-group per row and column of each dimension.
     """
     import torch
     import torch.distributed as dist
@@ -276,8 +374,11 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if world != dims.world_size:
         raise ValueError(f"{dims} but the process group has world_size({world})")
-    layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.tp)  # (dp, tp)
-    return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIM_NAMES)
+    if dims.cp == 1:
+        layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.tp)  # (dp, tp)
+        return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIM_NAMES)
+    layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.cp, dims.tp)  # (dp, cp, tp)
+    return DeviceMesh(device_type, layout, mesh_dim_names=("dp", "cp", "tp"))
 
 
 @dataclass
@@ -286,8 +387,8 @@ class ShardGroups:
 
     ``shard``: ZeRO shards over it (``shard`` ranks). ``replicate``: ranks holding the same chunk
     (they all-reduce the reduced gradient chunk). ``replica``: shard x tp ranks (a gradient norm
-    sums over them). ``dp``: every dp rank of this tp position (agreements such as the bucket
-    order span all replicas). ``shard_intra`` / ``shard_inter``: hierarchical reduction's in-node
+    sums over them). ``dp``: the dense group, every dp_cp rank of this tp position (agreements
+    such as the bucket order span all replicas). ``shard_intra`` / ``shard_inter``: hierarchical reduction's in-node
     and cross-node groups inside the shard group (``None`` unless ``dims.hierarchical``).
     """
 
@@ -322,9 +423,88 @@ def build_shard_groups(dims: ParallelDims) -> ShardGroups:
         group, _ = dist.new_subgroups_by_enumeration(dims.rank_groups(kind))
         return group
 
-    groups = ShardGroups(dims, mine("shard"), mine("replicate"), mine("replica"), mine("dp"))
+    groups = ShardGroups(dims, mine("shard"), mine("replicate"), mine("replica"), mine("dp_cp"))
     if dims.hierarchical:
         groups.shard_intra, groups.shard_inter = mine("shard_intra"), mine("shard_inter")
+    return groups
+
+
+@dataclass
+class MeshGroups:
+    """This rank's process groups for ``dims`` (:func:`build_groups`: built once per run, passed
+    whole to the engine, the model's parallelize functions and the checkpoints).
+
+    ``None`` for a group means: ``dp_cp``, the default group (``tp == 1``: every rank); ``tp``,
+    ``cp``, ``ep``, no such group (size 1). ``edp`` is the ``dp_cp`` object itself when ``ep == 1``.
+    ``device_mesh`` is :func:`build_mesh`'s, when ``tp > 1`` or ``cp > 1`` (else ``None``);
+    ``shard`` the hybrid layout's groups (:func:`build_shard_groups`) when ZeRO shards over less
+    than the dense group or reduces hierarchically (else ``None``). Sizes and this rank's
+    coordinates come from the arithmetic: ``dims.dp_cp``, ``groups.rank_in("ep")``, ...
+    """
+
+    dims: ParallelDims
+    rank: int
+    device_mesh: Optional[DeviceMesh] = None
+    tp: Optional[dist.ProcessGroup] = None
+    dp_cp: Optional[dist.ProcessGroup] = None
+    cp: Optional[dist.ProcessGroup] = None
+    ep: Optional[dist.ProcessGroup] = None
+    edp: Optional[dist.ProcessGroup] = None
+    shard: Optional[ShardGroups] = None
+
+    def rank_in(self, kind: str) -> int:
+        """This rank's index in its group of ``kind`` (``"dp"``, ``"cp"``, ``"ep"``, ``"edp"``, ...)."""
+        return self.dims.group_rank(kind, self.rank)
+
+    def size(self, kind: str) -> int:
+        """Ranks in a group of ``kind``."""
+        return len(self.dims.rank_groups(kind)[0])
+
+    def all(self) -> list[dist.ProcessGroup]:
+        """Every group built here, each once (the collective timeout is set on each)."""
+        groups: list[dist.ProcessGroup] = []
+        if self.device_mesh is not None:
+            groups += [self.device_mesh.get_group(name) for name in self.device_mesh.mesh_dim_names or ()]
+        groups += [self.tp, self.dp_cp, self.cp, self.ep, self.edp]
+        if self.shard is not None:
+            groups += self.shard.all()
+        unique: list[dist.ProcessGroup] = []
+        for group in groups:
+            if group is not None and all(group is not seen for seen in unique):
+                unique.append(group)
+        return unique
+
+
+def build_groups(dims: ParallelDims, device_type: str = "cpu") -> MeshGroups:
+    """Create :class:`MeshGroups` for this rank (a collective: every rank calls it, once, with the
+    same ``dims``). With ``cp == ep == 1`` it creates what the ``(dp, tp)`` layout always did: the
+    mesh when ``tp > 1``, the shard groups under hybrid sharding or hierarchical reduction."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_groups needs torch.distributed to be initialized (init_process_group)")
+    world = dist.get_world_size()
+    if world != dims.world_size:
+        raise ValueError(f"{dims} but the process group has world_size({world})")
+    rank = dist.get_rank()
+
+    def mine(kind: str) -> dist.ProcessGroup:
+        group, _ = dist.new_subgroups_by_enumeration(dims.rank_groups(kind))
+        return group
+
+    groups = MeshGroups(dims, rank)
+    if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
+        mesh = groups.device_mesh = build_mesh(dims, device_type)
+        groups.tp = mesh.get_group("tp") if dims.tp > 1 else None  # type: ignore[operator]
+        groups.cp = mesh.get_group("cp") if dims.cp > 1 else None
+        if dims.tp > 1:  # type: ignore[operator]
+            groups.dp_cp = mesh.get_group("dp") if dims.cp == 1 else mine("dp_cp")
+    if dims.ep > 1:
+        groups.ep, groups.edp = mine("ep"), mine("edp")
+    else:
+        groups.edp = groups.dp_cp
+    if dims.replicate > 1 or dims.hierarchical:
+        groups.shard = build_shard_groups(dims)
     return groups
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_zero.cp.layout import context_slice_bounds
 from lightning_zero.data.corpus import build_corpus, synthetic_tokens
 from lightning_zero.data.resumable import ResumableDataLoader, ResumableSampler
 from lightning_zero.data.tokens import (
@@ -32,6 +33,10 @@ class TokenWindows(Dataset):
 
     ``tokens`` is an array (kept) or a token file path (memory-mapped lazily in each process, so a
     DataLoader worker re-opens the file instead of receiving a copy).
+
+    ``cp_rank``/``cp_size``: under context parallelism each window is read as cp rank
+    ``cp_rank``'s slice, ``LongTensor[seq_len / cp_size + 1]``: its inputs and their labels, the
+    last of which is the next slice's first token ([Note: context-parallel layout] in ``cp/layout.py``).
     """
 
     def __init__(
@@ -42,8 +47,12 @@ class TokenWindows(Dataset):
         num_windows: int,
         vocab_size: int,
         dtype: Union[str, np.dtype] = "uint16",
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> None:
         self.seq_len = seq_len
+        self.slice_start, self.slice_stop = context_slice_bounds(seq_len, cp_size, cp_rank)
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.first_window = first_window
         self.num_windows = num_windows
         self.vocab_size = vocab_size
@@ -63,7 +72,7 @@ class TokenWindows(Dataset):
         if not 0 <= index < self.num_windows:
             raise IndexError(f"window {index} out of range [0, {self.num_windows})")
         start = (self.first_window + index) * self.seq_len
-        window = np.asarray(self.tokens()[start : start + self.seq_len + 1], dtype=np.int64)
+        window = np.asarray(self.tokens()[start + self.slice_start : start + self.slice_stop], dtype=np.int64)
         if window.max() >= self.vocab_size:
             raise ValueError(
                 f"token id {int(window.max())} in window {self.first_window + index} of "
@@ -71,6 +80,12 @@ class TokenWindows(Dataset):
                 "raise data vocab_size (and the model's) or re-tokenize"
             )
         return torch.from_numpy(window)
+
+    def context_slice(self, cp_rank: int, cp_size: int) -> "TokenWindows":
+        """The same windows, read as cp rank ``cp_rank``'s slices (see the class doc)."""
+        source = self._tokens if self._path is None else self._path
+        return TokenWindows(source, self.seq_len, self.first_window, self.num_windows, self.vocab_size,
+                            self.dtype, cp_rank, cp_size)  # fmt: skip
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -101,6 +116,11 @@ class TokenDataModule(L.LightningDataModule):
         dp_rank, dp_size: this rank's data-parallel coordinates; ``None`` takes them from the
             trainer's strategy (``distributed_sampler_kwargs``), else from the initialized default
             process group, else ``(0, 1)``.
+        cp_rank, cp_size: this rank's context-parallel coordinates: each batch then holds its
+            ``seq_len / cp_size`` slice of every window plus the label after it,
+            ``LongTensor[batch_size, seq_len / cp_size + 1]`` ([Note: context-parallel layout] in
+            ``cp/layout.py``); cp ranks of one dp rank get the same windows. ``None`` takes them from
+            the trainer's strategy (its layout's ``cp`` group), else ``(0, 1)``.
     """
 
     def __init__(
@@ -120,6 +140,8 @@ class TokenDataModule(L.LightningDataModule):
         synthetic_tokens: int = 2**20,
         dp_rank: Optional[int] = None,
         dp_size: Optional[int] = None,
+        cp_rank: Optional[int] = None,
+        cp_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -153,6 +175,13 @@ class TokenDataModule(L.LightningDataModule):
                 f"TokenDataModule: give both dp_rank and dp_size with 0 <= dp_rank < dp_size, or neither "
                 f"(dp_rank={dp_rank}, dp_size={dp_size})"
             )
+        if (cp_rank is None) != (cp_size is None) or (cp_size is not None and not 0 <= cp_rank < cp_size):
+            raise ValueError(
+                f"TokenDataModule: give both cp_rank and cp_size with 0 <= cp_rank < cp_size, or neither "
+                f"(cp_rank={cp_rank}, cp_size={cp_size})"
+            )
+        if cp_size is not None:
+            context_slice_bounds(seq_len, cp_size, cp_rank)  # seq_len must split over cp
         self.save_hyperparameters()
         self.source = source
         self.path = path
@@ -168,6 +197,8 @@ class TokenDataModule(L.LightningDataModule):
         self.synthetic_tokens = synthetic_tokens
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[TokenWindows] = None
 
@@ -232,8 +263,24 @@ class TokenDataModule(L.LightningDataModule):
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
+    def context_parallel(self) -> tuple[int, int]:
+        """``(cp_rank, cp_size)`` of this process (see the ``cp_rank`` argument): the strategy's
+        layout (``mesh_groups``: its ``cp`` group) when it has one."""
+        if self.cp_size is not None:
+            return self.cp_rank, self.cp_size
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        groups = getattr(strategy, "mesh_groups", None) if strategy is not None else None
+        if groups is not None and groups.dims.cp > 1:
+            return groups.rank_in("cp"), groups.dims.cp
+        return 0, 1
+
+    def _sliced(self, dataset: TokenWindows) -> TokenWindows:
+        """``dataset`` as this rank's context-parallel slices (itself when cp is 1)."""
+        cp_rank, cp_size = self.context_parallel()
+        return dataset if cp_size == 1 else dataset.context_slice(cp_rank, cp_size)
+
     def train_dataloader(self) -> DataLoader:
-        dataset = self._require(self.train_set)
+        dataset = self._sliced(self._require(self.train_set))
         dp_rank, dp_size = self.data_parallel()
         if len(dataset) < dp_size * self.batch_size:
             raise ValueError(
@@ -252,7 +299,7 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> Union[DataLoader, list]:
-        dataset = self._require(self.val_set)
+        dataset = self._sliced(self._require(self.val_set))
         if len(dataset) == 0:  # val_fraction=0: no validation loaders
             return []
         dp_rank, dp_size = self.data_parallel()

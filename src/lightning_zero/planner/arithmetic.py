@@ -80,12 +80,29 @@ PLANNED_KNOBS = {
     "param_comm_dtype": "param_comm_dtype",
     "reduce_dtype": "reduce_dtype",
     "master_weights": "master_weights",
+    "mixed_params": "mixed_params",
 }
+
+
+UNPLANNED_KNOBS = ("cp", "ep")
+"""ZeroConfig knobs that change predicted bytes and seconds but that the planner does not model yet:
+a plan with one of them above 1 is refused (:func:`refuse_unplanned`), never silently made without it."""
+
+
+def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming each of :data:`UNPLANNED_KNOBS` set above 1 in ``knobs``."""
+    asked = [f"{name}={knobs[name]}" for name in UNPLANNED_KNOBS if knobs.get(name, 1) not in (1, None)]
+    if asked:
+        raise ValueError(
+            f"{where}: {', '.join(asked)} is not planned yet (context and expert parallelism: issues 55 and 54);"
+            " plan the run with cp=1 and ep=1, or launch it without a plan"
+        )
 
 
 def knob_arguments(config: ZeroConfig) -> dict[str, Any]:
     """``plan_run``'s knob arguments for ``config`` (stage 1 always defers: its
     ``defer_grad_reduce`` changes nothing, as in the engine)."""
+    refuse_unplanned(config.as_dict(), "plan_run(zero_config=ZeroConfig(...))")
     arguments = {argument: getattr(config, knob) for argument, knob in PLANNED_KNOBS.items()}
     arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage == 2
     return arguments
@@ -129,6 +146,7 @@ def plan_run(
     simulate: Union[bool, str] = True,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
     master_weights: str = ZERO_DEFAULTS.master_weights,
+    mixed_params: str = ZERO_DEFAULTS.mixed_params,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -142,9 +160,9 @@ def plan_run(
             ``zero_config``.
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
-        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (2 + 2 + 12 bytes/param), ``"32-true"``
+        precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param), ``"16-mixed"`` and ``"32-true"``
             (4 + 4 + 8) or ``"bf16-true"`` / ``"16-true"`` (2 + 2 + 4: bf16 optimizer state, no
-            master); ``ledger.precision_bytes`` is the rule.
+            master), under the two knobs below; ``ledger.precision_bytes`` is the rule.
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
@@ -184,6 +202,9 @@ def plan_run(
         master_weights: ``"fp32"``: fp32 masters and optimizer state under ``bf16-true`` /
             ``16-true`` (the ``-mixed`` bytes); ``"auto"``: the precision's own
             ([Note: master_weights] in ``runtime/precision.py``).
+        mixed_params: under the ``-mixed`` precisions, ``"fp32"`` parameters and gradients (4 + 4 +
+            8, as ddp) or ``"half"`` ones with fp32 masters in the shards (2 + 2 + 12); ``"auto"``:
+            fp32 under 16-mixed, half under bf16-mixed ([Note: mixed_params] there).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
@@ -251,7 +272,8 @@ def plan_run(
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
     dtype = dataclasses.replace(
-        precision_bytes(precision, master_weights), grad=grad_bytes_per_param(precision, reduce_dtype)
+        precision_bytes(precision, master_weights, mixed_params),
+        grad=grad_bytes_per_param(precision, reduce_dtype, mixed_params),
     )
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
         bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
@@ -420,6 +442,7 @@ def plan_run(
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
         reduce_dtype=str(reduce_dtype),
+        mixed_params=str(mixed_params),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),

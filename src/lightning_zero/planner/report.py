@@ -13,7 +13,7 @@ from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.models.checkpointing import checkpointing_mode
-from lightning_zero.planner.arithmetic import STAGES, plan_run
+from lightning_zero.planner.arithmetic import STAGES, plan_run, refuse_unplanned
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
 from lightning_zero.planner.plan import Plan
@@ -62,6 +62,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if isinstance(strategy, str):
         strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
     stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
+    refuse_unplanned(strategy, "lightning-zero plan (strategy.cp / strategy.ep)")
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
     plan_options = {**PLAN_DEFAULTS, **(container.get("plan") or {})}
@@ -99,6 +100,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         reserved_gib=float(plan_options["reserved_gib"]),
         reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
         master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
+        mixed_params=str(strategy.get("mixed_params", ZERO_DEFAULTS.mixed_params)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
@@ -206,6 +208,8 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
             reserved_gib=kwargs["reserved_gib"],
             max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
+            master_weights=kwargs["master_weights"],
+            mixed_params=kwargs["mixed_params"],
             lossless=bool(options.get("lossless")),
         )
         result["search"] = {

@@ -49,6 +49,24 @@ class CreatedStorages(TorchDispatchMode):
         return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
 
 
+class PeakStorages(CreatedStorages):
+    """:class:`CreatedStorages` that also records the most bytes alive at once after any op
+    (``peak``): the activation high-water mark of a forward and backward run inside it, parameter
+    gradients and optimizer state aside when ``exclude`` names them (storages that already existed
+    are never counted). Freed storages are dropped at each op, so a scan costs what is alive."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        super().__init__(exclude)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for key in [key for key, (ref, _) in self.storages.items() if ref.expired()]:
+            del self.storages[key]
+        self.peak = max(self.peak, self.alive_bytes())
+        return out
+
+
 class SavedActivations:
     """Counts the activation bytes ``module`` keeps for backward, from :meth:`start` (before
     forward) to :meth:`stop` (after forward returned the loss; before backward, and before a

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.comm.ring import ring_sent
+from lightning_zero.cp.layout import ulysses_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
@@ -125,6 +126,45 @@ def tp_bytes_by_kind(
         "tp_reduce_scatter_seq": scatters * ring_sent("reduce_scatter", activation, tp),
         "tp_all_reduce_norm_grad": norm_grads,
     }
+
+
+def cp_all_to_all_bytes_per_layer(config: Any, *, tokens: int, cp: int, tp: int = 1, act_bytes: int) -> float:
+    """Bytes one rank sends in the cp group for one attention layer's forward (backward sends the
+    same again), ``tokens`` being ``B T`` of the rank's samples ([Note: Ulysses attention] in
+    ``cp/ulysses.py``): one all-to-all of q, k, v (a TP rank's ``n_heads / tp`` query heads and
+    ``n_kv_heads / tp`` kv heads, repeated ``kv_repeats`` times where they do not split over cp)
+    and one of the attention output, each of the ``B T / cp`` tokens this rank holds, each sending
+    ``(cp-1)/cp`` of its input::
+
+        (cp-1)/cp * B T/cp * head_dim * (2 q_heads + 2 kv_heads * kv_repeats) / tp * act_bytes
+    """
+    if cp == 1:
+        return 0.0
+    layout = ulysses_layout(cp, tp, config)
+    head_dim = config.dim // config.n_heads
+    heads = 2 * layout.q_heads_per_tp_rank + 2 * layout.kv_heads_exchanged
+    return ring_sent("all_to_all", tokens // cp * head_dim * heads * act_bytes, cp)
+
+
+def cp_bytes_by_kind(
+    config: Any,
+    *,
+    tokens: int,
+    cp: int,
+    tp: int = 1,
+    act_bytes: int,
+    micro_batches: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+) -> dict[str, float]:
+    """Bytes one rank sends in the cp group per step, by ``CommCounter`` label (the loss's two
+    16-byte all-reduces are left out, as TP's loss all-reduces are): every layer's exchanges
+    (:func:`cp_all_to_all_bytes_per_layer`) forward and backward, and under full recompute once
+    more (the recomputed block runs attention again; selective recompute repeats none)."""
+    if cp == 1:
+        return {}
+    passes = 3 if checkpointing_mode(activation_checkpointing) == "full" else 2
+    per_layer = cp_all_to_all_bytes_per_layer(config, tokens=tokens, cp=cp, tp=tp, act_bytes=act_bytes)
+    return {"cp_all_to_all": passes * config.n_layers * micro_batches * per_layer}
 
 
 def _dp_link_name(links: LinkBytes) -> str:

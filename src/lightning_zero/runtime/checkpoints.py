@@ -227,10 +227,12 @@ class CheckpointLifecycle:
         engine: Any,
         optimizers: list,
         layout: Any,
+        keep: Optional[Callable[[str], bool]] = None,
     ) -> Optional[SaveRecord]:
         """Save ``checkpoint`` (Lightning's dict: the non-tensor state; tensors come from
-        ``module`` / ``engine`` / ``optimizers``) to ``path`` for the agreed ``step``; every rank
-        calls it. ``None`` on the failure path (no save: it needs every rank)."""
+        ``module`` / ``engine`` / ``optimizers``; ``keep(name)``: only those module entries, as
+        ``save.snapshot`` takes it) to ``path`` for the agreed ``step``; every rank calls it.
+        ``None`` on the failure path (no save: it needs every rank)."""
         from lightning_zero.checkpoint.save import snapshot, write_snapshot
 
         if self._failed():
@@ -242,7 +244,8 @@ class CheckpointLifecycle:
         started = time.perf_counter()
         if not background:
             self.wait()  # a save in flight (same process, earlier run) is published first
-            taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+            taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                             keep=keep)  # fmt: skip
             try:
                 write_snapshot(taken, layout, on_state=record.advance)
             except BaseException:
@@ -250,7 +253,7 @@ class CheckpointLifecycle:
                 raise
             return record
         taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep_device=True)  # fmt: skip
+                         keep_device=True, keep=keep)  # fmt: skip
         writer = self._writer()
         if not writer.start(taken, layout, started, record):
             record.advance(SaveState.ABANDONED)

@@ -3,11 +3,12 @@
 The Trainer strategy (``trainer/strategy.py``) and the Fabric strategy (``fabric/strategy.py``)
 are thin layers that decide *when*; the session does the same things in the same order for both:
 
-1. :meth:`plan_layout` (before any process group starts): the ``(replicate, shard, tp)`` layout
-   from the knobs and the cluster, checked against the model; raises on a bad one.
+1. :meth:`plan_layout` (before any process group starts): the ``(dp, cp, tp)`` layout (ep inside
+   dp*cp, hybrid splits of it) from the knobs and the cluster, checked against the model; raises
+   on a bad one.
 2. :meth:`start` (once the door started the default process group): the failure channel
-   ([Note: failure path] in ``runtime/failure.py``), the mesh and shard groups, the NCCL watchdog's
-   timeout.
+   ([Note: failure path] in ``runtime/failure.py``), the layout's groups (:attr:`groups`, built
+   once), the NCCL watchdog's timeout.
 3. :meth:`prepare_module`: the module on the device, every dp rank starting from dp rank 0's
    weights (as DDP does at construction); meta tensors are left for stage 3 to materialize.
 4. :meth:`build_engine`: the :class:`~lightning_zero.zero.engine.ZeroEngine` over the module and
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.checkpoint import RankPlacement
-    from lightning_zero.comm.mesh import ParallelDims, ShardGroups
+    from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
     from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
@@ -59,8 +60,7 @@ class ZeroSession:
         self.config = config
         self.wrap_policy = wrap_policy
         self.dims: Optional["ParallelDims"] = None
-        self.device_mesh: Optional["DeviceMesh"] = None
-        self.shard_groups: Optional["ShardGroups"] = None
+        self.groups: Optional["MeshGroups"] = None  # the layout's process groups, from start()
         self.failure_channel: Optional["FailureChannel"] = None
         self.engine: Optional["ZeroEngine"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
@@ -75,29 +75,41 @@ class ZeroSession:
 
     # -- 2. once the default process group is up ------------------------------------------------
     def start(self, device_type: str) -> None:
-        """Failure channel, mesh and shard groups, and the collective timeout of every group."""
+        """Failure channel, the layout's groups, and the collective timeout of every group."""
         if self.dims is None:
             raise RuntimeError("ZeroSession.start: call plan_layout first (before the process group starts)")
         self.failure_channel = open_failure_channel(self.failure_channel)
-        self.device_mesh, self.shard_groups = build_groups(self.dims, device_type)
+        self.groups = build_groups(self.dims, device_type)
         # [Note: collective timeout on NCCL] in zero/waits.py: the watchdog's limit is collective_timeout
-        groups: list = [None]
-        if self.device_mesh is not None:
-            groups += [self.device_mesh["dp"].get_group(), self.device_mesh["tp"].get_group()]
-        if self.shard_groups is not None:
-            groups += self.shard_groups.all()
-        hold_collective_timeout(groups, self.config.collective_timeout)
+        hold_collective_timeout([None, *self.groups.all()], self.config.collective_timeout)
+
+    @property
+    def device_mesh(self) -> Optional["DeviceMesh"]:
+        """The ``DeviceMesh`` the model's parallelize functions read (``("dp", "tp")``, or
+        ``("dp", "cp", "tp")`` with cp), when ``tp > 1`` or ``cp > 1``; else ``None``."""
+        return None if self.groups is None else self.groups.device_mesh
+
+    @property
+    def shard_groups(self) -> Optional["ShardGroups"]:
+        """The hybrid layout's groups (``None`` when ZeRO shards over the whole dense group)."""
+        return None if self.groups is None else self.groups.shard
 
     @property
     def dp_group(self) -> Optional[dist.ProcessGroup]:
-        """The data-parallel group when there is a ``("dp", "tp")`` mesh, else ``None`` (the default group)."""
-        return None if self.device_mesh is None else self.device_mesh["dp"].get_group()
+        """The dense (dp*cp) group ZeRO shards over, or ``None`` (the default group: ``tp == 1``)."""
+        return None if self.groups is None else self.groups.dp_cp
 
     def dp_size(self, world_size: int) -> int:
+        """Ranks that take different samples (the sampler's replicas): ``world_size / (tp * cp)``."""
         return world_size if self.dims is None else self.dims.dp
 
     def dp_rank(self, global_rank: int) -> int:
-        return global_rank if self.device_mesh is None else self.device_mesh["dp"].get_local_rank()
+        """This rank's index among the ranks that take different samples."""
+        return global_rank if self.dims is None else self.dims.group_rank("dp", global_rank)
+
+    def dense_size(self, world_size: int) -> int:
+        """Ranks of the dense (dp*cp) group: ZeRO's group, over which dense gradients are averaged."""
+        return world_size if self.dims is None else self.dims.dp_cp
 
     # -- 3. the module ---------------------------------------------------------------------------
     def prepare_module(self, module: nn.Module, device: torch.device, *, ranks_per_node: int) -> None:
@@ -134,7 +146,7 @@ class ZeroSession:
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=precision.compute_dtype,
             master_dtype=precision.master_dtype,
-            norms_in_fp32=precision.autocast,
+            norms_in_fp32=precision.half_params_under_autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=device,
@@ -144,8 +156,7 @@ class ZeroSession:
             ranks_per_node=ranks_per_node,
             failure=self.failure_channel,
         )
-        if self.device_mesh is not None:
-            assert self.dims is not None
+        if self.dims is not None and self.dims.tp_enabled:
             weigh_tp_norm(self.engine, self.dims.tp)
         return self.engine
 
@@ -155,7 +166,7 @@ class ZeroSession:
         from lightning_zero.checkpoint import RankPlacement
 
         tp = self.dims.tp if self.dims is not None else 1
-        tp_rank = self.device_mesh["tp"].get_local_rank() if self.device_mesh is not None else 0
+        tp_rank = self.dims.group_rank("tp", global_rank) if self.dims is not None else 0
         return RankPlacement(world_size, global_rank, self.dp_size(world_size), self.dp_rank(global_rank), tp,
                              tp_rank, self.config.stage, precision)  # fmt: skip
 
@@ -213,7 +224,14 @@ class SessionViews:
         return self.session.dp_group
 
     @property
+    def mesh_groups(self) -> Optional["MeshGroups"]:
+        """The layout's process groups (``comm/mesh.py`` :class:`MeshGroups`: tp, cp, dp_cp, ep,
+        edp, ...), once the process group is up; what a model's parallelize function reads."""
+        return self.session.groups
+
+    @property
     def dp_size(self) -> int:
+        """Ranks that take different samples (``world_size / (tp * cp)``)."""
         return self.session.dp_size(self.world_size)
 
     @property

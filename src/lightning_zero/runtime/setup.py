@@ -1,8 +1,9 @@
 """ZeroStrategy's setup steps that need no Lightning object of their own (Lightning glue).
 
 Before any process group starts, :func:`parallel_dims` turns the knobs and the cluster into the
-``(replicate, shard, tp)`` layout and checks it against the model and the data; once the process
-group is up, :func:`build_groups` makes the groups that layout needs. After it,
+``(dp, cp, tp)`` layout (ep inside dp*cp, hybrid ``(replicate, shard)`` splits of it) and checks it
+against the model and the data; once the process group is up, :func:`build_groups` makes the groups
+that layout needs. After it,
 :func:`move_real_tensors` and :func:`broadcast_module_states` give every dp rank the same module on
 its device before the engine flattens it; :func:`find_tp_counter` finds the counter the TP layers
 already count into, so dp and tp traffic land in one :class:`CommCounter`; :func:`weigh_tp_norm`
@@ -21,16 +22,15 @@ from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.config import ZeroConfig
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from lightning_zero.comm.mesh import ParallelDims, ShardGroups
+    from lightning_zero.comm.mesh import MeshGroups, ParallelDims
     from lightning_zero.zero.engine import ZeroEngine
 
 
 def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lightning_module: Any) -> ParallelDims:
     """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one (before any process
-    group starts): TP against the model's heads, sequence parallelism against TP and the data
-    module's sequence length."""
+    group starts): TP against the model's heads, cp and ep against the model
+    (:func:`check_model_layout`), sequence parallelism against TP and the data module's sequence
+    length."""
     from lightning_zero.comm.mesh import ParallelDims
 
     dims = ParallelDims(
@@ -39,9 +39,12 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
         tp=config.tensor_parallel_size,
         shard_size=config.shard_size,
         hierarchical_reduce=config.hierarchical_reduce,
+        cp=config.cp,
+        ep=config.ep,
     )
     model_config = getattr(lightning_module, "config", None)
     dims.validate(model_config if hasattr(model_config, "n_heads") else None)
+    check_model_layout(dims, lightning_module)
     if config.sequence_parallel and dims.tp == 1:
         raise ValueError(
             f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={config.tensor_parallel_size!r} resolved"
@@ -58,14 +61,42 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
     return dims
 
 
-def build_groups(dims: ParallelDims, device_type: str) -> tuple[Optional[DeviceMesh], Optional[ShardGroups]]:
-    """Once the process group is up: the ``("dp", "tp")`` mesh when ``tp > 1``, and the shard groups
-    under hybrid sharding or hierarchical reduction (``None`` where not needed)."""
-    from lightning_zero.comm.mesh import build_mesh, build_shard_groups
+def build_groups(dims: ParallelDims, device_type: str) -> MeshGroups:
+    """Once the process group is up: every group of the layout (``comm/mesh.py`` :func:`build_groups`)."""
+    from lightning_zero.comm.mesh import build_groups as build
 
-    mesh = build_mesh(dims, device_type) if dims.tp > 1 else None
-    shard_groups = build_shard_groups(dims) if dims.replicate > 1 or dims.hierarchical else None
-    return mesh, shard_groups
+    return build(dims, device_type)
+
+
+def check_model_layout(dims: ParallelDims, lightning_module: Any) -> None:
+    """[Note: layouts a model declares] ``cp > 1`` and ``ep > 1`` change what the model itself
+    computes (its sequence slice and attention, its experts and token dispatch), so the runtime
+    cannot honour them for any module: a model that can declares it by a method
+    ``check_parallel_dims(dims: ParallelDims) -> None`` on the LightningModule (or on its
+    ``config``), which raises ``ValueError`` for a layout it cannot run (heads not divisible by
+    ``tp * cp``, experts not divisible by ``ep``, a sequence length not divisible by ``cp``), naming
+    the fix. A module without it is refused with ``cp > 1`` or ``ep > 1`` before any process group
+    starts."""
+    if dims.cp == 1 and dims.ep == 1:
+        return
+    owner = next(
+        (
+            candidate
+            for candidate in (lightning_module, getattr(lightning_module, "config", None))
+            if callable(getattr(candidate, "check_parallel_dims", None))
+        ),
+        None,
+    )
+    if owner is None:
+        asked = [name for name in ("cp", "ep") if getattr(dims, name) > 1]
+        what = {"cp": "splits its sequences over cp", "ep": "splits its experts over ep"}
+        raise ValueError(
+            f"ZeroStrategy({', '.join(f'{name}={getattr(dims, name)}' for name in asked)}):"
+            f" {type(lightning_module).__name__} does not declare that it {' and '.join(what[n] for n in asked)}"
+            " (no check_parallel_dims(dims) method on the LightningModule or its config); use a model family"
+            f" that does, or {' and '.join(f'{name}=1' for name in asked)}."
+        )
+    owner.check_parallel_dims(dims)
 
 
 def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:

@@ -76,15 +76,21 @@ def vocab_parallel_cross_entropy(
     *,
     counter: Optional[CommCounter] = None,
     ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross entropy of vocab-sharded ``logits [..., V/tp]`` against ``targets [...]``.
+    """Mean (``reduction="sum"``: summed) cross entropy of vocab-sharded ``logits [..., V/tp]``
+    against ``targets [...]``.
 
-    Equals ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...)``
-    where ``full_logits`` is the concatenation of every TP rank's slice in rank order. Tokens whose
-    target is ``ignore_index`` count neither in the sum nor in the mean. Returns an fp32 scalar.
+    Equals ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...,
+    reduction=...)`` where ``full_logits`` is the concatenation of every TP rank's slice in rank
+    order. Tokens whose target is ``ignore_index`` count neither in the sum nor in the mean.
+    Returns an fp32 scalar.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     flat_logits = logits.reshape(-1, logits.shape[-1])  # [N, V/tp]
     flat_targets = targets.reshape(-1)  # [N]
     per_token = _VocabParallelCrossEntropy.apply(flat_logits, flat_targets, group, counter)  # [N]
     keep = flat_targets != ignore_index
-    return per_token[keep].sum() / keep.sum()
+    total = per_token[keep].sum()
+    return total if reduction == "sum" else total / keep.sum()

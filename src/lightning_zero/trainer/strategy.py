@@ -112,7 +112,10 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
+        mixed_params: Literal["auto", "fp32", "half"] = ZERO_DEFAULTS.mixed_params,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
+        cp: int = ZERO_DEFAULTS.cp,
+        ep: int = ZERO_DEFAULTS.ep,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
@@ -142,7 +145,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config)
         return plugin
 
     @precision_plugin.setter
@@ -150,7 +153,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config)
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
@@ -258,12 +261,15 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
-        if (
-            fitting
-        ):  # [Note: signals as events] in runtime/signals.py; [Note: checkpoint lifecycle] in runtime/checkpoints.py
+        # [Note: signals as events] in runtime/signals.py; [Note: checkpoint lifecycle] in runtime/checkpoints.py
+        if fitting:
             from lightning_zero.trainer.checkpoints import checkpoint_directories, route_links
 
-            attach_scheduler_signals(trainer, engine=self.engine, markers_cover_world=self.dp_size == self.world_size)
+            attach_scheduler_signals(
+                trainer,
+                engine=self.engine,
+                markers_cover_world=self.session.dense_size(self.world_size) == self.world_size,
+            )
             self.checkpoints.clean(checkpoint_directories(trainer), lambda: self.barrier("lightning_zero-leftovers"))
             route_links(trainer, self.checkpoints)
             self.checkpoints.open()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -84,7 +85,10 @@ class LlamaLM(L.LightningModule):
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
     parallelized there with :func:`lightning_zero.tp.parallelize_llama`, sequence-parallel when
-    the strategy says so (``ZeroStrategy(sequence_parallel=True)``).
+    the strategy says so (``ZeroStrategy(sequence_parallel=True)``); then, when it has a ``cp``
+    dimension larger than 1 (``ZeroStrategy(cp=C)``), made context-parallel with
+    :func:`lightning_zero.cp.parallelize.parallelize_context`: each batch is then this rank's slice
+    of every sequence (``TokenDataModule`` hands it out), see docs/context_parallel.md.
     """
 
     @classmethod
@@ -110,15 +114,8 @@ class LlamaLM(L.LightningModule):
     ) -> None:
         super().__init__()
         checkpointing_mode(activation_checkpointing, "LlamaLM(activation_checkpointing)")  # fail early
-        self.pretrained: Optional[Any] = None  # models.llama.hf.HFLlamaWeights when init_from is set
-        if init_from is not None:
-            from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
-
-            init_from = str(init_from)
-            self.config = pretrained_config(config, init_from)
-            self.pretrained = HFLlamaWeights(init_from, self.config)
-        else:
-            self.config = resolve_config("tiny" if config is None else config)
+        init_from = None if init_from is None else str(init_from)
+        self.config, self.pretrained = self._resolve_config(config, init_from)
         betas = tuple(float(beta) for beta in betas)
         if not lr > 0:
             raise ValueError(f"LlamaLM: lr must be > 0, got {lr}")
@@ -146,6 +143,16 @@ class LlamaLM(L.LightningModule):
             | {f"{stage}_ppl": PerplexityFromLoss() for stage in ("val", "test")}
         )
 
+    def _resolve_config(self, config: Any, init_from: Optional[str]) -> tuple[Any, Optional[Any]]:
+        """``(config, pretrained weights or None)`` from the constructor's arguments (a model
+        family's LightningModule built on this one overrides it)."""
+        if init_from is None:
+            return resolve_config("tiny" if config is None else config), None
+        from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
+
+        resolved = pretrained_config(config, init_from)
+        return resolved, HFLlamaWeights(init_from, resolved)  # read when the model is built
+
     def configure_model(self) -> None:
         tp_mesh = self._tp_mesh()
         if self.model is None:
@@ -165,6 +172,43 @@ class LlamaLM(L.LightningModule):
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
         if tp_mesh is not None and not self._tp_applied:
             self._parallelize(tp_mesh)
+        cp_group = self._cp_group()
+        if cp_group is not None and self.model.context_parallel_size == 1:
+            from lightning_zero.cp.parallelize import parallelize_context
+
+            tp = tp_mesh.size() if tp_mesh is not None else 1
+            parallelize_context(self.model, cp_group, counter=getattr(self.model, "tp_comm_counter", None), tp=tp)
+
+    def _cp_group(self) -> Optional[Any]:
+        """The strategy's ``cp`` process group when it has more than one rank, else ``None``."""
+        mesh = self.device_mesh
+        if mesh is None or "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
+            return None
+        return mesh["cp"].get_group()
+
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: Llama runs ``cp > 1`` (Ulysses
+        attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``, and
+        with sequence parallelism ``tp`` the slice) and has no experts (``ep`` must be 1). Raises
+        ``ValueError`` naming the fix; states a key/value head repeat before launch."""
+        if dims.ep > 1:
+            raise ValueError(
+                f"ZeroStrategy(ep={dims.ep}): LlamaLM has no expert layers to split; use ep=1 or a mixture-of-experts"
+                " model family"
+            )
+        from lightning_zero.cp.layout import check_context_parallel
+
+        trainer = self._trainer
+        seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+        layout = check_context_parallel(
+            dims.cp,
+            tp=dims.tp,
+            model_config=self.config,
+            seq_len=seq_len if isinstance(seq_len, int) else None,
+            sequence_parallel=self._sequence_parallel(),
+        )
+        if dims.cp > 1 and layout is not None and layout.kv_repeats > 1:
+            warnings.warn(f"lightning_zero: {layout.describe()}", stacklevel=2)
 
     def _tp_mesh(self) -> Optional[Any]:
         """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""

@@ -95,18 +95,31 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # Per-head RMSNorms on q and k before rotary (Qwen3): set by a model family that has them.
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
 
     recompute_core = False  # selective checkpointing ([Note: checkpointing modes]); set by Llama
+    # Context parallelism: a cp.ulysses.UlyssesExchange set by cp.parallelize_context; x is then a
+    # T/cp slice and attention runs on T tokens of q_heads/cp heads ([Note: Ulysses attention]).
+    sequence_exchange: Optional[Any] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (B, T, q_heads, head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # (B, T, kv_heads, head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        exchange = self.sequence_exchange
+        if exchange is not None:  # (B, T/cp, heads, head_dim) -> (B, T, heads/cp, head_dim)
+            q, k, v = exchange.heads_from_sequence(q, k, v)
         if self.recompute_core and torch.is_grad_enabled():
             y = checkpoint(attention_core, q, k, v, cos, sin, use_reentrant=False)
         else:
             y = attention_core(q, k, v, cos, sin)
+        if exchange is not None:  # (B, T, q_heads/cp * head_dim) -> (B, T/cp, q_heads * head_dim)
+            y = exchange.sequence_from_heads(y, self.head_dim)
         return self.wo(y)  # y: (B, T, q_heads * head_dim)
 
 
@@ -153,9 +166,10 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of ``logits`` ``(B, T, vocab)`` against ``targets`` ``(B, T)``, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy of ``logits`` ``(B, T, vocab)`` against ``targets`` ``(B, T)``, in
+    fp32: the mean (``reduction="sum"``: the sum) over the targets other than -100."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
 
 
 def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
@@ -175,7 +189,9 @@ def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
     weight.copy_(dense.narrow(dim, layer.tp_rank * weight.shape[dim], weight.shape[dim]))
 
 
-def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Llama":
+def build_llama(
+    config: LlamaConfig, weight_source: Optional[Any] = None, model_class: Optional[type] = None
+) -> "Llama":
     """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
 
     The modules are created on the meta device (no default init draws random numbers), then,
@@ -183,10 +199,11 @@ def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Ll
     does), materialized on the current default device and initialized. Every strategy therefore
     starts from the same weights for the same seed. With ``weight_source`` (pretrained weights,
     see :attr:`Llama.weight_source`) initialization reads them instead of drawing random values.
+    ``model_class``: a family built on :class:`Llama` (``MoETransformer``); default ``Llama``.
     """
     target = torch.get_default_device()
     with torch.device("meta"):
-        model = Llama(config)
+        model = (model_class or Llama)(config)
     model.weight_source = weight_source
     if target.type != "meta":
         model.to_empty(device=target)
@@ -201,7 +218,11 @@ class Llama(nn.Module):
     nothing; materialize with ``model.to_empty(device=...)`` then ``model.init_weights()``.
 
     Attributes:
-        loss_fn: ``(logits, targets) -> mean loss``; tensor parallelism swaps in a vocab-parallel one.
+        loss_fn: ``(logits, targets, reduction="mean") -> loss`` (``"sum"``: summed over the
+            counted tokens); tensor parallelism swaps in a vocab-parallel one, context
+            parallelism wraps it in the mean over the cp group's tokens ([Note: global token mean]).
+        context_parallel_size: cp ranks each sequence is split over (1; ``cp.parallelize_context``
+            sets it): ``forward`` then takes a ``T/cp`` slice of each sequence.
         activation_checkpointing: ``"none"`` (``False``), ``"selective"`` (recompute attention's
             core only) or ``"full"`` (``True``: recompute each block in backward, keeping only its
             input); see [Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``.
@@ -214,7 +235,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(self.make_block(config, layer_id) for layer_id in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -223,7 +244,9 @@ class Llama(nn.Module):
         # Derived from the config, so not saved: the state dict holds only Meta's parameter keys.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
+        self.loss_fn: Callable[..., torch.Tensor] = cross_entropy_loss
+        # cp ranks one sequence is split over (cp.parallelize_context): the input is a T/cp slice
+        self.context_parallel_size = 1
         self.activation_checkpointing: str = "none"
         self.weight_source: Optional[Any] = None
         self.init_weights()
@@ -361,24 +384,35 @@ class Llama(nn.Module):
             return False
         for layer_id, layer in enumerate(self.layers):
             if module is layer:
-                depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
-                    trunc_normal(linear, 0.02)
-                for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
-                    trunc_normal(linear, depth_std)
-                layer.attention_norm.reset_parameters()
-                layer.ffn_norm.reset_parameters()
+                self.init_block(layer, layer_id, trunc_normal, generator)
                 return True
         return False
 
+    def make_block(self, config: Any, layer_id: int) -> nn.Module:
+        """Transformer block ``layer_id`` (a model family built on this decoder returns its own)."""
+        return TransformerBlock(config)
+
+    def init_block(self, layer: nn.Module, layer_id: int, trunc_normal: Callable, generator: Any) -> None:
+        """Initialize block ``layer_id`` (see :meth:`init_weights`); ``trunc_normal(linear, std)``
+        draws a (TP-aware) truncated normal weight."""
+        depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+        for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
+            trunc_normal(linear, 0.02)
+        for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
+            trunc_normal(linear, depth_std)
+        layer.attention_norm.reset_parameters()
+        layer.ffn_norm.reset_parameters()
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        seq = idx.size(1)
+        # Under context parallelism idx is a T/cp slice; attention runs on all T tokens at their
+        # global positions, so the rotary tables cover T ([Note: Ulysses attention] in cp/ulysses.py).
+        seq = idx.size(1) * self.context_parallel_size
         if seq > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds max_seq_len ({self.config.max_seq_len}) of {self.config.name!r}; "
                 "shorten the sequences or raise model max_seq_len"
             )
-        h = self.tok_embeddings(idx)  # (B, T, dim)
+        h = self.tok_embeddings(idx)  # (B, T, dim); (B, T/cp, dim) under context parallelism
         cos, sin = self.rope(seq)  # (T, head_dim / 2) each
         for layer in self.layers:
             if self.activation_checkpointing == "full" and torch.is_grad_enabled():

@@ -1,0 +1,209 @@
+"""Context parallelism (``lightning_zero.cp``): layout checks without any process group, then the
+Ulysses model on 2 gloo ranks against the unsliced model in one process.
+
+The multi-rank cases run in one launch (``_engine_cases``): cp=2 with grouped-query attention
+(kv heads split over cp), cp=2 with one kv head (repeated before the exchange, ALST), and a
+batch whose counted targets all lie in the second slice, so its loss reaches the first slice's
+tokens only through attention across the slice border (and rank 0 counts no token at all).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.cp import check_context_parallel, context_slice_bounds, kv_head_repeats, ulysses_layout
+from lightning_zero.models import LlamaConfig
+from tests.distributed import run_ranks
+
+SEQ = 2048
+CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
+
+
+# -- layout arithmetic (no process group) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, cp, repeats",
+    [(4, 4, 2, 1), (4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (8, 1, 4, 4), (12, 4, 3, 3), (32, 8, 4, 1)],
+)
+def test_kv_head_repeats(q_heads, kv_heads, cp, repeats):
+    assert kv_head_repeats(q_heads, kv_heads, cp) == repeats
+    # every query head meets its own kv head after the repeat and the split
+    group = q_heads // kv_heads
+    for rank in range(cp):
+        for local in range(q_heads // cp):
+            head = rank * q_heads // cp + local
+            local_kv = local // (group // repeats)
+            assert (rank * kv_heads * repeats // cp + local_kv) // repeats == head // group
+
+
+@pytest.mark.parametrize(
+    "cp, tp, n_heads, n_kv_heads, seq_len, sp, match",
+    [
+        (3, 1, 4, 2, 2048, False, r"tp\(1\) x cp\(3\) = 3 does not divide n_heads\(4\).*pick cp from \[1, 2, 4\]"),
+        (2, 2, 2, 2, 2048, False, r"tp\(2\) x cp\(2\) = 4 does not divide n_heads\(2\)"),
+        (2, 1, 4, 2, 2047, False, r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"),
+        (2, 2, 8, 2, 2050, True, r"slice of 1025 tokens.*does not split over tp\(2\).*multiple of 4"),
+        (0, 1, 4, 2, 2048, False, r"cp must be a positive int"),
+    ],
+)
+def test_refused_layouts_name_the_fix(cp, tp, n_heads, n_kv_heads, seq_len, sp, match):
+    config = LlamaConfig.from_name("tiny", n_heads=n_heads, n_kv_heads=n_kv_heads, dim=8 * n_heads)
+    with pytest.raises(ValueError, match=match):
+        check_context_parallel(cp, tp=tp, model_config=config, seq_len=seq_len, sequence_parallel=sp)
+
+
+@pytest.mark.parametrize(
+    "knobs, processes, n_heads, seq_len, match",
+    [
+        (dict(cp=4), 4, 2, 2048, r"tp\(1\) x cp\(4\) = 4 does not divide n_heads\(2\).*pick cp from \[1, 2\]"),
+        (dict(cp=2), 2, 4, 2047, r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"),
+        (dict(cp=2, tensor_parallel_size=2, sequence_parallel=True), 4, 4, 2050, r"does not split over tp\(2\)"),
+        (dict(ep=2), 2, 4, 2048, r"ZeroStrategy\(ep=2\): LlamaLM has no expert layers"),
+    ],
+)
+def test_strategy_refuses_a_layout_before_any_process_group(knobs, processes, n_heads, seq_len, match):
+    """The runtime's layout check (``runtime/setup.py``) asks ``LlamaLM.check_parallel_dims``,
+    before any process group starts, with the trainer's data module's ``seq_len``."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.setup import parallel_dims
+
+    module = LlamaLM(dict(CONFIG, n_heads=n_heads, n_kv_heads=2, dim=8 * n_heads))
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=seq_len), strategy=SimpleNamespace(**knobs))
+    with pytest.raises(ValueError, match=match):
+        parallel_dims(ZeroConfig(**knobs), num_nodes=1, num_processes=processes, lightning_module=module)
+    assert not dist.is_initialized()
+
+
+def test_strategy_states_the_kv_repeat_before_launch():
+    from types import SimpleNamespace
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.setup import parallel_dims
+
+    module = LlamaLM(CONFIG)  # 2 kv heads: 1 per TP rank at tp=2, repeated 2x for cp=2
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=SEQ), strategy=SimpleNamespace())
+    with pytest.warns(UserWarning, match=r"n_kv_heads\(2\) / tp\(2\) = 1 .* repeated 2x"):
+        parallel_dims(ZeroConfig(cp=2, tensor_parallel_size=2), num_nodes=1, num_processes=4, lightning_module=module)
+
+
+def test_kv_replication_is_stated():
+    config = LlamaConfig.from_name("tiny", n_heads=8, n_kv_heads=2, dim=64)
+    assert "repeated" not in ulysses_layout(2, 1, config).describe()
+    line = ulysses_layout(2, 2, config).describe()  # one kv head per TP rank, cp=2
+    assert "n_kv_heads(2) / tp(2) = 1" in line and "repeated 2x" in line
+
+
+def test_slices_share_their_border_token():
+    bounds = [context_slice_bounds(2048, 4, rank) for rank in range(4)]
+    assert bounds == [(0, 513), (512, 1025), (1024, 1537), (1536, 2049)]
+
+
+# -- the model on 2 ranks against the unsliced one ----------------------------------------------
+
+
+def _dense_and_cp(config: dict, inputs: torch.Tensor, targets: torch.Tensor, group) -> tuple:
+    """(loss, grads) of the unsliced model, then of the context-parallel one on this rank's slice
+    (its gradients averaged over the cp group, as the engine's dp x cp average does), its counter."""
+    import torch.distributed as dist
+
+    from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.cp.parallelize import parallelize_context
+    from lightning_zero.models.llama.model import build_llama
+
+    torch.manual_seed(0)
+    dense = build_llama(LlamaConfig(**config))
+    loss = dense.loss_fn(dense(inputs), targets)
+    loss.backward()
+    want = {name: param.grad.clone() for name, param in dense.named_parameters()}
+
+    torch.manual_seed(0)
+    counter = CommCounter()
+    model = parallelize_context(build_llama(LlamaConfig(**config)), group, counter=counter)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    start, stop = context_slice_bounds(inputs.size(1), cp, rank)
+    cp_loss = model.loss_fn(model(inputs[:, start : stop - 1]), targets[:, start : stop - 1])
+    cp_loss.backward()
+    got = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=group)
+        got[name] = grad / cp
+    return loss, want, cp_loss, got, counter
+
+
+def _check(loss, want, cp_loss, got) -> None:
+    torch.testing.assert_close(cp_loss, loss, rtol=1e-5, atol=1e-5)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _engine_cases(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.cp.parallelize import parallelize_context
+    from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.models.llama.model import build_llama
+    from lightning_zero.planner.saved_activations import measure_saved_bytes
+    from lightning_zero.planner.traffic import cp_bytes_by_kind
+
+    world = dist.group.WORLD
+    batch = torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+    # grouped-query attention, kv heads split over cp; all-to-all bytes per the formula
+    loss, want, cp_loss, got, counter = _dense_and_cp(CONFIG, inputs, targets, world)
+    _check(loss, want, cp_loss, got)
+    shard, head_dim = SEQ // world_size, CONFIG["dim"] // CONFIG["n_heads"]
+    heads_sent = 2 * CONFIG["n_heads"] + 2 * CONFIG["n_kv_heads"]  # q + k + v there, y back
+    per_layer = (world_size - 1) / world_size * 2 * shard * head_dim * heads_sent * 4  # B=2, fp32
+    assert counter.bytes["cp_all_to_all"] == pytest.approx(2 * CONFIG["n_layers"] * per_layer)  # fwd + bwd
+    assert counter.calls["cp_all_to_all"] == 4 * CONFIG["n_layers"]
+    assert counter.bytes == cp_bytes_by_kind(
+        LlamaConfig(**CONFIG), tokens=inputs.numel(), cp=world_size, act_bytes=4
+    ) | {"cp_all_reduce_loss": 2 * 2 * (world_size - 1) / world_size * 2 * 8}  # [sum, count] fp64, fwd + bwd
+
+    # one kv head: repeated before the exchange (ALST)
+    _check(*_dense_and_cp(dict(CONFIG, n_kv_heads=1), inputs, targets, world)[:4])
+
+    # only second-slice targets count (rank 0 counts none); the first slice's tokens (ids < 32,
+    # none in the second slice) reach the loss only through attention across the border
+    half = SEQ // 2
+    crossing = torch.cat([inputs[:, :half] % 32, 32 + inputs[:, half:] % 32], dim=1)
+    ignored = targets.clone()
+    ignored[:, :half] = -100
+    loss, want, cp_loss, got, _ = _dense_and_cp(CONFIG, crossing, ignored, world)
+    first_rows = want["tok_embeddings.weight"][:32]
+    assert first_rows.abs().sum() > 0  # the dense loss does depend on the first slice
+    _check(loss, want, cp_loss, got)
+
+    # saved activations per rank = the planner's (1%), every checkpointing mode, kv heads split
+    # over cp and repeated for it; and the bytes of each mode's exchanges = the formula
+    for n_kv_heads in (2, 1):
+        config = LlamaConfig(**dict(CONFIG, n_kv_heads=n_kv_heads))
+        for mode in ("none", "selective", "full"):
+            torch.manual_seed(0)
+            counter = CommCounter()
+            model = parallelize_context(build_llama(config), world, counter=counter)
+            model.activation_checkpointing = mode
+            start, stop = context_slice_bounds(SEQ, world_size, rank)
+            measured = measure_saved_bytes(model, inputs[:, start : stop - 1], targets[:, start : stop - 1])
+            predicted = llama_activation_bytes(config, micro_batch=2, seq_len=SEQ, act_bytes=4, cp=world_size)
+            assert measured == pytest.approx(predicted.saved_after_forward(mode), rel=0.01), (n_kv_heads, mode)
+            formula = cp_bytes_by_kind(
+                config, tokens=inputs.numel(), cp=world_size, act_bytes=4, activation_checkpointing=mode
+            )
+            assert counter.bytes["cp_all_to_all"] == pytest.approx(formula["cp_all_to_all"]), (n_kv_heads, mode)
+
+
+@pytest.mark.slow
+def test_ulysses_model_equals_the_unsliced_one():
+    run_ranks(_engine_cases, world_size=2, timeout_s=300)

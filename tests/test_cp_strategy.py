@@ -1,0 +1,99 @@
+"""ZeroStrategy(cp=C) through Lightning on CPU (gloo): context parallelism against Lightning's ddp.
+
+Every case trains the same tiny Llama on the same global batch (2 sequences of 2048 tokens a
+step) for 4 steps with norm clipping: ddp on 2 ranks (one sequence each), and cp = 2 and 4, alone,
+with tp = 2 (the 2 kv heads are one per TP rank: repeated before the exchange), with sequence
+parallelism, and with dp = 2, under ZeRO stages 1-3. Losses (the mean over each run's ranks: a
+cp group's ranks all report their samples' loss) and trained weights equal ddp's to 1e-5. A
+step-2 checkpoint saved under cp=2 resumes under cp=1 and continues exactly.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES = [
+    (2, ["ddp", "cp2_zero1", "cp2_zero2", "cp2_zero3", "resume_cp2_ckpt_cp1"]),
+    (
+        4,
+        [
+            "cp4_zero1",
+            "cp4_zero2",
+            "cp4_zero3",
+            "cp2dp2_zero2",
+            "tp2cp2_zero1",
+            "tp2cp2_zero2",
+            "tp2cp2_zero3",
+            "tp2cp2_sp_zero2",
+        ],
+    ),
+]
+RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
+CP_CASES = [case for case in RANKS if case.startswith(("cp", "tp2cp"))]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    for devices, cases in LAUNCHES:
+        launch("cp_parity.py", out, devices, *cases, timeout_s=500, ranks=devices)
+    return out
+
+
+def _load(results, case, rank=0):
+    return torch.load(results / f"{case}.rank{rank}.pt")
+
+
+def _mean_losses(results, case) -> torch.Tensor:
+    """The global batch's loss per step: the mean over the run's ranks (equal token counts)."""
+    return torch.tensor([_load(results, case, rank)["losses"] for rank in range(RANKS[case])]).mean(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CP_CASES)
+def test_cp_matches_ddp(results, case):
+    got, want = _load(results, case), _load(results, "ddp")
+    torch.testing.assert_close(_mean_losses(results, case), _mean_losses(results, "ddp"), rtol=1e-5, atol=1e-5)
+    assert set(got["params"]) == set(want["params"])
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_cp_ranks_hold_slices_of_the_same_samples(results):
+    """A cp group's ranks see the same windows, each its ``T/cp + 1`` tokens; dp ranks differ."""
+    ranks = [_load(results, "cp2dp2_zero2", rank) for rank in range(4)]  # (dp, cp) = (0,0) (0,1) (1,0) (1,1)
+    assert all(shape == (1, 2048 // 2 + 1) for data in ranks for shape in data["shapes"])
+    assert ranks[0]["batches"] != ranks[1]["batches"]  # different slices ...
+    assert [r["losses"] for r in ranks[:2]] == [ranks[0]["losses"]] * 2  # ... of the same samples
+    assert ranks[0]["losses"] != ranks[2]["losses"]  # another dp rank, other samples
+    assert ranks[0]["losses"] == _load(results, "ddp", 0)["losses"] or torch.allclose(
+        torch.tensor(ranks[0]["losses"]), torch.tensor(_load(results, "ddp", 0)["losses"]), atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_cp2_resumes_under_cp1(results):
+    got = _mean_losses(results, "resume_cp2_ckpt_cp1")
+    want = _mean_losses(results, "cp2_zero2")[2:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    resumed, whole = _load(results, "resume_cp2_ckpt_cp1"), _load(results, "cp2_zero2")
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, cp, tp", [("cp2_zero2", 2, 1), ("cp4_zero2", 4, 1), ("tp2cp2_zero2", 2, 2)])
+def test_all_to_all_bytes_equal_the_formula(results, case, cp, tp):
+    from lightning_zero.models import LlamaConfig
+    from lightning_zero.planner.traffic import cp_all_to_all_bytes_per_layer
+    from tests.scripts.cp_parity import CONFIG, SEQ, STEPS
+
+    config = LlamaConfig(**CONFIG)
+    per_layer = cp_all_to_all_bytes_per_layer(config, tokens=2 * SEQ, cp=cp, tp=tp, act_bytes=4)
+    got = _load(results, case)["sent"]["cp_all_to_all"]
+    assert got == pytest.approx(2 * STEPS * config.n_layers * per_layer)  # forward + backward
