@@ -161,7 +161,7 @@ class FabricState:
     ) -> None:
         payload = self.full_payload(state, filter)
         # global rank 0 writes, atomically; its error is raised on every rank ([Note: checkpoint lifecycle])
-        lifecycle.save_file(path, lambda staged: torch.save(payload, staged))
+        lifecycle.save_file(path, lambda handle: torch.save(payload, handle))
 
     # -- load ------------------------------------------------------------------------------------
     def load(

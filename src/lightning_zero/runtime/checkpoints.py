@@ -55,7 +55,7 @@ import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 from lightning_zero.checkpoint.publish import PathLike, clean_leftovers, link_atomically, remove_checkpoint
 from lightning_zero.checkpoint.publish import restore_moved_aside as _restore_moved_aside
@@ -262,10 +262,11 @@ class CheckpointLifecycle:
             atexit.register(self._wait_at_exit)
         return record
 
-    def save_file(self, path: PathLike, write: Callable[[Path], None]) -> Optional[SaveRecord]:
-        """One file at ``path`` written by global rank 0 (``write(staged_path)``, e.g. a
-        ``torch.save``), published atomically (staged under a hidden name, synced, renamed, the
-        directory synced); its error is raised on every rank. Every rank calls it (a broadcast)."""
+    def save_file(self, path: PathLike, write: Callable[[BinaryIO], None]) -> Optional[SaveRecord]:
+        """One file at ``path`` written by global rank 0 (``write(handle)``, e.g. a ``torch.save``
+        into the open staging file), published atomically (staged under a hidden name, synced,
+        renamed, the directory synced); its error is raised on every rank. Every rank calls it (a
+        broadcast)."""
         from lightning_zero.checkpoint.publish import STAGING, CheckpointWriteError, fsync_directory, side_name
         from lightning_zero.checkpoint.ranks import broadcast_object
 
@@ -282,8 +283,9 @@ class CheckpointLifecycle:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 record.advance(SaveState.STAGED)
-                write(staged)
-                with open(staged, "rb+") as handle:
+                with open(staged, "wb") as handle:
+                    write(handle)
+                    handle.flush()
                     os.fsync(handle.fileno())
                 record.advance(SaveState.WRITTEN)
                 os.replace(staged, path)
