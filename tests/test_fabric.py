@@ -38,7 +38,6 @@ def _needs(model: str) -> None:
         ({"tensor_parallel_size": 2}, "tensor parallelism is not available under Fabric"),
         ({"state_dict_type": "dcp"}, "state_dict_type"),
         ({"config": "zero2", "stage": 2}, "not both"),
-        ({"async_checkpoint": True}, r"ZeroFabricStrategy\(async_checkpoint=True\): the Fabric door cannot honour"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, match):

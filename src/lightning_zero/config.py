@@ -140,8 +140,7 @@ class ZeroConfig:
             after the first optimizer step and kept for every save); writing, hashing and the atomic publish run in a background thread over
             a gloo process group of their own. The next save, the end of fit, a requeue and a load
             wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
-            hold the same bytes as a synchronous save's. The Trainer door only: ``ZeroFabricStrategy``
-            refuses it. See docs/checkpoints.md.
+            hold the same bytes as a synchronous save's. See docs/checkpoints.md.
         cp: context-parallel size: ranks that each hold a contiguous slice of every sequence (the
             same samples), so a rank keeps ``T / cp`` tokens of activations. ``world_size = dp * cp *
             tp`` (cp between dp and tp in the rank order); ZeRO shards dense parameters, gradients
