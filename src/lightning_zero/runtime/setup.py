@@ -103,12 +103,14 @@ def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
 
 
 def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
-    """The counter a tensor-parallel model's TP layers count into (``tp_comm_counter``, see
-    ``tp.parallelize_llama``), or ``None``."""
+    """The counter a model's own collectives count into (TP layers' ``tp_comm_counter``, see
+    ``tp.parallelize_llama``; expert parallelism's ``ep_comm_counter``, ``ep.parallelize_experts``,
+    which is the TP one when both exist), or ``None``."""
     for child in module.modules():
-        counter = getattr(child, "tp_comm_counter", None)
-        if isinstance(counter, CommCounter):
-            return counter
+        for name in ("tp_comm_counter", "ep_comm_counter"):
+            counter = getattr(child, name, None)
+            if isinstance(counter, CommCounter):
+                return counter
     return None
 
 
