@@ -67,6 +67,7 @@ from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.monitor import Monitor
 from lightning_zero.runtime.session import SessionViews, ZeroSession
+from lightning_zero.runtime.setup import check_model_layout
 from lightning_zero.runtime.signals import AgreedSignals, SignalBoundary, requeue_slurm_job
 
 if TYPE_CHECKING:
@@ -96,13 +97,8 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "cp": (
         lambda value: value != 1,
-        "context parallelism is not available under Fabric yet; use cp=1, or the Trainer's ZeroStrategy (its"
-        " LightningModule declares the layouts it can run: check_parallel_dims).",
-    ),
-    "ep": (
-        lambda value: value != 1,
-        "expert parallelism is not available under Fabric yet; use ep=1, or the Trainer's ZeroStrategy (its"
-        " LightningModule declares the layouts it can run: check_parallel_dims).",
+        "context parallelism is not available under Fabric yet (the data must be sliced by position); use"
+        " cp=1, or the Trainer's ZeroStrategy.",
     ),
 }
 FABRIC_HONOURS = frozenset(
@@ -110,7 +106,7 @@ FABRIC_HONOURS = frozenset(
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
-        "async_checkpoint",
+        "async_checkpoint", "ep",
     }
 )  # fmt: skip
 
@@ -343,6 +339,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
             )
         if self._module is None:
+            # [Note: layouts a model declares] in runtime/setup.py: under Fabric the model arrives after
+            # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
+            if self.session.dims is not None:
+                check_model_layout(self.session.dims, module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
