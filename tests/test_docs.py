@@ -378,8 +378,10 @@ def test_readme_keeps_the_ci_test_command():
 
 def _gpu_recipes() -> list[str]:
     from lightning_zero.hydra_config import available_recipes
+    from lightning_zero.models.moe.config import moe_preset_names
 
-    return [name for name in available_recipes() if name != "tiny"]
+    # Mixture-of-experts recipes are planned by planner/moe.py: tests/test_recipes.py checks their headers.
+    return [name for name in available_recipes() if name != "tiny" and name not in moe_preset_names()]
 
 
 def _header(name: str) -> str:
