@@ -66,6 +66,7 @@ from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.session import SessionViews, ZeroSession
+from lightning_zero.runtime.setup import check_model_layout
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -135,14 +136,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 " parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
                 " ZeroStrategy (its LightningModule's configure_model applies the TP transform)."
             )
-        for name in ("cp", "ep"):
-            if getattr(self.zero_config, name) != 1:
-                raise ValueError(
-                    f"ZeroFabricStrategy({name}={getattr(self.zero_config, name)!r}): "
-                    + ("context" if name == "cp" else "expert")
-                    + f" parallelism is not available under Fabric yet; use {name}=1, or the Trainer's ZeroStrategy"
-                    " (its LightningModule declares the layouts it can run: check_parallel_dims)."
-                )
+        if self.zero_config.cp != 1:
+            raise ValueError(
+                f"ZeroFabricStrategy(cp={self.zero_config.cp!r}): context parallelism is not available under Fabric"
+                " yet (the data must be sliced by position); use cp=1, or the Trainer's ZeroStrategy."
+            )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
@@ -301,6 +299,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
             )
         if self._module is None:
+            # [Note: layouts a model declares] in runtime/setup.py: under Fabric the model arrives after
+            # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
+            if self.session.dims is not None:
+                check_model_layout(self.session.dims, module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
