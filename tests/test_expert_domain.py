@@ -219,6 +219,20 @@ def _all_cases(rank: int, world: int, cases, expected) -> None:
             _run(rank, world, *case, want)
         except AssertionError as err:
             raise AssertionError(f"stage {case[0]}, ep {case[1]} on {world} ranks: {err}") from err
+    _refuses_replicated_optimizers(world)
+
+
+def _refuses_replicated_optimizers(world: int) -> None:
+    from lightning_zero.comm.mesh import ParallelDims, build_groups
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.zero.domains import ExpertDomain
+    from lightning_zero.zero.engine import ZeroEngine
+
+    groups = build_groups(ParallelDims(world_size=world, devices_per_node=world, ep=2))
+    model = ToyMoE(2, groups.rank_in("ep"), groups.ep)
+    with pytest.raises(ValueError, match=r"Adafactor steps replicated full masters.*ep > 1"):
+        ZeroEngine(model, [torch.optim.Adafactor(model.parameters())], ZeroConfig(stage=2),
+                   expert_domain=ExpertDomain.from_mesh(groups))  # fmt: skip
 
 
 def _expected(world: int, cases):
