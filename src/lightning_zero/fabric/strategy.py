@@ -213,7 +213,6 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._param_names: list[list[list[str]]] = []
         # [Note: signal boundaries] in runtime/signals.py: the loop asks scheduler_signals() once per step
         self.signals = SignalBoundary()
-        self._signal_steps = 0  # optimizer steps at the last scheduler_signals() boundary
         # [Note: the monitor] in runtime/monitor.py: measured at the forward pre-hook and the step hook
         self.step_monitor: Optional[Monitor] = Monitor() if self.zero_config.monitor else None
         self._report: Any = None  # the Fabric whose log_dict gets the monitor's metrics (report_to)
@@ -494,10 +493,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         ``optimizer.step()``; a call with no optimizer step since the last one (inside gradient
         accumulation, or twice) is no boundary and returns ``None``. The flags rode on the step's
         phase markers: no collective of its own once the engine exists (docs/fabric.md)."""
-        if self._steps == self._signal_steps:
-            return None
-        self._signal_steps = self._steps
-        return self.signals.at_step(accumulating=False, exchange=self._signal_exchange)
+        return self.signals.after_steps(self._steps, self._signal_exchange)
 
     def _signal_exchange(self) -> Callable[[list[int]], list[int]]:
         steps = self._steps

@@ -293,6 +293,7 @@ class SignalBoundary:
         self._markers_cover_world = False
         self._eval_batches: dict[int, int] = {}  # dataloader index -> batches every rank has
         self._kept_requeue: Optional[AgreedSignals] = None  # agreed in fit's validation: for the next step
+        self._steps_at_boundary = 0  # optimizer steps at the last after_steps() boundary
 
     def ride(self, engine: Any, *, markers_cover_world: bool) -> None:
         """Let the flags ride on ``engine``'s phase markers ([Note: marker riders]); they stand for
@@ -335,6 +336,17 @@ class SignalBoundary:
         merged = dataclasses.replace(agreed, requeue=True)
         self.events[-1] = merged  # one event for what this boundary acts on
         return merged
+
+    def after_steps(
+        self, steps: int, exchange: Callable[[], Callable[[list[int]], list[int]]]
+    ) -> Optional[AgreedSignals]:
+        """A loop asks once per optimizer step (Fabric's ``scheduler_signals()``): ``steps``, the
+        optimizer steps so far (the same on every rank). No step since the last call (inside
+        gradient accumulation, or asked twice) is no boundary."""
+        if steps == self._steps_at_boundary:
+            return None
+        self._steps_at_boundary = steps
+        return self.at_step(accumulating=False, exchange=exchange)
 
     def start_eval(self, batches: list[float], fewest: Callable[[list[int]], list[int]]) -> None:
         """An evaluation loop starts with ``batches`` per dataloader on this rank; ``fewest`` (a
