@@ -379,7 +379,57 @@ def cells(tmp_path_factory):
     _plant_moved_aside(out)
     done["resume"] = _launch(out, [f"r_{name}=zero{name[-1]}{'a' if name[0] in 'lf' else ''}:resume"
                                    for name in RESUMED])  # fmt: skip
+    _record_matrix(out, "trainer", _trainer_rows(out, done))
     return out, done
+
+
+def _record_matrix(out: Path, door: str, rows: list[dict]) -> None:
+    """The fault-matrix rows of these cells (docs/checkpoints.md's table): ``<out>/matrix.json``,
+    and appended to ``$LZ_FAULT_MATRIX_JSON`` when set (one JSON row a line)."""
+    (out / "matrix.json").write_text(json.dumps(rows, indent=1))
+    target = os.environ.get("LZ_FAULT_MATRIX_JSON")
+    if target:
+        with open(target, "a") as handle:
+            for row in rows:
+                handle.write(json.dumps({"door": door, **row}) + "\n")
+
+
+def _seconds_to_exit(root: Path, launch: dict) -> float | None:
+    killed = root / "killed_at"
+    return round(launch["ended"] - float(killed.read_text()), 2) if killed.exists() else None
+
+
+def _resume_diff(done: dict, resumed: str, base: str) -> float | None:
+    try:
+        return max(abs(_losses(done, "resume", resumed, rank)[step] - _losses(done, "bases", base, rank)[step])
+                   for rank in (0, 1) for step in _losses(done, "resume", resumed, rank))  # fmt: skip
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def _trainer_rows(out: Path, done: dict) -> list[dict]:
+    rows = []
+    for trial in AFTER_FIT + SLOW:
+        name = _trial_name(trial)
+        rows.append(
+            {
+                "cell": name,
+                "event": trial.partition(":")[2],
+                "strategy": trial.split("=")[1].split(":")[0],
+                "codes": done["bases"]["codes"],
+                "error": done["bases"]["results"][0].get(name, {}).get("error"),
+            }
+        )
+    for trial in KILLS + EFBIG:
+        name = _trial_name(trial)
+        launch = done[name] if name in done else done["efbig"]
+        rows.append({"cell": name, "event": trial.partition(":")[2], "strategy": trial.split("=")[1].split(":")[0],
+                     "codes": launch["codes"], "seconds_to_exit": _seconds_to_exit(out / name, launch),
+                     "last_after_fault": done["left"][name]["last"],
+                     "resume_diff": _resume_diff(done, f"r_{name}", f"b_z{name[-1]}")})  # fmt: skip
+    rows.append({"cell": "ma_z3", "event": "moved aside", "strategy": "zero3", "codes": done["resume"]["codes"],
+                 "resume_diff": _resume_diff(done, "r_ma_z3", "b_z3")})  # fmt: skip
+    return rows
 
 
 def _losses(done: dict, launch: str, trial: str, rank: int) -> dict[int, float]:
@@ -527,7 +577,30 @@ def fabric_cells(tmp_path_factory):
     (out / "fa2_6.tmp-0123456789ab").mkdir()
     (out / side_name(STAGING, out / "fa1_9")).mkdir()
     done["resume"] = _fabric_launch(out, ["resume:zero1", "resume:zero2", "resume:zero3"])
+    _record_matrix(root, "fabric", _fabric_rows(root, done))
     return root, done
+
+
+def _fabric_rows(root: Path, done: dict) -> list[dict]:
+    out, rows = root / "async", []
+    for stage in (1, 2, 3):
+        diffs = [abs(a - b) for rank in (0, 1)
+                 for resumed, saved in [(_fabric_result(out, f"resume_zero{stage}", rank).get("losses", []),
+                                         _fabric_result(out, f"fa_zero{stage}", rank).get("losses", [])[3:])]
+                 for r, s in zip(resumed, saved) for a, b in zip(r, s)]  # fmt: skip
+        rows.append({"cell": f"fa{stage}", "event": "async saves, resume" + (" (moved aside)" if stage == 2 else ""),
+                     "strategy": f"zero{stage}a", "codes": done["resume"]["codes"],
+                     "resume_diff": max(diffs) if diffs else None})  # fmt: skip
+    rows.append(
+        {"cell": "fx2", "event": "exit without teardown", "strategy": "zero2a", "codes": done["async"]["codes"]}
+    )
+    rows.append({"cell": "fk3", "event": "kill@1 in async save", "strategy": "zero3a", "codes": done["kill"]["codes"],
+                 "seconds_to_exit": _seconds_to_exit(root / "kill", done["kill"])})  # fmt: skip
+    for name in ("fb_zero2", "fullfail_zero2"):
+        raised = [bool(_fabric_result(root / "efbig", name, rank).get("error")) for rank in (0, 1)]
+        rows.append({"cell": name, "event": "efbig@1 async" if name.startswith("fb") else "efbig@0 full file",
+                     "strategy": "zero2", "codes": done["efbig"]["codes"], "raised_on": raised})  # fmt: skip
+    return rows
 
 
 @pytest.mark.slow
