@@ -79,6 +79,12 @@ class FabricState:
     def check_save(self, state: dict[str, Any], filter: Filter, full: bool) -> None:
         """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
         module_key, optimizer_keys, _ = self.split(state)
+        if full and getattr(self.engine, "expert_domain", None) is not None:
+            raise ValueError(
+                "ZeroFabricStrategy(state_dict_type='full') with ep > 1: one full file would hold one EP rank's"
+                " experts only; save the sharded checkpoint (state_dict_type='sharded': experts in dense"
+                " coordinates, readable under any ep)."
+            )
         for key, predicate in (filter or {}).items():
             if key not in state:
                 raise ValueError(
