@@ -1,84 +1,173 @@
 """One plain (full) state dict from a sharded model, and one into it: ``fabric.save`` with
-``state_dict_type="full"``, ``fabric.load_raw`` and a set-up model's ``load_state_dict``.
+``state_dict_type="full"``, ``fabric.load_raw``, and a set-up model's ``state_dict`` and
+``load_state_dict``.
 
-[Note: full state dicts] The engine's fp32 masters are the truth for every parameter it manages
-(each element owned by one shard rank: ``engine.owned_ranges()``). Gathering: per parameter, a
-zero tensor of its full size gets this rank's owned elements and is summed over the shard group
-(each element is non-zero on one rank only, so the sum is exact); peak memory is one parameter.
-Buffers and parameters outside the engine are whole on every rank and taken as they are; a tied
-alias gets its canonical parameter's value. Loading writes each rank's owned elements into its
-masters and the rest into the module, then the engine refreshes the compute parameters from the
-masters (stages 1-2 all-gather, stage 3 refreshes the shard): nothing is lost at the next step.
-The optimizer state is not part of it (a fresh load, as ``load_state_dict`` is under ddp).
+[Note: full state dicts] The engine's masters are the truth for every parameter it manages (each
+element owned by one shard rank: ``engine.owned_ranges()``). Gathering: per parameter, a zero
+tensor of its full size gets this rank's owned elements and is summed over the shard group (each
+element is non-zero on one rank only, so the sum is exact); peak memory is one parameter. The
+value is handed out in the dtype ddp would hold the parameter in (``value_dtype``: fp32 under
+``32-true`` and the ``-mixed`` precisions, the half dtype under ``-true``), so a file we write is
+the file ddp writes. Buffers and parameters outside the engine are whole on every rank and taken
+as they are; a tied alias gets its canonical parameter's value.
+
+[Note: torch's load traversal] Loading runs torch's own ``load_state_dict`` on the module: every
+module's ``_load_from_state_dict`` (LitGPT's LoRA remaps ``attn.weight`` to ``attn.linear.weight``
+there) and load-state-dict pre-hooks run, ``strict`` reports torch's missing and unexpected keys
+with torch's error text. For the call's duration each engine-owned parameter is replaced in its
+module by a receiver: a tensor of the parameter's shape and dtype backed by one broadcast element
+whose ``copy_`` writes the value through to this rank's owned master elements at once. So a value
+torch's loader accepts -- a tensor, an ``mmap``-ed one, LitGPT's lazily loaded
+``_NotYetLoadedTensor`` -- is materialized one at a time, and a 70B load holds one tensor beyond
+the shards. Buffers and parameters outside the engine are torch's business as usual. Afterwards
+the engine refreshes the compute parameters from the masters (stages 1-2 all-gather, stage 3
+refreshes the shard), also when torch raised (``strict``), so a rank is never half loaded. The
+optimizer state is not part of it (a fresh load, as ``load_state_dict`` is under ddp).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+ValueDtype = Callable[[nn.Parameter], torch.dtype]
 
-def gather_full_state_dict(
-    module: nn.Module, engine: Any, group: Optional[dist.ProcessGroup]
-) -> dict[str, torch.Tensor]:
-    """The module's state dict with full fp32 master values, on every rank (collective over ``group``,
-    the engine's shard group)."""
-    managed = engine.managed_parameters()
+
+def _fp32(param: nn.Parameter) -> torch.dtype:
+    return torch.float32 if param.is_floating_point() else param.dtype
+
+
+def owned_runs_by_name(engine: Any) -> dict[str, list]:
+    """``{parameter name: [OwnedRange, ...]}`` of what this rank owns."""
     owned: dict[str, list] = {}
     for run in engine.owned_ranges():
         owned.setdefault(run.name, []).append(run)
+    return owned
+
+
+def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[dist.ProcessGroup],
+                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One parameter's full value on every rank of ``group`` (a collective), on the host."""
+    flat = torch.zeros(param.shape.numel(), dtype=torch.float32 if dtype.is_floating_point else dtype,
+                       device=engine.device)  # fmt: skip
+    for run in runs:
+        flat[run.param_lo : run.param_hi] = run.master.detach()[run.chunk_lo : run.chunk_hi].to(flat.dtype)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    return flat.view(param.shape).to(dtype).cpu()
+
+
+def gather_full_state_dict(
+    module: nn.Module,
+    engine: Any,
+    group: Optional[dist.ProcessGroup],
+    *,
+    value_dtype: ValueDtype = _fp32,
+    keep: Optional[Callable[[str, Any], bool]] = None,
+) -> dict[str, torch.Tensor]:
+    """The module's state dict with full master values, on every rank (collective over ``group``,
+    the engine's shard group). ``keep(key, tensor)``: only the keys it accepts (Fabric's
+    ``filter``); a parameter no kept key names is not gathered."""
+    entries = {k: t for k, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    if keep is not None:
+        entries = {k: t for k, t in entries.items() if keep(k, t)}
+    wanted = {id(t) for t in entries.values()}
+    managed = engine.managed_parameters()
+    owned = owned_runs_by_name(engine)
     full: dict[int, torch.Tensor] = {}
     with torch.no_grad(), record_function("lightning_zero::gather_full_state_dict"):
-        for name, param in managed.items():
-            flat = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
-            for run in owned.get(name, []):
-                flat[run.param_lo : run.param_hi] = run.master.detach()[run.chunk_lo : run.chunk_hi].float()
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
-            full[id(param)] = flat.view(param.shape).cpu()
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        out[key] = full[id(tensor)] if id(tensor) in full else tensor.detach().cpu().clone()
-    return out
+        for name, param in managed.items():  # the same order on every rank: one collective each
+            if id(param) in wanted:
+                full[id(param)] = gather_param(param, owned.get(name, []), engine, group, value_dtype(param))
+    return {k: full[id(t)] if id(t) in full else t.detach().cpu().clone() for k, t in entries.items()}
+
+
+def fill_gathered_values(
+    state_dict: dict[str, Any], prefix: str, module: nn.Module, engine: Any, group: Optional[dist.ProcessGroup],
+    value_dtype: ValueDtype,
+) -> None:  # fmt: skip
+    """``module.state_dict()``'s entries for the engine-owned parameters ``module`` holds directly
+    (stage 3: no storage outside a forward) replaced by their gathered full values, one parameter at
+    a time (a collective). An entry that is the parameter itself (``keep_vars=True``) stays."""
+    name_of = {id(param): name for name, param in engine.managed_parameters().items()}
+    owned = None
+    with torch.no_grad(), record_function("lightning_zero::gather_state_dict"):
+        for key, param in module._parameters.items():
+            entry = prefix + key
+            if param is None or id(param) not in name_of or entry not in state_dict or state_dict[entry] is param:
+                continue
+            owned = owned if owned is not None else owned_runs_by_name(engine)
+            state_dict[entry] = gather_param(param, owned.get(name_of[id(param)], []), engine, group,
+                                             value_dtype(param))  # fmt: skip
+
+
+class _Receiver(torch.Tensor):
+    """Stands in for an engine-owned parameter during torch's ``load_state_dict``: its ``copy_``
+    writes the value through to this rank's owned master elements ([Note: torch's load traversal])."""
+
+    _runs: list
+    _loaded: list
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_ and args and isinstance(args[0], _Receiver):
+            args[0]._write(args[1])
+            return args[0]
+        if func is torch.Tensor.module_load:
+            raise ValueError(
+                "load_state_dict on a ZeRO-sharded model under torch.__future__.set_swap_module_params_on_conversion"
+                "(True): the engine owns the parameters' storage and cannot swap them; turn the flag off."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def _write(self, source: Any) -> None:
+        if not isinstance(source, torch.Tensor) and callable(getattr(source, "_load_tensor", None)):
+            source = source._load_tensor()  # LitGPT / Fabric's lazily loaded tensor: read now, one at a time
+        with torch._C.DisableTorchFunctionSubclass():
+            flat = source.detach().reshape(-1)
+            for run in self._runs:
+                run.master.detach()[run.chunk_lo : run.chunk_hi].copy_(flat[run.param_lo : run.param_hi])
+        self._loaded.append(True)
+
+
+def _receiver(param: nn.Parameter, runs: list) -> _Receiver:
+    one = torch.empty((), dtype=param.dtype, device="cpu").expand(param.shape)
+    receiver = torch.Tensor._make_subclass(_Receiver, one, False)
+    receiver._runs, receiver._loaded = runs, []
+    return receiver
 
 
 def load_full_state_dict(
-    module: nn.Module, engine: Any, state_dict: dict[str, torch.Tensor], *, strict: bool = True
-) -> tuple[list[str], list[str]]:
-    """Write a full ``state_dict`` into the sharded ``module`` (see [Note: full state dicts]);
-    returns ``(missing, unexpected)`` keys, raising on either when ``strict``. A collective (the
-    masters' refresh): every rank calls it with the same values."""
-    expected = {k: t for k, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    managed = engine.managed_parameters()
-    name_of = {id(param): name for name, param in managed.items()}
-    # a tied parameter's alias may stand in for its canonical name
-    by_param = {name_of[id(t)]: state_dict[k] for k, t in expected.items() if id(t) in name_of and k in state_dict}
-    missing = [k for k in missing if not (id(expected[k]) in name_of and name_of[id(expected[k])] in by_param)]
-    wrong = [f"{k}: {tuple(state_dict[k].shape)} vs {tuple(t.shape)}" for k, t in expected.items()
-             if k in state_dict and tuple(state_dict[k].shape) != tuple(t.shape)]  # fmt: skip
-    if wrong:
-        raise ValueError(f"load_state_dict on a ZeRO-sharded model: shape mismatch: {'; '.join(wrong)}")
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"load_state_dict on a ZeRO-sharded model (strict=True): missing keys {missing}, unexpected keys"
-            f" {unexpected}. Pass strict=False to load the matching entries only."
+    module: nn.Module, engine: Any, state_dict: Any, *, strict: bool = True, assign: bool = False
+) -> Any:
+    """``module.load_state_dict(state_dict, strict)`` with torch's semantics, written through to the
+    engine's masters ([Note: torch's load traversal]). Returns torch's ``_IncompatibleKeys``; raises
+    torch's ``RuntimeError`` when ``strict``. A collective (the masters' refresh): every rank calls it
+    with the same keys."""
+    if assign:
+        raise ValueError(
+            "load_state_dict(assign=True) on a ZeRO-sharded model: the engine owns the parameters' storage, so"
+            " they cannot be replaced by the state dict's tensors; use assign=False (the values are copied in)."
         )
-    with torch.no_grad(), record_function("lightning_zero::load_full_state_dict"):
-        for run in engine.owned_ranges():
-            value = by_param.get(run.name)
-            if value is not None:
-                source = value.detach().reshape(-1)[run.param_lo : run.param_hi]
-                run.master.detach()[run.chunk_lo : run.chunk_hi].copy_(source)
-        for key, tensor in expected.items():
-            if id(tensor) not in name_of and key in state_dict:
-                tensor.detach().copy_(state_dict[key])
-    engine.refresh_params_from_masters()
-    return missing, unexpected
+    managed = engine.managed_parameters()
+    owned = owned_runs_by_name(engine)
+    receivers = {id(param): _receiver(param, owned.get(name, [])) for name, param in managed.items()}
+    swapped: list[tuple[dict, str, nn.Parameter]] = []
+    for child in module.modules():
+        for key, param in child._parameters.items():
+            if param is not None and id(param) in receivers:
+                swapped.append((child._parameters, key, param))
+    try:
+        for owner, key, param in swapped:
+            owner[key] = receivers[id(param)]
+        with record_function("lightning_zero::load_full_state_dict"):
+            return type(module).load_state_dict(module, state_dict, strict=strict)
+    finally:
+        for owner, key, param in swapped:
+            owner[key] = param
+        engine.refresh_params_from_masters()

@@ -31,6 +31,7 @@ from lightning_zero.checkpoint.targets import (
     engine_entries,
     managed_names,
     module_entries,
+    param_of_key,
     tp_dim_of,
 )
 
@@ -186,7 +187,7 @@ def load_model(
         module_entries(module, set(), layout, targets, load=True)
     missing = _check_fits(opened, _expected_params(module, engine, layout), strict)
     if missing:  # strict=False: leave what the checkpoint lacks as it is
-        targets.tensors = {k: v for k, v in targets.tensors.items() if _param_of_key(k) not in missing}
+        targets.tensors = {k: v for k, v in targets.tensors.items() if param_of_key(k) not in missing}
         targets.copies = [copy for copy in targets.copies if copy[0] not in missing]
     _dcp_load(opened, targets.tensors)
     with torch.no_grad():
@@ -208,13 +209,6 @@ def _expected_params(module: nn.Module, engine: Any, layout: RankPlacement) -> d
         if name not in expected and isinstance(tensor, torch.Tensor):
             expected[name] = list(dense_shape(tensor.shape, tp_dim_of(params.get(name), layout), layout.tp_size))
     return expected
-
-
-def _param_of_key(key: str) -> str:
-    """The parameter name in a tensor key: ``model.<name>`` or ``optim.<i>.<name>.<state key>``."""
-    if key.startswith("model."):
-        return key[len("model.") :]
-    return key.split(".", 2)[2].rsplit(".", 1)[0]
 
 
 def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict: bool) -> set[str]:

@@ -38,6 +38,7 @@ from lightning_zero.checkpoint.targets import (
     engine_entries,
     managed_names,
     module_entries,
+    param_of_key,
     tp_dim_of,
 )
 
@@ -72,12 +73,14 @@ def snapshot(
     optimizers: list[Optimizer],
     layout: RankPlacement,
     keep_device: bool = False,
+    keep: Optional[Callable[[str], bool]] = None,
 ) -> Snapshot:
     """The first half of :func:`save_checkpoint`: no file and no collective, only reads.
 
     ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
     that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
-    device tensor is copied to the host here."""
+    device tensor is copied to the host here. ``keep(name)``: only the module entries (and their
+    optimizer state) it accepts (Fabric's ``filter``); everything when None."""
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
     targets = Targets(keep_device=keep_device)
@@ -93,6 +96,11 @@ def snapshot(
     kinds: list[dict] = [{} for _ in optimizers]
     params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
                           with_optimizer=with_optimizer)  # fmt: skip
+    managed = _managed_info(engine, layout) if engine is not None else {}
+    if keep is not None:
+        targets.tensors = {k: v for k, v in targets.tensors.items() if keep(param_of_key(k))}
+        params = {name: info for name, info in params.items() if keep(name)}
+        managed = {name: info for name, info in managed.items() if keep(name)}
     groups = [
         (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                                     f"optimizer {index}"))
@@ -101,7 +109,7 @@ def snapshot(
     inner = getattr(module, "model", None)
     return Snapshot(
         target=Path(path), encoded_state=encoded_state, rng_file=rank_file_text(), tensors=targets.tensors,
-        params=params, managed=_managed_info(engine, layout) if engine is not None else {}, kinds=kinds,
+        params=params, managed=managed, kinds=kinds,
         optimizer_groups=groups, with_optimizer=with_optimizer, has_inner_model=isinstance(inner, nn.Module),
     )  # fmt: skip
 
@@ -133,6 +141,7 @@ def save_checkpoint(
     engine: Any,
     optimizers: list[Optimizer],
     layout: RankPlacement,
+    keep: Optional[Callable[[str], bool]] = None,
 ) -> Path:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
 
@@ -145,7 +154,8 @@ def save_checkpoint(
     (``checkpoint/background.py`` runs the second half in a thread).
     """
     with labelled("ckpt_save"):
-        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
+        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                         keep=keep)  # fmt: skip
         return write_snapshot(taken, layout)
 
 

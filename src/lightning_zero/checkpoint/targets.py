@@ -45,6 +45,13 @@ def managed_names(engine: Any) -> set[str]:
     return engine.managed_param_names()
 
 
+def param_of_key(key: str) -> str:
+    """The parameter name in a tensor key: ``model.<name>`` or ``optim.<i>.<name>.<state key>``."""
+    if key.startswith("model."):
+        return key[len("model.") :]
+    return key.split(".", 2)[2].rsplit(".", 1)[0]
+
+
 def add_chunks(state: dict[str, Any], key: str, size: tuple[int, ...], pieces: list) -> None:
     existing = state.get(key)
     if existing is None:

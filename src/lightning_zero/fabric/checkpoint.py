@@ -12,9 +12,9 @@ plain state dict -- loads into the sharded model through ``checkpoint/full.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -25,17 +25,46 @@ if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
 
 FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was the model and the optimizers
+_DROPPED = object()  # an entry Fabric's filter keeps nothing of
+
+
+def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]]) -> Any:
+    """Fabric's ``_apply_filter``: a filtered dict keeps the items its predicate accepts, and is
+    dropped when that is none; anything else is saved as it is."""
+    if key not in filter or not isinstance(value, dict):
+        return value
+    kept = {k: v for k, v in value.items() if filter[key](k, v)}
+    return kept if kept else _DROPPED
+
+
+def write_full_file(path: Path, payload: dict[str, Any]) -> None:
+    """``torch.save`` of ``payload`` at ``path``, atomically (a reader sees the old file or the whole
+    new one); global rank 0 calls it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(payload, partial)
+    partial.replace(path)
+
+
+Filter = Optional[dict[str, Callable[[str, Any], bool]]]
 
 
 @dataclass
 class FabricState:
     """Saves and loads Fabric state dicts for one set-up ``module`` (and its ``optimizers``, every
-    one set up) on this rank's ``layout``. Every rank calls each method (collectives)."""
+    one set up) on this rank's ``layout``. Every rank calls each method (collectives).
+
+    ``param_names``: per optimizer, per param group, its parameters' names in the user's order
+    ([Note: full optimizer state] in ``checkpoint/full_optimizer.py``); ``value_dtype``: the dtype
+    ddp holds a parameter in ([Note: full state dicts] in ``checkpoint/full.py``)."""
 
     module: nn.Module
     optimizers: list[Optimizer]
     engine: "ZeroEngine"
     layout: "RankPlacement"
+    param_names: list[list[list[str]]] = field(default_factory=list)
+    value_dtype: Optional[Callable[[nn.Parameter], torch.dtype]] = None
 
     def split(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
         """(key of the set-up module, keys of its optimizers, the other entries as saved)."""
@@ -56,6 +85,26 @@ class FabricState:
             raise ValueError("ZeroFabricStrategy.save: the state holds no set-up model; add it: {'model': model, ...}.")
         return module_key, optimizer_keys, others
 
+    def check_save(self, state: dict[str, Any], filter: Filter, full: bool) -> None:
+        """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
+        module_key, optimizer_keys, _ = self.split(state)
+        for key, predicate in (filter or {}).items():
+            if key not in state:
+                raise ValueError(
+                    f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): the state has no entry {key!r}; its keys are"
+                    f" {sorted(state)}."
+                )
+            if not callable(predicate):
+                raise TypeError(
+                    f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter is a callable (key, value) -> bool."
+                )
+            if key in optimizer_keys and not full:
+                raise ValueError(
+                    f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter on an optimizer entry selects keys of its"
+                    " state dict, which a sharded checkpoint does not hold; save without it, or with"
+                    " ZeroFabricStrategy(state_dict_type='full') (torch's format)."
+                )
+
     def _check_module(self, module: nn.Module, key: Any = "model") -> nn.Module:
         if module is not self.module:
             raise ValueError(
@@ -64,36 +113,60 @@ class FabricState:
             )
         return module
 
+    def _names_of(self, optimizer: Optimizer) -> list[list[str]]:
+        return self.param_names[self.optimizers.index(optimizer)]
+
     # -- save ------------------------------------------------------------------------------------
-    def save_sharded(self, path: Any, state: dict[str, Any]) -> None:
+    def save_sharded(self, path: Any, state: dict[str, Any], filter: Filter = None) -> None:
         from lightning_zero.checkpoint import save_checkpoint
 
         module_key, optimizer_keys, others = self.split(state)
+        filter = filter or {}
+        others = {key: _filtered(key, value, filter) for key, value in others.items()}
+        others = {key: value for key, value in others.items() if value is not _DROPPED}
         optimizers = [state[key] for key in optimizer_keys]
         self.engine.wait_param_gathers()
         checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
         if optimizers:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
+        keep = None
+        if module_key in filter:
+            tensors = self.module.state_dict(keep_vars=True)
+            keep = lambda name: name in tensors and bool(filter[module_key](name, tensors[name]))  # noqa: E731
         save_checkpoint(path, checkpoint, module=self.module, engine=self.engine, optimizers=optimizers,
-                        layout=self.layout)  # fmt: skip
+                        layout=self.layout, keep=keep)  # fmt: skip
 
-    def save_full(self, path: Path, state: dict[str, Any]) -> None:
+    def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
+        """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each
+        optimizer's torch-format state dict, the other entries' state dicts and values, with Fabric's
+        ``filter`` applied as ``ddp`` applies it (a collective: every rank gets it)."""
         from lightning_zero.checkpoint.full import gather_full_state_dict
+        from lightning_zero.checkpoint.full_optimizer import gather_optimizer_state_dict
 
         module_key, optimizer_keys, others = self.split(state)
-        if optimizer_keys:
-            raise ValueError(
-                f"ZeroFabricStrategy(state_dict_type='full'): {optimizer_keys} are optimizers; a full file holds the"
-                " model (for LitGPT's tools and export) and no optimizer state. Save {'model': model} for the"
-                " file, and the training state with state_dict_type='sharded' (the default) to resume."
-            )
+        filter = filter or {}
         self.engine.wait_param_gathers()
-        full = gather_full_state_dict(self.module, self.engine, self.engine.dp_group)
+        payload: dict[str, Any] = {}
+        for key, value in state.items():
+            if key == module_key:
+                keep = filter.get(key)
+                extra = {"value_dtype": self.value_dtype} if self.value_dtype is not None else {}
+                entry = gather_full_state_dict(self.module, self.engine, self.engine.dp_group, keep=keep, **extra)
+                if keep is not None and not entry:
+                    continue  # Fabric's filter drops an entry it keeps nothing of
+            elif key in optimizer_keys:
+                entry = gather_optimizer_state_dict(value, self._names_of(value), self.engine, self.engine.dp_group)
+                entry = _filtered(key, entry, filter)
+            else:
+                entry = _filtered(key, others[key], filter)
+            if entry is not _DROPPED:
+                payload[key] = entry
+        return payload
+
+    def save_full(self, path: Path, state: dict[str, Any], filter: Filter = None) -> None:
+        payload = self.full_payload(state, filter)
         if self.layout.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
-            torch.save({module_key: full, **others}, partial)
-            partial.replace(path)  # atomic: a reader sees the old file or the whole new one
+            write_full_file(path, payload)
 
     # -- load ------------------------------------------------------------------------------------
     def load(
@@ -108,7 +181,7 @@ class FabricState:
             raise ValueError(
                 f"ZeroFabricStrategy: pass the objects to restore from {path}: fabric.load(path, {{'model': model,"
                 " 'optimizer': optimizer, ...}) or fabric.load_raw(path, model). Optimizer state is restored with"
-                " its model, from sharded checkpoints."
+                " its model."
             )
         if is_checkpoint(path):
             return self._load_sharded(path, state, strict)
@@ -119,8 +192,11 @@ class FabricState:
     ) -> dict[str, Any]:
         """A single file (``state_dict_type="full"``, or any plain ``torch.save`` of a state dict)."""
         from lightning_zero.checkpoint.full import load_full_state_dict
+        from lightning_zero.checkpoint.full_optimizer import load_optimizer_state_dict
 
-        loaded = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        # memory-mapped: each tensor is read when it is copied into the shards, one at a time
+        loaded = torch.load(path, map_location="cpu", mmap=True,
+                            weights_only=True if weights_only is None else weights_only)  # fmt: skip
         if isinstance(state, nn.Module):  # load_raw: the file is the module's state dict
             load_full_state_dict(self._check_module(state), self.engine, loaded, strict=strict)
             return {}
@@ -134,7 +210,9 @@ class FabricState:
             if isinstance(value, nn.Module):
                 load_full_state_dict(self._check_module(value, key), self.engine, saved, strict=strict)
             elif isinstance(value, Optimizer):
-                raise ValueError(f"ZeroFabricStrategy: {path} is a single file, without sharded state for {key!r}.")
+                if value not in self.optimizers:
+                    raise ValueError(f"ZeroFabricStrategy: state[{key!r}] is an optimizer that was not set up.")
+                load_optimizer_state_dict(value, saved, self._names_of(value), self.engine)
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(saved)
             else:

@@ -45,6 +45,7 @@ set-up model's forward does:
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -62,7 +63,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name, unscale_agreed
+from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 
 if TYPE_CHECKING:
@@ -170,6 +171,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         # id(stand-in) -> (stand-in, meta parameter): [Note: stand-ins for meta parameters]
         self._meta_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._previous_excepthook: Optional[Callable[..., Any]] = None
+        self._init_rng: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        # per optimizer, per param group: the parameter names in the user's order ([Note: full optimizer state])
+        self._param_names: list[list[list[str]]] = []
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
     @property
@@ -180,19 +184,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
-        # unsupported precisions fail now, before any process starts (DDPStrategy.__init__ sets it
-        # before self.zero_config exists: the knob's default is checked then, the knob at first use)
-        compute_dtype_of(precision, self._master_weights())
+        # unsupported precisions fail now, before any process starts (Fabric's connector sets the
+        # plugin after __init__; a strategy built without zero_config gets the knobs' defaults)
+        policy_of(precision, self.__dict__.get("zero_config"))
         self._precision = precision
-
-    def _master_weights(self) -> str:
-        config = self.__dict__.get("zero_config")
-        return config.master_weights if config is not None else "auto"
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
-        """Where each byte lives under Fabric's precision plugin (``fabric/precision.py``)."""
-        return policy_of(self._precision, self._master_weights())
+        """Where each byte lives under Fabric's precision plugin and the knobs (``fabric/precision.py``)."""
+        return policy_of(self._precision, self.zero_config)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -234,14 +234,41 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- module and optimizers ------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        if self.zero_config.stage != 3:
+        """[Note: stage 3 init under Fabric] As Lightning's FSDP: ``init_module(empty_init=True)`` at
+        stage 3 builds on the meta device and the engine materializes one unit at a time from the
+        module's own initialization (``zero/stage3/init.py``); that draws from a fork of the caller's
+        RNG state as it was when ``init_module`` closed, so the weights are those the module's
+        ``reset_parameters`` would draw right after construction (LitGPT's pretrain order), and the
+        caller's own stream is left where it is (as ddp's ``empty_init`` draws nothing). Without
+        ``empty_init`` (``None`` or ``False``) the module is built for real, by its own constructor
+        from the caller's RNG stream, as under ddp and FSDP, and sharded at setup. Stages 1-2: ddp's."""
+        if self.zero_config.stage != 3 or not empty_init:
             return super().module_init_context(empty_init=empty_init)
-        # Stage 3: built on the meta device; the engine materializes one unit at a time from the
-        # module's own initialization (zero/stage3/init.py), so empty_init changes nothing here.
         stack = ExitStack()
         stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
+        stack.callback(self._remember_init_rng)
         return stack
+
+    def _remember_init_rng(self) -> None:
+        device = self.root_device
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self._init_rng = (torch.get_rng_state(), cuda)
+
+    @contextmanager
+    def _init_rng_stream(self) -> Generator[None, None, None]:
+        """The engine's materialization draws from the RNG state ``init_module`` closed with, in a
+        fork ([Note: stage 3 init under Fabric]); once."""
+        saved, self._init_rng = self._init_rng, None
+        if saved is None:
+            yield
+            return
+        device = self.root_device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.set_rng_state(saved[0])
+            if saved[1] is not None:
+                torch.cuda.set_rng_state(saved[1], device)
+            yield
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -274,7 +301,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
-            self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            # stage 3: model.state_dict() hands out full values, gathered one parameter at a time
+            for child in module.modules():
+                if any(param is not None for param in child._parameters.values()):
+                    hook = functools.partial(ZeroFabricStrategy._after_state_dict, self)  # torch marks the hook object
+                    self._hooks.append(child.register_state_dict_post_hook(hook))
             if not self._optimizers:
                 self._stand_in_for_meta_parameters(module)
         return module
@@ -355,8 +386,13 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if engine is not None:  # built for a forward without optimizers (stage 3): rebuilt with them
             engine.release_module()
         self._restore_meta_parameters()
-        engine = self.session.build_engine(self._module, self._optimizers, precision=self.precision_policy,
-                                           device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
+        from lightning_zero.checkpoint.full_optimizer import record_param_names
+
+        names = {id(param): name for name, param in self._module.named_parameters()}
+        self._param_names = [record_param_names(optimizer, names) for optimizer in self._optimizers]
+        with self._init_rng_stream():
+            engine = self.session.build_engine(self._module, self._optimizers, precision=self.precision_policy,
+                                               device=self.root_device, ranks_per_node=self.num_processes)  # fmt: skip
         # last of the module's forward hooks: a step closes after the engine's own hooks ran
         if self._after_forward_hook is not None:
             self._after_forward_hook.remove()
@@ -453,14 +489,34 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- checkpoints ----------------------------------------------------------------------------
     def _layout(self) -> Any:
         return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
-                                              precision=precision_name(self._precision))  # fmt: skip
+                                              precision=self.precision_policy.name)  # fmt: skip
+
+    def _value_dtype(self, param: nn.Parameter) -> torch.dtype:
+        """The dtype ddp holds ``param`` in ([Note: full state dicts]): the module's own dtype, fp32
+        for floating parameters under the ``-mixed`` precisions (ours are the compute copies)."""
+        if self.precision_policy.autocast and param.is_floating_point():
+            return torch.float32
+        return param.dtype
 
     def _state_io(self) -> "FabricState":
         from lightning_zero.fabric.checkpoint import FabricState
 
         engine = self._ensure_engine()
         assert self._module is not None
-        return FabricState(self._module, self._optimizers, engine, self._layout())
+        return FabricState(self._module, self._optimizers, engine, self._layout(), param_names=self._param_names,
+                           value_dtype=self._value_dtype)  # fmt: skip
+
+    def _refuse_when_failed(self, what: str) -> None:
+        """[Note: failure path]: a save or load that needs every rank raises, naming the failure."""
+        if not self.failed:
+            return
+        channel = self.session.failure_channel
+        peer = channel.peer_failure if channel is not None else None
+        cause = f"global rank {peer[0]} failed" if peer is not None else "this rank failed"
+        raise RuntimeError(
+            f"lightning_zero (global rank {self.global_rank}): {cause}; {what} (it needs every rank). The last complete"
+            " checkpoint is still the newest."
+        )
 
     @override
     def save_checkpoint(
@@ -470,19 +526,23 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        if storage_options is not None or filter:
-            raise TypeError("ZeroFabricStrategy.save: storage_options and filter are not supported.")
-        if self.failed:  # [Note: failure path]
-            what = (f"the checkpoint {str(path)!r} was not saved (a sharded checkpoint needs every rank); the last"
-                    " complete checkpoint is still the newest")  # fmt: skip
-            self.session.warn_failed(self.global_rank, what)
-            return
+        """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
+        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it.
+        A bad argument raises here and leaves the strategy usable; a save that cannot write raises."""
+        if storage_options is not None:
+            raise TypeError(
+                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): not supported (a checkpoint_io"
+                " plugin's options); save without it."
+            )
+        self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
+        full = self.state_dict_type == "full"
+        state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
-            if self.state_dict_type == "full":
-                state_io.save_full(Path(path), state)
+            if full:
+                state_io.save_full(Path(path), state, filter)
             else:
-                state_io.save_sharded(path, state)
+                state_io.save_sharded(path, state, filter)
 
     @override
     def load_checkpoint(
@@ -492,42 +552,39 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
+        self._refuse_when_failed(f"{str(path)!r} was not loaded")
         state_io = self._state_io()
         with self._noting_failures():
             return state_io.load(path, state, strict=strict, weights_only=weights_only)
 
-    def _load_module_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """``model.load_state_dict`` on the set-up model: through to the masters and the shards."""
-        from torch.nn.modules.module import _IncompatibleKeys
-
+    def _load_module_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``model.load_state_dict`` on the set-up model: torch's own traversal, written through to
+        the masters and the shards ([Note: torch's load traversal] in ``checkpoint/full.py``)."""
         from lightning_zero.checkpoint.full import load_full_state_dict
 
-        if assign:
-            raise ValueError("load_state_dict(assign=True) on a ZeRO-sharded model: the engine owns the storage.")
         assert self._module is not None
         engine = self._ensure_engine()
-        missing, unexpected = load_full_state_dict(self._module, engine, state_dict, strict=strict)
-        return _IncompatibleKeys(missing, unexpected)
+        return load_full_state_dict(self._module, engine, state_dict, strict=strict, assign=assign)
 
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """``model.state_dict()`` under stage 3 would hand out parameters with no storage (this rank
-        holds shards only): raise with the fix instead. ``keep_vars=True`` (checkpoints) is fine."""
-        if keep_vars or self.engine is None or self.engine.stage != 3:
+    def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+        """Stage 3: ``module.state_dict()``'s entries for the parameters it holds get their full values
+        (this rank holds only shards), gathered one parameter at a time: a collective, every rank
+        calls ``state_dict()``. ``keep_vars=True`` (checkpoints) hands out the parameters as they are."""
+        engine = self.engine
+        if engine is None or engine.stage != 3:
             return
-        raise RuntimeError(
-            "model.state_dict() under ZeRO stage 3: this rank holds only its shards of each parameter. Save with"
-            " fabric.save(path, {'model': model}) (sharded; ZeroFabricStrategy(state_dict_type='full') for one file),"
-            " or gather with fabric.strategy.get_module_state_dict(model) on every rank (a collective)."
-        )
+        from lightning_zero.checkpoint.full import fill_gathered_values
+
+        fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, self._value_dtype)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full state dict (fp32 masters) on every rank: a collective, every rank calls it."""
+        """The full state dict on every rank, in the dtypes ddp holds: a collective, every rank calls it."""
         if self.engine is None:
             return super().get_module_state_dict(module)
         from lightning_zero.checkpoint.full import gather_full_state_dict
 
-        return gather_full_state_dict(module, self.engine, self.engine.dp_group)
+        return gather_full_state_dict(module, self.engine, self.engine.dp_group, value_dtype=self._value_dtype)
 
     # -- teardown -------------------------------------------------------------------------------
     @override

@@ -82,6 +82,7 @@ PLANNED_KNOBS = {
     "reduce_dtype": "reduce_dtype",
     "master_weights": "master_weights",
     "cp": "cp",
+    "mixed_params": "mixed_params",
 }
 
 
@@ -148,6 +149,7 @@ def plan_run(
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
     master_weights: str = ZERO_DEFAULTS.master_weights,
     cp: int = ZERO_DEFAULTS.cp,
+    mixed_params: str = ZERO_DEFAULTS.mixed_params,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -161,9 +163,9 @@ def plan_run(
             ``zero_config``.
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
-        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (2 + 2 + 12 bytes/param), ``"32-true"``
+        precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param), ``"16-mixed"`` and ``"32-true"``
             (4 + 4 + 8) or ``"bf16-true"`` / ``"16-true"`` (2 + 2 + 4: bf16 optimizer state, no
-            master); ``ledger.precision_bytes`` is the rule.
+            master), under the two knobs below; ``ledger.precision_bytes`` is the rule.
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
@@ -208,6 +210,9 @@ def plan_run(
             holds ``T/cp`` tokens of activations and ``1/cp`` of the compute, and each attention
             layer adds two blocking all-to-alls over the cp group forward and two backward; ZeRO
             shards over the ``dp * cp`` ranks of one tp rank.
+        mixed_params: under the ``-mixed`` precisions, ``"fp32"`` parameters and gradients (4 + 4 +
+            8, as ddp) or ``"half"`` ones with fp32 masters in the shards (2 + 2 + 12); ``"auto"``:
+            fp32 under 16-mixed, half under bf16-mixed ([Note: mixed_params] there).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
@@ -277,7 +282,8 @@ def plan_run(
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
     dtype = dataclasses.replace(
-        precision_bytes(precision, master_weights), grad=grad_bytes_per_param(precision, reduce_dtype)
+        precision_bytes(precision, master_weights, mixed_params),
+        grad=grad_bytes_per_param(precision, reduce_dtype, mixed_params),
     )
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
         bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
@@ -452,6 +458,7 @@ def plan_run(
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
         reduce_dtype=str(reduce_dtype),
+        mixed_params=str(mixed_params),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),

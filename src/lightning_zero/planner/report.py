@@ -101,6 +101,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
         master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
         cp=int(strategy.get("cp", ZERO_DEFAULTS.cp)),
+        mixed_params=str(strategy.get("mixed_params", ZERO_DEFAULTS.mixed_params)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
@@ -208,6 +209,8 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
             reserved_gib=kwargs["reserved_gib"],
             max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
+            master_weights=kwargs["master_weights"],
+            mixed_params=kwargs["mixed_params"],
             lossless=bool(options.get("lossless")),
         )
         result["search"] = {

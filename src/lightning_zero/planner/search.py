@@ -160,7 +160,14 @@ def _tp_sizes(devices_per_node: int) -> list[int]:
 
 
 # The ZeroConfig knobs the search keeps fixed (the others are its axes: stage, tp, bucket_mb, ...).
-FIXED_KNOBS = ("max_buckets_in_flight", "overlap_param_gather", "overlap_comm", "reduce_dtype")
+FIXED_KNOBS = (
+    "max_buckets_in_flight",
+    "overlap_param_gather",
+    "overlap_comm",
+    "reduce_dtype",
+    "master_weights",
+    "mixed_params",
+)
 
 
 def search_layouts(
@@ -189,6 +196,8 @@ def search_layouts(
     overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
+    master_weights: str = ZERO_DEFAULTS.master_weights,
+    mixed_params: str = ZERO_DEFAULTS.mixed_params,
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
     hierarchical: Sequence[bool] = HIERARCHICAL,
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
@@ -217,6 +226,8 @@ def search_layouts(
         overlap_param_gather = zero_config.overlap_param_gather
         overlap_comm = zero_config.overlap_comm
         reduce_dtype = zero_config.reduce_dtype
+        master_weights = zero_config.master_weights
+        mixed_params = zero_config.mixed_params
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
@@ -238,6 +249,8 @@ def search_layouts(
         overlap_param_gather=overlap_param_gather,
         overlap_comm=overlap_comm,
         reduce_dtype=reduce_dtype,
+        master_weights=master_weights,
+        mixed_params=mixed_params,
         suggest=False,
     )
     ranked: list[Ranked] = []

@@ -146,7 +146,7 @@ class ZeroSession:
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=precision.compute_dtype,
             master_dtype=precision.master_dtype,
-            norms_in_fp32=precision.autocast,
+            norms_in_fp32=precision.half_params_under_autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=device,

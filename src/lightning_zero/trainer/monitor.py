@@ -48,9 +48,9 @@ from lightning_zero.planner.ledger import (
     grad_bytes_per_param,
     model_state_bytes,
     optimizer_state_bytes,
-    precision_bytes,
+    policy_bytes,
 )
-from lightning_zero.runtime.precision import precision_label
+from lightning_zero.runtime.precision import engine_policy
 from lightning_zero.runtime.throughput import (
     ThroughputMeter,
     batch_tokens,
@@ -72,15 +72,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
     parameter come from the ledger's one rule: ``precision_bytes`` and ``optimizer_state_bytes``)."""
-    precision, master_weights = precision_label(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
-    per_param = precision_bytes(precision, master_weights)
+    policy = engine_policy(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
+    per_param = policy_bytes(policy)
     reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
     return model_state_bytes(
         engine.num_params(),
         stage=engine.stage,
         dp=engine.dp_size,
         param_bytes=per_param.param,
-        grad_bytes=grad_bytes_per_param(precision, reduce_dtype),
+        grad_bytes=grad_bytes_per_param(policy.name, reduce_dtype, policy.mixed_params),
         optim_bytes_per_param=per_param.optimizer_bytes(optimizer_state_bytes(optimizer)),
     ).as_dict()
 

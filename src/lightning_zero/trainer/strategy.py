@@ -112,6 +112,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
+        mixed_params: Literal["auto", "fp32", "half"] = ZERO_DEFAULTS.mixed_params,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
         cp: int = ZERO_DEFAULTS.cp,
         ep: int = ZERO_DEFAULTS.ep,
@@ -140,7 +141,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config)
         return plugin
 
     @precision_plugin.setter
@@ -148,7 +149,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config)
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":

@@ -114,15 +114,8 @@ class LlamaLM(L.LightningModule):
     ) -> None:
         super().__init__()
         checkpointing_mode(activation_checkpointing, "LlamaLM(activation_checkpointing)")  # fail early
-        self.pretrained: Optional[Any] = None  # models.llama.hf.HFLlamaWeights when init_from is set
-        if init_from is not None:
-            from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
-
-            init_from = str(init_from)
-            self.config = pretrained_config(config, init_from)
-            self.pretrained = HFLlamaWeights(init_from, self.config)
-        else:
-            self.config = resolve_config("tiny" if config is None else config)
+        init_from = None if init_from is None else str(init_from)
+        self.config, self.pretrained = self._resolve_config(config, init_from)
         betas = tuple(float(beta) for beta in betas)
         if not lr > 0:
             raise ValueError(f"LlamaLM: lr must be > 0, got {lr}")
@@ -149,6 +142,16 @@ class LlamaLM(L.LightningModule):
             {f"{stage}_loss": MeanMetric() for stage in ("val", "test")}
             | {f"{stage}_ppl": PerplexityFromLoss() for stage in ("val", "test")}
         )
+
+    def _resolve_config(self, config: Any, init_from: Optional[str]) -> tuple[Any, Optional[Any]]:
+        """``(config, pretrained weights or None)`` from the constructor's arguments (a model
+        family's LightningModule built on this one overrides it)."""
+        if init_from is None:
+            return resolve_config("tiny" if config is None else config), None
+        from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
+
+        resolved = pretrained_config(config, init_from)
+        return resolved, HFLlamaWeights(init_from, resolved)  # read when the model is built
 
     def configure_model(self) -> None:
         tp_mesh = self._tp_mesh()
