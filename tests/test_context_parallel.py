@@ -263,3 +263,17 @@ def test_search_chooses_cp_for_a_long_sequence():
     assert without.ranked[0].plan.tokens_per_s < best.plan.tokens_per_s  # tp=8 + sequence parallel fits
     short = search_layouts(config, seq_len=8192, micro_batches=(1,), **common)
     assert short.ranked and all(entry.layout.cp == 1 for entry in short.ranked)
+
+
+def test_monitor_counts_a_cp_ranks_flops_as_the_planner_does():
+    """``ZeroMonitor``'s MFU under cp: the rank's ``T/cp`` slice attends over all ``T`` tokens with
+    ``1/cp`` of the heads, so its FLOPs are ``1/cp`` of the whole sequence's, not a short sequence's."""
+    from lightning_zero.planner.workload import training_flops
+    from lightning_zero.runtime.throughput import training_flops_of
+
+    config = LlamaConfig(**CONFIG)
+    whole = training_flops(config, micro_batch=2, seq_len=SEQ)
+    assert training_flops_of(config, 0, 2, SEQ // 4, tp=1, cp=4) == pytest.approx(whole / 4)
+    assert training_flops_of(config, 0, 2, SEQ // 4, tp=1, cp=4) > training_flops(
+        config, micro_batch=2, seq_len=SEQ // 4
+    )

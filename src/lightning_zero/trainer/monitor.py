@@ -128,10 +128,11 @@ class ZeroMonitor(Callback):
                 dp=engine.dp_size, peak_flops=peak_flops_for(hardware, engine.compute_dtype)
             )
         sequences, length = batch_tokens(pl_module, batch)
-        tp = max(1, trainer.strategy.world_size // engine.dp_size)
+        tp = max(1, trainer.strategy.world_size // engine.dp_size)  # engine.dp_size: the dp x cp ranks
+        cp = int(getattr(getattr(pl_module, "model", None), "context_parallel_size", 1))  # length: the T/cp slice
         if self._num_params is None:
             self._num_params = engine.num_params()
-        flops = training_flops_of(getattr(pl_module, "config", None), self._num_params, sequences, length, tp)
+        flops = training_flops_of(getattr(pl_module, "config", None), self._num_params, sequences, length, tp, cp)
         self.throughput.micro_batch(sequences * length, flops)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
