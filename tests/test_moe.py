@@ -235,3 +235,58 @@ def test_token_exchange_equals_the_whole_model(tmp_path, world_size):
             assert data == pytest.approx(r["predicted"]), (rank, case, data, r["predicted"])
     zero_case = results[0][f"tiny_moe_shared/ep{world_size}/none_on_last"]
     assert zero_case["received"][-1] == 0 and min(zero_case["received"][:-1]) > 0  # the last rank got no token
+
+
+def test_expert_load_meter_reports_the_step_without_a_sync_on_cpu():
+    from lightning_zero.runtime.expert_load import ExpertLoadMeter
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.from_name("tiny_moe"))
+    meter = ExpertLoadMeter()
+    assert meter.step(model.take_moe_stats()) == {}  # nothing routed yet
+    idx = torch.randint(0, 256, (2, 8))
+    for _ in range(2):  # two micro-batches of one step
+        model(idx)
+    balance, z = (term.item() for term in model.aux_terms())
+    metrics = meter.step(model.take_moe_stats())
+    assert metrics["moe/layer0/tokens_mean"] == 2 * 16 * 2 / 4  # 2 forwards x 16 tokens x top-2 / 4 experts
+    assert metrics["moe/layer1/tokens_min"] <= metrics["moe/layer1/tokens_mean"] <= metrics["moe/layer1/tokens_max"]
+    assert metrics["moe/balance_loss"] == pytest.approx(balance) and metrics["moe/z_loss"] == pytest.approx(z)
+    assert model.take_moe_stats() is None  # taken
+    with torch.no_grad():
+        model(idx)  # evaluation forwards are not counted
+    assert model.take_moe_stats() is None
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe_dense0"])
+def test_hf_import_export_round_trips_every_tensor_exactly(tmp_path, case):
+    """transformers' files -> ``MoELM(init_from=...)`` -> a checkpoint -> ``export --format hf``:
+    the same tensor names, shapes and bits, a config.json read back to the same shape, and
+    transformers loads it strictly."""
+    from safetensors import safe_open
+
+    from lightning_zero.checkpoint import RankPlacement, save_checkpoint
+    from lightning_zero.cli import main
+    from lightning_zero.models.moe import MoELM
+    from lightning_zero.models.moe.hf import config_from_hf
+
+    source = tmp_path / "source"
+    theirs = _hf_model(case)
+    theirs.save_pretrained(source)
+    module = MoELM(init_from=str(source))
+    module.configure_model()
+    ckpt = tmp_path / "last.ckpt"
+    save_checkpoint(ckpt, {"global_step": 0, "hyper_parameters": dict(module.hparams)}, module=module, engine=None,
+                    optimizers=[], layout=RankPlacement())  # fmt: skip
+    main(["export", str(ckpt), str(tmp_path / "out"), "--format", "hf", "--max-shard-size", "20KB"])
+    original = safe_open(source / "model.safetensors", "pt")
+    written = {}
+    for shard in sorted((tmp_path / "out").glob("model-*.safetensors")):
+        opened = safe_open(shard, "pt")
+        written |= {key: opened.get_tensor(key) for key in opened.keys()}
+    assert sorted(written) == sorted(original.keys())
+    for key, tensor in written.items():
+        assert torch.equal(tensor, original.get_tensor(key)), key
+    assert config_from_hf(tmp_path / "out") == config_from_hf(source)
+    back, info = type(theirs).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info

@@ -270,6 +270,21 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(scaled, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "resumed, saved", [("z2_16m_resume_from_half", "z2_16mh_save"), ("z2_16mh_resume_from_fp32", "z2_16m_save")]
+)
+def test_a_checkpoint_resumes_across_mixed_params(scaled, resumed, saved):
+    """A 16-mixed checkpoint of fp16 parameters (what this strategy held before fp32 ones became the
+    default) resumes with fp32 parameters, and the reverse: the scale and its growth tracker
+    continue the saved run's, and the losses stay within the two modes' distance (the masters are
+    the same fp32 values; one mode runs the embedding and the norms on their fp16 rounding)."""
+    for rank in (0, 1):
+        got, want = _load(scaled, resumed, rank), _load(scaled, saved, rank)
+        assert got["scales"] == want["scales"][5:]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"][5:]), rtol=0, atol=5e-3)
+
+
+@pytest.mark.slow
 def test_scale_and_losses_resume_exactly(scaled):
     """Saved at step 5, resumed: the scale (and its growth tracker) and the losses continue as in
     the uninterrupted run."""

@@ -144,3 +144,18 @@ def test_ledger_bytes_follow_the_policy(precision, master_weights, mixed_params)
     assert (seen.param, seen.grad, seen.master, seen.moments, seen.state) == (
         row.param, row.grad, row.master, row.moments, row.state
     )  # fmt: skip
+
+
+def test_layout_search_offers_bf16_wire_only_where_it_drops_bits():
+    # the search skips a wire format equal to the tensors' own dtype: bf16 under bf16-mixed's bf16
+    # parameters, but with fp32 parameters (mixed_params="fp32") a bf16 wire is a real (lossy) option
+    from lightning_zero.planner.search import search_layouts
+
+    common = dict(world_size=16, devices_per_node=8, global_batch=16, seq_len=128, stages=(2,), tp_sizes=(1,),
+                  micro_batches=(1,), bucket_mbs=(25.0,), checkpointing=("full",), sequence_parallel=(False,))  # fmt: skip
+    wires = {}
+    for mixed_params in ("half", "fp32"):
+        found = search_layouts("tiny", precision="bf16-mixed", mixed_params=mixed_params, **common)
+        wires[mixed_params] = {(r.plan.grad_comm_dtype, r.plan.param_comm_dtype, r.plan.lossless) for r in found.ranked}
+    assert ("bf16", "bf16", False) in wires["fp32"]
+    assert not any("bf16" in (grad, param) for grad, param, _ in wires["half"])

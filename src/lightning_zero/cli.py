@@ -406,8 +406,8 @@ def _export(args: list[str]) -> None:
     parser.add_argument("out", help="output: a file (--format plain) or a directory (--format hf)")
     parser.add_argument(
         "--format", choices=("plain", "hf"), default="plain",
-        help="plain: one state dict with Llama's own keys; hf: a Hugging Face Llama directory "
-        "(config.json, safetensors shards, index) that transformers loads",
+        help="plain: one state dict with the model's own keys; hf: a Hugging Face directory (Llama, or "
+        "Mixtral / Qwen3-MoE for an MoELM checkpoint: config.json, safetensors shards, index) that transformers loads",
     )  # fmt: skip
     parser.add_argument(
         "--dtype",
@@ -426,10 +426,13 @@ def _export(args: list[str]) -> None:
     from lightning_zero.checkpoint import export
     from lightning_zero.checkpoint.dcp import CheckpointError
     from lightning_zero.models.llama.hf import export_hf
+    from lightning_zero.models.moe.hf import export_hf as export_moe_hf
+    from lightning_zero.models.moe.hf import is_moe_checkpoint
 
     try:
         if parsed.format == "hf":
-            path = export_hf(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
+            exporter = export_moe_hf if is_moe_checkpoint(parsed.ckpt) else export_hf
+            path = exporter(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
         else:
             path = export(parsed.ckpt, parsed.out)
     except (CheckpointError, ValueError) as error:

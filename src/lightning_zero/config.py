@@ -52,7 +52,9 @@ class ZeroConfig:
             all-reduce of ``B T dim`` becomes a reduce-scatter plus an all-gather of the same
             bytes. Needs ``tensor_parallel_size > 1`` and a sequence length divisible by it.
             See docs/tensor_parallel.md.
-        bucket_mb: gradient bucket size in MiB; each full bucket launches one async reduce-scatter.
+        bucket_mb: gradient bucket size in MiB of gradient elements (of the dtype gradients are reduced
+            in: fp32 under ``reduce_dtype="fp32"``, else the parameters' compute dtype), the same at
+            every stage and in the planner; each full bucket launches one async reduce-scatter.
             ``"auto"``: a quarter of the model's gradient bytes, between 1 and 25 MiB
             (:func:`resolve_bucket_mb`; the default): a small model still has several buckets
             whose reduce-scatters start while backward runs, a large one gets 25 MiB buckets.

@@ -48,8 +48,11 @@ CASES = (
     + ["hf_ddp_16m", "hf_z1_16m", "hf_z2_16m", "hf_z3_16m", "hf_z1_16mh", "hf_z2_16mh", "hf_z3_16mh"]
     + ["ddp_16m_inf", "z2_16m_inf", "z2_16mh_inf"]
     + ["z2_16m_save", "z2_16m_resume"]  # saves at step 5; the second resumes there
+    # across mixed_params: a checkpoint of fp16 parameters resumed with fp32 ones, and back
+    + ["z2_16mh_save", "z2_16m_resume_from_half", "z2_16mh_resume_from_fp32"]
 )
-SAVES, RESUMES = {"z2_16m_save": "scale"}, {"z2_16m_resume": "scale"}
+SAVES = {"z2_16m_save": "scale", "z2_16mh_save": "scale_half"}
+RESUMES = {"z2_16m_resume": "scale", "z2_16m_resume_from_half": "scale_half", "z2_16mh_resume_from_fp32": "scale"}
 
 
 class Record(L.Callback):

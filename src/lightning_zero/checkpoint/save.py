@@ -14,7 +14,6 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.dcp import (
     ChunkSavePlanner,
-    dense_shape,
 )
 from lightning_zero.checkpoint.publish import (
     DCP_METADATA_FILE,
@@ -39,7 +38,7 @@ from lightning_zero.checkpoint.targets import (
     managed_names,
     module_entries,
     param_of_key,
-    tp_dim_of,
+    split_info,
 )
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
@@ -236,8 +235,7 @@ def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: in
 def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     info = {}
     for owned in engine.owned_ranges():
-        tp_dim = tp_dim_of(owned.param, layout)
-        info[owned.name] = {"shape": list(dense_shape(owned.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
+        info[owned.name] = split_info(owned.shape, owned.param, layout)
     return info
 
 

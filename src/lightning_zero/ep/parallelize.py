@@ -36,14 +36,15 @@ def parallelize_experts(
     The kept rows are those of the whole model (a real model keeps its slice of the experts it
     was initialized with; a meta model initializes only its own, drawing the same numbers:
     ``MoETransformer.init_weights``). With a group of one rank nothing is split, and tokens
-    still take the local path. The exchanges count into ``counter`` (a new :class:`CommCounter`
-    when ``None``), kept as ``model.ep_comm_counter`` for the strategy to adopt."""
+    still take the local path. The exchanges count into ``counter`` (the TP layers' counter or a
+    new :class:`CommCounter` when ``None``), kept as ``model.ep_comm_counter`` for the strategy to
+    adopt (``runtime/setup.find_tp_counter``)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     config = model.config
     check_moe_layout(config, ep=size)
     if getattr(model, "ep_size", 1) != 1:
         raise ValueError("parallelize_experts: the model's experts are already split; call it once per model")
-    counter = counter if counter is not None else CommCounter()
+    counter = counter or getattr(model, "tp_comm_counter", None) or CommCounter()
     model.ep_comm_counter = counter
     model.ep_size = size
     expert_parallel = ExpertParallel(group, size, rank, counter)

@@ -35,6 +35,7 @@ from lightning_zero.cp.layout import kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
+from lightning_zero.zero.bucketing import grad_element_bytes
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ def model_state_bytes(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     optim_bytes_per_param: int = 12,
+    expert_params: int = 0,
+    ep: int = 1,
 ) -> ModelStateBytes:
     """Per-rank bytes of parameters, gradients and optimizer state under ZeRO ``stage``.
 
@@ -71,6 +74,11 @@ def model_state_bytes(
     holds (with tensor parallelism: the parameters of one tp rank). Returns a
     :class:`ModelStateBytes` with ``params``, ``grads``, ``optimizer`` and ``total``; it also
     supports ``result["total"]``.
+
+    Expert parallelism ([Note: expert domain] in ``zero/domains.py``): ``expert_params`` of the
+    ``num_params`` are experts split over ``ep`` ranks; a rank holds ``expert_params / ep`` of them,
+    sharded over the ``dp / ep`` ranks holding the same experts, and the other
+    ``num_params - expert_params`` (dense) sharded over ``dp`` (here: the dense group, ``dp * cp``).
 
     Example (the paper's Figure 1: 7.5B parameters, 64 ranks, K = 12)::
 
@@ -83,9 +91,21 @@ def model_state_bytes(
         raise ValueError(f"model_state_bytes: dp must be >= 1, got dp={dp!r}")
     if num_params < 0:
         raise ValueError(f"model_state_bytes: num_params must be >= 0, got {num_params!r}")
-    params = param_bytes * num_params / (dp if stage >= 3 else 1)
-    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
-    optimizer = optim_bytes_per_param * num_params / (dp if stage >= 1 else 1)
+    if ep < 1 or dp % ep != 0 or not 0 <= expert_params <= num_params:
+        raise ValueError(
+            f"model_state_bytes: ep({ep}) must divide dp({dp}) and 0 <= expert_params({expert_params}) <="
+            f" num_params({num_params})"
+        )
+
+    def per_rank(bytes_per_param: int, sharded_from: int) -> float:
+        """Bytes a rank holds of a state that ZeRO shards from stage ``sharded_from`` on."""
+        dense_over, expert_over = (dp, dp // ep) if stage >= sharded_from else (1, 1)
+        dense = bytes_per_param * (num_params - expert_params) / dense_over
+        return dense + bytes_per_param * expert_params / ep / expert_over if expert_params else dense
+
+    params = per_rank(param_bytes, 3)
+    grads = per_rank(grad_bytes, 2)
+    optimizer = per_rank(optim_bytes_per_param, 1)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
@@ -160,7 +180,8 @@ def grad_bytes_per_param(precision: str, reduce_dtype: str = "compute", mixed_pa
         raise ValueError(
             f'grad_bytes_per_param: reduce_dtype must be "compute", "bf16" or "fp32", got {reduce_dtype!r}'
         )
-    return 4 if reduce_dtype == "fp32" else precision_bytes(precision, mixed_params=mixed_params).grad
+    # [Note: bucket_mb counts gradient bytes] in zero/bucketing.py
+    return grad_element_bytes(precision_bytes(precision, mixed_params=mixed_params).grad, reduce_dtype == "fp32")
 
 
 # Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``

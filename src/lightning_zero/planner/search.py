@@ -28,6 +28,7 @@ from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.planner.arithmetic import _given_knobs, plan_run, refuse_unplanned
 from lightning_zero.planner.fit import plan_or_none
+from lightning_zero.planner.ledger import precision_bytes
 from lightning_zero.planner.plan import GiB, Plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -234,6 +235,9 @@ def search_layouts(
     from lightning_zero.planner.hardware import load_hardware
 
     start = time.perf_counter()
+    # the wire format that sends the tensors as they are (bf16 under bf16-mixed's bf16 parameters)
+    bf16_params = precision_bytes(precision, master_weights, mixed_params).param == 2
+    native = "bf16" if str(precision) == "bf16-mixed" and bf16_params else "fp32"
     config = resolve_config(model_config)
     hw = load_hardware(hardware)
     common = dict(
@@ -269,7 +273,7 @@ def search_layouts(
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
             topologies = _topologies(
-                stage, tp, world_size, devices_per_node, precision, shard_sizes, hierarchical, comm_dtypes
+                stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes
             )
             sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
             for micro_batch in micro_batches:
@@ -333,7 +337,7 @@ def _topologies(
     tp: int,
     world_size: int,
     devices_per_node: int,
-    precision: str,
+    native: str,
     shard_sizes: Sequence[Union[None, int, str]],
     hierarchical: Sequence[bool],
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]],
@@ -349,7 +353,6 @@ def _topologies(
     plain = topology_defaults()
     if stage == 0 or world_size <= devices_per_node:
         return [plain]
-    native = "bf16" if str(precision) == "bf16-mixed" else "fp32"
     dp = world_size // tp
     out: list[dict[str, Any]] = []
     for shard_size in shard_sizes:

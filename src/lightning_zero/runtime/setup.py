@@ -110,12 +110,14 @@ def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
 
 
 def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
-    """The counter a tensor-parallel model's TP layers count into (``tp_comm_counter``, see
-    ``tp.parallelize_llama``), or ``None``."""
+    """The counter a model's own collectives count into (TP layers' ``tp_comm_counter``, see
+    ``tp.parallelize_llama``; expert parallelism's ``ep_comm_counter``, ``ep.parallelize_experts``,
+    which is the TP one when both exist), or ``None``."""
     for child in module.modules():
-        counter = getattr(child, "tp_comm_counter", None)
-        if isinstance(counter, CommCounter):
-            return counter
+        for name in ("tp_comm_counter", "ep_comm_counter"):
+            counter = getattr(child, name, None)
+            if isinstance(counter, CommCounter):
+                return counter
     return None
 
 
@@ -131,10 +133,17 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
                     child._buffers[key] = buffer.to(device)
 
 
-def broadcast_module_states(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Every dp rank starts from the weights of dp rank 0 of ``group`` (as DDP does at construction)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+def broadcast_module_states(
+    module: nn.Module, group: Optional[dist.ProcessGroup], expert_group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Every dp rank starts from the weights of dp rank 0 of ``group`` (as DDP does at construction);
+    with ``expert_group`` (``ep > 1``), expert parameters from rank 0 of that group (the EDP ranks
+    holding the same experts: [Note: expert domain] in ``zero/domains.py``)."""
+    from lightning_zero.zero.domains import is_expert_param
+
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             if not tensor.is_meta:
-                dist.broadcast(tensor.data, src=src, group=group)
+                over = expert_group if expert_group is not None and is_expert_param(tensor) else group
+                src = dist.get_global_rank(over, 0) if over is not None else 0
+                dist.broadcast(tensor.data, src=src, group=over)

@@ -91,6 +91,8 @@ class LlamaLM(L.LightningModule):
     of every sequence (``TokenDataModule`` hands it out), see docs/context_parallel.md.
     """
 
+    model_class: type = Llama  # a model family built on Llama's decoder sets its own (``MoELM``)
+
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "LlamaLM":  # type: ignore[override]
         """Lightning's ``load_from_checkpoint`` for single-file checkpoints; a sharded
@@ -162,13 +164,13 @@ class LlamaLM(L.LightningModule):
                 from lightning_zero.tp.layers import mark_tp_params
 
                 with torch.device("meta"):
-                    self.model = build_llama(self.config, self.pretrained)
+                    self.model = build_llama(self.config, self.pretrained, self.model_class)
                 self._parallelize(tp_mesh)
                 self.model.to_empty(device=target)
                 mark_tp_params(self.model)  # to_empty made new Parameter objects
                 self.model.init_weights()
             else:
-                self.model = build_llama(self.config, self.pretrained)
+                self.model = build_llama(self.config, self.pretrained, self.model_class)
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
         if tp_mesh is not None and not self._tp_applied:
             self._parallelize(tp_mesh)

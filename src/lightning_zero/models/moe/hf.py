@@ -268,6 +268,13 @@ def pretrained_config(requested: Any, path: PathLike) -> MoEConfig:
 # --------------------------------------------------------------------------------------------
 
 
+def is_moe_checkpoint(ckpt: Union[str, os.PathLike]) -> bool:
+    """Whether ``ckpt`` was saved by an ``MoELM`` (its recorded config has experts)."""
+    hparams = open_checkpoint(ckpt).state.get("hyper_parameters")
+    config = hparams.get("config") if isinstance(hparams, dict) else None
+    return isinstance(config, dict) and "n_experts" in config
+
+
 def export_hf(
     ckpt: Union[str, os.PathLike],
     out: Union[str, os.PathLike],

@@ -5,6 +5,7 @@ the training loss and the experts split over the strategy's ``ep`` group."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -56,43 +57,46 @@ class MoELM(LlamaLM):
         resolved = pretrained_config(config, str(init_from))
         return resolved, HFMoEWeights(str(init_from), resolved) if read_weights else None
 
+    model_class = MoETransformer
+
     def configure_model(self) -> None:
-        if self._tp_mesh() is not None:
-            check_moe_layout(self.config, tp=self._tp_mesh().size())
         group = self._ep_group()
-        if self.model is None:
-            target = torch.get_default_device()
-            if group is not None and target.type != "meta":
-                # Split on the meta device, then initialize (or read) only this rank's experts.
-                with torch.device("meta"):
-                    self.model = build_moe(self.config, self.pretrained)
-                self._parallelize_experts(group)
-                self.model.to_empty(device=target)
-                self.model.init_weights()
-            else:
+        target = torch.get_default_device()
+        if self.model is None and group is not None and target.type != "meta":
+            # Split on the meta device, then initialize (or read) only this rank's experts.
+            with torch.device("meta"):
                 self.model = build_moe(self.config, self.pretrained)
-        self.model.activation_checkpointing = self.hparams.activation_checkpointing
+            self._parallelize_experts(group)
+            self.model.to_empty(device=target)
+            self.model.mark_expert_params()  # to_empty made new Parameter objects
+            self.model.init_weights()
+        super().configure_model()  # builds the model if not yet, checkpointing, context parallelism
         if group is not None and not self._ep_applied:
             self._parallelize_experts(group)
 
-    def _ep_group(self) -> Optional[Any]:
-        """The strategy's expert-parallel group when it has more than one rank, else ``None``."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        group = getattr(strategy, "expert_parallel_group", None)
-        if group is None:
-            return None
-        import torch.distributed as dist
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``, no
+        tensor parallelism (``check_moe_layout``), and context parallelism as Llama's attention
+        runs it. Raises ``ValueError`` naming the fix, before any process group starts."""
+        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        if dims.ep > 1 and importlib.util.find_spec("lightning_zero.zero.domains") is None:
+            raise ValueError(
+                f"ZeroStrategy(ep={dims.ep}): this build's ZeRO engine has no expert-parameter domain yet (expert"
+                " parameters would be averaged with other ranks' experts); use ep=1"
+            )
+        super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
-        return group if dist.get_world_size(group) > 1 else None
+    def _ep_group(self) -> Optional[Any]:
+        """The strategy's expert-parallel group (``ZeroStrategy(ep=E)``, ``E > 1``), else ``None``."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        groups = getattr(strategy, "mesh_groups", None)
+        return None if groups is None or groups.dims.ep == 1 else groups.ep
 
     def _parallelize_experts(self, group: Any) -> None:
         from lightning_zero.ep.parallelize import parallelize_experts
 
         parallelize_experts(self.model, group)
         self._ep_applied = True
-
-    def _built_model(self) -> MoETransformer:  # type: ignore[override]
-        return super()._built_model()  # type: ignore[return-value]
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)

@@ -16,8 +16,8 @@
 
 Each ``MoE`` keeps what its last forward decided: ``aux`` (balance and z losses, fp32 scalars with
 their graph) and ``load`` (assignments per expert, a device tensor: no host read). The model sums
-the losses in :meth:`MoETransformer.aux_loss` and accumulates the loads for the monitor
-(:meth:`MoETransformer.take_expert_load`).
+the losses in :meth:`MoETransformer.aux_loss` and accumulates the loads and losses for the
+monitor (:meth:`MoETransformer.take_moe_stats`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from lightning_zero.ep.dispatch import ExpertParallel, route_to_experts
 from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama
 from lightning_zero.models.moe.config import MoEConfig
-from lightning_zero.models.moe.experts import GroupedExperts
+from lightning_zero.models.moe.experts import GroupedExperts, mark_expert_params
 from lightning_zero.models.moe.router import Router, balance_loss, expert_counts, z_loss
 
 
@@ -110,6 +110,8 @@ class MoETransformer(Llama):
 
     def __init__(self, config: MoEConfig) -> None:
         self._load_sum: Optional[torch.Tensor] = None  # (n_moe_layers, E) assignments since last taken
+        self._aux_sum: Optional[torch.Tensor] = None  # (balance, z) summed over those forwards
+        self._forwards = 0
         super().__init__(config)  # type: ignore[arg-type]
 
     @classmethod
@@ -125,6 +127,7 @@ class MoETransformer(Llama):
             model = cls(config)
         model.to_empty(device=device)
         model.to(dtype)
+        model.mark_expert_params()
         model.tie_weights()
         model.weight_source = weights
         model.init_weights()
@@ -135,6 +138,12 @@ class MoETransformer(Llama):
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers if layer.moe is not None]
+
+    def mark_expert_params(self) -> None:
+        """(Re)mark every stacked expert Parameter ([Note: stacked experts]); anything that makes new
+        Parameter objects (``to_empty`` from meta, a dtype change) drops the marks."""
+        for moe in self.moe_layers():
+            mark_expert_params(moe.experts)
 
     def init_block(self, layer: nn.Module, layer_id: int, trunc_normal: Callable, generator: Any) -> None:
         depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
@@ -179,14 +188,24 @@ class MoETransformer(Llama):
         return balance, z
 
     def _add_load(self) -> None:
-        load = torch.stack([layer.load for layer in self.moe_layers()])  # type: ignore[misc]
-        self._load_sum = load if self._load_sum is None else self._load_sum + load
+        load = torch.stack([layer.load for layer in self.moe_layers()]).float()  # type: ignore[misc]
+        aux = torch.stack(self.aux_terms()).detach()
+        if self._load_sum is None:
+            self._load_sum, self._aux_sum, self._forwards = load, aux, 1
+        else:
+            self._load_sum, self._aux_sum = self._load_sum + load, self._aux_sum + aux
+            self._forwards += 1
 
-    def take_expert_load(self) -> Optional[torch.Tensor]:
-        """Assignments per (MoE layer, expert) of this rank's training forwards since the last call
-        (a device tensor, no host read; ``None`` if none ran), and start counting afresh."""
-        load, self._load_sum = self._load_sum, None
-        return load
+    def take_moe_stats(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """What this rank's training forwards routed since the last call, as device tensors (no host
+        read), and start afresh: assignments per (MoE layer, expert) ``(n_moe_layers, E)`` summed,
+        and the ``(balance, z)`` losses (each summed over layers) averaged over the forwards;
+        ``None`` if none ran. ``runtime/expert_load.py`` turns them into the monitor's figures."""
+        if self._load_sum is None:
+            return None
+        stats = (self._load_sum, self._aux_sum / self._forwards)
+        self._load_sum = self._aux_sum = None
+        return stats
 
 
 def _draw_experts(experts: GroupedExperts, weight: torch.Tensor, std: float, generator) -> None:
