@@ -123,6 +123,11 @@ class ToyMoE(nn.Module):
             x = block(x)
         return self.head(x).pow(2).mean()
 
+    def check_parallel_dims(self, dims) -> None:
+        """[Note: layouts a model declares]: its experts split over ep."""
+        if EXPERTS % dims.ep or dims.cp != 1:
+            raise ValueError(f"ToyMoE: ep({dims.ep}) must divide its {EXPERTS} experts, and cp({dims.cp}) be 1")
+
 
 def _batches(world: int):
     gen = torch.Generator().manual_seed(1)
@@ -214,6 +219,20 @@ def _all_cases(rank: int, world: int, cases, expected) -> None:
             _run(rank, world, *case, want)
         except AssertionError as err:
             raise AssertionError(f"stage {case[0]}, ep {case[1]} on {world} ranks: {err}") from err
+    _refuses_replicated_optimizers(world)
+
+
+def _refuses_replicated_optimizers(world: int) -> None:
+    from lightning_zero.comm.mesh import ParallelDims, build_groups
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.zero.domains import ExpertDomain
+    from lightning_zero.zero.engine import ZeroEngine
+
+    groups = build_groups(ParallelDims(world_size=world, devices_per_node=world, ep=2))
+    model = ToyMoE(2, groups.rank_in("ep"), groups.ep)
+    with pytest.raises(ValueError, match=r"Adafactor steps replicated full masters.*ep > 1"):
+        ZeroEngine(model, [torch.optim.Adafactor(model.parameters())], ZeroConfig(stage=2),
+                   expert_domain=ExpertDomain.from_mesh(groups))  # fmt: skip
 
 
 def _expected(world: int, cases):
@@ -336,3 +355,17 @@ def test_checkpoint_resumes_exactly_on_another_ep(tmp_path):
     ep=2 (stage 3), one more step equals one process's 3 steps: weights, masters and Adam state
     came back in dense coordinates."""
     run_ranks(_resume_across_ep, 4, args=(str(tmp_path), _stacked_reference(4, 3)), timeout_s=300)
+
+
+def test_fabric_trains_experts_like_ddp(tmp_path):
+    """The Fabric door with ``ep=2``, stages 1-3 (tests/scripts/fabric_ep.py asserts the numbers on
+    each rank); a model that does not declare its layouts is refused at setup, naming ep."""
+    import json
+
+    from tests.distributed import launch
+
+    launch("fabric_ep.py", tmp_path, timeout_s=400)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"fabric_ep.rank{rank}.json").read_text())
+        assert all(result[f"stage{stage}"] < 1e-5 for stage in (1, 2, 3)), result
+        assert "ZeroStrategy(ep=2): Linear does not declare that it splits its experts over ep" in result["refused"]

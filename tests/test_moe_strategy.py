@@ -22,8 +22,6 @@ import torch
 from lightning_zero.planner.moe import MOE_EXCHANGES, all_to_all_bytes
 from tests.distributed import launch
 
-pytest.importorskip("lightning_zero.zero.domains", reason="the engine's expert domain (issue 54 item 1) is not built")
-
 LAUNCHES = {
     2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2"],
     4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2"],

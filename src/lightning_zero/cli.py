@@ -206,7 +206,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
 
 
 def build_module(cfg: DictConfig) -> Any:
-    """``LlamaLM`` from the ``model`` and ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
+    """``LlamaLM`` (``MoELM`` for a mixture-of-experts preset: docs/moe.md) from the ``model`` and
+    ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
     from omegaconf import OmegaConf
 
     from lightning_zero.models import LlamaLM
@@ -228,7 +229,10 @@ def build_module(cfg: DictConfig) -> Any:
             max_steps,
         )
         optim["warmup_steps"] = max_steps
-    return LlamaLM(
+    from lightning_zero.models.moe import MoELM, moe_preset_names
+
+    module_class = MoELM if str(model_conf.name).lower() in moe_preset_names() else LlamaLM
+    return module_class(
         config=model_conf.llama_fields(),
         activation_checkpointing=model_conf.activation_checkpointing,
         init_from=model_conf.init_from,

@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
@@ -473,6 +474,61 @@ def plan_run(
     if suggest and not plan.fits:
         plan = dataclasses.replace(plan, suggestions=tuple(suggest_fixes(plan, config, hw, plan_run)))
     return plan
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a planned run is besides its layout (``ParallelDims``) and its knobs (``ZeroConfig``):
+    the precision and the batch each rank computes. Fields as in :func:`plan_run`."""
+
+    precision: str = "bf16-mixed"
+    micro_batch: int = 1
+    seq_len: Optional[int] = None
+    activation_checkpointing: Union[bool, str] = False
+    accumulate_grad_batches: int = 1
+    attention: str = "fused"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan: the hardware and its assumed MFU, memory set aside, whether to suggest fixes
+    and simulate the step. Fields as in :func:`plan_run`."""
+
+    hardware: Union[str, Hardware, Mapping[str, Any], None] = None
+    mfu: Optional[float] = None
+    reserved_gib: float = 2.0
+    suggest: bool = True
+    simulate: Union[bool, str] = True
+
+
+def plan(
+    model_config: Any,
+    config: ZeroConfig,
+    dims: ParallelDims,
+    run: RunShape = RunShape(),
+    options: PlanOptions = PlanOptions(),
+    *,
+    ddp: bool = False,
+) -> Plan:
+    """The plan of a run given whole, as the runtime holds it: the model, the knobs (``config``,
+    what the strategy passes its engine), the layout (``dims``: ``ParallelDims.from_config(config,
+    world_size=..., devices_per_node=...)``, what the session builds its groups from), the run's
+    shape and the planner's options. ``ddp=True`` plans Lightning's DDP on the same layout (stage
+    0). Same numbers as :func:`plan_run` with the same values as keywords (``tests/test_planner.py``).
+
+    Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
+    ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), and for ``cp``/``ep`` above 1 while
+    the planner does not model them (:data:`UNPLANNED_KNOBS`).
+    """
+    asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+    if asked != dims:
+        raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
+    fields = {f.name: getattr(part, f.name) for part in (run, options) for f in dataclasses.fields(part)}
+    layout = dict(world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+    if ddp:
+        knobs = knob_arguments(dataclasses.replace(config, stage=1))
+        return plan_run(model_config, **{**knobs, "stage": 0, "defer_grad_reduce": False}, **layout, **fields)
+    return plan_run(model_config, config, **layout, **fields)
 
 
 def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:

@@ -13,9 +13,11 @@ from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.models.checkpointing import checkpointing_mode
+from lightning_zero.models.moe.config import moe_preset_names
 from lightning_zero.planner.arithmetic import STAGES, plan_run, refuse_unplanned
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
+from lightning_zero.planner.moe import run_moe_plan
 from lightning_zero.planner.plan import Plan
 from lightning_zero.planner.search import search_layouts, topology_overrides
 from lightning_zero.planner.tables import (
@@ -165,6 +167,10 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     ``plan.search=true`` it also ranks every layout that fits (``plan.top`` shown).
     Returns the JSON-ready dict (``{"plan": ..., "stages": [...], "search": {...}}``).
     """
+    container = _to_container(cfg)
+    model = container.get("model")
+    if str(model.get("name") if isinstance(model, Mapping) else model).lower() in moe_preset_names():
+        return run_moe_plan(container, console=console)  # a mixture of experts: planner/moe.py
     model_config, kwargs, options = plan_kwargs_from_config(cfg)
     output_format = str(options.get("format", "table"))
     if output_format not in ("table", "json"):

@@ -33,18 +33,11 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
     length."""
     from lightning_zero.comm.mesh import ParallelDims
 
-    dims = ParallelDims(
-        world_size=num_nodes * num_processes,
-        devices_per_node=num_processes,
-        tp=config.tensor_parallel_size,
-        shard_size=config.shard_size,
-        hierarchical_reduce=config.hierarchical_reduce,
-        cp=config.cp,
-        ep=config.ep,
-    )
+    dims = ParallelDims.from_config(config, world_size=num_nodes * num_processes, devices_per_node=num_processes)
     model_config = getattr(lightning_module, "config", None)
     dims.validate(model_config if hasattr(model_config, "n_heads") else None)
-    check_model_layout(dims, lightning_module)
+    if lightning_module is not None:  # the Fabric door checks its model at setup_module
+        check_model_layout(dims, lightning_module)
     if config.sequence_parallel and dims.tp == 1:
         raise ValueError(
             f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={config.tensor_parallel_size!r} resolved"

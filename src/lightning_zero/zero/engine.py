@@ -183,6 +183,13 @@ class ZeroEngine:
         bucket_mb = resolve_bucket_mb(config.bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb  # in MiB, "auto" resolved
         check_elementwise(optimizers, config.stage)
+        replicated = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
+        if expert_domain is not None and replicated:
+            raise ValueError(
+                f"lightning_zero: {', '.join(replicated)} steps replicated full masters, which is not built for expert"
+                " parameters sharded over their EDP group (ep > 1) yet; use an element-wise optimizer (AdamW, SGD,"
+                " ...) with ep > 1, or ep=1."
+            )
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device

@@ -23,19 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-EXPERT_ATTR = "_lz_expert"
-EP_SHARD_DIM_ATTR = "_ep_shard_dim"
+from lightning_zero.zero.domains import EP_SHARD_DIM_ATTR, EXPERT_ATTR
 
 
 def mark_expert_params(module: nn.Module) -> None:
-    """Mark ``module``'s parameters as expert parameters ([Note: stacked experts])."""
+    """Mark ``module``'s parameters as expert parameters stacked along dim 0 ([Note: stacked
+    experts]; the marks are the engine's, [Note: expert domain] in ``zero/domains.py``)."""
     for param in module.parameters(recurse=False):
         setattr(param, EXPERT_ATTR, True)
         setattr(param, EP_SHARD_DIM_ATTR, 0)
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    return bool(getattr(param, EXPERT_ATTR, False))
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

@@ -5,7 +5,6 @@ the training loss and the experts split over the strategy's ``ep`` group."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -79,11 +78,6 @@ class MoELM(LlamaLM):
         tensor parallelism (``check_moe_layout``), and context parallelism as Llama's attention
         runs it. Raises ``ValueError`` naming the fix, before any process group starts."""
         check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
-        if dims.ep > 1 and importlib.util.find_spec("lightning_zero.zero.domains") is None:
-            raise ValueError(
-                f"ZeroStrategy(ep={dims.ep}): this build's ZeRO engine has no expert-parameter domain yet (expert"
-                " parameters would be averaged with other ranks' experts); use ep=1"
-            )
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
     def _ep_group(self) -> Optional[Any]:
