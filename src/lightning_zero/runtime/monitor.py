@@ -133,7 +133,8 @@ class Monitor:
         sequences, length = batch_tokens(module, batch)
         if self._num_params is None:
             self._num_params = engine.num_params()
-        flops = training_flops_of(getattr(module, "config", None), self._num_params, sequences, length, tp)
+        cp = int(getattr(getattr(module, "model", None), "context_parallel_size", 1))  # length: the T/cp slice
+        flops = training_flops_of(getattr(module, "config", None), self._num_params, sequences, length, tp, cp)
         self.throughput.micro_batch(sequences * length, flops)
 
     def step_end(self, engine: Any, module: Any = None) -> dict[str, float]:
