@@ -162,7 +162,9 @@ def make_memory_probe(save_dir: Path, *, save: bool, trim: bool = False, second_
             trainer.save_checkpoint(path)
             self.save_s = time.perf_counter() - started
             self._point("after_save")
-            saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: the write goes on (issue 43)
+            saves = getattr(
+                getattr(trainer.strategy, "checkpoints", None), "writer", None
+            )  # async_checkpoint: the write goes on (issue 43)
             if saves is not None:
                 self.host_copy_bytes = saves.last_host_bytes
                 # [Note: host buffers before the first save]: fresh bytes 0 when the save used them

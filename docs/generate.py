@@ -40,7 +40,7 @@ END = "<!-- end generated: {name} -->"
 # What each config group sets, for the groups table (a new group without a line here is an error:
 # the table would otherwise list it without saying what it is).
 GROUP_MEANING = {
-    "model": "the Llama shape (`hf`: the shape of `model.init_from`'s config.json)",
+    "model": "the model shape: a Llama or mixture-of-experts preset (`hf`: the shape of `model.init_from`'s config.json)",
     "strategy": "`zero1` / `zero2` / `zero3`: `ZeroStrategy`; `ddp`: Lightning's, for comparisons",
     "data": "the token stream: `corpus` (stdlib text, bytes), `memmap` (a token file), `synthetic`",
     "trainer": "accelerator, devices x nodes, precision, steps",
@@ -142,7 +142,32 @@ def recipe_plan(name: str):
     return cfg, plan_run(model_config, **kwargs)
 
 
+def moe_recipe_row(name: str) -> str:
+    """A mixture-of-experts recipe's row: planned by ``planner/moe.py`` (``plan_moe``)."""
+    from lightning_zero.hydra_config import compose
+    from lightning_zero.planner.moe import run_moe_plan
+    from lightning_zero.planner.report import _to_container
+
+    cfg = compose([f"recipe={name}"])
+    quiet = type("Quiet", (), {"print": staticmethod(lambda text: None)})
+    plan = run_moe_plan(_to_container(cfg), console=quiet)["plan"]
+    cluster = f"{cfg.trainer.num_nodes} nodes x {cfg.trainer.devices} GPUs, `{cfg.hardware.name}`"
+    layout = [
+        f"ZeRO-{plan['stage']}, ep={plan['ep']} (experts over edp={plan['world_size'] // plan['ep']})",
+        f"micro batch {plan['micro_batch']}, accumulate {plan['accumulate_grad_batches']}",
+        _CHECKPOINTING[plan["activation_checkpointing"]],
+        f"seq {plan['seq_len']}, {plan['precision']}",
+    ]
+    memory = (plan["model_state_bytes"] + plan["gathered_bytes"] + plan["activation_bytes"]) / 2**30
+    return f"| `{name}` | {cluster} | {', '.join(layout)} | {memory:.1f} GiB | {plan['tokens_per_s']:,.0f} |"
+
+
 def recipe_row(name: str) -> str:
+    from lightning_zero.hydra_config import compose
+    from lightning_zero.models.moe.config import moe_preset_names
+
+    if compose([f"recipe={name}"]).model.name in moe_preset_names():
+        return moe_recipe_row(name)
     cfg, plan = recipe_plan(name)
     trainer = cfg.trainer
     if trainer.accelerator == "cpu":
@@ -176,7 +201,14 @@ def recipe_row(name: str) -> str:
 def _recipe_order(name: str) -> tuple:
     """tiny first, then Llama 2 before Llama 3, pretraining before fine-tuning, small before large."""
     size = re.search(r"(\d+)b", name.removeprefix("llama3_").removeprefix("llama"))
-    return (name != "tiny", name.startswith("llama3"), name.endswith("_finetune"), int(size.group(1)) if size else 0)
+    moe = not name.startswith(("llama", "tiny"))
+    return (
+        name != "tiny",
+        moe,
+        name.startswith("llama3"),
+        name.endswith("_finetune"),
+        int(size.group(1)) if size else 0,
+    )
 
 
 def recipe_table(arg: str = "") -> str:

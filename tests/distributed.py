@@ -41,7 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_zero.ports import free_port  # noqa: F401  (tests import it from here)
+# The fork server imports this module with Python's default sys.path (3.11's forkserver ignores the
+# parent's): put this checkout's src first, as conftest.py does, so ranks run the code under test.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lightning_zero.ports import free_port  # noqa: E402, F401  (tests import it from here)
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, args: tuple, errors) -> None:

@@ -75,3 +75,55 @@ def test_planner_buckets_are_the_engines(model, dp, bucket_mb, dtype, stage):
     engine = _engine_layouts(config, dp=dp, bucket_mb=bucket_mb, dtype=dtype)
     planned = _planner_layouts(config, stage=stage, dp=dp, bucket_mb=bucket_mb, dtype=dtype)
     assert planned == engine
+
+
+# -- every stage and precision, against engines built on one rank ([Note: bucket_mb counts gradient bytes])
+
+PRECISIONS = [  # (precision, compute dtype, reduce_dtype)
+    ("32-true", torch.float32, "compute"),
+    ("bf16-mixed", torch.bfloat16, "compute"),
+    ("bf16-mixed", torch.bfloat16, "fp32"),  # fp32 buckets: stage 3 once counted bf16 bytes here
+]
+
+
+def _engine_buckets_by_stage(rank: int, world: int, bucket_mb: float, out: str) -> None:
+    """(parameter names, padded numel) of every gradient bucket of real engines over a tiny Llama,
+    for each stage and precision (``torch.save``d to ``out``)."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.zero.engine import ZeroEngine
+
+    found = {}
+    for stage in (1, 2, 3):
+        for precision, dtype, reduce_dtype in PRECISIONS:
+            torch.manual_seed(0)
+            model = Llama(LlamaConfig.from_name("tiny", n_layers=2))
+            params = list(model.parameters())
+            groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
+            optimizer = torch.optim.AdamW(groups, lr=1e-3)
+            config = ZeroConfig(stage=stage, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+            engine = ZeroEngine(model, [optimizer], config, compute_dtype=dtype, device=torch.device("cpu"))
+            found[(stage, precision, reduce_dtype)] = sorted(
+                (tuple(slot.name for slot in bucket.layout.slots), bucket.layout.numel)
+                for bucket in engine.reducer.buckets
+            )
+            engine.close()
+    torch.save(found, out)
+
+
+@pytest.mark.parametrize("bucket_mb", [0.5])
+def test_engine_and_planner_cut_the_same_buckets_at_every_stage_and_precision(tmp_path, bucket_mb):
+    from lightning_zero.planner.ledger import grad_bytes_per_param
+    from lightning_zero.zero.bucketing import bucket_numel_for_bytes
+    from tests.distributed import run_ranks
+
+    out = str(tmp_path / "buckets.pt")
+    run_ranks(_engine_buckets_by_stage, 1, args=(bucket_mb, out), timeout_s=120)
+    engine = torch.load(out, weights_only=False)
+    config = LlamaConfig.from_name("tiny", n_layers=2)
+    for (stage, precision, reduce_dtype), got in engine.items():
+        grad_bytes = grad_bytes_per_param(precision, reduce_dtype)  # what the planner reads
+        dtype = {2: torch.bfloat16, 4: torch.float32}[grad_bytes]
+        planned = _planner_layouts(config, stage=stage, dp=1, bucket_mb=bucket_mb, dtype=dtype)
+        assert bucket_numel_for_bytes(bucket_mb, grad_bytes) == bucket_numel_for(bucket_mb, dtype)
+        assert len(got) > 3, "the case should cut several buckets"
+        assert planned == got, (stage, precision, reduce_dtype)

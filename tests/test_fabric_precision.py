@@ -32,8 +32,8 @@ BF16_TRUE = {
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_precision")
     cases = [f"{mode}:{stage}" for mode in BF16_TRUE for stage in ["ddp", *STAGES]]
-    cases += [f"fp16:{stage}" for stage in ["ddp", *STAGES]]
-    cases += ["fp16inf:ddp", "fp16inf:zero2", "fp16inf:zero3", "fp16noclip:ddp", "fp16noclip:zero3"]
+    cases += [f"{mode}:{stage}" for mode in ("fp16", "hf16") for stage in ["ddp", *STAGES, "zero2half"]]
+    cases += ["fp16inf:ddp", "fp16inf:zero2", "fp16inf:zero3half", "fp16noclip:ddp", "fp16noclip:zero3"]
     cases += ["fp16save:zero2", "btrue1:zero2fp32", "bf16m:ddp"]
     launch("fabric_precision.py", out, *cases, timeout_s=400)
     return out
@@ -58,7 +58,12 @@ def test_precisions_map_to_the_engines_policy():
                       precision="16-true")  # fmt: skip
     policy = fabric.strategy.precision_policy
     assert (policy.compute_dtype, policy.master_dtype) == (torch.float16, torch.float32)
-    policy = policy_of(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+    fp16_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    policy = policy_of(fp16_plugin)  # fp32 parameters under autocast, as Fabric's ddp keeps them
+    assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float32, torch.float32, True)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2, mixed_params="half"),
+                      plugins=[fp16_plugin])  # fmt: skip
+    policy = fabric.strategy.precision_policy
     assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float16, torch.float32, True)
     with pytest.raises(ValueError, match=r"does not support precision='64-true'.*supported: 32-true"):
         L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="64-true")
@@ -78,20 +83,31 @@ def test_bf16_true_equals_fabric_ddp(runs, mode, stage):
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=param_atol, msg=f"{stage} {name}")
 
 
+# 16-mixed case -> loss atol against Fabric's ddp. fp32 parameters under fp16 autocast (the default
+# mixed_params): the same parameters, forward and fp32 gradients as ddp; the clip norm sums the
+# shards' squares in another order (fp32 rounding), after which autocast now and then rounds a weight
+# to the neighbouring fp16 value: losses up to ~8e-5 apart. DeepSpeed's fp16 parameters
+# ("zero2half"): the embedding and the norms run on fp16 weights, losses within fp16 noise.
+FP16 = {
+    **{f"{mode}_{stage}": 3e-4 for mode in ("fp16", "hf16") for stage in STAGES},
+    "fp16noclip_zero3": 3e-4,
+    "fp16_zero2half": 5e-3,
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*(f"fp16_{s}" for s in STAGES), "fp16noclip_zero3"])
+@pytest.mark.parametrize("case", sorted(FP16))
 def test_16_mixed_scale_trajectory_equals_fabric_ddp(runs, case):
     """GradScaler(init_scale=2**20, growth_interval=3), clip_gradients(max_norm=1.0) (fp16noclip: the
     unscale right before the step), 10 steps: the same steps overflow and are skipped as under ddp,
-    so the scale after every step is ddp's; losses within fp16 noise (fp16 compute parameters where
-    ddp keeps fp32 ones under autocast)."""
+    so the scale after every step is ddp's; losses within FP16's tolerance."""
     mode = case.split("_")[0]
     for rank in (0, 1):
         got, want = _load(runs, case, rank), _load(runs, f"{mode}_ddp", rank)
         scales = want["scales"]
         assert len(got["scales"]) == 10 and got["scales"] == scales
         assert scales[0] < 2.0**20 and any(b > a for a, b in zip(scales, scales[1:])), "backoff and growth both"
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=5e-3)
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=0, atol=FP16[case])
         skipped = sum(anywhere for _, anywhere in got["overflows"])
         assert len(got["overflows"]) == 10 and got["steps"] == want["steps"] == [10.0 - skipped]
     flags = [_load(runs, case, rank)["overflows"] for rank in (0, 1)]
@@ -100,11 +116,22 @@ def test_16_mixed_scale_trajectory_equals_fabric_ddp(runs, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_fp16_parameters_leave_fabric_ddps_scale_trajectory_on_the_transformers_llama(runs):
+    # mixed_params="half" (DeepSpeed's fp16 parameters and gradients) on the transformers Llama:
+    # another scale trajectory and drifting losses, the reason fp32 parameters are the default
+    # (docs/precision.md); the fp32 cases above are only evidence while this one differs
+    for rank in (0, 1):
+        got, want = _load(runs, "hf16_zero2half", rank), _load(runs, "hf16_ddp", rank)
+        assert got["scales"] != want["scales"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3half"])
 def test_an_inf_in_one_ranks_gradient_skips_the_step_on_every_rank(runs, stage):
     # rank 1's gradient of one weight gets an inf in one element at step 6: after the reduction it
     # lies in one rank's shard; both ranks skip (parameters and AdamW's step counts unchanged) and
-    # back off, as ddp does
+    # back off, as ddp does (fp32 parameters at stage 2, DeepSpeed's fp16 ones at stage 3)
     from tests.scripts.fabric_precision import POISONED
 
     poisoned = [_load(runs, f"fp16inf_{stage}", rank)["overflows"][POISONED] for rank in (0, 1)]
@@ -135,7 +162,7 @@ def test_the_scaler_resumes_from_fabric_save(runs):
 @pytest.mark.parametrize(
     ("case", "precision", "master_weights"),
     [*((f"btrue1_{s}", "bf16-true", "auto") for s in STAGES), ("btrue1_zero2fp32", "bf16-true", "fp32"),
-     *((f"fp16_{s}", "16-mixed", "auto") for s in STAGES)],
+     *((f"fp16_{s}", "16-mixed", "auto") for s in [*STAGES, "zero2half"])],
 )  # fmt: skip
 def test_bytes_per_rank_are_the_ledgers(runs, case, precision, master_weights):
     """The engine's measured model-state bytes per rank equal the ledger's rule for the precision,
@@ -143,10 +170,11 @@ def test_bytes_per_rank_are_the_ledgers(runs, case, precision, master_weights):
     from lightning_zero.ledger import model_state_bytes
     from lightning_zero.planner.ledger import precision_bytes
 
-    row = precision_bytes(precision, master_weights)
+    row = precision_bytes(precision, master_weights, "half" if case.endswith("half") else "auto")
     for rank in (0, 1):
         recorded = _load(runs, case, rank)["bytes"]
-        assert recorded["master_dtypes"] == (["torch.float32"] if row.master else ["torch.bfloat16"])
+        held = "torch.float32" if row.param == 4 else "torch.bfloat16"  # the masters: fp32 or the parameters
+        assert recorded["master_dtypes"] == (["torch.float32"] if row.master else [held])
         padded = model_state_bytes(recorded["num_params"] + recorded["padding"], stage=recorded["stage"], dp=2,
                                    param_bytes=row.param, grad_bytes=row.grad, optim_bytes_per_param=row.optimizer)  # fmt: skip
         measured = recorded["measured"]

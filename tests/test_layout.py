@@ -167,12 +167,12 @@ def test_every_door_takes_cp_and_ep():
         compose(["strategy=zero2", "strategy.ep=0"])
 
 
-def test_fabric_refuses_cp_and_ep_naming_the_knob():
+def test_fabric_refuses_cp_naming_the_knob():
     from lightning_zero.fabric import ZeroFabricStrategy
 
-    for name in ("cp", "ep"):
-        with pytest.raises(ValueError, match=rf"ZeroFabricStrategy\({name}=2\).*not available under Fabric yet"):
-            ZeroFabricStrategy(**{name: 2})
+    with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(cp=2\).*not available under Fabric yet"):
+        ZeroFabricStrategy(cp=2)
+    assert ZeroFabricStrategy(ep=2).zero_config.ep == 2  # its model is checked at setup (tests/test_expert_domain.py)
 
 
 def test_a_model_that_does_not_declare_cp_or_ep_is_refused_before_launch():
@@ -288,3 +288,21 @@ def _groups_body(rank: int, world_size: int) -> None:
 
 def test_built_groups_hold_the_ranks_the_arithmetic_says():
     run_ranks(_groups_body, world_size=4, timeout_s=240.0)
+
+
+def test_the_planner_takes_the_layout_and_the_config_whole():
+    from lightning_zero.planner.arithmetic import PlanOptions, RunShape, plan, plan_run
+
+    config = ZeroConfig(stage=3, tensor_parallel_size=2, bucket_mb=4.0, shard_size="node", reduce_dtype="fp32")
+    dims = ParallelDims.from_config(config, world_size=16, devices_per_node=8)
+    assert (dims.tp, dims.dp, dims.shard) == (2, 8, 4)
+    run, options = RunShape(precision="bf16-mixed", micro_batch=2, seq_len=1024), PlanOptions(simulate=False)
+    keywords = dict(world_size=16, devices_per_node=8, micro_batch=2, seq_len=1024, simulate=False)
+    assert plan("7b", config, dims, run, options) == plan_run("7b", config, **keywords)
+    ddp = plan("7b", config, dims, run, options, ddp=True)
+    assert ddp == plan_run("7b", stage=0, tp=2, bucket_mb=4.0, reduce_dtype="fp32", **keywords)
+    with pytest.raises(ValueError, match=r"plan: ParallelDims\(.*tp=1.*is not the layout the ZeroConfig asks for"):
+        plan("7b", config, ParallelDims(world_size=16, devices_per_node=8), run, options)
+    with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):
+        cfg = ZeroConfig(ep=2)
+        plan("7b", cfg, ParallelDims.from_config(cfg, world_size=16, devices_per_node=8), run, options)

@@ -21,6 +21,7 @@ LLAMA3_RECIPES = ("llama3_8b", "llama3_70b", "llama3_405b")
 BIG_RECIPES = (*LLAMA2_RECIPES, *LLAMA3_RECIPES)
 FINETUNE_RECIPES = tuple(f"{name}_finetune" for name in BIG_RECIPES)  # fit and schedule: tests/test_hf.py
 LLAMA3_FINETUNE = tuple(f"{name}_finetune" for name in LLAMA3_RECIPES)
+MOE_RECIPES = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_671b")  # planner/moe.py, docs/moe.md
 LAUNCH_DIR = RECIPES_DIR / "launch"
 LAUNCH_SCRIPTS = (LAUNCH_DIR / "torchrun.sh", LAUNCH_DIR / "slurm.sbatch")
 # Shrink any recipe to the tiny model on 2 CPU processes, a few short steps, no accumulation.
@@ -40,7 +41,7 @@ def _tp(cfg) -> int:
 
 
 def test_every_shipped_recipe_is_tested():
-    assert set(available_recipes()) == {"tiny", *BIG_RECIPES, *FINETUNE_RECIPES}
+    assert set(available_recipes()) == {"tiny", *BIG_RECIPES, *FINETUNE_RECIPES, *MOE_RECIPES}
 
 
 @pytest.mark.parametrize("recipe", BIG_RECIPES)
@@ -149,8 +150,36 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     assert not re.search(r"top\s+of\s+\d", header), f"{recipe}: the header counts the search's layouts"
 
 
+@pytest.mark.parametrize("recipe", MOE_RECIPES)
+def test_moe_recipe_fits_its_stated_cluster_and_is_the_searchs_choice(recipe):
+    from lightning_zero.models.moe import MoEConfig
+    from lightning_zero.planner.moe import run_moe_plan, search_moe
+    from lightning_zero.planner.report import _to_container
+
+    cfg = compose([f"recipe={recipe}"])
+    arch = MoEConfig.from_name(cfg.model.name)
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    assert arch.n_experts % cfg.strategy.ep == 0 and world % cfg.strategy.ep == 0
+    result = run_moe_plan(_to_container(cfg), console=type("Quiet", (), {"print": staticmethod(lambda text: None)}))
+    plan = result["plan"]
+    assert plan["fits"] and plan["ep"] == cfg.strategy.ep and plan["stage"] == cfg.strategy.stage
+    header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)
+    assert shape and (int(shape.group(1)), int(shape.group(2))) == (cfg.trainer.num_nodes, cfg.trainer.devices)
+    assert f"ZeRO-{cfg.strategy.stage}" in header and f"ep={cfg.strategy.ep}" in header
+    assert f"{plan['tokens_per_s']:,.0f} tokens/s" in header  # the comment quotes the current prediction
+    tokens = world * plan["micro_batch"] * plan["accumulate_grad_batches"] * plan["seq_len"]
+    best = search_moe(arch, world_size=world, devices_per_node=cfg.trainer.devices, seq_len=plan["seq_len"],
+                      global_batch_tokens=tokens, hardware=cfg.hardware)[0]  # fmt: skip
+    assert plan["tokens_per_s"] >= 0.995 * best.tokens_per_s, (plan["tokens_per_s"], best.describe())
+
+
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_recipe_shrinks_to_two_cpu_ranks(recipe):
+    if recipe in MOE_RECIPES:  # a mixture of experts shrinks to the tiny MoE, its experts over 2 ranks
+        cfg = compose([f"recipe={recipe}", *SHRINK, "model=tiny_moe", "strategy.ep=2"])
+        assert (cfg.model.name, cfg.trainer.devices, cfg.strategy.ep) == ("tiny_moe", 2, 2)
+        return
     cfg = compose([f"recipe={recipe}", *SHRINK])
     assert (cfg.model.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == (
         "tiny",
@@ -177,7 +206,8 @@ def test_every_recipe_trains_shrunk_and_resumes_from_its_checkpoint(tmp_path):
     if not _strategy_available():
         pytest.skip("the recipes use ZeroStrategy, which is not written yet")
     sweep_dir = tmp_path / "sweep"
-    recipes = [r for r in available_recipes() if r not in FINETUNE_RECIPES]  # those need weights
+    # fine-tunes need weights; MoE recipes shrink to tiny_moe with ep=2 (tests/test_moe_strategy.py trains it)
+    recipes = [r for r in available_recipes() if r not in FINETUNE_RECIPES and r not in MOE_RECIPES]
     common = [*SHRINK, "data=synthetic"]
     sweep = ["train", "-m", *common, f"hydra.sweep.dir={sweep_dir}"]
     first = run_cli([*sweep, f"recipe={','.join(recipes)}", "trainer.max_steps=2"], cwd=tmp_path, timeout=420)

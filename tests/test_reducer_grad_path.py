@@ -107,6 +107,9 @@ def test_monitor_predicts_fp32_gradient_bytes():
         def num_params(self) -> int:
             return 1000
 
+        def expert_split(self) -> tuple[int, int]:
+            return 0, 1
+
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     assert predicted_bytes(FakeEngine(torch.bfloat16), opt)["grads"] == 2000
     assert predicted_bytes(FakeEngine(torch.float32), opt)["grads"] == 4000

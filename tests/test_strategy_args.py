@@ -115,5 +115,13 @@ def test_16_mixed_plugin_keeps_the_users_scaler():
     )  # fmt: skip
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, ZeroMixedPrecision) and plugin.scaler is scaler
+    # fp32 parameters under fp16 autocast, as ddp (mixed_params="auto"); DeepSpeed's fp16 ones on request
+    policy = trainer.strategy.precision_policy
+    assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float32, torch.float32, True)
+    trainer = L.Trainer(
+        strategy=ZeroStrategy(stage=2, mixed_params="half"), accelerator="cpu", devices=2, logger=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )  # fmt: skip
     policy = trainer.strategy.precision_policy
     assert (policy.compute_dtype, policy.master_dtype, policy.loss_scaling) == (torch.float16, torch.float32, True)
+    assert trainer.strategy.precision_plugin.scaler is scaler

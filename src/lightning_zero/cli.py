@@ -206,7 +206,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Any:
 
 
 def build_module(cfg: DictConfig) -> Any:
-    """``LlamaLM`` from the ``model`` and ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
+    """``LlamaLM`` (``MoELM`` for a mixture-of-experts preset: docs/moe.md) from the ``model`` and
+    ``optim`` groups; the cosine ends at ``trainer.max_steps``."""
     from omegaconf import OmegaConf
 
     from lightning_zero.models import LlamaLM
@@ -228,7 +229,10 @@ def build_module(cfg: DictConfig) -> Any:
             max_steps,
         )
         optim["warmup_steps"] = max_steps
-    return LlamaLM(
+    from lightning_zero.models.moe import MoELM, moe_preset_names
+
+    module_class = MoELM if str(model_conf.name).lower() in moe_preset_names() else LlamaLM
+    return module_class(
         config=model_conf.llama_fields(),
         activation_checkpointing=model_conf.activation_checkpointing,
         init_from=model_conf.init_from,
@@ -406,8 +410,8 @@ def _export(args: list[str]) -> None:
     parser.add_argument("out", help="output: a file (--format plain) or a directory (--format hf)")
     parser.add_argument(
         "--format", choices=("plain", "hf"), default="plain",
-        help="plain: one state dict with Llama's own keys; hf: a Hugging Face Llama directory "
-        "(config.json, safetensors shards, index) that transformers loads",
+        help="plain: one state dict with the model's own keys; hf: a Hugging Face directory (Llama, or "
+        "Mixtral / Qwen3-MoE for an MoELM checkpoint: config.json, safetensors shards, index) that transformers loads",
     )  # fmt: skip
     parser.add_argument(
         "--dtype",
@@ -426,10 +430,13 @@ def _export(args: list[str]) -> None:
     from lightning_zero.checkpoint import export
     from lightning_zero.checkpoint.dcp import CheckpointError
     from lightning_zero.models.llama.hf import export_hf
+    from lightning_zero.models.moe.hf import export_hf as export_moe_hf
+    from lightning_zero.models.moe.hf import is_moe_checkpoint
 
     try:
         if parsed.format == "hf":
-            path = export_hf(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
+            exporter = export_moe_hf if is_moe_checkpoint(parsed.ckpt) else export_hf
+            path = exporter(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
         else:
             path = export(parsed.ckpt, parsed.out)
     except (CheckpointError, ValueError) as error:

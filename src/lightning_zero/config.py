@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from lightning_zero.runtime.precision import check_precision_knobs
+
 COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
 
 
@@ -50,7 +52,9 @@ class ZeroConfig:
             all-reduce of ``B T dim`` becomes a reduce-scatter plus an all-gather of the same
             bytes. Needs ``tensor_parallel_size > 1`` and a sequence length divisible by it.
             See docs/tensor_parallel.md.
-        bucket_mb: gradient bucket size in MiB; each full bucket launches one async reduce-scatter.
+        bucket_mb: gradient bucket size in MiB of gradient elements (of the dtype gradients are reduced
+            in: fp32 under ``reduce_dtype="fp32"``, else the parameters' compute dtype), the same at
+            every stage and in the planner; each full bucket launches one async reduce-scatter.
             ``"auto"``: a quarter of the model's gradient bytes, between 1 and 25 MiB
             (:func:`resolve_bucket_mb`; the default): a small model still has several buckets
             whose reduce-scatters start while backward runs, a large one gets 25 MiB buckets.
@@ -118,6 +122,16 @@ class ZeroConfig:
             optimizer state in the shards under the same half-precision compute (``2 + 2 + 12``,
             the bf16-mixed bytes), for fine-tunes whose bf16 updates stall. No effect under
             ``32-true`` and the ``-mixed`` precisions (fp32 masters already). See docs/precision.md.
+        mixed_params: under ``precision="16-mixed"`` / ``"bf16-mixed"``, what the engine holds
+            between steps. ``"fp32"``: Lightning's semantics, as ddp holds them: fp32 parameters and
+            gradients, the forward under autocast, fp32 gradients reduced, the parameter chunk its
+            own master (``4 + 4 + 8`` bytes per parameter for AdamW before sharding; twice the
+            gradient and parameter bytes sent); under 16-mixed the loss scale takes ddp's steps.
+            ``"half"``: DeepSpeed's semantics: half-precision parameters and gradients at every
+            stage, fp32 masters and optimizer state only in the shards (``2 + 2 + 12``; the same
+            ``16 P / dp`` at stage 3, less at stages 1-2). ``"auto"`` (default): ``"fp32"`` under
+            16-mixed (ddp's numbers), ``"half"`` under bf16-mixed. No effect under ``32-true`` and
+            the ``-true`` precisions. See docs/precision.md.
         async_checkpoint: a checkpoint save holds training only while each rank copies the tensors
             it writes to host memory (one copy of this rank's checkpoint bytes, allocated by a thread
             after the first optimizer step and kept for every save); writing, hashing and the atomic publish run in a background thread over
@@ -155,6 +169,7 @@ class ZeroConfig:
     hierarchical_reduce: bool = False
     reduce_dtype: str = "compute"
     master_weights: str = "auto"
+    mixed_params: str = "auto"
     async_checkpoint: bool = False
     cp: int = 1
     ep: int = 1
@@ -236,12 +251,7 @@ class ZeroConfig:
                 'give "compute" (gradients in the compute dtype; "bf16" is the same under bf16-mixed)'
                 ' or "fp32" (accumulate and reduce gradients in fp32).',
             )
-        if self.master_weights not in ("auto", "fp32"):
-            fail(
-                "master_weights",
-                'give "auto" (under bf16-true/16-true the optimizer steps the half-precision parameters,'
-                ' as ddp does) or "fp32" (fp32 master weights and optimizer state in the shards).',
-            )
+        check_precision_knobs(master_weights=self.master_weights, mixed_params=self.mixed_params)
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

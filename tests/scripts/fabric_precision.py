@@ -10,7 +10,10 @@ zero1, zero2, zero3). Modes:
   ``bf16m``: the same under ``bf16-mixed``.
 - ``fp16``: ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", init_scale=2**20,
   growth_interval=3))``, 10 steps, ``clip_gradients(max_norm=1.0)``: losses, the scale after every
-  step, the strategy's overflow flags (this rank's shard, any rank's).
+  step, the strategy's overflow flags (this rank's shard, any rank's). ``hf16``: the same on the
+  transformers Llama (``precision_helpers.hf_llama``). A ``half`` suffix on the strategy
+  (``zero2half``) sets ``mixed_params="half"`` (fp16 parameters, fp32 masters in the shards); the
+  default keeps fp32 parameters under autocast, as ddp.
 - ``fp16inf``: the same, with an inf in one element of rank 1's gradient at step ``POISONED``:
   the parameters and AdamW's step counts around it. ``fp16noclip`` steps without clipping (the
   unscale comes right before the step).
@@ -34,18 +37,22 @@ from lightning.fabric.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from tests.scripts.fabric_run import WORLD, batch, full_weights, llama, loss_of  # noqa: E402
+from tests.scripts.precision_helpers import hf_llama, poison_grad  # noqa: E402
 
 STEPS, POISONED, SAVED = 10, 6, 5
 
 
 def make_fabric(strategy_name: str, precision) -> L.Fabric:
-    """``ddp`` or ``zero<stage>``, with an ``fp32`` suffix for ``master_weights="fp32"``."""
+    """``ddp`` or ``zero<stage>``, with an ``fp32`` suffix for ``master_weights="fp32"``, a ``half``
+    suffix for ``mixed_params="half"``."""
     if strategy_name == "ddp":
         strategy = DDPStrategy()
     else:
         master_weights = "fp32" if strategy_name.endswith("fp32") else "auto"
-        strategy = lightning_zero.ZeroFabricStrategy(stage=int(strategy_name.removesuffix("fp32")[-1]),
-                                                     bucket_mb=0.01, master_weights=master_weights)  # fmt: skip
+        mixed_params = "half" if strategy_name.endswith("half") else "auto"
+        stage = int(strategy_name.removesuffix("fp32").removesuffix("half")[-1])
+        strategy = lightning_zero.ZeroFabricStrategy(stage=stage, bucket_mb=0.01, master_weights=master_weights,
+                                                     mixed_params=mixed_params)  # fmt: skip
     plugins = [precision] if not isinstance(precision, str) else None
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=plugins,
                       precision=precision if isinstance(precision, str) else None)  # fmt: skip
@@ -53,9 +60,9 @@ def make_fabric(strategy_name: str, precision) -> L.Fabric:
     return fabric
 
 
-def setup(fabric):
+def setup(fabric, model_name: str = "llama"):
     L.seed_everything(42, verbose=False)
-    module = llama()
+    module = hf_llama() if model_name == "hf" else llama()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
     return fabric.setup(module, optimizer)
 
@@ -104,14 +111,7 @@ def fp16_steps(fabric, model, optimizer, scaler, steps: range, record: dict, poi
         if poison and step == POISONED:
             record["before"], record["steps_before"] = full_weights(fabric, model), adam_steps(optimizer)
             if fabric.global_rank == 1:
-                weight = model._original_module.layers[0].attention.wq.weight
-
-                def inject(grad: torch.Tensor) -> torch.Tensor:
-                    grad = grad.clone()
-                    grad.view(-1)[5] = float("inf")  # one element: it lands in one rank's shard
-                    return grad
-
-                hook = weight.register_hook(inject)
+                hook = poison_grad(model._original_module.layers[0].attention.wq.weight)
         loss = loss_of(model, batch(step, 0, [fabric.global_rank]))
         fabric.backward(loss)
         if clip:
@@ -129,7 +129,7 @@ def fp16_steps(fabric, model, optimizer, scaler, steps: range, record: dict, poi
 def fp16(out: str, strategy_name: str, mode: str = "fp16") -> None:
     scaler = _scaler()
     fabric = make_fabric(strategy_name, MixedPrecision("16-mixed", "cpu", scaler=scaler))
-    model, optimizer = setup(fabric)
+    model, optimizer = setup(fabric, "hf" if mode == "hf16" else "llama")
     record: dict = {"losses": [], "scales": []}
     steps = range(SAVED) if mode == "fp16save" else range(STEPS)
     fp16_steps(fabric, model, optimizer, scaler, steps, record, mode == "fp16inf", mode != "fp16noclip")

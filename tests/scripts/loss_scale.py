@@ -1,11 +1,16 @@
 """16-mixed with a dynamic loss scale under ZeroStrategy and ddp, the same plugin (2 CPU ranks).
 
 Usage: python tests/scripts/loss_scale.py OUT_DIR CASE [CASE ...]
-Launched by tests/test_precision_parity.py. Every case trains the tiny LlamaLM for 10 steps with
+Launched by tests/test_precision_parity.py. Every case trains a model for 10 steps with
 ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", init_scale=2**20, growth_interval=3))``
 and ``gradient_clip_val=1.0``, and writes OUT_DIR/<case>.rank<r>.pt: per-step losses, the scale
 after every step, the optimizer's step counts, the parameters around the step an ``_inf`` case
 poisons, and (ZeRO) each step's overflow flags (this rank's shard, any rank's).
+
+Case names: ``[hf_]<strategy>_<kind>[_inf|_save|_resume]``: ``hf_`` trains the transformers Llama
+(``precision_helpers.HFLlama``), else the tiny LlamaLM; ``<kind>`` is ``16m`` (the default
+``mixed_params``: fp32 parameters under fp16 autocast, as ddp) or ``16mh`` (``mixed_params="half"``:
+fp16 parameters and gradients, fp32 masters in the shards).
 """
 
 import os
@@ -21,6 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.precision_helpers import HFLlama, poison_grad  # noqa: E402
 from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -28,21 +34,25 @@ STEPS = 10
 POISONED_BATCH = 6  # the _inf cases put an inf into one element of rank 1's gradient here
 
 
-def zero(stage: int):
-    return lambda: ZeroStrategy(stage=stage, bucket_mb=0.01)
+def make_strategy(name: str):
+    """``ddp``, or ``z<stage>`` with the case's ``mixed_params``."""
+    parts = name.removeprefix("hf_").split("_")
+    if parts[0] == "ddp":
+        return "ddp"
+    mixed_params = "half" if parts[1] == "16mh" else "auto"
+    return ZeroStrategy(stage=int(parts[0][1]), bucket_mb=0.01, mixed_params=mixed_params)
 
 
-CASES = {
-    "ddp_16m": lambda: "ddp",
-    "z1_16m": zero(1),
-    "z2_16m": zero(2),
-    "z3_16m": zero(3),
-    "ddp_16m_inf": lambda: "ddp",
-    "z2_16m_inf": zero(2),
-    "z2_16m_save": zero(2),  # saves at step 5 ...
-    "z2_16m_resume": zero(2),  # ... and this one resumes there
-}
-SAVES, RESUMES = {"z2_16m_save": "scale"}, {"z2_16m_resume": "scale"}
+CASES = (
+    ["ddp_16m", "z1_16m", "z2_16m", "z3_16m", "z1_16mh", "z2_16mh", "z3_16mh"]
+    + ["hf_ddp_16m", "hf_z1_16m", "hf_z2_16m", "hf_z3_16m", "hf_z1_16mh", "hf_z2_16mh", "hf_z3_16mh"]
+    + ["ddp_16m_inf", "z2_16m_inf", "z2_16mh_inf"]
+    + ["z2_16m_save", "z2_16m_resume"]  # saves at step 5; the second resumes there
+    # across mixed_params: a checkpoint of fp16 parameters resumed with fp32 ones, and back
+    + ["z2_16mh_save", "z2_16m_resume_from_half", "z2_16mh_resume_from_fp32"]
+)
+SAVES = {"z2_16m_save": "scale", "z2_16mh_save": "scale_half"}
+RESUMES = {"z2_16m_resume": "scale", "z2_16m_resume_from_half": "scale_half", "z2_16mh_resume_from_fp32": "scale"}
 
 
 class Record(L.Callback):
@@ -65,14 +75,7 @@ class Record(L.Callback):
         self.around["before"] = self._params(pl_module)
         self.around["steps_before"] = _adam_steps(trainer)
         if trainer.global_rank == 1:
-            weight = pl_module.model.layers[0].attention.wq.weight
-
-            def poison(grad: torch.Tensor) -> torch.Tensor:
-                grad = grad.clone()
-                grad.view(-1)[5] = float("inf")  # one element: it lands in one rank's shard
-                return grad
-
-            self._hook = weight.register_hook(poison)
+            self._hook = poison_grad(pl_module.model.layers[0].attention.wq.weight)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -96,7 +99,7 @@ def _adam_steps(trainer) -> list[float]:
 
 def run(name: str, out_dir: str) -> None:
     L.seed_everything(42, verbose=False)
-    model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+    model = HFLlama() if name.startswith("hf_") else LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
     record = Record(poison=name.endswith("_inf"))
@@ -104,7 +107,7 @@ def run(name: str, out_dir: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CASES[name](),
+        strategy=make_strategy(name),
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         gradient_clip_val=1.0,
         max_steps=STEPS,
@@ -133,5 +136,5 @@ def run(name: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    for case in sys.argv[2:] or list(CASES):
+    for case in sys.argv[2:] or CASES:
         run(case, out)

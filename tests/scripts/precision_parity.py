@@ -19,29 +19,11 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.precision_helpers import HFLlama  # noqa: E402
 from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 4
-
-
-class HFLlama(L.LightningModule):
-    """A transformers Llama (built in ``__init__``: the same fp32 init on every strategy)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                             bos_token_id=0, eos_token_id=0)  # fmt: skip
-        self.model = LlamaForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 class HalfAdamLlamaLM(LlamaLM):
@@ -69,6 +51,11 @@ CASES = {
     # fp32 masters and state under bf16 compute, beside ddp's bf16-mixed
     "llama_ddp_bf16m": ("llama", lambda: "ddp", "bf16-mixed", False),
     "llama_z3_bf16t_fp32": ("llama", zero(3, master_weights="fp32"), "bf16-true", False),
+    # bf16-mixed: bf16 parameters, fp32 masters in the shards (the default), and fp32 parameters
+    # under autocast, as ddp holds them (mixed_params="fp32")
+    "llama_z2_bf16m": ("llama", zero(2), "bf16-mixed", False),
+    "llama_z2_bf16mf": ("llama", zero(2, mixed_params="fp32"), "bf16-mixed", False),
+    "llama_z3_bf16mf": ("llama", zero(3, mixed_params="fp32"), "bf16-mixed", False),
     "llama_ddp_16t": ("llama16", lambda: "ddp", "16-true", False),
     "llama_z2_16t": ("llama16", zero(2), "16-true", False),
     # tp=2 (dp=1): both ranks train on the batch ddp's ranks both see (ddp = one device then)

@@ -219,7 +219,9 @@ class Record(Callback):
             resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        saves = getattr(trainer.strategy, "_saves", None)  # async_checkpoint: where its host copies came from
+        saves = getattr(
+            getattr(trainer.strategy, "checkpoints", None), "writer", None
+        )  # async_checkpoint: its host copies
         if saves is not None:
             self.host = {"prepared": saves.prepared_bytes, "copied": saves.last_host_bytes, "fresh": saves.fresh_bytes}
 

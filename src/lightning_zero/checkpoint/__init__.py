@@ -20,11 +20,16 @@ just reads other rectangles.
 [Note: atomic publish] Ranks write into a staging directory next to the target
 (``.lightning_zero-staging-<token>-<hex of the name>``: [Note: staging names] in ``publish.py``).
 When every rank has written and hashed its files (an all-gather of the per-rank file lists), rank
-0 writes ``meta.json`` last, moves any previous checkpoint of that name aside (under a
-``.lightning_zero-retired-`` name), renames the staging directory into place and deletes the
-previous one. A directory without ``meta.json``, or under a staging/retired name, is never a
-checkpoint, and no such name matches what Lightning scans for (``hpc_ckpt_*``, ``last*.ckpt``), so
-a run killed mid-write leaves the previous checkpoint as the last one.
+0 writes ``meta.json`` last, syncs the staging directory, and swaps it with any previous checkpoint
+of that name in one ``renameat2(RENAME_EXCHANGE)`` (Linux; the old one then sits under the staging
+name and is deleted), so there is no moment without the target; where the exchange is not
+available it moves the previous one aside (under a ``.lightning_zero-retired-`` name) and renames
+the staging directory into place. The parent directory is synced before the old one is deleted
+and before the save counts as published (every file was synced when written). A directory
+without ``meta.json``, or under a staging/retired name, is never a checkpoint, and no such name
+matches what Lightning scans for (``hpc_ckpt_*``, ``last*.ckpt``), so a run killed mid-write leaves
+the previous checkpoint as the last one. When and by whom this runs: [Note: checkpoint lifecycle]
+in ``runtime/checkpoints.py``.
 
 The package, one job a module: ``dcp`` (how owned ranges become DCP chunks; safe metadata
 reading), ``targets`` (which tensors a rank holds), ``publish`` (temporary directory, hashes, the

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.checkpoint.dcp import DenseChunks
-from lightning_zero.checkpoint.publish import PathLike, remove_checkpoint
+from lightning_zero.checkpoint.publish import CheckpointWriteError, PathLike, WriteProgress, remove_checkpoint
 from lightning_zero.checkpoint.ranks import distributed
-from lightning_zero.checkpoint.save import Snapshot, save_checkpoint, save_entries, snapshot, write_snapshot
+from lightning_zero.checkpoint.save import Snapshot, save_entries, write_snapshot
 from lightning_zero.checkpoint.targets import RankPlacement, Targets
 
 
@@ -57,26 +57,6 @@ def _to_host(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
     host.copy_(tensor, non_blocking=True)
     return host
-
-
-def save(
-    saves: Optional["BackgroundSaves"],
-    path: PathLike,
-    checkpoint: dict[str, Any],
-    *,
-    module: Any,
-    engine: Any,
-    optimizers: list,
-    layout: RankPlacement,
-) -> None:
-    """``save.save_checkpoint``, or with ``saves`` its first half now and the rest in the background."""
-    if saves is None:
-        save_checkpoint(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
-        return
-    started = time.perf_counter()
-    taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                     keep_device=True)  # fmt: skip
-    saves.start(taken, layout, started, step=(checkpoint.get("epoch"), checkpoint.get("global_step")))
 
 
 def live_tensors(*, module: Any, engine: Any, optimizers: list, layout: RankPlacement, with_optimizer: bool) -> dict:
@@ -139,30 +119,38 @@ def host_copy(tensors: dict[str, Any], reuse: Optional[dict[str, Any]] = None) -
 
 
 class BackgroundSaves:
-    """[Note: background saves]: one host copy in flight; ``wait`` raises what its saves raised.
+    """[Note: background saves]: the writer of :class:`~lightning_zero.runtime.checkpoints.CheckpointLifecycle`
+    (which owns every save's state): one host copy in flight; ``wait`` raises what its saves raised.
 
     Saves of the same step (``ModelCheckpoint``'s top-k file and ``last.ckpt``) share that host
-    copy and are written one after the other by the same thread: only the first one copies.
+    copy and are written one after the other: only the first one copies. Whether a save shares is
+    decided by what the training thread asked for (the same step as the copy kept since the last
+    wait), never by how far this rank's thread got, so every rank decides the same.
 
     Args:
-        timeout_s: how long :meth:`wait` waits for the saves in flight (``collective_timeout``);
-            ``None``: as long as it takes.
+        stall_s: :meth:`wait` gives up when no rank wrote a byte (nor passed a phase) of the saves
+            in flight for this long (``collective_timeout``); ``None``: waits as long as it takes.
+            A slow disk that still writes is waited for.
     """
 
-    def __init__(self, timeout_s: Optional[float] = None) -> None:
-        self.timeout_s = timeout_s
+    GROUP_TIMEOUT = timedelta(hours=6)  # the saves' own gloo group: progress, not this, bounds a wait
+
+    def __init__(self, stall_s: Optional[float] = None) -> None:
+        self.stall_s = stall_s
         self.group: Any = None
+        self.progress = WriteProgress()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
-        self._abandoned: Optional[threading.Thread] = None
+        self._stuck: Optional[threading.Thread] = None  # abandoned while it may still write
         self._running = False  # the thread still takes saves from the queue
-        self._queue: list[tuple[Snapshot, RankPlacement]] = []
-        self._host: Optional[tuple[Any, dict[str, Any]]] = None  # (step, host copy) of the saves in flight
+        self._queue: list[tuple[Snapshot, RankPlacement, Any]] = []
+        self._host: Optional[tuple[Any, dict[str, Any]]] = None  # (step, host copy) since the last wait
         self._buffers: dict[str, Any] = {}  # the last host copy: the next copy's buffers
         self._error: Optional[BaseException] = None
         self._removals: list[PathLike] = []
         self.last_stall_s = 0.0  # how long the last save held the training loop
         self.last_host_bytes = 0  # host bytes of the last copy
+        self.copies = 0  # host copies taken (a save that shared one took none)
         self._preparing: Optional[threading.Thread] = None  # filling the first save's buffers
         self._prepared: dict[str, Any] = {}
         self.prepare_error: Optional[BaseException] = None  # the first save then allocates its own
@@ -213,58 +201,94 @@ class BackgroundSaves:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def start(self, taken: Snapshot, layout: RankPlacement, started: float, step: Any = None) -> None:
-        """Write ``taken`` in the background (every rank, in the same order): from the host copy in
-        flight when it is of the same ``step`` and tensors, else from a new one, after the saves in
-        flight are done. Every rank writes every save once, in order, whichever way it went."""
-        with self._lock:
-            host = self._host
-            if self._running and step is not None and host is not None and host[0] == step:
-                if host[1].keys() == taken.tensors.keys():
-                    taken.tensors = host[1]
-                    self._queue.append((taken, layout))
-                    self.last_stall_s = time.perf_counter() - started
-                    return
+    def start(self, taken: Snapshot, layout: RankPlacement, started: float, record: Any) -> bool:
+        """Write ``taken`` in the background (every rank, in the same order), for ``record`` (a
+        :class:`~lightning_zero.runtime.checkpoints.SaveRecord`: its ``step``; ``advance(state)``
+        hears the states): from the host copy kept since the last wait when it is of the same
+        step and tensors, else from a new one, after the saves in flight are done. Returns whether
+        it was queued (False: a save of the same step failed already, on every rank)."""
+        host = self._host
+        if self._stuck is not None and self._stuck.is_alive():
+            raise CheckpointWriteError(
+                f"cannot save {str(taken.target)!r} in the background: an earlier background save stopped writing"
+                " and its thread still holds the saves' process group; the last published checkpoint is the newest"
+            )
+        if record.step is not None and host is not None and host[0] == record.step:
+            if host[1].keys() == taken.tensors.keys():
+                taken.tensors = host[1]
+                with self._lock:
+                    if self._error is not None:  # that save failed (on every rank): this one is not written
+                        return False
+                    self._queue.append((taken, layout, record))
+                    if not self._running:  # the thread is done with the earlier ones: a new one writes it
+                        self._launch()
+                self.last_stall_s = time.perf_counter() - started
+                return True
         self.wait()
         if self.group is None and distributed():
-            timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self.group = dist.new_group(backend="gloo", timeout=self.GROUP_TIMEOUT)
+            store = dist.distributed_c10d._get_default_store()
+            self.progress = WriteProgress(store, f"lightning_zero/ckpt_progress/{self.group.group_name}")
         self._take_prepared()
         reused = {t.data_ptr() for t in _tensors_of(self._buffers)}
         taken.tensors, self.last_host_bytes = host_copy(taken.tensors, self._buffers)
+        self.copies += 1
         self.fresh_bytes += sum(t.numel() * t.element_size() for t in _tensors_of(taken.tensors)
                                 if t.data_ptr() not in reused)  # fmt: skip
         self._buffers = taken.tensors  # written again by the next save of another step, once this one is done
-        self._host, self._queue, self._running = (step, taken.tensors), [(taken, layout)], True
+        self._host = (record.step, taken.tensors)
+        with self._lock:
+            self._queue = [(taken, layout, record)]
+            self._launch()
+        self.last_stall_s = time.perf_counter() - started
+        return True
+
+    def _launch(self) -> None:
+        """A writer thread for the queue (the lock held)."""
+        self._running = True
         self._thread = threading.Thread(target=self._drain, name="lightning_zero-checkpoint-writer", daemon=True)
         self._thread.start()
-        self.last_stall_s = time.perf_counter() - started
 
     def _drain(self) -> None:
         while True:
             with self._lock:
                 if not self._queue or self._error is not None:
+                    for _, _, record in self._queue:
+                        record.advance("abandoned")
                     self._queue, self._running = [], False
                     return
-                taken, layout = self._queue.pop(0)
+                taken, layout, record = self._queue.pop(0)
             try:
-                write_snapshot(taken, layout, self.group)
+                write_snapshot(taken, layout, self.group, progress=self.progress, on_state=record.advance)
             except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the training thread
+                record.advance("abandoned")
                 with self._lock:
                     self._error = exc
 
     def wait(self) -> None:
         """Until the saves in flight are published; raise their error (``CheckpointWriteError``),
-        else do the removals that waited for them."""
-        thread, self._thread = self._thread, None
+        else do the removals that waited for them. Bounded by progress: it raises
+        :class:`CheckpointStalledError` (and abandons the saves) once no rank wrote for ``stall_s``."""
+        thread = self._thread
         if thread is not None:
-            thread.join(self.timeout_s)
-            if thread.is_alive():
-                self._removals = []
-                raise RuntimeError(
-                    f"lightning_zero: the background checkpoint save did not finish within {self.timeout_s:g} s"
-                    " (collective_timeout); another rank is most likely gone. The previous checkpoint is the newest."
-                )
+            seen, since = self.progress.total(), time.monotonic()
+            poll = 0.5 if self.stall_s is None else min(0.5, max(self.stall_s / 4, 0.01))
+            while True:
+                thread.join(poll)
+                if not thread.is_alive():
+                    break
+                now, total = time.monotonic(), self.progress.total()
+                if total != seen:
+                    seen, since = total, now
+                elif self.stall_s is not None and now - since > self.stall_s:
+                    self.abandon()
+                    raise CheckpointStalledError(
+                        f"lightning_zero: the background checkpoint save wrote nothing on any rank for"
+                        f" {self.stall_s:g} s (collective_timeout); a rank is most likely gone or stuck. It is"
+                        " abandoned; the last published checkpoint is the newest."
+                    )
+        # the thread is done: every queued save written or abandoned
+        self._thread = None
         self._host = None
         error, self._error = self._error, None
         removals, self._removals = self._removals, []
@@ -282,16 +306,24 @@ class BackgroundSaves:
             remove_checkpoint(path)
 
     def abandon(self) -> None:
-        """A failure: stop waiting for the saves in flight (their thread dies with the process)."""
+        """A failure, or a wait that gave up: stop waiting for the saves in flight (their daemon
+        thread dies with the process); their host copy is never written into again."""
         with self._lock:
+            for _, _, record in self._queue:
+                record.advance("abandoned")
             self._queue, self._running = [], False
-        self._abandoned = self._thread
+        if self._thread is not None and self._thread.is_alive():
+            self._stuck = self._thread
         self._thread, self._host, self._error, self._removals = None, None, None, []
         self._buffers = {}  # an abandoned save may still read them
 
     def close(self) -> None:
         """Destroy the saves' process group, unless an abandoned save may still be in it."""
-        alive = self._abandoned is not None and self._abandoned.is_alive()
+        alive = self._stuck is not None and self._stuck.is_alive()
         if self.group is not None and not alive:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+class CheckpointStalledError(CheckpointWriteError):
+    """No rank wrote a byte of the background save for ``collective_timeout`` seconds."""

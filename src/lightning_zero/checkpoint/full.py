@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from lightning_zero.zero.domains import is_expert_param
+
 ValueDtype = Callable[[nn.Parameter], torch.dtype]
 
 
@@ -51,7 +53,12 @@ def owned_runs_by_name(engine: Any) -> dict[str, list]:
 
 def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[dist.ProcessGroup],
                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """One parameter's full value on every rank of ``group`` (a collective), on the host."""
+    """One parameter's full value on every rank of ``group`` (a collective), on the host. An expert
+    parameter under expert parallelism is gathered over the engine's EDP group instead: this EP
+    rank's experts, whole ([Note: expert domain] in ``zero/domains.py``)."""
+    domain = getattr(engine, "expert_domain", None)
+    if domain is not None and is_expert_param(param):
+        group = domain.group
     flat = torch.zeros(param.shape.numel(), dtype=torch.float32 if dtype.is_floating_point else dtype,
                        device=engine.device)  # fmt: skip
     for run in runs:

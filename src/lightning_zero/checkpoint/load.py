@@ -19,7 +19,6 @@ from lightning_zero.checkpoint.dcp import (
     CheckpointError,
     ChunkLoadPlanner,
     SafeFileSystemReader,
-    dense_shape,
     read_dcp_metadata,
 )
 from lightning_zero.checkpoint.publish import DCP_METADATA_FILE, FORMAT, META_FILE, PathLike, sha256_of
@@ -32,7 +31,7 @@ from lightning_zero.checkpoint.targets import (
     managed_names,
     module_entries,
     param_of_key,
-    tp_dim_of,
+    split_info,
 )
 
 
@@ -203,11 +202,11 @@ def _expected_params(module: nn.Module, engine: Any, layout: RankPlacement) -> d
     expected: dict[str, list[int]] = {}
     if engine is not None:
         for name, param in engine.managed_parameters().items():
-            expected[name] = list(dense_shape(param.shape, tp_dim_of(param, layout), layout.tp_size))
+            expected[name] = split_info(param.shape, param, layout)["shape"]
     params = dict(module.named_parameters())
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name not in expected and isinstance(tensor, torch.Tensor):
-            expected[name] = list(dense_shape(tensor.shape, tp_dim_of(params.get(name), layout), layout.tp_size))
+            expected[name] = split_info(tensor.shape, params.get(name), layout)["shape"]
     return expected
 
 

@@ -18,6 +18,7 @@ versions (``<target>.tmp-<token>``, ``<target>.old-<token>``) are cleaned the sa
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import io
@@ -25,10 +26,12 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -84,22 +87,19 @@ def _side_entry(path: Path) -> Optional[tuple[str, Optional[str]]]:
 
 
 def clean_leftovers(directory: PathLike) -> list[str]:
-    """Remove what killed saves left in ``directory`` ([Note: staging names]); one line per action."""
+    """Remove what killed saves left in ``directory`` ([Note: staging names]) after
+    :func:`restore_moved_aside`; rank 0 only. One line per action."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    done = []
+    done = restore_moved_aside(directory)
     for path in sorted(directory.iterdir()):
         entry = _side_entry(path)
         if entry is None:
             continue
         kind, target_name = entry
-        target = directory / target_name if target_name else None
-        if kind == "retired" and target is not None and not os.path.lexists(target):
-            os.replace(path, target)
-            done.append(f"{str(target)!r} was moved aside by a save that was killed before it published;"
-                        f" restored it from {path.name!r}")  # fmt: skip
-            continue
+        if kind == "retired" and target_name and not os.path.lexists(directory / target_name):
+            continue  # restore_moved_aside could not move it back: keep it, never delete a checkpoint
         _remove(path)
         what = "the staging directory of a save that never finished" if kind == "staging" else (
             "a checkpoint replaced by a newer one of the same name (its removal was interrupted)")  # fmt: skip
@@ -115,20 +115,63 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+class WriteProgress:
+    """How far this rank's background write got: bytes written and steps passed (thread-safe
+    enough: one writer thread adds, the training thread reads). With a ``store`` (the process
+    group's), every rank adds its progress to one shared counter ``key`` at most every
+    ``publish_s`` seconds, so a rank waiting in a collective for a slow peer sees the peer's
+    bytes too ([Note: checkpoint lifecycle] in ``runtime/checkpoints.py``)."""
+
+    def __init__(self, store: Any = None, key: str = "", publish_s: float = 0.5) -> None:
+        self.store, self.key, self.publish_s = store, key, publish_s
+        self.local = 0  # bytes and steps of this rank
+        self._published = 0
+        self._published_at = 0.0
+
+    def wrote(self, nbytes: int) -> None:
+        self.local += max(int(nbytes), 1)
+        if self.store is not None and time.monotonic() - self._published_at >= self.publish_s:
+            self.publish()
+
+    def step(self) -> None:
+        """A phase of the write passed (staged, files written, hashed, published)."""
+        self.wrote(1)
+        self.publish()
+
+    def publish(self) -> None:
+        delta, self._published = self.local - self._published, self.local
+        self._published_at = time.monotonic()
+        if self.store is not None and delta:
+            try:
+                self.store.add(self.key, delta)
+            except Exception:  # noqa: BLE001 - the store's host is gone: local progress only
+                self.store = None
+
+    def total(self) -> int:
+        """Every rank's progress (this rank's alone without a store)."""
+        if self.store is not None:
+            try:
+                return int(self.store.add(self.key, 0)) + (self.local - self._published)
+            except Exception:  # noqa: BLE001 - the store's host is gone
+                self.store = None
+        return self.local
+
+
 class RecordingFileSystem(FileSystem):
     """DCP's file system, remembering the OS error of any failed write: torch's zip writer turns
     ``EFBIG``/``ENOSPC`` into "unexpected pos 704 vs 598", which names neither the file nor the
     cause; :func:`os_error_line` says both."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Optional["WriteProgress"] = None) -> None:
         super().__init__()
         self.errors: list[str] = []
+        self.progress = progress
 
     @contextmanager
     def create_stream(self, path: Union[str, os.PathLike], mode: str) -> Iterator[io.IOBase]:
         try:
             with super().create_stream(path, mode) as stream:
-                yield _Recording(stream, str(path), self.errors)  # type: ignore[misc]
+                yield _Recording(stream, str(path), self.errors, self.progress)  # type: ignore[misc]
         except OSError as exc:  # raised, e.g. by the flush at close
             self.errors.append(os_error_line(path, exc))
             raise
@@ -137,15 +180,18 @@ class RecordingFileSystem(FileSystem):
 class _Recording:
     """A write stream that notes its first ``OSError`` (then raises it as before)."""
 
-    def __init__(self, stream: io.IOBase, path: str, errors: list[str]) -> None:
-        self._stream, self._path, self._errors = stream, path, errors
+    def __init__(self, stream: io.IOBase, path: str, errors: list[str], progress: Optional["WriteProgress"]) -> None:
+        self._stream, self._path, self._errors, self._progress = stream, path, errors, progress
 
     def write(self, data: Any) -> int:
         try:
-            return self._stream.write(data)
+            written = self._stream.write(data)
         except OSError as exc:
             self._errors.append(os_error_line(self._path, exc))
             raise
+        if self._progress is not None:
+            self._progress.wrote(len(memoryview(data).cast("B")) if written is None else written)
+        return written
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -205,15 +251,127 @@ def write_rank_file(tmp: Path, layout: RankPlacement, text: Optional[str] = None
     return None
 
 
+def fsync_directory(path: Path) -> None:
+    """Make ``path``'s entries (names created, renamed, removed in it) durable: a rename is only
+    on disk once its directory is synced ([Note: atomic publish])."""
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a file system that cannot open directories: nothing to sync
+        return
+    try:
+        os.fsync(handle)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # not supported for directories there
+            raise
+    finally:
+        os.close(handle)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(first: Path, second: Path) -> bool:
+    """Swap the names ``first`` and ``second`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the platform or the file system cannot (nothing changed then)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, or another libc
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV, errno.EPERM):
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE) of {str(first)!r} and {str(second)!r}: {os.strerror(code)}")
+
+
+# Test hook: called with "moved_aside" between the two renames of the fallback publish.
+_publish_hook: Optional[Callable[[str], None]] = None
+
+
 def publish(tmp: Path, target: Path) -> None:
-    """Rank 0: swap ``tmp`` into ``target`` (see [Note: atomic publish])."""
-    old = None
-    if os.path.lexists(target):
-        old = target.parent / side_name(RETIRED, target)
-        os.replace(target, old)
+    """Rank 0: swap ``tmp`` into ``target`` (see [Note: atomic publish]): the staging directory's
+    entries synced, then one atomic exchange of the two names where the platform has one (the
+    old checkpoint then sits under the staging name: there is never a moment without ``target``),
+    else the old one moved aside first; the parent directory synced before the old one is removed."""
+    fsync_directory(tmp)
+    if not os.path.lexists(target):
+        os.replace(tmp, target)
+        fsync_directory(target.parent)
+        return
+    if exchange(tmp, target):
+        fsync_directory(target.parent)
+        _remove(tmp)  # the old checkpoint, under the staging name
+        return
+    old = target.parent / side_name(RETIRED, target)
+    os.replace(target, old)
+    if _publish_hook is not None:
+        _publish_hook("moved_aside")
     os.replace(tmp, target)
-    if old is not None:
-        _remove(old)
+    fsync_directory(target.parent)
+    _remove(old)
+
+
+def link_atomically(target: Path, link: Path) -> None:
+    """Rank 0: point the symlink ``link`` at ``target`` (relative, as ``ModelCheckpoint`` links),
+    replacing what ``link`` was in one rename; the directory synced."""
+    if link.is_dir() and not link.is_symlink():
+        remove_checkpoint(link)
+    staged = link.parent / side_name(STAGING, link)
+    os.symlink(os.path.relpath(target, link.parent), staged)
+    os.replace(staged, link)
+    fsync_directory(link.parent)
+
+
+def restore_moved_aside(directory: PathLike) -> list[str]:
+    """Every rank, before anything resolves a checkpoint path in ``directory`` (``"last"``, SLURM's
+    ``hpc_ckpt_<N>``), with no process group: a retired checkpoint whose target is missing is moved
+    back, and names of older versions (``<target>.tmp-<token>``, ``<target>.old-<token>``) are
+    renamed to the hidden ones of [Note: staging names] so nothing that scans the directory reads
+    them. Idempotent, and safe when every rank runs it at once (the rename that loses the race
+    finds its source gone). One line per action taken by this rank."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    done = []
+    for path in sorted(directory.iterdir()):
+        legacy = _LEGACY.match(path.name)
+        if legacy and path.is_dir() and not path.is_symlink():
+            target_name, kind, token = legacy.group(1), legacy.group(2), path.name.rsplit("-", 1)[1]
+            prefix = STAGING if kind == "tmp" else RETIRED
+            hidden = directory / f"{prefix}{token}-{target_name.encode().hex()}"[:_MAX_NAME]
+            if _rename_once(path, hidden):
+                done.append(f"renamed {path.name!r} (a {'staging' if kind == 'tmp' else 'retired'} directory of an"
+                            f" earlier release) to {hidden.name!r}")  # fmt: skip
+            path = hidden
+        entry = _side_entry(path)
+        if entry is None or entry[0] != "retired" or entry[1] is None:
+            continue
+        target = directory / entry[1]
+        if not os.path.lexists(target) and _rename_once(path, target):
+            done.append(f"{str(target)!r} was moved aside by a save that was killed before it published;"
+                        f" restored it from {path.name!r}")  # fmt: skip
+    return done
+
+
+def _rename_once(source: Path, destination: Path) -> bool:
+    """``source`` renamed to a ``destination`` that does not exist; False when another rank did it first."""
+    try:
+        if os.path.lexists(destination):
+            return False
+        os.rename(source, destination)
+    except (FileNotFoundError, FileExistsError):
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    fsync_directory(destination.parent)
+    return True
 
 
 def remove_checkpoint(path: PathLike) -> None:

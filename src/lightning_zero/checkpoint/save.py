@@ -14,7 +14,6 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.dcp import (
     ChunkSavePlanner,
-    dense_shape,
 )
 from lightning_zero.checkpoint.publish import (
     DCP_METADATA_FILE,
@@ -23,6 +22,7 @@ from lightning_zero.checkpoint.publish import (
     CheckpointWriteError,
     PathLike,
     RecordingFileSystem,
+    WriteProgress,
     begin_write,
     fsync_write,
     publish,
@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.targets import (
     managed_names,
     module_entries,
     param_of_key,
-    tp_dim_of,
+    split_info,
 )
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
@@ -159,15 +159,32 @@ def save_checkpoint(
         return write_snapshot(taken, layout)
 
 
-def write_snapshot(taken: Snapshot, layout: RankPlacement, group: Optional[Any] = None) -> Path:
+def write_snapshot(
+    taken: Snapshot,
+    layout: RankPlacement,
+    group: Optional[Any] = None,
+    *,
+    progress: Optional[WriteProgress] = None,
+    on_state: Optional[Callable[[str], None]] = None,
+) -> Path:
     """The second half of :func:`save_checkpoint`: every rank writes its files, rank 0 publishes.
-    Collectives over ``group`` (``None``: the default group)."""
+    Collectives over ``group`` (``None``: the default group). ``progress`` counts the bytes
+    written; ``on_state`` hears ``"staged"``, ``"written"`` and ``"published"`` as they happen
+    ([Note: checkpoint lifecycle] in ``runtime/checkpoints.py``)."""
+
+    def reached(state: str) -> None:
+        if progress is not None:
+            progress.step()
+        if on_state is not None:
+            on_state(state)
+
     target = taken.target
     tmp = begin_write(target, layout, group)
+    reached("staged")
     raise_any(all_gather_object(write_rank_file(tmp, layout, taken.rng_file), "ckpt_rank_files", group),
               CheckpointWriteError)  # fmt: skip
     writer = dcp.FileSystemWriter(str(tmp))
-    writer.fs = recording = RecordingFileSystem()  # names the file and the OS error of a failed write
+    writer.fs = recording = RecordingFileSystem(progress)  # names the file and the OS error of a failed write
     try:
         with labelled("ckpt_dcp_save"):
             dcp.save(taken.tensors, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
@@ -179,7 +196,11 @@ def write_snapshot(taken: Snapshot, layout: RankPlacement, group: Optional[Any] 
     mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"]
     if layout.rank == 0:
         mine.append(tmp / DCP_METADATA_FILE)
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in mine}
+    files = {}
+    for path in mine:  # hashing reads every byte again: progress too
+        files[path.name] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
+        if progress is not None:
+            progress.wrote(files[path.name]["size"])
     try:
         all_files = all_gather_object(files, "ckpt_manifest", group)
         all_kinds = all_gather_object(taken.kinds, "ckpt_state_kinds", group)
@@ -189,6 +210,7 @@ def write_snapshot(taken: Snapshot, layout: RankPlacement, group: Optional[Any] 
             f"writing {str(target)!r}: a rank failed before every rank had written its shards ({exc});"
             " nothing was published, the previous checkpoint of that name is untouched"
         ) from exc
+    reached("written")
 
     error = None
     if layout.rank == 0:
@@ -210,6 +232,7 @@ def write_snapshot(taken: Snapshot, layout: RankPlacement, group: Optional[Any] 
         except OSError as exc:
             error = f"publishing {str(target)!r} failed: {exc}"
     raise_any([broadcast_object(error, "ckpt_publish", group)], CheckpointWriteError)
+    reached("published")
     return target
 
 
@@ -236,8 +259,7 @@ def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: in
 def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     info = {}
     for owned in engine.owned_ranges():
-        tp_dim = tp_dim_of(owned.param, layout)
-        info[owned.name] = {"shape": list(dense_shape(owned.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
+        info[owned.name] = split_info(owned.shape, owned.param, layout)
     return info
 
 

@@ -16,12 +16,14 @@ from lightning_zero.checkpoint.dcp import (
     range_pieces,
     storage_shape,
 )
+from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
 
 
 @dataclass(frozen=True)
 class RankPlacement:
     """Where this process sits in the run: world size, global rank, dp and tp coordinates, ZeRO
-    stage, precision. A save records the saver's (``meta.json``); a load reads into the loader's,
+    stage, precision, ep coordinates (an EP rank's expert tensors are slices of the dense ones:
+    :func:`split_of`). A save records the saver's (``meta.json``); a load reads into the loader's,
     whatever the saved one was."""
 
     world_size: int = 1
@@ -32,12 +34,37 @@ class RankPlacement:
     tp_rank: int = 0
     stage: int = 0
     precision: str = "32-true"
+    ep_size: int = 1
+    ep_rank: int = 0
 
 
 def tp_dim_of(param: Optional[torch.Tensor], layout: RankPlacement) -> Optional[int]:
     if param is None or layout.tp_size == 1:
         return None
     return getattr(param, "_tp_shard_dim", None)
+
+
+def split_of(param: Optional[torch.Tensor], layout: RankPlacement) -> tuple[Optional[int], int, int]:
+    """``(dim, rank, size)``: this rank's local tensor is the ``rank``-th of ``size`` slices of the
+    dense one along ``dim`` (``None``: the whole tensor). TP-split parameters along their TP
+    dimension; expert parameters under expert parallelism along ``_ep_shard_dim``, at the EP rank
+    ([Note: expert domain] in ``zero/domains.py``), so any ep reads them back."""
+    ep_dim = ep_shard_dim(param) if layout.ep_size > 1 else None
+    if layout.ep_size > 1 and ep_dim is None and param is not None and is_expert_param(param):
+        raise ValueError(
+            f"checkpoint: an expert parameter of shape {tuple(param.shape)} has no _ep_shard_dim: under expert"
+            " parallelism a checkpoint places each EP rank's experts in the dense tensor along that dimension;"
+            " stack a layer's experts in one Parameter and set param._ep_shard_dim (models/moe does)"
+        )
+    tp_dim = tp_dim_of(param, layout)
+    if ep_dim is not None and tp_dim is not None:
+        raise ValueError(
+            f"checkpoint: a parameter of shape {tuple(param.shape)} is split both over TP (dim {tp_dim}) and"  # type: ignore[union-attr]
+            f" over EP (dim {ep_dim}); experts split by TP are not supported"
+        )
+    if ep_dim is not None:
+        return ep_dim, layout.ep_rank, layout.ep_size
+    return tp_dim, layout.tp_rank, layout.tp_size
 
 
 def managed_names(engine: Any) -> set[str]:
@@ -97,9 +124,9 @@ def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, tar
         if name in skip or not isinstance(tensor, torch.Tensor) or id(tensor) in skipped_params:
             continue
         tensor = tensor.detach()
-        tp_dim = tp_dim_of(params.get(name), layout)
-        size = storage_shape(dense_shape(tensor.shape, tp_dim, layout.tp_size))
-        pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=tp_dim, tp_rank=layout.tp_rank)
+        split_dim, split_rank, split_size = split_of(params.get(name), layout)
+        size = storage_shape(dense_shape(tensor.shape, split_dim, split_size))
+        pieces = range_pieces(tensor.shape, 0, tensor.numel(), tp_dim=split_dim, tp_rank=split_rank)
         if load:
             staged = torch.empty(tensor.numel(), dtype=tensor.dtype)
             targets.copies.append((name, tensor.reshape(-1) if tensor.is_contiguous() else tensor, staged))
@@ -107,8 +134,16 @@ def module_entries(module: nn.Module, skip: set[str], layout: RankPlacement, tar
         else:
             flat = targets.saved(tensor.reshape(-1))
         add_chunks(targets.tensors, f"model.{name}", size, pieces_over(flat, pieces))
-        info[name] = {"shape": list(dense_shape(tensor.shape, tp_dim, layout.tp_size)), "tp_dim": tp_dim}
+        info[name] = split_info(tensor.shape, params.get(name), layout)
     return info
+
+
+def split_info(local_shape: torch.Size, param: Optional[torch.Tensor], layout: RankPlacement) -> dict[str, Any]:
+    """What ``meta.json`` records of a saved tensor: its dense shape and the dimension TP (or EP,
+    under expert parallelism) splits it along."""
+    split_dim, _, split_size = split_of(param, layout)
+    key = "ep_dim" if split_dim is not None and ep_shard_dim(param) is not None and layout.ep_size > 1 else "tp_dim"
+    return {"shape": list(dense_shape(local_shape, split_dim, split_size)), key: split_dim}
 
 
 def optimizer_index(optimizers: list[Optimizer]) -> dict[int, int]:
@@ -148,9 +183,9 @@ def engine_entries(
     which = optimizer_index(optimizers)
     targets.optimizer_states = [{} for _ in optimizers]
     for owned in engine.owned_ranges():
-        tp_dim = tp_dim_of(owned.param, layout)
-        size = storage_shape(dense_shape(owned.shape, tp_dim, layout.tp_size))
-        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=tp_dim, tp_rank=layout.tp_rank)
+        split_dim, split_rank, split_size = split_of(owned.param, layout)
+        size = storage_shape(dense_shape(owned.shape, split_dim, split_size))
+        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=split_dim, tp_rank=split_rank)
         lo, hi = owned.chunk_lo, owned.chunk_hi
         master = owned.master.detach()
         if load:

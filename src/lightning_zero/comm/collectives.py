@@ -64,6 +64,7 @@ node is ``global_rank // ranks_per_node``; :attr:`CommCounter.ranks_per_node` co
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -397,3 +398,37 @@ def all_to_all(
     """Chunk ``r`` of ``input`` (split evenly along dim 0) goes to rank ``r``; chunk ``r`` of
     ``output`` comes from rank ``r``. Each rank sends ``(n-1)/n`` of ``input`` (its own chunk stays)."""
     return _chunked("all_to_all", dist.all_to_all_single, output, input, input, group, async_op, counter, label)
+
+
+def all_to_all_v(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: Optional[dist.ProcessGroup],
+    *,
+    async_op: bool = False,
+    counter: Optional[CommCounter] = None,
+    label: str = "all_to_all_v",
+    control: bool = False,
+):
+    """Uneven all-to-all along dim 0: ``input_splits[r]`` rows of ``input`` go to rank ``r``,
+    ``output_splits[r]`` rows of ``output`` come from rank ``r`` (zero-size splits allowed: every
+    rank still takes part). Counted from the split sizes: the rows sent to *other* ranks, times
+    the elements of a row ([Note: logical bytes]; the own split stays local); ``control``: counted
+    as a control exchange, apart from the data bytes."""
+    size = _group_size(group)
+    if local_only(size):
+        return _local(output, input, async_op)
+    if counter is not None:
+        row = math.prod(input.shape[1:])
+        sent = (sum(input_splits) - input_splits[dist.get_rank(group)]) * row
+        if control:
+            counter.add_control(label, sent, input.element_size())
+        else:
+            counter.add(label, sent, input.element_size(), counter.link_of(group))
+    with record_function(f"lightning_zero::{label}"):
+        return dist.all_to_all_single(
+            output, input, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group,
+            async_op=async_op,
+        )  # fmt: skip

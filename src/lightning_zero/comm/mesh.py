@@ -125,6 +125,22 @@ class ParallelDims:
         self._check_cp_ep()
         self._check_shard_size()
 
+    @classmethod
+    def from_config(cls, config: Any, *, world_size: int, devices_per_node: int) -> "ParallelDims":
+        """The layout a :class:`~lightning_zero.config.ZeroConfig` asks for on ``world_size`` ranks of
+        ``devices_per_node`` each: its ``tensor_parallel_size``, ``shard_size``,
+        ``hierarchical_reduce``, ``cp`` and ``ep``. The runtime (``runtime/setup.py``) and the
+        planner (``planner/arithmetic.py`` ``plan``) build the layout through this one function."""
+        return cls(
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            tp=config.tensor_parallel_size,
+            shard_size=config.shard_size,
+            hierarchical_reduce=config.hierarchical_reduce,
+            cp=config.cp,
+            ep=config.ep,
+        )
+
     def _check_cp_ep(self) -> None:
         for name in ("cp", "ep"):
             value = getattr(self, name)

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 if TYPE_CHECKING:
     from lightning_zero.checkpoint import RankPlacement
+    from lightning_zero.runtime.checkpoints import CheckpointLifecycle
     from lightning_zero.zero.engine import ZeroEngine
 
 FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was the model and the optimizers
@@ -35,16 +36,6 @@ def _filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]
         return value
     kept = {k: v for k, v in value.items() if filter[key](k, v)}
     return kept if kept else _DROPPED
-
-
-def write_full_file(path: Path, payload: dict[str, Any]) -> None:
-    """``torch.save`` of ``payload`` at ``path``, atomically (a reader sees the old file or the whole
-    new one); global rank 0 calls it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(payload, partial)
-    partial.replace(path)
 
 
 Filter = Optional[dict[str, Callable[[str, Any], bool]]]
@@ -88,6 +79,12 @@ class FabricState:
     def check_save(self, state: dict[str, Any], filter: Filter, full: bool) -> None:
         """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
         module_key, optimizer_keys, _ = self.split(state)
+        if full and getattr(self.engine, "expert_domain", None) is not None:
+            raise ValueError(
+                "ZeroFabricStrategy(state_dict_type='full') with ep > 1: one full file would hold one EP rank's"
+                " experts only; save the sharded checkpoint (state_dict_type='sharded': experts in dense"
+                " coordinates, readable under any ep)."
+            )
         for key, predicate in (filter or {}).items():
             if key not in state:
                 raise ValueError(
@@ -117,9 +114,11 @@ class FabricState:
         return self.param_names[self.optimizers.index(optimizer)]
 
     # -- save ------------------------------------------------------------------------------------
-    def save_sharded(self, path: Any, state: dict[str, Any], filter: Filter = None) -> None:
-        from lightning_zero.checkpoint import save_checkpoint
-
+    def save_sharded(
+        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int, filter: Filter = None
+    ) -> None:
+        """Through ``lifecycle`` ([Note: checkpoint lifecycle]): in the background under
+        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step."""
         module_key, optimizer_keys, others = self.split(state)
         filter = filter or {}
         others = {key: _filtered(key, value, filter) for key, value in others.items()}
@@ -133,8 +132,8 @@ class FabricState:
         if module_key in filter:
             tensors = self.module.state_dict(keep_vars=True)
             keep = lambda name: name in tensors and bool(filter[module_key](name, tensors[name]))  # noqa: E731
-        save_checkpoint(path, checkpoint, module=self.module, engine=self.engine, optimizers=optimizers,
-                        layout=self.layout, keep=keep)  # fmt: skip
+        lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
+                       layout=self.layout, keep=keep)  # fmt: skip
 
     def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
         """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each
@@ -163,10 +162,12 @@ class FabricState:
                 payload[key] = entry
         return payload
 
-    def save_full(self, path: Path, state: dict[str, Any], filter: Filter = None) -> None:
+    def save_full(
+        self, path: Path, state: dict[str, Any], lifecycle: "CheckpointLifecycle", filter: Filter = None
+    ) -> None:
         payload = self.full_payload(state, filter)
-        if self.layout.rank == 0:
-            write_full_file(path, payload)
+        # global rank 0 writes, atomically; its error is raised on every rank ([Note: checkpoint lifecycle])
+        lifecycle.save_file(path, lambda handle: torch.save(payload, handle))
 
     # -- load ------------------------------------------------------------------------------------
     def load(

@@ -1,13 +1,18 @@
-"""Fabric's precision plugins, mapped to what the ZeRO engine keeps (the one place this mapping lives).
+"""Fabric's precision plugins mapped onto the one policy (``runtime/precision.py``), and Fabric's
+``16-mixed`` loss-scaling flow.
 
-- ``"32-true"`` (Fabric's ``Precision``): fp32 parameters and gradients, the parameter chunk is its
-  own master (4 + 4 + 8 bytes/param for Adam before sharding).
-- ``"bf16-mixed"`` / ``"16-mixed"`` (Fabric's ``MixedPrecision``): the engine casts the compute
-  parameters to the half dtype and keeps fp32 masters and optimizer state only in the shards
-  (2 + 2 + 12); Fabric's plugin runs the forward under ``torch.autocast`` as it does for ddp, and
-  leaves the module in fp32 (``convert_module`` is the identity), so the engine takes the masters
-  from fp32 values. ``16-mixed`` keeps Fabric's flow with the plugin's ``GradScaler``
-  ([Note: Fabric loss scaling]).
+Fabric's ``Precision`` (``"32-true"``), ``MixedPrecision`` (``"bf16-mixed"`` / ``"16-mixed"``) and
+``HalfPrecision`` (``"bf16-true"`` / ``"16-true"``) each name a precision string;
+:func:`policy_of` turns it and the strategy's ``ZeroConfig`` into the
+:class:`~lightning_zero.runtime.precision.PrecisionPolicy` the engine is built from, the same object
+the Trainer door hands it (where each byte lives: ``runtime/precision.py``, docs/precision.md).
+Fabric's plugin stays in charge of what it does around a forward and a backward: autocast under
+the ``-mixed`` ones (``convert_module`` is the identity there, so the engine takes the masters
+from fp32 values, or keeps the fp32 parameters under ``mixed_params="fp32"``), the module
+converted to the half dtype under the ``-true`` ones (under stage 3 ``init_module`` builds it in
+that dtype), the plugin's ``GradScaler`` under ``16-mixed`` ([Note: Fabric loss scaling]).
+
+[Note: Fabric loss scaling]).
 - ``"bf16-true"`` / ``"16-true"`` (Fabric's ``HalfPrecision``): ``fabric.setup`` converts the
   module to the half dtype (``convert_module``, as for ddp; under stage 3 ``init_module`` builds it
   in that dtype), and the optimizer steps the half-precision chunks (2 + 2 + 4), or fp32 masters
@@ -31,42 +36,32 @@ is not saved by Fabric on its own: as for ddp, a user who wants it put the scale
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 
 from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
 
-SUPPORTED_PRECISION = PRECISIONS
+if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
 
 
-def policy_of(plugin: Optional[Precision], master_weights: str = "auto") -> PrecisionPolicy:
-    """Where the engine keeps each byte under Fabric's ``plugin`` (``master_weights``: the strategy's
-    ``ZeroConfig.master_weights``); raises naming the supported precisions."""
+def policy_of(plugin: Optional[Precision], config: Optional["ZeroConfig"] = None) -> PrecisionPolicy:
+    """Where the engine keeps each byte under Fabric's ``plugin`` and the strategy's knobs
+    (``config``; None: the defaults); raises naming the supported precisions."""
+    knobs = dict(master_weights=config.master_weights, mixed_params=config.mixed_params) if config is not None else {}
     if plugin is None or type(plugin) is Precision:
-        return precision_policy("32-true")
+        return precision_policy("32-true", **knobs)
     if type(plugin) in (MixedPrecision, HalfPrecision):
-        return precision_policy(plugin.precision, master_weights)
+        return precision_policy(plugin.precision, **knobs)
     name = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(
         f"ZeroFabricStrategy does not support precision={name!r} ({type(plugin).__name__}; supported:"
-        f" {', '.join(SUPPORTED_PRECISION)}). Use Fabric(precision='32-true') (fp32 params, grads and Adam"
-        " state), 'bf16-mixed' / '16-mixed' (half compute, fp32 master and optimizer state in the shards;"
-        " 16-mixed with the plugin's GradScaler) or 'bf16-true' / '16-true' (everything in the half dtype,"
-        " as ddp holds it); see docs/precision.md."
+        f" {', '.join(PRECISIONS)}). Use Fabric(precision='32-true') (fp32 params, grads and Adam"
+        " state), 'bf16-mixed' / '16-mixed' (half-precision autocast; 16-mixed with the plugin's GradScaler)"
+        " or 'bf16-true' / '16-true' (everything in the half dtype, as ddp holds it); see docs/precision.md."
     )
-
-
-def compute_dtype_of(plugin: Optional[Precision], master_weights: str = "auto") -> torch.dtype:
-    """The engine's compute dtype for Fabric's ``plugin``."""
-    return policy_of(plugin, master_weights).compute_dtype
-
-
-def precision_name(plugin: Optional[Precision]) -> str:
-    """The Lightning precision string a checkpoint records (``"32-true"``, ``"bf16-true"``, ...)."""
-    return policy_of(plugin).name
 
 
 def scaler_of(plugin: Optional[Precision]) -> Optional[Any]:

@@ -65,8 +65,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.fabric.precision import compute_dtype_of, policy_of, precision_name, unscale_agreed
+from lightning_zero.fabric.precision import policy_of, unscale_agreed
+from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.session import SessionViews, ZeroSession
+from lightning_zero.runtime.setup import check_model_layout
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -136,14 +138,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 " parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
                 " ZeroStrategy (its LightningModule's configure_model applies the TP transform)."
             )
-        for name in ("cp", "ep"):
-            if getattr(self.zero_config, name) != 1:
-                raise ValueError(
-                    f"ZeroFabricStrategy({name}={getattr(self.zero_config, name)!r}): "
-                    + ("context" if name == "cp" else "expert")
-                    + f" parallelism is not available under Fabric yet; use {name}=1, or the Trainer's ZeroStrategy"
-                    " (its LightningModule declares the layouts it can run: check_parallel_dims)."
-                )
+        if self.zero_config.cp != 1:
+            raise ValueError(
+                f"ZeroFabricStrategy(cp={self.zero_config.cp!r}): context parallelism is not available under Fabric"
+                " yet (the data must be sliced by position); use cp=1, or the Trainer's ZeroStrategy."
+            )
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
@@ -162,6 +161,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self.state_dict_type = state_dict_type
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.session = ZeroSession(self.zero_config, wrap_policy)
+        # every save from request to publish ([Note: checkpoint lifecycle] in runtime/checkpoints.py)
+        self.checkpoints = CheckpointLifecycle(
+            async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
+            failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
+        )  # fmt: skip
         self._module: Optional[nn.Module] = None
         self._optimizers: list[Optimizer] = []
         self._train_step_open = False
@@ -187,19 +191,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
-        # unsupported precisions fail now, before any process starts (DDPStrategy.__init__ sets it
-        # before self.zero_config exists: the knob's default is checked then, the knob at first use)
-        compute_dtype_of(precision, self._master_weights())
+        # unsupported precisions fail now, before any process starts (Fabric's connector sets the
+        # plugin after __init__; a strategy built without zero_config gets the knobs' defaults)
+        policy_of(precision, self.__dict__.get("zero_config"))
         self._precision = precision
-
-    def _master_weights(self) -> str:
-        config = self.__dict__.get("zero_config")
-        return config.master_weights if config is not None else "auto"
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
-        """Where each byte lives under Fabric's precision plugin (``fabric/precision.py``)."""
-        return policy_of(self._precision, self._master_weights())
+        """Where each byte lives under Fabric's precision plugin and the knobs (``fabric/precision.py``)."""
+        return policy_of(self._precision, self.zero_config)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -212,6 +212,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self.session.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes, module=None)
         super().setup_environment()  # starts the process group
         self.session.start(self.root_device.type)
+        self.checkpoints.open()  # async_checkpoint: fabric.save writes in the background from now on
         if self._previous_excepthook is None:
             self._previous_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
@@ -304,6 +305,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
             )
         if self._module is None:
+            # [Note: layouts a model declares] in runtime/setup.py: under Fabric the model arrives after
+            # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
+            if self.session.dims is not None:
+                check_model_layout(self.session.dims, module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
@@ -499,7 +504,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- checkpoints ----------------------------------------------------------------------------
     def _layout(self) -> Any:
         return self.session.checkpoint_layout(world_size=self.world_size, global_rank=self.global_rank,
-                                              precision=precision_name(self._precision))  # fmt: skip
+                                              precision=self.precision_policy.name)  # fmt: skip
 
     def _value_dtype(self, param: nn.Parameter) -> torch.dtype:
         """The dtype ddp holds ``param`` in ([Note: full state dicts]): the module's own dtype, fp32
@@ -549,10 +554,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         full = self.state_dict_type == "full"
         state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
+            self.checkpoints.clean_once(Path(path).parent, self.barrier)  # what killed saves left there
             if full:
-                state_io.save_full(Path(path), state, filter)
+                state_io.save_full(Path(path), state, self.checkpoints, filter)
             else:
-                state_io.save_sharded(path, state, filter)
+                state_io.save_sharded(path, state, self.checkpoints, step=self._steps, filter=filter)
 
     @override
     def load_checkpoint(
@@ -565,6 +571,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._refuse_when_failed(f"{str(path)!r} was not loaded")
         state_io = self._state_io()
         with self._noting_failures():
+            # the save in flight published; a checkpoint a killed publish moved aside back before it is read
+            self.checkpoints.before_load(path, self.barrier)
             return state_io.load(path, state, strict=strict, weights_only=weights_only)
 
     def _load_module_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -606,12 +614,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._after_forward_hook = None
         if self._module is not None:
             self._module.__dict__.pop("load_state_dict", None)
+        save_error = self.checkpoints.close()  # the save in flight published (abandoned on the failure path)
         self.session.close_engine(self.global_rank)
         self.session.close()
         if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         self._previous_excepthook = None
         super().teardown()
+        if save_error is not None:
+            raise save_error
 
     def quiesce(self) -> None:
         """[Note: nothing running at exit] Wait for the collectives this rank still has in flight (the

@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
@@ -80,6 +81,7 @@ PLANNED_KNOBS = {
     "param_comm_dtype": "param_comm_dtype",
     "reduce_dtype": "reduce_dtype",
     "master_weights": "master_weights",
+    "mixed_params": "mixed_params",
 }
 
 
@@ -145,6 +147,7 @@ def plan_run(
     simulate: Union[bool, str] = True,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
     master_weights: str = ZERO_DEFAULTS.master_weights,
+    mixed_params: str = ZERO_DEFAULTS.mixed_params,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
 
@@ -158,9 +161,9 @@ def plan_run(
             ``zero_config``.
         world_size: total ranks; ``devices_per_node`` ranks per node.
         tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
-        precision: ``"bf16-mixed"`` / ``"16-mixed"`` (2 + 2 + 12 bytes/param), ``"32-true"``
+        precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param), ``"16-mixed"`` and ``"32-true"``
             (4 + 4 + 8) or ``"bf16-true"`` / ``"16-true"`` (2 + 2 + 4: bf16 optimizer state, no
-            master); ``ledger.precision_bytes`` is the rule.
+            master), under the two knobs below; ``ledger.precision_bytes`` is the rule.
         micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
@@ -200,6 +203,9 @@ def plan_run(
         master_weights: ``"fp32"``: fp32 masters and optimizer state under ``bf16-true`` /
             ``16-true`` (the ``-mixed`` bytes); ``"auto"``: the precision's own
             ([Note: master_weights] in ``runtime/precision.py``).
+        mixed_params: under the ``-mixed`` precisions, ``"fp32"`` parameters and gradients (4 + 4 +
+            8, as ddp) or ``"half"`` ones with fp32 masters in the shards (2 + 2 + 12); ``"auto"``:
+            fp32 under 16-mixed, half under bf16-mixed ([Note: mixed_params] there).
 
     Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
     layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
@@ -267,7 +273,8 @@ def plan_run(
         raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
     dtype = dataclasses.replace(
-        precision_bytes(precision, master_weights), grad=grad_bytes_per_param(precision, reduce_dtype)
+        precision_bytes(precision, master_weights, mixed_params),
+        grad=grad_bytes_per_param(precision, reduce_dtype, mixed_params),
     )
     if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
         bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
@@ -436,6 +443,7 @@ def plan_run(
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
         reduce_dtype=str(reduce_dtype),
+        mixed_params=str(mixed_params),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
         reserved_bytes=int(reserved_gib * GiB),
@@ -449,6 +457,61 @@ def plan_run(
     if suggest and not plan.fits:
         plan = dataclasses.replace(plan, suggestions=tuple(suggest_fixes(plan, config, hw, plan_run)))
     return plan
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a planned run is besides its layout (``ParallelDims``) and its knobs (``ZeroConfig``):
+    the precision and the batch each rank computes. Fields as in :func:`plan_run`."""
+
+    precision: str = "bf16-mixed"
+    micro_batch: int = 1
+    seq_len: Optional[int] = None
+    activation_checkpointing: Union[bool, str] = False
+    accumulate_grad_batches: int = 1
+    attention: str = "fused"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan: the hardware and its assumed MFU, memory set aside, whether to suggest fixes
+    and simulate the step. Fields as in :func:`plan_run`."""
+
+    hardware: Union[str, Hardware, Mapping[str, Any], None] = None
+    mfu: Optional[float] = None
+    reserved_gib: float = 2.0
+    suggest: bool = True
+    simulate: Union[bool, str] = True
+
+
+def plan(
+    model_config: Any,
+    config: ZeroConfig,
+    dims: ParallelDims,
+    run: RunShape = RunShape(),
+    options: PlanOptions = PlanOptions(),
+    *,
+    ddp: bool = False,
+) -> Plan:
+    """The plan of a run given whole, as the runtime holds it: the model, the knobs (``config``,
+    what the strategy passes its engine), the layout (``dims``: ``ParallelDims.from_config(config,
+    world_size=..., devices_per_node=...)``, what the session builds its groups from), the run's
+    shape and the planner's options. ``ddp=True`` plans Lightning's DDP on the same layout (stage
+    0). Same numbers as :func:`plan_run` with the same values as keywords (``tests/test_planner.py``).
+
+    Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
+    ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), and for ``cp``/``ep`` above 1 while
+    the planner does not model them (:data:`UNPLANNED_KNOBS`).
+    """
+    asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+    if asked != dims:
+        raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
+    fields = {f.name: getattr(part, f.name) for part in (run, options) for f in dataclasses.fields(part)}
+    layout = dict(world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+    if ddp:
+        knobs = knob_arguments(dataclasses.replace(config, stage=1))
+        return plan_run(model_config, **{**knobs, "stage": 0, "defer_grad_reduce": False}, **layout, **fields)
+    return plan_run(model_config, config, **layout, **fields)
 
 
 def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:

@@ -33,6 +33,9 @@ from typing import Any, Optional, Union
 from lightning_zero.comm.ring import ring_sent
 from lightning_zero.cp.layout import kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
+from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
+from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
+from lightning_zero.zero.bucketing import grad_element_bytes
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ def model_state_bytes(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     optim_bytes_per_param: int = 12,
+    expert_params: int = 0,
+    ep: int = 1,
 ) -> ModelStateBytes:
     """Per-rank bytes of parameters, gradients and optimizer state under ZeRO ``stage``.
 
@@ -69,6 +74,11 @@ def model_state_bytes(
     holds (with tensor parallelism: the parameters of one tp rank). Returns a
     :class:`ModelStateBytes` with ``params``, ``grads``, ``optimizer`` and ``total``; it also
     supports ``result["total"]``.
+
+    Expert parallelism ([Note: expert domain] in ``zero/domains.py``): ``expert_params`` of the
+    ``num_params`` are experts split over ``ep`` ranks; a rank holds ``expert_params / ep`` of them,
+    sharded over the ``dp / ep`` ranks holding the same experts, and the other
+    ``num_params - expert_params`` (dense) sharded over ``dp`` (here: the dense group, ``dp * cp``).
 
     Example (the paper's Figure 1: 7.5B parameters, 64 ranks, K = 12)::
 
@@ -81,9 +91,21 @@ def model_state_bytes(
         raise ValueError(f"model_state_bytes: dp must be >= 1, got dp={dp!r}")
     if num_params < 0:
         raise ValueError(f"model_state_bytes: num_params must be >= 0, got {num_params!r}")
-    params = param_bytes * num_params / (dp if stage >= 3 else 1)
-    grads = grad_bytes * num_params / (dp if stage >= 2 else 1)
-    optimizer = optim_bytes_per_param * num_params / (dp if stage >= 1 else 1)
+    if ep < 1 or dp % ep != 0 or not 0 <= expert_params <= num_params:
+        raise ValueError(
+            f"model_state_bytes: ep({ep}) must divide dp({dp}) and 0 <= expert_params({expert_params}) <="
+            f" num_params({num_params})"
+        )
+
+    def per_rank(bytes_per_param: int, sharded_from: int) -> float:
+        """Bytes a rank holds of a state that ZeRO shards from stage ``sharded_from`` on."""
+        dense_over, expert_over = (dp, dp // ep) if stage >= sharded_from else (1, 1)
+        dense = bytes_per_param * (num_params - expert_params) / dense_over
+        return dense + bytes_per_param * expert_params / ep / expert_over if expert_params else dense
+
+    params = per_rank(param_bytes, 3)
+    grads = per_rank(grad_bytes, 2)
+    optimizer = per_rank(optim_bytes_per_param, 1)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
@@ -115,49 +137,51 @@ class PrecisionBytes:
         return self.master + fp32_state_bytes * self.state // 4
 
 
-# Exactly the precisions ZeroStrategy accepts (runtime/precision.PRECISIONS; a test keeps them
-# equal); where each byte lives: docs/precision.md. Optimizer step traffic: fp32 AdamW reads/writes
-# param, exp_avg, exp_avg_sq and reads the grad (28 B); the -mixed ones add the grad-shard cast to
-# fp32 (2 + 4 B) and the master -> half copy (4 + 2 B); the -true ones move half of fp32's 28 B.
-_MIXED = PrecisionBytes(param=2, grad=2, master=4, moments=8, activation=2, optimizer_step_bytes=40)
-_TRUE_HALF = PrecisionBytes(param=2, grad=2, master=0, moments=4, activation=2, optimizer_step_bytes=14, state=2)
-PRECISIONS: dict[str, PrecisionBytes] = {
-    "32-true": PrecisionBytes(param=4, grad=4, master=0, moments=8, activation=4, optimizer_step_bytes=28),
-    "bf16-mixed": _MIXED,
-    "16-mixed": _MIXED,  # plus one fp32 loss scale (and its growth tracker) per rank
-    "bf16-true": _TRUE_HALF,
-    "16-true": _TRUE_HALF,
-}
+def policy_bytes(policy: PrecisionPolicy) -> PrecisionBytes:
+    """Bytes per parameter where ``policy`` keeps them (``runtime/precision.py`` says where each byte
+    lives; this says how many). Optimizer step traffic: AdamW reads/writes the param, exp_avg and
+    exp_avg_sq and reads the grad (28 B in fp32, half that in a half-precision state); separate fp32
+    masters add the grad-shard cast to fp32 (2 + 4 B) and the master -> half copy (4 + 2 B)."""
+    state = policy.state_bytes
+    master = state if policy.separate_masters else 0
+    return PrecisionBytes(
+        param=policy.param_bytes,
+        grad=policy.param_bytes,
+        master=master,
+        moments=2 * state,
+        activation=DTYPE_BYTES[policy.autocast or policy.params],
+        optimizer_step_bytes=28 * state // 4 + (12 if policy.separate_masters else 0),
+        state=state,
+    )
 
 
-def precision_bytes(precision: str, master_weights: str = "auto") -> PrecisionBytes:
-    """Bytes per parameter of ``precision``: the one rule the planner, the monitor and the tests
-    read. ``master_weights="fp32"`` (``ZeroConfig.master_weights``) under ``bf16-true``/``16-true``
-    adds fp32 masters and fp32 optimizer state to the half-precision compute: the bytes of the
-    ``-mixed`` row ([Note: master_weights] in ``runtime/precision.py``)."""
-    if str(precision) not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not supported by ZeroStrategy, so it is not planned; "
-            f"use one of {sorted(PRECISIONS)} (trainer.precision=...)"
-        )
-    if master_weights not in ("auto", "fp32"):
-        raise ValueError(f"precision_bytes: master_weights must be 'auto' or 'fp32', got {master_weights!r}")
-    row = PRECISIONS[str(precision)]
-    if master_weights == "fp32" and row.master == 0 and row.param == 2:
-        return _MIXED
-    return row
+PRECISIONS: dict[str, PrecisionBytes] = {name: policy_bytes(precision_policy(name)) for name in PRECISION_NAMES}
+"""Bytes per parameter of every precision ZeroStrategy accepts, under the default knobs."""
 
 
-def grad_bytes_per_param(precision: str, reduce_dtype: str = "compute") -> int:
+def precision_bytes(precision: str, master_weights: str = "auto", mixed_params: str = "auto") -> PrecisionBytes:
+    """Bytes per parameter of ``precision`` under the knobs ``master_weights`` and ``mixed_params``
+    (``ZeroConfig``'s): the one rule the planner, the monitor and the tests read. The policy, and
+    the knobs' validation, is ``runtime/precision.precision_policy`` ([Note: master_weights],
+    [Note: mixed_params] there)."""
+    try:
+        return policy_bytes(precision_policy(precision, master_weights, mixed_params))
+    except ValueError as error:
+        raise ValueError(f"precision_bytes: {error} (trainer.precision=..., strategy.<knob>=...)") from None
+
+
+def grad_bytes_per_param(precision: str, reduce_dtype: str = "compute", mixed_params: str = "auto") -> int:
     """Bytes per gradient element the engine holds and reduce-scatters: the precision's gradient
-    bytes, or 4 with ``ZeroStrategy(reduce_dtype="fp32")`` (fp32 bucket buffers and gradient
-    shards under bf16-mixed; no effect under 32-true). The planner, the monitor and the tests read
+    bytes (``mixed_params``: ``ZeroConfig.mixed_params``), or 4 with
+    ``ZeroStrategy(reduce_dtype="fp32")`` (fp32 bucket buffers and gradient shards under bf16-mixed;
+    no effect where the gradients are fp32 already). The planner, the monitor and the tests read
     gradient bytes through this function."""
     if reduce_dtype not in ("compute", "bf16", "fp32"):
         raise ValueError(
             f'grad_bytes_per_param: reduce_dtype must be "compute", "bf16" or "fp32", got {reduce_dtype!r}'
         )
-    return 4 if reduce_dtype == "fp32" else PRECISIONS[precision].grad
+    # [Note: bucket_mb counts gradient bytes] in zero/bucketing.py
+    return grad_element_bytes(precision_bytes(precision, mixed_params=mixed_params).grad, reduce_dtype == "fp32")
 
 
 # Optimizer state bytes per (fp32) parameter, by optimizer class name: what the ledger's ``K``

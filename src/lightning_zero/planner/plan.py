@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_zero.planner.ledger import ActivationBytes, LinkBytes
+from lightning_zero.planner.ledger import ActivationBytes, LinkBytes, grad_bytes_per_param, precision_bytes
 from lightning_zero.planner.timing import StepTime
 
 GiB = 1024**3
@@ -155,6 +155,7 @@ class Plan:
     suggestions: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
     reduce_dtype: str = "compute"  # gradient buffers and reduce-scatters: "compute" or "fp32"
+    mixed_params: str = "auto"  # -mixed precisions: fp32 or half parameters ([Note: mixed_params])
     checkpointing: str = "none"  # "none" | "selective" | "full" ([Note: checkpointing modes])
     sequence_parallel: bool = False
 
@@ -171,12 +172,10 @@ class Plan:
         """No collective sends fewer bits than the tensor it carries: a ``grad_comm_dtype`` /
         ``param_comm_dtype`` of ``"int8"``, or ``"bf16"`` for fp32 gradients (``32-true``,
         ``reduce_dtype="fp32"``) or fp32 parameters, is lossy (docs/compression.md)."""
-        grads_fp32 = self.precision.startswith("32") or self.reduce_dtype == "fp32"
+        param_bytes = precision_bytes(self.precision, mixed_params=self.mixed_params).param
+        grad_bytes = grad_bytes_per_param(self.precision, self.reduce_dtype, self.mixed_params)
         wire_bytes = {None: 4, "fp32": 4, "bf16": 2, "int8": 1}
-        native = (
-            (self.grad_comm_dtype, 4 if grads_fp32 else 2),
-            (self.param_comm_dtype, 4 if self.precision.startswith("32") else 2),
-        )
+        native = ((self.grad_comm_dtype, grad_bytes), (self.param_comm_dtype, param_bytes))
         return all(wire_bytes[comm] >= need for comm, need in native)
 
     @property

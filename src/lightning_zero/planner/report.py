@@ -13,9 +13,11 @@ from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.models.checkpointing import checkpointing_mode
+from lightning_zero.models.moe.config import moe_preset_names
 from lightning_zero.planner.arithmetic import STAGES, plan_run, refuse_unplanned
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
+from lightning_zero.planner.moe import run_moe_plan
 from lightning_zero.planner.plan import Plan
 from lightning_zero.planner.search import search_layouts, topology_overrides
 from lightning_zero.planner.tables import (
@@ -100,6 +102,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         reserved_gib=float(plan_options["reserved_gib"]),
         reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
         master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
+        mixed_params=str(strategy.get("mixed_params", ZERO_DEFAULTS.mixed_params)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
@@ -163,6 +166,10 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     ``plan.search=true`` it also ranks every layout that fits (``plan.top`` shown).
     Returns the JSON-ready dict (``{"plan": ..., "stages": [...], "search": {...}}``).
     """
+    container = _to_container(cfg)
+    model = container.get("model")
+    if str(model.get("name") if isinstance(model, Mapping) else model).lower() in moe_preset_names():
+        return run_moe_plan(container, console=console)  # a mixture of experts: planner/moe.py
     model_config, kwargs, options = plan_kwargs_from_config(cfg)
     output_format = str(options.get("format", "table"))
     if output_format not in ("table", "json"):
@@ -207,6 +214,8 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
             reserved_gib=kwargs["reserved_gib"],
             max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
+            master_weights=kwargs["master_weights"],
+            mixed_params=kwargs["mixed_params"],
             lossless=bool(options.get("lossless")),
         )
         result["search"] = {

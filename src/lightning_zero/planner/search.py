@@ -26,6 +26,7 @@ from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.planner.arithmetic import _given_knobs, plan_run, refuse_unplanned
 from lightning_zero.planner.fit import plan_or_none
+from lightning_zero.planner.ledger import precision_bytes
 from lightning_zero.planner.plan import GiB, Plan
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -144,7 +145,14 @@ def _tp_sizes(devices_per_node: int) -> list[int]:
 
 
 # The ZeroConfig knobs the search keeps fixed (the others are its axes: stage, tp, bucket_mb, ...).
-FIXED_KNOBS = ("max_buckets_in_flight", "overlap_param_gather", "overlap_comm", "reduce_dtype")
+FIXED_KNOBS = (
+    "max_buckets_in_flight",
+    "overlap_param_gather",
+    "overlap_comm",
+    "reduce_dtype",
+    "master_weights",
+    "mixed_params",
+)
 
 
 def search_layouts(
@@ -172,6 +180,8 @@ def search_layouts(
     overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
     overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
+    master_weights: str = ZERO_DEFAULTS.master_weights,
+    mixed_params: str = ZERO_DEFAULTS.mixed_params,
     shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES,
     hierarchical: Sequence[bool] = HIERARCHICAL,
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS,
@@ -198,12 +208,17 @@ def search_layouts(
         overlap_param_gather = zero_config.overlap_param_gather
         overlap_comm = zero_config.overlap_comm
         reduce_dtype = zero_config.reduce_dtype
+        master_weights = zero_config.master_weights
+        mixed_params = zero_config.mixed_params
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
     from lightning_zero.planner.hardware import load_hardware
 
     start = time.perf_counter()
+    # the wire format that sends the tensors as they are (bf16 under bf16-mixed's bf16 parameters)
+    bf16_params = precision_bytes(precision, master_weights, mixed_params).param == 2
+    native = "bf16" if str(precision) == "bf16-mixed" and bf16_params else "fp32"
     config = resolve_config(model_config)
     hw = load_hardware(hardware)
     common = dict(
@@ -219,6 +234,8 @@ def search_layouts(
         overlap_param_gather=overlap_param_gather,
         overlap_comm=overlap_comm,
         reduce_dtype=reduce_dtype,
+        master_weights=master_weights,
+        mixed_params=mixed_params,
         suggest=False,
     )
     ranked: list[Ranked] = []
@@ -236,7 +253,7 @@ def search_layouts(
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
             topologies = _topologies(
-                stage, tp, world_size, devices_per_node, precision, shard_sizes, hierarchical, comm_dtypes
+                stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes
             )
             seq = seq_len or config.max_seq_len
             sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
@@ -299,7 +316,7 @@ def _topologies(
     tp: int,
     world_size: int,
     devices_per_node: int,
-    precision: str,
+    native: str,
     shard_sizes: Sequence[Union[None, int, str]],
     hierarchical: Sequence[bool],
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]],
@@ -315,7 +332,6 @@ def _topologies(
     plain = topology_defaults()
     if stage == 0 or world_size <= devices_per_node:
         return [plain]
-    native = "bf16" if str(precision) == "bf16-mixed" else "fp32"
     dp = world_size // tp
     out: list[dict[str, Any]] = []
     for shard_size in shard_sizes:

@@ -116,7 +116,7 @@ class ZeroSession:
         """``module`` on ``device`` (meta tensors stay: stage 3 materializes them), with dp rank 0's
         weights on every dp rank, and its TP layers' counter adopted."""
         move_real_tensors(module, device)
-        broadcast_module_states(module, self.dp_group)
+        broadcast_module_states(module, self.dp_group, self.groups.edp if self.dims and self.dims.ep > 1 else None)
         tp_counter = find_tp_counter(module)  # dp and tp traffic counted in one place
         if tp_counter is not None:
             self.comm_counter = tp_counter
@@ -134,6 +134,7 @@ class ZeroSession:
     ) -> "ZeroEngine":
         """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first), keeping
         each byte where ``precision`` says (runtime/precision.py)."""
+        from lightning_zero.zero.domains import ExpertDomain
         from lightning_zero.zero.engine import ZeroEngine
 
         if self.engine is not None:
@@ -146,7 +147,7 @@ class ZeroSession:
             dp_group=self.dp_group if groups is None else None,
             compute_dtype=precision.compute_dtype,
             master_dtype=precision.master_dtype,
-            norms_in_fp32=precision.autocast,
+            norms_in_fp32=precision.half_params_under_autocast,
             # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
             norm_group=dist.group.WORLD if groups is None else groups.replica,
             device=device,
@@ -155,6 +156,7 @@ class ZeroSession:
             shard_groups=groups,
             ranks_per_node=ranks_per_node,
             failure=self.failure_channel,
+            expert_domain=ExpertDomain.from_mesh(self.groups) if self.groups is not None else None,
         )
         if self.dims is not None and self.dims.tp_enabled:
             weigh_tp_norm(self.engine, self.dims.tp)
@@ -167,8 +169,10 @@ class ZeroSession:
 
         tp = self.dims.tp if self.dims is not None else 1
         tp_rank = self.dims.group_rank("tp", global_rank) if self.dims is not None else 0
+        ep = self.dims.ep if self.dims is not None else 1
+        ep_rank = self.dims.group_rank("ep", global_rank) if self.dims is not None else 0
         return RankPlacement(world_size, global_rank, self.dp_size(world_size), self.dp_rank(global_rank), tp,
-                             tp_rank, self.config.stage, precision)  # fmt: skip
+                             tp_rank, self.config.stage, precision, ep, ep_rank)  # fmt: skip
 
     @property
     def failed(self) -> bool:

@@ -33,18 +33,11 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
     length."""
     from lightning_zero.comm.mesh import ParallelDims
 
-    dims = ParallelDims(
-        world_size=num_nodes * num_processes,
-        devices_per_node=num_processes,
-        tp=config.tensor_parallel_size,
-        shard_size=config.shard_size,
-        hierarchical_reduce=config.hierarchical_reduce,
-        cp=config.cp,
-        ep=config.ep,
-    )
+    dims = ParallelDims.from_config(config, world_size=num_nodes * num_processes, devices_per_node=num_processes)
     model_config = getattr(lightning_module, "config", None)
     dims.validate(model_config if hasattr(model_config, "n_heads") else None)
-    check_model_layout(dims, lightning_module)
+    if lightning_module is not None:  # the Fabric door checks its model at setup_module
+        check_model_layout(dims, lightning_module)
     if config.sequence_parallel and dims.tp == 1:
         raise ValueError(
             f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={config.tensor_parallel_size!r} resolved"
@@ -110,12 +103,14 @@ def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
 
 
 def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
-    """The counter a tensor-parallel model's TP layers count into (``tp_comm_counter``, see
-    ``tp.parallelize_llama``), or ``None``."""
+    """The counter a model's own collectives count into (TP layers' ``tp_comm_counter``, see
+    ``tp.parallelize_llama``; expert parallelism's ``ep_comm_counter``, ``ep.parallelize_experts``,
+    which is the TP one when both exist), or ``None``."""
     for child in module.modules():
-        counter = getattr(child, "tp_comm_counter", None)
-        if isinstance(counter, CommCounter):
-            return counter
+        for name in ("tp_comm_counter", "ep_comm_counter"):
+            counter = getattr(child, name, None)
+            if isinstance(counter, CommCounter):
+                return counter
     return None
 
 
@@ -131,10 +126,17 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
                     child._buffers[key] = buffer.to(device)
 
 
-def broadcast_module_states(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Every dp rank starts from the weights of dp rank 0 of ``group`` (as DDP does at construction)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+def broadcast_module_states(
+    module: nn.Module, group: Optional[dist.ProcessGroup], expert_group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Every dp rank starts from the weights of dp rank 0 of ``group`` (as DDP does at construction);
+    with ``expert_group`` (``ep > 1``), expert parameters from rank 0 of that group (the EDP ranks
+    holding the same experts: [Note: expert domain] in ``zero/domains.py``)."""
+    from lightning_zero.zero.domains import is_expert_param
+
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             if not tensor.is_meta:
-                dist.broadcast(tensor.data, src=src, group=group)
+                over = expert_group if expert_group is not None and is_expert_param(tensor) else group
+                src = dist.get_global_rank(over, 0) if over is not None else 0
+                dist.broadcast(tensor.data, src=src, group=over)

@@ -25,7 +25,11 @@ its own; with ``Trainer(logger=False)`` it keeps them in ``history`` only):
 - ``zero/step_time_s``, ``zero/tokens_per_s`` (this rank), ``zero/tokens_per_s_total`` (x dp) and
   ``zero/mfu`` (model FLOPs / step time / the hardware config's peak; only with a hardware
   config: ``ZeroMonitor(hardware=...)``, or detected from the CUDA device's name), see
-  [Note: throughput] in ``throughput.py``.
+  [Note: throughput] in ``throughput.py``;
+- for a mixture of experts (a model with ``take_moe_stats``, ``models/moe``):
+  ``moe/layer<i>/tokens_{min,mean,max}`` (assignments per expert of this rank's micro-batches in
+  the step) and ``moe/balance_loss``, ``moe/z_loss``, read without a device sync ([Note: expert
+  load without a sync] in ``runtime/expert_load.py``; on CUDA the previous step's).
 
 It warns once (on global rank 0, through Lightning's ``rank_zero_warn``) when every parameter
 group's gradients fit in one bucket (nothing can overlap; it says which ``bucket_mb`` would), or, on
@@ -48,9 +52,10 @@ from lightning_zero.planner.ledger import (
     grad_bytes_per_param,
     model_state_bytes,
     optimizer_state_bytes,
-    precision_bytes,
+    policy_bytes,
 )
-from lightning_zero.runtime.precision import precision_label
+from lightning_zero.runtime.expert_load import ExpertLoadMeter
+from lightning_zero.runtime.precision import engine_policy
 from lightning_zero.runtime.throughput import (
     ThroughputMeter,
     batch_tokens,
@@ -72,15 +77,18 @@ def peak_memory_bytes(device: torch.device) -> int:
 def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
     parameter come from the ledger's one rule: ``precision_bytes`` and ``optimizer_state_bytes``)."""
-    precision, master_weights = precision_label(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
-    per_param = precision_bytes(precision, master_weights)
+    policy = engine_policy(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
+    per_param = policy_bytes(policy)
     reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
+    local_experts, ep = engine.expert_split()  # [Note: expert domain]: experts / ep, sharded over edp
     return model_state_bytes(
-        engine.num_params(),
+        engine.num_params() + (ep - 1) * local_experts,
+        expert_params=ep * local_experts,
+        ep=ep,
         stage=engine.stage,
         dp=engine.dp_size,
         param_bytes=per_param.param,
-        grad_bytes=grad_bytes_per_param(precision, reduce_dtype),
+        grad_bytes=grad_bytes_per_param(policy.name, reduce_dtype, policy.mixed_params),
         optim_bytes_per_param=per_param.optimizer_bytes(optimizer_state_bytes(optimizer)),
     ).as_dict()
 
@@ -110,6 +118,7 @@ class ZeroMonitor(Callback):
         self._sent_before: dict[str, float] = {}
         self._link_before: dict[str, float] = {}
         self._previous_timeline: Optional[Any] = None  # CUDA: the figures logged lag one step
+        self._expert_load = ExpertLoadMeter()
 
     def _engine(self, trainer: Any) -> Optional[Any]:
         return getattr(trainer.strategy, "engine", None)
@@ -171,6 +180,9 @@ class ZeroMonitor(Callback):
             metrics["zero/tokens_per_s_total"] = step.tokens_per_s_total
             if step.mfu is not None:
                 metrics["zero/mfu"] = step.mfu
+        take_moe_stats = getattr(getattr(pl_module, "model", None), "take_moe_stats", None)
+        if callable(take_moe_stats):  # a mixture of experts ([Note: expert load without a sync])
+            metrics.update(self._expert_load.step(take_moe_stats()))
         self.history.append(metrics)
         if trainer.loggers:  # Trainer(logger=False): history only (Lightning warns once per metric otherwise)
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True, logger=True)

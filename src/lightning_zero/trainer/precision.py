@@ -1,20 +1,17 @@
-"""Precision plugins for ZeroStrategy (Lightning glue).
+"""Precision plugins for ZeroStrategy (Lightning glue): Lightning's plugins mapped onto the one policy.
 
 ``ZeroStrategy`` swaps the plugin Lightning builds from ``Trainer(precision=...)`` (or the one
 passed in ``plugins=[...]``) for one of these; each carries the
-:class:`~lightning_zero.runtime.precision.PrecisionPolicy` the engine is built from (where each
-byte lives: ``runtime/precision.py``, docs/precision.md):
+:class:`~lightning_zero.runtime.precision.PrecisionPolicy` that ``runtime/precision.py`` gives for
+the plugin's precision string and the strategy's ``ZeroConfig`` (where each byte lives, and the
+knobs' validation, are there and in docs/precision.md, not here):
 
-- ``Precision`` (``"32-true"``) -> :class:`ZeroPrecision`: fp32 parameters and gradients; the
-  parameter chunk is its own master (4 + 4 + 8 bytes/param for Adam before sharding).
-- ``MixedPrecision("bf16-mixed" | "16-mixed")`` -> :class:`ZeroMixedPrecision`: the engine keeps
-  half-precision compute parameters and gradients and fp32 master + optimizer state only in the
-  shards (2 + 2 + 12 bytes/param, the ZeRO paper's mixed-precision Adam); forward also runs under
-  ``torch.autocast`` so the ops autocast keeps in fp32 stay there. ``16-mixed`` adds the user's
-  dynamic loss scaler, whose skip decision is global.
+- ``Precision`` (``"32-true"``) -> :class:`ZeroPrecision`.
+- ``MixedPrecision("bf16-mixed" | "16-mixed")`` -> :class:`ZeroMixedPrecision`: Lightning's
+  autocast forward; ``convert_module`` leaves the module to the engine; ``16-mixed`` adds the
+  user's dynamic loss scaler, whose skip decision is global.
 - ``HalfPrecision("bf16-true" | "16-true")`` -> :class:`ZeroHalfPrecision`: the module is
-  converted to the half dtype as under ddp, and the optimizer steps the half-precision chunks
-  (2 + 2 + 4 bytes/param), or fp32 masters with ``ZeroStrategy(master_weights="fp32")``.
+  converted to the half dtype as under ddp.
 
 Every one routes gradient clipping to the engine, which clips the sharded gradients by the
 *global* norm (one all-reduce of the squared chunk norms) instead of each rank's local chunk.
@@ -22,7 +19,7 @@ Every one routes gradient clipping to the engine, which clips the sharded gradie
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -31,6 +28,9 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
+
+if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
 
 SUPPORTED_PRECISION = PRECISIONS
 
@@ -63,13 +63,13 @@ class ZeroPrecision(_EngineClipping, Precision):
 
     precision = "32-true"
 
-    def __init__(self) -> None:
-        self.policy = precision_policy("32-true")
+    def __init__(self, policy: Optional[PrecisionPolicy] = None) -> None:
+        self.policy = policy if policy is not None else precision_policy("32-true")
 
 
 class ZeroMixedPrecision(_EngineClipping, MixedPrecision):
-    """bf16/fp16 compute parameters and gradients under autocast, with fp32 master weights and
-    optimizer state in the shards.
+    """The forward under autocast; the engine holds fp32 parameters (``mixed_params="fp32"``, as ddp)
+    or half-precision ones with fp32 masters in the shards (``"half"``), as ``policy`` says.
 
     ``16-mixed`` keeps Lightning's loss scaling with the user's ``torch.amp.GradScaler`` (its
     ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``; its state is the
@@ -81,9 +81,15 @@ class ZeroMixedPrecision(_EngineClipping, MixedPrecision):
     the update on every rank alike) and ``scaler.update`` (growth or backoff).
     """
 
-    def __init__(self, precision: str = "bf16-mixed", device: str = "cpu", scaler: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str = "cpu",
+        scaler: Optional[Any] = None,
+        policy: Optional[PrecisionPolicy] = None,
+    ) -> None:
         MixedPrecision.__init__(self, precision=precision, device=device, scaler=scaler)  # type: ignore[arg-type]
-        self.policy = precision_policy(precision)
+        self.policy = policy if policy is not None else precision_policy(precision)
         self.overflows: list[tuple[bool, bool]] = []  # per scaled step: (this rank's shard, any rank's)
 
     @override
@@ -106,7 +112,8 @@ class ZeroMixedPrecision(_EngineClipping, MixedPrecision):
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        # The engine casts the parameters itself, after taking the fp32 master chunks from them.
+        # The engine casts the parameters itself (mixed_params="half"), after taking the fp32 master
+        # chunks from them; under "fp32" they stay fp32, as ddp keeps them.
         return module
 
 
@@ -114,29 +121,29 @@ class ZeroHalfPrecision(_EngineClipping, HalfPrecision):
     """The whole module in bf16 (``bf16-true``) or fp16 (``16-true``), as ddp holds it; the
     optimizer steps the half-precision chunks, or fp32 masters (``master_weights="fp32"``)."""
 
-    def __init__(self, precision: str = "bf16-true", master_weights: str = "auto") -> None:
+    def __init__(self, precision: str = "bf16-true", policy: Optional[PrecisionPolicy] = None) -> None:
         HalfPrecision.__init__(self, precision=precision)  # type: ignore[arg-type]
-        self.policy = precision_policy(precision, master_weights)
+        self.policy = policy if policy is not None else precision_policy(precision)
 
 
-def to_zero_precision(plugin: Optional[Precision], master_weights: str = "auto") -> Optional[Precision]:
-    """Map Lightning's plugin for ``precision=...`` to ours, or raise naming the supported ones."""
+def to_zero_precision(plugin: Optional[Precision], config: "ZeroConfig") -> Optional[Precision]:
+    """Map Lightning's plugin for ``precision=...`` to ours, carrying the policy of its precision
+    under ``config``'s knobs; raises naming the supported precisions."""
     if plugin is None:
         return plugin
-    if isinstance(plugin, ZeroHalfPrecision) and plugin.policy.master_weights != master_weights:
-        return ZeroHalfPrecision(plugin.precision, master_weights)
-    if isinstance(plugin, _EngineClipping):
+    if not (type(plugin) is Precision or isinstance(plugin, (_EngineClipping, MixedPrecision, HalfPrecision))):
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        precision_policy(name)  # raises naming the supported precisions for an unknown name
+        raise ValueError(
+            f"ZeroStrategy does not support the precision plugin {type(plugin).__name__} ({name!r}): pass"
+            " Trainer(precision=...) with one of " + ", ".join(PRECISIONS) + " (or Lightning's own"
+            " Precision / MixedPrecision / HalfPrecision plugin for it)."
+        )
+    policy = precision_policy(plugin.precision, config.master_weights, config.mixed_params)
+    if isinstance(plugin, _EngineClipping) and plugin.policy == policy:
         return plugin
-    if type(plugin) is Precision:
-        return ZeroPrecision()
     if isinstance(plugin, MixedPrecision):
-        return ZeroMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
+        return ZeroMixedPrecision(plugin.precision, plugin.device, plugin.scaler, policy)
     if isinstance(plugin, HalfPrecision):
-        return ZeroHalfPrecision(plugin.precision, master_weights)
-    name = getattr(plugin, "precision", type(plugin).__name__)
-    precision_policy(name)  # raises naming the supported precisions for an unknown name
-    raise ValueError(
-        f"ZeroStrategy does not support the precision plugin {type(plugin).__name__} ({name!r}): pass"
-        " Trainer(precision=...) with one of " + ", ".join(PRECISIONS) + " (or Lightning's own"
-        " Precision / MixedPrecision / HalfPrecision plugin for it)."
-    )
+        return ZeroHalfPrecision(plugin.precision, policy)
+    return ZeroPrecision(policy)

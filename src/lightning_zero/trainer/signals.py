@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import warnings
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_zero.checkpoint.publish import clean_leftovers
 from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.runtime.signals import AgreedSignals, SignalAgreement, requeue_slurm_job, world_exchange
 from lightning_zero.zero.waits import Waiter
@@ -183,20 +180,3 @@ def attach_scheduler_signals(trainer: Any, *, engine: Any, markers_cover_world: 
         trainer.callbacks.append(callback)
     callback.attach(trainer, engine=engine, markers_cover_world=markers_cover_world)
     return callback
-
-
-def clean_checkpoint_leftovers(trainer: Any, directories: Optional[list[Path]] = None) -> None:
-    """Rank 0 removes what a killed save left beside the checkpoints ([Note: staging names] in
-    ``checkpoint/publish.py``), with a warning, in ``directories`` (default: the run's directory
-    and every ``ModelCheckpoint``'s; a load cleans its checkpoint's directory too); then every
-    rank waits for it."""
-    if trainer.is_global_zero:
-        if directories is None:
-            directories = [Path(trainer.default_root_dir)]
-            directories += [
-                Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath
-            ]
-        for directory in sorted(set(directories)):
-            for line in clean_leftovers(directory):
-                warnings.warn(f"lightning_zero: {line}", stacklevel=2)
-    trainer.strategy.barrier("lightning_zero-checkpoint-leftovers")

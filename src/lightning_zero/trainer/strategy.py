@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Literal, Optional, Union
 
 import torch
@@ -31,11 +30,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
+from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.failure_path import FailureNotice, check_step_output, where
 from lightning_zero.trainer.precision import to_zero_precision
-from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals, clean_checkpoint_leftovers
+from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -112,6 +112,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         reduce_dtype: Literal["compute", "bf16", "fp32"] = ZERO_DEFAULTS.reduce_dtype,
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
+        mixed_params: Literal["auto", "fp32", "half"] = ZERO_DEFAULTS.mixed_params,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
         cp: int = ZERO_DEFAULTS.cp,
         ep: int = ZERO_DEFAULTS.ep,
@@ -132,7 +133,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # mesh, engine, failure channel, counter: the runtime both doors share (runtime/session.py)
         self.session = ZeroSession(self.zero_config, wrap_policy)
         self._restore: Optional["CheckpointRestore"] = None  # a checkpoint load across Lightning's three calls
-        self._saves: Any = None  # checkpoint/background.py's BackgroundSaves under async_checkpoint
+        # every save from request to link ([Note: checkpoint lifecycle] in runtime/checkpoints.py)
+        self.checkpoints = CheckpointLifecycle(
+            async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
+            failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
+        )  # fmt: skip
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -140,7 +145,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config.master_weights)
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config)
         return plugin
 
     @precision_plugin.setter
@@ -148,7 +153,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Lightning sets the plugin built from Trainer(precision=...) here, at construction:
         # unsupported precisions fail now, before any process starts.
-        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config.master_weights)
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config)
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
@@ -177,6 +182,14 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     @property
     def _dims(self) -> Any:
         return self.session.dims
+
+    @override
+    def _configure_launcher(self) -> None:
+        from lightning_zero.trainer.checkpoints import resolving_launcher
+
+        super()._configure_launcher()
+        # moved-aside checkpoints are back before Lightning resolves ckpt_path="last" (trainer/checkpoints.py)
+        self._launcher = resolving_launcher(self._launcher)
 
     # -- mesh -----------------------------------------------------------------------------------
     @property
@@ -248,13 +261,18 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
-        if fitting:  # [Note: signals as events] in runtime/signals.py; [Note: staging names] in checkpoint/publish.py
+        # [Note: signals as events] in runtime/signals.py; [Note: checkpoint lifecycle] in runtime/checkpoints.py
+        if fitting:
+            from lightning_zero.trainer.checkpoints import checkpoint_directories, route_links
+
             attach_scheduler_signals(
                 trainer,
                 engine=self.engine,
                 markers_cover_world=self.session.dense_size(self.world_size) == self.world_size,
             )
-            clean_checkpoint_leftovers(trainer)
+            self.checkpoints.clean(checkpoint_directories(trainer), lambda: self.barrier("lightning_zero-leftovers"))
+            route_links(trainer, self.checkpoints)
+            self.checkpoints.open()
 
     @contextmanager
     @override
@@ -395,15 +413,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        save_error = None
-        if self._saves is not None:  # [Note: background saves]: `last` complete, or left as it was
-            try:
-                self._saves.abandon() if self.failed else self._saves.wait()
-            except BaseException as error:  # a background save failed: raised after the teardown
-                save_error = error
-                self._saves.abandon()
-            self._saves.close()
-            self._saves = None
+        # [Note: checkpoint lifecycle]: `last` published, or left as it was; a failed save raised after the teardown
+        save_error = self.checkpoints.close()
         # Leave the module usable outside the Trainer (forward, state_dict): full parameters, fp32
         # under bf16-mixed as under ddp; on the failure path without the collectives.
         self.session.close_engine(self.global_rank)
@@ -435,8 +446,6 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): not supported.")
-        from lightning_zero.checkpoint.background import BackgroundSaves, save
-
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
             what = (f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every rank); the"
@@ -444,46 +453,42 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             self.session.warn_failed(self.global_rank, what)
             return
         self._wait_param_gathers()
-        if self.zero_config.async_checkpoint and self._saves is None:
-            self._saves = BackgroundSaves(self.zero_config.collective_timeout)
-        save(self._saves, filepath, checkpoint, module=self.lightning_module, engine=self.engine,
-             optimizers=self.optimizers, layout=self._checkpoint_layout())  # fmt: skip
+        self.checkpoints.save(filepath, checkpoint, step=(checkpoint.get("epoch"), checkpoint.get("global_step")),
+                              module=self.lightning_module, engine=self.engine, optimizers=self.optimizers,
+                              layout=self._checkpoint_layout())  # fmt: skip
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.zero_config.async_checkpoint and (self._saves is None or not self._saves.prepared):
+        if self.zero_config.async_checkpoint and not self.checkpoints.prepared:
             self._prepare_saves()
         return output
 
     def _prepare_saves(self) -> None:
         """[Note: host buffers before the first save] in checkpoint/background.py: once the optimizer
         state exists (a skipped first step, 16-mixed's overflow, has none yet: the next one then)."""
-        from lightning_zero.checkpoint.background import BackgroundSaves, live_tensors
+        from lightning_zero.checkpoint.background import live_tensors
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         callbacks = trainer.checkpoint_callbacks if trainer is not None else []
         with_optimizer = not callbacks or not all(getattr(cb, "save_weights_only", False) for cb in callbacks)
         if with_optimizer and not any(opt.state for opt in self.optimizers):
             return
-        if self._saves is None:
-            self._saves = BackgroundSaves(self.zero_config.collective_timeout)
         self._wait_param_gathers()
-        self._saves.prepare(live_tensors(module=self.lightning_module, engine=self.engine, optimizers=self.optimizers,
-                                         layout=self._checkpoint_layout(), with_optimizer=with_optimizer))  # fmt: skip
+        self.checkpoints.prepare(live_tensors(module=self.lightning_module, engine=self.engine,
+                                              optimizers=self.optimizers, layout=self._checkpoint_layout(),
+                                              with_optimizer=with_optimizer))  # fmt: skip
 
     def wait_for_checkpoint(self) -> None:
-        """Until a background save in flight is published ([Note: background saves]); raises its error."""
-        if self._saves is not None:
-            self._saves.wait()
+        """Until a background save in flight is published ([Note: checkpoint lifecycle]); raises its error."""
+        self.checkpoints.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning_zero.runtime.restore import CheckpointRestore
 
-        self.wait_for_checkpoint()
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            clean_checkpoint_leftovers(self.lightning_module.trainer, [Path(checkpoint_path).parent])
+        # the save in flight published; a checkpoint a killed publish moved aside back before it is read
+        self.checkpoints.before_load(checkpoint_path, lambda: self.barrier("lightning_zero-leftovers"))
         self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
         return self._restore.lightning_dict()
 
@@ -504,10 +509,5 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            from lightning_zero.checkpoint import remove_checkpoint
-
-            if self._saves is not None:  # once the newer one is published ([Note: background saves])
-                self._saves.remove_after(filepath)
-            else:
-                remove_checkpoint(filepath)
+        if self.is_global_zero:  # once the newer one is published ([Note: checkpoint lifecycle])
+            self.checkpoints.remove(filepath)

@@ -26,7 +26,8 @@ all raise, naming both. Two phases, two markers per optimizer step:
   parameter all-gather) follows the agreed marker.
 
 Cost: ``2 (20 + 4 R + 4 P)`` bytes and one exposed latency (the step's marker) per step, counted
-in ``CommCounter.control_bytes`` (``R``: the riders' slots, [Note: marker riders]). A rank that
+in ``CommCounter.control_bytes`` (``R``: the riders' slots, [Note: marker riders]; ``P``: parameter
+tensors, an expert parameter counting ``ep``: [Note: expert domain] in ``zero/domains.py``). A rank that
 steps without its backward, or skips a whole manual
 training step, is caught before it issues anything ([Note: a step without a backward]); ``training_step`` returning no loss is refused by the strategy.
 
@@ -105,6 +106,10 @@ class PhaseMarkers:
         slots: every reduced parameter's slot, in the same order on every rank (layout order).
         used: ids of the parameters that got a gradient on this rank since their optimizer last
             dropped its gradients (the reducer keeps it; [Note: parameters nobody used]).
+        expert_positions: ``{param id: (ep_size, ep_rank)}`` of the expert parameters: each gets
+            ``ep_size`` flags and this rank raises the one at ``ep_rank``, so the agreed flag is
+            whether any rank holding the same expert used it ([Note: expert domain] in
+            ``zero/domains.py``).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class PhaseMarkers:
         slots: list[ParamSlot],
         used: set[int],
         *,
+        expert_positions: Optional[dict[int, tuple[int, int]]] = None,
         group: Optional[dist.ProcessGroup],
         device: torch.device,
         counter: Optional[CommCounter],
@@ -119,6 +125,7 @@ class PhaseMarkers:
     ) -> None:
         self.slots = slots
         self.used = used
+        self.expert_positions = expert_positions or {}
         self.group = group
         self.dp_rank = dist.get_rank(group)
         self.device = device
@@ -133,10 +140,13 @@ class PhaseMarkers:
         """Launch this rank's marker of ``phase``: an all-reduce (MAX) over all of dp. ``overflow``:
         this rank's gradient shard holds an inf/NaN ([Note: global overflow] in optimizer.py)."""
         steps = self.optimizer_steps
-        if phase == PHASE_STEP:  # [Note: parameters nobody used] in reducer.py
-            flags = [1 if id(slot.param) in self.used else 0 for slot in self.slots]
-        else:
-            flags = [0] * len(self.slots)
+        flags = []
+        for slot in self.slots:
+            width, position = self.expert_positions.get(id(slot.param), (1, 0))
+            slot_flags = [0] * width
+            if phase == PHASE_STEP and id(slot.param) in self.used:  # [Note: parameters nobody used] in reducer.py
+                slot_flags[position] = 1
+            flags += slot_flags
         riding = [value for rider in self.riders for value in rider.values()]  # [Note: marker riders]
         mark = torch.tensor([phase, -phase, steps, -steps, int(overflow), *riding, *flags], dtype=torch.int32)
         mark = mark.to(self.device)
@@ -187,8 +197,12 @@ class PhaseMarkers:
                 start += rider.width
             if phase == PHASE_STEP:
                 self.overflow_anywhere = bool(agreed[4])
-                flags = agreed[start:]
-                self.unused_by_all = {id(slot.param) for slot, flag in zip(self.slots, flags) if not flag}
+                self.unused_by_all = set()
+                for slot in self.slots:
+                    width, position = self.expert_positions.get(id(slot.param), (1, 0))
+                    if not agreed[start + position]:
+                        self.unused_by_all.add(id(slot.param))
+                    start += width
             return
         mine = (phase, pending.steps)
         other = tuple(lo if hi == own else hi for hi, lo, own in zip(high, low, mine))

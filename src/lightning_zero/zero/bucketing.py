@@ -25,6 +25,23 @@ def bucket_numel_for_bytes(bucket_mb: float, element_size: int) -> int:
     return max(1, int(bucket_mb * MIB) // element_size)
 
 
+def grad_element_bytes(param_element_bytes: int, reduce_in_fp32: bool) -> int:
+    """[Note: bucket_mb counts gradient bytes] ``bucket_mb`` (and ``"auto"``'s quarter of the
+    gradient bytes) is MiB of *gradient* elements at every stage: of the dtype gradients are
+    bucketed, accumulated and reduce-scattered in, i.e. fp32 under ``reduce_dtype="fp32"`` and the
+    parameter's own compute dtype otherwise (a norm kept fp32 under bf16-mixed: 4 bytes). The
+    engine's builders (stages 1-2: ``zero/build.py``; stage 3: ``zero/stage3/init.py``) and the
+    planner (``planner/ledger.py`` ``grad_bytes_per_param``) size buckets through this function.
+    (Stage 3 once counted compute-dtype bytes, so ``reduce_dtype="fp32"`` under bf16-mixed made its
+    buckets twice the bytes the planner assumed.)"""
+    return 4 if reduce_in_fp32 else param_element_bytes
+
+
+def grad_bucket_numel(bucket_mb: float, param_element_bytes: int, reduce_in_fp32: bool) -> int:
+    """Elements in a gradient bucket of ``bucket_mb`` MiB ([Note: bucket_mb counts gradient bytes])."""
+    return bucket_numel_for_bytes(bucket_mb, grad_element_bytes(param_element_bytes, reduce_in_fp32))
+
+
 def first_bucket_numel(bucket_numel: int, element_size: int) -> int:
     """Elements in the first bucket of a stage 1-2 layout: ``FIRST_BUCKET_MB``, at most a bucket."""
     return max(1, min(bucket_numel, int(FIRST_BUCKET_MB * MIB) // element_size))

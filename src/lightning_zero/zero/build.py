@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, grad_element_bytes
+from lightning_zero.zero.domains import ExpertDomain, split_by_domain
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
 from lightning_zero.zero.param_side import ReplicatedParams, ShardedParams
 
@@ -130,9 +131,11 @@ def build_replicated(
     param_comm_dtype: Any,
     master_dtype: torch.dtype = torch.float32,
     norms_in_fp32: bool = True,
+    expert: Optional[ExpertDomain] = None,
 ) -> BuiltParams:
-    """Stages 1-2: one flat group per optimizer param group and compute dtype (norm layers with
-    running statistics stay fp32 under bf16-mixed); parameters no optimizer steps stay as they are."""
+    """Stages 1-2: one flat group per optimizer param group, compute dtype and domain (norm layers
+    with running statistics stay fp32 under bf16-mixed; expert parameters are sharded over
+    ``expert``'s group: [Note: expert domain]); parameters no optimizer steps stay as they are."""
     groups: list[FlatParamGroup] = []
     per_optimizer: list[list[list[FlatParamGroup]]] = []
     managed: set[int] = set()
@@ -144,29 +147,29 @@ def build_replicated(
             flat = []
             kept_fp32 = [p for p in params if id(p) in fp32_ids]
             rest = [p for p in params if id(p) not in fp32_ids]
-            for members, dtype in ((rest, compute_dtype), (kept_fp32, torch.float32)):
-                if not members:
-                    continue
-                grad_dtype = reduce_dtype if reduce_dtype == torch.float32 else dtype
-                bucket_numel = bucket_numel_for(bucket_mb, grad_dtype)
-                layout = FlatLayout(
-                    members,
-                    [names[id(p)] for p in members],
-                    dp=dp_size,
-                    bucket_numel=bucket_numel,
-                    first_bucket_numel=first_bucket_numel(bucket_numel, grad_dtype.itemsize),
-                )
-                flat.append(
-                    FlatParamGroup(
+            for same_dtype, dtype in ((rest, compute_dtype), (kept_fp32, torch.float32)):
+                for members, domain in split_by_domain(same_dtype, expert):
+                    # [Note: bucket_mb counts gradient bytes] in zero/bucketing.py
+                    grad_bytes = grad_element_bytes(dtype.itemsize, reduce_dtype == torch.float32)
+                    bucket_numel = bucket_numel_for_bytes(bucket_mb, grad_bytes)
+                    layout = FlatLayout(
+                        members,
+                        [names[id(p)] for p in members],
+                        dp=dp_size if domain is None else domain.size,
+                        bucket_numel=bucket_numel,
+                        first_bucket_numel=first_bucket_numel(bucket_numel, grad_bytes),
+                    )
+                    group = FlatParamGroup(
                         layout,
-                        dp_rank=dp_rank,
+                        dp_rank=dp_rank if domain is None else domain.rank,
                         compute_dtype=dtype,
                         device=device,
                         master_dtype=master_dtype if dtype == compute_dtype else torch.float32,
                         offload=config.offload_optimizer,
                         param_comm_dtype=param_comm_dtype,
                     )
-                )
+                    group.domain = domain
+                    flat.append(group)
             managed.update(id(p) for p in params)
             per_param_group.append(flat)
             groups.extend(flat)
@@ -193,14 +196,17 @@ def build_sharded(
     dp_rank: int,
     compute_dtype: torch.dtype,
     param_comm_dtype: Any,
+    reduce_dtype: torch.dtype,
     master_dtype: torch.dtype = torch.float32,
     norms_in_fp32: bool = True,
     wrap_policy: Optional[Callable[..., bool]],
     counter: CommCounter,
     waiter: Waiter,
+    expert: Optional[ExpertDomain] = None,
 ) -> BuiltParams:
     """Stage 3: the module cut into units, each rank keeping its shard of every unit, and the
-    runtime that gathers them on demand over a clone of the dp group."""
+    runtime that gathers them on demand over a clone of the dp group (expert parameters: of
+    ``expert``'s group, [Note: expert domain])."""
     from lightning_zero.zero.stage3 import Stage3Runtime, build_units, clone_dp_group, default_wrap_policy
 
     units, per_optimizer, init_peak, root_holders = build_units(
@@ -215,13 +221,19 @@ def build_sharded(
         master_dtype=master_dtype,
         norms_in_fp32=norms_in_fp32,
         device=device,
-        bucket_numel=bucket_numel_for(bucket_mb, compute_dtype),
+        bucket_mb=bucket_mb,
+        reduce_in_fp32=reduce_dtype == torch.float32,
         policy=wrap_policy or default_wrap_policy,
         offload=config.offload_optimizer,
         param_comm_dtype=param_comm_dtype,
+        expert=expert,
     )
     groups = [group for unit in units for group in unit.groups]
     ag_group = clone_dp_group(dp_group)
+    owned = [ag_group]
+    if expert is not None:  # every rank creates every clone, in the same order
+        expert.gather_group = clone_dp_group(expert.group)
+        owned.append(expert.gather_group)
     runtime = Stage3Runtime(
         units,
         ag_group,
@@ -233,5 +245,5 @@ def build_sharded(
         waiter=waiter,
     )
     return BuiltParams(
-        groups, per_optimizer, ShardedParams(runtime, groups), owned_groups=[ag_group], init_peak_param_bytes=init_peak
+        groups, per_optimizer, ShardedParams(runtime, groups), owned_groups=owned, init_peak_param_bytes=init_peak
     )

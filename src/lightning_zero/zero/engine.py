@@ -41,6 +41,7 @@ from lightning_zero.zero.build import (
     replicated_step,
 )
 from lightning_zero.zero.cpu_heap import raise_glibc_thresholds
+from lightning_zero.zero.domains import ExpertDomain, shard_group
 from lightning_zero.zero.flat import OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
@@ -99,6 +100,11 @@ class ZeroEngine:
             ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
         ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
             in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
+        expert_domain: expert parallelism (``ep > 1``): expert parameters (``param._lz_expert``)
+            are sharded, reduced and gathered over its EDP group instead of ``dp_group``
+            ([Note: expert domain] in ``zero/domains.py``; ``ExpertDomain.from_mesh``). ``None``:
+            every parameter is dense (with ``ep == 1`` expert parameters are replicated like
+            dense ones).
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -122,6 +128,7 @@ class ZeroEngine:
         shard_groups: Optional["ShardGroups"] = None,
         ranks_per_node: Optional[int] = None,
         failure: Optional[FailureChannel] = None,
+        expert_domain: Optional[ExpertDomain] = None,
     ) -> None:
         if not isinstance(config, ZeroConfig):
             raise TypeError(
@@ -134,6 +141,18 @@ class ZeroEngine:
                     "ZeroEngine: with shard_groups, ZeRO shards over shard_groups.shard; pass dp_group=None"
                 )
             dp_group = shard_groups.shard
+        if expert_domain is not None and shard_groups is not None:
+            raise ValueError(
+                "ZeroEngine(expert_domain=..., shard_groups=...): hybrid sharding of expert parameters is not"
+                " supported; with ep > 1 use shard_size=None and hierarchical_reduce=False"
+            )
+        if expert_domain is not None and expert_domain.grad_divisor != dist.get_world_size(dp_group):
+            raise ValueError(
+                f"ZeroEngine: expert_domain.grad_divisor({expert_domain.grad_divisor}) must be the dense group's"
+                f" size ({dist.get_world_size(dp_group)} ranks, dp * cp): both domains average over it"
+                " ([Note: gradient averaging over dp_cp] in comm/mesh.py)"
+            )
+        self.expert_domain = expert_domain
         self.config = config
         self.module = module
         self.dp_group = dp_group
@@ -164,6 +183,13 @@ class ZeroEngine:
         bucket_mb = resolve_bucket_mb(config.bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb  # in MiB, "auto" resolved
         check_elementwise(optimizers, config.stage)
+        replicated = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
+        if expert_domain is not None and replicated:
+            raise ValueError(
+                f"lightning_zero: {', '.join(replicated)} steps replicated full masters, which is not built for expert"
+                " parameters sharded over their EDP group (ep > 1) yet; use an element-wise optimizer (AdamW, SGD,"
+                " ...) with ep > 1, or ep=1."
+            )
         order = {id(param): i for i, (_, param) in enumerate(module.named_parameters())}
         if device is None:
             device = next(module.parameters()).device
@@ -176,11 +202,11 @@ class ZeroEngine:
             raise_glibc_thresholds()  # [Note: glibc's thresholds on CPU]
         where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
         where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
-        where.update(master_dtype=master_dtype, norms_in_fp32=norms_in_fp32)
+        where.update(master_dtype=master_dtype, norms_in_fp32=norms_in_fp32, expert=expert_domain)
         if config.stage == 3:
             built = build_sharded(
                 module, optimizers, config, **where, dp_group=dp_group, wrap_policy=wrap_policy,
-                counter=self.counter, waiter=self.waiter,
+                counter=self.counter, waiter=self.waiter, reduce_dtype=self.reduce_dtype,
             )  # fmt: skip
         else:
             built = build_replicated(module, optimizers, config, **where, reduce_dtype=self.reduce_dtype)
@@ -209,6 +235,8 @@ class ZeroEngine:
             hybrid=self._hybrid_reduce(),
             reduce_in_fp32=self.reduce_dtype == torch.float32 and compute_dtype != torch.float32,
         )
+        # [Note: no waits inside backward under expert parallelism] in reducer.py
+        self.reducer.waits_in_backward = expert_domain is None
         self.optimizers = [
             self._sharded_optimizer_class(optimizer)(
                 optimizer,
@@ -440,6 +468,15 @@ class ZeroEngine:
         """Unpadded parameter count managed by the engine (one dp replica)."""
         return sum(slot.numel for group in self.groups for slot in group.layout.slots)
 
+    def expert_split(self) -> tuple[int, int]:
+        """``(expert elements this rank holds, ep)`` ([Note: expert domain] in domains.py): what the
+        ledger's ``model_state_bytes(expert_params=..., ep=...)`` needs; ``(0, 1)`` without an
+        expert domain."""
+        if self.expert_domain is None:
+            return 0, 1
+        local = sum(slot.numel for group in self.groups if group.domain is not None for slot in group.layout.slots)
+        return local, self.expert_domain.ep_size
+
     def padding_numel(self) -> int:
         return sum(group.layout.padding_numel for group in self.groups)
 
@@ -546,7 +583,7 @@ class ZeroEngine:
         calls it after :meth:`unshard_parameters`. Collective over dp."""
         for group in self.groups:
             group.restore_master_params(
-                self.dp_group,
+                shard_group(group, self.dp_group),
                 self.counter,
                 lambda work: self.waiter.wait(work, lambda: "the fp32 master all-gather at teardown"),
             )

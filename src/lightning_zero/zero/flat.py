@@ -24,7 +24,7 @@ buffer (parameters become views into it) and the fp32 master chunks the optimize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from torch import nn
 from lightning_zero.comm.collectives import CommCounter, all_gather
 from lightning_zero.comm.compression import all_gather_compressed, is_lossy
 from lightning_zero.zero.bucketing import FIRST_BUCKET_MB, bucket_sizes, first_bucket_numel, padded_numel
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.domains import ExpertDomain
 
 __all__ = [  # FIRST_BUCKET_MB and first_bucket_numel: the engine imports them from here
     "FIRST_BUCKET_MB",
@@ -178,7 +181,10 @@ class ChunkedParamGroup:
         param_comm_dtype: Optional[str] = None,
     ) -> None:
         self.layout = layout
-        self.dp_rank = dp_rank
+        self.dp_rank = dp_rank  # rank in the group this one is sharded over (its domain's)
+        # [Note: expert domain] in zero/domains.py: the builder sets the expert domain of a group of
+        # expert parameters; None: dense (sharded over the engine's dp group).
+        self.domain: Optional[ExpertDomain] = None
         self.compute_dtype = compute_dtype
         self.master_dtype = master_dtype
         self.master_device = torch.device("cpu") if offload else device

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import CommCounter, all_reduce
+from lightning_zero.zero.domains import shard_group
 from lightning_zero.zero.flat import FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
 from lightning_zero.zero.waits import Waiter
@@ -314,7 +315,7 @@ class ShardedOptimizer:
                 work
                 for groups in self.flat_groups
                 for group in groups
-                for work in group.start_all_gather(self.dp_group, self.counter)
+                for work in group.start_all_gather(shard_group(group, self.dp_group), self.counter)
             ]
             name = type(self.optimizer).__name__
             self._wait_all(works, lambda i, n: f"the parameter all-gather {i + 1} of {n} after {name}.step()")

@@ -46,6 +46,7 @@ from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.comm.compression import all_gather_compressed
+from lightning_zero.zero.domains import shard_group
 from lightning_zero.zero.flat import FlatParamGroup
 from lightning_zero.zero.waits import Waiter
 
@@ -140,7 +141,7 @@ class ParamGatherer:
                     work = all_gather_compressed(  # ``param_comm_dtype=None``: the plain all-gather
                         group.param_bucket(bucket),
                         group.param_shard(bucket),
-                        self.dp_group,
+                        shard_group(group, self.dp_group),  # [Note: expert domain]
                         group.param_comm_dtype,
                         async_op=True,
                         counter=self.counter,

@@ -48,6 +48,17 @@ kernel behind the oldest reduce-scatter, and stage 1 has no memory reason for it
 the gradients). Stage 2's pool still bounds its buffers on a device (it completes the oldest bucket
 when no buffer is free: that wait is the reuse of the buffer, and must order after the collective).
 
+[Note: no waits inside backward under expert parallelism] A model whose backward runs collectives
+of its own (expert parallelism's token all-to-alls) and whose gradients arrive in a data-dependent
+order (an expert no token reached gets none) must never have the engine wait inside backward: a
+rank that waits there for a bucket (the in-flight limit, stage 2's pool) waits for a peer that
+launches that bucket only at the end of its backward, while the peer waits in the model's
+all-to-all for this rank, which is stuck in the wait: a deadlock (seen on 2 gloo ranks). So with
+an expert domain (``waits_in_backward = False``, set by the engine) every bucket launches when it is
+ready, the pool allocates beyond its bound during backward, and the waits happen in
+``finish_grad_sync``; the in-flight limit and the pool bound still hold outside backward. Memory
+during backward is then up to one full-size buffer per bucket in flight (docs/topology.md).
+
 [Note: markers off the host path] On a device the host must not read a collective's result
 inside backward: ``.tolist()`` on a device tensor waits for every kernel queued before it, so the
 launch queue would drain in the middle of every backward. The backward's phase marker is
@@ -103,6 +114,7 @@ from torch.profiler import record_function
 from lightning_zero.comm.collectives import CommCounter, all_reduce, reduce_scatter
 from lightning_zero.comm.compression import reduce_scatter_compressed
 from lightning_zero.zero.agreements import PHASE_BACKWARD, PendingMarker, PhaseMarkers
+from lightning_zero.zero.domains import domain_of, ep_shard_dim, shard_group
 from lightning_zero.zero.flat import FlatParamGroup, ParamSlot
 from lightning_zero.zero.grad_storage import Bucket, FullGradStorage, GradStorage, PendingReduce, ShardedGradStorage
 from lightning_zero.zero.timeline import DeviceClock, Mark, SyncTimeline
@@ -193,6 +205,8 @@ class GradReducer:
     ) -> None:
         self.config = config
         self.in_flight_high_water = 0  # most reduce-scatters in flight at once so far
+        # [Note: no waits inside backward under expert parallelism]: the engine sets False
+        self.waits_in_backward = True
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.hybrid = hybrid
@@ -218,6 +232,7 @@ class GradReducer:
         self.finished_backwards = 0  # backwards ended so far (see [Note: end of backward])
         self.learned_order = False
         self._backward_open = False
+        self._autograd_running = False
         self._callback_armed = False
         self._hits: dict[int, int] = {}  # param id -> gradients received in this backward
         self._last_hit: dict[int, int] = {}  # param id -> sequence number of its last gradient
@@ -233,6 +248,13 @@ class GradReducer:
         self.markers = PhaseMarkers(
             [slot for bucket in buckets for slot in bucket.layout.slots],
             self._used,
+            expert_positions={  # [Note: expert domain] in zero/domains.py: ep flags per expert of its own
+                id(slot.param): (domain.ep_size, domain.ep_rank)
+                for bucket in buckets
+                if (domain := domain_of(bucket.group)) is not None
+                for slot in bucket.layout.slots
+                if ep_shard_dim(slot.param) is None
+            },
             group=hybrid.dp_group if hybrid is not None else dp_group,
             device=device,
             counter=counter,
@@ -273,6 +295,7 @@ class GradReducer:
 
     def _begin_backward(self) -> None:
         self._backward_open = True
+        self._autograd_running = True  # until finish_backward: the model's own collectives may run
         self.timeline.clear()
         self._last_hit.clear()
         for callback in self.on_backward_begin:
@@ -384,47 +407,52 @@ class GradReducer:
                 return
             self._launch(bucket)
 
-    def _reduce_rule(self, dtype: torch.dtype) -> tuple[dist.ReduceOp, bool]:
-        """``(op, divide_after)`` for a bucket of ``dtype`` ([Note: exact averaging])."""
+    def _reduce_rule(self, dtype: torch.dtype, bucket: Bucket) -> tuple[dist.ReduceOp, bool]:
+        """``(op, divide_after)`` for ``bucket`` of ``dtype`` ([Note: exact averaging]). Expert
+        buckets sum over their EDP group and are divided by ``dp * cp`` ([Note: expert domain]):
+        an in-collective AVG would divide by the EDP group's size."""
         if self._sum_then_divide:
             return dist.ReduceOp.SUM, True
-        if self._divides_before(dtype):
+        if self._divides_before(dtype, bucket):
             return dist.ReduceOp.SUM, False
+        if domain_of(bucket.group) is not None:
+            return dist.ReduceOp.SUM, True
         return grad_reduce_op(self._backend, dtype, self.grad_divisor)
 
-    def _divides_before(self, dtype: torch.dtype) -> bool:
+    def _divides_before(self, dtype: torch.dtype, bucket: Bucket) -> bool:
         """[Note: fp16 pre-division]: fp16, a power-of-two divisor, a plain SUM reduce-scatter."""
         n = self.grad_divisor
         if dtype != torch.float16 or self._sum_then_divide or n & (n - 1) or n == 1:
             return False
-        return grad_reduce_op(self._backend, dtype, n)[1]
+        return domain_of(bucket.group) is not None or grad_reduce_op(self._backend, dtype, n)[1]
 
     def _launch(self, bucket: Bucket) -> None:
         if self._next_launch == 0:  # [Note: phase markers]
             self._phase_pending = self.markers.start(PHASE_BACKWARD)
         # [Note: collectives in flight]: on a device no limit of the reducer's own
-        while self.waiter.poll and len(self._in_flight) >= self.config.max_buckets_in_flight:
+        while self.waiter.poll and self._may_wait() and len(self._in_flight) >= self.config.max_buckets_in_flight:
             self._complete(self._in_flight[0])
         full = self.storage.full_grad_for_launch(bucket)
         # In place: this rank's chunk of the full bucket receives the sum (NCCL and gloo allow it).
         start = bucket.layout.shard_start(bucket.group.dp_rank) - bucket.layout.start
         output = full[start : start + bucket.layout.shard_numel]
+        group = shard_group(bucket.group, self.dp_group)  # [Note: expert domain]
         self.timeline.add("launch", self._layout_index[id(bucket)])
         if self.hybrid is not None and self.hybrid.hierarchical:  # [Note: hierarchical reduction]
             work = self.hybrid.launch_hierarchical(full, output)
         elif self.config.grad_comm_dtype is not None and self.hybrid is None:  # compressed: an all-to-all (any backend)
             work = reduce_scatter_compressed(
-                output, full, self.dp_group, self.config.grad_comm_dtype, async_op=True, counter=self.counter,
+                output, full, group, self.config.grad_comm_dtype, async_op=True, counter=self.counter,
                 label="reduce_scatter_grads",
             )  # fmt: skip
         else:
-            if self._divides_before(full.dtype):  # [Note: fp16 pre-division]
+            if self._divides_before(full.dtype, bucket):  # [Note: fp16 pre-division]
                 full.div_(self.grad_divisor)
             work = reduce_scatter(
                 output,
                 full,
-                self.dp_group,
-                op=self._reduce_rule(full.dtype)[0],
+                group,
+                op=self._reduce_rule(full.dtype, bucket)[0],
                 async_op=True,
                 counter=self.counter,
                 label="reduce_scatter_grads",
@@ -464,7 +492,7 @@ class GradReducer:
         assert chunk is not None
         # reduced with SUM (gloo has no AVG; [Note: exact averaging]): divide this rank's chunk by dp;
         # with hybrid sharding by every dp rank of every replica (``grad_divisor``).
-        divisor = self.grad_divisor if self._reduce_rule(output.dtype)[1] else 1
+        divisor = self.grad_divisor if self._reduce_rule(output.dtype, bucket)[1] else 1
         if chunk.data_ptr() == output.data_ptr():
             if divisor != 1:
                 chunk.div_(divisor)  # stage 1: the chunk is the reduced part of the full buffer
@@ -486,9 +514,15 @@ class GradReducer:
         assert pending is not None
         self.markers.check(pending, lambda: f"the phase marker launched with {waiting_on()}")
 
+    def _may_wait(self) -> bool:
+        """Whether a wait for a bucket may happen now ([Note: no waits inside backward under expert
+        parallelism])."""
+        return self.waits_in_backward or not self._autograd_running
+
     def complete_oldest(self) -> bool:
-        """Wait for the oldest in-flight bucket (frees its pool buffer); False if none is in flight."""
-        if not self._in_flight:
+        """Wait for the oldest in-flight bucket (frees its pool buffer); False if none is in flight
+        or no wait may happen now (the pool then allocates beyond its bound)."""
+        if not self._in_flight or not self._may_wait():
             return False
         self._complete(self._in_flight[0])
         return True
@@ -500,6 +534,7 @@ class GradReducer:
         backward open (no gradient reached this rank) it still runs the sync, with zeros."""
         if not self._backward_open:
             self._begin_backward()
+        self._autograd_running = False
         self.timeline.add("backward_end", -1)
         if self._syncing():
             for callback in self.before_final_launch:

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import all_gather
+from lightning_zero.zero.domains import shard_group
 from lightning_zero.zero.flat import ChunkedParamGroup, FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
 from lightning_zero.zero.optimizer import ShardedOptimizer
@@ -142,7 +143,7 @@ class ReplicatedOptimizer(ShardedOptimizer):
                 all_gather(
                     full[bucket.start : bucket.end],
                     chunk,
-                    self.dp_group,
+                    shard_group(group, self.dp_group),  # [Note: expert domain]
                     async_op=True,
                     counter=self.counter,
                     label=label,

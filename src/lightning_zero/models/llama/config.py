@@ -147,32 +147,41 @@ def preset_names() -> tuple[str, ...]:
     return tuple(_PRESETS)
 
 
-def _check_fields(values: Mapping[str, Any], where: str) -> None:
-    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+def _check_fields(values: Mapping[str, Any], where: str, cls: Optional[type] = None) -> None:
+    """Raise unless every key of ``values`` is a field of ``cls`` (default ``LlamaConfig``)."""
+    cls = cls or LlamaConfig
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; LlamaConfig fields are {sorted(known)}")
+        raise ValueError(f"{where}: unknown field(s) {unknown}; {cls.__name__} fields are {sorted(known)}")
 
 
 def resolve_config(config: Union[LlamaConfig, str, Mapping[str, Any]]) -> LlamaConfig:
     """Accept a ``LlamaConfig``, a preset name, or a mapping (a preset ``name`` plus overrides, or
     every field of a custom shape), as Hydra and ``load_from_checkpoint`` hand them over."""
-    if isinstance(config, LlamaConfig):
+    return resolve_preset_config(LlamaConfig, _PRESETS, config)
+
+
+def resolve_preset_config(cls: type, presets: Mapping[str, Mapping[str, Any]], config: Any) -> Any:
+    """``config`` as a ``cls`` dataclass with ``cls.from_name`` presets ``presets``: an instance, a
+    preset name, or a mapping (a preset ``name`` plus overrides, or every field)."""
+    kind = cls.__name__
+    if isinstance(config, cls):
         return config
     if isinstance(config, str):
-        return LlamaConfig.from_name(config)
+        return cls.from_name(config)
     if isinstance(config, Mapping):
         values = {str(key): value for key, value in config.items()}
         name = values.pop("name", None)
-        if name is not None and str(name).lower() in _PRESETS:
-            return LlamaConfig.from_name(name, **values)
-        _check_fields(values, where="LlamaConfig")
-        required = [f.name for f in dataclasses.fields(LlamaConfig) if f.default is dataclasses.MISSING]
+        if name is not None and str(name).lower() in presets:
+            return cls.from_name(name, **values)
+        _check_fields(values, kind, cls)
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         missing = [field for field in required if field != "name" and field not in values]
         if missing:
             raise ValueError(
-                f"LlamaConfig {name!r} is not a preset ({', '.join(_PRESETS)}) and misses field(s) {missing}; "
+                f"{kind} {name!r} is not a preset ({', '.join(presets)}) and misses field(s) {missing}; "
                 "give a preset name or every field"
             )
-        return LlamaConfig(name=str(name or "custom"), **values)
-    raise ValueError(f"config must be a LlamaConfig, a preset name or a mapping, got {type(config).__name__}")
+        return cls(name=str(name or "custom"), **values)
+    raise ValueError(f"config must be a {kind}, a preset name or a mapping, got {type(config).__name__}")

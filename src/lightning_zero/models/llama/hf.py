@@ -105,26 +105,29 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mappi
         k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")
     }
     max_positions = max(config.max_seq_len, int((base or {}).get("max_position_embeddings", 0)))
-    values.update(
-        architectures=[ARCHITECTURE],
-        model_type="llama",
+    values.update(architectures=[ARCHITECTURE], model_type="llama", **hf_decoder_fields(config, dtype))
+    values.update(intermediate_size=config.ffn_dim, max_position_embeddings=max_positions, mlp_bias=False)
+    values.update(hf_rope_fields(config))  # dynamic: max_position_embeddings is where scaling starts
+    return values
+
+
+def hf_decoder_fields(config: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json fields of the decoder every Llama-style family shares (embeddings,
+    attention, norms, dtype): a ``LlamaConfig`` or a config with the same fields (``MoEConfig``)."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
-        intermediate_size=config.ffn_dim,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
         num_key_value_heads=config.n_kv_heads,
         head_dim=config.head_dim,
         hidden_act="silu",
-        max_position_embeddings=max_positions,
+        max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
         attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=config.tie_embeddings,
         torch_dtype=str(dtype).removeprefix("torch."),
     )
-    values.update(hf_rope_fields(config))  # dynamic: max_position_embeddings is where scaling starts
-    return values
 
 
 def pretrained_config(requested: Union[None, str, LlamaConfig, Mapping[str, Any]], path: PathLike) -> LlamaConfig:

@@ -91,6 +91,8 @@ class LlamaLM(L.LightningModule):
     of every sequence (``TokenDataModule`` hands it out), see docs/context_parallel.md.
     """
 
+    model_class: type = Llama  # a model family built on Llama's decoder sets its own (``MoELM``)
+
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "LlamaLM":  # type: ignore[override]
         """Lightning's ``load_from_checkpoint`` for single-file checkpoints; a sharded
@@ -114,15 +116,8 @@ class LlamaLM(L.LightningModule):
     ) -> None:
         super().__init__()
         checkpointing_mode(activation_checkpointing, "LlamaLM(activation_checkpointing)")  # fail early
-        self.pretrained: Optional[Any] = None  # models.llama.hf.HFLlamaWeights when init_from is set
-        if init_from is not None:
-            from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
-
-            init_from = str(init_from)
-            self.config = pretrained_config(config, init_from)
-            self.pretrained = HFLlamaWeights(init_from, self.config)
-        else:
-            self.config = resolve_config("tiny" if config is None else config)
+        init_from = None if init_from is None else str(init_from)
+        self.config, self.pretrained = self._resolve_config(config, init_from)
         betas = tuple(float(beta) for beta in betas)
         if not lr > 0:
             raise ValueError(f"LlamaLM: lr must be > 0, got {lr}")
@@ -150,6 +145,16 @@ class LlamaLM(L.LightningModule):
             | {f"{stage}_ppl": PerplexityFromLoss() for stage in ("val", "test")}
         )
 
+    def _resolve_config(self, config: Any, init_from: Optional[str]) -> tuple[Any, Optional[Any]]:
+        """``(config, pretrained weights or None)`` from the constructor's arguments (a model
+        family's LightningModule built on this one overrides it)."""
+        if init_from is None:
+            return resolve_config("tiny" if config is None else config), None
+        from lightning_zero.models.llama.hf import HFLlamaWeights, pretrained_config
+
+        resolved = pretrained_config(config, init_from)
+        return resolved, HFLlamaWeights(init_from, resolved)  # read when the model is built
+
     def configure_model(self) -> None:
         tp_mesh = self._tp_mesh()
         if self.model is None:
@@ -159,13 +164,13 @@ class LlamaLM(L.LightningModule):
                 from lightning_zero.tp.layers import mark_tp_params
 
                 with torch.device("meta"):
-                    self.model = build_llama(self.config, self.pretrained)
+                    self.model = build_llama(self.config, self.pretrained, self.model_class)
                 self._parallelize(tp_mesh)
                 self.model.to_empty(device=target)
                 mark_tp_params(self.model)  # to_empty made new Parameter objects
                 self.model.init_weights()
             else:
-                self.model = build_llama(self.config, self.pretrained)
+                self.model = build_llama(self.config, self.pretrained, self.model_class)
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
         if tp_mesh is not None and not self._tp_applied:
             self._parallelize(tp_mesh)

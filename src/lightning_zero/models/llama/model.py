@@ -95,6 +95,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # Per-head RMSNorms on q and k before rotary (Qwen3): set by a model family that has them.
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
 
     recompute_core = False  # selective checkpointing ([Note: checkpointing modes]); set by Llama
     # Context parallelism: a cp.ulysses.UlyssesExchange set by cp.parallelize_context; x is then a
@@ -106,6 +109,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (B, T, q_heads, head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)  # (B, T, kv_heads, head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         exchange = self.sequence_exchange
         if exchange is not None:  # (B, T/cp, heads, head_dim) -> (B, T, heads/cp, head_dim)
             q, k, v = exchange.heads_from_sequence(q, k, v)
@@ -184,7 +189,9 @@ def _draw_dense(layer: nn.Module, draw: Callable[[torch.Tensor], Any]) -> None:
     weight.copy_(dense.narrow(dim, layer.tp_rank * weight.shape[dim], weight.shape[dim]))
 
 
-def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Llama":
+def build_llama(
+    config: LlamaConfig, weight_source: Optional[Any] = None, model_class: Optional[type] = None
+) -> "Llama":
     """Build a :class:`Llama` whose weights depend only on the RNG state and :meth:`Llama.init_weights`.
 
     The modules are created on the meta device (no default init draws random numbers), then,
@@ -192,10 +199,11 @@ def build_llama(config: LlamaConfig, weight_source: Optional[Any] = None) -> "Ll
     does), materialized on the current default device and initialized. Every strategy therefore
     starts from the same weights for the same seed. With ``weight_source`` (pretrained weights,
     see :attr:`Llama.weight_source`) initialization reads them instead of drawing random values.
+    ``model_class``: a family built on :class:`Llama` (``MoETransformer``); default ``Llama``.
     """
     target = torch.get_default_device()
     with torch.device("meta"):
-        model = Llama(config)
+        model = (model_class or Llama)(config)
     model.weight_source = weight_source
     if target.type != "meta":
         model.to_empty(device=target)
@@ -227,7 +235,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(self.make_block(config, layer_id) for layer_id in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -376,15 +384,24 @@ class Llama(nn.Module):
             return False
         for layer_id, layer in enumerate(self.layers):
             if module is layer:
-                depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
-                    trunc_normal(linear, 0.02)
-                for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
-                    trunc_normal(linear, depth_std)
-                layer.attention_norm.reset_parameters()
-                layer.ffn_norm.reset_parameters()
+                self.init_block(layer, layer_id, trunc_normal, generator)
                 return True
         return False
+
+    def make_block(self, config: Any, layer_id: int) -> nn.Module:
+        """Transformer block ``layer_id`` (a model family built on this decoder returns its own)."""
+        return TransformerBlock(config)
+
+    def init_block(self, layer: nn.Module, layer_id: int, trunc_normal: Callable, generator: Any) -> None:
+        """Initialize block ``layer_id`` (see :meth:`init_weights`); ``trunc_normal(linear, std)``
+        draws a (TP-aware) truncated normal weight."""
+        depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+        for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1):
+            trunc_normal(linear, 0.02)
+        for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
+            trunc_normal(linear, depth_std)
+        layer.attention_norm.reset_parameters()
+        layer.ffn_norm.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # Under context parallelism idx is a T/cp slice; attention runs on all T tokens at their

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.zero.bucketing import grad_bucket_numel
+from lightning_zero.zero.domains import ExpertDomain, is_expert_param
 from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
@@ -144,12 +146,15 @@ def _init(
             )
 
 
-def _broadcast(modules: list[nn.Module], group: Optional[dist.ProcessGroup]) -> None:
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+def _broadcast(modules: list[nn.Module], group: Optional[dist.ProcessGroup], expert: Optional[ExpertDomain]) -> None:
+    """Every rank of ``group`` gets rank 0's values; expert parameters only within ``expert``'s
+    group (the EP ranks hold different experts: [Note: expert domain])."""
     with torch.no_grad():
         for module in modules:
             for owner, key in _direct_tensors(module):
-                dist.broadcast(owner[key].data, src=src, group=group)
+                over = expert.group if expert is not None and is_expert_param(owner[key]) else group
+                src = dist.get_global_rank(over, 0) if over is not None else 0
+                dist.broadcast(owner[key].data, src=src, group=over)
 
 
 def build_units(
@@ -163,12 +168,14 @@ def build_units(
     dp_rank: int,
     compute_dtype: torch.dtype,
     device: torch.device,
-    bucket_numel: int,
+    bucket_mb: float,
+    reduce_in_fp32: bool = False,
     master_dtype: torch.dtype = torch.float32,
     norms_in_fp32: bool = True,
     policy: WrapPolicy = default_wrap_policy,
     offload: bool = False,
     param_comm_dtype: Optional[str] = None,
+    expert: Optional[ExpertDomain] = None,
 ) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]], int, list[nn.Module]]:
     """Cut ``module`` into units and shard each one's parameters, one unit at a time.
 
@@ -176,7 +183,9 @@ def build_units(
     one unit at a time, then reduced to this rank's shard, so no process ever holds more than one
     unit in full (sharded initialization). Parameters shared by several units go to the root
     ([Note: shared parameters]). Each unit keeps one flat group per (optimizer, param group) for
-    trainable parameters and one per dtype for frozen ones (never cast, never stepped). Returns the
+    trainable parameters and one per dtype for frozen ones (never cast, never stepped), each cut
+    once more by domain: expert parameters are sharded over ``expert``'s group ([Note: expert
+    domain] in ``zero/domains.py``). Returns the
     units (root last), per optimizer and param group the sharded groups the optimizer steps, the
     peak parameter bytes during init, and the root holders.
     """
@@ -206,7 +215,7 @@ def build_units(
         fresh = _materialize(modules, device)
         if fresh:
             _init(modules, fresh, init_owner, hf_owners, qualified)
-            _broadcast(modules, dp_group)
+            _broadcast(modules, dp_group, expert)
 
     walk: list[tuple[int, Optional[nn.Module]]] = []
     for candidate in module.modules():
@@ -242,21 +251,27 @@ def build_units(
             key = slot_of.get(id(param), ("frozen", param.dtype))
             if key[0] != "frozen" and id(param) in keep_fp32:
                 key = (*key, torch.float32)  # norm layers with running stats stay fp32 (as in stages 1-2)
-            by_key.setdefault(key, []).append(param)
-        for key, members in by_key.items():
+            domain = expert if expert is not None and is_expert_param(param) else None
+            by_key.setdefault((domain is not None, key), []).append(param)
+        for (in_expert_domain, key), members in by_key.items():
             members.sort(key=lambda p: order[id(p)])
-            layout = FlatLayout(members, [names[id(p)] for p in members], dp=dp_size, bucket_numel=bucket_numel)
+            domain = expert if in_expert_domain else None
+            size, rank = (dp_size, dp_rank) if domain is None else (domain.size, domain.rank)
             managed = key[0] != "frozen"
             dtype = (key[2] if len(key) == 3 else compute_dtype) if managed else members[0].dtype
+            # [Note: bucket_mb counts gradient bytes]: bytes of the gradient dtype (frozen: of their own)
+            bucket_numel = grad_bucket_numel(bucket_mb, dtype.itemsize, reduce_in_fp32 and managed)
+            layout = FlatLayout(members, [names[id(p)] for p in members], dp=size, bucket_numel=bucket_numel)
             group = ShardedFlatParamGroup(
                 layout,
-                dp_rank=dp_rank,
+                dp_rank=rank,
                 compute_dtype=dtype,
                 device=device,
                 master_dtype=(master_dtype if dtype == compute_dtype else torch.float32) if managed else dtype,
                 offload=offload and managed,
                 param_comm_dtype=param_comm_dtype if managed else None,  # frozen weights travel exact
             )
+            group.domain = domain
             unit.groups.append(group)
             if managed:
                 opt_index, group_index = key[:2]

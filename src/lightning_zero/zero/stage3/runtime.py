@@ -74,6 +74,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.comm.collectives import CommCounter, local_only
+from lightning_zero.zero.domains import gather_group
 from lightning_zero.zero.stage3.abort import AbortChannel
 from lightning_zero.zero.stage3.schedule import (
     DEMAND,
@@ -194,7 +195,7 @@ class Stage3Runtime:
         with record_function(f"lightning_zero::all_gather_unit::{unit.name}"):
             for group in unit.groups:
                 group.allocate()
-                unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
+                unit.works.extend(group.start_all_gather(gather_group(group, self.ag_group), self.counter))
         unit.gathered = True
         if unit is not self.root:
             self.gathered_numel += unit.numel
@@ -205,7 +206,7 @@ class Stage3Runtime:
         self._wait(unit)
         with record_function(f"lightning_zero::all_gather_unit::{unit.name}"):
             for group in unit.groups:
-                unit.works.extend(group.start_all_gather(self.ag_group, self.counter))
+                unit.works.extend(group.start_all_gather(gather_group(group, self.ag_group), self.counter))
         self._wait(unit)
 
     def _wait(self, unit: Unit) -> None:

@@ -1,0 +1,26 @@
+"""A mixture-of-experts decoder family on Llama's attention and norms: ``config`` (``MoEConfig`` and
+presets; plain Python), ``router`` (top-k softmax / sigmoid-with-bias routing, the balance and z
+losses), ``experts`` (stacked experts, grouped matmul), ``model`` (``MoETransformer``),
+``lightning`` (``MoELM``) and ``hf`` (Mixtral and Qwen3-MoE layouts: import, export). Expert
+parallelism (the token exchange) is ``lightning_zero.ep``.
+
+Names are imported lazily: ``MoEConfig`` does not import torch (the planner reads it)."""
+
+from __future__ import annotations
+
+from lightning_zero._lazy import lazy_attributes
+
+_LAZY = {
+    "MoE": "lightning_zero.models.moe.model",
+    "MoEBlock": "lightning_zero.models.moe.model",
+    "MoEConfig": "lightning_zero.models.moe.config",
+    "MoELM": "lightning_zero.models.moe.lightning",
+    "MoETransformer": "lightning_zero.models.moe.model",
+    "build_moe": "lightning_zero.models.moe.model",
+    "moe_preset_names": "lightning_zero.models.moe.config",
+    "resolve_moe_config": "lightning_zero.models.moe.config",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

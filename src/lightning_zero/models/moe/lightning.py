@@ -1,0 +1,101 @@
+"""``MoELM``: ``LlamaLM``'s training loop (AdamW, warmup + cosine, evaluation metrics) on a
+:class:`~lightning_zero.models.moe.model.MoETransformer`, with the MoE auxiliary losses added to
+the training loss and the experts split over the strategy's ``ep`` group."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_zero.models.llama.lightning import LlamaLM, split_batch
+from lightning_zero.models.moe.config import MoEConfig, check_moe_layout, resolve_moe_config
+from lightning_zero.models.moe.model import MoETransformer, build_moe
+
+
+class MoELM(LlamaLM):
+    """Next-token language modelling on a mixture-of-experts decoder.
+
+    Args: as :class:`~lightning_zero.models.llama.lightning.LlamaLM`'s, with ``config`` a MoE
+    preset (``tiny_moe``, ``tiny_moe_shared``, ``mixtral_8x7b``, ``qwen3_30b_a3b``,
+    ``deepseek_v3_671b``), a ``MoEConfig`` or a mapping (default ``tiny_moe``), and ``init_from``
+    a Hugging Face Mixtral or Qwen3-MoE directory.
+
+    The training loss is ``cross entropy + aux_loss_coef * balance + z_loss_coef * z`` (summed
+    over MoE layers; [Note: balance loss] in ``models/moe/router.py``); validation and test report
+    the cross entropy alone. Under expert parallelism (the strategy's ``expert_parallel_group``,
+    set when ``ep > 1``) ``configure_model`` keeps this rank's experts
+    (``lightning_zero.ep.parallelize_experts``).
+    """
+
+    def __init__(
+        self,
+        config: Union[None, MoEConfig, str, Mapping[str, Any]] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: Any = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        activation_checkpointing: Union[bool, str] = False,
+        init_from: Optional[str] = None,
+    ) -> None:
+        # save_hyperparameters() records this frame's locals too: plain types (a dict, a list).
+        config, betas = dataclasses.asdict(self._resolve_config(config, init_from, read_weights=False)[0]), list(betas)
+        super().__init__(config, lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio,
+                         activation_checkpointing, init_from)  # fmt: skip
+        self._ep_applied = False
+
+    def _resolve_config(self, config: Any, init_from: Optional[str], read_weights: bool = True) -> tuple[Any, Any]:
+        if init_from is None:
+            return resolve_moe_config("tiny_moe" if config is None else config), None
+        from lightning_zero.models.moe.hf import HFMoEWeights, pretrained_config
+
+        resolved = pretrained_config(config, str(init_from))
+        return resolved, HFMoEWeights(str(init_from), resolved) if read_weights else None
+
+    model_class = MoETransformer
+
+    def configure_model(self) -> None:
+        group = self._ep_group()
+        target = torch.get_default_device()
+        if self.model is None and group is not None and target.type != "meta":
+            # Split on the meta device, then initialize (or read) only this rank's experts.
+            with torch.device("meta"):
+                self.model = build_moe(self.config, self.pretrained)
+            self._parallelize_experts(group)
+            self.model.to_empty(device=target)
+            self.model.mark_expert_params()  # to_empty made new Parameter objects
+            self.model.init_weights()
+        super().configure_model()  # builds the model if not yet, checkpointing, context parallelism
+        if group is not None and not self._ep_applied:
+            self._parallelize_experts(group)
+
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``, no
+        tensor parallelism (``check_moe_layout``), and context parallelism as Llama's attention
+        runs it. Raises ``ValueError`` naming the fix, before any process group starts."""
+        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        super().check_parallel_dims(dataclasses.replace(dims, ep=1))
+
+    def _ep_group(self) -> Optional[Any]:
+        """The strategy's expert-parallel group (``ZeroStrategy(ep=E)``, ``E > 1``), else ``None``."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        groups = getattr(strategy, "mesh_groups", None)
+        return None if groups is None or groups.dims.ep == 1 else groups.ep
+
+    def _parallelize_experts(self, group: Any) -> None:
+        from lightning_zero.ep.parallelize import parallelize_experts
+
+        parallelize_experts(self.model, group)
+        self._ep_applied = True
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, targets = split_batch(batch)
+        model = self._built_model()
+        cross_entropy = model.loss_fn(model(inputs), targets)
+        loss = cross_entropy + model.aux_loss()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss

@@ -1,0 +1,219 @@
+"""A decoder whose feed-forward layers are mixtures of experts, on Llama's attention and norms.
+
+    MoETransformer
+      tok_embeddings   nn.Embedding(vocab_size, dim)
+      layers[i]        MoEBlock
+        attention_norm   RMSNorm(dim)                          (models/llama)
+        attention        Attention: wq, wk, wv, wo (+ q_norm, k_norm with qk_norm)   (models/llama)
+        ffn_norm         RMSNorm(dim)
+        feed_forward     FeedForward (the first n_dense_layers)  (models/llama)
+        moe              MoE (the others):
+          router           Router: weight (n_experts, dim) [+ bias buffer]   (router.py)
+          experts          GroupedExperts: w1, w3 (E, expert_ffn, dim), w2 (E, dim, expert_ffn)
+          shared           FeedForward of width n_shared * expert_ffn (DeepSeek), or absent
+      norm             RMSNorm(dim)
+      output           nn.Linear(dim, vocab_size, no bias)
+
+Each ``MoE`` keeps what its last forward decided: ``aux`` (balance and z losses, fp32 scalars with
+their graph) and ``load`` (assignments per expert, a device tensor: no host read). The model sums
+the losses in :meth:`MoETransformer.aux_loss` and accumulates the loads and losses for the
+monitor (:meth:`MoETransformer.take_moe_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from lightning_zero.ep.dispatch import ExpertParallel, route_to_experts
+from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama
+from lightning_zero.models.moe.config import MoEConfig
+from lightning_zero.models.moe.experts import GroupedExperts, mark_expert_params
+from lightning_zero.models.moe.router import Router, balance_loss, expert_counts, z_loss
+
+
+class _Width(NamedTuple):
+    """The two fields Llama's ``FeedForward`` reads."""
+
+    dim: int
+    ffn_dim: int
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts (see the module doc)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.router = Router(config.dim, config.n_experts, config.top_k, config.router, config.norm_topk_prob,
+                             config.router_bias, config.routed_scaling)  # fmt: skip
+        self.experts = GroupedExperts(config.dim, config.expert_ffn_dim, config.n_experts)
+        self.shared = FeedForward(_Width(config.dim, config.shared_ffn_dim)) if config.n_shared_experts else None
+        self.n_experts = config.n_experts
+        self.capacity_factor = config.capacity_factor
+        self.ep: Optional[ExpertParallel] = None  # set by lightning_zero.ep.parallelize_experts
+        self.aux: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.load: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # (N, dim)
+        routing = self.router(tokens)
+        counts = expert_counts(routing.expert_ids, self.n_experts)
+        self.aux = (balance_loss(routing, counts), z_loss(routing))
+        self.load = counts.detach()
+        out = route_to_experts(tokens, routing.expert_ids, routing.weights, counts, self.experts,
+                               capacity_factor=self.capacity_factor, ep=self.ep)  # fmt: skip
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view(x.shape)
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual block: Llama's attention, then a dense SwiGLU or a :class:`MoE`."""
+
+    def __init__(self, config: MoEConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)  # type: ignore[arg-type]  (reads LlamaConfig's fields)
+        if config.qk_norm:
+            self.attention.q_norm = RMSNorm(config.head_dim, config.norm_eps)  # type: ignore[arg-type]
+            self.attention.k_norm = RMSNorm(config.head_dim, config.norm_eps)  # type: ignore[arg-type]
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        if layer_id < config.n_dense_layers:
+            self.feed_forward: Optional[FeedForward] = FeedForward(config)  # type: ignore[arg-type]
+            self.moe: Optional[MoE] = None
+        else:
+            self.feed_forward, self.moe = None, MoE(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        mlp = self.moe if self.moe is not None else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+
+def build_moe(config: MoEConfig, weight_source: Optional[Any] = None) -> "MoETransformer":
+    """A :class:`MoETransformer` whose weights depend only on the RNG state (``build_llama``'s rule)."""
+    return build_llama(config, weight_source, MoETransformer)  # type: ignore[arg-type,return-value]
+
+
+class MoETransformer(Llama):
+    """``forward(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab)``; after it,
+    :meth:`aux_loss` is the weighted sum of the MoE layers' balance and z losses.
+
+    Llama's decoder (embedding, rotary tables, forward, checkpointing, tied head, init order)
+    with :class:`MoEBlock` blocks: see the module doc. Initialization is Llama's scheme plus:
+    router N(0, 0.02) truncated, experts' ``w1`` like ``w1`` and ``w2``/``w3`` depth-scaled, drawn
+    expert by expert over *all* ``n_experts`` so an expert-parallel rank keeps the rows the whole
+    model would hold (the same random numbers at any ``ep``)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        self._load_sum: Optional[torch.Tensor] = None  # (n_moe_layers, E) assignments since last taken
+        self._aux_sum: Optional[torch.Tensor] = None  # (balance, z) summed over those forwards
+        self._forwards = 0
+        super().__init__(config)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, path: Any, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                        max_seq_len: Optional[int] = None) -> "MoETransformer":  # fmt: skip
+        """The model in a Hugging Face Mixtral or Qwen3-MoE directory (``models/moe/hf.py``), with
+        parameters in ``dtype`` on ``device``; in fp32 its logits equal transformers'."""
+        from lightning_zero.models.moe.hf import HFMoEWeights, config_from_hf
+
+        config = config_from_hf(path, max_seq_len)
+        weights = HFMoEWeights(path, config)
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.mark_expert_params()
+        model.tie_weights()
+        model.weight_source = weights
+        model.init_weights()
+        return model
+
+    def make_block(self, config: Any, layer_id: int) -> nn.Module:
+        return MoEBlock(config, layer_id)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.moe for layer in self.layers if layer.moe is not None]
+
+    def mark_expert_params(self) -> None:
+        """(Re)mark every stacked expert Parameter ([Note: stacked experts]); anything that makes new
+        Parameter objects (``to_empty`` from meta, a dtype change) drops the marks."""
+        for moe in self.moe_layers():
+            mark_expert_params(moe.experts)
+
+    def init_block(self, layer: nn.Module, layer_id: int, trunc_normal: Callable, generator: Any) -> None:
+        depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+        attention = layer.attention
+        for linear in (attention.wq, attention.wk, attention.wv):
+            trunc_normal(linear, 0.02)
+        trunc_normal(attention.wo, depth_std)
+        for norm in (layer.attention_norm, layer.ffn_norm, attention.q_norm, attention.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+        ffn = layer.feed_forward if layer.moe is None else layer.moe.shared
+        if ffn is not None:
+            trunc_normal(ffn.w1, 0.02)
+            trunc_normal(ffn.w2, depth_std)
+            trunc_normal(ffn.w3, depth_std)
+        if layer.moe is not None:
+            trunc_normal(layer.moe.router, 0.02)
+            layer.moe.router.reset_parameters()
+            experts = layer.moe.experts
+            for weight, std in ((experts.w1, 0.02), (experts.w3, depth_std), (experts.w2, depth_std)):
+                _draw_experts(experts, weight, std, generator)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(idx)
+        if torch.is_grad_enabled():
+            self._add_load()
+        return logits
+
+    def aux_loss(self) -> torch.Tensor:
+        """``aux_loss_coef * sum(balance) + z_loss_coef * sum(z)`` over the MoE layers of the last
+        forward (fp32 scalar; see [Note: balance loss] in ``models/moe/router.py``)."""
+        balance, z = self.aux_terms()
+        return self.config.aux_loss_coef * balance + self.config.z_loss_coef * z
+
+    def aux_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The balance and z losses of the last forward, each summed over the MoE layers."""
+        layers = self.moe_layers()
+        if any(layer.aux is None for layer in layers):
+            raise RuntimeError("MoETransformer.aux_terms: run a forward first")
+        balance = torch.stack([layer.aux[0] for layer in layers]).sum()  # type: ignore[index]
+        z = torch.stack([layer.aux[1] for layer in layers]).sum()  # type: ignore[index]
+        return balance, z
+
+    def _add_load(self) -> None:
+        load = torch.stack([layer.load for layer in self.moe_layers()]).float()  # type: ignore[misc]
+        aux = torch.stack(self.aux_terms()).detach()
+        if self._load_sum is None:
+            self._load_sum, self._aux_sum, self._forwards = load, aux, 1
+        else:
+            self._load_sum, self._aux_sum = self._load_sum + load, self._aux_sum + aux
+            self._forwards += 1
+
+    def take_moe_stats(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """What this rank's training forwards routed since the last call, as device tensors (no host
+        read), and start afresh: assignments per (MoE layer, expert) ``(n_moe_layers, E)`` summed,
+        and the ``(balance, z)`` losses (each summed over layers) averaged over the forwards;
+        ``None`` if none ran. ``runtime/expert_load.py`` turns them into the monitor's figures."""
+        if self._load_sum is None:
+            return None
+        stats = (self._load_sum, self._aux_sum / self._forwards)
+        self._load_sum = self._aux_sum = None
+        return stats
+
+
+def _draw_experts(experts: GroupedExperts, weight: torch.Tensor, std: float, generator) -> None:
+    """Draw every expert's matrix of ``weight`` in expert order (all ``n_experts``), keeping the
+    rows this rank holds (``expert_offset`` .. + ``n_local``): see :meth:`MoETransformer.init_weights`."""
+    scratch = torch.empty(weight.shape[1:], dtype=weight.dtype, device=weight.device)
+    first, count = experts.expert_offset, weight.shape[0]
+    for expert in range(experts.n_experts):
+        nn.init.trunc_normal_(scratch, std=std, a=-3 * std, b=3 * std, generator=generator)
+        if first <= expert < first + count:
+            weight[expert - first].copy_(scratch)

@@ -1,0 +1,104 @@
+"""The router of a mixture-of-experts layer and its two auxiliary losses.
+
+[Note: routing] ``Router.forward(x)`` maps tokens ``(N, dim)`` to ``Routing``: the ``top_k`` expert
+ids of each token, their combine weights, and the fp32 quantities the auxiliary losses read.
+
+- ``softmax`` (Mixtral, Qwen3-MoE): ``p = softmax(x W^T)`` over all experts in fp32; the k largest
+  are chosen and, with ``norm_topk_prob``, divided by their sum (Mixtral always renormalizes;
+  transformers' ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter`` compute exactly this).
+- ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(x W^T)``; experts are chosen by ``s + bias`` (the
+  ``router_bias`` buffer, DeepSeek's ``e_score_correction_bias``), weighted by ``s`` alone,
+  renormalized with ``norm_topk_prob``, times ``routed_scaling``. The bias is a buffer loaded from a
+  checkpoint and saved with it; the auxiliary-loss-free update rule that moves it during training
+  (DeepSeek-V3 section 2.1.2) is not implemented: it needs the global per-expert load each step
+  (one all-reduce) and is left for later.
+
+[Note: balance loss] The load-balancing loss of one MoE layer over the ``N`` tokens a rank's
+micro-batch routes (Switch Transformer / DeepSeek's normalization: 1 at perfect balance)::
+
+    balance = E / (N k) * sum_e  count_e * P_e        P_e = mean over tokens of p_e
+
+``count_e``: assignments to expert ``e`` (not differentiable); ``p``: the softmax probabilities, or
+for a sigmoid router the scores normalized to sum to 1 per token. The router z-loss (ST-MoE) is
+``mean over tokens of logsumexp(logits)^2``. Both are computed from the rank's own tokens *before*
+any token leaves the rank, so they are the same numbers with and without expert parallelism; under
+data parallelism each rank's loss holds its own micro-batch's term and the gradients average over
+ranks, as the cross entropy's do (the definition most libraries use: a per-rank sequence-batch
+statistic, not a global all-reduced one). Counts of tokens dropped by a capacity factor still count
+here (the router chose them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Routing(NamedTuple):
+    """What the router decided for ``N`` tokens."""
+
+    expert_ids: torch.Tensor  # (N, k) int64: chosen experts, in descending score order
+    weights: torch.Tensor  # (N, k) fp32: combine weights
+    probs: torch.Tensor  # (N, E) fp32: the balance loss's p (see [Note: balance loss])
+    logits: torch.Tensor  # (N, E) fp32: router logits (z-loss)
+
+
+class Router(nn.Module):
+    """``weight`` ``(n_experts, dim)`` (a bias-free linear gate) and, for DeepSeek-style routing,
+    the selection ``bias`` buffer ``(n_experts,)`` (see [Note: routing])."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, kind: str, norm_topk_prob: bool, bias: bool,
+                 scaling: float) -> None:  # fmt: skip
+        super().__init__()
+        self.top_k, self.kind, self.norm_topk_prob, self.scaling = top_k, kind, norm_topk_prob, scaling
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        if bias:
+            self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.bias = None
+
+    def reset_parameters(self) -> None:
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x, self.weight).float()  # (N, E)
+        if self.kind == "softmax":
+            probs = logits.softmax(dim=-1)
+            weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choose = scores if self.bias is None else scores + self.bias
+            expert_ids = choose.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, expert_ids)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        return Routing(expert_ids, weights, probs, logits)
+
+
+def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert ``(E,)`` int64 of ``expert_ids`` ``(N, k)``, on its device (no sync)."""
+    return torch.bincount(expert_ids.reshape(-1), minlength=n_experts)
+
+
+def balance_loss(routing: Routing, counts: torch.Tensor) -> torch.Tensor:
+    """[Note: balance loss]: ``E / (N k) * sum_e count_e * mean_tokens(p_e)``, fp32 scalar."""
+    tokens, n_experts = routing.probs.shape
+    top_k = routing.expert_ids.shape[-1]
+    if tokens == 0:
+        return routing.probs.sum() * 0.0
+    mean_probs = routing.probs.mean(dim=0)
+    return (counts.to(mean_probs.dtype) * mean_probs).sum() * (n_experts / (tokens * top_k))
+
+
+def z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean over tokens of logsumexp(logits)^2``, fp32 scalar."""
+    if routing.logits.shape[0] == 0:
+        return routing.logits.sum() * 0.0
+    return torch.logsumexp(routing.logits, dim=-1).pow(2).mean()

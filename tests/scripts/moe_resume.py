@@ -1,0 +1,74 @@
+"""A mixture of experts resumed on another expert-parallel size (issue 54 item 7), 4 CPU ranks.
+
+Usage: python tests/scripts/moe_resume.py OUT_DIR   (launched on 4 ranks by tests/test_moe_strategy.py)
+
+- ``straight``: ZeroStrategy(stage=2, ep=1), 6 optimizer steps uninterrupted;
+- ``ep2``: stage 2, ep=2 (two EP groups, experts sharded over EDP groups of 2), checkpoint at step 2;
+- ``ep1``: stage 2, ep=1, resumed from ``ep2``'s step-2 checkpoint, checkpoint at step 4;
+- ``ep4``: stage 3, ep=4 (every rank a quarter of the experts), resumed from ``ep1``'s step 4 to 6.
+
+(Each segment runs one step past its checkpoint, which is then a mid-run one, as
+tests/scripts/ckpt_train.py's resume cases use.) Each writes OUT_DIR/<case>.rank<r>.pt
+(per-micro-batch losses, the parameters at the end with the expert offsets); ``ep4``'s last
+checkpoint (saved at ep=4) stays in OUT_DIR/ckpts/ep4 for the export test.
+"""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero.data import TokenDataModule  # noqa: E402
+from lightning_zero.models.moe import MoELM  # noqa: E402
+
+CONFIG = dict(name="tiny_moe", n_experts=8, vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, expert_ffn_dim=16,
+              max_seq_len=16, qk_norm=True)  # fmt: skip
+# case: (ep, stage, first step, steps run to, resume from)
+SEGMENTS = {"straight": (1, 2, 0, 6, None), "ep2": (2, 2, 0, 3, None), "ep1": (1, 2, 2, 5, "ep2"),
+            "ep4": (4, 3, 4, 6, "ep1")}  # fmt: skip
+
+
+class Recorder(MoELM):
+    def __init__(self) -> None:
+        super().__init__(CONFIG, lr=1e-2, warmup_steps=1, max_steps=6)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+def data() -> TokenDataModule:
+    # 96 windows of 8 tokens: 12 batches of 2 per rank per epoch at dp 4 (6 steps of 2 micro-batches)
+    return TokenDataModule("synthetic", seq_len=8, batch_size=2, vocab_size=64, val_fraction=0.0, synthetic_tokens=800)
+
+
+def run(case: str, out: str) -> None:
+    ep, stage, first, last, resume = SEGMENTS[case]
+    ckpt_dir = os.path.join(out, "ckpts", case)
+    L.seed_everything(7, verbose=False)
+    model = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=last, strategy=ZeroStrategy(stage=stage, ep=ep, bucket_mb=0.01),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=2, gradient_clip_val=0.5,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=True)],
+    )  # fmt: skip
+    ckpt_path = os.path.join(out, "ckpts", resume, f"epoch=0-step={first}.ckpt") if resume else None
+    trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
+    params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
+    offsets = {i: moe.experts.expert_offset for i, moe in enumerate(model.model.moe_layers())}
+    torch.save({"losses": model.losses, "params": params, "offsets": offsets},
+               os.path.join(out, f"{case}.rank{trainer.global_rank}.pt"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:] or SEGMENTS:
+        run(name, sys.argv[1])

@@ -1,0 +1,106 @@
+"""A mixture of experts under ZeroStrategy(ep=E) stages 1-3 and under Lightning's ddp (no EP).
+
+Usage: python tests/scripts/moe_vs_ddp.py OUT_DIR CASE [CASE ...]   (launched on 2 or 4 ranks)
+Launched by tests/test_moe_strategy.py. Every case trains ``MoELM`` (``tiny_moe_shared``: a dense
+first layer, sigmoid routing with a selection bias, a shared expert, 8 routed experts top-2) in
+fp32 with gradient accumulation 2 and clipping, for STEPS optimizer steps, and writes
+OUT_DIR/<case>.rank<r>.pt: the per-micro-batch losses, this rank's parameters (an EP rank's experts
+are its rows of the stacked tensors, with their offset), the all-to-all bytes counted per label and
+the routing counts each micro-batch saw, and the monitor's ``moe/`` figures per step.
+
+The routing is steered through the selection bias (a buffer set inside ``training_step``, after
+ddp's buffer broadcast, identically in every case) so that
+
+- micro-batch 2 (step 1): the last ``8 / world`` experts get no token from any rank: under
+  ``ep = world`` the last rank receives zero tokens for all of its experts;
+- micro-batch 3 (step 1): expert 0 gets no token from global rank 0 (but from the others).
+"""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero.models.moe import MoELM  # noqa: E402
+
+STEPS = 3
+WORLD = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown drops it
+ACCUMULATE = 2
+SEQ = 16
+
+
+class SteeredMoE(MoELM):
+    def __init__(self) -> None:
+        super().__init__("tiny_moe_shared", lr=1e-2, warmup_steps=0, max_steps=STEPS, weight_decay=0.1)
+        self.losses: list[float] = []
+        self.loads: list[list[list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        world, rank = self.trainer.world_size, self.global_rank
+        for moe in self.model.moe_layers():
+            bias = moe.router.bias
+            bias.zero_()
+            if batch_idx == 2:
+                bias[-(bias.numel() // world) :] = -1e4
+            if batch_idx == 3 and rank == 0:
+                bias[0] = -1e4
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        self.loads.append(torch.stack([moe.load for moe in self.model.moe_layers()]).tolist())
+        return loss
+
+
+def tokens(world: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(11)
+    rows = 2 * world * ACCUMULATE * STEPS  # batch size 2 per rank
+    return torch.randint(0, 256, (rows, SEQ + 1), generator=gen)
+
+
+def strategy(case: str):
+    if case == "ddp":
+        return "ddp"
+    stage, ep = case.removeprefix("zero").split("_ep")
+    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02)
+
+
+def run(case: str, out_dir: str) -> None:
+    world = WORLD
+    L.seed_everything(42, verbose=False)
+    model = SteeredMoE()
+    loader = DataLoader(tokens(world), batch_size=2, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy(case), max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.05,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    strategy_ = trainer.strategy
+    counted = dict(strategy_.comm_counter.snapshot()["bytes"]) if isinstance(strategy_, ZeroStrategy) else {}
+    monitor = [cb for cb in trainer.callbacks if type(cb).__name__ == "ZeroMonitor"]
+    history = (
+        [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
+    )
+    params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
+    offsets = {i: moe.experts.expert_offset for i, moe in enumerate(model.model.moe_layers())}
+    torch.save(
+        {
+            "losses": model.losses,
+            "loads": model.loads,
+            "params": params,
+            "offsets": offsets,
+            "counted": counted,
+            "monitor": history,
+        },  # fmt: skip
+        os.path.join(out_dir, f"{case}.rank{trainer.global_rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        run(name, sys.argv[1])

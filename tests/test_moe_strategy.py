@@ -1,0 +1,144 @@
+"""Expert parallelism under ZeroStrategy against Lightning's ddp without EP (issue 54 item 4).
+
+One launch of tests/scripts/moe_vs_ddp.py per world size trains ``MoELM`` (``tiny_moe_shared``) in
+fp32 with accumulation 2 and clipping: on 2 ranks ddp and ``ep=2`` at stages 1-3, on 4 ranks ddp,
+``ep=4`` at stages 1-3 and ``ep=2`` (two EP groups, experts sharded over an EDP group of 2) at stage
+2. Micro-batch 2 routes no token to the last ``8 / world`` experts (under ``ep = world`` the last
+rank receives zero tokens for all of its experts), micro-batch 3 none from rank 0 to expert 0.
+Per-micro-batch losses and the trained weights must equal ddp's to 1e-5 (an EP rank's experts
+against the same rows of ddp's), and the all-to-all bytes counted from the split sizes must equal
+``planner.moe.all_to_all_bytes`` of the routing counts the ranks saw.
+
+A third launch (tests/scripts/moe_resume.py, 4 ranks) resumes across ep 2 -> 1 -> 4 (stages 2, 2,
+3) against one uninterrupted run, and exports the ep=4 checkpoint as a Hugging Face Qwen3-MoE
+directory, which transformers loads strictly with the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.planner.moe import MOE_EXCHANGES, all_to_all_bytes
+from tests.distributed import launch
+
+LAUNCHES = {
+    2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2"],
+    4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2"],
+}
+CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if case != "ddp"]
+TOL = 1e-5
+N_EXPERTS, DIM = 8, 64  # tiny_moe_shared
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for world, cases in LAUNCHES.items():
+        where = tmp_path_factory.mktemp(f"moe_ranks{world}")
+        launch("moe_vs_ddp.py", where, *cases, timeout_s=900, ranks=world)
+        out[world] = {case: [torch.load(where / f"{case}.rank{r}.pt") for r in range(world)] for case in cases}
+    return out
+
+
+def _ep(case: str) -> int:
+    return int(case.split("_ep")[1])
+
+
+@pytest.mark.parametrize("world,case", CASES)
+def test_losses_and_weights_equal_ddp(results, world, case):
+    reference, ranks = results[world]["ddp"], results[world][case]
+    for rank in range(world):
+        ours, theirs = ranks[rank], reference[rank]
+        assert len(ours["losses"]) == len(theirs["losses"]) == 6
+        worst_loss = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+        assert worst_loss < TOL, (rank, ours["losses"], theirs["losses"])
+        n_local = N_EXPERTS // _ep(case)
+        for name, value in ours["params"].items():
+            expected = theirs["params"][name]
+            if ".moe.experts." in name:
+                layer = int(name.split(".")[1]) - 1  # layer 0 is dense (tiny_moe_shared)
+                first = ours["offsets"][layer]
+                assert first == (rank % _ep(case)) * n_local
+                expected = expected[first : first + n_local]
+            torch.testing.assert_close(value, expected, rtol=0, atol=TOL, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("world,case", CASES)
+def test_all_to_all_bytes_equal_the_planner(results, world, case):
+    ep, ranks = _ep(case), results[world][case]
+    for rank in range(world):
+        group = [rank - rank % ep + i for i in range(ep)]
+        predicted = dict.fromkeys(MOE_EXCHANGES, 0.0)
+        for micro_batch in range(len(ranks[rank]["loads"])):
+            counts = [ranks[member]["loads"][micro_batch] for member in group]
+            sent = all_to_all_bytes(counts, rank=rank % ep, ep=ep, row_bytes=DIM * 4)
+            for label, value in sent.items():
+                predicted[label] += value
+        counted = {label: ranks[rank]["counted"].get(label, 0.0) for label in MOE_EXCHANGES}
+        assert counted == predicted, (rank, counted, predicted)
+        assert all(value > 0 for value in counted.values())
+
+
+@pytest.mark.parametrize("world", list(LAUNCHES))
+def test_steered_steps_starve_a_rank_and_an_expert(results, world):
+    ranks = results[world]["ddp"]
+    n_last = N_EXPERTS // world
+    for rank in range(world):
+        starved = torch.tensor(ranks[rank]["loads"][2])  # (moe layers, experts)
+        assert starved[:, -n_last:].sum() == 0 and starved.sum() > 0
+        expert0 = torch.tensor(ranks[rank]["loads"][3])[:, 0]
+        assert (expert0 == 0).all() if rank == 0 else (expert0 > 0).all()
+
+
+@pytest.mark.parametrize("world,case", [(2, "zero2_ep2"), (4, "zero3_ep4")])
+def test_monitor_logs_tokens_per_expert_and_the_aux_losses(results, world, case):
+    for rank, record in enumerate(results[world][case]):
+        assert len(record["monitor"]) == 3  # one entry per optimizer step
+        for step, logged in enumerate(record["monitor"]):
+            loads = torch.tensor(record["loads"][2 * step : 2 * step + 2]).sum(0)  # the step's 2 micro-batches
+            for layer, counts in enumerate(loads):
+                assert logged[f"moe/layer{layer}/tokens_min"] == counts.min().item()
+                assert logged[f"moe/layer{layer}/tokens_max"] == counts.max().item()
+                assert logged[f"moe/layer{layer}/tokens_mean"] == pytest.approx(counts.float().mean().item())
+            assert logged["moe/balance_loss"] > 0 and logged["moe/z_loss"] > 0, (rank, logged)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    where = tmp_path_factory.mktemp("moe_resume")
+    launch("moe_resume.py", where, timeout_s=900, ranks=4)
+    return where
+
+
+def test_resume_across_ep_2_1_4_equals_one_run(resumed):
+    for rank in range(4):
+        straight = torch.load(resumed / f"straight.rank{rank}.pt")
+        ep2, ep1, ep4 = (torch.load(resumed / f"{case}.rank{rank}.pt") for case in ("ep2", "ep1", "ep4"))
+        joined = ep2["losses"][:4] + ep1["losses"][:4] + ep4["losses"]  # steps 0-1, 2-3, 4-5 (2 micro-batches each)
+        assert len(joined) == len(straight["losses"]) == 12
+        assert max(abs(a - b) for a, b in zip(joined, straight["losses"])) < TOL, (rank, joined, straight["losses"])
+        for name, value in ep4["params"].items():
+            expected = straight["params"][name]
+            if ".moe.experts." in name:
+                first = ep4["offsets"][int(name.split(".")[1])]
+                assert first == 2 * rank  # 8 experts over ep=4
+                expected = expected[first : first + 2]
+            torch.testing.assert_close(value, expected, rtol=0, atol=TOL, msg=f"rank {rank} {name}")
+
+
+def test_export_of_an_ep4_checkpoint_gathers_the_experts(resumed, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_zero.cli import main
+    from lightning_zero.models.moe import MoETransformer
+
+    main(["export", str(resumed / "ckpts" / "ep4" / "last.ckpt"), str(tmp_path / "hf"), "--format", "hf"])
+    theirs, info = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    ours = MoETransformer.from_pretrained(tmp_path / "hf")
+    straight = torch.load(resumed / "straight.rank0.pt")["params"]
+    for name, value in straight.items():  # every expert, from the four ranks' rows
+        torch.testing.assert_close(ours.state_dict()[name], value, rtol=0, atol=TOL, msg=name)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(idx) - theirs.eval()(idx).logits).abs().max() < 1e-5
