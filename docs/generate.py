@@ -178,7 +178,11 @@ def recipe_row(name: str) -> str:
     layout = []
     if plan.tp > 1:
         layout.append(f"tp={plan.tp}" + (" + sequence parallel" if plan.sequence_parallel else ""))
-    sharded = f"ZeRO-{plan.stage} over dp={plan.dp}" if plan.shard_size in (None, plan.dp) else (
+    if plan.cp > 1:
+        layout.append(f"cp={plan.cp}")
+    dense = plan.dp * plan.cp  # ZeRO's group: the dp x cp ranks of one tp rank
+    over = f"dp={plan.dp}" if plan.cp == 1 else f"dp x cp={dense}"
+    sharded = f"ZeRO-{plan.stage} over {over}" if plan.shard_size in (None, dense) else (
         f"ZeRO-{plan.stage} over shards of {plan.shard_size} (dp={plan.dp})"
     )  # fmt: skip
     layout.append(sharded)

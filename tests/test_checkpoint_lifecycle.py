@@ -307,8 +307,8 @@ def test_an_older_releases_staging_name_never_fails_a_start(tmp_path, monkeypatc
 BASES = ["b_z1=zero1:base", "b_z2=zero2:base", "b_z3=zero3:base", "ma_z3=zero3:base4"]
 AFTER_FIT = ["af_z1=zero1a:after_fit", "af_z2=zero2a:after_fit", "af_z3=zero3a:after_fit", "af_ddp=ddp:after_fit"]
 # one launch each: the event ends the run (rank 1 SIGKILLed, or rank 0 inside a publish)
-KILLS = ["lk_z1=zero1a:kill@1", "lk_z2=zero2a:kill@1", "lk_z3=zero3a:kill@1", "sk_z3=zero3:kill@1",
-         "pk_z2=zero2:publish_kill"]  # fmt: skip
+KILLS = ["lk_z1=zero1a:kill@1", "lk_z2=zero2a:kill@1", "lk_z3=zero3a:kill@1", "sk_z1=zero1:kill@1",
+         "sk_z2=zero2:kill@1", "sk_z3=zero3:kill@1", "pk_z2=zero2:publish_kill"]  # fmt: skip
 EFBIG = ["fb_z1=zero1a:efbig@1", "fb_z2=zero2a:efbig@1", "fb_z3=zero3a:efbig@1"]
 SLOW = ["sl_z2=zero2a:slow@1"]
 # before the resume launch, its last.ckpt (step 4) is moved aside as the fallback publish does (fault 4)
@@ -379,7 +379,57 @@ def cells(tmp_path_factory):
     _plant_moved_aside(out)
     done["resume"] = _launch(out, [f"r_{name}=zero{name[-1]}{'a' if name[0] in 'lf' else ''}:resume"
                                    for name in RESUMED])  # fmt: skip
+    _record_matrix(out, "trainer", _trainer_rows(out, done))
     return out, done
+
+
+def _record_matrix(out: Path, door: str, rows: list[dict]) -> None:
+    """The fault-matrix rows of these cells (docs/checkpoints.md's table): ``<out>/matrix.json``,
+    and appended to ``$LZ_FAULT_MATRIX_JSON`` when set (one JSON row a line)."""
+    (out / "matrix.json").write_text(json.dumps(rows, indent=1))
+    target = os.environ.get("LZ_FAULT_MATRIX_JSON")
+    if target:
+        with open(target, "a") as handle:
+            for row in rows:
+                handle.write(json.dumps({"door": door, **row}) + "\n")
+
+
+def _seconds_to_exit(root: Path, launch: dict) -> float | None:
+    killed = root / "killed_at"
+    return round(launch["ended"] - float(killed.read_text()), 2) if killed.exists() else None
+
+
+def _resume_diff(done: dict, resumed: str, base: str) -> float | None:
+    try:
+        return max(abs(_losses(done, "resume", resumed, rank)[step] - _losses(done, "bases", base, rank)[step])
+                   for rank in (0, 1) for step in _losses(done, "resume", resumed, rank))  # fmt: skip
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def _trainer_rows(out: Path, done: dict) -> list[dict]:
+    rows = []
+    for trial in AFTER_FIT + SLOW:
+        name = _trial_name(trial)
+        rows.append(
+            {
+                "cell": name,
+                "event": trial.partition(":")[2],
+                "strategy": trial.split("=")[1].split(":")[0],
+                "codes": done["bases"]["codes"],
+                "error": done["bases"]["results"][0].get(name, {}).get("error"),
+            }
+        )
+    for trial in KILLS + EFBIG:
+        name = _trial_name(trial)
+        launch = done[name] if name in done else done["efbig"]
+        rows.append({"cell": name, "event": trial.partition(":")[2], "strategy": trial.split("=")[1].split(":")[0],
+                     "codes": launch["codes"], "seconds_to_exit": _seconds_to_exit(out / name, launch),
+                     "last_after_fault": done["left"][name]["last"],
+                     "resume_diff": _resume_diff(done, f"r_{name}", f"b_z{name[-1]}")})  # fmt: skip
+    rows.append({"cell": "ma_z3", "event": "moved aside", "strategy": "zero3", "codes": done["resume"]["codes"],
+                 "resume_diff": _resume_diff(done, "r_ma_z3", "b_z3")})  # fmt: skip
+    return rows
 
 
 def _losses(done: dict, launch: str, trial: str, rank: int) -> dict[int, float]:
@@ -439,7 +489,8 @@ def test_a_rank_killed_in_a_save_exits_keeps_last_published_and_resumes_exactly(
     assert launch["codes"][killed] == -9, launch["tails"]
     survivor = 1 - killed
     assert launch["codes"][survivor] not in (0, None), launch["tails"]
-    assert launch["ended"] - launch["started"] < EXIT_WITHIN_S + 30, launch["tails"]  # startup included
+    seconds = _seconds_to_exit(out / name, launch)  # from the kill to the survivor's exit
+    assert seconds is not None and seconds < EXIT_WITHIN_S, (seconds, launch["tails"])
     if name.startswith("pk"):  # the fallback publish was killed between its two renames
         assert "last.ckpt" not in left["names"] and any(n.startswith(".lightning_zero-retired-") for n in left["names"])
     else:
@@ -448,8 +499,7 @@ def test_a_rank_killed_in_a_save_exits_keeps_last_published_and_resumes_exactly(
     resumed = _losses(done, "resume", f"r_{name}", 0)
     stage = name[-1]
     base = _losses(done, "bases", f"b_z{stage}", 0)
-    start = 2 if not name.startswith("pk") else 2
-    assert sorted(resumed) == list(range(start + 1, 7)), resumed
+    assert sorted(resumed) == [3, 4, 5, 6], resumed  # from the step-2 checkpoint, the last one published
     for rank in (0, 1):
         resumed, base = _losses(done, "resume", f"r_{name}", rank), _losses(done, "bases", f"b_z{stage}", rank)
         assert resumed == {step: base[step] for step in resumed}, (resumed, base)
@@ -527,7 +577,30 @@ def fabric_cells(tmp_path_factory):
     (out / "fa2_6.tmp-0123456789ab").mkdir()
     (out / side_name(STAGING, out / "fa1_9")).mkdir()
     done["resume"] = _fabric_launch(out, ["resume:zero1", "resume:zero2", "resume:zero3"])
+    _record_matrix(root, "fabric", _fabric_rows(root, done))
     return root, done
+
+
+def _fabric_rows(root: Path, done: dict) -> list[dict]:
+    out, rows = root / "async", []
+    for stage in (1, 2, 3):
+        diffs = [abs(a - b) for rank in (0, 1)
+                 for resumed, saved in [(_fabric_result(out, f"resume_zero{stage}", rank).get("losses", []),
+                                         _fabric_result(out, f"fa_zero{stage}", rank).get("losses", [])[3:])]
+                 for r, s in zip(resumed, saved) for a, b in zip(r, s)]  # fmt: skip
+        rows.append({"cell": f"fa{stage}", "event": "async saves, resume" + (" (moved aside)" if stage == 2 else ""),
+                     "strategy": f"zero{stage}a", "codes": done["resume"]["codes"],
+                     "resume_diff": max(diffs) if diffs else None})  # fmt: skip
+    rows.append(
+        {"cell": "fx2", "event": "exit without teardown", "strategy": "zero2a", "codes": done["async"]["codes"]}
+    )
+    rows.append({"cell": "fk3", "event": "kill@1 in async save", "strategy": "zero3a", "codes": done["kill"]["codes"],
+                 "seconds_to_exit": _seconds_to_exit(root / "kill", done["kill"])})  # fmt: skip
+    for name in ("fb_zero2", "fullfail_zero2"):
+        raised = [bool(_fabric_result(root / "efbig", name, rank).get("error")) for rank in (0, 1)]
+        rows.append({"cell": name, "event": "efbig@1 async" if name.startswith("fb") else "efbig@0 full file",
+                     "strategy": "zero2", "codes": done["efbig"]["codes"], "raised_on": raised})  # fmt: skip
+    return rows
 
 
 @pytest.mark.slow
@@ -581,7 +654,8 @@ def test_fabric_rank_killed_in_a_background_save_exits_and_keeps_the_previous(fa
     root, done = fabric_cells
     launch = done["kill"]
     assert launch["codes"][1] == -9 and launch["codes"][0] not in (0, None), launch["tails"]
-    assert launch["ended"] - launch["started"] < EXIT_WITHIN_S + 30, launch["tails"]
+    seconds = _seconds_to_exit(root / "kill", launch)
+    assert seconds is not None and seconds < EXIT_WITHIN_S, (seconds, launch["tails"])
     assert open_checkpoint(root / "kill" / "fk3_3").state["state"]["iter_num"] == 3
     assert not is_checkpoint(root / "kill" / "fk3_6")
 

@@ -207,3 +207,73 @@ def _engine_cases(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_ulysses_model_equals_the_unsliced_one():
     run_ranks(_engine_cases, world_size=2, timeout_s=300)
+
+
+# -- the planner ---------------------------------------------------------------------------------
+
+
+def test_plan_holds_a_cp_slice_and_pays_the_all_to_alls_on_their_link():
+    import dataclasses
+
+    from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.planner import plan_run
+    from lightning_zero.planner.hardware import collective_seconds, load_hardware
+    from lightning_zero.planner.traffic import cp_bytes_by_kind
+    from lightning_zero.planner.workload import cp_all_to_all_payloads
+
+    config = dataclasses.replace(LlamaConfig.from_name("llama3_8b"), max_seq_len=131072)
+    common = dict(stage=3, world_size=16, devices_per_node=8, seq_len=131072, hardware="h100_80gb", suggest=False)
+    plans = {cp: plan_run(config, cp=cp, **common) for cp in (1, 2, 8, 16)}
+    for cp, plan in plans.items():
+        acts = llama_activation_bytes(config, micro_batch=1, seq_len=131072, act_bytes=2, cp=cp)
+        assert plan.activation_detail == acts and (plan.cp, plan.dp) == (cp, 16 // cp)
+        tokens = plan.micro_batch * plan.seq_len
+        assert plan.traffic.cp_all_to_all_bytes == sum(
+            cp_bytes_by_kind(config, tokens=tokens, cp=cp, act_bytes=2).values()
+        )
+    assert plans[1].traffic.cp_all_to_all_bytes == plans[1].traffic.cp_s == 0
+    # cp=8 stays in a node (NVLink), cp=16 spans two: each exchange at that link's speed, blocking
+    hw = load_hardware("h100_80gb")
+    for cp, inter in ((8, False), (16, True)):
+        plan = plans[cp]
+        assert plan.traffic.cp_link == ("inter_node" if inter else "intra_node")
+        payloads = cp_all_to_all_payloads(config, tokens=131072, cp=cp, tp=1, act_bytes=2)
+        exchange = sum(collective_seconds("all_to_all", p, cp, hw.link(inter_node=inter)) for p in payloads)
+        assert plan.traffic.cp_s == pytest.approx(2 * config.n_layers * exchange)
+        assert plan.traffic.compute_s > plan.traffic.cp_s > 0
+    assert plans[16].traffic.inter_node_bytes >= plans[16].traffic.cp_all_to_all_bytes
+    # activations shrink with cp; the whole step's compute splits over the cp ranks
+    assert plans[8].memory.activations < plans[2].memory.activations / 3.9
+    assert plans[8].traffic.flops_per_rank == pytest.approx(plans[1].traffic.flops_per_rank / 8)
+
+
+def test_search_chooses_cp_for_a_long_sequence():
+    import dataclasses
+
+    from lightning_zero.planner import search_layouts
+    from lightning_zero.planner.search import cp_sizes_for
+
+    assert cp_sizes_for(8192, 64) == [1] and cp_sizes_for(131072, 8) == [1, 2, 4, 8]
+    config = dataclasses.replace(LlamaConfig.from_name("llama3_8b"), max_seq_len=131072)
+    common = dict(world_size=8, devices_per_node=8, global_batch=8, hardware="h100_80gb", topology=False)
+    long = search_layouts(config, seq_len=131072, micro_batches=(1,), **common)
+    best = long.ranked[0]
+    assert best.layout.cp > 1 and f"strategy.cp={best.layout.cp}" in best.layout.overrides()
+    without = search_layouts(config, seq_len=131072, micro_batches=(1,), cp_sizes=(1,), **common)
+    assert without.ranked[0].plan.tokens_per_s < best.plan.tokens_per_s  # tp=8 + sequence parallel fits
+    short = search_layouts(config, seq_len=8192, micro_batches=(1,), **common)
+    assert short.ranked and all(entry.layout.cp == 1 for entry in short.ranked)
+
+
+def test_monitor_counts_a_cp_ranks_flops_as_the_planner_does():
+    """``ZeroMonitor``'s MFU under cp: the rank's ``T/cp`` slice attends over all ``T`` tokens with
+    ``1/cp`` of the heads, so its FLOPs are ``1/cp`` of the whole sequence's, not a short sequence's."""
+    from lightning_zero.planner.workload import training_flops
+    from lightning_zero.runtime.throughput import training_flops_of
+
+    config = LlamaConfig(**CONFIG)
+    whole = training_flops(config, micro_batch=2, seq_len=SEQ)
+    assert training_flops_of(config, 0, 2, SEQ // 4, tp=1, cp=4) == pytest.approx(whole / 4)
+    assert training_flops_of(config, 0, 2, SEQ // 4, tp=1, cp=4) > training_flops(
+        config, micro_batch=2, seq_len=SEQ // 4
+    )

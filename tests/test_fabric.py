@@ -47,6 +47,26 @@ def test_bad_arguments_are_refused_at_construction(kwargs, match):
         ZeroFabricStrategy(**kwargs)
 
 
+def test_every_knob_is_honoured_or_refused_by_the_fabric_door():
+    """[Note: knobs at the Fabric door]: no ZeroConfig field is dropped. Each is honoured (the strategy
+    reads it from the one config) or refused at construction, by keyword or in a config object."""
+    import dataclasses
+
+    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+    from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig
+    from lightning_zero.fabric.strategy import FABRIC_HONOURS, FABRIC_REFUSES
+
+    fields = set(ZERO_DEFAULTS.as_dict())
+    assert FABRIC_HONOURS | set(FABRIC_REFUSES) == fields and not FABRIC_HONOURS & set(FABRIC_REFUSES)
+    for name in FABRIC_REFUSES:
+        value = True if isinstance(getattr(ZERO_DEFAULTS, name), bool) else 2
+        config = dataclasses.replace(ZeroConfig(stage=2), **{name: value},
+                                     **({"tensor_parallel_size": 2} if name == "sequence_parallel" else {}))  # fmt: skip
+        with pytest.raises(ValueError, match="ZeroFabricStrategy.*Fabric door cannot honour"):
+            ZeroFabricStrategy(config=config)
+    assert ZeroFabricStrategy(config=ZeroStrategy(stage=2, monitor=False).zero_config).monitor is False
+
+
 def test_registered_in_fabric_with_the_trainer_strategys_config():
     import lightning as L
     from lightning.fabric.strategies import STRATEGY_REGISTRY

@@ -207,8 +207,11 @@ def test_the_planner_refuses_what_it_does_not_model_yet():
 
     with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):
         plan_run("tiny", ZeroConfig(ep=2), world_size=4, devices_per_node=4)
-    with pytest.raises(ValueError, match=r"lightning-zero plan.*cp=2 is not planned yet"):
-        plan_kwargs_from_config({"strategy": {"stage": 2, "cp": 2}})
+    with pytest.raises(ValueError, match=r"lightning-zero plan.*ep=2 is not planned yet"):
+        plan_kwargs_from_config({"strategy": {"stage": 2, "ep": 2}})
+    # cp is planned (issue 55): each rank holds T/cp tokens of activations
+    _, kwargs, _ = plan_kwargs_from_config({"strategy": {"stage": 2, "cp": 2}, "data": {"seq_len": 64}})
+    assert kwargs["cp"] == 2
 
 
 # -- on 4 gloo ranks: groups built = arithmetic; the engine shards over dp*cp ----------------------

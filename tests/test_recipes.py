@@ -21,6 +21,7 @@ LLAMA3_RECIPES = ("llama3_8b", "llama3_70b", "llama3_405b")
 BIG_RECIPES = (*LLAMA2_RECIPES, *LLAMA3_RECIPES)
 FINETUNE_RECIPES = tuple(f"{name}_finetune" for name in BIG_RECIPES)  # fit and schedule: tests/test_hf.py
 LLAMA3_FINETUNE = tuple(f"{name}_finetune" for name in LLAMA3_RECIPES)
+CP_RECIPES = ("llama3_8b_128k", "llama3_70b_64k")  # long sequences: context parallelism (issue 55)
 MOE_RECIPES = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_671b")  # planner/moe.py, docs/moe.md
 LAUNCH_DIR = RECIPES_DIR / "launch"
 LAUNCH_SCRIPTS = (LAUNCH_DIR / "torchrun.sh", LAUNCH_DIR / "slurm.sbatch")
@@ -32,6 +33,7 @@ SHRINK = [
     "data.batch_size=2",
     "trainer.accumulate_grad_batches=1",
     "trainer.enable_progress_bar=false",
+    "strategy.cp=1",  # the long-sequence recipes' cp=8 on 2 ranks: test_cp_recipe_shrinks_to_cp2 instead
 ]
 
 
@@ -41,10 +43,10 @@ def _tp(cfg) -> int:
 
 
 def test_every_shipped_recipe_is_tested():
-    assert set(available_recipes()) == {"tiny", *BIG_RECIPES, *FINETUNE_RECIPES, *MOE_RECIPES}
+    assert set(available_recipes()) == {"tiny", *BIG_RECIPES, *FINETUNE_RECIPES, *CP_RECIPES, *MOE_RECIPES}
 
 
-@pytest.mark.parametrize("recipe", BIG_RECIPES)
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *CP_RECIPES))
 def test_recipe_fits_its_stated_cluster(recipe):
     from lightning_zero.planner import plan_kwargs_from_config, plan_run
 
@@ -62,17 +64,17 @@ def test_recipe_fits_its_stated_cluster(recipe):
     assert f"ZeRO-{cfg.strategy.stage}" in header
 
 
-@pytest.mark.parametrize("recipe", BIG_RECIPES)
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *CP_RECIPES))
 def test_recipe_sizes_divide(recipe):
     from lightning_zero.models import LlamaConfig
 
     cfg = compose([f"recipe={recipe}"])
     arch = LlamaConfig.from_name(cfg.model.name)
     world = cfg.trainer.devices * cfg.trainer.num_nodes
-    tp = _tp(cfg)
-    assert arch.n_heads % tp == 0 and arch.n_kv_heads % tp == 0
-    assert world % tp == 0 and cfg.trainer.devices % tp == 0  # tp stays inside a node
-    dp = world // tp
+    tp, cp = _tp(cfg), int(cfg.strategy.get("cp", 1))
+    assert arch.n_heads % (tp * cp) == 0 and arch.n_kv_heads % tp == 0 and cfg.data.seq_len % cp == 0
+    assert world % (tp * cp) == 0 and cfg.trainer.devices % tp == 0  # tp stays inside a node
+    dp = world // (tp * cp)  # ranks with other sequences
     global_batch_tokens = dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len
     assert global_batch_tokens == 4 * 2**20  # Llama 2 and 3: 4M tokens per step
 
@@ -118,7 +120,7 @@ def test_llama3_405b_on_16_nodes_of_h100_needs_sequence_parallelism():
     assert f"(0 of {old.evaluated})" in header and f"{len(new.ranked)} of {new.evaluated} do" in header
 
 
-@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *LLAMA3_FINETUNE))
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *LLAMA3_FINETUNE, *CP_RECIPES))
 def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     # Each recipe's layout (stage, tp, micro batch, checkpointing, buckets) was chosen by
     # `lightning-zero plan recipe=NAME plan.search=true`; its header says why. It must stay the
@@ -148,6 +150,38 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     # How many layouts the search tried grows with every knob it gains, so a header that counted
     # them went stale unseen (llama70b said 333 of 1590; the search plans 8079 now): it says "first"
     assert not re.search(r"top\s+of\s+\d", header), f"{recipe}: the header counts the search's layouts"
+
+
+@pytest.mark.parametrize("recipe", CP_RECIPES)
+def test_cp_recipe_needs_its_gpus_and_names_its_length(recipe):
+    # Long-context continued pretraining: the length in the name, every sequence split over one
+    # node (cp=8 on NVLink), and no layout fits on fewer nodes (the header's "fewest GPUs").
+    from lightning_zero.planner import plan_kwargs_from_config, plan_run, search_layouts
+
+    cfg = compose([f"recipe={recipe}"])
+    assert cfg.data.seq_len == cfg.model.max_seq_len == int(recipe.rsplit("_", 1)[1].removesuffix("k")) * 1024
+    assert cfg.strategy.cp == cfg.trainer.devices == 8 and cfg.trainer.precision == "bf16-mixed"
+    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
+    plan = plan_run(model_config, **kwargs)
+    assert plan.traffic.cp_link == "intra_node" and plan.traffic.cp_all_to_all_bytes > 0
+    fewer = kwargs["world_size"] // 2
+    if fewer >= kwargs["devices_per_node"]:
+        global_batch = plan.dp * plan.micro_batch * plan.accumulate_grad_batches
+        smaller = search_layouts(
+            model_config, world_size=fewer, devices_per_node=kwargs["devices_per_node"], global_batch=global_batch,
+            seq_len=plan.seq_len, hardware=kwargs["hardware"], topology=False, tp_sizes=(1, 2, 8),
+        )  # fmt: skip
+        assert smaller.ranked == ()
+
+
+@pytest.mark.parametrize("recipe", CP_RECIPES)
+def test_cp_recipe_shrinks_to_cp2(recipe):
+    from lightning_zero.cp import check_context_parallel
+    from lightning_zero.models import LlamaConfig
+
+    cfg = compose([f"recipe={recipe}", *SHRINK, "strategy.cp=2"])
+    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (2, 1) and 2 % (_tp(cfg) * cfg.strategy.cp) == 0
+    check_context_parallel(2, tp=_tp(cfg), model_config=LlamaConfig.from_name("tiny"), seq_len=cfg.data.seq_len)
 
 
 @pytest.mark.parametrize("recipe", MOE_RECIPES)
@@ -206,8 +240,10 @@ def test_every_recipe_trains_shrunk_and_resumes_from_its_checkpoint(tmp_path):
     if not _strategy_available():
         pytest.skip("the recipes use ZeroStrategy, which is not written yet")
     sweep_dir = tmp_path / "sweep"
-    # fine-tunes need weights; MoE recipes shrink to tiny_moe with ep=2 (tests/test_moe_strategy.py trains it)
-    recipes = [r for r in available_recipes() if r not in FINETUNE_RECIPES and r not in MOE_RECIPES]
+    # fine-tunes need weights; MoE recipes shrink to tiny_moe with ep=2 (tests/test_moe_strategy.py trains it);
+    # the long-sequence recipes shrunk (cp=1) are llama3_8b / llama3_70b shrunk: their cp path trains in
+    # tests/test_cp_strategy.py, their shrink is test_cp_recipe_shrinks_to_cp2
+    recipes = [r for r in available_recipes() if r not in (*FINETUNE_RECIPES, *MOE_RECIPES, *CP_RECIPES)]
     common = [*SHRINK, "data=synthetic"]
     sweep = ["train", "-m", *common, f"hydra.sweep.dir={sweep_dir}"]
     first = run_cli([*sweep, f"recipe={','.join(recipes)}", "trainer.max_steps=2"], cwd=tmp_path, timeout=420)

@@ -70,7 +70,10 @@ class ZeroConfig:
             first waits for the oldest); stage 2/3: the pool of full-size bucket buffers holds one
             more (those in flight and the one filling: gradient memory is the shard plus
             ``max_buckets_in_flight + 1`` buckets), kept between backwards and freed when fit ends.
-        monitor: attach :class:`~lightning_zero.ZeroMonitor` (measured vs predicted bytes, comm).
+        monitor: the run's monitor (``runtime/monitor.py``: measured vs predicted bytes, bytes sent,
+            overlap, tokens/s, MFU, per optimizer step, no device sync); the Trainer door attaches
+            :class:`~lightning_zero.ZeroMonitor`, the Fabric door logs through ``fabric.log_dict``
+            once ``strategy.report_to(fabric)`` was called. See docs/fabric.md.
         collective_timeout: seconds any wait of the engine on a collective (gradient
             reduce-scatter, parameter all-gather, clipping norm) may take before it raises an error
             saying what this rank waited on and how far its backward got ("5/12 params ready in

@@ -81,6 +81,13 @@ def _slow_writes(seconds: float, every: int) -> None:
     checkpoint_publish._Recording.write = slow
 
 
+def _die(root: str) -> None:
+    """SIGKILL this rank, noting when (``<root>/killed_at``: the fault matrix's seconds to exit)."""
+    with open(os.path.join(root, "killed_at"), "w") as handle:
+        handle.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run_trial(out: str, trial: str, rank: int) -> tuple[dict, BaseException | None]:
     name, _, rest = trial.partition("=")
     strategy, _, event = rest.partition(":")
@@ -94,11 +101,11 @@ def run_trial(out: str, trial: str, rank: int) -> tuple[dict, BaseException | No
         _slow_writes(0.5, every=100)  # a save has about 1,500 write calls: 7 s, never 0.5 s without progress
     calls = iter(range(1, 100))
     if kind == "kill" and rank == event_rank:  # the second save's shards (step 4; the link is no save)
-        checkpoint_save._fault_hook = lambda stage: next(calls) == 2 and os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint_save._fault_hook = lambda stage: next(calls) == 2 and _die(root)
     if kind == "publish_kill":
         checkpoint_publish.exchange = lambda first, second: False
         if rank == 0:
-            checkpoint_publish._publish_hook = lambda stage: os.kill(os.getpid(), signal.SIGKILL)
+            checkpoint_publish._publish_hook = lambda stage: _die(root)
     record = Record(event_rank if kind == "efbig" else None)
     callbacks: list = [record]
     if kind != "after_fit":

@@ -45,6 +45,12 @@ def _write(out: str, name: str, rank: int, result: dict) -> None:
     os.replace(path + ".part", path)
 
 
+def _die(out: str) -> None:
+    with open(os.path.join(out, "killed_at"), "w") as handle:  # the fault matrix's seconds to exit
+        handle.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _saves(out: str, case: str, prefix: str, *, teardown: bool, kill: bool = False, efbig: bool = False) -> dict:
     fabric = make_fabric(case, "llama", async_checkpoint=True)
     model, optimizer, scheduler = build(fabric, "llama")
@@ -62,7 +68,7 @@ def _saves(out: str, case: str, prefix: str, *, teardown: bool, kill: bool = Fal
     if kill and rank == 1:  # once the first save is published: the second save's shards written
         if lifecycle is not None:
             lifecycle.wait()
-        checkpoint_save._fault_hook = lambda stage: os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint_save._fault_hook = lambda stage: _die(out)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if efbig and rank == 1 and lifecycle is not None:
         lifecycle.wait()  # the first save is published: only the second one fails

@@ -67,8 +67,10 @@ from typing_extensions import override
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.runtime.monitor import Monitor
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.runtime.setup import check_model_layout
+from lightning_zero.runtime.signals import AgreedSignals, SignalBoundary, requeue_slurm_job
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -76,6 +78,47 @@ if TYPE_CHECKING:
     from lightning_zero.fabric.checkpoint import FabricState
     from lightning_zero.runtime.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
+
+
+# [Note: knobs at the Fabric door] Every ZeroConfig field is honoured here or refused at
+# construction (a ValueError naming the knob, the door and the fix); none is dropped. The engine's
+# knobs (buckets, overlap, offload, compression, topology, timeouts, precision) mean the same under
+# both doors because the session builds the same engine; ``monitor`` reports through the runtime's
+# monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
+# and why are below (tests/test_knobs.py checks that the two sets cover every field).
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tensor_parallel_size": (
+        lambda value: value != 1,
+        "tensor parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
+        " ZeroStrategy (its LightningModule's configure_model applies the TP transform).",
+    ),
+    "sequence_parallel": (
+        lambda value: bool(value),
+        "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
+        " Trainer's ZeroStrategy.",
+    ),
+    "cp": (
+        lambda value: value != 1,
+        "context parallelism is not available under Fabric yet (the data must be sliced by position); use"
+        " cp=1, or the Trainer's ZeroStrategy.",
+    ),
+}
+FABRIC_HONOURS = frozenset(
+    {
+        "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
+        "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
+        "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
+        "async_checkpoint", "ep",
+    }
+)  # fmt: skip
+
+
+def refuse_knobs(config: ZeroConfig) -> None:
+    """[Note: knobs at the Fabric door]: raise for a knob this door cannot honour."""
+    for name, (refused, fix) in FABRIC_REFUSES.items():
+        value = getattr(config, name)
+        if refused(value):
+            raise ValueError(f"ZeroFabricStrategy({name}={value!r}): the Fabric door cannot honour it: {fix}")
 
 
 def _in_backward() -> bool:
@@ -132,17 +175,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 " as keywords, not both (dataclasses.replace(config, ...) changes one)."
             )
         self.zero_config = config if config is not None else ZeroConfig(**knobs)
-        if self.zero_config.tensor_parallel_size != 1:
-            raise ValueError(
-                f"ZeroFabricStrategy(tensor_parallel_size={self.zero_config.tensor_parallel_size!r}): tensor"
-                " parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
-                " ZeroStrategy (its LightningModule's configure_model applies the TP transform)."
-            )
-        if self.zero_config.cp != 1:
-            raise ValueError(
-                f"ZeroFabricStrategy(cp={self.zero_config.cp!r}): context parallelism is not available under Fabric"
-                " yet (the data must be sliced by position); use cp=1, or the Trainer's ZeroStrategy."
-            )
+        refuse_knobs(self.zero_config)
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
@@ -181,6 +214,12 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._exit_hook = False  # [Note: nothing running at exit]
         # per optimizer, per param group: the parameter names in the user's order ([Note: full optimizer state])
         self._param_names: list[list[list[str]]] = []
+        # [Note: signal boundaries] in runtime/signals.py: the loop asks scheduler_signals() once per step
+        self.signals = SignalBoundary()
+        self._signal_steps = 0  # optimizer steps at the last scheduler_signals() boundary
+        # [Note: the monitor] in runtime/monitor.py: measured at the forward pre-hook and the step hook
+        self.step_monitor: Optional[Monitor] = Monitor() if self.zero_config.monitor else None
+        self._report: Any = None  # the Fabric whose log_dict gets the monitor's metrics (report_to)
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
     @property
@@ -213,6 +252,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         super().setup_environment()  # starts the process group
         self.session.start(self.root_device.type)
         self.checkpoints.open()  # async_checkpoint: fabric.save writes in the background from now on
+        self._install_signal_handlers()
         if self._previous_excepthook is None:
             self._previous_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
@@ -385,6 +425,32 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     def _count_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is self._optimizers[0]:
             self._steps += 1
+            if self.step_monitor is not None and self.engine is not None:
+                self._monitor_step(self.engine)
+
+    # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
+    def _monitor_step(self, engine: "ZeroEngine") -> None:
+        assert self.step_monitor is not None
+        metrics = self.step_monitor.step_end(engine, self._module)
+        if self._report is not None:
+            self._report.log_dict(metrics, step=self._steps)
+        message = self.step_monitor.overlap_warning(engine, metrics, metrics["zero/comm_s"], self._steps)
+        if message is not None and self.global_rank == 0:
+            warnings.warn(message, stacklevel=2)
+
+    def report_to(self, fabric: Any) -> None:
+        """Log the monitor's metrics through ``fabric.log_dict`` after every optimizer step (the
+        step number is the strategy's count of optimizer steps). Without it they are kept in
+        ``step_monitor.history``; ``monitor_metrics()`` is the last step's."""
+        if self.step_monitor is None:
+            raise ValueError("ZeroFabricStrategy.report_to: the monitor is off (monitor=False)")
+        self._report = fabric
+
+    def monitor_metrics(self) -> dict[str, float]:
+        """The monitor's metrics of the last optimizer step (``{}`` before the first, or when off)."""
+        return (
+            dict(self.step_monitor.history[-1]) if self.step_monitor is not None and self.step_monitor.history else {}
+        )
 
     def _engine_has_optimizers(self) -> bool:
         return self.engine is not None and bool(self.engine.optimizers)
@@ -412,7 +478,44 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if self._after_forward_hook is not None:
             self._after_forward_hook.remove()
         self._after_forward_hook = self._module.register_forward_hook(self._after_forward, always_call=True)
+        # the flags ride on the phase markers, which run over every rank (tp == 1): [Note: marker riders]
+        self.signals.ride(engine, markers_cover_world=True)
         return engine
+
+    # -- scheduler signals ([Note: signal boundaries] in runtime/signals.py) --------------------
+    def _install_signal_handlers(self) -> None:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        environment = self.cluster_environment
+        requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        self.signals.agreement.requeue_signal = environment.requeue_signal if requeue else None  # type: ignore[union-attr]
+        self.signals.agreement.install()
+
+    def scheduler_signals(self) -> Optional[AgreedSignals]:
+        """What every rank agreed on since the last optimizer step: ``None`` (go on), or an
+        :class:`~lightning_zero.runtime.signals.AgreedSignals` whose ``requeue`` (the SLURM requeue
+        signal, under ``SLURMEnvironment(auto_requeue=True)``) and ``terminate`` (SIGTERM) say what
+        to do: save (``fabric.save``), then ``requeue()`` and go on, or exit with
+        ``SIGTERM_EXIT_CODE`` (143). Call it on every rank once per optimizer step, after
+        ``optimizer.step()``; a call with no optimizer step since the last one (inside gradient
+        accumulation, or twice) is no boundary and returns ``None``. The flags rode on the step's
+        phase markers: no collective of its own once the engine exists (docs/fabric.md)."""
+        if self._steps == self._signal_steps:
+            return None
+        self._signal_steps = self._steps
+        return self.signals.at_step(accumulating=False, exchange=self._signal_exchange)
+
+    def _signal_exchange(self) -> Callable[[list[int]], list[int]]:
+        steps = self._steps
+        return self.signals.exchange(self.root_device, failure=self.session.failure_channel,
+                                     where=lambda: f"the end of optimizer step {steps}")  # fmt: skip
+
+    def requeue(self) -> int:
+        """Every rank waits until a background save in flight is published (``async_checkpoint``:
+        the scheduler may end the job right after; [Note: checkpoint lifecycle]), then global rank 0
+        runs ``scontrol requeue <job>`` (its exit code; 0 on the other ranks)."""
+        self.checkpoints.wait()
+        return requeue_slurm_job() if self.global_rank == 0 else 0
 
     # -- step boundaries ([Note: Fabric step boundaries]) ---------------------------------------
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -426,6 +529,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if torch.is_grad_enabled():
             engine.begin_step("train")
             self._train_step_open = True
+            if self.step_monitor is not None:
+                self.step_monitor.micro_batch(engine, module, args)
         else:
             engine.begin_step("eval")
             self._eval_forward = True
@@ -617,6 +722,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         save_error = self.checkpoints.close()  # the save in flight published (abandoned on the failure path)
         self.session.close_engine(self.global_rank)
         self.session.close()
+        self.signals.forget_engine()
+        # a SIGTERM after the last boundary is raised again, not swallowed ([Note: signal boundaries])
+        self.signals.agreement.uninstall(deliver_pending=True)
         if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         self._previous_excepthook = None

@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, resolve_bucket_mb
+from lightning_zero.cp.layout import check_context_parallel
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
@@ -81,11 +82,12 @@ PLANNED_KNOBS = {
     "param_comm_dtype": "param_comm_dtype",
     "reduce_dtype": "reduce_dtype",
     "master_weights": "master_weights",
+    "cp": "cp",
     "mixed_params": "mixed_params",
 }
 
 
-UNPLANNED_KNOBS = ("cp", "ep")
+UNPLANNED_KNOBS = ("ep",)
 """ZeroConfig knobs that change predicted bytes and seconds but that the planner does not model yet:
 a plan with one of them above 1 is refused (:func:`refuse_unplanned`), never silently made without it."""
 
@@ -95,8 +97,8 @@ def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
     asked = [f"{name}={knobs[name]}" for name in UNPLANNED_KNOBS if knobs.get(name, 1) not in (1, None)]
     if asked:
         raise ValueError(
-            f"{where}: {', '.join(asked)} is not planned yet (context and expert parallelism: issues 55 and 54);"
-            " plan the run with cp=1 and ep=1, or launch it without a plan"
+            f"{where}: {', '.join(asked)} is not planned yet (expert parallelism: issue 54);"
+            " plan the run with ep=1, or launch it without a plan"
         )
 
 
@@ -147,6 +149,7 @@ def plan_run(
     simulate: Union[bool, str] = True,
     reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
     master_weights: str = ZERO_DEFAULTS.master_weights,
+    cp: int = ZERO_DEFAULTS.cp,
     mixed_params: str = ZERO_DEFAULTS.mixed_params,
 ) -> Plan:
     """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
@@ -203,6 +206,11 @@ def plan_run(
         master_weights: ``"fp32"``: fp32 masters and optimizer state under ``bf16-true`` /
             ``16-true`` (the ``-mixed`` bytes); ``"auto"``: the precision's own
             ([Note: master_weights] in ``runtime/precision.py``).
+        cp: context-parallel size (docs/context_parallel.md): each sequence split over ``cp``
+            ranks (``world = dp * cp * tp``; ``micro_batch`` sequences per cp group), so a rank
+            holds ``T/cp`` tokens of activations and ``1/cp`` of the compute, and each attention
+            layer adds two blocking all-to-alls over the cp group forward and two backward; ZeRO
+            shards over the ``dp * cp`` ranks of one tp rank.
         mixed_params: under the ``-mixed`` precisions, ``"fp32"`` parameters and gradients (4 + 4 +
             8, as ddp) or ``"half"`` ones with fp32 masters in the shards (2 + 2 + 12); ``"auto"``:
             fp32 under 16-mixed, half under bf16-mixed ([Note: mixed_params] there).
@@ -246,10 +254,12 @@ def plan_run(
         raise ValueError(f"plan_run: reserved_gib must be a number >= 0, got reserved_gib={reserved_gib!r}")
     if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int):
         raise ValueError(f"plan_run: prefetch_blocks must be an int, got prefetch_blocks={prefetch_blocks!r}")
-    dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp).validate(config)
-    tp, dp = int(dims.tp), dims.dp
+    dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp, cp=cp).validate(config)
+    tp, dp, dense = int(dims.tp), dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's group
     seq_len = int(seq_len or config.max_seq_len)
     checkpointing = checkpointing_mode(activation_checkpointing, "plan_run: activation_checkpointing")
+    if cp > 1:
+        check_context_parallel(cp, tp=tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel)
     if sequence_parallel and (tp == 1 or seq_len % tp != 0):
         raise ValueError(
             f"plan_run: sequence_parallel needs tp > 1 dividing seq_len, got tp={tp}, seq_len={seq_len}; "
@@ -294,7 +304,7 @@ def plan_run(
     if stage == 0:  # Lightning's DDP: no sharding knobs
         shard_size, hierarchical_reduce, grad_comm_dtype, param_comm_dtype = None, False, None, None
     topology = dp_topology(
-        dp=dp,
+        dp=dense,
         devices_per_node=dims.devices_per_node,
         tp=tp,
         shard_size=shard_size,
@@ -307,7 +317,8 @@ def plan_run(
     shard = padded // shard_ranks
 
     peak = hw.peak_fp32_flops if str(precision).startswith("32") else hw.peak_bf16_flops
-    crosses_nodes = dims.world_size > dims.devices_per_node and dp > 1
+    crosses_nodes = dims.world_size > dims.devices_per_node and dense > 1
+    cp_crosses_nodes = len({rank // dims.devices_per_node for rank in dims.cp_ranks(0)}) > 1
     workload = llama_workload(
         config,
         micro_batch=micro_batch,
@@ -318,6 +329,8 @@ def plan_run(
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
         sequence_parallel=bool(sequence_parallel),
+        cp=cp,
+        cp_link=hw.link(inter_node=cp_crosses_nodes),
     )
     bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
@@ -344,7 +357,7 @@ def plan_run(
     largest_param = max(counts.embedding, counts.output, llama_largest_block_param(config, tp=tp))
     param_grad = largest_param * dtype.grad if pooled else 0.0
 
-    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel))
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel), cp=cp)
     acts = llama_activation_bytes(config, act_bytes=dtype.activation, attention=attention, **shape)
     memory = MemoryPerRank(
         params=states.params,
@@ -360,14 +373,16 @@ def plan_run(
         step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master and dtype.grad != 4 else 0.0,
     )
     tokens_per_step = micro_batch * seq_len * accumulate_grad_batches * dp
-    model_flops = accumulate_grad_batches * training_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    model_flops = accumulate_grad_batches * training_flops(
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp
+    )
     simulated = None
     fits = memory.total <= hw.memory_bytes - int(reserved_gib * GiB)
     if simulate is True or (simulate == "if_fits" and fits):
         simulated = step_time(
             workload,
             stage=stage,
-            dp=dp,
+            dp=dense,
             micro_batches=accumulate_grad_batches,
             dp_link=hw.link(inter_node=crosses_nodes),
             grad_bytes=dtype.grad,
@@ -410,6 +425,7 @@ def plan_run(
         topology=topology,
         grad_comm_dtype=grad_comm_dtype,
         param_comm_dtype=param_comm_dtype,
+        cp_link="inter_node" if cp_crosses_nodes else "intra_node",
     )
     plan = Plan(
         model=config.name,
@@ -452,7 +468,8 @@ def plan_run(
         traffic=traffic,
         timing=simulated,
         activation_detail=acts,
-        notes=_notes(stage, dp, attention, accumulate_grad_batches, defer_grad_reduce),
+        notes=_notes(stage, dense, attention, accumulate_grad_batches, defer_grad_reduce),
+        cp=cp,
     )
     if suggest and not plan.fits:
         plan = dataclasses.replace(plan, suggestions=tuple(suggest_fixes(plan, config, hw, plan_run)))

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 from lightning_zero.comm.ring import ring_sent, ring_steps
 
-COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")  # all_to_all: cp (Ulysses)
 
 
 # --------------------------------------------------------------------------------------------

@@ -86,6 +86,11 @@ class TrafficPerRank:
     # TP bytes by CommCounter label: "tp_all_reduce", or under sequence parallelism
     # "tp_all_gather_seq" + "tp_reduce_scatter_seq" (same total) + "tp_all_reduce_norm_grad"
     tp_bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    # context parallelism: the all-to-alls' bytes per step, the link the cp group crosses, and their
+    # seconds (blocking, inside compute_s like tp_s)
+    cp_all_to_all_bytes: float = 0.0
+    cp_link: str = "intra_node"
+    cp_s: float = 0.0
 
     @property
     def dp_bytes(self) -> float:
@@ -94,12 +99,14 @@ class TrafficPerRank:
     @property
     def intra_node_bytes(self) -> float:
         """Every byte this rank sends inside its node per step: dp collectives whose group stays in
-        the node, and the tp all-reduces (tp lives inside a node)."""
-        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes
+        the node, the tp all-reduces (tp lives inside a node), and cp all-to-alls whose group does."""
+        cp = self.cp_all_to_all_bytes if self.cp_link == "intra_node" else 0.0
+        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp
 
     @property
     def inter_node_bytes(self) -> float:
-        return self.dp_link_bytes.inter_node_total
+        cp = self.cp_all_to_all_bytes if self.cp_link == "inter_node" else 0.0
+        return self.dp_link_bytes.inter_node_total + cp
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -124,7 +131,7 @@ class Plan:
     world_size: int
     num_nodes: int
     devices_per_node: int
-    dp: int
+    dp: int  # ranks that take different samples (world = dp * cp * tp)
     tp: int
     precision: str
     micro_batch: int
@@ -158,6 +165,7 @@ class Plan:
     mixed_params: str = "auto"  # -mixed precisions: fp32 or half parameters ([Note: mixed_params])
     checkpointing: str = "none"  # "none" | "selective" | "full" ([Note: checkpointing modes])
     sequence_parallel: bool = False
+    cp: int = 1  # context-parallel size: ranks one sequence is split over (dp counts samples)
 
     @property
     def available_bytes(self) -> float:

@@ -64,7 +64,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if isinstance(strategy, str):
         strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
     stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
-    refuse_unplanned(strategy, "lightning-zero plan (strategy.cp / strategy.ep)")
+    refuse_unplanned(strategy, "lightning-zero plan (strategy.ep)")
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
     plan_options = {**PLAN_DEFAULTS, **(container.get("plan") or {})}
@@ -102,6 +102,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         reserved_gib=float(plan_options["reserved_gib"]),
         reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
         master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
+        cp=int(strategy.get("cp", ZERO_DEFAULTS.cp)),
         mixed_params=str(strategy.get("mixed_params", ZERO_DEFAULTS.mixed_params)),
     )
     if kwargs["attention"] not in ATTENTION_KERNELS:

@@ -5,7 +5,9 @@ Enumerated (the knobs that exist in the engine today): ZeRO stage (0 = Lightning
 tensor-parallel size (powers of two up to the devices per node that divide the model), micro batch
 with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` stays the configured
 global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing (``"none"``,
-``"selective"``, ``"full"``), ``sequence_parallel`` (tp > 1 dividing the sequence), ``bucket_mb`` and, for
+``"selective"``, ``"full"``), ``sequence_parallel`` (tp > 1 dividing the sequence), context parallelism
+``cp`` (powers of two leaving each rank at least ``MIN_CP_SLICE`` tokens of a sequence: long
+sequences only, docs/context_parallel.md), ``bucket_mb`` and, for
 stage 3, ``prefetch_blocks``; on more than one node also the topology knobs (docs/topology.md):
 ``shard_size`` (``None``, ``"node"``), ``hierarchical_reduce`` (when the shard group spans nodes)
 and the cross-node wire format (``grad_comm_dtype`` = ``param_comm_dtype`` in ``None``, ``"bf16"``
@@ -36,6 +38,7 @@ SHARD_SIZES: tuple[Union[None, int, str], ...] = (None, "node")
 HIERARCHICAL = (False, True)
 CHECKPOINTING_OVERRIDES = {"none": "false", "selective": "selective", "full": "full"}  # model.activation_checkpointing=
 COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
+MIN_CP_SLICE = 8192  # tokens of a sequence one cp rank keeps at least: shorter sequences need no cp
 
 
 def topology_overrides(
@@ -71,6 +74,7 @@ class Layout:
     grad_comm_dtype: Optional[str] = None
     param_comm_dtype: Optional[str] = None
     sequence_parallel: bool = False
+    cp: int = 1
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
@@ -89,6 +93,8 @@ class Layout:
             out.append(f"strategy.prefetch_blocks={self.prefetch_blocks}")
         if self.sequence_parallel:
             out.append("strategy.sequence_parallel=true")
+        if self.cp > 1:
+            out.append(f"strategy.cp={self.cp}")
         out += topology_overrides(
             self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
         )
@@ -136,6 +142,16 @@ class SearchResult:
         return list(self.ranked[:count])
 
 
+def cp_sizes_for(seq_len: int, world_size: int) -> list[int]:
+    """The context-parallel sizes the search plans by default: 1, and powers of two up to
+    ``world_size`` that leave each cp rank at least ``MIN_CP_SLICE`` tokens of the sequence."""
+    sizes, cp = [1], 2
+    while cp <= world_size and seq_len // cp >= MIN_CP_SLICE:
+        sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
 def _tp_sizes(devices_per_node: int) -> list[int]:
     sizes, tp = [], 1
     while tp <= devices_per_node:
@@ -170,6 +186,7 @@ def search_layouts(
     reserved_gib: float = 2.0,
     stages: Sequence[int] = (0, 1, 2, 3),
     tp_sizes: Optional[Sequence[int]] = None,
+    cp_sizes: Optional[Sequence[int]] = None,
     micro_batches: Sequence[int] = MICRO_BATCHES,
     bucket_mbs: Sequence[float] = BUCKET_MBS,
     prefetch: Sequence[int] = PREFETCH,
@@ -191,6 +208,8 @@ def search_layouts(
     those that fit, ranked by predicted tokens/s (ties: less memory first). ``topology=False``
     leaves the topology knobs at their defaults (what an engine without them runs);
     ``lossless=True`` plans no layout with a lossy wire format (``Plan.lossless``).
+    ``cp_sizes``: the context-parallel sizes to plan (default :func:`cp_sizes_for` the sequence);
+    ``global_batch`` counts sequences, each split over a cp group.
 
     ``zero_config``: a :class:`~lightning_zero.config.ZeroConfig` whose ``FIXED_KNOBS`` every
     layout keeps (then not passed as keywords); its searched knobs (stage, tp, bucket_mb,
@@ -240,23 +259,23 @@ def search_layouts(
     )
     ranked: list[Ranked] = []
     evaluated = rejected = 0
-    for tp in tp_sizes or _tp_sizes(devices_per_node):
-        if world_size % tp:
+    seq = seq_len or config.max_seq_len
+    for tp, cp in product(tp_sizes or _tp_sizes(devices_per_node), cp_sizes or cp_sizes_for(seq, world_size)):
+        if world_size % (tp * cp):
             continue
-        dp = world_size // tp
+        dp = world_size // (tp * cp)  # ranks with other sequences
         if global_batch % dp:
             continue
         for stage in stages:
-            if stage == 0 and tp > 1:
-                continue  # Lightning's DDP has no tensor parallelism
+            if stage == 0 and (tp > 1 or cp > 1):
+                continue  # Lightning's DDP has no tensor or context parallelism
             defers = (False, True) if stage == 2 else (False,)
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
             topologies = _topologies(
                 stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes
             )
-            seq = seq_len or config.max_seq_len
-            sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq % tp == 0)]
+            sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
             for micro_batch in micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
@@ -282,6 +301,7 @@ def search_layouts(
                             ahead,
                             **topo,
                             sequence_parallel=split,
+                            cp=cp,
                         )
                         knobs = dict(
                             stage=stage,
@@ -291,6 +311,7 @@ def search_layouts(
                             defer_grad_reduce=defer,
                             activation_checkpointing=mode,
                             sequence_parallel=split,
+                            cp=cp,
                             bucket_mb=float(bucket_mb),
                             prefetch_blocks=ahead,
                             **topo,

@@ -48,7 +48,8 @@ def _seconds(value: float) -> str:
 
 def layout_line(plan: Plan) -> str:
     nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''} x {plan.devices_per_node}"
-    return f"{plan.world_size} ranks ({nodes}): dp={plan.dp} x tp={plan.tp}"
+    cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
+    return f"{plan.world_size} ranks ({nodes}): dp={plan.dp}{cp} x tp={plan.tp}"
 
 
 def header_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -86,7 +87,9 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
 def sharding_line(plan: Plan) -> str:
     """How ZeRO shards and what crosses nodes in which wire format (docs/topology.md)."""
     if plan.replicas == 1:
-        text = f"ZeRO over all dp={plan.dp} ranks"
+        text = (
+            f"ZeRO over all dp={plan.dp} ranks" if plan.cp == 1 else f"ZeRO over all dp x cp={plan.dp * plan.cp} ranks"
+        )
     else:
         text = f"hybrid: shard_size={plan.shard_size} x {plan.replicas} replicas"
     if plan.hierarchical_reduce:
@@ -109,7 +112,7 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     rows = [
         ["dp bytes sent / step (GB)", *(_gb(p.traffic.dp_bytes) for p in stages)],
         ["dp time on the link", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
-        ["intra-node GB / step (dp + tp)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
+        ["intra-node GB / step (dp + tp + cp)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
         ["inter-node GB / step", *(_gb(p.traffic.inter_node_bytes) for p in stages)],
         [
             "dp time intra / inter-node",
@@ -119,6 +122,14 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
         ["tp time (NVLink, blocking)", *(_seconds(p.traffic.tp_s) for p in stages)],
         ["compute time (incl. tp)", *(_seconds(p.traffic.compute_s) for p in stages)],
     ]
+    if any(p.cp > 1 for p in stages):  # docs/context_parallel.md
+        rows[-1:-1] = [
+            ["cp all-to-all bytes / step (GB)", *(_gb(p.traffic.cp_all_to_all_bytes) for p in stages)],
+            [
+                "cp time (blocking, in compute)",
+                *(f"{_seconds(p.traffic.cp_s)} ({p.traffic.cp_link})" for p in stages),
+            ],
+        ]
     if all(p.timing is not None for p in stages):
         rows += [
             [

@@ -10,13 +10,12 @@ from typing import Any, Optional
 
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.comm.ring import ring_sent
-from lightning_zero.cp.layout import ulysses_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
 from lightning_zero.planner.plan import TrafficPerRank
 from lightning_zero.planner.timing import StepTime
-from lightning_zero.planner.workload import Workload, gathered_once_numel, training_flops
+from lightning_zero.planner.workload import Workload, cp_all_to_all_payloads, gathered_once_numel, training_flops
 
 
 def traffic_per_rank(
@@ -38,6 +37,7 @@ def traffic_per_rank(
     topology: DpTopology,
     grad_comm_dtype: Optional[str],
     param_comm_dtype: Optional[str],
+    cp_link: str = "intra_node",
 ) -> TrafficPerRank:
     """The bytes one rank sends per step, by group, link and collective, with the seconds they take."""
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
@@ -64,8 +64,23 @@ def traffic_per_rank(
     tp_bytes = tp_bytes_by_kind(
         config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
     )
+    cp = int(dims.cp)
+    cp_bytes = cp_bytes_by_kind(
+        config,
+        tokens=tokens,
+        cp=cp,
+        tp=tp,
+        act_bytes=dtype.activation,
+        micro_batches=micro_batches,
+        activation_checkpointing=activation_checkpointing,
+    )
     flops = micro_batches * training_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+        config,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=tp,
+        activation_checkpointing=activation_checkpointing,
+        cp=cp,
     )
     return TrafficPerRank(
         dp_reduce_scatter_bytes=reduce_scatter,
@@ -85,6 +100,9 @@ def traffic_per_rank(
         dp_link_bytes=links,
         intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
         inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
+        cp_all_to_all_bytes=sum(cp_bytes.values()),
+        cp_link=cp_link,
+        cp_s=micro_batches * workload.cp_s,
     )
 
 
@@ -130,20 +148,16 @@ def tp_bytes_by_kind(
 
 def cp_all_to_all_bytes_per_layer(config: Any, *, tokens: int, cp: int, tp: int = 1, act_bytes: int) -> float:
     """Bytes one rank sends in the cp group for one attention layer's forward (backward sends the
-    same again), ``tokens`` being ``B T`` of the rank's samples ([Note: Ulysses attention] in
-    ``cp/ulysses.py``): one all-to-all of q, k, v (a TP rank's ``n_heads / tp`` query heads and
-    ``n_kv_heads / tp`` kv heads, repeated ``kv_repeats`` times where they do not split over cp)
-    and one of the attention output, each of the ``B T / cp`` tokens this rank holds, each sending
-    ``(cp-1)/cp`` of its input::
+    same again), ``tokens`` being ``B T`` of the rank's samples: the two all-to-alls of
+    :func:`~lightning_zero.planner.workload.cp_all_to_all_payloads`, each sending ``(cp-1)/cp`` of
+    its payload::
 
-        (cp-1)/cp * B T/cp * head_dim * (2 q_heads + 2 kv_heads * kv_repeats) / tp * act_bytes
+        (cp-1)/cp * B T/cp * head_dim * (2 n_heads + 2 n_kv_heads * kv_repeats) / tp * act_bytes
     """
     if cp == 1:
         return 0.0
-    layout = ulysses_layout(cp, tp, config)
-    head_dim = config.dim // config.n_heads
-    heads = 2 * layout.q_heads_per_tp_rank + 2 * layout.kv_heads_exchanged
-    return ring_sent("all_to_all", tokens // cp * head_dim * heads * act_bytes, cp)
+    payloads = cp_all_to_all_payloads(config, tokens=tokens, cp=cp, tp=tp, act_bytes=act_bytes)
+    return ring_sent("all_to_all", sum(payloads), cp)
 
 
 def cp_bytes_by_kind(

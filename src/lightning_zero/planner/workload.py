@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lightning_zero.cp.layout import ulysses_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
@@ -33,43 +34,74 @@ def _weights(config: Any, tp: int) -> dict[str, int]:
     }
 
 
-def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1) -> float:
-    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``)."""
-    return 2.0 * micro_batch * seq_len * seq_len * config.dim / tp
+def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1) -> float:
+    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``);
+    with context parallelism a rank attends over all ``T`` tokens with ``1/cp`` of the heads."""
+    return 2.0 * micro_batch * seq_len * seq_len * config.dim / (tp * cp)
 
 
 def recompute_flops(
-    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+    cp: int = 1,
 ) -> float:
-    """FLOPs backward recomputes per micro batch on one tp rank ([Note: checkpointing modes]):
-    ``"full"`` every block's forward, ``"selective"`` every block's attention core
+    """FLOPs backward recomputes per micro batch on one tp (and cp) rank ([Note: checkpointing
+    modes]): ``"full"`` every block's forward, ``"selective"`` every block's attention core
     (:func:`attention_forward_flops`: no linear layer), ``"none"`` nothing."""
     mode = checkpointing_mode(activation_checkpointing)
-    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp)
     if mode == "selective":
         return config.n_layers * attention
     if mode == "full":
         block_weights = sum(_weights(config, tp).values())
-        return config.n_layers * (2.0 * micro_batch * seq_len * block_weights + attention)
+        return config.n_layers * (2.0 * micro_batch * seq_len / cp * block_weights + attention)
     return 0.0
 
 
 def training_flops(
-    config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, activation_checkpointing: CheckpointingLike = False
+    config: Any,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+    cp: int = 1,
 ) -> float:
     """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
-    ``6 x matmul params x tokens`` + attention, + :func:`recompute_flops` under checkpointing)."""
-    tokens = micro_batch * seq_len
+    ``6 x matmul params x tokens`` + attention, + :func:`recompute_flops` under checkpointing);
+    with context parallelism (``cp``) on one of the cp ranks, which holds ``T/cp`` tokens of each
+    sequence and attends over all ``T`` with ``1/cp`` of the heads: ``1/cp`` of the whole."""
+    tokens = micro_batch * seq_len / cp
     block_weights = sum(_weights(config, tp).values())
     block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp
+        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp
     )
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
     forward = config.n_layers * block_forward + head_forward
     recompute = recompute_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, activation_checkpointing=activation_checkpointing
+        config,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=tp,
+        activation_checkpointing=activation_checkpointing,
+        cp=cp,
     )
     return 3 * forward + recompute
+
+
+def cp_all_to_all_payloads(config: Any, *, tokens: int, cp: int, tp: int, act_bytes: int) -> tuple[float, float]:
+    """Bytes each of one attention layer's two all-to-alls (q/k/v there, the output back) carries
+    from one rank, ``tokens`` being ``B T`` of the rank's samples ([Note: Ulysses attention] in
+    ``cp/ulysses.py``): its ``B T / cp`` tokens of a TP rank's query heads, kv heads (repeated
+    ``kv_repeats`` times where they do not split over cp, ``cp/layout.py``), and query heads back."""
+    layout = ulysses_layout(cp, tp, config)
+    per_head = tokens // cp * (config.dim // config.n_heads) * act_bytes
+    qkv = per_head * (layout.q_heads_per_tp_rank + 2 * layout.kv_heads_exchanged)
+    return float(qkv), float(per_head * layout.q_heads_per_tp_rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +134,7 @@ class Workload:
     # units whose parameters the engine stores in its root unit (a tied embedding: [Note: shared
     # parameters] in zero/stage3/units.py): gathered when a step begins, kept until backward ends
     root_units: frozenset[int] = frozenset()
+    cp_s: float = 0.0  # part of compute_forward_s + compute_backward_s spent in cp all-to-alls (blocking)
 
 
 def recorded_schedule(workload: Workload) -> tuple[list[int], list[bool]]:
@@ -188,16 +221,31 @@ def _llama_workload(
     tp_link: Link,
     act_bytes: int,
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_link: Optional[Link] = None,
 ) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank.
 
     ``tp_all_reduce`` is one activation all-reduce of ``B T dim``, or under ``sequence_parallel``
     the reduce-scatter plus all-gather that replace it (same bytes and ring steps); the norm
-    gains' gradient sums of sequence parallelism (``dim`` elements) are left out (latency only)."""
+    gains' gradient sums of sequence parallelism (``dim`` elements) are left out (latency only).
+    With context parallelism (``cp > 1``) the rank holds ``T/cp`` tokens of each sequence (``B T``
+    below is ``B T/cp``) and each block's attention adds its two all-to-alls on ``cp_link``
+    forward and two backward (``cp_exchange``, blocking: attention waits for them), and the
+    recomputed ones under full checkpointing ([Note: Ulysses attention] in ``cp/ulysses.py``)."""
     mode = checkpointing_mode(activation_checkpointing)
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp
     weights = _weights(config, tp)
-    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp) / flops_per_s
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp) / flops_per_s
+    cp_exchange = 0.0  # one block's two all-to-alls (q/k/v there, the output back)
+    if cp > 1:
+        link = cp_link if cp_link is not None else tp_link
+        cp_exchange = sum(
+            collective_seconds("all_to_all", payload, cp, link)
+            for payload in cp_all_to_all_payloads(
+                config, tokens=micro_batch * seq_len, cp=cp, tp=tp, act_bytes=act_bytes
+            )
+        )
     payload = tokens * config.dim * act_bytes
     if sequence_parallel:
         tp_gather = collective_seconds("all_gather", payload, tp, tp_link)
@@ -205,7 +253,9 @@ def _llama_workload(
         recomputed_tp = tp_all_reduce + tp_gather  # both gathers and wo's reduce-scatter
     else:
         tp_all_reduce = recomputed_tp = collective_seconds("all_reduce", payload, tp, tp_link)  # wo's
-    block_forward = sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce
+    block_forward = (
+        sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce + cp_exchange
+    )
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp / flops_per_s
 
     tensors: list[Tensor] = []
@@ -221,7 +271,7 @@ def _llama_workload(
         # backward runs w2, w3, w1, ffn_norm, wo, (attention core), wv, wk, wq, attention_norm
         backward = {name: 4.0 * tokens * numel / flops_per_s for name, numel in weights.items()}
         backward["w2"] += recompute + tp_all_reduce  # recompute precedes the block's first grad
-        backward["wv"] += 2 * attention
+        backward["wv"] += 2 * attention + cp_exchange  # the output's exchange, the core, the q/k/v exchange
         backward["wo"] += tp_all_reduce
         add(prefix + "attention_norm.weight", config.dim, unit, 1, 0.0)
         for name in ("wq", "wk", "wv", "wo"):
@@ -248,6 +298,7 @@ def _llama_workload(
         tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
         shape_key=(repr(config), tp),
         root_units=frozenset({0}) if getattr(config, "tie_embeddings", False) else frozenset(),
+        cp_s=config.n_layers * cp_exchange * (3 if mode == "full" else 2),
     )
 
 

@@ -56,12 +56,14 @@ def _tensors(batch: Any):
             yield from _tensors(value)
 
 
-def training_flops_of(config: Any, num_params: int, sequences: int, length: int, tp: int = 1) -> float:
-    """Model FLOPs of one forward + backward over ``sequences x length`` tokens on one tp rank."""
+def training_flops_of(config: Any, num_params: int, sequences: int, length: int, tp: int = 1, cp: int = 1) -> float:
+    """Model FLOPs of one forward + backward over ``sequences x length`` tokens on one tp rank;
+    under context parallelism ``length`` is this rank's ``T/cp`` slice of each sequence (its
+    attention runs over all ``T`` tokens with ``1/cp`` of the heads: ``planner.workload``)."""
     if config is not None and all(hasattr(config, name) for name in LLAMA_FIELDS):
         from lightning_zero.planner.workload import training_flops
 
-        return training_flops(config, micro_batch=sequences, seq_len=length, tp=tp)
+        return training_flops(config, micro_batch=sequences, seq_len=length * cp, tp=tp, cp=cp)
     return 6.0 * num_params * sequences * length
 
 

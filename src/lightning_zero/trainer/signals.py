@@ -1,16 +1,21 @@
-"""The Trainer door of [Note: signals as events] (``runtime/signals.py``): Lightning glue.
+"""The Trainer door of [Note: signals as events] and [Note: signal boundaries] (``runtime/signals.py``).
 
-- :class:`ZeroSignalConnector` replaces the Trainer's ``_SignalConnector``, whose handlers save a
-  checkpoint (the SLURM requeue signal) or broadcast (SIGTERM) from inside the handler (Lightning
-  issue 21406): ours only record.
-- :class:`SchedulerSignals`, a callback, is the boundary: at the end of every training batch (the
-  last micro batch of an accumulation) the ranks agree, then act together:
+Lightning glue only; the agreement, the boundaries and what they decide live in ``runtime/``:
+
+- :class:`ZeroSignalConnector` replaces the Trainer's ``_SignalConnector`` in every entry point
+  (``fit``, ``validate``, ``test``, ``predict``): Lightning's handlers save a checkpoint (the SLURM
+  requeue signal) or broadcast (SIGTERM) from inside the handler (Lightning issue 21406; outside
+  ``fit`` that broadcast hung a run); ours only record.
+- :class:`SchedulerSignals`, a callback, tells the boundary where the loop is (the end of a
+  training batch, of an evaluation batch, of an evaluation loop, of ``fit``) and acts on what the
+  ranks agreed:
 
   - the requeue signal (``SLURMEnvironment(auto_requeue=True)``, its ``requeue_signal``, SIGUSR1 by
-    default): every rank saves ``<default_root_dir>/hpc_ckpt_<N>.ckpt``, the path Lightning's
-    own handler writes and resumes from (``ckpt_path=None`` under SLURM finds the newest), rank 0
-    runs ``scontrol requeue <job>``, and training goes on until the scheduler ends the job, as
-    under Lightning;
+    default) in ``fit``: every rank saves ``<default_root_dir>/hpc_ckpt_<N>.ckpt``, the path
+    Lightning's own handler writes and resumes from (``ckpt_path=None`` under SLURM finds the
+    newest), rank 0 runs ``scontrol requeue <job>``, and training goes on until the scheduler ends
+    the job, as under Lightning. Outside ``fit``: rank 0 requeues, every rank exits with 138
+    (:class:`AgreedRequeue`, ``128 + signal``);
   - SIGTERM: every rank raises :class:`AgreedSigterm` (a ``SIGTERMException``, exit code 143) at
     the same boundary. It is not a failure: every ``on_exception`` hook may still use the other
     ranks, so ``OnExceptionCheckpoint`` / ``ModelCheckpoint(save_on_exception=True)`` save a
@@ -29,23 +34,37 @@ from typing import Any, Optional
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_zero.config import ZERO_DEFAULTS
-from lightning_zero.runtime.signals import AgreedSignals, SignalAgreement, requeue_slurm_job, world_exchange
-from lightning_zero.zero.waits import Waiter
+from lightning_zero.runtime.signals import (
+    SIGTERM_EXIT_CODE,
+    AgreedSignals,
+    AgreedStop,
+    SignalAgreement,
+    SignalBoundary,
+    fewest_exchange,
+    requeue_exit_code,
+    requeue_slurm_job,
+)
+from lightning_zero.trainer._lightning_compat import is_accumulating
 
 log = logging.getLogger(__name__)
 
-SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+__all__ = ["SIGTERM_EXIT_CODE", "AgreedRequeue", "AgreedSigterm", "SchedulerSignals", "ZeroSignalConnector"]
 
 
-class AgreedSigterm(SIGTERMException):
-    """Every rank agreed on a SIGTERM at the same step boundary and exits (code 143)."""
+class AgreedSigterm(AgreedStop, SIGTERMException):
+    """Every rank agreed on a SIGTERM at the same boundary and exits (code 143)."""
 
     def __init__(self, detail: str) -> None:
-        super().__init__(SIGTERM_EXIT_CODE)
-        self.detail = detail
+        AgreedStop.__init__(self, SIGTERM_EXIT_CODE, detail)
+
+
+class AgreedRequeue(AgreedStop):
+    """Outside ``fit``: every rank agreed on the requeue signal, rank 0 requeued the job, and every
+    rank exits with ``128 + signal`` (138 for SIGUSR1): nothing to save, and the rest of the loop
+    would not end before the scheduler does."""
 
 
 class ZeroSignalConnector(_SignalConnector):
@@ -75,31 +94,40 @@ class ZeroSignalConnector(_SignalConnector):
             launcher.kill(signum)
 
     def teardown(self) -> None:
-        self.agreement.uninstall()
+        # a SIGTERM after the last boundary is raised again, not swallowed ([Note: signal boundaries])
+        self.agreement.uninstall(deliver_pending=True)
         super().teardown()
 
 
 class SchedulerSignals(Callback):
-    """The step boundary of [Note: signals as events] for the Trainer (see the module docstring).
+    """The Trainer's side of [Note: signal boundaries] (see the module docstring).
 
     ``events`` lists what was agreed, in order (:class:`~lightning_zero.runtime.signals.AgreedSignals`);
     ``exchanges`` counts the boundaries that needed an all-reduce of their own (no phase marker
-    carried the flags: ddp, ``tp > 1``).
+    carried the flags: ddp, ``tp > 1``, evaluation batches).
     """
 
-    # Its on_train_batch_end reads flags, not parameters: without this the gather barrier would
-    # wait for every overlapped parameter gather after each step ([Note: parameter reads between
-    # steps] in trainer/gather_barrier.py). The hpc save it makes goes through save_checkpoint,
-    # which waits for the gathers itself.
+    # Its hooks read flags, not parameters: without this the gather barrier would wait for every
+    # overlapped parameter gather after each step ([Note: parameter reads between steps] in
+    # trainer/gather_barrier.py). The hpc save it makes goes through save_checkpoint, which waits
+    # for the gathers itself.
     reads_parameters_between_steps = False
 
     def __init__(self) -> None:
-        self.agreement = SignalAgreement()
-        self.events: list[AgreedSignals] = []
-        self.exchanges = 0
-        self._markers_cover_world = False
-        self._waiter: Optional[Waiter] = None
-        self._counter: Any = None
+        self.boundary = SignalBoundary()
+        self.closes_eval_loops = False  # ZeroStrategy closes them (after stage 3's ranks served each other)
+
+    @property
+    def agreement(self) -> SignalAgreement:
+        return self.boundary.agreement
+
+    @property
+    def events(self) -> list[AgreedSignals]:
+        return self.boundary.events
+
+    @property
+    def exchanges(self) -> int:
+        return self.boundary.exchanges
 
     def attach(self, trainer: Any, *, engine: Any = None, markers_cover_world: bool = False) -> None:
         """Install the connector; with ``engine``, let the flags ride on its phase markers
@@ -108,45 +136,114 @@ class SchedulerSignals(Callback):
         if not (isinstance(connector, ZeroSignalConnector) and connector.agreement is self.agreement):
             trainer._signal_connector = ZeroSignalConnector(trainer, self.agreement)
         if engine is not None:
-            engine.ride_phase_markers(self.agreement)
-            self._waiter, self._counter = engine.waiter, engine.counter
-        self._markers_cover_world = engine is not None and markers_cover_world
+            self.boundary.ride(engine, markers_cover_world=markers_cover_world)
+        else:
+            self.boundary.forget_engine()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit":
-            self.attach(trainer)  # ZeroStrategy attaches again with its engine (strategy.setup runs later)
+        self.attach(
+            trainer
+        )  # every entry point; ZeroStrategy attaches again with its engine (strategy.setup runs later)
 
+    # -- training --------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        riding = self._markers_cover_world and self.agreement.rode
-        if not riding and _accumulating(trainer):
-            return  # a non-final micro batch: the boundary is the optimizer step's batch
-        exchange = None if riding else self._exchange(trainer)
-        self.exchanges += exchange is not None
-        agreed = self.agreement.boundary(exchange)
-        if agreed is None:
+        agreed = self.boundary.at_step(accumulating=_accumulating(trainer), exchange=lambda: self._exchange(trainer))
+        if agreed is not None:
+            self._act(trainer, agreed, where=f"after step {trainer.global_step}")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        agreed = self.boundary.at_end(lambda: self._exchange(trainer, "the end of fit"))
+        if agreed is not None:
+            self._act(trainer, agreed, where=f"at the end of fit (step {trainer.global_step})", keep_requeue=True)
+        self.boundary.release_kept()  # no step left to save at: the next entry point acts on it
+
+    # -- evaluation ([Note: signal boundaries]: each batch every rank has, then the loop's end) --
+    def _start_eval(self, trainer: Any, counts: Any) -> None:
+        strategy = trainer.strategy
+        self._exchange(trainer)  # the waiter, if there is no engine's
+        waiter = self.boundary.waiter
+        assert waiter is not None
+        fewest = fewest_exchange(strategy.root_device, waiter, counter=self.boundary.counter)
+        self.boundary.start_eval([float(count) for count in counts], fewest)
+
+    def _eval_batch_end(self, trainer: Any, batch_idx: int, dataloader_idx: int) -> None:
+        if trainer.sanity_checking:
             return
-        self.events.append(agreed)
-        log.info(f"lightning_zero (global rank {trainer.global_rank}): agreed on {agreed.describe()}")
-        if agreed.requeue:
+        where = f"the end of evaluation batch {batch_idx}"
+        agreed = self.boundary.at_eval_batch(batch_idx, dataloader_idx, lambda: self._exchange(trainer, where))
+        if agreed is not None:
+            self._act(trainer, agreed, where=f"in {where}", keep_requeue=trainer.state.fn == TrainerFn.FITTING)
+
+    def end_eval_loop(self, trainer: Any) -> None:
+        """Every rank ended its evaluation loop: one exchange ([Note: signal boundaries])."""
+        if trainer.sanity_checking:
+            return
+        agreed = self.boundary.at_end(lambda: self._exchange(trainer, "the end of an evaluation loop"))
+        if agreed is not None:
+            self._act(trainer, agreed, where="at the end of an evaluation loop",
+                      keep_requeue=trainer.state.fn == TrainerFn.FITTING)  # fmt: skip
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._start_eval(trainer, trainer.num_val_batches)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_eval(trainer, trainer.num_test_batches)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_eval(trainer, trainer.num_predict_batches)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._eval_batch_end(trainer, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._eval_batch_end(trainer, batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._eval_batch_end(trainer, batch_idx, dataloader_idx)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.closes_eval_loops:
+            self.end_eval_loop(trainer)
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.closes_eval_loops:
+            self.end_eval_loop(trainer)
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.closes_eval_loops:
+            self.end_eval_loop(trainer)
+
+    # -- acting on what was agreed ---------------------------------------------------------------
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        note = self.agreement.pending()
+        if note and not isinstance(exception, AgreedStop) and hasattr(exception, "add_note"):
+            exception.add_note(f"lightning_zero: this rank was handling {note} (not yet agreed by every rank)")
+
+    def _act(self, trainer: Any, agreed: AgreedSignals, *, where: str, keep_requeue: bool = False) -> None:
+        log.info(f"lightning_zero (global rank {trainer.global_rank}): agreed on {agreed.describe()} {where}")
+        detail = f"every rank agreed on {agreed.describe()} {where}"
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if agreed.requeue and fitting and keep_requeue:
+            self.boundary.keep_requeue(agreed)  # a checkpoint belongs to an optimizer step: the next one
+        elif agreed.requeue and fitting:
             self._save_and_requeue(trainer)
         if agreed.terminate:
             trainer._signal_connector.received_sigterm = True
-            raise AgreedSigterm(f"every rank agreed on {agreed.describe()} after step {trainer.global_step}")
+            raise AgreedSigterm(detail)
+        if agreed.requeue and not fitting:
+            if trainer.is_global_zero:
+                requeue_slurm_job()
+            raise AgreedRequeue(requeue_exit_code(self.agreement.requeue_signal), detail)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        note = self.agreement.pending()
-        if note and not isinstance(exception, AgreedSigterm) and hasattr(exception, "add_note"):
-            exception.add_note(f"lightning_zero: this rank was handling {note} (not yet agreed by every rank)")
-
-    def _exchange(self, trainer: Any) -> Any:
+    def _exchange(self, trainer: Any, where: Optional[str] = None) -> Any:
         strategy = trainer.strategy
-        if self._waiter is None:
-            self._waiter = Waiter(ZERO_DEFAULTS.collective_timeout, poll=strategy.root_device.type == "cpu",
-                                  failure=getattr(strategy, "failure_channel", None))  # fmt: skip
-        return world_exchange(
-            self.agreement, strategy.root_device, self._waiter, counter=self._counter,
-            where=lambda: f"the end of training batch {trainer.global_step}",
-        )  # fmt: skip
+        text = where or f"the end of training batch {trainer.global_step}"
+        return self.boundary.exchange(strategy.root_device, failure=getattr(strategy, "failure_channel", None),
+                                      where=lambda: text)  # fmt: skip
 
     def _save_and_requeue(self, trainer: Any) -> None:
         """Every rank: the hpc checkpoint Lightning would save; rank 0: ``scontrol requeue``."""
@@ -167,7 +264,7 @@ class SchedulerSignals(Callback):
 def _accumulating(trainer: Any) -> bool:
     """A non-final micro batch of ``accumulate_grad_batches`` (the same answer on every rank)."""
     try:
-        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+        return is_accumulating(trainer)
     except AttributeError:  # another Lightning: agree at every batch
         return False
 

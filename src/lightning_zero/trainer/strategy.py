@@ -32,10 +32,11 @@ from typing_extensions import override
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.session import SessionViews, ZeroSession
+from lightning_zero.runtime.signals import AgreedStop
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.failure_path import FailureNotice, check_step_output, where
 from lightning_zero.trainer.precision import to_zero_precision
-from lightning_zero.trainer.signals import AgreedSigterm, attach_scheduler_signals
+from lightning_zero.trainer.signals import attach_scheduler_signals
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -138,6 +139,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
             failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
         )  # fmt: skip
+        self._signals: Any = None  # trainer/signals.py's SchedulerSignals of the running entry point
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -210,8 +212,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     # -- failures ([Note: failure path] in runtime/failure.py) -----------------------------------
     def _note_failure(self, exception: BaseException) -> None:
-        if isinstance(exception, AgreedSigterm):
-            return  # every rank agreed to exit here: not a failure ([Note: signals as events])
+        if isinstance(exception, AgreedStop):
+            return  # every rank agreed to exit here: not a failure ([Note: signal boundaries])
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self.session.note_failure(exception, where(trainer if trainer is not None and trainer.state else None))
 
@@ -261,15 +263,14 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # first of all, so the failure is posted before any other on_exception hook runs
         trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, FailureNotice)]
         trainer.callbacks.insert(0, FailureNotice(self._note_failure))
-        # [Note: signals as events] in runtime/signals.py; [Note: checkpoint lifecycle] in runtime/checkpoints.py
-        if fitting:
+        # [Note: signal boundaries] in runtime/signals.py: every entry point, not only fit
+        self._signals = attach_scheduler_signals(
+            trainer, engine=self.engine, markers_cover_world=self.session.dense_size(self.world_size) == self.world_size
+        )
+        self._signals.closes_eval_loops = True  # after stage 3's ranks served each other (_end_eval_loop)
+        if fitting:  # [Note: checkpoint lifecycle] in runtime/checkpoints.py
             from lightning_zero.trainer.checkpoints import checkpoint_directories, route_links
 
-            attach_scheduler_signals(
-                trainer,
-                engine=self.engine,
-                markers_cover_world=self.session.dense_size(self.world_size) == self.world_size,
-            )
             self.checkpoints.clean(checkpoint_directories(trainer), lambda: self.barrier("lightning_zero-leftovers"))
             route_links(trainer, self.checkpoints)
             self.checkpoints.open()
@@ -395,6 +396,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # Ranks with fewer evaluation batches serve the others' all-gathers until all are done.
         if self.engine is not None:
             self.engine.end_eval_loop()
+        # then every rank is here: the loop's last signal boundary ([Note: signal boundaries])
+        if self._signals is not None and self.lightning_module is not None:
+            self._signals.end_eval_loop(self.lightning_module.trainer)
 
     @override
     def on_validation_end(self) -> None:
