@@ -13,6 +13,8 @@ Usage: python tests/scripts/fabric_contracts.py OUT_DIR MODE:STRATEGY [MODE:STRA
   ``storage_options``: each raises; the strategy is not failed and the next save writes.
 - ``init``: a transformers ``LlamaForCausalLM`` built under ``fabric.init_module()`` after ``manual_seed``:
   its state dict and first loss.
+- at exit (every case): which stage 1-2 parameter all-gathers are still in flight and which of our
+  threads still run when the interpreter finalizes (``exit.rank<r>.json``); no case tears down.
 - ``full``: ``state_dict_type="full"``: 2 steps, ``fabric.save`` of model, optimizer, scheduler and a step
   count in one torch file, 2 more steps. ``fullresume:<loader>@<saver>``: the file of ``<saver>``'s run
   loaded by a fresh Fabric, 2 steps (ddp loads ours, we load ddp's).
@@ -20,8 +22,11 @@ Usage: python tests/scripts/fabric_contracts.py OUT_DIR MODE:STRATEGY [MODE:STRA
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -36,6 +41,15 @@ import lightning_zero  # noqa: E402,F401
 
 VOCAB, SEQ, BATCH = 64, 8, 2
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+STRATEGIES: list = []  # every strategy built, none torn down (as in LitGPT's scripts)
+
+
+def record_exit(out: str, rank: int) -> None:
+    """The last ``atexit`` hook (registered first): what still runs when the interpreter finalizes."""
+    pending = [s.engine.pending_param_gathers() for s in STRATEGIES if getattr(s, "engine", None) is not None]
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("lightning_zero") and t.is_alive()]
+    with open(os.path.join(out, f"exit.rank{rank}.json"), "w") as handle:
+        json.dump({"pending_param_gathers": pending, "alive_threads": alive, "strategies": len(STRATEGIES)}, handle)
 
 
 def make_fabric(strategy_name: str, precision: str = "32-true", **kwargs) -> L.Fabric:
@@ -44,6 +58,7 @@ def make_fabric(strategy_name: str, precision: str = "32-true", **kwargs) -> L.F
     )
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, precision=precision)
     fabric.launch()
+    STRATEGIES.append(fabric.strategy)
     return fabric
 
 
@@ -95,8 +110,22 @@ def floats(state: dict) -> dict:
     return {k: v.detach().float().clone() for k, v in state.items() if torch.is_tensor(v)}
 
 
+def lora_model(fabric):
+    """LitGPT's LoRA setup order: ``init_module(empty_init=True)``, ``mark_only_lora_as_trainable``,
+    ``setup_module``, AdamW over ``model.parameters()``, ``setup_optimizers``."""
+    from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=True):
+        model = GPT(gpt_config(**LORA))
+    mark_only_lora_as_trainable(model)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    return model, optimizer
+
+
 def lora(out: Path, strategy_name: str) -> dict:
-    from litgpt.lora import GPT, lora_filter, mark_only_lora_as_trainable
+    from litgpt.lora import GPT, lora_filter
     from litgpt.model import GPT as BaseGPT
     from litgpt.utils import load_checkpoint
 
@@ -113,12 +142,7 @@ def lora(out: Path, strategy_name: str) -> dict:
         torch.save(state, path)
 
     base = once(out / "lora_base.pth", fabric, write_base)
-    fabric.seed_everything(1337)
-    with fabric.init_module(empty_init=True):
-        model = GPT(gpt_config(**LORA))
-    mark_only_lora_as_trainable(model)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    model, optimizer = lora_model(fabric)
     load_checkpoint(fabric, model, base, strict=False)  # lazy_load + model.load_state_dict (not FSDP)
     loaded = floats(model.state_dict())
     losses = train(fabric, model, optimizer, range(3))
@@ -145,6 +169,30 @@ def lora(out: Path, strategy_name: str) -> dict:
         fabric.load(filtered, {"model": model}, strict=False)
         result["filtered_reloaded"] = floats(model.state_dict())
     return result
+
+
+def lorabf16(out: Path, case: str) -> dict:
+    """LoRA under bf16-true in a loop that accumulates 2 micro batches and clips (issue 53's fault 6).
+    ``case``: ddp, zero1, zero2, zero3, zero2defer (``defer_grad_reduce=True``), zero2fp32
+    (``reduce_dtype="fp32"``)."""
+
+    knobs = {"zero2defer": {"defer_grad_reduce": True}, "zero2fp32": {"reduce_dtype": "fp32"}}.get(case, {})
+    fabric = make_fabric(case[:5] if case != "ddp" else "ddp", "bf16-true", **knobs)
+    base = out / "lora_base.pth"  # written by the lora case
+    model, optimizer = lora_model(fabric)
+    model.load_state_dict(torch.load(base, weights_only=True), strict=False)
+    losses = []
+    for step in range(4):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = loss_of(model, batch(10 * step + micro, fabric.global_rank))
+                fabric.backward(loss / 2)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    lora = {k: v for k, v in floats(model.state_dict()).items() if "lora_" in k}
+    return {"losses": losses, "lora": lora}
 
 
 class Remapped(nn.Module):
@@ -312,11 +360,20 @@ def fullresume(out: Path, case: str) -> dict:
     return {"losses": losses, "step_count": state["step_count"]}
 
 
-MODES = {"lora": lora, "torchload": torchload, "refuse": refuse, "init": init, "full": full, "fullresume": fullresume}
+MODES = {
+    "lorabf16": lorabf16,
+    "lora": lora,
+    "torchload": torchload,
+    "refuse": refuse,
+    "init": init,
+    "full": full,
+    "fullresume": fullresume,
+}
 
 if __name__ == "__main__":
     out, *cases = sys.argv[1:]
     rank = int(os.environ.get("RANK", "0"))
+    atexit.register(record_exit, out, rank)  # runs after every hook registered later (the strategies')
     for item in cases:
         mode, case = item.split(":")
         try:

@@ -45,9 +45,11 @@ set-up model's forward does:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import sys
 import warnings
+import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -209,6 +211,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._meta_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._previous_excepthook: Optional[Callable[..., Any]] = None
         self._init_rng: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self._exit_hook = False  # [Note: nothing running at exit]
         # per optimizer, per param group: the parameter names in the user's order ([Note: full optimizer state])
         self._param_names: list[list[list[str]]] = []
         # [Note: signal boundaries] in runtime/signals.py: the loop asks scheduler_signals() once per step
@@ -252,6 +255,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if self._previous_excepthook is None:
             self._previous_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
+        if not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(_quiesce_at_exit, weakref.ref(self))
 
     def _where(self) -> str:
         return f"training step {self._steps + 1}"
@@ -722,10 +728,34 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if save_error is not None:
             raise save_error
 
+    def quiesce(self) -> None:
+        """[Note: nothing running at exit] Wait for the collectives this rank still has in flight (the
+        stage 1-2 parameter all-gathers launched after the last step) and stop the failure channel's
+        watcher thread (joined). Teardown does it; so does interpreter exit for a script that never
+        tears down (LitGPT's scripts do not)."""
+        if self.engine is not None and not self.failed:
+            try:
+                self.engine.wait_param_gathers()
+            except Exception:  # noqa: BLE001 - a peer is gone: nothing left to wait for
+                pass
+        channel = self.session.failure_channel
+        if channel is not None:
+            channel.stop_watching()
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: "_StrategyRegistry") -> None:
         pass  # registered by lightning_zero._registry as "zero1"/"zero2"/"zero3"
+
+
+def _quiesce_at_exit(strategy_ref: "weakref.ReferenceType[ZeroFabricStrategy]") -> None:
+    """[Note: nothing running at exit] An ``atexit`` hook (registered after ``zero/waits.py``'s, so it
+    runs first): the strategy's collectives finished and its watcher joined before the interpreter
+    finalizes. A thread that is inside a C++ call then (a gloo collective, a store read) is ended by
+    the finalizing interpreter mid-call: "terminate called without an active exception"."""
+    strategy = strategy_ref()
+    if strategy is not None:
+        strategy.quiesce()
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -87,11 +87,17 @@ def _tensor(module: nn.Module, key: str) -> torch.Tensor:
 
 
 def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """module id -> the nearest Hugging Face PreTrainedModel at or above it (duck-typed)."""
+    """module id -> the nearest Hugging Face PreTrainedModel at or above it (duck-typed: ``_init_weights``,
+    ``post_init`` and a ``config``; LitGPT's ``GPT`` has an ``_init_weights`` too, which its own scripts
+    never apply -- they call ``reset_parameters`` -- so without ``post_init`` a model is not one)."""
     owners: dict[int, nn.Module] = {}
 
     def visit(module: nn.Module, owner: Optional[nn.Module]) -> None:
-        if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
+        if (
+            callable(getattr(module, "_init_weights", None))
+            and callable(getattr(module, "post_init", None))
+            and hasattr(module, "config")
+        ):
             owner = module
         if owner is not None:
             owners[id(module)] = owner

@@ -1,0 +1,133 @@
+"""LitGPT's own scripts (``finetune_lora``, ``finetune_adapter``, ``finetune_full``, ``pretrain``, ...)
+on :class:`~lightning_zero.fabric.strategy.ZeroFabricStrategy`, unchanged.
+
+LitGPT's ``setup`` functions build their own ``L.Fabric(strategy=...)`` (``ModelParallelStrategy`` or
+``FSDPStrategy`` on several devices) and take no strategy argument. While :func:`zero_strategy` is
+open, every ``lightning.Fabric(...)`` built with a strategy gets the one it makes in place of the one the
+caller passed (``lightning.Fabric`` is replaced by a subclass that only swaps that argument; closing the
+context restores it and tears the strategies down). Everything else -- devices, precision, loggers,
+the script's own order of calls -- is the script's. The command line wraps LitGPT's own::
+
+    python -m lightning_zero.fabric.litgpt --stage 3 finetune_lora --checkpoint_dir ... --devices 8
+
+takes LitGPT's arguments after the command as LitGPT's ``litgpt`` does. Our options come before the
+command: ``--stage`` (1, 2, 3; or ``ddp``, ``ddp_find_unused_parameters_true`` for Fabric's own DDP, to compare), ``--state-dict-type``
+(``full``, the default: one ``torch.save`` file per save, as LitGPT's scripts ask of FSDP, so
+LitGPT's merge, generate and convert tools read it; ``sharded``: a checkpoint directory) and
+``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g. ``--knob reduce_dtype=fp32``). They travel
+to the processes Fabric launches in ``LIGHTNING_ZERO_LITGPT`` (JSON), so Fabric's own re-launch of
+the command line works. docs/fabric.md, "LitGPT", lists what was tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional, Union
+
+ENV = "LIGHTNING_ZERO_LITGPT"
+DDP = ("ddp", "ddp_find_unused_parameters_true")
+
+
+def make_strategy(stage: Union[int, str], state_dict_type: str = "full", **knobs: Any) -> Any:
+    """``ZeroFabricStrategy(stage=..., state_dict_type=..., **knobs)``; a Fabric strategy name for a
+    ``stage`` that names one (``"ddp"``, ``"ddp_find_unused_parameters_true"``), to compare."""
+    if str(stage) in DDP:
+        if knobs:
+            raise ValueError(f"--stage ddp takes no ZeRO knobs (got {sorted(knobs)}).")
+        return str(stage)
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+    return ZeroFabricStrategy(stage=int(stage), state_dict_type=state_dict_type, **knobs)  # type: ignore[arg-type]
+
+
+@contextmanager
+def zero_strategy(strategy: Callable[[], Any]) -> Generator[list, None, None]:
+    """While open, ``lightning.Fabric(..., strategy=<a strategy>)`` gets ``strategy()`` instead; yields
+    the list of Fabrics built so. A Fabric built with the default ``strategy="auto"`` keeps it: LitGPT
+    asks for a strategy only on several devices, and builds single-device Fabrics of its own inside a
+    run (``merge_lora`` on rank 0). On exit ``lightning.Fabric`` is restored and each strategy torn down."""
+    import lightning
+
+    original = lightning.Fabric
+    built: list = []
+
+    class Fabric(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            swap = kwargs.get("strategy", "auto") != "auto"
+            if swap:
+                kwargs["strategy"] = strategy()
+            super().__init__(*args, **kwargs)
+            if swap:
+                built.append(self)
+
+    Fabric.__name__ = Fabric.__qualname__ = "Fabric"
+    lightning.Fabric = Fabric
+    try:
+        yield built
+    finally:
+        lightning.Fabric = original
+        for fabric in built:
+            fabric.strategy.teardown()
+
+
+def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_zero.fabric.litgpt",
+        description="Run a LitGPT command (finetune_lora, finetune_adapter, finetune_full, pretrain, ...) with"
+        " ZeroFabricStrategy. Our options come before LitGPT's command; LitGPT's arguments after it.",
+    )
+    parser.add_argument("--stage", default="3", choices=["1", "2", "3", *DDP])
+    parser.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help="a ZeroConfig field")
+    parser.add_argument("command", help="LitGPT's command, e.g. finetune_lora")
+    ours, rest = parser.parse_known_args(argv)
+    knobs = {}
+    for item in ours.knob:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--knob {item!r}: write NAME=VALUE")
+        try:
+            knobs[name] = json.loads(value)
+        except json.JSONDecodeError:
+            knobs[name] = value
+    options = {"stage": ours.stage, "state_dict_type": ours.state_dict_type, **knobs}
+    return options, [ours.command, *rest]
+
+
+def run(command: list[str], options: dict[str, Any]) -> None:
+    """Run LitGPT's CLI on ``command`` (``["finetune_lora", "--checkpoint_dir", ...]``) with the
+    strategy ``options`` describe (:func:`make_strategy`'s arguments). LitGPT reads ``sys.argv``
+    again when it saves its hyperparameters, so ``sys.argv[1:]`` is ``command`` meanwhile."""
+    make_strategy(**options)  # bad options fail here, before any process group starts
+    from litgpt.__main__ import main as litgpt_main
+
+    saved_argv, saved_env = sys.argv, os.environ.get(ENV)
+    sys.argv = [sys.argv[0], *command]
+    os.environ[ENV] = json.dumps(options)  # for the processes Fabric re-launches
+    try:
+        with zero_strategy(lambda: make_strategy(**options)):
+            litgpt_main()
+    finally:
+        sys.argv = saved_argv
+        if saved_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved_env
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    inherited = os.environ.get(ENV)
+    if inherited is not None and argv and not argv[0].startswith("-"):  # a process Fabric re-launched
+        run(argv, json.loads(inherited))
+        return
+    options, command = _options(argv)
+    run(command, options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""LitGPT's own scripts, unchanged, on 2 CPU processes: under Fabric's ddp and under ZeroFabricStrategy.
+
+Usage: python tests/scripts/litgpt_scripts.py OUT_DIR CASE [CASE ...]
+Launched torchrun-style by tests/test_litgpt_scripts.py; one launch runs several cases in turn, each
+through ``lightning_zero.fabric.litgpt.run`` (LitGPT's CLI with every ``L.Fabric`` built on the
+case's strategy). CASE = ``<script>-<strategy>-<precision>[-resume]``: script ``lora``, ``adapter``,
+``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``
+(``defer_grad_reduce=True``); precision ``32`` or ``bf16``
+(``32-true`` / ``bf16-true``). ``-resume`` runs ``full`` / ``pretrain`` again with ``--resume`` from the
+step-2 checkpoint of the same case's first run (which ran 4 steps), into a directory of its own.
+
+What the runs share, made once by rank 0 (no network): a byte-level BPE ``tokenizer.json`` trained with
+the ``tokenizers`` library on the corpus below, a tiny LitGPT config, base checkpoints (for LoRA and the
+adapter with their extra tensors, so every run starts from the same weights: under ddp on 2 devices
+the scripts' ``init_module(empty_init=True)`` leaves them uninitialized memory), an instruction
+dataset for ``litgpt.data.JSON`` and text files for ``litgpt.data.TextFiles``. Each case records the
+seconds it took; the test reads LitGPT's own CSV logs and saved files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+# pretrain's torch.compile runs eager (an inductor build on CPU takes minutes), for ddp and us alike: as
+# TORCH_COMPILE_DISABLE=1 does (read when dynamo's config is first imported, which a fork server did)
+os.environ["TORCH_COMPILE_DISABLE"] = "1"
+torch._dynamo.config.disable = True
+
+from lightning_zero.fabric.litgpt import run  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+CONFIG = dict(name="tiny-lz", block_size=32, vocab_size=120, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
+              n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+              mlp_class_name="LLaMAMLP", intermediate_size=64)  # fmt: skip
+WORDS = ("the model learns to shard every optimizer state across the ranks while the loss falls and the"
+         " gradients meet in buckets before each step of training a tiny llama on plain text").split()  # fmt: skip
+SCRIPTS = {"lora": "finetune_lora", "adapter": "finetune_adapter", "full": "finetune_full", "pretrain": "pretrain"}
+
+
+def sentence(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
+
+
+def prepare(root: Path) -> None:
+    """The shared inputs (rank 0, once); the other ranks wait for ``ready``."""
+    ready = root / "ready"
+    if RANK != 0:
+        while not ready.exists():
+            if (root / "failed").exists():
+                raise RuntimeError("rank 0 failed to prepare the inputs")
+            time.sleep(0.1)
+        return
+    if ready.exists():
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    try:
+        _prepare(root, Tokenizer, decoders, models, pre_tokenizers, trainers)
+    except BaseException:
+        (root / "failed").write_text(traceback.format_exc())
+        raise
+    ready.write_text("ok")
+
+
+def _prepare(root: Path, Tokenizer, decoders, models, pre_tokenizers, trainers) -> None:
+    from litgpt.adapter import GPT as AdapterGPT
+    from litgpt.adapter import Config as AdapterConfig
+    from litgpt.lora import GPT as LoraGPT
+    from litgpt.lora import Config as LoraConfig
+    from litgpt.model import GPT
+    from litgpt.model import Config as BaseConfig
+
+    corpus = [sentence(i, 12 + i % 9) for i in range(64)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=CONFIG["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(corpus, trainer)
+    assert tokenizer.get_vocab_size() <= CONFIG["padded_vocab_size"], tokenizer.get_vocab_size()
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+
+    import yaml
+
+    bases = {
+        "base": (BaseConfig, GPT, {}),
+        "lora": (LoraConfig, LoraGPT, LORA),
+        "adapter": (AdapterConfig, AdapterGPT, ADAPTER),
+    }
+    torch.manual_seed(7)
+    plain = GPT(BaseConfig(**CONFIG)).state_dict()
+    for name, (config_class, model_class, extra) in bases.items():
+        directory = root / "checkpoints" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        (directory / "model_config.yaml").write_text(
+            yaml.safe_dump({**CONFIG, **(ADAPTER if name == "adapter" else {})})
+        )
+        state = dict(plain)
+        torch.manual_seed(8)
+        for key, value in model_class(config_class(**CONFIG, **extra)).state_dict().items():
+            if "lora_" in key or "adapter_wte" in key or "gating_factor" in key:
+                state[key] = torch.randn_like(value) * 0.1
+        torch.save(state, directory / "lit_model.pth")
+    rows = [
+        {"instruction": sentence(i, 4 + i % 3), "input": "", "output": sentence(i + 5, 6 + i % 4)} for i in range(40)
+    ]
+    (root / "instructions.json").write_text(json.dumps(rows))
+    texts = root / "texts"
+    texts.mkdir(exist_ok=True)
+    for index in range(3):
+        (texts / f"part{index}.txt").write_text("\n".join(corpus[index::3] * 6))
+    write_token_chunks(texts, root / "checkpoints" / "base", block_size=PRETRAIN_SEQ + 1)
+
+
+def write_token_chunks(texts: Path, tokenizer_dir: Path, block_size: int) -> None:
+    """What ``TextFiles.prepare_data`` writes (``texts/train``, ``texts/val``: the first file is the
+    validation split), tokenized as it tokenizes, with litdata's own writer in this process: its
+    ``optimize`` spawns worker processes, minutes on a loaded 2-core machine. TextFiles finds both
+    directories and reads them with litdata's ``StreamingDataset`` as usual."""
+    from litdata.streaming import TokensLoader
+    from litdata.streaming.writer import BinaryWriter
+    from litgpt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tokenizer_dir)
+    val, *train = sorted(texts.glob("*.txt"))
+    for split, files in (("train", train), ("val", [val])):
+        writer = BinaryWriter(str(texts / split), chunk_bytes="50MB", item_loader=TokensLoader(block_size=block_size))
+        for index, path in enumerate(files):
+            writer.add_item(index, tokenizer.encode(path.read_text().strip(), bos=True, eos=False))
+        writer.done()
+        writer._merge_no_wait()  # merge() waits for one index per rank of the launch (WORLD_SIZE)
+
+
+LORA = dict(lora_r=4, lora_alpha=8, lora_query=True, lora_key=False, lora_value=True)
+ADAPTER = dict(adapter_prompt_length=4, adapter_start_layer=0)
+STEPS = 4
+PRETRAIN_SEQ = 16
+
+
+def command(root: Path, script: str, strategy: str, precision: str, out: Path, resume: bool) -> list[str]:
+    common = ["--out_dir", str(out), "--precision", {"32": "32-true", "bf16": "bf16-true"}[precision],
+              "--devices", "2", "--logger_name", "csv", "--train.log_interval", "1",
+              "--train.save_interval", "2", "--train.lr_warmup_steps", "1"]  # fmt: skip
+    if script == "pretrain":
+        return ["pretrain", CONFIG["name"], "--model_config", json.dumps(CONFIG),
+                "--tokenizer_dir", str(root / "checkpoints/base"), "--data", "TextFiles",
+                "--data.train_data_path", str(root / "texts"), "--data.num_workers", "0",
+                "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.max_seq_length", str(PRETRAIN_SEQ),
+                "--train.max_tokens", str(STEPS * 8 * PRETRAIN_SEQ), "--train.max_norm", "1.0",
+                "--eval.interval", "1000", "--eval.max_iters", "2", "--eval.final_validation", "false",
+                *common, *(["--resume", str(resume_path(out, script))] if resume else [])]  # fmt: skip
+    checkpoint = {"lora": "lora", "adapter": "adapter", "full": "base"}[script]
+    args = [SCRIPTS[script], str(root / "checkpoints" / checkpoint), "--data", "JSON",
+            "--data.json_path", str(root / "instructions.json"), "--data.val_split_fraction", "0.2",
+            "--data.num_workers", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
+            "--train.max_steps", str(STEPS), "--train.epochs", "100", "--train.max_seq_length", "32",
+            "--eval.interval", "1000", "--eval.max_iters", "2", "--eval.max_new_tokens", "4",
+            "--eval.final_validation", "false", *common]  # fmt: skip
+    if script == "lora":
+        args += [item for key, value in LORA.items() for item in (f"--{key}", str(value).lower())]
+    if resume:
+        args += ["--resume", str(resume_path(out, script))]
+    return args
+
+
+def resume_path(out: Path, script: str) -> Path:
+    first = out.parent / out.name.removesuffix("-resume")
+    return first / ("step-00000002" if script == "pretrain" else "step-000002") / "lit_model.pth"
+
+
+def run_case(root: Path, case: str) -> dict:
+    script, strategy, precision, *rest = case.split("-")
+    resume = rest == ["resume"]
+    out = root / "runs" / case
+    ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
+    options = {"stage": ddp if strategy == "ddp" else strategy[4], "state_dict_type": "full"}
+    if strategy.endswith("defer"):  # zero2defer: gradients stay local over the accumulated micro batches
+        options["defer_grad_reduce"] = True
+    started = time.perf_counter()
+    run(command(root, script, strategy, precision, out, resume), options)
+    return {"seconds": time.perf_counter() - started}
+
+
+if __name__ == "__main__":
+    root, *cases = sys.argv[1:]
+    root = Path(root)
+    prepare(root)
+    results = {}
+    for case in cases:
+        try:
+            results[case] = run_case(root, case)
+        except BaseException:  # noqa: BLE001 - recorded for the test; the next case still runs
+            results[case] = {"exception": traceback.format_exc()}
+            print(results[case]["exception"], file=sys.stderr, flush=True)
+            break
+    (root / f"results.{'_'.join(cases)[:80]}.rank{RANK}.json").write_text(json.dumps(results))
