@@ -46,7 +46,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -282,6 +282,36 @@ class HFLlamaWeights:
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_export_dtype(dtype: Optional[str]) -> None:
+    """``export --dtype``: one of :data:`EXPORT_DTYPES`, or ``None`` (the saved dtype)."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
+
+
+def write_hf_export(
+    out: Union[str, os.PathLike],
+    specs: list[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    *,
+    max_shard_size: Union[str, int],
+    checkpoint_format: Any,
+    config_dict: Callable[[torch.dtype], dict[str, Any]],
+    dtype: Optional[str],
+) -> Path:
+    """The streamed end of every family's ``export_hf``: stale shards removed from ``out``, the
+    ``specs`` written one tensor at a time from ``produce``, and ``config.json`` for the written
+    dtype (``dtype``, or the first tensor's saved dtype)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    write_safetensors_shards(out, specs, produce, max_shard_bytes=parse_size(max_shard_size),
+                             metadata={"lightning_zero_format": checkpoint_format})  # fmt: skip
+    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
+    (out / CONFIG_FILE).write_text(json.dumps(config_dict(out_dtype), indent=2) + "\n")
+    return out
+
+
 def export_hf(
     ckpt: Union[str, os.PathLike],
     out: Union[str, os.PathLike],
@@ -298,9 +328,8 @@ def export_hf(
     rectangles, permuted to Hugging Face's rotary layout, cast, written), so peak memory is about
     one tensor. ``transformers.LlamaForCausalLM.from_pretrained(out)`` loads it strictly.
     """
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
-    max_shard_bytes = parse_size(max_shard_size)
+    check_export_dtype(dtype)
+    parse_size(max_shard_size)  # a bad size fails before anything is read
     opened = open_checkpoint(ckpt)
     hparams = opened.state.get("hyper_parameters")
     config_values = hparams.get("config") if isinstance(hparams, dict) else None
@@ -344,12 +373,5 @@ def export_hf(
         tensor = assemble(opened.path, metadata, key).view(source.shape)
         return source.transform(tensor, None) if source.transform is not None else tensor
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
-    write_safetensors_shards(out, specs, produce, max_shard_bytes=max_shard_bytes,
-                             metadata={"lightning_zero_format": opened.meta["format"]})  # fmt: skip
-    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, out_dtype, base), indent=2) + "\n")
-    return out
+    return write_hf_export(out, specs, produce, max_shard_size=max_shard_size, checkpoint_format=opened.meta["format"],
+                           config_dict=lambda out_dtype: hf_config_dict(config, out_dtype, base), dtype=dtype)  # fmt: skip

@@ -49,11 +49,16 @@ from lightning_zero.checkpoint.hf import (
     check_plan,
     load_module_params,
     open_weight_files,
-    parse_size,
-    write_safetensors_shards,
 )
 from lightning_zero.checkpoint.load import open_checkpoint
-from lightning_zero.models.llama.hf import EXPORT_DTYPES, _rope_rows, hf_decoder_fields, hf_rope_fields
+from lightning_zero.models.llama.hf import (
+    EXPORT_DTYPES,
+    _rope_rows,
+    check_export_dtype,
+    hf_decoder_fields,
+    hf_rope_fields,
+    write_hf_export,
+)
 from lightning_zero.models.llama.hf_config import CONFIG_FILE, PathLike
 from lightning_zero.models.moe.config import MoEConfig, resolve_moe_config
 from lightning_zero.models.moe.experts import GroupedExperts
@@ -285,8 +290,7 @@ def export_hf(
     """Write the ``MoELM`` checkpoint ``ckpt`` (saved at any ``ep``) as a Hugging Face Mixtral or
     Qwen3-MoE directory, streaming: each stacked expert tensor is assembled from its saved
     rectangles once and cut into per-expert tensors, so peak memory is one stacked tensor."""
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
+    check_export_dtype(dtype)
     opened = open_checkpoint(ckpt)
     hparams = opened.state.get("hyper_parameters")
     config_values = hparams.get("config") if isinstance(hparams, dict) else None
@@ -328,12 +332,5 @@ def export_hf(
         tensor = tensor.reshape(source.shape)
         return source.transform(tensor, None) if source.transform is not None else tensor
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
-    write_safetensors_shards(out, specs, produce, max_shard_bytes=parse_size(max_shard_size),
-                             metadata={"lightning_zero_format": opened.meta["format"]})  # fmt: skip
-    out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, out_dtype), indent=2) + "\n")
-    return out
+    return write_hf_export(out, specs, produce, max_shard_size=max_shard_size, checkpoint_format=opened.meta["format"],
+                           config_dict=lambda out_dtype: hf_config_dict(config, out_dtype), dtype=dtype)  # fmt: skip
