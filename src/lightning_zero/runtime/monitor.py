@@ -128,6 +128,7 @@ class Monitor:
         self._warned = False
         self._sent_before: dict[str, float] = {}
         self._link_before: dict[str, float] = {}
+        self._step_open = False  # a micro batch of the current optimizer step has started
         self._previous_timeline: Optional[Any] = None  # CUDA: the figures logged lag one step
         self._expert_load = ExpertLoadMeter()
 
@@ -135,9 +136,13 @@ class Monitor:
         """A training micro batch starts on this rank (``batch``: what the module runs on).
         ``dims``: the run's layout (``comm/mesh.py`` ``ParallelDims``: dp, cp and tp for tokens/s in
         total and the FLOPs, [Note: throughput]); ``None``: every rank of the engine's group takes
-        different samples, whole."""
-        self._sent_before = dict(engine.counter.bytes)
-        self._link_before = dict(engine.counter.bytes_by_link)
+        different samples, whole. The step's bytes count from its first micro batch: under
+        accumulation every micro batch of a stage 2-3 step sends its own reduce-scatters (and
+        stage 3 its gathers)."""
+        if not self._step_open:
+            self._step_open = True
+            self._sent_before = dict(engine.counter.bytes)
+            self._link_before = dict(engine.counter.bytes_by_link)
         cp = dims.cp if dims is not None else context_parallel_size(module)
         if self.throughput is None:
             hardware = self.hardware if self.hardware is not None else hardware_for_device(engine.device)
@@ -155,6 +160,7 @@ class Monitor:
     def step_end(self, engine: Any, module: Any = None) -> dict[str, float]:
         """An optimizer step ended: its metrics (also appended to ``history``); ``module``: the
         model the step trained (a mixture of experts reports its expert load)."""
+        self._step_open = False
         metrics: dict[str, float] = {}
         measured = engine.measured_bytes()
         predicted = predicted_bytes(engine, engine.optimizers[0].optimizer)
