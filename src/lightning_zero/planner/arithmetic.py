@@ -48,7 +48,7 @@ from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, gathered_numel, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, keeps_full_grads, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
@@ -104,10 +104,10 @@ def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
 
 def knob_arguments(config: ZeroConfig) -> dict[str, Any]:
     """``plan_run``'s knob arguments for ``config`` (stage 1 always defers: its
-    ``defer_grad_reduce`` changes nothing, as in the engine)."""
+    ``defer_grad_reduce`` changes nothing, as in the engine: ``zero.bucketing.keeps_full_grads``)."""
     refuse_unplanned(config.as_dict(), "plan_run(zero_config=ZeroConfig(...))")
     arguments = {argument: getattr(config, knob) for argument, knob in PLANNED_KNOBS.items()}
-    arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage == 2
+    arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage >= 2
     return arguments
 
 
@@ -176,7 +176,7 @@ def plan_run(
             reduce-scatters + all-gathers of the same bytes, plus the norm gains' gradient sums.
         bucket_mb: gradient bucket size (MiB): the reduce-scatter granularity.
         prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
-        defer_grad_reduce: stage 2: full gradients over micro batches, one reduce-scatter at the last.
+        defer_grad_reduce: stages 2-3: full gradients over micro batches, one reduce-scatter at the last.
         overlap_comm: launch each bucket's collective during backward (else all after backward).
         max_buckets_in_flight: reduce-scatters in flight at once; stage 2/3 pool one bucket buffer
             more (``bucketing.pool_buffers``; backward waits beyond).
@@ -293,10 +293,10 @@ def plan_run(
             f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "
             f"prefetch_blocks={prefetch_blocks!r}"
         )
-    if defer_grad_reduce and stage != 2:
+    if defer_grad_reduce and stage < 2:
         raise ValueError(
-            f"plan_run: defer_grad_reduce applies to stage 2 only (stage 1 always defers, stage 3 "
-            f"holds no full gradients), got stage={stage}"
+            f"plan_run: defer_grad_reduce applies to stages 2 and 3 (stages 0-1 always defer), got stage={stage};"
+            " drop defer_grad_reduce or use stage=2 or 3"
         )
     for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
         if value not in COMM_DTYPES:
@@ -335,17 +335,17 @@ def plan_run(
     bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
 
-    memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
         padded,
-        stage=memory_stage,
+        stage=stage,
+        defer_grad_reduce=defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
         dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
         optim_bytes_per_param=dtype.optimizer,
     )
     optimizer_numel = shard if stage >= 1 else padded
-    pooled = stage >= 2 and not defer_grad_reduce
+    pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
         min(pool_buffers(max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets

@@ -86,7 +86,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
         sequence_parallel=bool(strategy.get("sequence_parallel", ZERO_DEFAULTS.sequence_parallel)),
         bucket_mb=strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb),  # "auto" resolved by plan_run
         prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
-        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) == 2,
+        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) >= 2,
         overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
         max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
         overlap_param_gather=bool(
@@ -187,7 +187,7 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
             else plan_run(
                 model_config,
                 stage=s,
-                **{**stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s == 2},
+                **{**stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s >= 2},
             )
             for s in STAGES
         ]
