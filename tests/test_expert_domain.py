@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.zero.domains import mark_expert_param
 from tests.distributed import run_ranks
 
 DIM, EXPERTS, TOKENS, STEPS, MICRO, CLIP = 8, 4, 6, 3, 2, 0.05
@@ -79,9 +80,8 @@ class Block(nn.Module):
         self.experts = nn.ParameterList(experts[self.offset : self.offset + local])
         if stacked:
             self.experts = nn.ParameterList([nn.Parameter(torch.stack(list(self.experts)).detach())])
-            self.experts[0]._ep_shard_dim = 0
         for param in self.experts:
-            param._lz_expert = True
+            mark_expert_param(param, shard_dim=0 if stacked else None)
         self.stacked = stacked
         self.group = group
         self.routed: list[list[int]] = []  # tokens per global expert this block ran, per forward

@@ -49,12 +49,15 @@ def test_num_params_counts_the_module(name):
         (dict(ep=3), r"ep\(3\) does not divide n_experts\(4\).*pick ep from \[1, 2, 4\]"),
         (dict(ep=8), r"ep\(8\) does not divide n_experts\(4\)"),
         (dict(ep=0), "ep must be a positive int"),
-        (dict(tp=2), "tensor_parallel_size.*use tensor_parallel_size=1"),
+        (dict(tp=2), r"tensor_parallel_size\(2\).*needs sequence_parallel=True.*or tensor_parallel_size=1"),
+        (dict(tp=2, sequence_parallel=True, capacity_factor=1.5), r"capacity_factor\(1.5\) with tensor_parallel"),
     ],
 )
 def test_bad_layouts_raise_naming_the_fix(kwargs, match):
+    overrides = {"capacity_factor": kwargs.pop("capacity_factor")} if "capacity_factor" in kwargs else {}
     with pytest.raises(ValueError, match=match):
-        check_moe_layout(MoEConfig.from_name("tiny_moe"), **kwargs)
+        check_moe_layout(MoEConfig.from_name("tiny_moe", **overrides), **kwargs)
+    check_moe_layout(MoEConfig.from_name("tiny_moe"), ep=2, tp=2, sequence_parallel=True)  # the layout that runs
 
 
 @pytest.mark.parametrize(
@@ -221,7 +224,61 @@ def _exchange_body(rank: int, world_size: int, results: str) -> None:
             loss_diff=abs(losses[0] - losses[1]), grad_diff=worst, counted=counted, predicted=predicted,
             received=received_by_rank.tolist(),
         )  # fmt: skip
+    if world_size == 4:
+        out.update(_tensor_parallel_cases(rank))
     torch.save(out, f"{results}/rank{rank}.pt")
+
+
+def _tensor_parallel_cases(rank: int) -> dict:
+    """tp=2 (sequence-parallel) x ep=2 on 4 ranks against the whole model of each dp rank: TP groups
+    [0, 1] [2, 3] (dp ranks 0 and 1), EP groups [0, 2] [1, 3] (one tp rank each)."""
+    import torch.distributed as dist
+
+    from lightning_zero.ep.parallelize import parallelize_experts, parallelize_moe_tp
+    from lightning_zero.tp import parallelize_llama
+    from lightning_zero.tp.layers import local_slice, tp_shard_dim
+
+    tp_groups, ep_groups = (
+        [dist.new_group([0, 1]), dist.new_group([2, 3])],
+        [dist.new_group([0, 2]), dist.new_group([1, 3])],
+    )
+    tp_group, ep_group, tp_rank, dp_rank = tp_groups[rank // 2], ep_groups[rank % 2], rank % 2, rank // 2
+    out = {}
+    for name, skew in (("tiny_moe_shared", None), ("tiny_moe_shared", "none_on_last"), ("tiny_moe", None)):
+        torch.manual_seed(0)
+        config = MoEConfig.from_name(name, n_experts=8) if name == "tiny_moe" else MoEConfig.from_name(name)
+        whole = MoETransformer(config)
+        model = MoETransformer(config)
+        model.load_state_dict(whole.state_dict())
+        parallelize_experts(model, ep_group)
+        parallelize_llama(model, tp_group, counter=model.ep_comm_counter, sequence_parallel=True)
+        parallelize_moe_tp(model, tp_group, counter=model.tp_comm_counter)
+        if skew is not None:  # the last ep rank's experts get no token from anyone
+            for m in (whole, model):
+                for moe in m.moe_layers():
+                    moe.router.bias[-4:] = -1e4
+        idx = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(100 + dp_rank))
+        losses = []
+        for m in (whole, model):
+            loss = m.loss_fn(m(idx), idx) + m.aux_loss()
+            loss.backward()
+            losses.append(loss.item())
+        wholes = dict(whole.named_parameters())
+        worst = 0.0
+        for param_name, param in model.named_parameters():
+            grad = wholes[param_name].grad.clone()
+            if ".experts." in param_name:  # its rows, from both dp ranks' tokens
+                dist.all_reduce(grad, group=ep_group)
+                grad = grad[(rank // 2) * 4 : (rank // 2 + 1) * 4]
+            elif tp_shard_dim(param) is not None:
+                grad = local_slice(grad, tp_shard_dim(param), tp_rank, 2)
+            worst = max(worst, (grad - param.grad).abs().max().item())
+        loads = torch.stack([moe.load for moe in model.moe_layers()])
+        whole_loads = torch.stack([moe.load for moe in whole.moe_layers()])
+        out[f"{name}/tp2ep2/{skew}"] = dict(
+            loss_diff=abs(losses[0] - losses[1]), grad_diff=worst, loads_equal=bool((loads == whole_loads).all())
+        )
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -231,6 +288,9 @@ def test_token_exchange_equals_the_whole_model(tmp_path, world_size):
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
             assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, (rank, case, r)
+            if "/tp2" in case:  # tensor parallelism: the whole micro-batch's loads on every TP rank
+                assert r["loads_equal"], (rank, case)
+                continue
             data = {k: v for k, v in r["counted"].items()}
             assert data == pytest.approx(r["predicted"]), (rank, case, data, r["predicted"])
     zero_case = results[0][f"tiny_moe_shared/ep{world_size}/none_on_last"]

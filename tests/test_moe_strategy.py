@@ -3,7 +3,8 @@
 One launch of tests/scripts/moe_vs_ddp.py per world size trains ``MoELM`` (``tiny_moe_shared``) in
 fp32 with accumulation 2 and clipping: on 2 ranks ddp and ``ep=2`` at stages 1-3, on 4 ranks ddp,
 ``ep=4`` at stages 1-3 and ``ep=2`` (two EP groups, experts sharded over an EDP group of 2) at stage
-2. Micro-batch 2 routes no token to the last ``8 / world`` experts (under ``ep = world`` the last
+2, and ``tp=2`` (sequence-parallel) x ``ep=2`` at stages 1-3 (against the 2-rank ddp: its dp ranks).
+Micro-batch 2 routes no token to the last ``8 / world`` experts (under ``ep = world`` the last
 rank receives zero tokens for all of its experts), micro-batch 3 none from rank 0 to expert 0.
 Per-micro-batch losses and the trained weights must equal ddp's to 1e-5 (an EP rank's experts
 against the same rows of ddp's), and the all-to-all bytes counted from the split sizes must equal
@@ -24,9 +25,10 @@ from tests.distributed import launch
 
 LAUNCHES = {
     2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2"],
-    4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2"],
+    4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2", "zero1_tp2_ep2", "zero2_tp2_ep2", "zero3_tp2_ep2"],
 }
 CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if case != "ddp"]
+EP_ONLY = [(world, case) for world, case in CASES if "_tp" not in case]
 TOL = 1e-5
 N_EXPERTS, DIM = 8, 64  # tiny_moe_shared
 
@@ -45,11 +47,17 @@ def _ep(case: str) -> int:
     return int(case.split("_ep")[1])
 
 
+def _tp(case: str) -> int:
+    return int(case.split("_tp")[1].split("_")[0]) if "_tp" in case else 1
+
+
 @pytest.mark.parametrize("world,case", CASES)
 def test_losses_and_weights_equal_ddp(results, world, case):
-    reference, ranks = results[world]["ddp"], results[world][case]
+    """A case with ``tp`` ranks per TP group is ddp on ``world / tp`` ranks (its dp ranks)."""
+    tp = _tp(case)
+    reference, ranks = results[world // tp]["ddp"], results[world][case]
     for rank in range(world):
-        ours, theirs = ranks[rank], reference[rank]
+        ours, theirs = ranks[rank], reference[rank // tp]
         assert len(ours["losses"]) == len(theirs["losses"]) == 6
         worst_loss = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
         assert worst_loss < TOL, (rank, ours["losses"], theirs["losses"])
@@ -59,12 +67,12 @@ def test_losses_and_weights_equal_ddp(results, world, case):
             if ".moe.experts." in name:
                 layer = int(name.split(".")[1]) - 1  # layer 0 is dense (tiny_moe_shared)
                 first = ours["offsets"][layer]
-                assert first == (rank % _ep(case)) * n_local
+                assert first == (rank // tp % _ep(case)) * n_local
                 expected = expected[first : first + n_local]
             torch.testing.assert_close(value, expected, rtol=0, atol=TOL, msg=f"rank {rank} {name}")
 
 
-@pytest.mark.parametrize("world,case", CASES)
+@pytest.mark.parametrize("world,case", EP_ONLY)
 def test_all_to_all_bytes_equal_the_planner(results, world, case):
     ep, ranks = _ep(case), results[world][case]
     for rank in range(world):

@@ -68,7 +68,7 @@ def test_planner_model_states_equal_measured(results, case):
     from lightning_zero.models import LlamaConfig
     from lightning_zero.planner import plan_run
 
-    stage, precision, _ = CASES[case]
+    stage, precision, *_ = CASES[case]
     measured = _load(results, case)["measured"]
     plan = plan_run(
         LlamaConfig.from_name("tiny", **{k: v for k, v in CONFIG.items() if k != "name"}),

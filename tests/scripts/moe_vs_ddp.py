@@ -14,6 +14,10 @@ ddp's buffer broadcast, identically in every case) so that
 - micro-batch 2 (step 1): the last ``8 / world`` experts get no token from any rank: under
   ``ep = world`` the last rank receives zero tokens for all of its experts;
 - micro-batch 3 (step 1): expert 0 gets no token from global rank 0 (but from the others).
+
+A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``T`` ranks per
+TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
+compared with the ddp case of that smaller launch); its parameters are written TP-gathered.
 """
 
 import os
@@ -36,13 +40,15 @@ SEQ = 16
 
 
 class SteeredMoE(MoELM):
-    def __init__(self) -> None:
-        super().__init__("tiny_moe_shared", lr=1e-2, warmup_steps=0, max_steps=STEPS, weight_decay=0.1)
+    def __init__(self, tp: int = 1) -> None:
+        super().__init__("tiny_moe_shared", lr=1e-3, warmup_steps=0, max_steps=STEPS, weight_decay=0.1)
         self.losses: list[float] = []
         self.loads: list[list[list[int]]] = []
+        self.tp = tp
 
     def training_step(self, batch, batch_idx):
-        world, rank = self.trainer.world_size, self.global_rank
+        # steered by the data-parallel rank: the TP ranks of one dp rank route one micro-batch
+        world, rank = self.trainer.world_size // self.tp, self.global_rank // self.tp
         for moe in self.model.moe_layers():
             bias = moe.router.bias
             bias.zero_()
@@ -62,18 +68,24 @@ def tokens(world: int) -> torch.Tensor:
     return torch.randint(0, 256, (rows, SEQ + 1), generator=gen)
 
 
+def tensor_parallel(case: str) -> int:
+    """``zero2_tp2_ep2``: 2; cases without ``_tp``: 1."""
+    return int(case.split("_tp")[1].split("_")[0]) if "_tp" in case else 1
+
+
 def strategy(case: str):
     if case == "ddp":
         return "ddp"
-    stage, ep = case.removeprefix("zero").split("_ep")
-    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02)
+    stage, ep = case.removeprefix("zero").split("_")[0], case.split("_ep")[1]
+    tp = tensor_parallel(case)
+    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
 
 
 def run(case: str, out_dir: str) -> None:
-    world = WORLD
+    world, tp = WORLD, tensor_parallel(case)
     L.seed_everything(42, verbose=False)
-    model = SteeredMoE()
-    loader = DataLoader(tokens(world), batch_size=2, shuffle=False)
+    model = SteeredMoE(tp)
+    loader = DataLoader(tokens(world // tp), batch_size=2, shuffle=False)  # the same rows per dp rank as ddp's
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy(case), max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -87,6 +99,11 @@ def run(case: str, out_dir: str) -> None:
         [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
     )
     params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
+    if tp > 1:  # the dense (TP-gathered) tensors; an EP rank's experts stay its rows
+        from lightning_zero.tp import gather_tp_state_dict
+
+        dense = gather_tp_state_dict(model.model, strategy_.mesh_groups.tp)
+        params = {name: dense[name].float() for name in params}
     offsets = {i: moe.experts.expert_offset for i, moe in enumerate(model.model.moe_layers())}
     torch.save(
         {

@@ -22,31 +22,39 @@ from lightning_zero.models import LlamaLM  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 CASES = {
-    f"s{stage}_{precision}_{'overlap' if overlap else 'serial'}": (stage, precision, overlap)
-    for stage, precision, overlap in [
-        (1, "32-true", True),
-        (2, "32-true", True),
-        (2, "32-true", False),
-        (3, "32-true", True),
-        (1, "bf16-mixed", True),
-        (2, "bf16-mixed", True),
-        (3, "bf16-mixed", True),
+    f"s{stage}_{precision}_{'overlap' if overlap else 'serial'}{f'_acc{accumulate}' if accumulate > 1 else ''}": (
+        stage, precision, overlap, accumulate)
+    for stage, precision, overlap, accumulate in [
+        (1, "32-true", True, 1),
+        (2, "32-true", True, 1),
+        (2, "32-true", False, 1),
+        (3, "32-true", True, 1),
+        (1, "bf16-mixed", True, 1),
+        (2, "bf16-mixed", True, 1),
+        (3, "bf16-mixed", True, 1),
+        (2, "32-true", True, 2),  # every micro batch of a step reduce-scatters: all of them count
+        (3, "32-true", True, 2),
     ]
-}
+}  # fmt: skip
 
 
 class EngineProbe(L.Callback):
-    """Reads the engine directly: bytes sent per step and the measured bytes after the last step."""
+    """Reads the engine directly: bytes sent per optimizer step (all its micro batches) and the
+    measured bytes after the last step."""
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
         self.sent: list[dict] = []
         self.measured: dict = {}
         self._before: dict = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._before = dict(trainer.strategy.engine.counter.bytes)
+        if batch_idx % self.accumulate == 0:
+            self._before = dict(trainer.strategy.engine.counter.bytes)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.accumulate:
+            return
         after = trainer.strategy.engine.counter.bytes
         self.sent.append({k: v - self._before.get(k, 0.0) for k, v in after.items()})
 
@@ -60,11 +68,11 @@ class EngineProbe(L.Callback):
 
 
 def run(name: str, out_dir: str) -> None:
-    stage, precision, overlap = CASES[name]
+    stage, precision, overlap, accumulate = CASES[name]
     L.seed_everything(42, verbose=False)
     model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=3)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
-    monitor, probe = ZeroMonitor(summary=False), EngineProbe()
+    monitor, probe = ZeroMonitor(summary=False), EngineProbe(accumulate)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -77,6 +85,7 @@ def run(name: str, out_dir: str) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
         callbacks=[monitor, probe],
     )
     with warnings.catch_warnings(record=True) as caught:

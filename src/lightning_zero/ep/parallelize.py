@@ -1,4 +1,5 @@
-"""``parallelize_experts``: keep this rank's experts and wire the ``ep`` group into every MoE layer.
+"""``parallelize_experts``: keep this rank's experts and wire the ``ep`` group into every MoE layer;
+``parallelize_moe_tp``: run the MoE layers on a tensor-parallel model's sequence shards.
 
 Experts are split in ``ep`` consecutive blocks: ep rank ``r`` keeps experts
 ``[r E/ep, (r+1) E/ep)`` of every MoE layer (rows of the stacked ``w1``/``w3``/``w2``, see
@@ -7,15 +8,41 @@ group ([Note: token exchange] in ``ep/dispatch.py``). The router, shared experts
 norms stay whole on every rank (dense parameters).
 
 [Note: experts and tensor parallelism] Experts are not split by TP (no Megatron ETP): an expert's
-SwiGLU is small (Qwen3's 768 wide, DeepSeek's 2048) and splitting it would add a TP all-reduce per
-expert batch for little memory. The ``ep`` group is taken among the ranks of the same TP rank
-(MESH.md: ``ep`` consecutive members of the ``dp_cp`` group), so a TP group's ranks route the same
-tokens to the same experts. The MoE family refuses ``tp > 1`` for now (``check_moe_layout``): its
-attention would need the TP wiring of ``parallelize_llama``, which is not done for it yet.
+SwiGLU is small (Qwen3's 768 wide, DeepSeek's 2048), and splitting it would add a TP collective per
+expert batch and a TP-wide token exchange for little memory. Instead a MoE layer under TP runs on
+the *sequence shard* sequence parallelism already gives it (so ``tp > 1`` requires
+``sequence_parallel=True``: ``check_moe_layout``), as a norm does:
+
+- attention and the dense layers (the first ``n_dense_layers``) are split as Llama's
+  (``tp.parallelize_llama``); the ``ffn_norm`` before a MoE layer keeps its ``(B, T/tp, dim)`` output
+  (no all-gather): TP rank ``t`` routes tokens ``[t T/tp, (t+1) T/tp)`` of its dp rank's micro-batch;
+- its tokens go to their experts over the ``ep`` group of its own TP rank (``comm/mesh.py``: ``ep``
+  consecutive members of the dp_cp group, which shares one tp rank), so the TP ranks of one
+  position exchange disjoint token sets over disjoint EP groups, and every expert sees each of
+  its tokens exactly once, as without TP;
+- router, routed experts and shared experts are replicated over the TP group (whole, like a
+  sequence-parallel norm's gain): each TP rank's gradient covers its own tokens, so each is summed
+  over the TP group in backward (``tp.layers.sum_grad_over_tp``, labelled
+  ``tp_all_reduce_norm_grad``), after which the engine treats them as any TP-replicated parameter
+  (reduced over dp_cp, or for experts over their EDP group, divided by ``dp * cp``; counted
+  ``1/tp`` in the gradient norm: [Note: TP grad norm]);
+- the balance and z losses and the loads are those of the whole micro-batch: the shards' sums are
+  added over the TP group (``models/moe/router.tp_aux_losses``), so the loss equals the one
+  without TP on every TP rank;
+- a capacity factor would cap each shard rather than the micro-batch, so it is refused with TP.
+
+What it costs: the MoE layer's compute is split ``tp`` ways with no redundant token, but expert
+gradients are all-reduced over the TP group once per micro-batch (``2 (tp-1)/tp`` of this rank's
+expert bytes, on the TP group's NVLink) and expert optimizer state is not divided by ``tp``.
+Sharding expert states over ``edp * tp`` ranks and reducing once per step would remove both, but
+needs the bucket launch order agreed across TP ranks (it is agreed per dense group today:
+[Note: launch order] in ``zero/reducer.py``) and checkpoints that take expert chunks from every TP
+rank; it is left for later (docs/moe.md).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch.distributed as dist
@@ -25,6 +52,8 @@ from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.ep.dispatch import ExpertParallel
 from lightning_zero.models.moe.config import check_moe_layout
 from lightning_zero.models.moe.experts import mark_expert_params
+from lightning_zero.models.moe.router import TensorParallelShard
+from lightning_zero.tp.layers import sum_grad_over_tp
 
 
 def parallelize_experts(
@@ -58,4 +87,31 @@ def parallelize_experts(
         mark_expert_params(experts)
         experts.expert_offset = rank * n_local
         moe.ep = expert_parallel
+    return model
+
+
+def parallelize_moe_tp(
+    model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
+) -> nn.Module:
+    """Run every MoE layer of ``model`` (a ``MoETransformer`` whose attention and dense layers
+    ``tp.parallelize_llama`` already split, sequence-parallel) on its TP rank's sequence shard:
+    router, experts and shared experts replicated with their gradients summed over ``group``, the
+    auxiliary losses and loads those of the whole micro-batch ([Note: experts and tensor
+    parallelism]); returns ``model``. With a group of one rank nothing changes."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return model
+    if not getattr(model, "tp_sequence_parallel", False):
+        raise ValueError(
+            "parallelize_moe_tp: the MoE layers run on sequence shards; split the model with"
+            " parallelize_llama(model, tp, sequence_parallel=True) first"
+        )
+    grad_sum = functools.partial(sum_grad_over_tp, group=group, counter=counter)
+    for moe in model.moe_layers():
+        if moe.tp is not None:
+            raise ValueError("parallelize_moe_tp: the MoE layers are already tensor-parallel; call it once per model")
+        moe.tp = TensorParallelShard(group, size, counter)
+        moe.router.tp_grad_sum = moe.experts.tp_grad_sum = grad_sum
+        if moe.shared is not None:
+            moe.shared.tp_grad_sum = grad_sum
     return model

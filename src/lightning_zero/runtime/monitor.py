@@ -119,13 +119,18 @@ class Monitor:
         self._warned = False
         self._sent_before: dict[str, float] = {}
         self._link_before: dict[str, float] = {}
+        self._step_open = False  # a micro batch of the current optimizer step has started
         self._previous_timeline: Optional[Any] = None  # CUDA: the figures logged lag one step
         self._expert_load = ExpertLoadMeter()
 
     def micro_batch(self, engine: Any, module: Any, batch: Any, *, tp: int = 1) -> None:
-        """A training micro batch starts on this rank (``batch``: what the module runs on)."""
-        self._sent_before = dict(engine.counter.bytes)
-        self._link_before = dict(engine.counter.bytes_by_link)
+        """A training micro batch starts on this rank (``batch``: what the module runs on). The
+        step's bytes count from its first micro batch: under accumulation every micro batch of a
+        stage 2-3 step sends its own reduce-scatters (and stage 3 its gathers)."""
+        if not self._step_open:
+            self._step_open = True
+            self._sent_before = dict(engine.counter.bytes)
+            self._link_before = dict(engine.counter.bytes_by_link)
         if self.throughput is None:
             hardware = self.hardware if self.hardware is not None else hardware_for_device(engine.device)
             self.throughput = ThroughputMeter(
@@ -141,6 +146,7 @@ class Monitor:
     def step_end(self, engine: Any, module: Any = None) -> dict[str, float]:
         """An optimizer step ended: its metrics (also appended to ``history``); ``module``: the
         model the step trained (a mixture of experts reports its expert load)."""
+        self._step_open = False
         metrics: dict[str, float] = {}
         measured = engine.measured_bytes()
         predicted = predicted_bytes(engine, engine.optimizers[0].optimizer)

@@ -69,8 +69,9 @@ def check_model_layout(dims: ParallelDims, lightning_module: Any) -> None:
     ``config``), which raises ``ValueError`` for a layout it cannot run (heads not divisible by
     ``tp * cp``, experts not divisible by ``ep``, a sequence length not divisible by ``cp``), naming
     the fix. A module without it is refused with ``cp > 1`` or ``ep > 1`` before any process group
-    starts."""
-    if dims.cp == 1 and dims.ep == 1:
+    starts; with ``tp > 1`` alone it is not (TP splits Llama-style layers, ``tp.parallelize_llama``),
+    but a module that declares the method is asked (the MoE family needs sequence parallelism)."""
+    if dims.cp == 1 and dims.ep == 1 and dims.tp == 1:
         return
     owner = next(
         (
@@ -81,6 +82,8 @@ def check_model_layout(dims: ParallelDims, lightning_module: Any) -> None:
         None,
     )
     if owner is None:
+        if dims.cp == 1 and dims.ep == 1:
+            return
         asked = [name for name in ("cp", "ep") if getattr(dims, name) > 1]
         what = {"cp": "splits its sequences over cp", "ep": "splits its experts over ep"}
         raise ValueError(

@@ -23,6 +23,12 @@ Heads are contiguous in ``wq``/``wk``/``wv`` rows, so a contiguous row slice is 
 heads, and with GQA rank ``r``'s query heads map to exactly its own KV heads (both slices start at
 ``r/tp`` of their range). Attention derives the head counts from shapes, so no attribute changes.
 
+Per-head norms on q and k (``attention.q_norm`` / ``k_norm``, Qwen3) run on this rank's heads: their
+gain's gradient is summed over the TP group (as a sequence-parallel norm's is). A block without a
+dense ``feed_forward`` (a mixture of experts, ``models/moe``) keeps its ``ffn_norm`` output as it is
+(the sequence shard: sequence parallelism is then required) for the model family's own wiring
+([Note: experts and tensor parallelism] in ``ep/parallelize.py``).
+
 ``attention_norm`` and ``ffn_norm`` get a forward hook that enters the TP region once for the
 three (two) column layers after them (see [Note: TP regions] in ``tp/layers.py``).
 ``model.loss_fn`` becomes :func:`vocab_parallel_cross_entropy` on the group.
@@ -93,8 +99,9 @@ class _GatherSequence(_EnterTPRegion):
 
 
 class SequenceParallelRMSNorm(RMSNorm):
-    """An :class:`RMSNorm` run on a sequence shard: the same ``weight`` (same name, shape, init),
-    its gradient summed over the TP group in backward (it saw ``T/tp`` of the tokens)."""
+    """An :class:`RMSNorm` run on a sequence shard (or on this rank's heads: a per-head q/k norm):
+    the same ``weight`` (same name, shape, init), its gradient summed over the TP group in backward
+    (it saw ``T/tp`` of the tokens, or ``heads/tp`` of the heads)."""
 
     def __init__(self, norm: RMSNorm, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> None:
         nn.Module.__init__(self)
@@ -150,16 +157,26 @@ def parallelize_llama(
     )
     enter_region = (_GatherSequence if sequence_parallel else _EnterTPRegion)(group, counter)
     for block in model.layers:
-        attention, ffn = block.attention, block.feed_forward
+        attention, ffn = block.attention, getattr(block, "feed_forward", None)
+        if ffn is None and not sequence_parallel:
+            raise ValueError(
+                f"parallelize_llama: block {type(block).__name__} has no dense feed_forward (a mixture of experts"
+                " runs on the sequence shard: [Note: experts and tensor parallelism] in ep/parallelize.py); pass"
+                " sequence_parallel=True (ZeroStrategy(sequence_parallel=True)) with tensor_parallel_size > 1"
+            )
         attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
         attention.wo = row(attention.wo)
-        ffn.w1, ffn.w3 = column(ffn.w1), column(ffn.w3)
-        ffn.w2 = row(ffn.w2)
+        for name in ("q_norm", "k_norm"):  # per-head norms (Qwen3) see this rank's heads only
+            if getattr(attention, name, None) is not None:
+                setattr(attention, name, SequenceParallelRMSNorm(getattr(attention, name), group, counter))
         if sequence_parallel:
             block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group, counter)
             block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group, counter)
         block.attention_norm.register_forward_hook(enter_region)
-        block.ffn_norm.register_forward_hook(enter_region)
+        if ffn is not None:
+            ffn.w1, ffn.w3 = column(ffn.w1), column(ffn.w3)
+            ffn.w2 = row(ffn.w2)
+            block.ffn_norm.register_forward_hook(enter_region)
 
     model.tok_embeddings = VocabParallelEmbedding.from_dense(
         model.tok_embeddings, group, counter=counter, sequence_parallel=sequence_parallel

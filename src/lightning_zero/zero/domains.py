@@ -51,6 +51,16 @@ dimension ``d`` of the layer's dense tensor (checkpoints place it there). Withou
 parameter is one expert's own Parameter, held whole by one EP rank."""
 
 
+def mark_expert_param(param: torch.Tensor, shard_dim: Optional[int] = None) -> None:
+    """Mark ``param`` as an expert parameter ([Note: expert domain]): with ``shard_dim``, an EP rank's
+    slice along that dimension of a layer's stacked experts; without, one expert's own Parameter.
+    The one place the marks are written (models read them back with :func:`is_expert_param` and
+    :func:`ep_shard_dim`)."""
+    setattr(param, EXPERT_ATTR, True)
+    if shard_dim is not None:
+        setattr(param, EP_SHARD_DIM_ATTR, int(shard_dim))
+
+
 def is_expert_param(param: torch.Tensor) -> bool:
     """Whether ``param`` is marked as an expert parameter ([Note: expert domain])."""
     return bool(getattr(param, EXPERT_ATTR, False))

@@ -5,8 +5,9 @@
 expert ``e``'s SwiGLU (``w2 (silu(w1 x) * w3 x)``), laid out as Hugging Face's per-expert
 ``nn.Linear`` weights, so import and export move whole rows. Under expert parallelism
 (``lightning_zero/ep``) a rank holds the rows of its ``experts / ep`` consecutive experts; the
-Parameters carry ``_lz_expert = True`` (the engine reduces and shards them over the expert-data-
-parallel group) and ``_ep_shard_dim = 0`` (checkpoints place the rows in the dense tensor).
+Parameters are marked (``zero/domains.mark_expert_param``) as expert parameters (the engine reduces
+and shards them over the expert-data-parallel group) stacked along dim 0 (checkpoints place the
+rows in the dense tensor).
 
 The input is grouped by expert (rows of expert 0, then expert 1, ...; ``counts`` rows each). On
 CUDA with bf16 and ``torch._grouped_mm`` in the installed torch, each projection is one grouped
@@ -17,21 +18,20 @@ reached) and the backward of the token exchange around it runs on every rank.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zero.zero.domains import EP_SHARD_DIM_ATTR, EXPERT_ATTR
+from lightning_zero.zero.domains import mark_expert_param
 
 
 def mark_expert_params(module: nn.Module) -> None:
     """Mark ``module``'s parameters as expert parameters stacked along dim 0 ([Note: stacked
     experts]; the marks are the engine's, [Note: expert domain] in ``zero/domains.py``)."""
     for param in module.parameters(recurse=False):
-        setattr(param, EXPERT_ATTR, True)
-        setattr(param, EP_SHARD_DIM_ATTR, 0)
+        mark_expert_param(param, shard_dim=0)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -57,10 +57,15 @@ class GroupedExperts(nn.Module):
     def n_local(self) -> int:
         return self.w1.shape[0]
 
+    tp_grad_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # [Note: experts and tensor parallelism]
+
     def forward(self, x: torch.Tensor, counts: Sequence[int], counts_device: torch.Tensor) -> torch.Tensor:
         """``x`` ``(M, dim)`` grouped by local expert, ``counts`` rows each (host ints, and the same
         on ``x``'s device as ``counts_device``) -> ``(M, dim)``."""
-        return grouped_swiglu(x, self.w1, self.w3, self.w2, counts, counts_device)
+        weights = (self.w1, self.w3, self.w2)
+        if self.tp_grad_sum is not None:
+            weights = tuple(self.tp_grad_sum(weight) for weight in weights)
+        return grouped_swiglu(x, *weights, counts, counts_device)
 
 
 def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: Sequence[int],

@@ -61,23 +61,26 @@ class MoELM(LlamaLM):
     def configure_model(self) -> None:
         group = self._ep_group()
         target = torch.get_default_device()
-        if self.model is None and group is not None and target.type != "meta":
-            # Split on the meta device, then initialize (or read) only this rank's experts.
+        if self.model is None and (group is not None or self._tp_mesh() is not None) and target.type != "meta":
+            # Split the experts on the meta device, then initialize (or read) only this rank's; TP
+            # then splits the dense layers of the materialized model (super().configure_model).
             with torch.device("meta"):
                 self.model = build_moe(self.config, self.pretrained)
-            self._parallelize_experts(group)
+            if group is not None:
+                self._parallelize_experts(group)
             self.model.to_empty(device=target)
             self.model.mark_expert_params()  # to_empty made new Parameter objects
             self.model.init_weights()
-        super().configure_model()  # builds the model if not yet, checkpointing, context parallelism
+        super().configure_model()  # builds the model if not yet, TP, checkpointing, context parallelism
         if group is not None and not self._ep_applied:
             self._parallelize_experts(group)
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``, no
-        tensor parallelism (``check_moe_layout``), and context parallelism as Llama's attention
-        runs it. Raises ``ValueError`` naming the fix, before any process group starts."""
-        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``,
+        tensor parallelism only with sequence parallelism (``check_moe_layout``), and context
+        parallelism as Llama's attention runs it. Raises ``ValueError`` naming the fix, before any
+        process group starts."""
+        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp, sequence_parallel=self._sequence_parallel())
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
     def _ep_group(self) -> Optional[Any]:
@@ -85,6 +88,18 @@ class MoELM(LlamaLM):
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         groups = getattr(strategy, "mesh_groups", None)
         return None if groups is None or groups.dims.ep == 1 else groups.ep
+
+    def _parallelize(self, tp_mesh: Any) -> None:
+        """Llama's TP of attention and the dense layers (sequence-parallel), then the MoE layers on
+        the sequence shards ([Note: experts and tensor parallelism] in ``ep/parallelize.py``), all
+        counting into the counter expert parallelism already counts into."""
+        from lightning_zero.ep.parallelize import parallelize_moe_tp
+        from lightning_zero.tp import parallelize_llama
+
+        counter = getattr(self.model, "ep_comm_counter", None)
+        parallelize_llama(self.model, tp_mesh, counter=counter, sequence_parallel=self._sequence_parallel())
+        parallelize_moe_tp(self.model, tp_mesh.get_group(), counter=self.model.tp_comm_counter)
+        self._tp_applied = True
 
     def _parallelize_experts(self, group: Any) -> None:
         from lightning_zero.ep.parallelize import parallelize_experts

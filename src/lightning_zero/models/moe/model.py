@@ -26,13 +26,21 @@ import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.ep.dispatch import ExpertParallel, route_to_experts
 from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama
 from lightning_zero.models.moe.config import MoEConfig
 from lightning_zero.models.moe.experts import GroupedExperts, mark_expert_params
-from lightning_zero.models.moe.router import Router, balance_loss, expert_counts, z_loss
+from lightning_zero.models.moe.router import (
+    Router,
+    TensorParallelShard,
+    balance_loss,
+    expert_counts,
+    tp_aux_losses,
+    z_loss,
+)
 
 
 class _Width(NamedTuple):
@@ -40,6 +48,20 @@ class _Width(NamedTuple):
 
     dim: int
     ffn_dim: int
+
+
+class SharedExperts(FeedForward):
+    """DeepSeek's shared experts: one SwiGLU of width ``n_shared * expert_ffn_dim`` (Llama's
+    ``FeedForward``, same names), whose weights take ``tp_grad_sum`` under tensor parallelism
+    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``)."""
+
+    tp_grad_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_grad_sum is None:
+            return super().forward(x)
+        w1, w3, w2 = (self.tp_grad_sum(linear.weight) for linear in (self.w1, self.w3, self.w2))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class MoE(nn.Module):
@@ -50,19 +72,24 @@ class MoE(nn.Module):
         self.router = Router(config.dim, config.n_experts, config.top_k, config.router, config.norm_topk_prob,
                              config.router_bias, config.routed_scaling)  # fmt: skip
         self.experts = GroupedExperts(config.dim, config.expert_ffn_dim, config.n_experts)
-        self.shared = FeedForward(_Width(config.dim, config.shared_ffn_dim)) if config.n_shared_experts else None
+        self.shared = SharedExperts(_Width(config.dim, config.shared_ffn_dim)) if config.n_shared_experts else None
         self.n_experts = config.n_experts
         self.capacity_factor = config.capacity_factor
         self.ep: Optional[ExpertParallel] = None  # set by lightning_zero.ep.parallelize_experts
+        self.tp: Optional[TensorParallelShard] = None  # set by lightning_zero.ep.parallelize_moe_tp
         self.aux: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.load: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])  # (N, dim)
+        tokens = x.reshape(-1, x.shape[-1])  # (N, dim): under TP, this rank's sequence shard
         routing = self.router(tokens)
         counts = expert_counts(routing.expert_ids, self.n_experts)
-        self.aux = (balance_loss(routing, counts), z_loss(routing))
-        self.load = counts.detach()
+        if self.tp is None:
+            self.aux = (balance_loss(routing, counts), z_loss(routing))
+            self.load = counts.detach()
+        else:  # the losses and loads of the whole micro-batch, as without TP
+            balance, z, all_counts = tp_aux_losses(routing, counts, self.tp)
+            self.aux, self.load = (balance, z), all_counts
         out = route_to_experts(tokens, routing.expert_ids, routing.weights, counts, self.experts,
                                capacity_factor=self.capacity_factor, ep=self.ep)  # fmt: skip
         if self.shared is not None:

@@ -30,11 +30,16 @@ here (the router chose them).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_zero.comm.collectives import CommCounter, all_reduce
+from lightning_zero.tp.layers import reduce_from_tp_region
 
 
 class Routing(NamedTuple):
@@ -60,12 +65,15 @@ class Router(nn.Module):
         else:
             self.bias = None
 
+    tp_grad_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # [Note: experts and tensor parallelism]
+
     def reset_parameters(self) -> None:
         if self.bias is not None:
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight).float()  # (N, E)
+        weight = self.weight if self.tp_grad_sum is None else self.tp_grad_sum(self.weight)
+        logits = F.linear(x, weight).float()  # (N, E)
         if self.kind == "softmax":
             probs = logits.softmax(dim=-1)
             weights, expert_ids = probs.topk(self.top_k, dim=-1)
@@ -102,3 +110,35 @@ def z_loss(routing: Routing) -> torch.Tensor:
     if routing.logits.shape[0] == 0:
         return routing.logits.sum() * 0.0
     return torch.logsumexp(routing.logits, dim=-1).pow(2).mean()
+
+
+@dataclass
+class TensorParallelShard:
+    """The TP group a MoE layer's sequence shard belongs to ([Note: experts and tensor
+    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens."""
+
+    group: dist.ProcessGroup
+    size: int
+    counter: Optional[CommCounter] = None
+
+
+def tp_aux_losses(
+    routing: Routing, counts: torch.Tensor, tp: TensorParallelShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The balance and z losses of the whole micro-batch when each TP rank routed one sequence shard
+    of it (equal shards), and the micro-batch's assignments per expert: ``(balance, z, counts)``.
+
+    Both losses are sums over tokens, so the shards' sums are added over the TP group (probability
+    sums and squared log-sum-exps with ``reduce_from_tp_region``: every rank then holds the whole
+    micro-batch's loss, and its backward reaches this rank's own tokens unchanged; counts by a plain
+    all-reduce, ``moe_tp_counts``, counted as control bytes). The result is
+    :func:`balance_loss` / :func:`z_loss` of the unsplit micro-batch ([Note: balance loss])."""
+    tokens, n_experts = routing.probs.shape
+    top_k = routing.expert_ids.shape[-1]
+    lse_sq = torch.logsumexp(routing.logits, dim=-1).pow(2).sum()
+    sums = reduce_from_tp_region(torch.cat([routing.probs.sum(dim=0), lse_sq.unsqueeze(0)]), tp.group, tp.counter)
+    all_counts = counts.detach().clone()
+    all_reduce(all_counts, tp.group, counter=tp.counter, label="moe_tp_counts", control=True)
+    total = tokens * tp.size
+    balance = (all_counts.to(sums.dtype) * sums[:n_experts]).sum() * (n_experts / (total * total * top_k))
+    return balance, sums[n_experts] / total, all_counts
