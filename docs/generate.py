@@ -135,11 +135,11 @@ _CHECKPOINTING = {"none": "no checkpointing", "selective": "selective checkpoint
 def recipe_plan(name: str):
     """``(composed config, plan)`` of recipe ``name``: what ``lightning-zero plan recipe=NAME`` plans."""
     from lightning_zero.hydra_config import compose
-    from lightning_zero.planner import plan_kwargs_from_config, plan_run
+    from lightning_zero.planner import plan_inputs_from_config
 
     cfg = compose([f"recipe={name}"])
-    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
-    return cfg, plan_run(model_config, **kwargs)
+    planned, _ = plan_inputs_from_config(cfg)
+    return cfg, planned.plan()
 
 
 def moe_recipe_row(name: str) -> str:

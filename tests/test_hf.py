@@ -555,8 +555,7 @@ def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
 
     from lightning_zero.cli import build_module
     from lightning_zero.hydra_config import RECIPES_DIR, compose
-    from lightning_zero.planner import plan_run
-    from lightning_zero.planner.report import plan_kwargs_from_config
+    from lightning_zero.planner.report import plan_inputs_from_config
 
     cfg = compose([f"recipe={recipe}"])
     assert cfg.model.init_from == "required" and OmegaConf.is_missing(cfg.data, "path")
@@ -571,8 +570,8 @@ def test_finetune_recipe_fits_and_needs_weights_and_data(recipe):
     dp = cfg.trainer.devices * cfg.trainer.num_nodes // tp
     sequences = 128 if recipe == "llama3_405b_finetune" else 64  # 405B: dp=128 is the fewest it allows
     assert dp * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == sequences  # per step
-    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
-    plan = plan_run(model_config, **kwargs)
+    planned, _ = plan_inputs_from_config(cfg)
+    plan = planned.plan()
     assert plan.fits, plan.verdict
     header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
     shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)

@@ -167,12 +167,12 @@ def test_every_door_takes_cp_and_ep():
         compose(["strategy=zero2", "strategy.ep=0"])
 
 
-def test_fabric_refuses_cp_naming_the_knob():
+def test_fabric_takes_cp_and_ep_and_checks_the_model_at_setup():
     from lightning_zero.fabric import ZeroFabricStrategy
 
-    with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(cp=2\).*not available under Fabric yet"):
-        ZeroFabricStrategy(cp=2)
-    assert ZeroFabricStrategy(ep=2).zero_config.ep == 2  # its model is checked at setup (tests/test_expert_domain.py)
+    # their model is checked at setup (tests/test_fabric_cp.py, tests/test_expert_domain.py)
+    assert ZeroFabricStrategy(cp=2).cp_size == 2
+    assert ZeroFabricStrategy(ep=2).zero_config.ep == 2
 
 
 def test_a_model_that_does_not_declare_cp_or_ep_is_refused_before_launch():
@@ -203,15 +203,15 @@ def test_a_model_that_does_not_declare_cp_or_ep_is_refused_before_launch():
 
 def test_the_planner_refuses_what_it_does_not_model_yet():
     from lightning_zero.planner.arithmetic import plan_run
-    from lightning_zero.planner.report import plan_kwargs_from_config
+    from lightning_zero.planner.report import plan_inputs_from_config
 
     with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):
         plan_run("tiny", ZeroConfig(ep=2), world_size=4, devices_per_node=4)
     with pytest.raises(ValueError, match=r"lightning-zero plan.*ep=2 is not planned yet"):
-        plan_kwargs_from_config({"strategy": {"stage": 2, "ep": 2}})
+        plan_inputs_from_config({"strategy": {"stage": 2, "ep": 2}})
     # cp is planned (issue 55): each rank holds T/cp tokens of activations
-    _, kwargs, _ = plan_kwargs_from_config({"strategy": {"stage": 2, "cp": 2}, "data": {"seq_len": 64}})
-    assert kwargs["cp"] == 2
+    planned, _ = plan_inputs_from_config({"strategy": {"stage": 2, "cp": 2}, "data": {"seq_len": 64}})
+    assert planned.dims.cp == 2 and planned.config.cp == 2
 
 
 # -- on 4 gloo ranks: groups built = arithmetic; the engine shards over dp*cp ----------------------
@@ -302,8 +302,12 @@ def test_the_planner_takes_the_layout_and_the_config_whole():
     run, options = RunShape(precision="bf16-mixed", micro_batch=2, seq_len=1024), PlanOptions(simulate=False)
     keywords = dict(world_size=16, devices_per_node=8, micro_batch=2, seq_len=1024, simulate=False)
     assert plan("7b", config, dims, run, options) == plan_run("7b", config, **keywords)
+    # Lightning's DDP on the same 16 ranks: plain data parallelism (no tp, no hybrid sharding)
     ddp = plan("7b", config, dims, run, options, ddp=True)
-    assert ddp == plan_run("7b", stage=0, tp=2, bucket_mb=4.0, reduce_dtype="fp32", **keywords)
+    assert (ddp.stage, ddp.tp, ddp.dp, ddp.cp, ddp.shard_size) == (0, 1, 16, 1, 16)
+    assert ddp == plan_run("7b", stage=0, bucket_mb=4.0, reduce_dtype="fp32", **keywords)
+    with pytest.raises(ValueError, match=r"plan_run\(stage=0, tp=2\): stage 0 is Lightning's DDP"):
+        plan_run("7b", stage=0, tp=2, **keywords)
     with pytest.raises(ValueError, match=r"plan: ParallelDims\(.*tp=1.*is not the layout the ZeroConfig asks for"):
         plan("7b", config, ParallelDims(world_size=16, devices_per_node=8), run, options)
     with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):

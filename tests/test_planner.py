@@ -114,14 +114,18 @@ def test_stage3_working_set_at_0_44b():
 
 def test_dp_and_tp_bytes_follow_the_ring_formulas():
     plans = compare_stages("70b", **RUN_70B)
-    dp, padded = 8, plans[0].padded_params_per_tp_rank
+    dp, padded = 8, plans[1].padded_params_per_tp_rank
     ring = (dp - 1) / dp
     for plan in plans[1:3]:
         assert plan.traffic.dp_bytes == pytest.approx(2 * ring * 2 * padded)  # 2 (dp-1)/dp * grad_bytes * P/tp
     # stage 3: the head (32000 x 8192 / tp) stays gathered from forward into backward: gathered once
     head = 32000 * 8192 // 8
     assert plans[3].traffic.dp_bytes == pytest.approx(ring * 2 * (3 * padded - head))
-    assert plans[0].traffic.dp_all_reduce_bytes == pytest.approx(2 * ring * 2 * padded)
+    # Lightning's DDP on the same 64 ranks: plain data parallelism (no tp), every parameter all-reduced
+    ddp = plans[0]
+    assert (ddp.tp, ddp.dp, ddp.cp, ddp.padded_params_per_tp_rank) == (1, 64, 1, 68_976_648_192)
+    assert ddp.traffic.dp_all_reduce_bytes == pytest.approx(2 * 63 / 64 * 2 * 68_976_648_192)
+    assert ddp.traffic.tp_all_reduce_bytes == 0
     # 4 all-reduces of B*T*dim per block (2 fwd, 2 bwd) + embedding + head, ring 2(tp-1)/tp each
     tokens_dim_bytes = 1 * 4096 * 8192 * 2
     assert plans[3].traffic.tp_all_reduce_bytes == pytest.approx((4 * 80 + 2) * 2 * 7 / 8 * tokens_dim_bytes)
@@ -215,12 +219,12 @@ def test_64_rank_layout_validates_without_processes():
         (dict(precision="8-bit"), "precision"),
         (dict(seq_len=8192), r"seq_len\(8192\)"),
         (dict(hardware="tpu_v9"), "unknown hardware"),
-        (dict(attention="flash3"), r"plan_run: attention must be one of"),
-        (dict(simulate="sometimes"), r"plan_run: simulate must be True, False or 'if_fits'"),
-        (dict(overlap_comm="yes"), r"plan_run: overlap_comm must be True or False"),
-        (dict(bucket_mb="big"), r"plan_run: bucket_mb must be a number of MiB or 'auto'"),
-        (dict(reserved_gib=-1), r"plan_run: reserved_gib must be a number >= 0"),
-        (dict(prefetch_blocks=1.5), r"plan_run: prefetch_blocks must be an int"),
+        (dict(attention="flash3"), r"RunShape: attention must be one of"),
+        (dict(simulate="sometimes"), r"PlanOptions: simulate must be True, False or 'if_fits'"),
+        (dict(overlap_comm="yes"), r"ZeroStrategy\(overlap_comm='yes'\): must be True or False"),
+        (dict(bucket_mb="big"), r"ZeroStrategy\(bucket_mb='big'\): the gradient bucket size must be a number of MiB"),
+        (dict(reserved_gib=-1), r"PlanOptions: reserved_gib must be a number >= 0"),
+        (dict(prefetch_blocks=1.5), r"ZeroStrategy\(prefetch_blocks=1.5\): must be an int"),
     ],
 )
 def test_bad_layouts_and_arguments_raise_with_the_numbers(changes, match):
@@ -363,5 +367,5 @@ def test_sequence_parallel_and_selective_checkpointing_in_the_plan():
     full = plan_run("70b", activation_checkpointing="full", **common)
     assert full.traffic.flops_per_rank > selective.traffic.flops_per_rank
     assert full.memory.activations < selective.memory.activations < plain.memory.activations
-    with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True, tensor_parallel_size=1"):
         plan_run("70b", stage=3, world_size=8, devices_per_node=8, tp=1, sequence_parallel=True)

@@ -145,7 +145,7 @@ def test_memory_follows_the_zero_formulas_with_shard_size_for_dp():
             assert plan.memory.params == states.params
             assert plan.memory.grads == states.grads
             assert plan.memory.optimizer == states.optimizer
-    with pytest.raises(ValueError, match=r"plan_run: grad_comm_dtype must be one of"):
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(grad_comm_dtype='fp8'\): give None"):
         _tiny_plan(grad_comm_dtype="fp8")
 
 
@@ -357,7 +357,7 @@ def test_plan_shows_every_topology_option_on_more_than_one_node(capsys):
 
 
 def test_search_overrides_with_topology_knobs_select_the_layout_they_describe():
-    from lightning_zero.planner import plan_kwargs_from_config
+    from lightning_zero.planner import plan_inputs_from_config
 
     result = search_layouts(
         "13b", world_size=16, devices_per_node=8, global_batch=1024, seq_len=4096, hardware="h100_80gb"
@@ -377,8 +377,8 @@ def test_search_overrides_with_topology_knobs_select_the_layout_they_describe():
             if isinstance(parsed, str) and parsed.replace(".", "").isdigit():
                 parsed = float(parsed) if "." in parsed or name == "bucket_mb" else int(parsed)
             cfg.setdefault(group, {})[name] = parsed
-        config, kwargs, _ = plan_kwargs_from_config(cfg)
-        again = plan_run(config, **kwargs)
+        planned, _ = plan_inputs_from_config(cfg)
+        again = planned.plan()
         assert again.fits
         assert again.tokens_per_s == pytest.approx(entry.plan.tokens_per_s)
         assert again.traffic.inter_node_bytes == pytest.approx(entry.plan.traffic.inter_node_bytes)

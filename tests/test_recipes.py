@@ -48,11 +48,11 @@ def test_every_shipped_recipe_is_tested():
 
 @pytest.mark.parametrize("recipe", (*BIG_RECIPES, *CP_RECIPES))
 def test_recipe_fits_its_stated_cluster(recipe):
-    from lightning_zero.planner import plan_kwargs_from_config, plan_run
+    from lightning_zero.planner import plan_inputs_from_config
 
     cfg = compose([f"recipe={recipe}"])
-    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
-    plan = plan_run(model_config, **kwargs)
+    planned, _ = plan_inputs_from_config(cfg)
+    plan = planned.plan()
     assert plan.fits, plan.verdict
     assert plan.memory_bytes <= 80 * 10**9 + 6 * 2**30  # an 80 GB GPU
 
@@ -125,23 +125,23 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     # Each recipe's layout (stage, tp, micro batch, checkpointing, buckets) was chosen by
     # `lightning-zero plan recipe=NAME plan.search=true`; its header says why. It must stay the
     # fastest predicted layout that fits (within 0.5%: bucket sizes tie) for its global batch.
-    from lightning_zero.planner import plan_kwargs_from_config, plan_run, search_layouts
+    from lightning_zero.planner import plan_inputs_from_config, search_layouts
 
     cfg = compose([f"recipe={recipe}"])
-    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
-    plan = plan_run(model_config, **kwargs)
+    planned, _ = plan_inputs_from_config(cfg)
+    plan = planned.plan()
     result = search_layouts(
-        model_config,
-        world_size=kwargs["world_size"],
-        devices_per_node=kwargs["devices_per_node"],
+        planned.model,
+        world_size=planned.dims.world_size,
+        devices_per_node=planned.dims.devices_per_node,
         global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
         seq_len=plan.seq_len,
         precision=plan.precision,
-        hardware=kwargs["hardware"],
+        hardware=planned.options.hardware,
         topology=False,  # recipes choose among the knobs they set; topology options: docs/topology.md
         # every recipe also runs on 2 CPU ranks (test_recipe_shrinks_to_two_cpu_ranks): tp 1, 2 or
         # "auto" (= devices per node); the 405B headers quote the faster tp=4
-        tp_sizes=(1, 2, kwargs["devices_per_node"]),
+        tp_sizes=(1, 2, planned.dims.devices_per_node),
     )
     best = result.ranked[0].plan
     assert plan.fits and plan.tokens_per_s >= 0.995 * best.tokens_per_s, (plan.tokens_per_s, best.tokens_per_s)
@@ -156,20 +156,20 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
 def test_cp_recipe_needs_its_gpus_and_names_its_length(recipe):
     # Long-context continued pretraining: the length in the name, every sequence split over one
     # node (cp=8 on NVLink), and no layout fits on fewer nodes (the header's "fewest GPUs").
-    from lightning_zero.planner import plan_kwargs_from_config, plan_run, search_layouts
+    from lightning_zero.planner import plan_inputs_from_config, search_layouts
 
     cfg = compose([f"recipe={recipe}"])
     assert cfg.data.seq_len == cfg.model.max_seq_len == int(recipe.rsplit("_", 1)[1].removesuffix("k")) * 1024
     assert cfg.strategy.cp == cfg.trainer.devices == 8 and cfg.trainer.precision == "bf16-mixed"
-    model_config, kwargs, _ = plan_kwargs_from_config(cfg)
-    plan = plan_run(model_config, **kwargs)
+    planned, _ = plan_inputs_from_config(cfg)
+    plan = planned.plan()
     assert plan.traffic.cp_link == "intra_node" and plan.traffic.cp_all_to_all_bytes > 0
-    fewer = kwargs["world_size"] // 2
-    if fewer >= kwargs["devices_per_node"]:
+    fewer = planned.dims.world_size // 2
+    if fewer >= planned.dims.devices_per_node:
         global_batch = plan.dp * plan.micro_batch * plan.accumulate_grad_batches
         smaller = search_layouts(
-            model_config, world_size=fewer, devices_per_node=kwargs["devices_per_node"], global_batch=global_batch,
-            seq_len=plan.seq_len, hardware=kwargs["hardware"], topology=False, tp_sizes=(1, 2, 8),
+            planned.model, world_size=fewer, devices_per_node=planned.dims.devices_per_node, global_batch=global_batch,
+            seq_len=plan.seq_len, hardware=planned.options.hardware, topology=False, tp_sizes=(1, 2, 8),
         )  # fmt: skip
         assert smaller.ranked == ()
 

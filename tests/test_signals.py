@@ -339,6 +339,42 @@ def test_leftovers_are_removed_and_a_checkpoint_moved_aside_is_restored(tmp_path
     assert clean_leftovers(tmp_path) == []
 
 
+def test_cleanup_keeps_a_staging_directory_another_live_process_is_writing(tmp_path):
+    """[Note: staging in flight]: two jobs saving into one directory: the cleanup at one job's start
+    leaves the other's in-flight staging alone, and removes it once its process is gone."""
+    import subprocess
+    import textwrap
+
+    from lightning_zero.checkpoint.publish import STAGING, clean_leftovers, hold, release, side_name
+
+    theirs = tmp_path / side_name(STAGING, tmp_path / "step-4.ckpt")
+    theirs.mkdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, pathlib
+            from lightning_zero.checkpoint.publish import hold
+            hold(pathlib.Path({str(theirs)!r}))
+            print("held", flush=True)
+            sys.stdin.readline()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline().strip() == "held"
+        ours = tmp_path / side_name(STAGING, tmp_path / "last.ckpt")
+        ours.mkdir()
+        hold(ours)  # this process's own save in flight
+        lines = clean_leftovers(tmp_path)
+        assert theirs.is_dir() and ours.is_dir(), lines
+        assert sum("kept" in line for line in lines) == 2, lines
+    finally:
+        writer.stdin.close()
+        writer.wait(timeout=30)
+    release(ours)
+    lines = clean_leftovers(tmp_path)  # the writer died without publishing; ours was let go
+    assert not theirs.exists() and not ours.exists(), lines
+
+
 def test_the_handler_only_records_and_the_boundary_acts_once():
     """[Note: signals as events]: a signal is recorded, agreed at a boundary (riding on markers or
     by an exchange), and cleared once acted on; riders put their slots on every phase marker."""

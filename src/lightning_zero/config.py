@@ -148,7 +148,8 @@ class ZeroConfig:
             tp`` (cp between dp and tp in the rank order); ZeRO shards dense parameters, gradients
             and optimizer state over the ``dp * cp`` ranks of one tp rank and averages dense
             gradients over them. Needs a model that splits sequences over cp (its
-            ``check_parallel_dims``). See docs/topology.md.
+            ``check_parallel_dims``). Under Fabric the loop cuts each whole batch with the
+            strategy's ``context_slice``. See docs/context_parallel.md.
         ep: expert-parallel size: ``ep`` consecutive ranks of the ``dp * cp`` group split a mixture
             of experts' experts (each holds ``num_experts / ep``; tokens reach their experts by
             all-to-all). Must divide ``dp * cp``; expert parameters are sharded (stages 1-3) over the

@@ -14,12 +14,23 @@ behind; :func:`clean_leftovers` (run by the strategy at the next start, with a w
 staging directories and retired checkpoints whose target exists, and moves a retired checkpoint
 back whose target is missing (a kill between the two renames of :func:`publish`). Names of older
 versions (``<target>.tmp-<token>``, ``<target>.old-<token>``) are cleaned the same way.
+
+[Note: staging in flight] A staging name alone does not say whether its save is dead: another job
+(or another Fabric script) saving into the same directory has one in flight too, and deleting it
+loses that job's checkpoint. So the process that creates a staging entry holds an exclusive
+``flock`` on it (:func:`hold`) until it publishes or removes it (:func:`release`); the kernel drops
+the lock when the process dies, however it dies. :func:`clean_leftovers` (and the stale-staging
+removal of :func:`begin_write`) skips an entry whose lock another process holds, and entries this
+process holds itself. Where ``flock`` is not supported, the entry counts as not held (the
+behaviour before this note). Linux NFS clients map ``flock`` to byte-range locks across clients;
+Lustre needs ``-o flock``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -71,6 +82,49 @@ def side_name(prefix: str, target: Path) -> str:
     return f"{prefix}{token}-{encoded}"
 
 
+_held: dict[str, int] = {}  # staging entries this process holds: path -> the fd carrying its flock
+
+
+def hold(path: Path) -> None:
+    """Lock the staging entry this process just created ([Note: staging in flight])."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # no flock here: unlocked, as before
+        os.close(handle)
+        return
+    _held[str(path)] = handle
+
+
+def release(path: Path) -> None:
+    """The staging entry ``path`` was published or removed: drop its lock."""
+    handle = _held.pop(str(path), None)
+    if handle is not None:
+        os.close(handle)
+
+
+def in_flight(path: Path) -> bool:
+    """Whether a live process (this one included) holds ``path``'s staging lock."""
+    if str(path) in _held:
+        return True
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here
+        return False
+    finally:
+        os.close(handle)  # closing drops the probe's own lock
+    return False
+
+
 def _side_entry(path: Path) -> Optional[tuple[str, Optional[str]]]:
     """``(kind, target name or None)`` of a staging / retired directory of any version, else None."""
     match = _OURS.match(path.name)
@@ -100,6 +154,9 @@ def clean_leftovers(directory: PathLike) -> list[str]:
         kind, target_name = entry
         if kind == "retired" and target_name and not os.path.lexists(directory / target_name):
             continue  # restore_moved_aside could not move it back: keep it, never delete a checkpoint
+        if kind == "staging" and in_flight(path):
+            done.append(f"kept {str(path)!r}: a save in flight by a live process ([Note: staging in flight])")
+            continue
         _remove(path)
         what = "the staging directory of a save that never finished" if kind == "staging" else (
             "a checkpoint replaced by a newer one of the same name (its removal was interrupted)")  # fmt: skip
@@ -226,10 +283,11 @@ def begin_write(target: Path, layout: RankPlacement, group: Optional[Any] = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             for stale in target.parent.iterdir():
-                if _side_entry(stale) == ("staging", target.name):
+                if _side_entry(stale) == ("staging", target.name) and not in_flight(stale):
                     _remove(stale)
             tmp = target.parent / side_name(STAGING, target)
             tmp.mkdir()
+            hold(tmp)
         except OSError as exc:
             error = f"rank 0 cannot create a directory in {str(target.parent)!r} for the checkpoint: {exc}"
     tmp, error = broadcast_object((str(tmp) if tmp else None, error), "ckpt_begin", group)
@@ -299,6 +357,7 @@ def publish(tmp: Path, target: Path) -> None:
     old checkpoint then sits under the staging name: there is never a moment without ``target``),
     else the old one moved aside first; the parent directory synced before the old one is removed."""
     fsync_directory(tmp)
+    release(tmp)  # [Note: staging in flight]: the lock goes with the name, which is now the target's
     if not os.path.lexists(target):
         os.replace(tmp, target)
         fsync_directory(target.parent)
@@ -377,6 +436,7 @@ def _rename_once(source: Path, destination: Path) -> bool:
 def remove_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint directory (or a plain file); call on one rank."""
     path = Path(path)
+    release(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif os.path.lexists(path):

@@ -12,7 +12,7 @@ fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their o
   bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
 - :mod:`~lightning_zero.planner.traffic`: the bytes a rank sends per step (dp per link and hop, tp per collective);
-- :mod:`~lightning_zero.planner.arithmetic`: :func:`plan_run` / :func:`compare_stages`;
+- :mod:`~lightning_zero.planner.arithmetic`: ``plan`` (the run whole), :func:`plan_run` (keywords) / :func:`compare_stages`;
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);
 - :mod:`~lightning_zero.planner.search`: :func:`search_layouts` (``plan.search=true``), planning
   its candidates as ``fit`` does;
@@ -47,7 +47,7 @@ _EXPORTS = {  # public name -> the planner module that defines it
     "available_hardware": "hardware",
     "default_hardware_name": "hardware",
     "load_hardware": "hardware",
-    "plan_kwargs_from_config": "report",
+    "plan_inputs_from_config": "report",
     "run_plan": "report",
     "Layout": "search",
     "SearchResult": "search",

@@ -1,8 +1,11 @@
-"""Predict, before launch, what every rank holds, sends and spends per step for a Llama run.
+"""Predict, before launch, what every rank holds, sends and spends per step for a run.
 
-:func:`plan_run` is pure arithmetic on a :class:`~lightning_zero.models.LlamaConfig` (formulas in
-:mod:`lightning_zero.planner.ledger`, :mod:`lightning_zero.planner.timing`, :mod:`lightning_zero.planner.workload` and docs/planner.md):
-it never builds the model, so a 70B plan takes milliseconds. :func:`compare_stages` lays stages
+:func:`plan` is pure arithmetic on a model config (formulas in :mod:`lightning_zero.planner.ledger`,
+:mod:`lightning_zero.planner.timing`, :mod:`lightning_zero.planner.workload` and docs/planner.md),
+given the run whole: the knobs (``ZeroConfig``), the layout (``ParallelDims``), the run's shape
+(:class:`RunShape`) and the planner's options (:class:`PlanOptions`). It never builds the model, so
+a 70B plan takes milliseconds. :func:`plan_run` is the same plan from keywords (each put in the
+object holding it, :func:`plan_inputs`); :func:`stage_plans` / :func:`compare_stages` lay stages
 0-3 side by side for one run.
 
 [Note: what a plan counts] Per rank, at the peak of one training step (the start of backward):
@@ -28,14 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
-from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, resolve_bucket_mb
+from lightning_zero.config import ZeroConfig, resolve_bucket_mb
 from lightning_zero.cp.layout import check_context_parallel
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     ATTENTION_KERNELS,
-    COMM_DTYPES,
     dp_topology,
     grad_bytes_per_param,
     llama_activation_bytes,
@@ -48,10 +50,20 @@ from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, gathered_numel, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes, keeps_full_grads, pool_buffers
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, defer_grad_reduce_at, keeps_full_grads, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive(where: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int, got {name}={value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,8 +76,9 @@ DEFAULT_MFU = 0.4
 # --------------------------------------------------------------------------------------------
 
 
-# plan_run's argument for each ZeroConfig knob the planner models; the others (offload_optimizer,
-# monitor, collective_timeout) change no predicted byte or second.
+# The plan_run keyword of each ZeroConfig knob the planner reads (its field name, but ``tp``); the
+# others (offload_optimizer, monitor, collective_timeout, async_checkpoint) change no predicted byte
+# or second.
 PLANNED_KNOBS = {
     "stage": "stage",
     "tp": "tensor_parallel_size",
@@ -102,225 +115,198 @@ def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
         )
 
 
-def knob_arguments(config: ZeroConfig) -> dict[str, Any]:
-    """``plan_run``'s knob arguments for ``config`` (stage 1 always defers: its
-    ``defer_grad_reduce`` changes nothing, as in the engine: ``zero.bucketing.keeps_full_grads``)."""
-    refuse_unplanned(config.as_dict(), "plan_run(zero_config=ZeroConfig(...))")
-    arguments = {argument: getattr(config, knob) for argument, knob in PLANNED_KNOBS.items()}
-    arguments["defer_grad_reduce"] = config.defer_grad_reduce and config.stage >= 2
-    return arguments
-
-
 def _given_knobs(function: Any, arguments: Mapping[str, Any], names: Any) -> list[str]:
     """Which of ``names`` the call set to something other than ``function``'s default."""
     parameters = inspect.signature(function).parameters
     return [name for name in names if arguments[name] != parameters[name].default]
 
 
-def plan_run(
-    model_config: Any,
-    zero_config: Optional[ZeroConfig] = None,
-    *,
-    stage: Optional[int] = None,
-    world_size: int,
-    devices_per_node: int,
-    tp: Union[int, str] = 1,
-    precision: str = "bf16-mixed",
-    micro_batch: int = 1,
-    seq_len: Optional[int] = None,
-    activation_checkpointing: Union[bool, str] = False,
-    sequence_parallel: bool = ZERO_DEFAULTS.sequence_parallel,
-    bucket_mb: Union[float, str] = ZERO_DEFAULTS.bucket_mb,
-    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
-    defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
-    overlap_comm: bool = ZERO_DEFAULTS.overlap_comm,
-    max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
-    overlap_param_gather: bool = ZERO_DEFAULTS.overlap_param_gather,
-    shard_size: Union[None, int, str] = ZERO_DEFAULTS.shard_size,
-    hierarchical_reduce: bool = ZERO_DEFAULTS.hierarchical_reduce,
-    grad_comm_dtype: Optional[str] = ZERO_DEFAULTS.grad_comm_dtype,
-    param_comm_dtype: Optional[str] = ZERO_DEFAULTS.param_comm_dtype,
-    hardware: Union[str, Hardware, Mapping[str, Any], None] = None,
-    mfu: Optional[float] = None,
-    accumulate_grad_batches: int = 1,
-    attention: str = "fused",
-    reserved_gib: float = 2.0,
-    suggest: bool = True,
-    simulate: Union[bool, str] = True,
-    reduce_dtype: str = ZERO_DEFAULTS.reduce_dtype,
-    master_weights: str = ZERO_DEFAULTS.master_weights,
-    cp: int = ZERO_DEFAULTS.cp,
-    mixed_params: str = ZERO_DEFAULTS.mixed_params,
-) -> Plan:
-    """Predict one rank's bytes (held and sent) and step time for a Llama run; allocates nothing.
+# --------------------------------------------------------------------------------------------
+# What a plan takes: the model, the knobs (ZeroConfig), the layout (ParallelDims), the run's
+# shape and the planner's options, each passed whole
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a planned run is besides its layout (``ParallelDims``) and its knobs (``ZeroConfig``):
+    the precision and the batch each rank computes. Construction validates (``ValueError`` naming
+    the field).
 
     Args:
-        model_config: a ``LlamaConfig`` (or a preset name such as ``"70b"``).
-        zero_config: the strategy's knobs as one :class:`~lightning_zero.config.ZeroConfig` (what
-            ``ZeroStrategy`` passes its engine); its fields give ``stage``, ``tp`` and the other
-            knob arguments below (``PLANNED_KNOBS``), which are then not passed. ``None``: the
-            keyword arguments (their defaults are ``ZeroConfig``'s).
-        stage: ZeRO stage 1, 2 or 3 (0 = Lightning's DDP, for comparison); required without
-            ``zero_config``.
-        world_size: total ranks; ``devices_per_node`` ranks per node.
-        tp: tensor-parallel size (inside a node) or ``"auto"`` (= devices_per_node); dp = world // tp.
         precision: ``"bf16-mixed"`` (2 + 2 + 12 bytes/param), ``"16-mixed"`` and ``"32-true"``
             (4 + 4 + 8) or ``"bf16-true"`` / ``"16-true"`` (2 + 2 + 4: bf16 optimizer state, no
-            master), under the two knobs below; ``ledger.precision_bytes`` is the rule.
-        micro_batch: samples per rank per forward; ``seq_len`` tokens each (default: the model's).
+            master), under ``ZeroConfig.master_weights`` / ``mixed_params``;
+            ``ledger.precision_bytes`` is the rule.
+        micro_batch: samples per rank per forward (per cp group under context parallelism);
+            ``seq_len`` tokens each (``None``: the model's ``max_seq_len``).
         activation_checkpointing: ``False``/``"none"``, ``"selective"`` (recompute attention's
             core) or ``True``/``"full"`` (keep only each block's input and recompute it in
             backward); [Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``.
-        sequence_parallel: the norm/residual activations sharded over the sequence in the TP
-            group (needs ``tp > 1`` and ``tp`` dividing ``seq_len``); the TP all-reduces become
-            reduce-scatters + all-gathers of the same bytes, plus the norm gains' gradient sums.
-        bucket_mb: gradient bucket size (MiB): the reduce-scatter granularity.
-        prefetch_blocks: stage 3 holds ``prefetch_blocks + 1`` gathered blocks and gathers that far ahead.
-        defer_grad_reduce: stages 2-3: full gradients over micro batches, one reduce-scatter at the last.
-        overlap_comm: launch each bucket's collective during backward (else all after backward).
-        max_buckets_in_flight: reduce-scatters in flight at once; stage 2/3 pool one bucket buffer
-            more (``bucketing.pool_buffers``; backward waits beyond).
-        overlap_param_gather: stages 1-2: hide the post-step parameter all-gather behind the next
-            forward (``False``: the engine as it is today, exposed).
-        shard_size: ZeRO shards over groups of this many consecutive dp ranks (``None``: all dp
-            ranks; ``"node"``: the dp ranks of one node) and the ``dp / shard_size`` replicas
-            all-reduce the shard; memory follows the ZeRO formulas with ``shard_size`` for dp.
-        hierarchical_reduce: when the shard group spans nodes, reduce-scatter inside the node,
-            then across nodes on the node's slice (each gradient byte crosses the slow link once).
-        grad_comm_dtype, param_comm_dtype: wire format of gradient (reduce-scatter, replica
-            all-reduce) and parameter (all-gather) collectives that cross nodes: ``None``
-            (uncompressed), ``"fp32"``, ``"bf16"`` or ``"int8"`` (block-wise, one fp32 scale per
-            ``INT8_BLOCK_SIZE`` elements). Stage 0 (Lightning DDP) ignores these four.
-        hardware: a name in ``conf/hardware`` or a YAML path (default: ``conf/config.yaml``'s).
-        mfu: model FLOPs utilization assumed for compute (``None``: the hardware's calibrated
-            ``mfu``, else 0.4).
+            Held as the mode's name.
         accumulate_grad_batches: micro batches per optimizer step.
         attention: ``"fused"`` (SDPA flash kernels, what the model runs) or ``"math"``.
+    """
+
+    precision: str = "bf16-mixed"
+    micro_batch: int = 1
+    seq_len: Optional[int] = None
+    activation_checkpointing: Union[bool, str] = False
+    accumulate_grad_batches: int = 1
+    attention: str = "fused"
+
+    def __post_init__(self) -> None:
+        _check_positive("RunShape", micro_batch=self.micro_batch, accumulate_grad_batches=self.accumulate_grad_batches)
+        if self.seq_len is not None:
+            _check_positive("RunShape", seq_len=self.seq_len)
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"RunShape: attention must be one of {ATTENTION_KERNELS}, got attention={self.attention!r}"
+            )
+        mode = checkpointing_mode(self.activation_checkpointing, "RunShape: activation_checkpointing")
+        object.__setattr__(self, "activation_checkpointing", mode)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan. Construction validates (``ValueError`` naming the field).
+
+    Args:
+        hardware: a name in ``conf/hardware``, a YAML path, a mapping or a ``Hardware`` (default:
+            ``conf/config.yaml``'s).
+        mfu: model FLOPs utilization assumed for compute, in (0, 1] (``None``: the hardware's
+            calibrated ``mfu``, else 0.4).
         reserved_gib: per-GPU memory not available to tensors (CUDA context, allocator slack).
-        suggest: when it does not fit, search for changes that would make it fit.
+        suggest: when the plan does not fit, search for changes that would make it fit
+            (``Plan.suggestions``, ``fit.py``).
         simulate: simulate the step (``False``: bytes only, seconds 0; ``"if_fits"``: only when it
             fits, what the layout search does).
-        reduce_dtype: ``"fp32"``: gradients held, bucketed and sent in fp32 under bf16-mixed
-            (4 bytes per element, ``ledger.grad_bytes_per_param``; no fp32 cast at the step);
-            ``"compute"`` (default): the precision's gradient bytes.
-        master_weights: ``"fp32"``: fp32 masters and optimizer state under ``bf16-true`` /
-            ``16-true`` (the ``-mixed`` bytes); ``"auto"``: the precision's own
-            ([Note: master_weights] in ``runtime/precision.py``).
-        cp: context-parallel size (docs/context_parallel.md): each sequence split over ``cp``
-            ranks (``world = dp * cp * tp``; ``micro_batch`` sequences per cp group), so a rank
-            holds ``T/cp`` tokens of activations and ``1/cp`` of the compute, and each attention
-            layer adds two blocking all-to-alls over the cp group forward and two backward; ZeRO
-            shards over the ``dp * cp`` ranks of one tp rank.
-        mixed_params: under the ``-mixed`` precisions, ``"fp32"`` parameters and gradients (4 + 4 +
-            8, as ddp) or ``"half"`` ones with fp32 masters in the shards (2 + 2 + 12); ``"auto"``:
-            fp32 under 16-mixed, half under bf16-mixed ([Note: mixed_params] there).
-
-    Raises ``ValueError`` naming the argument for a bad value, and (via ``ParallelDims``) for a
-    layout whose sizes do not divide, with the numbers; ``TypeError`` for an argument it does not
-    take, or a knob given both in ``zero_config`` and as a keyword.
     """
-    if zero_config is not None:
-        arguments = dict(locals())
-        given = _given_knobs(plan_run, arguments, PLANNED_KNOBS)
-        if given:
-            raise TypeError(
-                f"plan_run(zero_config=...): the knobs come from the config; set {', '.join(given)} in the"
-                f" ZeroConfig (dataclasses.replace(zero_config, {given[0]}=...)) instead of passing them too"
-            )
-        run = {name: value for name, value in arguments.items() if name not in ("model_config", "zero_config")}
-        return plan_run(model_config, **{**run, **knob_arguments(zero_config)})
-    if stage is None:
-        raise TypeError("plan_run: give stage=... (or the knobs whole, as zero_config=ZeroConfig(...))")
+
+    hardware: Union[str, Hardware, Mapping[str, Any], None] = None
+    mfu: Optional[float] = None
+    reserved_gib: float = 2.0
+    suggest: bool = True
+    simulate: Union[bool, str] = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.simulate, (bool, str)) or self.simulate not in (True, False, "if_fits"):
+            raise ValueError(f"PlanOptions: simulate must be True, False or 'if_fits', got simulate={self.simulate!r}")
+        if not _is_number(self.reserved_gib) or self.reserved_gib < 0:
+            raise ValueError(f"PlanOptions: reserved_gib must be a number >= 0, got reserved_gib={self.reserved_gib!r}")
+        if not isinstance(self.suggest, bool):
+            raise ValueError(f"PlanOptions: suggest must be True or False, got suggest={self.suggest!r}")
+        if self.mfu is not None and (not _is_number(self.mfu) or not 0 < self.mfu <= 1):
+            raise ValueError(f"PlanOptions: mfu must be in (0, 1], got mfu={self.mfu!r}")
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunShape))
+OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(PlanOptions))
+
+
+def ddp_layout(config: ZeroConfig, dims: ParallelDims) -> tuple[ZeroConfig, ParallelDims]:
+    """Lightning's DDP on the ranks of ``dims``: every rank a data-parallel rank (no tensor, context
+    or expert parallelism, no hybrid sharding, nothing compressed, no deferred reduction), with the
+    knobs DDP shares with ZeRO (``bucket_mb``, ``overlap_comm``, ``reduce_dtype``, the precision
+    knobs) as ``config`` has them. What ``plan(..., ddp=True)`` plans."""
+    plain = dataclasses.replace(
+        config,
+        stage=1,
+        tensor_parallel_size=1,
+        sequence_parallel=False,
+        cp=1,
+        ep=1,
+        shard_size=None,
+        hierarchical_reduce=False,
+        grad_comm_dtype=None,
+        param_comm_dtype=None,
+        defer_grad_reduce=False,
+    )
+    return plain, ParallelDims.from_config(plain, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+
+
+def plan(
+    model_config: Any,
+    config: ZeroConfig,
+    dims: ParallelDims,
+    run: RunShape = RunShape(),
+    options: PlanOptions = PlanOptions(),
+    *,
+    ddp: bool = False,
+) -> Plan:
+    """Predict one rank's bytes (held and sent) and step time for a run; allocates nothing.
+
+    The run is given whole, as the runtime holds it: the model (a ``LlamaConfig`` or a preset
+    name such as ``"70b"``), the knobs (``config``: what ``ZeroStrategy`` passes its engine; each
+    is read where it is used, as the engine reads it), the layout (``dims``:
+    ``ParallelDims.from_config(config, world_size=..., devices_per_node=...)``, what the session
+    builds its groups from), the run's shape (:class:`RunShape`) and the planner's options
+    (:class:`PlanOptions`). ``ddp=True`` plans Lightning's DDP on the same ranks instead
+    (:func:`ddp_layout`: plain data parallelism, stage 0).
+
+    Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
+    ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), for a layout the model does not split
+    into (``ParallelDims.validate``, ``cp.layout.check_context_parallel``), for ``ep`` above 1 while
+    the planner does not model it (:data:`UNPLANNED_KNOBS`), and for a run the model cannot take
+    (a ``seq_len`` above its ``max_seq_len``, sequence parallelism whose ``tp`` does not divide it).
+    """
+    asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
+    if asked != dims:
+        raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
+    if ddp:
+        config, dims = ddp_layout(config, dims)
+    refuse_unplanned(config.as_dict(), "plan(config=ZeroConfig(...))")
     from lightning_zero.models import resolve_config
 
-    config = resolve_config(model_config)
-    if stage not in STAGES:
-        raise ValueError(f"plan_run: stage must be one of {STAGES} (0 = plain DDP), got stage={stage!r}")
-    _check_switches(
-        sequence_parallel=sequence_parallel,
-        defer_grad_reduce=defer_grad_reduce,
-        overlap_comm=overlap_comm,
-        overlap_param_gather=overlap_param_gather,
-        hierarchical_reduce=hierarchical_reduce,
-        suggest=suggest,
-    )
-    if simulate not in (True, False, "if_fits") or not isinstance(simulate, (bool, str)):
-        raise ValueError(f"plan_run: simulate must be True, False or 'if_fits', got simulate={simulate!r}")
-    if attention not in ATTENTION_KERNELS:
-        raise ValueError(f"plan_run: attention must be one of {ATTENTION_KERNELS}, got attention={attention!r}")
-    if bucket_mb != "auto" and not _is_number(bucket_mb):
-        raise ValueError(f"plan_run: bucket_mb must be a number of MiB or 'auto', got bucket_mb={bucket_mb!r}")
-    if not _is_number(reserved_gib) or reserved_gib < 0:
-        raise ValueError(f"plan_run: reserved_gib must be a number >= 0, got reserved_gib={reserved_gib!r}")
-    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int):
-        raise ValueError(f"plan_run: prefetch_blocks must be an int, got prefetch_blocks={prefetch_blocks!r}")
-    dims = ParallelDims(world_size=world_size, devices_per_node=devices_per_node, tp=tp, cp=cp).validate(config)
-    tp, dp, dense = int(dims.tp), dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's group
-    seq_len = int(seq_len or config.max_seq_len)
-    checkpointing = checkpointing_mode(activation_checkpointing, "plan_run: activation_checkpointing")
+    model = resolve_config(model_config)
+    stage = 0 if ddp else config.stage
+    defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
+    dims.validate(model)
+    tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
+    seq_len = int(run.seq_len or model.max_seq_len)
+    checkpointing = str(run.activation_checkpointing)
+    micro_batch, micro_batches = run.micro_batch, run.accumulate_grad_batches
     if cp > 1:
-        check_context_parallel(cp, tp=tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel)
-    if sequence_parallel and (tp == 1 or seq_len % tp != 0):
+        check_context_parallel(
+            cp, tp=tp, model_config=model, seq_len=seq_len, sequence_parallel=config.sequence_parallel
+        )
+    if config.sequence_parallel and seq_len % tp != 0:
         raise ValueError(
-            f"plan_run: sequence_parallel needs tp > 1 dividing seq_len, got tp={tp}, seq_len={seq_len}; "
+            f"plan: sequence_parallel needs tp dividing seq_len, got tp={tp}, seq_len={seq_len}; "
             "set sequence_parallel=False or change tensor_parallel_size / data.seq_len"
         )
-    _check_positive(
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        accumulate_grad_batches=accumulate_grad_batches,
-        max_buckets_in_flight=max_buckets_in_flight,
-    )
-    if seq_len > config.max_seq_len:
+    if seq_len > model.max_seq_len:
         raise ValueError(
-            f"plan_run: seq_len({seq_len}) exceeds the model's max_seq_len({config.max_seq_len}); "
+            f"plan: seq_len({seq_len}) exceeds the model's max_seq_len({model.max_seq_len}); "
             "lower data.seq_len or raise model.max_seq_len"
         )
-    hw = load_hardware(hardware)
-    if mfu is None:
-        mfu = hw.mfu if hw.mfu is not None else DEFAULT_MFU
-    if not 0 < mfu <= 1:
-        raise ValueError(f"plan_run: mfu must be in (0, 1], got mfu={mfu!r}")
+    hw = load_hardware(options.hardware)
+    mfu = options.mfu if options.mfu is not None else hw.mfu if hw.mfu is not None else DEFAULT_MFU
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
     dtype = dataclasses.replace(
-        precision_bytes(precision, master_weights, mixed_params),
-        grad=grad_bytes_per_param(precision, reduce_dtype, mixed_params),
+        precision_bytes(run.precision, config.master_weights, config.mixed_params),
+        grad=grad_bytes_per_param(run.precision, config.reduce_dtype, config.mixed_params),
     )
-    if bucket_mb == "auto":  # as the engine sizes it (lightning_zero.config.resolve_bucket_mb)
-        bucket_mb = resolve_bucket_mb(bucket_mb, llama_param_counts(config, tp=tp).total * dtype.grad)
-    if bucket_mb <= 0 or prefetch_blocks < 0:
-        raise ValueError(
-            f"plan_run: bucket_mb must be > 0 and prefetch_blocks >= 0, got bucket_mb={bucket_mb!r}, "
-            f"prefetch_blocks={prefetch_blocks!r}"
-        )
-    if defer_grad_reduce and stage < 2:
-        raise ValueError(
-            f"plan_run: defer_grad_reduce applies to stages 2 and 3 (stages 0-1 always defer), got stage={stage};"
-            " drop defer_grad_reduce or use stage=2 or 3"
-        )
-    for name, value in (("grad_comm_dtype", grad_comm_dtype), ("param_comm_dtype", param_comm_dtype)):
-        if value not in COMM_DTYPES:
-            raise ValueError(f"plan_run: {name} must be one of {COMM_DTYPES}, got {name}={value!r}")
-    if stage == 0:  # Lightning's DDP: no sharding knobs
-        shard_size, hierarchical_reduce, grad_comm_dtype, param_comm_dtype = None, False, None, None
+    counts = llama_param_counts(model, tp=tp)
+    # as the engine sizes buckets (lightning_zero.config.resolve_bucket_mb)
+    bucket_mb = resolve_bucket_mb(config.bucket_mb, counts.total * dtype.grad)
     topology = dp_topology(
         dp=dense,
         devices_per_node=dims.devices_per_node,
         tp=tp,
-        shard_size=shard_size,
-        hierarchical_reduce=hierarchical_reduce,
+        shard_size=dims.shard_size,
+        hierarchical_reduce=dims.hierarchical_reduce,
     )
     shard_ranks = topology.shard_size
-    counts = llama_param_counts(config, tp=tp)
     local_params = counts.total
     padded = math.ceil(local_params / shard_ranks) * shard_ranks
     shard = padded // shard_ranks
 
-    peak = hw.peak_fp32_flops if str(precision).startswith("32") else hw.peak_bf16_flops
+    peak = hw.peak_fp32_flops if str(run.precision).startswith("32") else hw.peak_bf16_flops
     crosses_nodes = dims.world_size > dims.devices_per_node and dense > 1
     cp_crosses_nodes = len({rank // dims.devices_per_node for rank in dims.cp_ranks(0)}) > 1
     workload = llama_workload(
-        config,
+        model,
         micro_batch=micro_batch,
         seq_len=seq_len,
         tp=tp,
@@ -328,7 +314,7 @@ def plan_run(
         flops_per_s=peak * mfu,
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
-        sequence_parallel=bool(sequence_parallel),
+        sequence_parallel=config.sequence_parallel,
         cp=cp,
         cp_link=hw.link(inter_node=cp_crosses_nodes),
     )
@@ -347,18 +333,18 @@ def plan_run(
     optimizer_numel = shard if stage >= 1 else padded
     pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
-        min(pool_buffers(max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
+        min(pool_buffers(config.max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
         else 0.0
     )
     # stage 3: the units in flight and the root ([Note: gathered working set] in zero/stage3/schedule.py)
-    prefetch = gathered_numel(workload, prefetch_blocks) * dtype.param if stage == 3 else 0.0
+    prefetch = gathered_numel(workload, config.prefetch_blocks) * dtype.param if stage == 3 else 0.0
     # stages 2-3: autograd's gradient of one parameter, until the hook copies it into its bucket
-    largest_param = max(counts.embedding, counts.output, llama_largest_block_param(config, tp=tp))
+    largest_param = max(counts.embedding, counts.output, llama_largest_block_param(model, tp=tp))
     param_grad = largest_param * dtype.grad if pooled else 0.0
 
-    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=bool(sequence_parallel), cp=cp)
-    acts = llama_activation_bytes(config, act_bytes=dtype.activation, attention=attention, **shape)
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=config.sequence_parallel, cp=cp)
+    acts = llama_activation_bytes(model, act_bytes=dtype.activation, attention=run.attention, **shape)
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -372,27 +358,25 @@ def plan_run(
         # bf16 gradient chunks are cast to an fp32 copy for the step; fp32 chunks are used as is
         step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master and dtype.grad != 4 else 0.0,
     )
-    tokens_per_step = micro_batch * seq_len * accumulate_grad_batches * dp
-    model_flops = accumulate_grad_batches * training_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp
-    )
+    tokens_per_step = micro_batch * seq_len * micro_batches * dp
+    model_flops = micro_batches * training_flops(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp)
     simulated = None
-    fits = memory.total <= hw.memory_bytes - int(reserved_gib * GiB)
-    if simulate is True or (simulate == "if_fits" and fits):
+    fits = memory.total <= hw.memory_bytes - int(options.reserved_gib * GiB)
+    if options.simulate is True or (options.simulate == "if_fits" and fits):
         simulated = step_time(
             workload,
             stage=stage,
             dp=dense,
-            micro_batches=accumulate_grad_batches,
+            micro_batches=micro_batches,
             dp_link=hw.link(inter_node=crosses_nodes),
             grad_bytes=dtype.grad,
             param_bytes=dtype.param,
             bucket_numel=bucket_numel,
-            overlap_comm=overlap_comm,
+            overlap_comm=config.overlap_comm,
             defer_grad_reduce=defer_grad_reduce,
-            max_buckets_in_flight=max_buckets_in_flight,
-            prefetch_blocks=prefetch_blocks,
-            overlap_param_gather=overlap_param_gather,
+            max_buckets_in_flight=config.max_buckets_in_flight,
+            prefetch_blocks=config.prefetch_blocks,
+            overlap_param_gather=config.overlap_param_gather,
             efficiency=hw.overlap_efficiency,
             optimizer_bytes_per_param=dtype.optimizer_step_bytes,
             memory_bytes_per_s=hw.memory_bytes_per_s,
@@ -400,156 +384,182 @@ def plan_run(
             tokens_per_step=tokens_per_step,
             model_flops_per_rank=model_flops,
             peak_flops=peak,
-            world_size=world_size,
-            grad_hops=topology.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=grad_comm_dtype),
-            gather_hops=topology.gather_hops(param_bytes=dtype.param, param_comm_dtype=param_comm_dtype),
+            world_size=dims.world_size,
+            grad_hops=topology.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=config.grad_comm_dtype),
+            gather_hops=topology.gather_hops(param_bytes=dtype.param, param_comm_dtype=config.param_comm_dtype),
             links={"intra_node": hw.link(inter_node=False), "inter_node": hw.link(inter_node=True)},
             shard_size=shard_ranks,
             overhead_s=hw.step_overhead_s,
         )
     traffic = traffic_per_rank(
-        config,
+        model,
         stage=stage,
         dims=dims,
         padded=padded,
         dtype=dtype,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        micro_batches=accumulate_grad_batches,
+        micro_batches=micro_batches,
         defer_grad_reduce=defer_grad_reduce,
         activation_checkpointing=checkpointing,
-        sequence_parallel=bool(sequence_parallel),
+        sequence_parallel=config.sequence_parallel,
         hw=hw,
         workload=workload,
         simulated=simulated,
         topology=topology,
-        grad_comm_dtype=grad_comm_dtype,
-        param_comm_dtype=param_comm_dtype,
+        grad_comm_dtype=config.grad_comm_dtype,
+        param_comm_dtype=config.param_comm_dtype,
         cp_link="inter_node" if cp_crosses_nodes else "intra_node",
     )
-    plan = Plan(
-        model=config.name,
-        num_params=config.num_params(),
+    planned = Plan(
+        model=model.name,
+        num_params=model.num_params(),
         params_per_tp_rank=local_params,
         padded_params_per_tp_rank=padded,
         stage=stage,
-        world_size=world_size,
-        num_nodes=max(1, world_size // devices_per_node),
-        devices_per_node=devices_per_node,
+        world_size=dims.world_size,
+        num_nodes=max(1, dims.world_size // dims.devices_per_node),
+        devices_per_node=dims.devices_per_node,
         dp=dp,
         tp=tp,
-        precision=str(precision),
+        precision=str(run.precision),
         micro_batch=micro_batch,
         seq_len=seq_len,
-        accumulate_grad_batches=accumulate_grad_batches,
+        accumulate_grad_batches=micro_batches,
         tokens_per_step=tokens_per_step,
         activation_checkpointing=checkpointing == "full",
         checkpointing=checkpointing,
-        sequence_parallel=bool(sequence_parallel),
-        attention=attention,
+        sequence_parallel=config.sequence_parallel,
+        attention=run.attention,
         bucket_mb=float(bucket_mb),
-        prefetch_blocks=prefetch_blocks,
-        defer_grad_reduce=bool(defer_grad_reduce),
-        overlap_comm=bool(overlap_comm),
-        max_buckets_in_flight=max_buckets_in_flight,
-        overlap_param_gather=bool(overlap_param_gather),
+        prefetch_blocks=config.prefetch_blocks,
+        defer_grad_reduce=defer_grad_reduce,
+        overlap_comm=config.overlap_comm,
+        max_buckets_in_flight=config.max_buckets_in_flight,
+        overlap_param_gather=config.overlap_param_gather,
         shard_size=shard_ranks,
         replicas=topology.replicas,
         hierarchical_reduce=topology.hierarchical,
-        grad_comm_dtype=grad_comm_dtype,
-        param_comm_dtype=param_comm_dtype,
-        reduce_dtype=str(reduce_dtype),
-        mixed_params=str(mixed_params),
+        grad_comm_dtype=config.grad_comm_dtype,
+        param_comm_dtype=config.param_comm_dtype,
+        reduce_dtype=str(config.reduce_dtype),
+        mixed_params=str(config.mixed_params),
         hardware=hw.name,
         memory_bytes=hw.memory_bytes,
-        reserved_bytes=int(reserved_gib * GiB),
+        reserved_bytes=int(options.reserved_gib * GiB),
         mfu=float(mfu),
         memory=memory,
         traffic=traffic,
         timing=simulated,
         activation_detail=acts,
-        notes=_notes(stage, dense, attention, accumulate_grad_batches, defer_grad_reduce),
+        notes=_notes(stage, dense, run.attention, micro_batches, defer_grad_reduce),
         cp=cp,
     )
-    if suggest and not plan.fits:
-        plan = dataclasses.replace(plan, suggestions=tuple(suggest_fixes(plan, config, hw, plan_run)))
-    return plan
+    if options.suggest and not planned.fits:
+        fixes = suggest_fixes(planned, plan, model, config, dims, run, dataclasses.replace(options, hardware=hw), ddp)
+        planned = dataclasses.replace(planned, suggestions=tuple(fixes))
+    return planned
 
 
-@dataclass(frozen=True)
-class RunShape:
-    """What a planned run is besides its layout (``ParallelDims``) and its knobs (``ZeroConfig``):
-    the precision and the batch each rank computes. Fields as in :func:`plan_run`."""
-
-    precision: str = "bf16-mixed"
-    micro_batch: int = 1
-    seq_len: Optional[int] = None
-    activation_checkpointing: Union[bool, str] = False
-    accumulate_grad_batches: int = 1
-    attention: str = "fused"
+# --------------------------------------------------------------------------------------------
+# plan_run: the same plan from keywords (docs/planner.md)
+# --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PlanOptions:
-    """How to plan: the hardware and its assumed MFU, memory set aside, whether to suggest fixes
-    and simulate the step. Fields as in :func:`plan_run`."""
+def plan_inputs(
+    zero_config: Optional[ZeroConfig] = None, *, world_size: int, devices_per_node: int, **knobs: Any
+) -> tuple[ZeroConfig, ParallelDims, RunShape, PlanOptions, bool]:
+    """:func:`plan_run`'s keywords as what :func:`plan` takes: ``(config, dims, run, options,
+    ddp)``. Each keyword goes to the object that holds it: the knobs of :data:`PLANNED_KNOBS` to a
+    ``ZeroConfig`` (``stage=0``: Lightning's DDP, ``ddp=True``), :data:`RUN_FIELDS` to a
+    :class:`RunShape`, :data:`OPTION_FIELDS` to :class:`PlanOptions`; the defaults are those
+    objects' own. ``TypeError`` for a keyword none of them takes, for knobs given beside
+    ``zero_config`` and for neither ``stage`` nor ``zero_config``; ``ValueError`` (from the
+    objects) for a bad value, naming it."""
+    unknown = sorted(set(knobs) - set(PLANNED_KNOBS) - set(RUN_FIELDS) - set(OPTION_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"plan_run() got unexpected keyword argument(s) {', '.join(unknown)}; it takes world_size,"
+            f" devices_per_node, {', '.join([*PLANNED_KNOBS, *RUN_FIELDS, *OPTION_FIELDS])}"
+        )
+    given = [name for name in PLANNED_KNOBS if name in knobs]
+    ddp = False
+    if zero_config is not None:
+        if given:
+            raise TypeError(
+                f"plan_run(zero_config=...): the knobs come from the config; set {', '.join(given)} in the"
+                f" ZeroConfig (dataclasses.replace(zero_config, {given[0]}=...)) instead of passing them too"
+            )
+        config = zero_config
+    elif "stage" not in knobs:
+        raise TypeError("plan_run: give stage=... (or the knobs whole, as zero_config=ZeroConfig(...))")
+    else:
+        values = {PLANNED_KNOBS[name]: knobs[name] for name in given}
+        stage = values["stage"]
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise ValueError(f"plan_run: stage must be one of {STAGES} (0 = plain DDP), got stage={stage!r}")
+        if stage == 0:  # Lightning's DDP: plain data parallelism; its topology knobs are ignored
+            layout = {name: knobs[name] for name in ("tp", "cp", "sequence_parallel") if name in knobs}
+            if any(value not in (1, False) for value in layout.values()):
+                raise ValueError(
+                    f"plan_run(stage=0, {', '.join(f'{k}={v!r}' for k, v in layout.items())}): stage 0 is"
+                    " Lightning's DDP, which has no tensor or context parallelism; plan it with tp=1, cp=1,"
+                    " sequence_parallel=False, or pick stage 1-3"
+                )
+            values.update(stage=1, defer_grad_reduce=False)
+            ddp = True
+        config = ZeroConfig(**values)
+    dims = ParallelDims.from_config(config, world_size=world_size, devices_per_node=devices_per_node)
+    run = RunShape(**{name: knobs[name] for name in RUN_FIELDS if name in knobs})
+    options = PlanOptions(**{name: knobs[name] for name in OPTION_FIELDS if name in knobs})
+    return config, dims, run, options, ddp
 
-    hardware: Union[str, Hardware, Mapping[str, Any], None] = None
-    mfu: Optional[float] = None
-    reserved_gib: float = 2.0
-    suggest: bool = True
-    simulate: Union[bool, str] = True
+
+def plan_run(
+    model_config: Any, zero_config: Optional[ZeroConfig] = None, *, world_size: int, devices_per_node: int, **knobs: Any
+) -> Plan:
+    """:func:`plan` from keywords: ``plan_run(model, stage=3, world_size=64, devices_per_node=8,
+    tp=8, micro_batch=1, seq_len=4096, hardware="h100_80gb")``, or the knobs whole as
+    ``plan_run(model, ZeroConfig(stage=3, tensor_parallel_size=8), world_size=..., ...)``.
+
+    Each keyword is a field of the object :func:`plan` takes it in (:func:`plan_inputs`): a
+    ``ZeroConfig`` knob (:data:`PLANNED_KNOBS`: ``stage`` 0-3, 0 being Lightning's DDP; ``tp``
+    for ``tensor_parallel_size``; the others by their own names, documented on ``ZeroConfig``),
+    a :class:`RunShape` field (``precision``, ``micro_batch``, ``seq_len``,
+    ``activation_checkpointing``, ``accumulate_grad_batches``, ``attention``) or a
+    :class:`PlanOptions` field (``hardware``, ``mfu``, ``reserved_gib``, ``suggest``,
+    ``simulate``). Same plan as :func:`plan` with those objects (``tests/test_layout.py``)."""
+    config, dims, run, options, ddp = plan_inputs(
+        zero_config, world_size=world_size, devices_per_node=devices_per_node, **knobs
+    )
+    return plan(model_config, config, dims, run, options, ddp=ddp)
 
 
-def plan(
+def stage_plans(
     model_config: Any,
     config: ZeroConfig,
     dims: ParallelDims,
     run: RunShape = RunShape(),
     options: PlanOptions = PlanOptions(),
-    *,
-    ddp: bool = False,
-) -> Plan:
-    """The plan of a run given whole, as the runtime holds it: the model, the knobs (``config``,
-    what the strategy passes its engine), the layout (``dims``: ``ParallelDims.from_config(config,
-    world_size=..., devices_per_node=...)``, what the session builds its groups from), the run's
-    shape and the planner's options. ``ddp=True`` plans Lightning's DDP on the same layout (stage
-    0). Same numbers as :func:`plan_run` with the same values as keywords (``tests/test_planner.py``).
-
-    Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
-    ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), and for ``cp``/``ep`` above 1 while
-    the planner does not model them (:data:`UNPLANNED_KNOBS`).
-    """
-    asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
-    if asked != dims:
-        raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
-    fields = {f.name: getattr(part, f.name) for part in (run, options) for f in dataclasses.fields(part)}
-    layout = dict(world_size=dims.world_size, devices_per_node=dims.devices_per_node)
-    if ddp:
-        knobs = knob_arguments(dataclasses.replace(config, stage=1))
-        return plan_run(model_config, **{**knobs, "stage": 0, "defer_grad_reduce": False}, **layout, **fields)
-    return plan_run(model_config, config, **layout, **fields)
+    stages: tuple[int, ...] = STAGES,
+) -> list[Plan]:
+    """:func:`plan` for each of ``stages`` with everything else equal (0: Lightning's DDP on the
+    same ranks, :func:`ddp_layout`); what the report's side-by-side columns show."""
+    plans = []
+    for stage in stages:
+        if stage == 0:
+            plans.append(plan(model_config, config, dims, run, options, ddp=True))
+        else:
+            defer = defer_grad_reduce_at(stage, config.defer_grad_reduce)
+            staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
+            plans.append(plan(model_config, staged, dims, run, options))
+    return plans
 
 
 def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
-    """:func:`plan_run` for each stage with everything else equal (the side-by-side view)."""
-    return [plan_run(model_config, stage=stage, **kwargs) for stage in stages]
-
-
-def _check_switches(**values: bool) -> None:
-    for name, value in values.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"plan_run: {name} must be True or False, got {name}={value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_run: {name} must be a positive int, got {name}={value!r}")
+    """:func:`stage_plans` from :func:`plan_run`'s keywords (no ``stage``)."""
+    config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
+    return stage_plans(model_config, config, dims, run, options, stages)
 
 
 def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool) -> tuple[str, ...]:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_zero.config import ZERO_DEFAULTS, topology_defaults
+from lightning_zero.comm.mesh import ParallelDims
+from lightning_zero.config import ZeroConfig, topology_defaults
 from lightning_zero.hydra_config import PlanConf
 from lightning_zero.models import LlamaConfig, resolve_config
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.models.moe.config import moe_preset_names
-from lightning_zero.planner.arithmetic import STAGES, plan_run, refuse_unplanned
+from lightning_zero.planner.arithmetic import STAGES, PlanOptions, RunShape, plan, refuse_unplanned
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
 from lightning_zero.planner.moe import run_moe_plan
@@ -28,6 +30,7 @@ from lightning_zero.planner.tables import (
     print_tables,
     print_topology,
 )
+from lightning_zero.zero.bucketing import defer_grad_reduce_at
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
@@ -36,17 +39,48 @@ PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, w
 # --------------------------------------------------------------------------------------------
 
 
-def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """Read the composed Hydra config: ``(model_config, plan_run kwargs, plan options)``.
+@dataclass(frozen=True)
+class PlannedRun:
+    """The run ``lightning-zero plan`` plans, as :func:`~lightning_zero.planner.arithmetic.plan`
+    takes it: the model, the strategy's knobs (``config``), their layout on the trainer's ranks
+    (``dims``), the run's shape, the planner's options and whether the strategy is Lightning's DDP."""
+
+    model: Any
+    config: ZeroConfig
+    dims: ParallelDims
+    run: RunShape
+    options: PlanOptions
+    ddp: bool = False
+
+    def plan(self, **knobs: Any) -> Plan:
+        """The plan of this run, with ``knobs`` changed in its ``ZeroConfig`` (``stage=0``: DDP)."""
+        if not knobs:
+            return plan(self.model, self.config, self.dims, self.run, self.options, ddp=self.ddp)
+        stage = knobs.get("stage", self.config.stage)
+        knobs = {**knobs, "stage": max(stage, 1)}
+        knobs["defer_grad_reduce"] = defer_grad_reduce_at(
+            stage, knobs.get("defer_grad_reduce", self.config.defer_grad_reduce)
+        )
+        config = dataclasses.replace(self.config, **knobs)
+        dims = ParallelDims.from_config(
+            config, world_size=self.dims.world_size, devices_per_node=self.dims.devices_per_node
+        )
+        return plan(self.model, config, dims, self.run, self.options, ddp=stage == 0)
+
+
+ZERO_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
+    """Read the composed Hydra config: ``(the run, as plan() takes it; the plan options)``.
 
     Reads ``model`` (preset ``name`` + field overrides, ``activation_checkpointing``),
-    ``strategy`` (``stage``, ``tensor_parallel_size``, ``bucket_mb``, ``prefetch_blocks``;
-    Lightning's DDP counts as stage 0), ``trainer`` (``devices`` per node, ``num_nodes``,
-    ``precision``, ``accumulate_grad_batches``), ``data`` (``batch_size``, ``seq_len``),
-    ``hardware`` (a ``conf/hardware`` mapping or name) and ``plan`` (``format``, ``plot``,
-    ``mfu``, ``stages``, ``reserved_gib``, ``attention``, ``search``, ``top``,
-    ``overlap_param_gather``; see ``conf/plan/default.yaml``). Missing groups take defaults (the
-    hardware: ``conf/config.yaml``'s).
+    ``strategy`` (every ``ZeroConfig`` knob it sets, into one ``ZeroConfig``; Lightning's DDP
+    plans ``ddp=True``), ``trainer`` (``devices`` per node, ``num_nodes``, ``precision``,
+    ``accumulate_grad_batches``), ``data`` (``batch_size``, ``seq_len``), ``hardware`` (a
+    ``conf/hardware`` mapping or name) and ``plan`` (``format``, ``plot``, ``mfu``, ``stages``,
+    ``reserved_gib``, ``attention``, ``search``, ``top``, ``overlap_param_gather``; see
+    ``conf/plan/default.yaml``). Missing groups take defaults (the hardware: ``conf/config.yaml``'s).
     """
 
     container = _to_container(cfg)
@@ -63,7 +97,7 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     strategy = container.get("strategy") or {}
     if isinstance(strategy, str):
         strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
-    stage = strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2)
+    stage = int(strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2))
     refuse_unplanned(strategy, "lightning-zero plan (strategy.ep)")
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
@@ -74,40 +108,29 @@ def plan_kwargs_from_config(cfg: Any) -> tuple[Any, dict[str, Any], dict[str, An
     if not isinstance(devices, int) or isinstance(devices, bool):
         devices = len(devices) if isinstance(devices, (list, tuple)) else hardware.devices_per_node
     num_nodes = int(trainer.get("num_nodes") or 1)
-    kwargs = dict(
-        stage=int(stage),
-        world_size=devices * num_nodes,
-        devices_per_node=devices,
-        tp=strategy.get("tensor_parallel_size", ZERO_DEFAULTS.tensor_parallel_size),
+    knobs = {name: value for name, value in strategy.items() if name in ZERO_FIELDS}
+    knobs.update(topology_knobs(strategy), stage=max(stage, 1))
+    knobs["defer_grad_reduce"] = defer_grad_reduce_at(stage, knobs.get("defer_grad_reduce", False))
+    if plan_options["overlap_param_gather"] is not None:
+        knobs["overlap_param_gather"] = bool(plan_options["overlap_param_gather"])
+    config = ZeroConfig(**knobs)
+    if str(plan_options["attention"]) not in ATTENTION_KERNELS:
+        raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {plan_options['attention']!r}")
+    run = RunShape(
         precision=str(trainer.get("precision") or "bf16-mixed"),
         micro_batch=int(data.get("batch_size") or 1),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
-        sequence_parallel=bool(strategy.get("sequence_parallel", ZERO_DEFAULTS.sequence_parallel)),
-        bucket_mb=strategy.get("bucket_mb", ZERO_DEFAULTS.bucket_mb),  # "auto" resolved by plan_run
-        prefetch_blocks=int(strategy.get("prefetch_blocks", ZERO_DEFAULTS.prefetch_blocks)),
-        defer_grad_reduce=bool(strategy.get("defer_grad_reduce", ZERO_DEFAULTS.defer_grad_reduce)) and int(stage) >= 2,
-        overlap_comm=bool(strategy.get("overlap_comm", ZERO_DEFAULTS.overlap_comm)),
-        max_buckets_in_flight=int(strategy.get("max_buckets_in_flight", ZERO_DEFAULTS.max_buckets_in_flight)),
-        overlap_param_gather=bool(
-            strategy.get("overlap_param_gather", ZERO_DEFAULTS.overlap_param_gather)
-            if plan_options["overlap_param_gather"] is None
-            else plan_options["overlap_param_gather"]
-        ),
-        **topology_knobs(strategy),
-        hardware=hardware,
-        mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
         attention=str(plan_options["attention"]),
-        reserved_gib=float(plan_options["reserved_gib"]),
-        reduce_dtype=str(strategy.get("reduce_dtype", ZERO_DEFAULTS.reduce_dtype)),
-        master_weights=str(strategy.get("master_weights", ZERO_DEFAULTS.master_weights)),
-        cp=int(strategy.get("cp", ZERO_DEFAULTS.cp)),
-        mixed_params=str(strategy.get("mixed_params", ZERO_DEFAULTS.mixed_params)),
     )
-    if kwargs["attention"] not in ATTENTION_KERNELS:
-        raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {kwargs['attention']!r}")
-    return model_config, kwargs, plan_options
+    options = PlanOptions(
+        hardware=hardware,
+        mfu=None if plan_options["mfu"] is None else float(plan_options["mfu"]),
+        reserved_gib=float(plan_options["reserved_gib"]),
+    )
+    dims = ParallelDims.from_config(config, world_size=devices * num_nodes, devices_per_node=devices)
+    return PlannedRun(model_config, config, dims, run, options, ddp=stage == 0), plan_options
 
 
 def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,10 +171,9 @@ TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def topology_plans(model_config: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, Plan]]:
+def topology_plans(planned: PlannedRun) -> list[tuple[str, Plan]]:
     """The configured run under each of :data:`TOPOLOGY_OPTIONS` (other knobs as configured)."""
-    plain = {**kwargs, **topology_defaults()}
-    return [(label, plan_run(model_config, **{**plain, **change})) for label, change in TOPOLOGY_OPTIONS]
+    return [(label, planned.plan(**{**topology_defaults(), **change})) for label, change in TOPOLOGY_OPTIONS]
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,31 +193,17 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     model = container.get("model")
     if str(model.get("name") if isinstance(model, Mapping) else model).lower() in moe_preset_names():
         return run_moe_plan(container, console=console)  # a mixture of experts: planner/moe.py
-    model_config, kwargs, options = plan_kwargs_from_config(cfg)
+    planned, options = plan_inputs_from_config(cfg)
     output_format = str(options.get("format", "table"))
     if output_format not in ("table", "json"):
         raise ValueError(f"plan.format must be 'table' or 'json', got {output_format!r}")
-    plan = plan_run(model_config, **kwargs)
+    plan = planned.plan()
     only = str(options.get("stages", "all")) == "only"
-    stage_kwargs = {k: v for k, v in kwargs.items() if k != "stage"}
-    stages = (
-        [plan]
-        if only
-        else [
-            plan
-            if s == plan.stage
-            else plan_run(
-                model_config,
-                stage=s,
-                **{**stage_kwargs, "defer_grad_reduce": stage_kwargs["defer_grad_reduce"] and s >= 2},
-            )
-            for s in STAGES
-        ]
-    )
+    stages = [plan] if only else [plan if s == plan.stage else planned.plan(stage=s) for s in STAGES]
     result: dict[str, Any] = {"plan": plan.as_dict(), "stages": [p.as_dict() for p in stages]}
     topology = None
     if options.get("topology") and plan.stage > 0 and plan.num_nodes > 1:
-        topology = topology_plans(model_config, kwargs)
+        topology = topology_plans(planned)
         result["topology"] = [
             {"option": label, "overrides": _topology_overrides(p), "plan": p.as_dict()} for label, p in topology
         ]
@@ -203,20 +211,22 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     if options.get("search"):
         top = int(options.get("top") or 10)
         search = search_layouts(
-            model_config,
-            world_size=kwargs["world_size"],
-            devices_per_node=kwargs["devices_per_node"],
+            planned.model,
+            world_size=planned.dims.world_size,
+            devices_per_node=planned.dims.devices_per_node,
             global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
             seq_len=plan.seq_len,
             precision=plan.precision,
-            hardware=kwargs["hardware"],
-            mfu=kwargs["mfu"],
+            hardware=planned.options.hardware,
+            mfu=planned.options.mfu,
             attention=plan.attention,
-            reserved_gib=kwargs["reserved_gib"],
+            reserved_gib=planned.options.reserved_gib,
             max_buckets_in_flight=plan.max_buckets_in_flight,
             overlap_param_gather=plan.overlap_param_gather,
-            master_weights=kwargs["master_weights"],
-            mixed_params=kwargs["mixed_params"],
+            overlap_comm=planned.config.overlap_comm,
+            reduce_dtype=planned.config.reduce_dtype,
+            master_weights=planned.config.master_weights,
+            mixed_params=planned.config.mixed_params,
             lossless=bool(options.get("lossless")),
         )
         result["search"] = {

@@ -12,21 +12,25 @@ stage 3, ``prefetch_blocks``; on more than one node also the topology knobs (doc
 ``shard_size`` (``None``, ``"node"``), ``hierarchical_reduce`` (when the shard group spans nodes)
 and the cross-node wire format (``grad_comm_dtype`` = ``param_comm_dtype`` in ``None``, ``"bf16"``
 unless that is the native format, ``"int8"``), each only where it changes something. Each layout is first planned for bytes only (no simulation); only those
-that fit are simulated (:mod:`lightning_zero.planner.timing`; ``plan_run(simulate="if_fits")``).
+that fit are simulated (:mod:`lightning_zero.planner.timing`; ``PlanOptions(simulate="if_fits")``). Each
+layout is one ``ZeroConfig`` (the fixed knobs of ``FIXED_KNOBS`` and the layout's own) with its
+``ParallelDims.from_config`` and a ``RunShape``, planned by ``arithmetic.plan`` whole.
 A layout whose wire format drops bits (``Plan.lossless`` false: int8, or bf16 of fp32 tensors)
 is marked ``lossy``; ``lossless=True`` (``plan.lossless=true``) leaves those out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any, Optional, Sequence, Union
 
+from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
-from lightning_zero.planner.arithmetic import _given_knobs, plan_run, refuse_unplanned
+from lightning_zero.planner.arithmetic import PlanOptions, RunShape, _given_knobs, plan, refuse_unplanned
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.ledger import precision_bytes
 from lightning_zero.planner.plan import GiB, Plan
@@ -223,12 +227,16 @@ def search_layouts(
                 " the ZeroConfig instead of passing them too"
             )
         refuse_unplanned(zero_config.as_dict(), "search_layouts(zero_config=ZeroConfig(...))")
-        max_buckets_in_flight = zero_config.max_buckets_in_flight
-        overlap_param_gather = zero_config.overlap_param_gather
-        overlap_comm = zero_config.overlap_comm
-        reduce_dtype = zero_config.reduce_dtype
-        master_weights = zero_config.master_weights
-        mixed_params = zero_config.mixed_params
+        fixed = ZeroConfig(**{name: getattr(zero_config, name) for name in FIXED_KNOBS})
+    else:
+        fixed = ZeroConfig(
+            max_buckets_in_flight=max_buckets_in_flight,
+            overlap_param_gather=overlap_param_gather,
+            overlap_comm=overlap_comm,
+            reduce_dtype=reduce_dtype,
+            master_weights=master_weights,
+            mixed_params=mixed_params,
+        )
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     from lightning_zero.models import resolve_config
@@ -238,28 +246,38 @@ def search_layouts(
     # the wire format that sends the tensors as they are (bf16 under bf16-mixed's bf16 parameters)
     bf16_params = precision_bytes(precision, master_weights, mixed_params).param == 2
     native = "bf16" if str(precision) == "bf16-mixed" and bf16_params else "fp32"
-    config = resolve_config(model_config)
+    model = resolve_config(model_config)
     hw = load_hardware(hardware)
-    common = dict(
-        world_size=world_size,
-        devices_per_node=devices_per_node,
-        seq_len=seq_len,
-        precision=precision,
-        hardware=hw,
-        mfu=mfu,
-        attention=attention,
-        reserved_gib=reserved_gib,
-        max_buckets_in_flight=max_buckets_in_flight,
-        overlap_param_gather=overlap_param_gather,
-        overlap_comm=overlap_comm,
-        reduce_dtype=reduce_dtype,
-        master_weights=master_weights,
-        mixed_params=mixed_params,
-        suggest=False,
-    )
+    options = PlanOptions(hardware=hw, mfu=mfu, reserved_gib=reserved_gib, suggest=False, simulate="if_fits")
+
+    def planned(layout: Layout) -> Optional[Plan]:
+        """``layout`` planned whole (``None`` where the model does not split that way)."""
+
+        def make() -> Plan:
+            config = dataclasses.replace(
+                fixed,
+                stage=max(layout.stage, 1),
+                tensor_parallel_size=layout.tp,
+                sequence_parallel=layout.sequence_parallel,
+                cp=layout.cp,
+                bucket_mb=layout.bucket_mb,
+                prefetch_blocks=layout.prefetch_blocks,
+                defer_grad_reduce=layout.defer_grad_reduce,
+                shard_size=layout.shard_size,
+                hierarchical_reduce=layout.hierarchical_reduce,
+                grad_comm_dtype=layout.grad_comm_dtype,
+                param_comm_dtype=layout.param_comm_dtype,
+            )
+            dims = ParallelDims.from_config(config, world_size=world_size, devices_per_node=devices_per_node)
+            run = RunShape(precision, layout.micro_batch, seq_len, layout.activation_checkpointing,
+                           layout.accumulate_grad_batches, attention)  # fmt: skip
+            return plan(model, config, dims, run, options, ddp=layout.stage == 0)
+
+        return plan_or_none(make)
+
     ranked: list[Ranked] = []
     evaluated = rejected = 0
-    seq = seq_len or config.max_seq_len
+    seq = seq_len or model.max_seq_len
     for tp, cp in product(tp_sizes or _tp_sizes(devices_per_node), cp_sizes or cp_sizes_for(seq, world_size)):
         if world_size % (tp * cp):
             continue
@@ -303,31 +321,17 @@ def search_layouts(
                             sequence_parallel=split,
                             cp=cp,
                         )
-                        knobs = dict(
-                            stage=stage,
-                            tp=tp,
-                            micro_batch=micro_batch,
-                            accumulate_grad_batches=accumulate,
-                            defer_grad_reduce=defer,
-                            activation_checkpointing=mode,
-                            sequence_parallel=split,
-                            cp=cp,
-                            bucket_mb=float(bucket_mb),
-                            prefetch_blocks=ahead,
-                            **topo,
-                            **common,
-                        )
-                        plan = plan_or_none(plan_run, config, simulate="if_fits", **knobs)
-                        if plan is None:  # a tp that does not divide the model's heads, ...
+                        candidate = planned(layout)
+                        if candidate is None:  # a tp that does not divide the model's heads, ...
                             continue
-                        if lossless and not plan.lossless:
+                        if lossless and not candidate.lossless:
                             continue  # not planned: lossy communication was ruled out
                         evaluated += 1
-                        if not plan.fits:
+                        if not candidate.fits:
                             rejected += 1
                             unfit.add(topo["shard_size"])
                             continue
-                        ranked.append(Ranked(layout, plan))
+                        ranked.append(Ranked(layout, candidate))
     ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
     return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)
 

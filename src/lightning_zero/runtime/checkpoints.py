@@ -267,7 +267,14 @@ class CheckpointLifecycle:
         into the open staging file), published atomically (staged under a hidden name, synced,
         renamed, the directory synced); its error is raised on every rank. Every rank calls it (a
         broadcast)."""
-        from lightning_zero.checkpoint.publish import STAGING, CheckpointWriteError, fsync_directory, side_name
+        from lightning_zero.checkpoint.publish import (
+            STAGING,
+            CheckpointWriteError,
+            fsync_directory,
+            hold,
+            release,
+            side_name,
+        )
         from lightning_zero.checkpoint.ranks import broadcast_object
 
         if self._failed():
@@ -284,10 +291,12 @@ class CheckpointLifecycle:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 record.advance(SaveState.STAGED)
                 with open(staged, "wb") as handle:
+                    hold(staged)  # [Note: staging in flight]
                     write(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
                 record.advance(SaveState.WRITTEN)
+                release(staged)
                 os.replace(staged, path)
                 fsync_directory(path.parent)
             except Exception as exc:  # noqa: BLE001 - disk full, permissions: raised on every rank below

@@ -82,6 +82,13 @@ def keeps_full_grads(stage: int, defer_grad_reduce: bool) -> bool:
     return stage <= 1 or defer_grad_reduce
 
 
+def defer_grad_reduce_at(stage: int, defer_grad_reduce: bool) -> bool:
+    """The knob as it matters at ``stage``: only stages 2-3 choose (stages 0-1 always defer, so
+    their ``defer_grad_reduce`` changes nothing: :func:`keeps_full_grads`). What the planner
+    reports and replans with."""
+    return bool(defer_grad_reduce) and stage >= 2
+
+
 def pool_buffers(max_buckets_in_flight: int) -> int:
     """Stage 2/3: bucket buffers the gradient pool holds at most, one more than the reduce-scatters
     in flight, so the next bucket fills while ``max_buckets_in_flight`` are on the link ([Note:
