@@ -493,6 +493,20 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._steps += 1
             if self.step_monitor is not None and self.engine is not None:
                 self._monitor_step(self.engine)
+            if self.zero_config.async_checkpoint and not self.checkpoints.prepared and self.engine is not None:
+                self._prepare_saves(self.engine)
+
+    def _prepare_saves(self, engine: "ZeroEngine") -> None:
+        """[Note: host buffers before the first save] in checkpoint/background.py, as the Trainer door
+        does: once the optimizer state exists (a skipped first step has none yet: the next one then),
+        buffers shaped as what ``fabric.save`` of the model and its optimizers writes."""
+        from lightning_zero.checkpoint.background import live_tensors
+
+        if not any(opt.state for opt in self._optimizers):
+            return
+        engine.wait_param_gathers()
+        self.checkpoints.prepare(live_tensors(module=self._module, engine=engine, optimizers=self._optimizers,
+                                              layout=self._layout(), with_optimizer=True))  # fmt: skip
 
     # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
     def _monitor_step(self, engine: "ZeroEngine") -> None:
