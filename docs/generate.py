@@ -193,13 +193,18 @@ def _recipe_order(name: str) -> tuple:
 
 
 def recipe_table(arg: str = "") -> str:
-    from lightning_zero.hydra_config import available_recipes
+    """Every recipe's row (``arg="moe"``: the mixtures of experts only)."""
+    from lightning_zero.hydra_config import available_recipes, compose
+    from lightning_zero.models.moe.config import moe_preset_names
 
     rows = [
         "| recipe | cluster | layout | planned per GPU | predicted tokens/s |",
         "| --- | --- | --- | --- | --- |",
     ]
-    rows.extend(recipe_row(name) for name in sorted(available_recipes(), key=_recipe_order))
+    names = sorted(available_recipes(), key=_recipe_order)
+    if arg == "moe":
+        names = [name for name in names if compose([f"recipe={name}"]).model.name in moe_preset_names()]
+    rows.extend(recipe_row(name) for name in names)
     return "\n".join(rows) + "\n"
 
 

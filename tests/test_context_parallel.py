@@ -277,3 +277,73 @@ def test_monitor_counts_a_cp_ranks_flops_as_the_planner_does():
     assert training_flops_of(config, 0, 2, SEQ // 4, tp=1, cp=4) > training_flops(
         config, micro_batch=2, seq_len=SEQ // 4
     )
+
+
+# -- tp x cp: saved activations and all-to-all bytes per rank on 4 ranks ------------------------
+
+TP_CP_SEQ = 256
+
+
+def _tp_cp_activation_cases(rank: int, world_size: int, out: str) -> None:
+    """On the ``(dp, cp, tp) = (1, 2, 2)`` layout's groups (``comm/mesh.py`` ``build_groups``):
+    heads split by tp, then by cp; what each rank keeps for backward against
+    ``llama_activation_bytes(..., tp=2, cp=2)`` (1%), and its all-to-all bytes against
+    ``cp_bytes_by_kind(..., tp=2)`` exactly, for kv heads split over cp (4 kv heads: 2 per TP rank)
+    and repeated for it (2 kv heads: 1 per TP rank, repeated 2x), with and without sequence
+    parallelism, every checkpointing mode. The vocabulary is 256 so that the loss's share is as
+    in a real model's (the largest); what is left between the two is the same in every case (every
+    per-layer term is exact). Rank 0 writes what it measured."""
+    import json
+
+    from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.comm.mesh import ParallelDims, build_groups
+    from lightning_zero.cp.parallelize import parallelize_context
+    from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.models.llama.model import build_llama
+    from lightning_zero.planner.saved_activations import measure_saved_bytes
+    from lightning_zero.planner.traffic import cp_bytes_by_kind
+    from lightning_zero.tp import parallelize_llama
+
+    dims = ParallelDims(world_size=world_size, devices_per_node=world_size, tp=2, cp=2)
+    groups = build_groups(dims)
+    cp_rank = groups.rank_in("cp")
+    batch = torch.randint(0, 256, (2, TP_CP_SEQ + 1), generator=torch.Generator().manual_seed(7))
+    start, stop = context_slice_bounds(TP_CP_SEQ, 2, cp_rank)
+    inputs, targets = batch[:, start : stop - 1], batch[:, start + 1 : stop]
+    rows = []
+    for n_kv_heads in (4, 2):
+        config = LlamaConfig(**dict(CONFIG, vocab_size=256, n_kv_heads=n_kv_heads, max_seq_len=TP_CP_SEQ))
+        for sequence_parallel in (False, True):
+            predicted = llama_activation_bytes(config, micro_batch=2, seq_len=TP_CP_SEQ, act_bytes=4, tp=2, cp=2,
+                                               sequence_parallel=sequence_parallel)  # fmt: skip
+            for mode in ("none", "selective", "full"):
+                torch.manual_seed(0)
+                counter = CommCounter()
+                model = parallelize_llama(build_llama(config), groups.tp, counter=counter,
+                                          sequence_parallel=sequence_parallel)  # fmt: skip
+                parallelize_context(model, groups.cp, counter=counter, tp=2)
+                model.activation_checkpointing = mode
+                measured = measure_saved_bytes(model, inputs, targets)
+                want = predicted.saved_after_forward(mode)
+                case = (n_kv_heads, sequence_parallel, mode)
+                assert measured == pytest.approx(want, rel=0.01), (case, measured, want)
+                formula = cp_bytes_by_kind(config, tokens=2 * TP_CP_SEQ, cp=2, tp=2, act_bytes=4,
+                                           activation_checkpointing=mode)  # fmt: skip
+                assert counter.bytes["cp_all_to_all"] == pytest.approx(formula["cp_all_to_all"]), case
+                rows.append([n_kv_heads, sequence_parallel, mode, measured, want, counter.bytes["cp_all_to_all"]])
+    if rank == 0:
+        with open(f"{out}/tp_cp_activations.json", "w") as handle:
+            json.dump(rows, handle)
+
+
+@pytest.mark.slow
+def test_tp_cp_saved_activations_and_all_to_all_bytes_equal_the_planner(tmp_path):
+    run_ranks(_tp_cp_activation_cases, world_size=4, args=(str(tmp_path),), timeout_s=300)
+    import json
+
+    rows = json.loads((tmp_path / "tp_cp_activations.json").read_text())
+    assert len(rows) == 12
+    assert len({measured - want for _, _, _, measured, want, _ in rows}) == 1  # one offset: the loss's
+    for n_kv_heads, sequence_parallel, mode, measured, want, sent in rows:
+        print(f"kv={n_kv_heads} sp={sequence_parallel} {mode:<9} measured {measured:>12,} planned {want:>14,.0f}"
+              f" ({measured / want - 1:+.3%}) all-to-all {sent:,.0f}")  # fmt: skip

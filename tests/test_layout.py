@@ -167,12 +167,12 @@ def test_every_door_takes_cp_and_ep():
         compose(["strategy=zero2", "strategy.ep=0"])
 
 
-def test_fabric_refuses_cp_naming_the_knob():
+def test_fabric_takes_cp_and_ep_and_checks_the_model_at_setup():
     from lightning_zero.fabric import ZeroFabricStrategy
 
-    with pytest.raises(ValueError, match=r"ZeroFabricStrategy\(cp=2\).*not available under Fabric yet"):
-        ZeroFabricStrategy(cp=2)
-    assert ZeroFabricStrategy(ep=2).zero_config.ep == 2  # its model is checked at setup (tests/test_expert_domain.py)
+    # their model is checked at setup (tests/test_fabric_cp.py, tests/test_expert_domain.py)
+    assert ZeroFabricStrategy(cp=2).cp_size == 2
+    assert ZeroFabricStrategy(ep=2).zero_config.ep == 2
 
 
 def test_a_model_that_does_not_declare_cp_or_ep_is_refused_before_launch():

@@ -68,6 +68,8 @@ def test_bad_layouts_raise_naming_the_fix(kwargs, match):
         (dict(router_bias=True), "router_bias"),
         (dict(capacity_factor=0.0), "capacity_factor"),
         (dict(n_dense_layers=2), "n_dense_layers"),
+        (dict(bias_update_rate=1e-3), r"bias_update_rate \(0.001\) moves the selection bias; set router_bias=True"),
+        (dict(bias_update_rate=-1.0), "bias_update_rate must be >= 0"),
     ],
 )
 def test_bad_configs_raise(overrides, match):
@@ -83,6 +85,31 @@ def test_balance_loss_is_one_at_perfect_balance_and_counts_assignments():
     skewed = torch.tensor([[0, 1]] * 8)  # experts 0 and 1 take everything: E * 1/2 * 1/4 * 2 = 1 still with flat p
     routing = Routing(skewed, torch.ones(8, 2), torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 8), torch.zeros(8, 4))
     assert balance_loss(routing, expert_counts(skewed, 4)).item() == pytest.approx(2.0)
+
+
+def test_bias_update_moves_each_bias_by_the_sign_of_mean_minus_load():
+    from lightning_zero.models.moe.router import bias_update
+
+    load = torch.tensor([[3, 1, 2, 2], [0, 0, 0, 8]])  # means 2 and 2: above, below, at
+    step = bias_update(load, 0.5)
+    assert step.tolist() == [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]]
+    big = torch.tensor([[2**40 + 1, 2**40 - 1, 2**40, 2**40]])  # exact in int64 where fp32 would round
+    assert bias_update(big, 1.0).tolist() == [[-1.0, 1.0, 0.0, 0.0]]
+    assert MoEConfig.from_name("deepseek_v3_671b").bias_update_rate == 1e-3
+    assert MoEConfig.from_name("mixtral_8x7b").bias_update_rate == 0.0
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.from_name("tiny_moe_shared", bias_update_rate=0.01))
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx)
+    with torch.no_grad():
+        model(idx)  # evaluation forwards do not count
+    loads = torch.stack([moe.load for moe in model.moe_layers()])
+    model.update_router_bias()
+    biases = torch.stack([moe.router.bias for moe in model.moe_layers()])
+    assert torch.equal(biases, bias_update(loads, 0.01)) and biases.abs().sum() > 0
+    model.update_router_bias()  # nothing routed since: no change
+    assert torch.equal(torch.stack([moe.router.bias for moe in model.moe_layers()]), biases)
 
 
 def test_capacity_factor_drops_late_assignments_only():
@@ -360,19 +387,3 @@ def test_planner_all_to_all_bytes_of_a_balanced_router_match_the_closed_form():
     per_rank = sum(all_to_all_bytes(balanced, rank=1, ep=ep, row_bytes=row).values())
     assert per_rank == balanced_all_to_all_bytes(tokens, top_k=top_k, ep=ep, moe_layers=layers, row_bytes=row)
     assert balanced_all_to_all_bytes(tokens, top_k=top_k, ep=1, moe_layers=layers, row_bytes=row) == 0
-
-
-def test_plan_moe_puts_the_all_to_alls_on_the_right_link_and_refuses_bad_layouts():
-    from lightning_zero.planner.moe import plan_moe
-
-    common = dict(stage=3, world_size=64, devices_per_node=8, seq_len=4096, hardware="h100_80gb")
-    inside, across = plan_moe("mixtral_8x7b", ep=8, **common), plan_moe("qwen3_30b_a3b", ep=16, **common)
-    assert inside.all_to_all_link == "intra_node" and across.all_to_all_link == "inter_node"
-    assert (
-        across.all_to_all_s > 0
-        and inside.dense_params + inside.expert_params == MoEConfig.from_name("mixtral_8x7b").num_params()
-    )
-    with pytest.raises(ValueError, match=r"ep\(3\) does not divide n_experts\(8\)"):
-        plan_moe("mixtral_8x7b", ep=3, **common)
-    with pytest.raises(ValueError, match=r"ep\(128\) does not divide"):
-        plan_moe("qwen3_30b_a3b", ep=128, **common)  # more than the 64 ranks

@@ -24,11 +24,15 @@ from lightning_zero.planner.moe import MOE_EXCHANGES, all_to_all_bytes
 from tests.distributed import launch
 
 LAUNCHES = {
-    2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2"],
-    4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2", "zero1_tp2_ep2", "zero2_tp2_ep2", "zero3_tp2_ep2"],
-}
-CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if case != "ddp"]
-EP_ONLY = [(world, case) for world, case in CASES if "_tp" not in case]
+    2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2", "ddp_bias", "zero2_ep1_bias", "zero2_ep2_bias"],
+    4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2", "zero1_tp2_ep2", "zero2_tp2_ep2", "zero3_tp2_ep2",
+        "ddp_bias", "zero3_ep4_bias", "zero1_tp2_ep2_bias"],
+}  # fmt: skip
+CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if not case.startswith("ddp")]
+STEERED = [(world, case) for world, case in CASES if not case.endswith("_bias")]
+EP_ONLY = [(world, case) for world, case in STEERED if "_tp" not in case]
+BIAS = [(world, case) for world, case in CASES if case.endswith("_bias")]
+BIAS_UPDATE_RATE = 0.01  # tests/scripts/moe_vs_ddp.py
 TOL = 1e-5
 N_EXPERTS, DIM = 8, 64  # tiny_moe_shared
 
@@ -44,7 +48,7 @@ def results(tmp_path_factory):
 
 
 def _ep(case: str) -> int:
-    return int(case.split("_ep")[1])
+    return int(case.split("_ep")[1].split("_")[0])
 
 
 def _tp(case: str) -> int:
@@ -55,7 +59,8 @@ def _tp(case: str) -> int:
 def test_losses_and_weights_equal_ddp(results, world, case):
     """A case with ``tp`` ranks per TP group is ddp on ``world / tp`` ranks (its dp ranks)."""
     tp = _tp(case)
-    reference, ranks = results[world // tp]["ddp"], results[world][case]
+    reference = results[world // tp]["ddp_bias" if case.endswith("_bias") else "ddp"]
+    ranks = results[world][case]
     for rank in range(world):
         ours, theirs = ranks[rank], reference[rank // tp]
         assert len(ours["losses"]) == len(theirs["losses"]) == 6
@@ -86,6 +91,56 @@ def test_all_to_all_bytes_equal_the_planner(results, world, case):
         counted = {label: ranks[rank]["counted"].get(label, 0.0) for label in MOE_EXCHANGES}
         assert counted == predicted, (rank, counted, predicted)
         assert all(value > 0 for value in counted.values())
+
+
+@pytest.mark.parametrize("world,case", STEERED)
+def test_model_state_bytes_per_rank_equal_the_planner(results, world, case):
+    """Issue 54 item 5: per rank, dense states over dp*cp and the rank's experts / ep over edp
+    (under tp=2 the dense matrices split, the MoE layers whole): the engine's measured bytes at every
+    step's end equal the one planner's (``arithmetic.plan``) for the same run."""
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.moe import MoEConfig
+    from lightning_zero.planner.arithmetic import PlanOptions, RunShape, plan
+    from lightning_zero.planner.workload import layer_tensors
+
+    tp, ep = _tp(case), _ep(case)
+    planned_model = MoEConfig.from_name("tiny_moe_shared")
+    config = ZeroConfig(stage=int(case[4]), ep=ep, bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    dims = ParallelDims.from_config(config, world_size=world, devices_per_node=world)
+    run = RunShape("32-true", micro_batch=2, seq_len=16, accumulate_grad_batches=2)
+    planned = plan(planned_model, config, dims, run, PlanOptions(simulate=False, suggest=False))
+    want = (planned.memory.params, planned.memory.grads)
+    # AdamW also keeps a 4-byte fp32 step count per tensor it steps (a rank steps a view per owned
+    # run of a parameter: at most one per tensor), which the planner's 8 bytes per element leave out
+    tensors = 3 + sum(len(layer_tensors(planned_model, layer)) for layer in range(planned_model.n_layers))
+    for rank, record in enumerate(results[world][case]):
+        assert len(record["monitor"]) == 3
+        for step in record["monitor"]:
+            got = tuple(step[f"zero/measured_{key}_bytes"] for key in ("params", "grads"))
+            assert got == want, (rank, got, want)
+            steps = step["zero/measured_optimizer_bytes"] - planned.memory.optimizer
+            assert 0 < steps <= 4 * tensors and steps % 4 == 0, (rank, steps)
+
+
+@pytest.mark.parametrize("world,case", BIAS)
+def test_bias_update_is_the_global_sign_rule_and_equals_ddp(results, world, case):
+    """[Note: bias update]: each step moves a layer's bias by rate * sign(mean - load) of the step's
+    assignments summed over every dp rank (recomputed here from ddp's per-rank loads), on every rank
+    of every layout: so the routing, the losses and the weights (the test above) equal ddp's."""
+    tp = _tp(case)
+    reference = results[world // tp]["ddp_bias"]
+    dp = len(reference)
+    loads = torch.tensor([record["loads"] for record in reference])  # (dp, micro-batches, layers, experts)
+    expected = torch.zeros(loads.shape[2:])
+    for step in range(loads.shape[1] // 2):  # accumulation 2
+        step_load = loads[:, 2 * step : 2 * step + 2].sum(dim=(0, 1))
+        expected += BIAS_UPDATE_RATE * torch.sign(step_load.sum(-1, keepdim=True) - step_load.shape[-1] * step_load)
+    assert expected.abs().sum() > 0 and (expected > 0).any() and (expected < 0).any()
+    for rank in range(dp):
+        torch.testing.assert_close(torch.stack(reference[rank]["biases"]), expected, rtol=0, atol=1e-7)
+    for rank, record in enumerate(results[world][case]):
+        torch.testing.assert_close(torch.stack(record["biases"]), expected, rtol=0, atol=1e-7, msg=f"rank {rank}")
 
 
 @pytest.mark.parametrize("world", list(LAUNCHES))

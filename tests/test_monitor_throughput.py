@@ -102,3 +102,63 @@ def test_end_table_shows_tokens_per_s_and_mfu_on_rank_zero_only(caplog):
     assert "tokens/s" in table and "1,000.0  per rank" in table and "2,000.0  total (2 dp ranks)" in table
     assert "MFU" in table and "50.00%" in table
     assert _table(1, caplog) == ""
+
+
+class _Engine:
+    """What ``Monitor.micro_batch`` reads of an engine: ``dp_size`` is the group ZeRO shards over."""
+
+    def __init__(self, dp_size: int) -> None:
+        from lightning_zero.comm.collectives import CommCounter
+
+        self.counter = CommCounter()
+        self.device = torch.device("cpu")
+        self.compute_dtype = torch.float32
+        self.dp_size = dp_size
+
+    def num_params(self) -> int:
+        return 1000
+
+
+def _steady(dims, engine_group: int, batch: torch.Tensor):
+    """Two steps of one micro batch each (1 s apart) through ``Monitor.micro_batch``."""
+    from lightning_zero.runtime.monitor import Monitor
+
+    clock = FakeClock()
+    monitor = Monitor()
+    engine = _Engine(engine_group)
+    monitor.micro_batch(engine, object(), batch, dims=dims)
+    monitor.throughput.clock = clock
+    monitor.throughput._since = clock()
+    for _ in range(2):
+        clock.now += 1.0
+        monitor.throughput.step_end()
+        monitor.micro_batch(engine, object(), batch, dims=dims)
+    return monitor, monitor.throughput.summary()
+
+
+def test_total_tokens_count_cp_slices_of_shared_samples_not_dp_ranks():
+    """Under cp=2 with dp=2 ZeRO's group has 4 ranks; 2 take different samples, and each of
+    those is cut in 2 slices of T/2 tokens: the total is per rank x dp x cp (the global tokens),
+    and the table says so, not "4 dp ranks" ([Note: throughput])."""
+    from lightning_zero.comm.mesh import ParallelDims
+
+    dims = ParallelDims(world_size=4, devices_per_node=4, cp=2)
+    # each rank: 2 sequences, its 1024-token slice of each (T = 2048)
+    monitor, steady = _steady(dims, engine_group=4, batch=torch.zeros(2, 1024, dtype=torch.long))
+    assert (steady.dp, steady.cp) == (2, 2)
+    assert steady.tokens_per_s == pytest.approx(2048.0)
+    assert steady.tokens_per_s_total == pytest.approx(2 * 2 * 2048 * 2 / 2)  # 2 dp x 2 sequences x 2048 tokens / s
+    table = "\n".join(monitor._throughput_lines())
+    assert "8,192.0  total (2 dp ranks x 2 cp ranks, each a 1/2 slice of the same samples)" in table
+    assert "4 dp ranks" not in table
+
+
+def test_total_tokens_count_every_dp_rank_of_a_hybrid_layout():
+    """With shard_size ZeRO's group (the engine's ``dp_size``) is a shard group of 4 of the 8 dp
+    ranks; every one of the 8 takes different samples."""
+    from lightning_zero.comm.mesh import ParallelDims
+
+    dims = ParallelDims(world_size=8, devices_per_node=4, shard_size=4)
+    _, steady = _steady(dims, engine_group=4, batch=torch.zeros(2, 16, dtype=torch.long))
+    assert (steady.dp, steady.cp) == (8, 1)
+    assert steady.tokens_per_s_total == pytest.approx(8 * 32.0)

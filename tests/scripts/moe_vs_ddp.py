@@ -6,7 +6,8 @@ first layer, sigmoid routing with a selection bias, a shared expert, 8 routed ex
 fp32 with gradient accumulation 2 and clipping, for STEPS optimizer steps, and writes
 OUT_DIR/<case>.rank<r>.pt: the per-micro-batch losses, this rank's parameters (an EP rank's experts
 are its rows of the stacked tensors, with their offset), the all-to-all bytes counted per label and
-the routing counts each micro-batch saw, and the monitor's ``moe/`` figures per step.
+the routing counts each micro-batch saw, and the monitor's ``moe/`` figures and the engine's
+measured model-state bytes (``zero/measured_*``) per step.
 
 The routing is steered through the selection bias (a buffer set inside ``training_step``, after
 ddp's buffer broadcast, identically in every case) so that
@@ -18,6 +19,10 @@ ddp's buffer broadcast, identically in every case) so that
 A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``T`` ranks per
 TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
 compared with the ddp case of that smaller launch); its parameters are written TP-gathered.
+
+A case ending in ``_bias`` (``ddp_bias``, ``zero2_ep2_bias``, ...) trains without steering, with
+DeepSeek-V3's auxiliary-loss-free bias update on (``bias_update_rate`` BIAS_UPDATE_RATE), and writes
+the routers' final biases too.
 """
 
 import os
@@ -36,17 +41,21 @@ from lightning_zero.models.moe import MoELM  # noqa: E402
 STEPS = 3
 WORLD = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown drops it
 ACCUMULATE = 2
+BIAS_UPDATE_RATE = 0.01
 SEQ = 16
 
 
 class SteeredMoE(MoELM):
-    def __init__(self, tp: int = 1) -> None:
-        super().__init__("tiny_moe_shared", lr=1e-3, warmup_steps=0, max_steps=STEPS, weight_decay=0.1)
+    def __init__(self, tp: int = 1, bias_update_rate: float = 0.0) -> None:
+        config = {"name": "tiny_moe_shared", "bias_update_rate": bias_update_rate}
+        super().__init__(config, lr=1e-3, warmup_steps=0, max_steps=STEPS, weight_decay=0.1)
         self.losses: list[float] = []
         self.loads: list[list[list[int]]] = []
         self.tp = tp
 
     def training_step(self, batch, batch_idx):
+        if self.config.bias_update_rate > 0:  # the update moves the bias: no steering
+            return self._record(batch, batch_idx)
         # steered by the data-parallel rank: the TP ranks of one dp rank route one micro-batch
         world, rank = self.trainer.world_size // self.tp, self.global_rank // self.tp
         for moe in self.model.moe_layers():
@@ -56,6 +65,9 @@ class SteeredMoE(MoELM):
                 bias[-(bias.numel() // world) :] = -1e4
             if batch_idx == 3 and rank == 0:
                 bias[0] = -1e4
+        return self._record(batch, batch_idx)
+
+    def _record(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         self.losses.append(loss.item())
         self.loads.append(torch.stack([moe.load for moe in self.model.moe_layers()]).tolist())
@@ -74,9 +86,9 @@ def tensor_parallel(case: str) -> int:
 
 
 def strategy(case: str):
-    if case == "ddp":
+    if case.startswith("ddp"):
         return "ddp"
-    stage, ep = case.removeprefix("zero").split("_")[0], case.split("_ep")[1]
+    stage, ep = case.removeprefix("zero").split("_")[0], case.split("_ep")[1].split("_")[0]
     tp = tensor_parallel(case)
     return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
 
@@ -84,7 +96,7 @@ def strategy(case: str):
 def run(case: str, out_dir: str) -> None:
     world, tp = WORLD, tensor_parallel(case)
     L.seed_everything(42, verbose=False)
-    model = SteeredMoE(tp)
+    model = SteeredMoE(tp, BIAS_UPDATE_RATE if case.endswith("_bias") else 0.0)
     loader = DataLoader(tokens(world // tp), batch_size=2, shuffle=False)  # the same rows per dp rank as ddp's
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy(case), max_steps=STEPS, logger=False,
@@ -95,9 +107,8 @@ def run(case: str, out_dir: str) -> None:
     strategy_ = trainer.strategy
     counted = dict(strategy_.comm_counter.snapshot()["bytes"]) if isinstance(strategy_, ZeroStrategy) else {}
     monitor = [cb for cb in trainer.callbacks if type(cb).__name__ == "ZeroMonitor"]
-    history = (
-        [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
-    )
+    kept = ("moe/", "zero/measured_")  # the moe figures, and the engine's model-state bytes (planner: test)
+    history = [{k: v for k, v in step.items() if k.startswith(kept)} for step in monitor[0].history] if monitor else []
     params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
     if tp > 1:  # the dense (TP-gathered) tensors; an EP rank's experts stay its rows
         from lightning_zero.tp import gather_tp_state_dict
@@ -113,6 +124,7 @@ def run(case: str, out_dir: str) -> None:
             "offsets": offsets,
             "counted": counted,
             "monitor": history,
+            "biases": [moe.router.bias.clone() for moe in model.model.moe_layers()],
         },  # fmt: skip
         os.path.join(out_dir, f"{case}.rank{trainer.global_rank}.pt"),
     )

@@ -41,6 +41,29 @@ set-up model's forward does:
   evaluation step per forward. Every rank must run the same number of such forwards.
 - a grad-disabled forward inside an open training step (an EMA teacher) follows
   [Note: no_grad forwards in a training step] in ``zero/stage3/runtime.py``.
+
+[Note: context parallelism under Fabric] With ``cp=C`` a Fabric loop, which holds whole batches,
+changes one line:
+
+- ``fabric.setup(model)`` makes the model's decoder context-parallel over the cp group
+  (``cp/parallelize.py``: Ulysses all-to-alls around attention, rotary at global positions, and
+  ``loss_fn`` the mean over the cp group's tokens, [Note: global token mean] in ``cp/loss.py``),
+  before anything is broadcast or sharded; a model that does not declare it can
+  (``check_parallel_dims``: ``Llama`` does) is refused there, naming cp.
+- the loop cuts each batch: ``inputs, targets = fabric.strategy.context_slice(inputs, targets)``
+  ([Note: slicing a whole batch] in ``cp/batch.py``: labels shifted before the cut, so a slice's
+  last label is the next slice's first token). ``fabric.setup_dataloaders`` already gives the cp
+  ranks of one dp rank the same batches (the sampler's replicas are the dp ranks).
+- ``model.loss_fn(logits, targets)`` is the unsliced loss on every cp rank; the engine averages
+  gradients over the ``dp x cp`` ranks. Losses and weights equal Fabric ``ddp``'s without cp.
+
+Why the loop cuts the batch, not the model's forward: a forward hook could cut the input ids, but
+the logits would come back ``T/cp`` long beside labels ``T`` long, so the loop would cut its labels
+anyway, or the door would have to gather the logits over cp (``B x T x vocab``, the largest
+activation of all: what cp exists to avoid). One explicit cut, the same for every tensor of the
+batch, is exact and shows in the loop. The model config and ``seq_len`` given to the constructor
+are checked before any process starts; the model's own check runs at ``fabric.setup``, the
+sequence length's at each cut (both on every rank, before any collective that could hang).
 """
 
 from __future__ import annotations
@@ -65,6 +88,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
+from lightning_zero.cp.layout import check_context_parallel
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.monitor import Monitor
@@ -97,18 +121,13 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
         " Trainer's ZeroStrategy.",
     ),
-    "cp": (
-        lambda value: value != 1,
-        "context parallelism is not available under Fabric yet (the data must be sliced by position); use"
-        " cp=1, or the Trainer's ZeroStrategy.",
-    ),
 }
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
-        "async_checkpoint", "ep",
+        "async_checkpoint", "ep", "cp",
     }
 )  # fmt: skip
 
@@ -138,6 +157,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             FSDP's ``state_dict_type="full"`` writes it for LitGPT's tools; written by global rank
             0, without optimizer state.
         wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
+        model_config, seq_len: with ``cp > 1``, the model's config (``n_heads``, ``n_kv_heads``)
+            and the sequence length the loop will feed, checked here against ``cp`` before any
+            process starts (``ValueError`` naming the fix); without them the heads are checked at
+            ``fabric.setup`` and the length at each ``context_slice``
+            ([Note: context parallelism under Fabric]).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
             process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         knobs: every field of :class:`~lightning_zero.config.ZeroConfig` (``stage``, ``bucket_mb``,
@@ -159,6 +183,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         *,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         wrap_policy: Optional[Callable[..., bool]] = None,
+        model_config: Optional[Any] = None,
+        seq_len: Optional[int] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -176,6 +202,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             )
         self.zero_config = config if config is not None else ZeroConfig(**knobs)
         refuse_knobs(self.zero_config)
+        # [Note: context parallelism under Fabric]: what is known of the model and the data is
+        # checked now, before any process starts (the model itself arrives after the launch)
+        check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len)
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
@@ -348,6 +377,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
             if self.session.dims is not None:
                 check_model_layout(self.session.dims, module)
+                self._parallelize_context(module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
@@ -355,7 +385,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
-            # stage 3: model.state_dict() hands out full values, gathered one parameter at a time
+            # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
+            # gathered one parameter at a time
             for child in module.modules():
                 if any(param is not None for param in child._parameters.values()):
                     hook = functools.partial(ZeroFabricStrategy._after_state_dict, self)  # torch marks the hook object
@@ -363,6 +394,42 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             if not self._optimizers:
                 self._stand_in_for_meta_parameters(module)
         return module
+
+    # -- context parallelism ([Note: context parallelism under Fabric]) --------------------------
+    def _parallelize_context(self, module: nn.Module) -> None:
+        """``cp > 1``: the model's decoder exchanges its heads over the cp group
+        (``cp.parallelize.parallelize_context_decoders``), before anything is broadcast or sharded;
+        its all-to-alls count into the counter ``prepare_module`` adopts."""
+        dims, groups = self.session.dims, self.session.groups
+        if dims is None or dims.cp == 1 or groups is None:
+            return
+        from lightning_zero.cp.parallelize import parallelize_context_decoders
+
+        parallelize_context_decoders(module, groups.cp, tp=dims.tp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its cp group (0 without context parallelism)."""
+        dims = self.session.dims
+        return 0 if dims is None else dims.group_rank("cp", self.global_rank)
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks that hold slices of the same sequences (the ``cp`` knob)."""
+        return self.zero_config.cp
+
+    def context_slice(self, *tensors: torch.Tensor, dim: int = 1) -> Any:
+        """This rank's slice of a whole batch under context parallelism ([Note: context parallelism
+        under Fabric]): each tensor (input ids, labels already shifted by one, a loss mask: all
+        ``T`` long along ``dim``) cut at ``[c T/cp, (c+1) T/cp)`` for cp rank ``c``, as views
+        ([Note: slicing a whole batch] in ``cp/batch.py``). One tensor in, one out; several in, a
+        tuple. Without cp (``cp=1``) the tensors come back unchanged, so one loop serves both.
+        A ``T`` that ``cp`` does not divide raises ``ValueError`` naming the fix (on every rank,
+        before the step's first collective)."""
+        from lightning_zero.cp.batch import context_slices
+
+        sliced = context_slices(tensors, self.cp_size, self.cp_rank, dim)
+        return sliced[0] if len(sliced) == 1 else sliced
 
     def _stand_in_for_meta_parameters(self, module: nn.Module) -> None:
         """[Note: stand-ins for meta parameters] LitGPT's order sets up a model built under
@@ -426,6 +493,20 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._steps += 1
             if self.step_monitor is not None and self.engine is not None:
                 self._monitor_step(self.engine)
+            if self.zero_config.async_checkpoint and not self.checkpoints.prepared and self.engine is not None:
+                self._prepare_saves(self.engine)
+
+    def _prepare_saves(self, engine: "ZeroEngine") -> None:
+        """[Note: host buffers before the first save] in checkpoint/background.py, as the Trainer door
+        does: once the optimizer state exists (a skipped first step has none yet: the next one then),
+        buffers shaped as what ``fabric.save`` of the model and its optimizers writes."""
+        from lightning_zero.checkpoint.background import live_tensors
+
+        if not any(opt.state for opt in self._optimizers):
+            return
+        engine.wait_param_gathers()
+        self.checkpoints.prepare(live_tensors(module=self._module, engine=engine, optimizers=self._optimizers,
+                                              layout=self._layout(), with_optimizer=True))  # fmt: skip
 
     # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
     def _monitor_step(self, engine: "ZeroEngine") -> None:
@@ -526,7 +607,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             engine.begin_step("train")
             self._train_step_open = True
             if self.step_monitor is not None:
-                self.step_monitor.micro_batch(engine, module, args)
+                self.step_monitor.micro_batch(engine, module, args, dims=self.session.dims)
         else:
             engine.begin_step("eval")
             self._eval_forward = True
@@ -686,11 +767,18 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         return load_full_state_dict(self._module, engine, state_dict, strict=strict, assign=assign)
 
     def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """Stage 3: ``module.state_dict()``'s entries for the parameters it holds get their full values
-        (this rank holds only shards), gathered one parameter at a time: a collective, every rank
-        calls ``state_dict()``. ``keep_vars=True`` (checkpoints) hands out the parameters as they are."""
+        """[Note: full state dicts] ``module.state_dict()``'s entries for the parameters it holds get
+        their full values in the dtypes ddp holds, gathered from the masters one parameter at a time:
+        a collective, every rank calls ``state_dict()``. Stage 3 always (this rank holds only shards);
+        stages 1-2 where the module holds compute copies in another dtype than ddp's (``bf16-mixed``,
+        and ``16-mixed`` with ``mixed_params="half"``: bf16 copies, where ddp holds fp32 weights; the
+        fp32 values are the sharded masters). ``keep_vars=True`` (checkpoints) hands out the
+        parameters as they are."""
         engine = self.engine
-        if engine is None or engine.stage != 3:
+        if engine is None:
+            return
+        params = [param for param in module._parameters.values() if param is not None]
+        if engine.stage != 3 and all(param.dtype == self._value_dtype(param) for param in params):
             return
         from lightning_zero.checkpoint.full import fill_gathered_values
 

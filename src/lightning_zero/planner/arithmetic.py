@@ -49,7 +49,7 @@ from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, gathered_numel, is_moe, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, defer_grad_reduce_at, keeps_full_grads, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
@@ -224,7 +224,7 @@ def resolve_model(model_config: Any) -> Any:
     return resolve_config(model_config)
 
 
-def check_model_layout(model: Any, dims: ParallelDims) -> None:
+def check_model_layout(model: Any, dims: ParallelDims, *, sequence_parallel: bool = False) -> None:
     """The model-dependent layout checks the runtime makes before any process group starts
     (``runtime/setup.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
     the heads (``ParallelDims.validate``); a mixture of experts' experts divide by ``ep`` and its
@@ -234,7 +234,7 @@ def check_model_layout(model: Any, dims: ParallelDims) -> None:
     if is_moe(model):
         from lightning_zero.models.moe.config import check_moe_layout
 
-        check_moe_layout(model, ep=dims.ep, tp=int(dims.tp))
+        check_moe_layout(model, ep=dims.ep, tp=int(dims.tp), sequence_parallel=sequence_parallel)
     elif dims.ep > 1:
         raise ValueError(
             f"plan: ep={dims.ep} but the model {model.name!r} has no expert layers to split; use ep=1 or a"
@@ -297,8 +297,8 @@ def plan(
         config, dims = ddp_layout(config, dims)
     model = resolve_model(model_config)
     stage = 0 if ddp else config.stage
-    defer_grad_reduce = config.defer_grad_reduce and stage == 2  # stage 1 always defers, as in the engine
-    check_model_layout(model, dims)
+    defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
+    check_model_layout(model, dims, sequence_parallel=config.sequence_parallel)
     tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
     ep, edp = dims.ep, dims.edp  # experts split over ep ranks, their states sharded over edp
     seq_len = int(run.seq_len or model.max_seq_len)
@@ -365,10 +365,10 @@ def plan(
         expert_dp=edp if ep > 1 else None,
     )  # fmt: skip
 
-    memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
         padded + ep * expert_padded,
-        stage=memory_stage,
+        stage=stage,
+        defer_grad_reduce=defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
         dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
@@ -377,7 +377,7 @@ def plan(
         ep=ep,
     )
     optimizer_numel = padded // shard_ranks + expert_padded // edp if stage >= 1 else padded + expert_padded
-    pooled = stage >= 2 and not defer_grad_reduce
+    pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
         min(pool_buffers(config.max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
@@ -602,7 +602,7 @@ def stage_plans(
         if stage == 0:
             plans.append(plan(model_config, config, dims, run, options, ddp=True))
         else:
-            defer = config.defer_grad_reduce and stage == 2
+            defer = defer_grad_reduce_at(stage, config.defer_grad_reduce)
             staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
             plans.append(plan(model_config, staged, dims, run, options))
     return plans

@@ -49,8 +49,8 @@ def traffic_per_rank(
     ``expert_topology`` (the edp group, [Note: expert domain] in ``zero/domains.py``) and the
     tokens' all-to-alls run over the ep group on ``ep_link``."""
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
-    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
-    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
+    # stage 0 all-reduces once; stage 1 (and stages 2-3 deferred) reduce-scatter once per step, stages
+    # 2-3 otherwise every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
     # (once for the unit held from forward into backward, and for a tied embedding in the root).
     tp = int(dims.tp)
     links = dp_link_bytes(
@@ -105,7 +105,7 @@ def traffic_per_rank(
         cp=cp,
     )
     ep_bytes = ep_bytes_by_kind(
-        config, tokens=tokens // cp, ep=int(dims.ep), act_bytes=dtype.activation, micro_batches=micro_batches,
+        config, tokens=tokens // cp // tp, ep=int(dims.ep), act_bytes=dtype.activation, micro_batches=micro_batches,
         activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
     return TrafficPerRank(
@@ -221,7 +221,7 @@ def ep_bytes_by_kind(
 ) -> dict[str, float]:
     """Bytes one rank sends in the ep group per step, by ``CommCounter`` label (``moe_dispatch``,
     ``moe_combine``, ``moe_dispatch_grad``, ``moe_combine_grad``; the small ``moe_counts`` control
-    exchange is left out), ``tokens`` being the rank's ``B T`` of one micro batch: the formula the
+    exchange is left out), ``tokens`` being the rank's ``B T`` of one micro batch (a MoE layer's ``T / cp / tp`` shard): the formula the
     engine's counters are tested against (``planner.moe.all_to_all_bytes``) for a balanced router
     (:func:`~lightning_zero.planner.moe.balanced_exchange_bytes`). Empty for ``ep == 1`` or a
     model without experts."""

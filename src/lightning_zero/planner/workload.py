@@ -64,7 +64,10 @@ def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list
     norm, ``wq wk wv wo``, FFN norm, SwiGLU ``w1 w3 w2``, matrices split over ``tp``), or a
     ``MoEConfig``'s (q/k norms after ``wo`` with ``qk_norm``; after the first ``n_dense_layers`` the
     SwiGLU replaced by the router ``(E, dim)``, the stacked experts ``w1 w3 w2`` of which a rank
-    holds ``E / ep`` while a token runs ``top_k`` of them, and the shared experts' SwiGLU)."""
+    holds ``E / ep`` while a token runs ``top_k`` of them, and the shared experts' SwiGLU). Under
+    tensor parallelism a MoE layer is not split: it runs on the rank's ``T / tp`` sequence shard
+    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``), so it holds whole tensors and
+    computes ``1 / tp`` of the tokens (its ``active`` elements divided by ``tp``)."""
     dim, hd = config.dim, head_dim(config)
     q_dim, kv_dim = config.n_heads * hd, (getattr(config, "n_kv_heads", None) or config.n_heads) * hd
     tensors = [LayerTensor("attention_norm.weight", dim, 0, 1)]
@@ -82,12 +85,13 @@ def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list
     if not is_moe(config) or layer < config.n_dense_layers:
         return tensors + swiglu("feed_forward", config.ffn_dim)
     experts, width = config.n_experts, config.expert_ffn_dim
-    tensors.append(LayerTensor("moe.router.weight", experts * dim, experts * dim))
+    tensors.append(LayerTensor("moe.router.weight", experts * dim, experts * dim // tp))
     for name in ("w1", "w3", "w2"):
-        held, active = experts // ep * width * dim // tp, config.top_k * width * dim // tp
+        held, active = experts // ep * width * dim, config.top_k * width * dim // tp
         tensors.append(LayerTensor(f"moe.experts.{name}", held, active, 0, True))
-    if config.shared_ffn_dim:
-        tensors += swiglu("moe.shared", config.shared_ffn_dim)
+    shared = dim * config.shared_ffn_dim
+    if shared:
+        tensors += [LayerTensor(f"moe.shared.{name}.weight", shared, shared // tp) for name in ("w1", "w3", "w2")]
     return tensors
 
 
@@ -343,9 +347,9 @@ def _llama_workload(
                 config, tokens=micro_batch * seq_len, cp=cp, tp=tp, act_bytes=act_bytes
             )
         )
-    ep_exchange = 0.0  # one MoE layer's dispatch (or combine): B T k rows of dim
+    ep_exchange = 0.0  # one MoE layer's dispatch (or combine): B T k rows of dim (of the T/tp shard)
     if ep > 1:
-        rows = tokens * config.top_k * config.dim * act_bytes
+        rows = tokens // tp * config.top_k * config.dim * act_bytes
         ep_exchange = collective_seconds("all_to_all", rows, ep, ep_link if ep_link is not None else tp_link)
     payload = tokens * config.dim * act_bytes
     if sequence_parallel:

@@ -30,7 +30,7 @@ The metrics, per optimizer step (every rank computes its own):
   the device every step;
 - ``zero/first_launch_before_backward_end``: 1 when the first bucket's reduce-scatter started
   while backward was still running;
-- ``zero/step_time_s``, ``zero/tokens_per_s`` (this rank), ``zero/tokens_per_s_total`` (x dp) and
+- ``zero/step_time_s``, ``zero/tokens_per_s`` (this rank), ``zero/tokens_per_s_total`` (x dp x cp) and
   ``zero/mfu`` (model FLOPs / step time / the hardware config's peak; only with a hardware
   config: ``ZeroMonitor(hardware=...)``, or detected from the CUDA device's name), see
   [Note: throughput] in ``throughput.py``;
@@ -91,11 +91,22 @@ def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
         expert_params=ep * local_experts,
         ep=ep,
         stage=engine.stage,
+        defer_grad_reduce=engine.defer_grad_reduce,
         dp=engine.dp_size,
         param_bytes=per_param.param,
         grad_bytes=grad_bytes_per_param(policy.name, reduce_dtype, policy.mixed_params),
         optim_bytes_per_param=per_param.optimizer_bytes(optimizer_state_bytes(optimizer)),
     ).as_dict()
+
+
+def context_parallel_size(module: Any) -> int:
+    """The cp ranks ``module``'s sequences are split over: a ``Llama``'s ``context_parallel_size``,
+    or its LightningModule's (``module.model``); 1 for anything else."""
+    for candidate in (module, getattr(module, "model", None)):
+        size = getattr(candidate, "context_parallel_size", None)
+        if isinstance(size, int):
+            return size
+    return 1
 
 
 class Monitor:
@@ -122,24 +133,29 @@ class Monitor:
         self._previous_timeline: Optional[Any] = None  # CUDA: the figures logged lag one step
         self._expert_load = ExpertLoadMeter()
 
-    def micro_batch(self, engine: Any, module: Any, batch: Any, *, tp: int = 1) -> None:
-        """A training micro batch starts on this rank (``batch``: what the module runs on). The
-        step's bytes count from its first micro batch: under accumulation every micro batch of a
-        stage 2-3 step sends its own reduce-scatters (and stage 3 its gathers)."""
+    def micro_batch(self, engine: Any, module: Any, batch: Any, *, dims: Optional[Any] = None) -> None:
+        """A training micro batch starts on this rank (``batch``: what the module runs on).
+        ``dims``: the run's layout (``comm/mesh.py`` ``ParallelDims``: dp, cp and tp for tokens/s in
+        total and the FLOPs, [Note: throughput]); ``None``: every rank of the engine's group takes
+        different samples, whole. The step's bytes count from its first micro batch: under
+        accumulation every micro batch of a stage 2-3 step sends its own reduce-scatters (and
+        stage 3 its gathers)."""
         if not self._step_open:
             self._step_open = True
             self._sent_before = dict(engine.counter.bytes)
             self._link_before = dict(engine.counter.bytes_by_link)
+        cp = dims.cp if dims is not None else context_parallel_size(module)
         if self.throughput is None:
             hardware = self.hardware if self.hardware is not None else hardware_for_device(engine.device)
-            self.throughput = ThroughputMeter(
-                dp=engine.dp_size, peak_flops=peak_flops_for(hardware, engine.compute_dtype)
-            )
-        sequences, length = batch_tokens(module, batch)
+            dp = dims.dp if dims is not None else engine.dp_size // cp
+            peak = peak_flops_for(hardware, engine.compute_dtype)
+            self.throughput = ThroughputMeter(dp=dp, peak_flops=peak, cp=cp)
+        sequences, length = batch_tokens(module, batch)  # length: the T/cp slice under cp
         if self._num_params is None:
             self._num_params = engine.num_params()
-        cp = int(getattr(getattr(module, "model", None), "context_parallel_size", 1))  # length: the T/cp slice
-        flops = training_flops_of(getattr(module, "config", None), self._num_params, sequences, length, tp, cp)
+        tp = dims.tp if dims is not None else 1
+        config = getattr(module, "config", None)
+        flops = training_flops_of(config, self._num_params, sequences, length, tp, cp)
         self.throughput.micro_batch(sequences * length, flops)
 
     def step_end(self, engine: Any, module: Any = None) -> dict[str, float]:
@@ -234,7 +250,7 @@ class Monitor:
             return []
         lines = [
             f"{'tokens/s':<10}{steady.tokens_per_s:>16,.1f}  per rank",
-            f"{'':<10}{steady.tokens_per_s_total:>16,.1f}  total ({steady.dp} dp ranks)",
+            f"{'':<10}{steady.tokens_per_s_total:>16,.1f}  {steady.total_label()}",
         ]
         mfu = steady.mfu
         lines.append(f"{'MFU':<10}{mfu:>16.2%}" if mfu is not None else f"{'MFU':<10}{'n/a':>16}  (no hardware config)")

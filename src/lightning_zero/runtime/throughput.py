@@ -8,9 +8,14 @@ host runs ahead of the GPU only by a bounded queue (``loss.item()`` and logging 
 over several steps host time is the GPU's time; the summary therefore averages every step after
 the first (which carries start-up costs).
 
-- tokens/s per rank: tokens this rank trained on in the step / step time;
-- tokens/s in total: per rank x dp (every dp rank trains on as many tokens: the distributed
-  sampler gives each the same number of batches; tp ranks of one group share their tokens);
+- tokens/s per rank: tokens this rank trained on in the step / step time (under context
+  parallelism its ``T/cp`` slice of each sequence);
+- tokens/s in total: per rank x dp x cp, the tokens every rank together trained on: dp ranks take
+  different samples (the distributed sampler gives each the same number of batches), the cp ranks
+  of one dp rank different slices of the same samples (``T/cp`` tokens each), and the tp ranks of
+  one group share their tokens (counted once). ``dp`` and ``cp`` come from the layout
+  (``comm/mesh.py`` ``ParallelDims``), never from the size of the group ZeRO shards over (``dp x
+  cp``, or a hybrid layout's shard group);
 - MFU: the model's training FLOPs of the step on this rank (``planner.workload.training_flops``
   for a Llama-shaped config: matmuls and attention, recompute *not* counted; otherwise
   ``6 x parameters x tokens``) / step time / the hardware's peak FLOP/s for the precision
@@ -76,6 +81,7 @@ class StepThroughput:
     flops: float
     dp: int
     peak_flops: Optional[float]
+    cp: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,7 +89,14 @@ class StepThroughput:
 
     @property
     def tokens_per_s_total(self) -> float:
-        return self.tokens_per_s * self.dp
+        """Every rank's tokens together: dp ranks x the cp slices of each ([Note: throughput])."""
+        return self.tokens_per_s * self.dp * self.cp
+
+    def total_label(self) -> str:
+        """What :attr:`tokens_per_s_total` counts, for a table."""
+        if self.cp == 1:
+            return f"total ({self.dp} dp ranks)"
+        return f"total ({self.dp} dp ranks x {self.cp} cp ranks, each a 1/{self.cp} slice of the same samples)"
 
     @property
     def mfu(self) -> Optional[float]:
@@ -97,14 +110,17 @@ class ThroughputMeter:
     """Collects :class:`StepThroughput` per optimizer step (see [Note: throughput]).
 
     Args:
-        dp: data-parallel ranks (tokens/s in total = per rank x dp).
+        dp: data-parallel ranks: ranks that take different samples (``ParallelDims.dp``).
         peak_flops: the device's peak FLOP/s for the training precision (``None``: no MFU).
         clock: seconds, monotonic (tests pass a fake one).
+        cp: context-parallel ranks: each trains on a ``1/cp`` slice of its dp rank's samples
+            (tokens/s in total = per rank x dp x cp).
     """
 
     dp: int = 1
     peak_flops: Optional[float] = None
     clock: Any = time.perf_counter
+    cp: int = 1
     steps: list[StepThroughput] = field(default_factory=list)
     _tokens: int = 0
     _flops: float = 0.0
@@ -121,7 +137,7 @@ class ThroughputMeter:
         """The optimizer step ended: close it and start the next."""
         now = self.clock()
         since = now if self._since is None else self._since
-        step = StepThroughput(self._tokens, now - since, self._flops, self.dp, self.peak_flops)
+        step = StepThroughput(self._tokens, now - since, self._flops, self.dp, self.peak_flops, self.cp)
         self.steps.append(step)
         self._tokens, self._flops, self._since = 0, 0.0, now
         return step
@@ -137,6 +153,7 @@ class ThroughputMeter:
             sum(s.flops for s in steady),
             self.dp,
             self.peak_flops,
+            self.cp,
         )
 
 

@@ -63,8 +63,8 @@ class ZeroMonitor(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine(trainer)
         if engine is not None:
-            tp = max(1, trainer.strategy.world_size // engine.dp_size)
-            self.monitor.micro_batch(engine, pl_module, batch, tp=tp)
+            dims = getattr(getattr(trainer.strategy, "session", None), "dims", None)  # the layout: dp, cp, tp
+            self.monitor.micro_batch(engine, pl_module, batch, dims=dims)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine(trainer)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -18,7 +17,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.models.llama.config import LlamaConfig, resolve_config
-from lightning_zero.models.llama.model import Llama, build_llama
+from lightning_zero.models.llama.model import Llama, build_llama, check_llama_layout
 
 
 @dataclass
@@ -193,24 +192,10 @@ class LlamaLM(L.LightningModule):
         attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``, and
         with sequence parallelism ``tp`` the slice) and has no experts (``ep`` must be 1). Raises
         ``ValueError`` naming the fix; states a key/value head repeat before launch."""
-        if dims.ep > 1:
-            raise ValueError(
-                f"ZeroStrategy(ep={dims.ep}): LlamaLM has no expert layers to split; use ep=1 or a mixture-of-experts"
-                " model family"
-            )
-        from lightning_zero.cp.layout import check_context_parallel
-
-        trainer = self._trainer
-        seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
-        layout = check_context_parallel(
-            dims.cp,
-            tp=dims.tp,
-            model_config=self.config,
-            seq_len=seq_len if isinstance(seq_len, int) else None,
-            sequence_parallel=self._sequence_parallel(),
-        )
-        if dims.cp > 1 and layout is not None and layout.kv_repeats > 1:
-            warnings.warn(f"lightning_zero: {layout.describe()}", stacklevel=2)
+        seq_len = getattr(getattr(self._trainer, "datamodule", None), "seq_len", None)
+        check_llama_layout(self.config, dims, owner=type(self).__name__,
+                           seq_len=seq_len if isinstance(seq_len, int) else None,
+                           sequence_parallel=self._sequence_parallel())  # fmt: skip
 
     def _tp_mesh(self) -> Optional[Any]:
         """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""

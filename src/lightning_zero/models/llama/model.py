@@ -211,6 +211,35 @@ def build_llama(
     return model
 
 
+def check_llama_layout(
+    config: LlamaConfig,
+    dims: Any,
+    *,
+    owner: str,
+    seq_len: Optional[int] = None,
+    sequence_parallel: bool = False,
+) -> None:
+    """The layouts a Llama runs ([Note: layouts a model declares] in ``runtime/setup.py``), for the
+    model and for ``LlamaLM``: no experts to split (``ep`` must be 1); context parallelism as Ulysses
+    attention runs it (``tp * cp`` divides the heads, ``cp`` the sequence length ``seq_len`` when
+    known, ``tp`` the slice under sequence parallelism: ``cp.layout.check_context_parallel``).
+    Raises ``ValueError`` naming the fix, and states a key/value head repeat (a warning)."""
+    if dims.ep > 1:
+        raise ValueError(
+            f"ZeroStrategy(ep={dims.ep}): {owner} has no expert layers split over ep; use ep=1 or a"
+            " mixture-of-experts model family that splits them"
+        )
+    import warnings
+
+    from lightning_zero.cp.layout import check_context_parallel
+
+    layout = check_context_parallel(
+        dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel
+    )
+    if dims.cp > 1 and layout is not None and layout.kv_repeats > 1:
+        warnings.warn(f"lightning_zero: {layout.describe()}", stacklevel=3)
+
+
 class Llama(nn.Module):
     """Llama decoder. ``forward(idx)`` maps token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 
@@ -282,6 +311,13 @@ class Llama(nn.Module):
         model.weight_source = weights
         model.init_weights()
         return model
+
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: the Fabric door asks the model
+        itself (the Trainer door asks ``LlamaLM``). Raises ``ValueError`` naming the fix for a ``cp``
+        its heads cannot split over (:func:`check_llama_layout`), or ``ep > 1`` (this model's experts,
+        if any, are not split over ep by the door)."""
+        check_llama_layout(self.config, dims, owner=type(self).__name__)
 
     @property
     def activation_checkpointing(self) -> str:

@@ -13,6 +13,7 @@ Presets (published ``config.json`` values):
   attention is approximated by grouped-query attention of the same head count (128 heads of 128,
   8 KV heads: ~249M attention parameters a layer against MLA's ~187M); its node-limited group
   routing (``n_group``, ``topk_group``) and multi-token prediction are left out. 675B parameters.
+  Its selection bias moves by the auxiliary-loss-free rule at DeepSeek's rate (1e-3).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "deepseek_v3_671b": dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, head_dim=128,
                              ffn_dim=18432, max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8,
                              expert_ffn_dim=2048, n_shared_experts=1, n_dense_layers=3, router="sigmoid",
-                             router_bias=True, routed_scaling=2.5, aux_loss_coef=1e-4, z_loss_coef=0.0),
+                             router_bias=True, routed_scaling=2.5, bias_update_rate=1e-3, aux_loss_coef=1e-4,
+                             z_loss_coef=0.0),
 }  # fmt: skip
 
 
@@ -72,6 +74,11 @@ class MoEConfig:
             the weights): DeepSeek-V3's ``e_score_correction_bias``, a buffer (not trained by
             gradient; see [Note: routing] in ``models/moe/router.py``).
         routed_scaling: factor on the routed experts' weights (DeepSeek-V3: 2.5).
+        bias_update_rate: DeepSeek-V3's auxiliary-loss-free balancing (its ``gamma``): after each
+            optimizer step every MoE layer's selection bias moves by ``bias_update_rate *
+            sign(mean load - load)`` per expert, the loads being the step's assignments over all
+            data-parallel ranks ([Note: bias update] in ``models/moe/router.py``). ``0``: off (the
+            bias stays what was loaded). Needs ``router_bias``.
         qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
         aux_loss_coef: weight of the load-balancing loss summed over MoE layers.
         z_loss_coef: weight of the router z-loss (mean squared log-sum-exp of the router logits)
@@ -99,6 +106,7 @@ class MoEConfig:
     norm_topk_prob: bool = True
     router_bias: bool = False
     routed_scaling: float = 1.0
+    bias_update_rate: float = 0.0
     qk_norm: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -142,6 +150,13 @@ class MoEConfig:
             )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"{where}: capacity_factor must be None (drop nothing) or > 0, got {self.capacity_factor}")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"{where}: bias_update_rate must be >= 0 (0: off), got {self.bias_update_rate}")
+        if self.bias_update_rate > 0 and not self.router_bias:
+            raise ValueError(
+                f"{where}: bias_update_rate ({self.bias_update_rate}) moves the selection bias; set router_bias=True "
+                "(router='sigmoid') with it, or bias_update_rate=0"
+            )
         for field in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{where}: {field} must be >= 0, got {getattr(self, field)}")

@@ -83,10 +83,14 @@ class MoELM(LlamaLM):
         check_moe_layout(self.config, ep=dims.ep, tp=dims.tp, sequence_parallel=self._sequence_parallel())
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
+    def _mesh_groups(self) -> Optional[Any]:
+        """The strategy's ``comm/mesh.py`` ``MeshGroups`` (``ZeroStrategy``), else ``None``."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        return getattr(strategy, "mesh_groups", None)
+
     def _ep_group(self) -> Optional[Any]:
         """The strategy's expert-parallel group (``ZeroStrategy(ep=E)``, ``E > 1``), else ``None``."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        groups = getattr(strategy, "mesh_groups", None)
+        groups = self._mesh_groups()
         return None if groups is None or groups.dims.ep == 1 else groups.ep
 
     def _parallelize(self, tp_mesh: Any) -> None:
@@ -106,6 +110,20 @@ class MoELM(LlamaLM):
 
         parallelize_experts(self.model, group)
         self._ep_applied = True
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then the auxiliary-loss-free bias update from the step's assignments
+        over every data-parallel rank ([Note: bias update] in ``models/moe/router.py``)."""
+        super().optimizer_step(*args, **kwargs)
+        model = self._built_model()
+        counter = getattr(model, "ep_comm_counter", None) or getattr(model, "tp_comm_counter", None)
+        model.update_router_bias(self._dense_group(), counter)
+
+    def _dense_group(self) -> Optional[Any]:
+        """The group data-parallel ranks of one TP rank form (``ZeroStrategy``'s dp_cp; ``None``: the
+        default group, as under ddp)."""
+        groups = self._mesh_groups()
+        return None if groups is None else groups.dp_cp
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)

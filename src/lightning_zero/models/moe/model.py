@@ -37,6 +37,7 @@ from lightning_zero.models.moe.router import (
     Router,
     TensorParallelShard,
     balance_loss,
+    bias_update,
     expert_counts,
     tp_aux_losses,
     z_loss,
@@ -139,6 +140,7 @@ class MoETransformer(Llama):
         self._load_sum: Optional[torch.Tensor] = None  # (n_moe_layers, E) assignments since last taken
         self._aux_sum: Optional[torch.Tensor] = None  # (balance, z) summed over those forwards
         self._forwards = 0
+        self._bias_load: Optional[torch.Tensor] = None  # (n_moe_layers, E) int64 since the last bias update
         super().__init__(config)  # type: ignore[arg-type]
 
     @classmethod
@@ -215,13 +217,31 @@ class MoETransformer(Llama):
         return balance, z
 
     def _add_load(self) -> None:
-        load = torch.stack([layer.load for layer in self.moe_layers()]).float()  # type: ignore[misc]
+        counts = torch.stack([layer.load for layer in self.moe_layers()])  # type: ignore[misc]
+        if self.config.bias_update_rate > 0:  # [Note: bias update] in router.py
+            self._bias_load = counts if self._bias_load is None else self._bias_load + counts
+        load = counts.float()
         aux = torch.stack(self.aux_terms()).detach()
         if self._load_sum is None:
             self._load_sum, self._aux_sum, self._forwards = load, aux, 1
         else:
             self._load_sum, self._aux_sum = self._load_sum + load, self._aux_sum + aux
             self._forwards += 1
+
+    def update_router_bias(self, group: Optional[Any] = None, counter: Optional[Any] = None) -> None:
+        """Move every MoE layer's selection bias by the auxiliary-loss-free rule, from the assignments
+        of the training forwards since the last call, summed over ``group`` (the dense dp*cp group;
+        ``None``: the default group) ([Note: bias update] in ``models/moe/router.py``). Call it
+        after each optimizer step (``MoELM`` does); a no-op with ``bias_update_rate == 0`` or when
+        no training forward ran. A collective when a process group is initialized: every rank of
+        ``group`` calls it."""
+        load, self._bias_load = self._bias_load, None
+        if self.config.bias_update_rate == 0 or load is None:
+            return
+        step = bias_update(load, self.config.bias_update_rate, group, counter)
+        with torch.no_grad():
+            for layer, delta in zip(self.moe_layers(), step):
+                layer.router.bias.add_(delta.to(layer.router.bias.dtype))
 
     def take_moe_stats(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """What this rank's training forwards routed since the last call, as device tensors (no host

@@ -9,9 +9,21 @@ ids of each token, their combine weights, and the fp32 quantities the auxiliary 
 - ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(x W^T)``; experts are chosen by ``s + bias`` (the
   ``router_bias`` buffer, DeepSeek's ``e_score_correction_bias``), weighted by ``s`` alone,
   renormalized with ``norm_topk_prob``, times ``routed_scaling``. The bias is a buffer loaded from a
-  checkpoint and saved with it; the auxiliary-loss-free update rule that moves it during training
-  (DeepSeek-V3 section 2.1.2) is not implemented: it needs the global per-expert load each step
-  (one all-reduce) and is left for later.
+  checkpoint and saved with it, and moved during training by the rule below when
+  ``bias_update_rate > 0``.
+
+[Note: bias update] DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): after each
+optimizer step, each MoE layer's bias moves by ``rate * sign(mean_e load_e - load_e)``: an expert
+that took more than its share of the step's assignments is chosen less next step, one with less
+more. ``load`` counts the step's assignments (every micro-batch's tokens x top-k, before any
+capacity drop) over *all* data-parallel ranks, so every rank applies the same update, the same one
+with and without expert or tensor parallelism, and the one ddp applies: the model sums the counts
+its forwards already keep for the monitor (``MoE.load``, device tensors, in int64), and
+:func:`bias_update` all-reduces them over the dense (dp*cp) group in one ``moe_bias_load``
+exchange of ``n_moe_layers x E`` int64 (control bytes) and takes the sign in integers
+(``sign(sum_e load_e - E load_e)``: exact at any token count). Device tensors throughout: no host
+read, no device sync. The bias is a buffer: no gradient, no optimizer state, saved and resumed
+with the model.
 
 [Note: balance loss] The load-balancing loss of one MoE layer over the ``N`` tokens a rank's
 micro-batch routes (Switch Transformer / DeepSeek's normalization: 1 at perfect balance)::
@@ -142,3 +154,20 @@ def tp_aux_losses(
     total = tokens * tp.size
     balance = (all_counts.to(sums.dtype) * sums[:n_experts]).sum() * (n_experts / (total * total * top_k))
     return balance, sums[n_experts] / total, all_counts
+
+
+def bias_update(
+    load: torch.Tensor,
+    rate: float,
+    group: Optional[dist.ProcessGroup] = None,
+    counter: Optional[CommCounter] = None,
+) -> torch.Tensor:
+    """[Note: bias update]: the step of every MoE layer's selection bias ``(n_moe_layers, E)``
+    fp32, from this rank's assignments ``load`` ``(n_moe_layers, E)`` int64 of the step (summed over
+    ``group``, the dense group; ``None``: the default group, when one is initialized)."""
+    load = load.to(torch.int64).clone()
+    if dist.is_available() and dist.is_initialized():
+        all_reduce(load, group, counter=counter, label="moe_bias_load", control=True)
+    n_experts = load.shape[-1]
+    above_mean = torch.sign(load.sum(dim=-1, keepdim=True) - n_experts * load)  # sign(mean - load), exact
+    return rate * above_mean.to(torch.float32)
