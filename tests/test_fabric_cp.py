@@ -6,7 +6,8 @@ parallelism under Fabric] in ``fabric/strategy.py``). tests/scripts/fabric_cp.py
 Llama (4 heads, 2 kv heads) on 2 sequences of 2048 tokens per micro batch, 3 steps of 2 micro
 batches with ``no_backward_sync`` and norm clipping: ddp on 2 ranks (one sequence each), cp=2 at
 ZeRO stages 1-3 (2 ranks), cp=4 at stage 3 and cp=2 x dp=2 at stage 2 (4 ranks). Per-step losses,
-clipped norms and trained weights equal ddp's to 1e-5. Layouts cp cannot run are refused before
+clipped norms and trained weights equal ddp's to 1e-5; a ``fabric.save`` under cp=2 resumes
+without cp exactly. Layouts cp cannot run are refused before
 any process group starts when the constructor is told the model and length, else at
 ``fabric.setup`` and at the cut.
 """
@@ -18,7 +19,10 @@ import torch
 
 from tests.distributed import launch
 
-LAUNCHES = {2: ["ddp", "cp2_zero1", "cp2_zero2", "cp2_zero3", "refusals"], 4: ["cp4_zero3", "cp2_zero2"]}
+LAUNCHES = {
+    2: ["ddp", "cp2_zero1", "cp2_zero2", "resume_cp1_zero2", "cp2_zero3", "refusals"],
+    4: ["cp4_zero3", "cp2_zero2"],
+}
 CP_CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if case.startswith("cp")]
 
 
@@ -69,6 +73,18 @@ def test_each_rank_trains_on_its_slice_and_counts_the_global_tokens(results):
     # the all-to-alls of every micro batch, forward and backward: the planner's formula
     per_micro = cp_bytes_by_kind(LlamaConfig(**CONFIG), tokens=SEQ, cp=2, act_bytes=4)["cp_all_to_all"]
     assert ranks[0]["sent"]["cp_all_to_all"] == pytest.approx(STEPS * MICRO * per_micro)
+
+
+@pytest.mark.slow
+def test_fabric_checkpoint_saved_under_cp2_resumes_under_cp1(results):
+    """``fabric.save`` after 2 steps under cp=2 (ZeRO over dp x cp = 2 ranks), loaded by ZeRO-2
+    without cp (dp=2, one sequence per rank): the third step's loss and the weights continue
+    exactly (parameters are not split by cp: a checkpoint is the model's, whatever the layout)."""
+    whole, resumed = _mean(results, 2, "cp2_zero2", "losses"), _mean(results, 2, "resume_cp1_zero2", "losses")
+    torch.testing.assert_close(resumed, whole[2:], rtol=1e-5, atol=1e-5)
+    want = _load(results, 2, "cp2_zero2")["params"]
+    for name, value in _load(results, 2, "resume_cp1_zero2")["params"].items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

@@ -11,14 +11,11 @@ Modes (CASE = ``zero<N>``):
   scripts): the save in flight at exit must be published and the exit code 0;
 - ``resume``: ``fabric.load(OUT_DIR/fa<N>_3)`` (the test may have moved it aside, as a kill between
   the two renames of a publish leaves it, and planted an older release's staging name), 3 steps;
-- ``kill``: as ``async`` into ``fk<N>_*``; rank 1 SIGKILLs itself once its shards of the second
-  save are written; the survivor's teardown raises;
-- ``efbig``: as ``async`` into ``fb<N>_*``; rank 1's file-size limit drops to 32 KiB before the
-  second save: it fails on every rank (raised at the teardown); recorded, the next case runs;
 - ``fullfail``: rank 0's file-size limit drops to 1 KiB, then a full save
   (``state_dict_type="full"``): records on each rank whether ``fabric.save`` raised; ends the process.
 
-Each rank writes ``OUT_DIR/<MODE>_<CASE>.rank<r>.json``.
+Each rank writes ``OUT_DIR/<MODE>_<CASE>.rank<r>.json``. A kill or a full disk in a background
+save are cells of the fault matrix (tests/scripts/fault_fabric.py).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
 import sys
 import time
 
@@ -34,7 +30,6 @@ import torch
 
 torch.set_num_threads(1)
 
-from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
 from tests.scripts.fabric_run import build, make_fabric, train_steps  # noqa: E402
 
 
@@ -45,13 +40,17 @@ def _write(out: str, name: str, rank: int, result: dict) -> None:
     os.replace(path + ".part", path)
 
 
-def _die(out: str) -> None:
-    with open(os.path.join(out, "killed_at"), "w") as handle:  # the fault matrix's seconds to exit
-        handle.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+def _host_buffers(lifecycle: object) -> dict:
+    """The background writer's host buffers after a save: their addresses, and the bytes the saves'
+    copies allocated fresh (0: every copy went into buffers prepared after the first step)."""
+    from lightning_zero.checkpoint.background import _tensors_of
+
+    writer = lifecycle.writer  # type: ignore[attr-defined]
+    return {"ptrs": sorted(t.data_ptr() for t in _tensors_of(writer._buffers)), "fresh_bytes": writer.fresh_bytes,
+            "prepared_bytes": writer.prepared_bytes, "copies": writer.copies}  # fmt: skip
 
 
-def _saves(out: str, case: str, prefix: str, *, teardown: bool, kill: bool = False, efbig: bool = False) -> dict:
+def _saves(out: str, case: str, prefix: str, *, teardown: bool) -> dict:
     fabric = make_fabric(case, "llama", async_checkpoint=True)
     model, optimizer, scheduler = build(fabric, "llama")
     ranks, rank = [fabric.global_rank], fabric.global_rank
@@ -60,32 +59,19 @@ def _saves(out: str, case: str, prefix: str, *, teardown: bool, kill: bool = Fal
     first, _ = train_steps(fabric, model, optimizer, scheduler, range(3), "llama", ranks)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iter_num": 3}
     fabric.save(os.path.join(out, f"{prefix}{stage}_3"), state)
-    lifecycle = getattr(fabric.strategy, "checkpoints", None)  # the fourth release had none
-    background = (lambda: lifecycle.records[-1].background) if lifecycle is not None else (lambda: False)
-    result["background"] = [background()]
+    lifecycle = fabric.strategy.checkpoints
+    result["background"] = [lifecycle.records[-1].background]
+    result["buffers"] = [_host_buffers(lifecycle)]
     rest, _ = train_steps(fabric, model, optimizer, scheduler, range(3, 6), "llama", ranks)
     result["losses"] = first + rest
-    if kill and rank == 1:  # once the first save is published: the second save's shards written
-        if lifecycle is not None:
-            lifecycle.wait()
-        checkpoint_save._fault_hook = lambda stage: _die(out)
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if efbig and rank == 1 and lifecycle is not None:
-        lifecycle.wait()  # the first save is published: only the second one fails
-        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, limit[1]))
     state["iter_num"] = 6
     try:
         fabric.save(os.path.join(out, f"{prefix}{stage}_6"), state)
-        result["background"].append(background())
+        result["background"].append(lifecycle.records[-1].background)
+        result["buffers"].append(_host_buffers(lifecycle))
         if teardown:
             fabric.strategy.teardown()
-    except BaseException as exc:  # noqa: BLE001 - the efbig case's error is the result
-        result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
-        if not efbig:
-            raise
     finally:
-        checkpoint_save._fault_hook = None
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         result["ended"] = time.time()
         _write(out, f"{prefix}_{case}", rank, result)
     return result
@@ -131,9 +117,5 @@ if __name__ == "__main__":
             _saves(out, case, "fa", teardown=True)
         elif mode == "exit":
             _saves(out, case, "fx", teardown=False)
-        elif mode == "kill":
-            _saves(out, case, "fk", teardown=True, kill=True)
-        elif mode == "efbig":
-            _saves(out, case, "fb", teardown=True, efbig=True)
         else:
             {"resume": resume, "fullfail": fullfail}[mode](out, case)

@@ -9,6 +9,8 @@ rank both sequences and cuts them with ``fabric.strategy.context_slice`` (the lo
 Every rank writes OUT_DIR/<case>.rank<r>.pt: per-step losses, clipped norms, the trained weights,
 the bytes its strategy counted, the monitor's tokens/s, the shapes it trained on. ``refusals``
 records what ``fabric.setup`` and ``context_slice`` raise for a model and a length cp cannot run.
+``cp2_zero2`` saves a sharded checkpoint (``fabric.save``) after 2 steps; ``resume_cp1_zero2``
+loads it under ZeRO-2 without cp (dp=2, one sequence per rank) and trains the third step.
 """
 
 from __future__ import annotations
@@ -37,10 +39,15 @@ def windows(step: int, micro: int) -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (SEQUENCES, SEQ + 1), generator=gen)
 
 
+SAVES = {"cp2_zero2": "ckpt_cp2"}  # a sharded fabric.save after step SAVED_AFTER ...
+RESUMES = {"resume_cp1_zero2": "ckpt_cp2"}  # ... that this case loads without cp and continues
+SAVED_AFTER = 2
+
+
 def make_strategy(case: str):
     if case == "ddp":
         return DDPStrategy()
-    cp, stage = (int(part[2:]) if part.startswith("cp") else int(part[4:]) for part in case.split("_"))
+    cp, stage = (int(part[2:]) if part.startswith("cp") else int(part[4:]) for part in case.split("_")[-2:])
     return ZeroFabricStrategy(stage=stage, cp=cp, bucket_mb=0.01, model_config=LlamaConfig(**CONFIG), seq_len=SEQ)
 
 
@@ -51,10 +58,17 @@ def run(out: str, case: str) -> None:
     model = Llama(LlamaConfig(**CONFIG))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
     model, optimizer = fabric.setup(model, optimizer)
+    first = 0
+    if case in RESUMES:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(os.path.join(out, RESUMES[case]), state)
+        first = state["step"]
     rank, dp = fabric.global_rank, WORLD if case == "ddp" else WORLD // fabric.strategy.cp_size
     per_dp_rank = SEQUENCES // dp
     losses, norms, shapes = [], [], []
-    for step in range(STEPS):
+    for step in range(first, STEPS):
+        if case in SAVES and step == SAVED_AFTER:
+            fabric.save(os.path.join(out, SAVES[case]), {"model": model, "optimizer": optimizer, "step": step})
         total = 0.0
         for micro in range(MICRO):
             window = windows(step, micro)

@@ -4,7 +4,7 @@ Usage: python tests/scripts/litgpt_scripts.py OUT_DIR CASE [CASE ...]
 Launched torchrun-style by tests/test_litgpt_scripts.py; one launch runs several cases in turn, each
 through ``lightning_zero.fabric.litgpt.run`` (LitGPT's CLI with every ``L.Fabric`` built on the
 case's strategy). CASE = ``<script>-<strategy>-<precision>[-resume]``: script ``lora``, ``adapter``,
-``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``
+``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``, ``zero3defer``
 (``defer_grad_reduce=True``); precision ``32`` or ``bf16``
 (``32-true`` / ``bf16-true``). ``-resume`` runs ``full`` / ``pretrain`` again with ``--resume`` from the
 step-2 checkpoint of the same case's first run (which ran 4 steps), into a directory of its own.
@@ -183,7 +183,7 @@ def run_case(root: Path, case: str) -> dict:
     out = root / "runs" / case
     ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
     options = {"stage": ddp if strategy == "ddp" else strategy[4], "state_dict_type": "full"}
-    if strategy.endswith("defer"):  # zero2defer: gradients stay local over the accumulated micro batches
+    if strategy.endswith("defer"):  # zero2defer, zero3defer: gradients stay local over the accumulated micro batches
         options["defer_grad_reduce"] = True
     started = time.perf_counter()
     run(command(root, script, strategy, precision, out, resume), options)

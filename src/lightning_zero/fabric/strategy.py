@@ -385,7 +385,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
-            # stage 3: model.state_dict() hands out full values, gathered one parameter at a time
+            # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
+            # gathered one parameter at a time
             for child in module.modules():
                 if any(param is not None for param in child._parameters.values()):
                     hook = functools.partial(ZeroFabricStrategy._after_state_dict, self)  # torch marks the hook object
@@ -492,6 +493,20 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._steps += 1
             if self.step_monitor is not None and self.engine is not None:
                 self._monitor_step(self.engine)
+            if self.zero_config.async_checkpoint and not self.checkpoints.prepared and self.engine is not None:
+                self._prepare_saves(self.engine)
+
+    def _prepare_saves(self, engine: "ZeroEngine") -> None:
+        """[Note: host buffers before the first save] in checkpoint/background.py, as the Trainer door
+        does: once the optimizer state exists (a skipped first step has none yet: the next one then),
+        buffers shaped as what ``fabric.save`` of the model and its optimizers writes."""
+        from lightning_zero.checkpoint.background import live_tensors
+
+        if not any(opt.state for opt in self._optimizers):
+            return
+        engine.wait_param_gathers()
+        self.checkpoints.prepare(live_tensors(module=self._module, engine=engine, optimizers=self._optimizers,
+                                              layout=self._layout(), with_optimizer=True))  # fmt: skip
 
     # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
     def _monitor_step(self, engine: "ZeroEngine") -> None:
@@ -752,11 +767,18 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         return load_full_state_dict(self._module, engine, state_dict, strict=strict, assign=assign)
 
     def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """Stage 3: ``module.state_dict()``'s entries for the parameters it holds get their full values
-        (this rank holds only shards), gathered one parameter at a time: a collective, every rank
-        calls ``state_dict()``. ``keep_vars=True`` (checkpoints) hands out the parameters as they are."""
+        """[Note: full state dicts] ``module.state_dict()``'s entries for the parameters it holds get
+        their full values in the dtypes ddp holds, gathered from the masters one parameter at a time:
+        a collective, every rank calls ``state_dict()``. Stage 3 always (this rank holds only shards);
+        stages 1-2 where the module holds compute copies in another dtype than ddp's (``bf16-mixed``,
+        and ``16-mixed`` with ``mixed_params="half"``: bf16 copies, where ddp holds fp32 weights; the
+        fp32 values are the sharded masters). ``keep_vars=True`` (checkpoints) hands out the
+        parameters as they are."""
         engine = self.engine
-        if engine is None or engine.stage != 3:
+        if engine is None:
+            return
+        params = [param for param in module._parameters.values() if param is not None]
+        if engine.stage != 3 and all(param.dtype == self._value_dtype(param) for param in params):
             return
         from lightning_zero.checkpoint.full import fill_gathered_values
 

@@ -50,7 +50,7 @@ from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, gathered_numel, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, defer_grad_reduce_at, keeps_full_grads, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
@@ -260,7 +260,7 @@ def plan(
 
     model = resolve_config(model_config)
     stage = 0 if ddp else config.stage
-    defer_grad_reduce = config.defer_grad_reduce and stage == 2  # stage 1 always defers, as in the engine
+    defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
     dims.validate(model)
     tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
     seq_len = int(run.seq_len or model.max_seq_len)
@@ -321,17 +321,17 @@ def plan(
     bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
     buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
 
-    memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
         padded,
-        stage=memory_stage,
+        stage=stage,
+        defer_grad_reduce=defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
         dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
         optim_bytes_per_param=dtype.optimizer,
     )
     optimizer_numel = shard if stage >= 1 else padded
-    pooled = stage >= 2 and not defer_grad_reduce
+    pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
         min(pool_buffers(config.max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
@@ -550,7 +550,7 @@ def stage_plans(
         if stage == 0:
             plans.append(plan(model_config, config, dims, run, options, ddp=True))
         else:
-            defer = config.defer_grad_reduce and stage == 2
+            defer = defer_grad_reduce_at(stage, config.defer_grad_reduce)
             staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
             plans.append(plan(model_config, staged, dims, run, options))
     return plans

@@ -35,7 +35,7 @@ from lightning_zero.cp.layout import kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
-from lightning_zero.zero.bucketing import grad_element_bytes
+from lightning_zero.zero.bucketing import grad_element_bytes, keeps_full_grads
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,12 @@ def model_state_bytes(
     optim_bytes_per_param: int = 12,
     expert_params: int = 0,
     ep: int = 1,
+    defer_grad_reduce: bool = False,
 ) -> ModelStateBytes:
     """Per-rank bytes of parameters, gradients and optimizer state under ZeRO ``stage``.
+
+    Gradients are full-size where the engine keeps them so (``zero.bucketing.keeps_full_grads``:
+    stages 0-1, and stages 2-3 with ``defer_grad_reduce``), else sharded.
 
     ``stage=0`` is plain data parallelism. ``num_params`` is the count one data-parallel replica
     holds (with tensor parallelism: the parameters of one tp rank). Returns a
@@ -97,15 +101,15 @@ def model_state_bytes(
             f" num_params({num_params})"
         )
 
-    def per_rank(bytes_per_param: int, sharded_from: int) -> float:
-        """Bytes a rank holds of a state that ZeRO shards from stage ``sharded_from`` on."""
-        dense_over, expert_over = (dp, dp // ep) if stage >= sharded_from else (1, 1)
+    def per_rank(bytes_per_param: int, sharded: bool) -> float:
+        """Bytes a rank holds of a state, ``sharded`` over dp or not."""
+        dense_over, expert_over = (dp, dp // ep) if sharded else (1, 1)
         dense = bytes_per_param * (num_params - expert_params) / dense_over
         return dense + bytes_per_param * expert_params / ep / expert_over if expert_params else dense
 
-    params = per_rank(param_bytes, 3)
-    grads = per_rank(grad_bytes, 2)
-    optimizer = per_rank(optim_bytes_per_param, 1)
+    params = per_rank(param_bytes, stage >= 3)
+    grads = per_rank(grad_bytes, not keeps_full_grads(stage, defer_grad_reduce))
+    optimizer = per_rank(optim_bytes_per_param, stage >= 1)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
@@ -632,9 +636,10 @@ class LinkBytes:
 
 
 def grad_syncs_per_step(stage: int, micro_batches: int, defer_grad_reduce: bool = False) -> int:
-    """Gradient reductions per optimizer step: stages 0-1 (and stage 2 with ``defer_grad_reduce``)
-    accumulate full gradients and reduce once; stage 2 otherwise and stage 3 on every micro batch."""
-    return micro_batches if stage == 3 or (stage == 2 and not defer_grad_reduce) else 1
+    """Gradient reductions per optimizer step: stages 0-1 (and stages 2-3 with ``defer_grad_reduce``)
+    accumulate full gradients and reduce once; stages 2-3 otherwise on every micro batch
+    (``zero.bucketing.keeps_full_grads``, the engine's rule)."""
+    return 1 if keeps_full_grads(stage, defer_grad_reduce) else micro_batches
 
 
 def gathers_per_step(stage: int, micro_batches: int) -> int:

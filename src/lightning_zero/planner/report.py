@@ -30,6 +30,7 @@ from lightning_zero.planner.tables import (
     print_tables,
     print_topology,
 )
+from lightning_zero.zero.bucketing import defer_grad_reduce_at
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
@@ -57,7 +58,9 @@ class PlannedRun:
             return plan(self.model, self.config, self.dims, self.run, self.options, ddp=self.ddp)
         stage = knobs.get("stage", self.config.stage)
         knobs = {**knobs, "stage": max(stage, 1)}
-        knobs["defer_grad_reduce"] = knobs.get("defer_grad_reduce", self.config.defer_grad_reduce) and stage == 2
+        knobs["defer_grad_reduce"] = defer_grad_reduce_at(
+            stage, knobs.get("defer_grad_reduce", self.config.defer_grad_reduce)
+        )
         config = dataclasses.replace(self.config, **knobs)
         dims = ParallelDims.from_config(
             config, world_size=self.dims.world_size, devices_per_node=self.dims.devices_per_node
@@ -107,7 +110,7 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
     num_nodes = int(trainer.get("num_nodes") or 1)
     knobs = {name: value for name, value in strategy.items() if name in ZERO_FIELDS}
     knobs.update(topology_knobs(strategy), stage=max(stage, 1))
-    knobs["defer_grad_reduce"] = bool(knobs.get("defer_grad_reduce", False)) and stage == 2
+    knobs["defer_grad_reduce"] = defer_grad_reduce_at(stage, knobs.get("defer_grad_reduce", False))
     if plan_options["overlap_param_gather"] is not None:
         knobs["overlap_param_gather"] = bool(plan_options["overlap_param_gather"])
     config = ZeroConfig(**knobs)

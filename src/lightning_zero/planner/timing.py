@@ -23,9 +23,9 @@ engine buckets it are ``workload.py``; a collective's cost on a link is ``hardwa
   buffers (one more than may be in flight) are out (the oldest reduce-scatter must finish
   first), and every stage waits before launching a bucket while ``max_buckets_in_flight``
   reduce-scatters are in flight; everything still in flight when backward's
-  compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
-  ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
-  on every micro batch. Stage 3 all-gathers a unit (embedding, each block, final norm, head)
+  compute ends is exposed (the last bucket at least). Stage 1 and stages 2-3 with
+  ``defer_grad_reduce`` communicate on the last micro batch only; stages 2-3 without it on every
+  micro batch (``zero.bucketing.keeps_full_grads``). Stage 3 all-gathers a unit (embedding, each block, final norm, head)
   before its forward and again before its backward, ``prefetch_blocks`` units ahead, on the same
   link. Tensor-parallel all-reduces block compute. After the optimizer step, stages 1-2
   all-gather the updated parameters: exposed (``overlap_param_gather=False``, today's engine) or
@@ -53,7 +53,7 @@ from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.planner.ledger import Hop
 from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets, gathered_once_units
-from lightning_zero.zero.bucketing import pool_buffers
+from lightning_zero.zero.bucketing import keeps_full_grads, pool_buffers
 
 # --------------------------------------------------------------------------------------------
 # Simulating one micro batch
@@ -203,7 +203,7 @@ def gradient_path_bytes(stage: int, *, grad_bytes: int, dp: int, micro_batches: 
       the first accumulate in ``param.grad`` (``3g`` each: read, read, write); the syncing one
       copies each gradient into its bucket and back after the all-reduce (``4g``) and divides the
       bucket by the world size (``2g``): ``3g (A - 1) + 6g``.
-    - ``full_grads`` (stage 1, stage 2 with ``defer_grad_reduce``): the full buffer is zeroed once
+    - ``full_grads`` (stage 1, stages 2-3 with ``defer_grad_reduce``): the full buffer is zeroed once
       (``g``), every micro batch accumulates into its slot (``3g``), the owned chunk is divided
       in place (``2g / dp``): ``g + 3g A + 2g / dp``.
     - stage 2/3: every micro batch copies into a pool buffer (``2g``) and the owned chunk takes
@@ -343,7 +343,8 @@ def step_time(
             unit = workload.tensors[bucket.tensors[0]].unit
             per_unit[unit] += hops_seconds(gather_hops, bucket.numel)[0]
         gather_s = per_unit
-    pool = pool_buffers(max_buckets_in_flight) if stage in (2, 3) and not defer_grad_reduce else None
+    full_grads = keeps_full_grads(stage, defer_grad_reduce)  # [Note: deferred gradient reduction]
+    pool = None if full_grads else pool_buffers(max_buckets_in_flight)
     common = dict(
         overlap_comm=overlap_comm,
         pool=pool,
@@ -354,7 +355,7 @@ def step_time(
     )
     forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
     backward_sync = simulate_backward(workload, buckets, bucket_s, sync=bool(grad_hops), **common)
-    every_micro_batch = stage == 3 or (stage == 2 and not defer_grad_reduce)
+    every_micro_batch = not full_grads
     backward_no_sync = (
         backward_sync if every_micro_batch else simulate_backward(workload, buckets, bucket_s, sync=False, **common)
     )
@@ -393,7 +394,7 @@ def step_time(
             grad_bytes=grad_bytes,
             dp=shard,
             micro_batches=micro_batches,
-            full_grads=stage == 1 or (stage == 2 and defer_grad_reduce),
+            full_grads=full_grads,
         )
         * local_numel
         / memory_bytes_per_s,

@@ -41,8 +41,8 @@ def traffic_per_rank(
 ) -> TrafficPerRank:
     """The bytes one rank sends per step, by group, link and collective, with the seconds they take."""
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
-    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
-    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
+    # stage 0 all-reduces once; stage 1 (and stages 2-3 deferred) reduce-scatter once per step, stages
+    # 2-3 otherwise every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
     # (once for the unit held from forward into backward, and for a tied embedding in the root).
     tp = int(dims.tp)
     links = dp_link_bytes(

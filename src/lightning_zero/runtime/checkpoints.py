@@ -30,9 +30,13 @@ The lifecycle also owns what surrounds the saves:
   ``collective_timeout`` seconds), not by time: a slow disk is not a dead rank. A wait that gives
   up abandons the save, and its host copy is never written into again;
 - failures: :meth:`close` on the failure path, or a peer's failure, abandons the save in flight
-  (its daemon thread dies with the process; the previous published checkpoint stays the newest);
-  at interpreter exit a save still in flight is waited for (Fabric has no teardown), and a
-  failure there ends the process with exit code 1;
+  (the previous published checkpoint stays the newest); at interpreter exit a save still in
+  flight is waited for (Fabric has no teardown), and a failure there ends the process with exit
+  code 1. An abandoned save's thread may still be inside a collective of the saves' group at exit
+  (the peers' threads wait for it too): finalizing the interpreter then would abort the process
+  ("terminate called without an active exception", exit -6, [Note: nothing running at exit] in
+  ``fabric/strategy.py``), so the exit gives it :data:`ABANDONED_GRACE_S` to end (a peer's exit
+  ends its collective) and otherwise ends the process with exit code 1 without finalizing;
 - leftovers: :meth:`restore_before_resolve` (every rank, before anything resolves ``"last"`` or
   SLURM's ``hpc_ckpt_<N>``: no process group needed) moves a checkpoint a killed publish left
   aside back and hides staging names of earlier releases; :meth:`clean` (rank 0, at the start and
@@ -72,6 +76,8 @@ class SaveState(str, Enum):
     LINKED = "linked"
     ABANDONED = "abandoned"
 
+
+ABANDONED_GRACE_S = 5.0  # at exit: how long an abandoned save's thread may take to leave its collective
 
 _ORDER = [SaveState.REQUESTED, SaveState.AGREED, SaveState.STAGED, SaveState.WRITTEN, SaveState.PUBLISHED,
           SaveState.LINKED]  # fmt: skip
@@ -155,6 +161,7 @@ class CheckpointLifecycle:
         self.records: list[SaveRecord] = []
         self.is_open = False
         self._at_exit = False
+        self._abandoned: list[threading.Thread] = []  # writer threads abandoned while still running
         self._cleaned: set[Path] = set()
 
     # -- leftovers ------------------------------------------------------------------------------
@@ -202,6 +209,7 @@ class CheckpointLifecycle:
             except BaseException as exc:  # noqa: BLE001 - a background save failed: the door raises it
                 error = exc
                 self.writer.abandon()
+            self._keep_abandoned(self.writer)
             self.writer.close()
             self.writer = None
         return error
@@ -356,18 +364,37 @@ class CheckpointLifecycle:
         self.restore_before_resolve([directory])
         self.clean([directory], barrier)
 
+    def _keep_abandoned(self, writer: Any) -> None:
+        stuck = getattr(writer, "_stuck", None)
+        if stuck is not None and stuck.is_alive():
+            self._abandoned.append(stuck)
+
     def _wait_at_exit(self) -> None:
         """Interpreter exit with a save in flight (no teardown ran: Fabric): publish it, or end the
-        process with exit code 1 saying why."""
-        if self.writer is None or not self.writer.in_flight:
-            return
-        if self._failed():
-            self.writer.abandon()
-            return
-        try:
-            self.writer.wait()
-        except BaseException:  # noqa: BLE001 - the exit code must say the save failed
-            traceback.print_exc()
-            print("lightning_zero: the background checkpoint save in flight at exit failed", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
+        process with exit code 1 saying why. An abandoned save's thread still running: exit code 1
+        without finalizing once it had :data:`ABANDONED_GRACE_S` to end ([Note: checkpoint lifecycle])."""
+        if self.writer is not None and self.writer.in_flight:
+            if self._failed():
+                self.writer.abandon()
+            else:
+                try:
+                    self.writer.wait()
+                except BaseException:  # noqa: BLE001 - the exit code must say the save failed
+                    traceback.print_exc()
+                    _exit_now("the background checkpoint save in flight at exit failed")
+        if self.writer is not None:
+            self._keep_abandoned(self.writer)
+        deadline = time.monotonic() + ABANDONED_GRACE_S
+        for thread in self._abandoned:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._abandoned):
+            _exit_now("an abandoned background checkpoint save was still in a collective at exit; the last"
+                      " published checkpoint is the newest")  # fmt: skip
+
+
+def _exit_now(why: str) -> None:
+    """End the process with exit code 1 without finalizing the interpreter (threads inside C++ calls)."""
+    print(f"lightning_zero: {why}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
