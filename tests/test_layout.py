@@ -209,8 +209,11 @@ def test_the_planner_refuses_what_the_model_would_refuse():
         plan_run("tiny", ZeroConfig(ep=2), world_size=4, devices_per_node=4)
     with pytest.raises(ValueError, match=r"ep\(3\) does not divide n_experts\(4\)"):
         plan_run("tiny_moe", ZeroConfig(ep=3), world_size=3, devices_per_node=3)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size\(2\) with the MoE model"):
-        plan_run("tiny_moe", ZeroConfig(tensor_parallel_size=2), world_size=4, devices_per_node=4)
+    from lightning_zero.models.moe import MoEConfig
+
+    capped = MoEConfig.from_name("tiny_moe", capacity_factor=1.25)
+    with pytest.raises(ValueError, match=r"capacity_factor\(1.25\) with tensor_parallel_size\(2\)"):
+        plan_run(capped, ZeroConfig(tensor_parallel_size=2), world_size=4, devices_per_node=4)
     # ep is planned (issue 54): the experts' own ZeRO domain over edp, the all-to-alls on their link
     moe = {"model": {"name": "tiny_moe"}, "strategy": {"stage": 2, "ep": 2}, "trainer": {"devices": 4}}
     planned, _ = plan_inputs_from_config(moe)

@@ -224,17 +224,23 @@ def resolve_model(model_config: Any) -> Any:
     return resolve_config(model_config)
 
 
-def check_model_layout(model: Any, dims: ParallelDims, *, sequence_parallel: bool = False) -> None:
+def check_model_layout(model: Any, dims: ParallelDims, *, seq_len: Optional[int] = None) -> None:
     """The model-dependent layout checks the runtime makes before any process group starts
     (``runtime/setup.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
     the heads (``ParallelDims.validate``); a mixture of experts' experts divide by ``ep`` and its
-    family's limits (``check_moe_layout``, what ``MoELM.check_parallel_dims`` calls); a model
-    without experts takes no ``ep``. ``ValueError`` naming the fix."""
+    family's limits (``check_moe_layout``, what ``MoELM.check_parallel_dims`` calls), and under
+    ``tp > 1`` its MoE layers' sequence shards split ``seq_len`` evenly; a model without experts
+    takes no ``ep``. ``ValueError`` naming the fix."""
     dims.validate(model)
     if is_moe(model):
         from lightning_zero.models.moe.config import check_moe_layout
 
-        check_moe_layout(model, ep=dims.ep, tp=int(dims.tp), sequence_parallel=sequence_parallel)
+        check_moe_layout(model, ep=dims.ep, tp=int(dims.tp))
+        if seq_len is not None and seq_len % int(dims.tp):
+            raise ValueError(
+                f"plan: seq_len({seq_len}) does not split over tp({dims.tp}): the MoE layers of {model.name!r} run on"
+                " sequence shards of T/tp tokens; pick a seq_len divisible by tp or tensor_parallel_size=1"
+            )
     elif dims.ep > 1:
         raise ValueError(
             f"plan: ep={dims.ep} but the model {model.name!r} has no expert layers to split; use ep=1 or a"
@@ -298,10 +304,10 @@ def plan(
     model = resolve_model(model_config)
     stage = 0 if ddp else config.stage
     defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
-    check_model_layout(model, dims, sequence_parallel=config.sequence_parallel)
+    seq_len = int(run.seq_len or model.max_seq_len)
+    check_model_layout(model, dims, seq_len=seq_len)
     tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
     ep, edp = dims.ep, dims.edp  # experts split over ep ranks, their states sharded over edp
-    seq_len = int(run.seq_len or model.max_seq_len)
     checkpointing = str(run.activation_checkpointing)
     micro_batch, micro_batches = run.micro_batch, run.accumulate_grad_batches
     if cp > 1:
