@@ -12,8 +12,8 @@ against the same rows of ddp's), and the all-to-all bytes counted from the split
 ``planner.moe.all_to_all_bytes`` of the routing counts the ranks saw.
 
 A third launch (tests/scripts/moe_resume.py, 4 ranks) resumes across ep 2 -> 1 -> 4 (stages 2, 2,
-3) and across tp=2 x ep=2 -> tp=1 x ep=4 against uninterrupted runs, and exports the ep=4 checkpoint as a Hugging Face Qwen3-MoE
-directory, which transformers loads strictly with the uninterrupted run's weights.
+3) and across tp=2 x ep=2 -> tp=1 x ep=4 against uninterrupted runs, and exports the ep=4
+checkpoint as a Hugging Face Qwen3-MoE directory, which transformers loads strictly with the uninterrupted run's weights.
 """
 
 from __future__ import annotations
