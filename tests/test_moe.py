@@ -49,15 +49,14 @@ def test_num_params_counts_the_module(name):
         (dict(ep=3), r"ep\(3\) does not divide n_experts\(4\).*pick ep from \[1, 2, 4\]"),
         (dict(ep=8), r"ep\(8\) does not divide n_experts\(4\)"),
         (dict(ep=0), "ep must be a positive int"),
-        (dict(tp=2), r"tensor_parallel_size\(2\).*needs sequence_parallel=True.*or tensor_parallel_size=1"),
-        (dict(tp=2, sequence_parallel=True, capacity_factor=1.5), r"capacity_factor\(1.5\) with tensor_parallel"),
+        (dict(tp=2, capacity_factor=1.5), r"capacity_factor\(1.5\) with tensor_parallel_size\(2\)"),
     ],
 )
 def test_bad_layouts_raise_naming_the_fix(kwargs, match):
     overrides = {"capacity_factor": kwargs.pop("capacity_factor")} if "capacity_factor" in kwargs else {}
     with pytest.raises(ValueError, match=match):
         check_moe_layout(MoEConfig.from_name("tiny_moe", **overrides), **kwargs)
-    check_moe_layout(MoEConfig.from_name("tiny_moe"), ep=2, tp=2, sequence_parallel=True)  # the layout that runs
+    check_moe_layout(MoEConfig.from_name("tiny_moe"), ep=2, tp=2)  # the layout that runs
 
 
 @pytest.mark.parametrize(
@@ -257,7 +256,8 @@ def _exchange_body(rank: int, world_size: int, results: str) -> None:
 
 
 def _tensor_parallel_cases(rank: int) -> dict:
-    """tp=2 (sequence-parallel) x ep=2 on 4 ranks against the whole model of each dp rank: TP groups
+    """tp=2 (with and without sequence parallelism) x ep=2 on 4 ranks against the whole model of each
+    dp rank: TP groups
     [0, 1] [2, 3] (dp ranks 0 and 1), EP groups [0, 2] [1, 3] (one tp rank each)."""
     import torch.distributed as dist
 
@@ -271,14 +271,15 @@ def _tensor_parallel_cases(rank: int) -> dict:
     )
     tp_group, ep_group, tp_rank, dp_rank = tp_groups[rank // 2], ep_groups[rank % 2], rank % 2, rank // 2
     out = {}
-    for name, skew in (("tiny_moe_shared", None), ("tiny_moe_shared", "none_on_last"), ("tiny_moe", None)):
+    for name, skew, sequence_parallel in (("tiny_moe_shared", None, True), ("tiny_moe_shared", "none_on_last", True),
+                                          ("tiny_moe", None, True), ("tiny_moe_shared", None, False)):  # fmt: skip
         torch.manual_seed(0)
         config = MoEConfig.from_name(name, n_experts=8) if name == "tiny_moe" else MoEConfig.from_name(name)
         whole = MoETransformer(config)
         model = MoETransformer(config)
         model.load_state_dict(whole.state_dict())
         parallelize_experts(model, ep_group)
-        parallelize_llama(model, tp_group, counter=model.ep_comm_counter, sequence_parallel=True)
+        parallelize_llama(model, tp_group, counter=model.ep_comm_counter, sequence_parallel=sequence_parallel)
         parallelize_moe_tp(model, tp_group, counter=model.tp_comm_counter)
         if skew is not None:  # the last ep rank's experts get no token from anyone
             for m in (whole, model):
@@ -302,7 +303,7 @@ def _tensor_parallel_cases(rank: int) -> dict:
             worst = max(worst, (grad - param.grad).abs().max().item())
         loads = torch.stack([moe.load for moe in model.moe_layers()])
         whole_loads = torch.stack([moe.load for moe in whole.moe_layers()])
-        out[f"{name}/tp2ep2/{skew}"] = dict(
+        out[f"{name}/tp2ep2/{skew}/sp={sequence_parallel}"] = dict(
             loss_diff=abs(losses[0] - losses[1]), grad_diff=worst, loads_equal=bool((loads == whole_loads).all())
         )
     return out

@@ -3,7 +3,8 @@
 One launch of tests/scripts/moe_vs_ddp.py per world size trains ``MoELM`` (``tiny_moe_shared``) in
 fp32 with accumulation 2 and clipping: on 2 ranks ddp and ``ep=2`` at stages 1-3, on 4 ranks ddp,
 ``ep=4`` at stages 1-3 and ``ep=2`` (two EP groups, experts sharded over an EDP group of 2) at stage
-2, and ``tp=2`` (sequence-parallel) x ``ep=2`` at stages 1-3 (against the 2-rank ddp: its dp ranks).
+2, and ``tp=2`` (sequence-parallel) x ``ep=2`` at stages 1-3 and without sequence parallelism at
+stage 2 (against the 2-rank ddp: its dp ranks).
 Micro-batch 2 routes no token to the last ``8 / world`` experts (under ``ep = world`` the last
 rank receives zero tokens for all of its experts), micro-batch 3 none from rank 0 to expert 0.
 Per-micro-batch losses and the trained weights must equal ddp's to 1e-5 (an EP rank's experts
@@ -26,7 +27,7 @@ from tests.distributed import launch
 LAUNCHES = {
     2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2", "ddp_bias", "zero2_ep1_bias", "zero2_ep2_bias"],
     4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2", "zero1_tp2_ep2", "zero2_tp2_ep2", "zero3_tp2_ep2",
-        "ddp_bias", "zero3_ep4_bias", "zero1_tp2_ep2_bias"],
+        "zero2_tp2_ep2_nosp", "ddp_bias", "zero3_ep4_bias", "zero1_tp2_ep2_bias"],
 }  # fmt: skip
 CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if not case.startswith("ddp")]
 STEERED = [(world, case) for world, case in CASES if not case.endswith("_bias")]

@@ -15,8 +15,8 @@ ddp's buffer broadcast, identically in every case) so that
   ``ep = world`` the last rank receives zero tokens for all of its experts;
 - micro-batch 3 (step 1): expert 0 gets no token from global rank 0 (but from the others).
 
-A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``T`` ranks per
-TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
+A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``_nosp`` appended:
+without it; ``T`` ranks per TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
 compared with the ddp case of that smaller launch); its parameters are written TP-gathered.
 
 A case ending in ``_bias`` (``ddp_bias``, ``zero2_ep2_bias``, ...) trains without steering, with
@@ -89,7 +89,9 @@ def strategy(case: str):
         return "ddp"
     stage, ep = case.removeprefix("zero").split("_")[0], case.split("_ep")[1].split("_")[0]
     tp = tensor_parallel(case)
-    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    sequence_parallel = tp > 1 and not case.endswith("_nosp")
+    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp,
+                        sequence_parallel=sequence_parallel)  # fmt: skip
 
 
 def run(case: str, out_dir: str) -> None:

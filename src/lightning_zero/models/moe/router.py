@@ -127,11 +127,14 @@ def z_loss(routing: Routing) -> torch.Tensor:
 @dataclass
 class TensorParallelShard:
     """The TP group a MoE layer's sequence shard belongs to ([Note: experts and tensor
-    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens."""
+    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens;
+    without ``sequence_parallel`` the layer cuts its shard from a replicated input and all-gathers
+    its output."""
 
     group: dist.ProcessGroup
     size: int
     counter: Optional[CommCounter] = None
+    sequence_parallel: bool = True  # False: the layer's input is replicated; it runs on its slice
 
 
 def tp_aux_losses(
