@@ -109,6 +109,9 @@ def test_bias_update_moves_each_bias_by_the_sign_of_mean_minus_load():
     assert torch.equal(biases, bias_update(loads, 0.01)) and biases.abs().sum() > 0
     model.update_router_bias()  # nothing routed since: no change
     assert torch.equal(torch.stack([moe.router.bias for moe in model.moe_layers()]), biases)
+    model.to(torch.bfloat16)  # a -true precision: the bias stays fp32 (1e-3 steps survive)
+    assert all(moe.router.bias.dtype == torch.float32 for moe in model.moe_layers())
+    assert model.moe_layers()[0].router.weight.dtype == torch.bfloat16
 
 
 def test_capacity_factor_drops_late_assignments_only():
