@@ -20,7 +20,7 @@ import torch
 from tests.distributed import launch
 
 LAUNCHES = {
-    2: ["ddp", "cp2_zero1", "cp2_zero2", "resume_cp1_zero2", "cp2_zero3", "refusals"],
+    2: ["ddp", "cp2_zero1", "cp2_zero2", "resume_cp1_zero2", "cp2_zero3", "ddp_heads3", "cp2_zero3_heads3", "refusals"],
     4: ["cp4_zero3", "cp2_zero2"],
 }
 CP_CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if case.startswith("cp")]
@@ -47,8 +47,10 @@ def _mean(results, world: int, case: str, key: str) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("world, case", CP_CASES)
 def test_fabric_cp_matches_fabric_ddp(results, world, case):
-    got, want = _load(results, world, case), _load(results, 2, "ddp")
-    torch.testing.assert_close(_mean(results, world, case, "losses"), _mean(results, 2, "ddp", "losses"),
+    """``*_heads3``: 3 query heads do not split over cp=2, so the model runs ring attention."""
+    reference = "ddp_heads3" if case.endswith("_heads3") else "ddp"
+    got, want = _load(results, world, case), _load(results, 2, reference)
+    torch.testing.assert_close(_mean(results, world, case, "losses"), _mean(results, 2, reference, "losses"),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=1e-5, atol=1e-5)
     assert set(got["params"]) == set(want["params"])
@@ -95,22 +97,20 @@ def test_refused_after_launch_naming_the_fix(results):
         assert "cp(2) does not divide the sequence length (2047)" in messages["slice"]
 
 
-@pytest.mark.parametrize(
-    "knobs, match",
-    [
-        (dict(cp=3), r"tp\(1\) x cp\(3\) = 3 does not divide n_heads\(4\).*pick cp from \[1, 2, 4\]"),
-        (dict(cp=2, seq_len=2047), r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"),
-    ],
-)
-def test_refused_before_any_process_group(knobs, match):
+def test_refused_or_stated_before_any_process_group():
+    """A length cp does not divide is refused when the strategy is built; heads that do not split
+    over cp run ring attention, stated then."""
     import torch.distributed as dist
 
     from lightning_zero import ZeroFabricStrategy
     from lightning_zero.models import LlamaConfig
     from tests.scripts.fabric_cp import CONFIG
 
-    with pytest.raises(ValueError, match=match):
-        ZeroFabricStrategy(stage=2, model_config=LlamaConfig(**CONFIG), **knobs)
+    config = LlamaConfig(**CONFIG)
+    with pytest.raises(ValueError, match=r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"):
+        ZeroFabricStrategy(stage=2, cp=2, model_config=config, seq_len=2047)
+    with pytest.warns(UserWarning, match=r"ring attention.*cp\(3\) = 3 does not divide n_heads\(4\)"):
+        ZeroFabricStrategy(stage=2, cp=3, model_config=config, seq_len=2046)
     assert not dist.is_initialized()
 
 

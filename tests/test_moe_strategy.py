@@ -12,8 +12,8 @@ against the same rows of ddp's), and the all-to-all bytes counted from the split
 ``planner.moe.all_to_all_bytes`` of the routing counts the ranks saw.
 
 A third launch (tests/scripts/moe_resume.py, 4 ranks) resumes across ep 2 -> 1 -> 4 (stages 2, 2,
-3) against one uninterrupted run, and exports the ep=4 checkpoint as a Hugging Face Qwen3-MoE
-directory, which transformers loads strictly with the uninterrupted run's weights.
+3) and across tp=2 x ep=2 -> tp=1 x ep=4 against uninterrupted runs, and exports the ep=4
+checkpoint as a Hugging Face Qwen3-MoE directory, which transformers loads strictly with the uninterrupted run's weights.
 """
 
 from __future__ import annotations
@@ -189,6 +189,26 @@ def test_resume_across_ep_2_1_4_equals_one_run(resumed):
                 assert first == 2 * rank  # 8 experts over ep=4
                 expected = expected[first : first + 2]
             torch.testing.assert_close(value, expected, rtol=0, atol=TOL, msg=f"rank {rank} {name}")
+
+
+def test_resume_across_tp_and_ep_equals_one_run(resumed):
+    """tp=2 x ep=2 (dp 2, micro-batches of 4) -> tp=1 x ep=4 (dp 4, micro-batches of 2) at the same
+    global batch: each micro-batch's loss averaged over the dp ranks (TP ranks log the same) and the
+    trained weights equal one ep=4 run's."""
+    straight = [torch.load(resumed / f"tp_straight.rank{rank}.pt") for rank in range(4)]
+    tp2 = [torch.load(resumed / f"tp2_ep2.rank{rank}.pt") for rank in (0, 2)]  # tp rank 0 of each dp rank
+    tp1 = [torch.load(resumed / f"tp1_ep4.rank{rank}.pt") for rank in range(4)]
+
+    def mean_losses(records, count=None):
+        losses = torch.tensor([record["losses"][:count] for record in records])
+        return losses.mean(dim=0)
+
+    joined = torch.cat([mean_losses(tp2, 4), mean_losses(tp1)])  # steps 0-1, then 2-5 (2 micro-batches each)
+    assert joined.numel() == 12
+    torch.testing.assert_close(joined, mean_losses(straight), rtol=0, atol=TOL)
+    for rank in range(4):
+        for name, value in tp1[rank]["params"].items():
+            torch.testing.assert_close(value, straight[rank]["params"][name], rtol=0, atol=TOL, msg=f"{rank} {name}")
 
 
 def test_export_of_an_ep4_checkpoint_gathers_the_experts(resumed, tmp_path):
