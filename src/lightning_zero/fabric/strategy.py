@@ -88,7 +88,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.cp.layout import check_context_parallel
+from lightning_zero.cp.layout import check_context_parallel, layout_notice
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.monitor import Monitor
@@ -159,8 +159,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
         model_config, seq_len: with ``cp > 1``, the model's config (``n_heads``, ``n_kv_heads``)
             and the sequence length the loop will feed, checked here against ``cp`` before any
-            process starts (``ValueError`` naming the fix); without them the heads are checked at
-            ``fabric.setup`` and the length at each ``context_slice``
+            process starts (``ValueError`` naming the fix; ring attention or a kv repeat stated);
+            without them the heads are checked at ``fabric.setup`` and the length at each
+            ``context_slice``
             ([Note: context parallelism under Fabric]).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
             process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
@@ -204,7 +205,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         refuse_knobs(self.zero_config)
         # [Note: context parallelism under Fabric]: what is known of the model and the data is
         # checked now, before any process starts (the model itself arrives after the launch)
-        check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len)
+        notice = layout_notice(
+            check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len, ring_fallback=True)
+        )
+        if notice is not None:
+            warnings.warn(f"lightning_zero: {notice}", stacklevel=2)
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"

@@ -299,6 +299,9 @@ def step_time(
     links: Optional[Mapping[str, Link]] = None,
     shard_size: Optional[int] = None,
     overhead_s: float = 0.0,
+    expert_shard: Optional[int] = None,
+    expert_grad_hops: Optional[Sequence[Hop]] = None,
+    expert_gather_hops: Optional[Sequence[Hop]] = None,
 ) -> StepTime:
     """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP).
 
@@ -306,10 +309,15 @@ def step_time(
     ``dp_link``. With them (:meth:`~lightning_zero.planner.ledger.DpTopology.grad_hops`: hybrid
     sharding, hierarchical reduction, compressed wire formats) a bucket's reduction is its hops
     run one after another, each on ``links[hop.link]``, and ZeRO shards over ``shard_size``
-    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step.
+    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step. Expert parallelism:
+    the expert domain's buckets ([Note: expert domain] in ``zero/domains.py``) are sharded over
+    ``expert_shard`` ranks (the edp group) and reduced / gathered by ``expert_grad_hops`` /
+    ``expert_gather_hops`` on their own links; ``None``: no expert domain.
     """
     shard = shard_size or dp
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes)
+    buckets = engine_buckets(
+        workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes, expert_dp=expert_shard
+    )
     if grad_hops is None:
         kind = "all_reduce" if stage == 0 else "reduce_scatter"
         grad_hops = [Hop(kind, dp, 1.0, "dp", None, grad_bytes)] if dp > 1 else []
@@ -335,13 +343,15 @@ def step_time(
         for link, spent in per_link.items():
             by_link[link] = by_link.get(link, 0.0) + count * spent
 
-    bucket_s = [hops_seconds(grad_hops, b.numel)[0] for b in buckets]
+    grads_of = {False: grad_hops, True: grad_hops if expert_grad_hops is None else expert_grad_hops}
+    gathers_of = {False: gather_hops, True: gather_hops if expert_gather_hops is None else expert_gather_hops}
+    bucket_s = [hops_seconds(grads_of[b.expert], b.numel)[0] for b in buckets]
     gather_s = None
     if stage == 3:
         per_unit = [0.0] * len(workload.unit_forward_s)
         for bucket in buckets:
             unit = workload.tensors[bucket.tensors[0]].unit
-            per_unit[unit] += hops_seconds(gather_hops, bucket.numel)[0]
+            per_unit[unit] += hops_seconds(gathers_of[bucket.expert], bucket.numel)[0]
         gather_s = per_unit
     full_grads = keeps_full_grads(stage, defer_grad_reduce)  # [Note: deferred gradient reduction]
     pool = None if full_grads else pool_buffers(max_buckets_in_flight)
@@ -364,25 +374,26 @@ def step_time(
     compute = micro_batches * (forward.compute_s + backward_sync.compute_s)
     exposed = micro_batches * forward.exposed_s + syncing * backward_sync.exposed_s + quiet * backward_no_sync.exposed_s
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
-    sizes = Counter(bucket.numel for bucket in buckets)  # few distinct sizes: tally each once
+    sizes = Counter((bucket.numel, bucket.expert) for bucket in buckets)  # few distinct sizes: tally each once
     if grad_hops:
-        for numel, count in sizes.items():
-            tally(hops_seconds(grad_hops, numel)[1], count * syncing)
+        for (numel, expert), count in sizes.items():
+            tally(hops_seconds(grads_of[expert], numel)[1], count * syncing)
     if stage == 3 and gather_hops:
         once = gathered_once_units(workload)  # gathered before each forward, again before each backward but these
-        gathers = Counter((b.numel, 1 if workload.tensors[b.tensors[0]].unit in once else 2) for b in buckets)
-        for (numel, times), count in gathers.items():
-            tally(hops_seconds(gather_hops, numel)[1], count * times * micro_batches)
+        gathers = Counter((b.numel, b.expert, 1 if workload.tensors[b.tensors[0]].unit in once else 2) for b in buckets)
+        for (numel, expert, times), count in gathers.items():
+            tally(hops_seconds(gathers_of[expert], numel)[1], count * times * micro_batches)
     post = 0.0
     if stage in (1, 2) and gather_hops:
-        gather = sum(count * hops_seconds(gather_hops, numel)[0] for numel, count in sizes.items())
-        for numel, count in sizes.items():
-            tally(hops_seconds(gather_hops, numel)[1], count)
+        gather = sum(count * hops_seconds(gathers_of[expert], numel)[0] for (numel, expert), count in sizes.items())
+        for (numel, expert), count in sizes.items():
+            tally(hops_seconds(gathers_of[expert], numel)[1], count)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
     local_numel = sum(t.numel for t in workload.tensors)
-    stepped = local_numel / shard if stage >= 1 else local_numel
+    expert_numel = sum(t.numel for t in workload.tensors if t.expert) if expert_shard else 0
+    stepped = (local_numel - expert_numel) / shard + expert_numel / (expert_shard or 1) if stage >= 1 else local_numel
     return StepTime(
         compute_s=compute,
         tp_s=micro_batches * workload.tp_s,
