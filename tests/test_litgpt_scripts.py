@@ -42,6 +42,7 @@ def cases(strategy: str) -> list[str]:
     bf16 run takes a second or two."""
     out = [f"{script}-{strategy}-{precision}" for precision in ("32", "bf16") for script in SCRIPTS]
     out += [f"{script}-{strategy}-32-resume" for script in RESUMED]
+    out.append(f"lora-{strategy}-32-generate")  # at the same place in every launch (LitGPT keeps state between runs)
     if strategy in ("zero2", "zero3"):
         out += [f"{script}-{strategy}defer-bf16" for script in DEFERRED]
     return out
@@ -137,6 +138,25 @@ def test_litgpt_script_under_bf16_true_is_within_bf16_rounding_of_ddp(root, scri
     each micro batch in bf16, the same sums rounded in another order (docs/precision.md); pretrain's
     clipping norm is summed in another order at every stage."""
     _check(root, script, strategy, "bf16")
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_litgpt_rank0_generate_example_runs_as_under_ddp(root, strategy):
+    """LitGPT's ``finetune_lora`` runs ``generate_example`` on rank 0 only, after validating (the other
+    ranks wait in ``fabric.barrier()``) and when the last epoch ends (they go on to ``fabric.all_reduce``).
+    At stage 3 each generated token is a forward over sharded parameters: the waiting ranks serve its
+    all-gathers ([Note: forwards on some ranks only] in fabric/strategy.py; before, the run stalled).
+    Rank 0 generates the same tokens as under ddp, three times; the losses and files are ddp's."""
+    case, reference = f"lora-{strategy}-32-generate", "lora-ddp-32-generate"
+    ran = results(root)
+    assert "exception" not in ran[case], ran[case]
+    assert len(ran[reference]["generated"]) == 3 and ran[case]["generated"] == ran[reference]["generated"]
+    others = {}
+    for path in root.glob("results.*.rank1.json"):
+        others.update(json.loads(path.read_text()))
+    assert others[case]["generated"] == [] == others[reference]["generated"]
+    report = compare(root, case, reference)
+    assert report["loss"] <= LOSS_TOL["32"] and all(e["diff"] <= WEIGHT_TOL["32"] for e in report["files"].values())
 
 
 @pytest.mark.parametrize("strategy", ["zero2defer", "zero3defer"])

@@ -681,12 +681,50 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._unscale(optimizer)
         return super().optimizer_step(optimizer, **kwargs)
 
-    # -- collectives that the failure path skips ------------------------------------------------
+    # -- Fabric's collectives: the failure path skips them; stage 3 serves evaluating peers first -
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self.failed:
             return  # [Note: failure path]: the peers are not coming
+        self._serve_evaluating_peers()
         super().barrier(*args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._serve_evaluating_peers()
+        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        self._serve_evaluating_peers()
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._serve_evaluating_peers()
+        return super().broadcast(obj, src=src)
+
+    def _serve_evaluating_peers(self) -> None:
+        """[Note: forwards on some ranks only] At stage 3 a forward needs every rank: the parameters
+        are shards, each unit is all-gathered before it runs. LitGPT's fine-tuning scripts run
+        ``generate_example`` (a forward per new token, under ``no_grad``) on rank 0 only, while the
+        other ranks go on to ``fabric.barrier()`` (after validation) or ``fabric.all_reduce`` (when
+        the last epoch ends); under Lightning's FSDP the other ranks' collective and rank 0's
+        all-gathers never meet, and the run stalls until the process group's timeout. Here each of
+        Fabric's collectives (``barrier``, ``all_reduce``, ``all_gather``, ``broadcast``) first takes
+        part in the evaluation forwards other ranks still run, as a rank whose evaluation loop ended
+        does (``engine.end_eval_loop``: one 16-byte exchange per call, and while a peer evaluates, the
+        recorded evaluation schedule's all-gathers: ``Stage3Runtime.end_eval_loop``), and returns
+        once every rank has arrived. A peer's forward must
+        follow the recorded evaluation schedule (one forward on every rank first: LitGPT's
+        ``validate`` runs before each ``generate_example``), else the serving ranks raise naming the
+        fix. Skipped inside a training step (between its forward and ``fabric.backward``), where no
+        rank evaluates; every rank takes the same decision, so the exchange itself always meets."""
+        engine = self.engine
+        if engine is None or engine.stage != 3 or self._train_step_open or self.failed or _in_backward():
+            return
+        with self._noting_failures():
+            engine.end_eval_loop()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _layout(self) -> Any:
