@@ -142,32 +142,7 @@ def recipe_plan(name: str):
     return cfg, planned.plan()
 
 
-def moe_recipe_row(name: str) -> str:
-    """A mixture-of-experts recipe's row: planned by ``planner/moe.py`` (``plan_moe``)."""
-    from lightning_zero.hydra_config import compose
-    from lightning_zero.planner.moe import run_moe_plan
-    from lightning_zero.planner.report import _to_container
-
-    cfg = compose([f"recipe={name}"])
-    quiet = type("Quiet", (), {"print": staticmethod(lambda text: None)})
-    plan = run_moe_plan(_to_container(cfg), console=quiet)["plan"]
-    cluster = f"{cfg.trainer.num_nodes} nodes x {cfg.trainer.devices} GPUs, `{cfg.hardware.name}`"
-    layout = [
-        f"ZeRO-{plan['stage']}, ep={plan['ep']} (experts over edp={plan['world_size'] // plan['ep']})",
-        f"micro batch {plan['micro_batch']}, accumulate {plan['accumulate_grad_batches']}",
-        _CHECKPOINTING[plan["activation_checkpointing"]],
-        f"seq {plan['seq_len']}, {plan['precision']}",
-    ]
-    memory = (plan["model_state_bytes"] + plan["gathered_bytes"] + plan["activation_bytes"]) / 2**30
-    return f"| `{name}` | {cluster} | {', '.join(layout)} | {memory:.1f} GiB | {plan['tokens_per_s']:,.0f} |"
-
-
 def recipe_row(name: str) -> str:
-    from lightning_zero.hydra_config import compose
-    from lightning_zero.models.moe.config import moe_preset_names
-
-    if compose([f"recipe={name}"]).model.name in moe_preset_names():
-        return moe_recipe_row(name)
     cfg, plan = recipe_plan(name)
     trainer = cfg.trainer
     if trainer.accelerator == "cpu":
@@ -180,6 +155,8 @@ def recipe_row(name: str) -> str:
         layout.append(f"tp={plan.tp}" + (" + sequence parallel" if plan.sequence_parallel else ""))
     if plan.cp > 1:
         layout.append(f"cp={plan.cp}")
+    if plan.ep > 1:
+        layout.append(f"ep={plan.ep} (experts over edp={plan.edp})")
     dense = plan.dp * plan.cp  # ZeRO's group: the dp x cp ranks of one tp rank
     over = f"dp={plan.dp}" if plan.cp == 1 else f"dp x cp={dense}"
     sharded = f"ZeRO-{plan.stage} over {over}" if plan.shard_size in (None, dense) else (
@@ -216,13 +193,18 @@ def _recipe_order(name: str) -> tuple:
 
 
 def recipe_table(arg: str = "") -> str:
-    from lightning_zero.hydra_config import available_recipes
+    """Every recipe's row (``arg="moe"``: the mixtures of experts only)."""
+    from lightning_zero.hydra_config import available_recipes, compose
+    from lightning_zero.models.moe.config import moe_preset_names
 
     rows = [
         "| recipe | cluster | layout | planned per GPU | predicted tokens/s |",
         "| --- | --- | --- | --- | --- |",
     ]
-    rows.extend(recipe_row(name) for name in sorted(available_recipes(), key=_recipe_order))
+    names = sorted(available_recipes(), key=_recipe_order)
+    if arg == "moe":
+        names = [name for name in names if compose([f"recipe={name}"]).model.name in moe_preset_names()]
+    rows.extend(recipe_row(name) for name in names)
     return "\n".join(rows) + "\n"
 
 

@@ -129,5 +129,52 @@ def _teardown_releases_grads(rank, world):
     engine.close()
 
 
-def test_stage3_teardown_releases_gradients():
-    run_ranks(_teardown_releases_grads, 2, timeout_s=120)
+def _stage3_deferred(rank, world):
+    """Stage 3 with ``defer_grad_reduce=True``: full gradients over the micro batches (the bytes the
+    ledger's rule counts, ``zero.bucketing.keeps_full_grads``), one reduce-scatter per step, the
+    same parameters as the default after the step, the gradients dropped at teardown."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.trainer.monitor import predicted_bytes
+    from lightning_zero.zero.engine import ZeroEngine
+
+    trained = []
+    for defer in (False, True):
+        torch.manual_seed(0)
+        model = _Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, bucket_mb=0.001, defer_grad_reduce=defer))
+        padded = engine.num_params() + engine.padding_numel()
+        inputs = torch.randn(2, 8, 24, generator=torch.Generator().manual_seed(rank))
+        engine.counter.reset()
+        for micro, x in enumerate(inputs):
+            with engine.no_sync() if micro == 0 else torch.enable_grad():
+                (model(x).pow(2).mean() / 2).backward()
+        opt.step()
+        sent = engine.counter.elements["reduce_scatter_grads"]
+        assert sent == (1 if defer else 2) * padded * (world - 1) / world, (defer, sent)
+        want = model_state_bytes(padded, stage=3, dp=world, param_bytes=4, grad_bytes=4, defer_grad_reduce=defer)
+        got = engine.measured_bytes()
+        assert got["grads"] == want.grads == (padded * 4 if defer else padded * 4 / world), (defer, got)
+        assert got["grad_buffers"] == 0 if defer else got["grad_buffers"] > 0
+        assert (
+            predicted_bytes(engine, opt)["grads"]
+            == model_state_bytes(
+                engine.num_params(), stage=3, dp=world, param_bytes=4, grad_bytes=4, defer_grad_reduce=defer
+            ).grads
+        )
+        engine.release_module()
+        assert engine.measured_bytes()["grads"] == 0
+        trained.append([p.detach().clone() for p in model.parameters()])
+        engine.close()
+    for plain, deferred in zip(*trained):
+        torch.testing.assert_close(deferred, plain, rtol=1e-5, atol=1e-6)
+
+
+def _stage3_cases(rank, world):
+    _teardown_releases_grads(rank, world)
+    _stage3_deferred(rank, world)
+
+
+def test_stage3_teardown_releases_gradients_and_deferred_reduce_holds_full_gradients():
+    """One launch: :func:`_teardown_releases_grads`, then :func:`_stage3_deferred`."""
+    run_ranks(_stage3_cases, 2, timeout_s=180)

@@ -359,7 +359,8 @@ def test_checkpoint_resumes_exactly_on_another_ep(tmp_path):
 
 def test_fabric_trains_experts_like_ddp(tmp_path):
     """The Fabric door with ``ep=2``, stages 1-3 (tests/scripts/fabric_ep.py asserts the numbers on
-    each rank); a model that does not declare its layouts is refused at setup, naming ep."""
+    each rank); a model that does not declare its layouts is refused at setup, naming ep; a full file
+    saved at ep=2 (stage 3) continues under Fabric's ddp, and back under ep=2, as the ep=2 run does."""
     import json
 
     from tests.distributed import launch
@@ -368,4 +369,6 @@ def test_fabric_trains_experts_like_ddp(tmp_path):
     for rank in range(2):
         result = json.loads((tmp_path / f"fabric_ep.rank{rank}.json").read_text())
         assert all(result[f"stage{stage}"] < 1e-5 for stage in (1, 2, 3)), result
+        assert result["expert_shape"] == [EXPERTS, DIM, DIM]  # the full file holds every expert
+        assert result["full_file_vs_ddp"] < 1e-5 and result["full_file_back_to_ep2"] < 1e-5, result
         assert "ZeroStrategy(ep=2): Linear does not declare that it splits its experts over ep" in result["refused"]

@@ -60,7 +60,7 @@ def test_config_errors_come_from_the_same_validator(override, match):
 
 def test_planner_reads_the_same_defaults():
     from lightning_zero.hydra_config import PlanConf
-    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, UNPLANNED_KNOBS, plan_run
+    from lightning_zero.planner.arithmetic import PLANNED_KNOBS, plan_run
     from lightning_zero.planner.report import PLAN_DEFAULTS
     from lightning_zero.planner.search import FIXED_KNOBS, search_layouts
 
@@ -72,7 +72,7 @@ def test_planner_reads_the_same_defaults():
     for argument, knob in PLANNED_KNOBS.items():
         if argument not in ("stage", "tp", "bucket_mb", "shard_size", "master_weights"):  # given, resolved or not kept
             assert getattr(planned, argument) == getattr(ZERO_DEFAULTS, knob), argument
-    assert set(PLANNED_KNOBS.values()) | set(UNPLANNED_KNOBS) | {
+    assert set(PLANNED_KNOBS.values()) | {
         "offload_optimizer",
         "monitor",
         "collective_timeout",

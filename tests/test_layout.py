@@ -201,14 +201,23 @@ def test_a_model_that_does_not_declare_cp_or_ep_is_refused_before_launch():
     assert asked[-1].cp == 4
 
 
-def test_the_planner_refuses_what_it_does_not_model_yet():
+def test_the_planner_refuses_what_the_model_would_refuse():
     from lightning_zero.planner.arithmetic import plan_run
     from lightning_zero.planner.report import plan_inputs_from_config
 
-    with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):
+    with pytest.raises(ValueError, match=r"plan: ep=2 but the model 'tiny' has no expert layers"):
         plan_run("tiny", ZeroConfig(ep=2), world_size=4, devices_per_node=4)
-    with pytest.raises(ValueError, match=r"lightning-zero plan.*ep=2 is not planned yet"):
-        plan_inputs_from_config({"strategy": {"stage": 2, "ep": 2}})
+    with pytest.raises(ValueError, match=r"ep\(3\) does not divide n_experts\(4\)"):
+        plan_run("tiny_moe", ZeroConfig(ep=3), world_size=3, devices_per_node=3)
+    from lightning_zero.models.moe import MoEConfig
+
+    capped = MoEConfig.from_name("tiny_moe", capacity_factor=1.25)
+    with pytest.raises(ValueError, match=r"capacity_factor\(1.25\) with tensor_parallel_size\(2\)"):
+        plan_run(capped, ZeroConfig(tensor_parallel_size=2), world_size=4, devices_per_node=4)
+    # ep is planned (issue 54): the experts' own ZeRO domain over edp, the all-to-alls on their link
+    moe = {"model": {"name": "tiny_moe"}, "strategy": {"stage": 2, "ep": 2}, "trainer": {"devices": 4}}
+    planned, _ = plan_inputs_from_config(moe)
+    assert (planned.dims.ep, planned.dims.edp) == (2, 2) and planned.plan().ep == 2
     # cp is planned (issue 55): each rank holds T/cp tokens of activations
     planned, _ = plan_inputs_from_config({"strategy": {"stage": 2, "cp": 2}, "data": {"seq_len": 64}})
     assert planned.dims.cp == 2 and planned.config.cp == 2
@@ -310,6 +319,6 @@ def test_the_planner_takes_the_layout_and_the_config_whole():
         plan_run("7b", stage=0, tp=2, **keywords)
     with pytest.raises(ValueError, match=r"plan: ParallelDims\(.*tp=1.*is not the layout the ZeroConfig asks for"):
         plan("7b", config, ParallelDims(world_size=16, devices_per_node=8), run, options)
-    with pytest.raises(ValueError, match=r"ep=2 is not planned yet"):
+    with pytest.raises(ValueError, match=r"ep=2 but the model '7b' has no expert layers"):
         cfg = ZeroConfig(ep=2)
         plan("7b", cfg, ParallelDims.from_config(cfg, world_size=16, devices_per_node=8), run, options)

@@ -3,7 +3,8 @@
 One launch of tests/scripts/moe_vs_ddp.py per world size trains ``MoELM`` (``tiny_moe_shared``) in
 fp32 with accumulation 2 and clipping: on 2 ranks ddp and ``ep=2`` at stages 1-3, on 4 ranks ddp,
 ``ep=4`` at stages 1-3 and ``ep=2`` (two EP groups, experts sharded over an EDP group of 2) at stage
-2, and ``tp=2`` (sequence-parallel) x ``ep=2`` at stages 1-3 (against the 2-rank ddp: its dp ranks).
+2, and ``tp=2`` (sequence-parallel) x ``ep=2`` at stages 1-3 and without sequence parallelism at
+stage 2 (against the 2-rank ddp: its dp ranks).
 Micro-batch 2 routes no token to the last ``8 / world`` experts (under ``ep = world`` the last
 rank receives zero tokens for all of its experts), micro-batch 3 none from rank 0 to expert 0.
 Per-micro-batch losses and the trained weights must equal ddp's to 1e-5 (an EP rank's experts
@@ -11,8 +12,8 @@ against the same rows of ddp's), and the all-to-all bytes counted from the split
 ``planner.moe.all_to_all_bytes`` of the routing counts the ranks saw.
 
 A third launch (tests/scripts/moe_resume.py, 4 ranks) resumes across ep 2 -> 1 -> 4 (stages 2, 2,
-3) against one uninterrupted run, and exports the ep=4 checkpoint as a Hugging Face Qwen3-MoE
-directory, which transformers loads strictly with the uninterrupted run's weights.
+3) and across tp=2 x ep=2 -> tp=1 x ep=4 against uninterrupted runs, and exports the ep=4
+checkpoint as a Hugging Face Qwen3-MoE directory, which transformers loads strictly with the uninterrupted run's weights.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.distributed import launch
 LAUNCHES = {
     2: ["ddp", "zero1_ep2", "zero2_ep2", "zero3_ep2", "ddp_bias", "zero2_ep1_bias", "zero2_ep2_bias"],
     4: ["ddp", "zero1_ep4", "zero2_ep4", "zero3_ep4", "zero2_ep2", "zero1_tp2_ep2", "zero2_tp2_ep2", "zero3_tp2_ep2",
-        "ddp_bias", "zero3_ep4_bias", "zero1_tp2_ep2_bias"],
+        "zero2_tp2_ep2_nosp", "ddp_bias", "zero3_ep4_bias", "zero1_tp2_ep2_bias"],
 }  # fmt: skip
 CASES = [(world, case) for world, cases in LAUNCHES.items() for case in cases if not case.startswith("ddp")]
 STEERED = [(world, case) for world, case in CASES if not case.endswith("_bias")]
@@ -91,6 +92,36 @@ def test_all_to_all_bytes_equal_the_planner(results, world, case):
         counted = {label: ranks[rank]["counted"].get(label, 0.0) for label in MOE_EXCHANGES}
         assert counted == predicted, (rank, counted, predicted)
         assert all(value > 0 for value in counted.values())
+
+
+@pytest.mark.parametrize("world,case", STEERED)
+def test_model_state_bytes_per_rank_equal_the_planner(results, world, case):
+    """Issue 54 item 5: per rank, dense states over dp*cp and the rank's experts / ep over edp
+    (under tp=2 the dense matrices split, the MoE layers whole): the engine's measured bytes at every
+    step's end equal the one planner's (``arithmetic.plan``) for the same run."""
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.moe import MoEConfig
+    from lightning_zero.planner.arithmetic import PlanOptions, RunShape, plan
+    from lightning_zero.planner.workload import layer_tensors
+
+    tp, ep = _tp(case), _ep(case)
+    planned_model = MoEConfig.from_name("tiny_moe_shared")
+    config = ZeroConfig(stage=int(case[4]), ep=ep, bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    dims = ParallelDims.from_config(config, world_size=world, devices_per_node=world)
+    run = RunShape("32-true", micro_batch=2, seq_len=16, accumulate_grad_batches=2)
+    planned = plan(planned_model, config, dims, run, PlanOptions(simulate=False, suggest=False))
+    want = (planned.memory.params, planned.memory.grads)
+    # AdamW also keeps a 4-byte fp32 step count per tensor it steps (a rank steps a view per owned
+    # run of a parameter: at most one per tensor), which the planner's 8 bytes per element leave out
+    tensors = 3 + sum(len(layer_tensors(planned_model, layer)) for layer in range(planned_model.n_layers))
+    for rank, record in enumerate(results[world][case]):
+        assert len(record["monitor"]) == 3
+        for step in record["monitor"]:
+            got = tuple(step[f"zero/measured_{key}_bytes"] for key in ("params", "grads"))
+            assert got == want, (rank, got, want)
+            steps = step["zero/measured_optimizer_bytes"] - planned.memory.optimizer
+            assert 0 < steps <= 4 * tensors and steps % 4 == 0, (rank, steps)
 
 
 @pytest.mark.parametrize("world,case", BIAS)
@@ -158,6 +189,26 @@ def test_resume_across_ep_2_1_4_equals_one_run(resumed):
                 assert first == 2 * rank  # 8 experts over ep=4
                 expected = expected[first : first + 2]
             torch.testing.assert_close(value, expected, rtol=0, atol=TOL, msg=f"rank {rank} {name}")
+
+
+def test_resume_across_tp_and_ep_equals_one_run(resumed):
+    """tp=2 x ep=2 (dp 2, micro-batches of 4) -> tp=1 x ep=4 (dp 4, micro-batches of 2) at the same
+    global batch: each micro-batch's loss averaged over the dp ranks (TP ranks log the same) and the
+    trained weights equal one ep=4 run's."""
+    straight = [torch.load(resumed / f"tp_straight.rank{rank}.pt") for rank in range(4)]
+    tp2 = [torch.load(resumed / f"tp2_ep2.rank{rank}.pt") for rank in (0, 2)]  # tp rank 0 of each dp rank
+    tp1 = [torch.load(resumed / f"tp1_ep4.rank{rank}.pt") for rank in range(4)]
+
+    def mean_losses(records, count=None):
+        losses = torch.tensor([record["losses"][:count] for record in records])
+        return losses.mean(dim=0)
+
+    joined = torch.cat([mean_losses(tp2, 4), mean_losses(tp1)])  # steps 0-1, then 2-5 (2 micro-batches each)
+    assert joined.numel() == 12
+    torch.testing.assert_close(joined, mean_losses(straight), rtol=0, atol=TOL)
+    for rank in range(4):
+        for name, value in tp1[rank]["params"].items():
+            torch.testing.assert_close(value, straight[rank]["params"][name], rtol=0, atol=TOL, msg=f"{rank} {name}")
 
 
 def test_export_of_an_ep4_checkpoint_gathers_the_experts(resumed, tmp_path):

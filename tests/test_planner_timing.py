@@ -196,8 +196,13 @@ def test_defer_grad_reduce_keeps_full_gradients_in_memory():
     stage1 = plan_run("7b", stage=1, **common)
     assert deferred.memory.grads == stage1.memory.grads == 8 * plain.memory.grads
     assert deferred.memory.bucket_buffers == 0
-    with pytest.raises(ValueError, match="defer_grad_reduce"):
-        plan_run("7b", stage=3, defer_grad_reduce=True, **common)
+    # stage 3 deferred: stage 3's parameters, stage 1's full gradients, one reduce-scatter per step
+    stage3, deferred3 = plan_run("7b", stage=3, **common), plan_run("7b", stage=3, defer_grad_reduce=True, **common)
+    assert deferred3.memory.params == stage3.memory.params and deferred3.memory.optimizer == stage3.memory.optimizer
+    assert deferred3.memory.grads == stage1.memory.grads and deferred3.memory.bucket_buffers == 0
+    assert deferred3.memory.param_grad == 0 < stage3.memory.param_grad
+    assert deferred3.timing.dp_comm_s < stage3.timing.dp_comm_s  # 1 gradient reduce-scatter, not 4
+    assert plan_run("7b", stage=1, defer_grad_reduce=True, **common) == stage1  # stage 1 always defers
 
 
 # ---------------------------------------------------------------------------- search

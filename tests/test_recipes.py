@@ -22,7 +22,7 @@ BIG_RECIPES = (*LLAMA2_RECIPES, *LLAMA3_RECIPES)
 FINETUNE_RECIPES = tuple(f"{name}_finetune" for name in BIG_RECIPES)  # fit and schedule: tests/test_hf.py
 LLAMA3_FINETUNE = tuple(f"{name}_finetune" for name in LLAMA3_RECIPES)
 CP_RECIPES = ("llama3_8b_128k", "llama3_70b_64k")  # long sequences: context parallelism (issue 55)
-MOE_RECIPES = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_671b")  # planner/moe.py, docs/moe.md
+MOE_RECIPES = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3_671b")  # expert parallelism, docs/moe.md
 LAUNCH_DIR = RECIPES_DIR / "launch"
 LAUNCH_SCRIPTS = (LAUNCH_DIR / "torchrun.sh", LAUNCH_DIR / "slurm.sbatch")
 # Shrink any recipe to the tiny model on 2 CPU processes, a few short steps, no accumulation.
@@ -46,7 +46,7 @@ def test_every_shipped_recipe_is_tested():
     assert set(available_recipes()) == {"tiny", *BIG_RECIPES, *FINETUNE_RECIPES, *CP_RECIPES, *MOE_RECIPES}
 
 
-@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *CP_RECIPES))
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *CP_RECIPES, *MOE_RECIPES))
 def test_recipe_fits_its_stated_cluster(recipe):
     from lightning_zero.planner import plan_inputs_from_config
 
@@ -120,7 +120,7 @@ def test_llama3_405b_on_16_nodes_of_h100_needs_sequence_parallelism():
     assert f"(0 of {old.evaluated})" in header and f"{len(new.ranked)} of {new.evaluated} do" in header
 
 
-@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *LLAMA3_FINETUNE, *CP_RECIPES))
+@pytest.mark.parametrize("recipe", (*BIG_RECIPES, *LLAMA3_FINETUNE, *CP_RECIPES, *MOE_RECIPES))
 def test_recipe_layout_is_the_planner_searchs_choice(recipe):
     # Each recipe's layout (stage, tp, micro batch, checkpointing, buckets) was chosen by
     # `lightning-zero plan recipe=NAME plan.search=true`; its header says why. It must stay the
@@ -185,27 +185,25 @@ def test_cp_recipe_shrinks_to_cp2(recipe):
 
 
 @pytest.mark.parametrize("recipe", MOE_RECIPES)
-def test_moe_recipe_fits_its_stated_cluster_and_is_the_searchs_choice(recipe):
+def test_moe_recipe_splits_its_experts_as_it_says(recipe):
+    # Planned by the one planner (fit and search: the tests above): experts as their own ZeRO domain
+    # over edp, the all-to-alls on the ep group's link; the header states the split and that link.
     from lightning_zero.models.moe import MoEConfig
-    from lightning_zero.planner.moe import run_moe_plan, search_moe
-    from lightning_zero.planner.report import _to_container
+    from lightning_zero.planner import plan_inputs_from_config
 
     cfg = compose([f"recipe={recipe}"])
     arch = MoEConfig.from_name(cfg.model.name)
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    assert arch.n_experts % cfg.strategy.ep == 0 and world % cfg.strategy.ep == 0
-    result = run_moe_plan(_to_container(cfg), console=type("Quiet", (), {"print": staticmethod(lambda text: None)}))
-    plan = result["plan"]
-    assert plan["fits"] and plan["ep"] == cfg.strategy.ep and plan["stage"] == cfg.strategy.stage
-    header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
-    shape = re.search(r"(\d+) nodes? x (\d+) GPUs", header)
-    assert shape and (int(shape.group(1)), int(shape.group(2))) == (cfg.trainer.num_nodes, cfg.trainer.devices)
-    assert f"ZeRO-{cfg.strategy.stage}" in header and f"ep={cfg.strategy.ep}" in header
-    assert f"{plan['tokens_per_s']:,.0f} tokens/s" in header  # the comment quotes the current prediction
-    tokens = world * plan["micro_batch"] * plan["accumulate_grad_batches"] * plan["seq_len"]
-    best = search_moe(arch, world_size=world, devices_per_node=cfg.trainer.devices, seq_len=plan["seq_len"],
-                      global_batch_tokens=tokens, hardware=cfg.hardware)[0]  # fmt: skip
-    assert plan["tokens_per_s"] >= 0.995 * best.tokens_per_s, (plan["tokens_per_s"], best.describe())
+    planned, _ = plan_inputs_from_config(cfg)
+    plan = planned.plan()
+    assert (plan.ep, plan.stage, plan.tp) == (cfg.strategy.ep, cfg.strategy.stage, 1)
+    assert plan.expert_params_per_rank == arch.expert_params() // plan.ep
+    assert plan.traffic.ep_all_to_all_bytes > 0 and plan.tokens_per_step == 4 * 2**20 * (
+        4 if "deepseek" in recipe else 1
+    )
+    header = " ".join((RECIPES_DIR / f"{recipe}.yaml").read_text().replace("#", " ").split())  # one line
+    link = {"intra_node": "inside a node", "inter_node": "across two nodes"}[plan.traffic.ep_link]
+    assert f"ep={plan.ep}" in header and f"{arch.n_experts // plan.ep} of the {arch.n_experts}" in header
+    assert f"sharded over the {plan.edp} ranks" in header and link in header, (link, plan.edp)
 
 
 @pytest.mark.parametrize("recipe", available_recipes())

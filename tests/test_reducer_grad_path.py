@@ -103,6 +103,7 @@ def test_monitor_predicts_fp32_gradient_bytes():
         compute_dtype: torch.dtype = torch.bfloat16
         stage: int = 1
         dp_size: int = 2
+        defer_grad_reduce: bool = False
 
         def num_params(self) -> int:
             return 1000

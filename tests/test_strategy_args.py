@@ -27,7 +27,7 @@ from lightning_zero.trainer.precision import ZeroHalfPrecision, ZeroMixedPrecisi
         ({"overlap_comm": 1}, r"ZeroStrategy\(overlap_comm=1\): must be True or False"),
         ({"prefetch_blocks": 1.5}, "prefetch_blocks"),
         ({"collective_timeout": 0}, r"ZeroStrategy\(collective_timeout=0\)"),
-        ({"stage": 3, "defer_grad_reduce": True}, "defer_grad_reduce"),
+        ({"defer_grad_reduce": "yes"}, r"ZeroStrategy\(defer_grad_reduce=.yes.\): must be True or False"),
         ({"sequence_parallel": True}, r"sequence_parallel=True, tensor_parallel_size=1\).*tensor_parallel_size > 1"),
         ({"sequence_parallel": "yes"}, r"ZeroStrategy\(sequence_parallel='yes'\): must be True or False"),
     ],

@@ -28,6 +28,7 @@ PAIRS = {
     "zero2_offload": "ddp",
     "zero3_offload_acc": "ddp_acc",
     "zero3_acc": "ddp_acc",
+    "zero3_acc_defer": "ddp_acc",
     "zero3_value_clip": "ddp_value_clip",
     "zero2_acc_gather_sync": "ddp_acc",
     "zero2_offload_acc": "ddp_acc",
@@ -76,6 +77,19 @@ def test_bf16_stages_agree(results, case):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-2, msg=f"{case} {name}")
+
+
+@pytest.mark.slow
+def test_stage3_deferred_reduce_equals_ddp_under_bf16_true_accumulation(results):
+    """Stage 3 with ``defer_grad_reduce=True`` keeps the micro batches' bf16 gradients unsharded and
+    reduce-scatters once, as ddp sums them locally and all-reduces once: bit for bit ([Note: deferred
+    gradient reduction] in zero/bucketing.py; the default reduce-scatters every micro batch)."""
+    for rank in (0, 1):
+        got = torch.load(results / f"zero3_bf16t_acc_defer.rank{rank}.pt")
+        want = torch.load(results / f"ddp_bf16t_acc.rank{rank}.pt")
+        assert len(got["losses"]) == len(want["losses"]) > 0 and got["losses"] == want["losses"]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
 
 
 @pytest.mark.slow

@@ -63,9 +63,11 @@ class ZeroConfig:
             ``prefetch_blocks + 1`` gathered at once).
         offload_optimizer: keep fp32 master and optimizer-state shards in CPU memory; the optimizer
             steps on the CPU and the updated chunk is copied back to the device.
-        defer_grad_reduce: stage 2 with accumulation: keep full gradients over micro batches and
-            reduce once at the last (stage-1 gradient memory, one reduce-scatter per step). Stage 1
-            always defers.
+        defer_grad_reduce: stages 2 and 3 with accumulation: keep full gradients over micro batches
+            and reduce once at the last (stage-1 gradient memory, one reduce-scatter per step; at
+            stage 3 the parameters stay sharded), as FSDP2's ``set_requires_gradient_sync(False)``.
+            Under ``bf16-true`` this is what equals ddp bit for bit (docs/precision.md). Stage 1
+            always defers ([Note: deferred gradient reduction] in ``zero/bucketing.py``).
         max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
             first waits for the oldest); stage 2/3: the pool of full-size bucket buffers holds one
             more (those in flight and the one filling: gradient memory is the shard plus
@@ -260,11 +262,6 @@ class ZeroConfig:
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:
             object.__setattr__(self, "collective_timeout", float(timeout))
-        if self.stage == 3 and self.defer_grad_reduce:
-            raise ValueError(
-                "ZeroStrategy(stage=3, defer_grad_reduce=True): deferring keeps full-size gradients, which"
-                " stage 3 never holds; use stage=2 for deferred reduction."
-            )
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -15,6 +15,7 @@ Usage: python tests/scripts/fabric_contracts.py OUT_DIR MODE:STRATEGY [MODE:STRA
   its state dict and first loss.
 - at exit (every case): which stage 1-2 parameter all-gathers are still in flight and which of our
   threads still run when the interpreter finalizes (``exit.rank<r>.json``); no case tears down.
+- ``mixedsd``: ``model.state_dict()`` under bf16-mixed after setup and after 2 steps.
 - ``full``: ``state_dict_type="full"``: 2 steps, ``fabric.save`` of model, optimizer, scheduler and a step
   count in one torch file, 2 more steps. ``fullresume:<loader>@<saver>``: the file of ``<saver>``'s run
   loaded by a fresh Fabric, 2 steps (ddp loads ours, we load ddp's).
@@ -173,10 +174,10 @@ def lora(out: Path, strategy_name: str) -> dict:
 
 def lorabf16(out: Path, case: str) -> dict:
     """LoRA under bf16-true in a loop that accumulates 2 micro batches and clips (issue 53's fault 6).
-    ``case``: ddp, zero1, zero2, zero3, zero2defer (``defer_grad_reduce=True``), zero2fp32
-    (``reduce_dtype="fp32"``)."""
-
-    knobs = {"zero2defer": {"defer_grad_reduce": True}, "zero2fp32": {"reduce_dtype": "fp32"}}.get(case, {})
+    ``case``: ddp, zero1, zero2, zero3, zero2defer and zero3defer (``defer_grad_reduce=True``),
+    zero2fp32 (``reduce_dtype="fp32"``)."""
+    deferred = {"defer_grad_reduce": True}
+    knobs = {"zero2defer": deferred, "zero3defer": deferred, "zero2fp32": {"reduce_dtype": "fp32"}}.get(case, {})
     fabric = make_fabric(case[:5] if case != "ddp" else "ddp", "bf16-true", **knobs)
     base = out / "lora_base.pth"  # written by the lora case
     model, optimizer = lora_model(fabric)
@@ -192,7 +193,8 @@ def lorabf16(out: Path, case: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     lora = {k: v for k, v in floats(model.state_dict()).items() if "lora_" in k}
-    return {"losses": losses, "lora": lora}
+    buffers = {name: str(buffer.dtype) for name, buffer in model.module.named_buffers()}  # LitGPT's rope cache
+    return {"losses": losses, "lora": lora, "buffer_dtypes": buffers}
 
 
 class Remapped(nn.Module):
@@ -360,7 +362,26 @@ def fullresume(out: Path, case: str) -> dict:
     return {"losses": losses, "step_count": state["step_count"]}
 
 
+def mixedsd(out: Path, strategy_name: str) -> dict:
+    """bf16-mixed: ``model.state_dict()`` (ddp: fp32 weights under autocast; we: bf16 compute copies
+    at stages 1-2, shards at stage 3) right after setup and after 2 steps: dtypes and values."""
+    from litgpt.model import GPT
+
+    fabric = make_fabric(strategy_name, "bf16-mixed")
+    fabric.seed_everything(21)
+    module = GPT(gpt_config())
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-3))  # builds the engine
+    first = model.state_dict()  # ddp hands out the parameters' own storage: copied now
+    first_values = floats(first)
+    losses = train(fabric, model, optimizer, range(2))
+    last = model.state_dict()
+    compute = sorted({str(p.dtype) for p in model.parameters()})
+    dtypes = [{k: str(v.dtype) for k, v in state.items()} for state in (first, last)]
+    return {"first": first_values, "last": floats(last), "dtypes": dtypes, "losses": losses, "compute_dtypes": compute}
+
+
 MODES = {
+    "mixedsd": mixedsd,
     "lorabf16": lorabf16,
     "lora": lora,
     "torchload": torchload,

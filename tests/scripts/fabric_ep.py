@@ -6,7 +6,8 @@ rank's experts over ``fabric.strategy.mesh_groups.ep`` (after ``fabric.launch()`
 for 3 steps of 2 micro batches (``no_backward_sync``, ``clip_gradients``, AdamW with weight decay),
 and compared on every rank with one process training the full model on both ranks' batches: losses
 and weights to 1e-5 (``assert_close``); a model that does not declare ``check_parallel_dims`` is
-refused at ``fabric.setup`` naming ep. Writes ``OUT_DIR/fabric_ep.rank<r>.json``.
+refused at ``fabric.setup`` naming ep; a full file saved at ep=2 loads into Fabric's ddp and back
+into ep=2 (:func:`full_file`). Writes ``OUT_DIR/fabric_ep.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,75 @@ def run(stage: int) -> float:
     return worst
 
 
+def _train(fabric, model, optimizer, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        total = 0.0
+        for micro, x in enumerate(batch):
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                loss = model(x[fabric.global_rank]) / MICRO
+                fabric.backward(loss)
+            total += loss.item()
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def full_file(out: str) -> dict:
+    """A full file saved under ``ZeroFabricStrategy(stage=3, ep=2, state_dict_type="full")`` after 2
+    steps of the stacked toy MoE holds the whole expert tensors and their AdamW state: Fabric's
+    ddp loads it strictly into the unsplit model and trains step 3 exactly as the ep=2 run goes on
+    (losses and weights), and a ZeRO-2 ep=2 run loads it back into its EP rank's rows alike."""
+    path, batches = os.path.join(out, "full_ep2.pth"), _batches(WORLD)
+
+    def zero(stage: int, state_dict_type: str):
+        fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=ZeroFabricStrategy(
+            stage=stage, ep=2, bucket_mb=0.0005, collective_timeout=60, state_dict_type=state_dict_type))  # fmt: skip
+        fabric.launch()
+        groups = fabric.strategy.mesh_groups
+        model = ToyMoE(2, groups.rank_in("ep"), groups.ep, stacked=True)
+        optimizer = _optimizer(model)
+        model, optimizer = fabric.setup(model, optimizer)
+        return fabric, model, optimizer, groups.rank_in("ep")
+
+    fabric, model, optimizer, ep_rank = zero(3, "full")
+    _train(fabric, model, optimizer, batches[:2])
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    ep_losses = _train(fabric, model, optimizer, batches[2:])
+    ep_weights = fabric.strategy.get_module_state_dict(model._forward_module)
+
+    ddp = L.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp")
+    ddp.launch()
+    dense = ToyMoE(stacked=True, seed=1)  # other weights than the file's: the load must replace them all
+    dense_optimizer = _optimizer(dense)
+    dense, dense_optimizer = ddp.setup(dense, dense_optimizer)
+    state = {"model": dense, "optimizer": dense_optimizer, "step": 0}
+    ddp.load(path, state, strict=True)
+    assert state["step"] == 2
+    saved = torch.load(path, weights_only=True)
+    shape = tuple(saved["model"]["blocks.0.experts.0"].shape)
+    assert shape == (EXPERTS, 8, 8), shape  # every expert, as ddp's model holds them
+    ddp_losses = _train(ddp, dense, dense_optimizer, batches[2:])
+    worst = max(abs(a - b) for a, b in zip(ep_losses, ddp_losses))
+    n_local = EXPERTS // 2
+    for name, value in dense.state_dict().items():
+        mine = ep_weights[name]
+        if ".experts." in name:
+            value = value[ep_rank * n_local : (ep_rank + 1) * n_local]
+        worst = max(worst, (value - mine).abs().max().item())
+
+    fabric, model, optimizer, ep_rank = zero(2, "sharded")  # and back into ep=2, each rank its rows
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state, strict=True)
+    back_losses = _train(fabric, model, optimizer, batches[2:])
+    worst_back = max(abs(a - b) for a, b in zip(ep_losses, back_losses))
+    for name, value in fabric.strategy.get_module_state_dict(model._forward_module).items():
+        worst_back = max(worst_back, (value - ep_weights[name]).abs().max().item())
+    return {"full_file_vs_ddp": worst, "full_file_back_to_ep2": worst_back, "expert_shape": list(shape)}
+
+
 def refused() -> str:
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=ZeroFabricStrategy(stage=2, ep=2))
     fabric.launch()
@@ -72,6 +142,7 @@ def refused() -> str:
 if __name__ == "__main__":
     out = sys.argv[1]
     result = {f"stage{stage}": run(stage) for stage in (1, 2, 3)}
+    result.update(full_file(out))
     result["refused"] = refused()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"fabric_ep.rank{rank}.json"), "w") as handle:

@@ -4,10 +4,12 @@ Usage: python tests/scripts/litgpt_scripts.py OUT_DIR CASE [CASE ...]
 Launched torchrun-style by tests/test_litgpt_scripts.py; one launch runs several cases in turn, each
 through ``lightning_zero.fabric.litgpt.run`` (LitGPT's CLI with every ``L.Fabric`` built on the
 case's strategy). CASE = ``<script>-<strategy>-<precision>[-resume]``: script ``lora``, ``adapter``,
-``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``
+``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``, ``zero3defer``
 (``defer_grad_reduce=True``); precision ``32`` or ``bf16``
 (``32-true`` / ``bf16-true``). ``-resume`` runs ``full`` / ``pretrain`` again with ``--resume`` from the
 step-2 checkpoint of the same case's first run (which ran 4 steps), into a directory of its own.
+``-generate`` runs ``lora`` with LitGPT's rank-0 ``generate_example`` on (``--eval.interval 2``, one
+epoch: after the validations at steps 2 and 4 and when the epoch ends) and records what it generated.
 
 What the runs share, made once by rank 0 (no network): a byte-level BPE ``tokenizer.json`` trained with
 the ``tokenizers`` library on the corpus below, a tiny LitGPT config, base checkpoints (for LoRA and the
@@ -24,6 +26,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch  # noqa: E402
@@ -146,7 +150,8 @@ STEPS = 4
 PRETRAIN_SEQ = 16
 
 
-def command(root: Path, script: str, strategy: str, precision: str, out: Path, resume: bool) -> list[str]:
+def command(root: Path, script: str, strategy: str, precision: str, out: Path, resume: bool,
+            generate: bool = False) -> list[str]:  # fmt: skip
     common = ["--out_dir", str(out), "--precision", {"32": "32-true", "bf16": "bf16-true"}[precision],
               "--devices", "2", "--logger_name", "csv", "--train.log_interval", "1",
               "--train.save_interval", "2", "--train.lr_warmup_steps", "1"]  # fmt: skip
@@ -167,6 +172,17 @@ def command(root: Path, script: str, strategy: str, precision: str, out: Path, r
             "--eval.final_validation", "false", *common]  # fmt: skip
     if script == "lora":
         args += [item for key, value in LORA.items() for item in (f"--{key}", str(value).lower())]
+    if generate:  # LitGPT's rank-0 generate_example after the validation at step 2 and when the epoch ends
+        args += [
+            "--eval.interval",
+            "2",
+            "--train.epochs",
+            "1",
+            "--train.max_steps",
+            "100",
+            "--data.prompt_style",
+            "phi-1",
+        ]
     if resume:
         args += ["--resume", str(resume_path(out, script))]
     return args
@@ -179,15 +195,42 @@ def resume_path(out: Path, script: str) -> Path:
 
 def run_case(root: Path, case: str) -> dict:
     script, strategy, precision, *rest = case.split("-")
-    resume = rest == ["resume"]
+    resume, generate = rest == ["resume"], rest == ["generate"]
     out = root / "runs" / case
     ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
     options = {"stage": ddp if strategy == "ddp" else strategy[4], "state_dict_type": "full"}
-    if strategy.endswith("defer"):  # zero2defer: gradients stay local over the accumulated micro batches
+    if strategy.endswith("defer"):  # zero2defer, zero3defer: gradients stay local over the accumulated micro batches
         options["defer_grad_reduce"] = True
+    if generate and strategy != "ddp":
+        options["collective_timeout"] = 60.0  # a stalled rank-0 generation fails in a minute, naming the wait
+    generated: list = []
     started = time.perf_counter()
-    run(command(root, script, strategy, precision, out, resume), options)
-    return {"seconds": time.perf_counter() - started}
+    with recording_generations(generated, enabled=generate):
+        run(command(root, script, strategy, precision, out, resume, generate), options)
+    return {"seconds": time.perf_counter() - started, "generated": generated}
+
+
+@contextmanager
+def recording_generations(generated: list, enabled: bool) -> Iterator[None]:
+    """The token ids of every ``generate`` LitGPT's ``finetune_lora`` runs in its ``generate_example``
+    (on rank 0 only), recorded by wrapping the module's ``generate`` (the script is unchanged)."""
+    if not enabled:
+        yield
+        return
+    import litgpt.finetune.lora as lora_script
+
+    original = lora_script.generate
+
+    def recorded(*args, **kwargs):
+        output = original(*args, **kwargs)
+        generated.append(output.tolist())
+        return output
+
+    lora_script.generate = recorded
+    try:
+        yield
+    finally:
+        lora_script.generate = original
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ first layer, sigmoid routing with a selection bias, a shared expert, 8 routed ex
 fp32 with gradient accumulation 2 and clipping, for STEPS optimizer steps, and writes
 OUT_DIR/<case>.rank<r>.pt: the per-micro-batch losses, this rank's parameters (an EP rank's experts
 are its rows of the stacked tensors, with their offset), the all-to-all bytes counted per label and
-the routing counts each micro-batch saw, and the monitor's ``moe/`` figures per step.
+the routing counts each micro-batch saw, and the monitor's ``moe/`` figures and the engine's
+measured model-state bytes (``zero/measured_*``) per step.
 
 The routing is steered through the selection bias (a buffer set inside ``training_step``, after
 ddp's buffer broadcast, identically in every case) so that
@@ -15,8 +16,8 @@ ddp's buffer broadcast, identically in every case) so that
   ``ep = world`` the last rank receives zero tokens for all of its experts;
 - micro-batch 3 (step 1): expert 0 gets no token from global rank 0 (but from the others).
 
-A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``T`` ranks per
-TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
+A case ``zero<S>_tp<T>_ep<E>`` adds tensor parallelism with sequence parallelism (``_nosp`` appended:
+without it; ``T`` ranks per TP group, ``world / T`` data-parallel ranks, steered and fed as ddp on ``world / T`` ranks: it is
 compared with the ddp case of that smaller launch); its parameters are written TP-gathered.
 
 A case ending in ``_bias`` (``ddp_bias``, ``zero2_ep2_bias``, ...) trains without steering, with
@@ -89,7 +90,9 @@ def strategy(case: str):
         return "ddp"
     stage, ep = case.removeprefix("zero").split("_")[0], case.split("_ep")[1].split("_")[0]
     tp = tensor_parallel(case)
-    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    sequence_parallel = tp > 1 and not case.endswith("_nosp")
+    return ZeroStrategy(stage=int(stage), ep=int(ep), bucket_mb=0.02, tensor_parallel_size=tp,
+                        sequence_parallel=sequence_parallel)  # fmt: skip
 
 
 def run(case: str, out_dir: str) -> None:
@@ -106,9 +109,8 @@ def run(case: str, out_dir: str) -> None:
     strategy_ = trainer.strategy
     counted = dict(strategy_.comm_counter.snapshot()["bytes"]) if isinstance(strategy_, ZeroStrategy) else {}
     monitor = [cb for cb in trainer.callbacks if type(cb).__name__ == "ZeroMonitor"]
-    history = (
-        [{k: v for k, v in step.items() if k.startswith("moe/")} for step in monitor[0].history] if monitor else []
-    )
+    kept = ("moe/", "zero/measured_")  # the moe figures, and the engine's model-state bytes (planner: test)
+    history = [{k: v for k, v in step.items() if k.startswith(kept)} for step in monitor[0].history] if monitor else []
     params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}
     if tp > 1:  # the dense (TP-gathered) tensors; an EP rank's experts stay its rows
         from lightning_zero.tp import gather_tp_state_dict

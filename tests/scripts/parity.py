@@ -116,6 +116,14 @@ CASES = {
     "zero2_value_clip": (lambda: "zero2", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "zero3": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004), {}),
     "zero3_acc": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004, prefetch_blocks=2), ACC),
+    "zero3_acc_defer": (lambda: ZeroStrategy(stage=3, bucket_mb=0.004, defer_grad_reduce=True), ACC),
+    # bf16-true under accumulation: ddp sums the micro batches' bf16 gradients locally and reduces once
+    # (no clipping: torch's clip_grad_norm_ rounds each bf16 norm, docs/precision.md)
+    "ddp_bf16t_acc": (lambda: "ddp", {"precision": "bf16-true", "accumulate_grad_batches": 2}),
+    "zero3_bf16t_acc_defer": (
+        lambda: ZeroStrategy(stage=3, bucket_mb=0.004, defer_grad_reduce=True),
+        {"precision": "bf16-true", "accumulate_grad_batches": 2},
+    ),
     "zero3_value_clip": (lambda: "zero3", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "zero2_offload": (lambda: ZeroStrategy(stage=2, bucket_mb=0.004, offload_optimizer=True), {}),
     "zero3_offload_acc": (lambda: ZeroStrategy(stage=3, offload_optimizer=True), ACC),

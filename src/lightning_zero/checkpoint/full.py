@@ -23,6 +23,17 @@ the shards. Buffers and parameters outside the engine are torch's business as us
 the engine refreshes the compute parameters from the masters (stages 1-2 all-gather, stage 3
 refreshes the shard), also when torch raised (``strict``), so a rank is never half loaded. The
 optimizer state is not part of it (a fresh load, as ``load_state_dict`` is under ddp).
+
+[Note: dense experts in a full file] Under expert parallelism a rank holds its EP rank's rows of
+each stacked expert tensor (``_ep_shard_dim``, [Note: expert domain] in ``zero/domains.py``). A full
+file (``fabric.save`` with ``state_dict_type="full"``) is the file ddp writes, so its expert tensors
+are the layers' whole ones: each is gathered over the EDP group (this EP rank's rows, whole), then
+all-gathered over the EP group along ``_ep_shard_dim`` (``ep_gather_full``; peak memory one layer's
+tensor), for the parameters and for their optimizer state alike. Loading takes either shape: a
+whole tensor gives each rank its EP rank's rows (``ep_rows``), a tensor of the rank's own shape
+(``model.state_dict()`` under the same ep) loads as it is. Experts that are Parameters of their own
+(no ``_ep_shard_dim``: one EP rank holds each) have no whole tensor, so a full file is refused for
+them (save the sharded checkpoint).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from lightning_zero.zero.domains import is_expert_param
+from lightning_zero.comm.collectives import all_gather
+from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
 
 ValueDtype = Callable[[nn.Parameter], torch.dtype]
 
@@ -51,13 +63,55 @@ def owned_runs_by_name(engine: Any) -> dict[str, list]:
     return owned
 
 
+def expert_domain_of(param: nn.Parameter, engine: Any) -> Optional[Any]:
+    """The engine's ``ExpertDomain`` when ``param`` is an expert parameter under expert parallelism,
+    else ``None`` ([Note: expert domain] in ``zero/domains.py``)."""
+    domain = getattr(engine, "expert_domain", None)
+    return domain if domain is not None and is_expert_param(param) else None
+
+
+def dense_experts(local: torch.Tensor, param: nn.Parameter, engine: Any) -> torch.Tensor:
+    """[Note: dense experts in a full file]: this EP rank's rows ``local`` of a stacked expert
+    tensor -> the layer's whole tensor, every EP rank's rows in EP-rank order along the
+    parameter's ``_ep_shard_dim`` (an all-gather over the EP group, ``ep_gather_full``); ``local``
+    itself without expert parallelism. A collective over the EP group."""
+    domain = expert_domain_of(param, engine)
+    if domain is None or domain.ep_size == 1:
+        return local
+    dim = ep_shard_dim(param)
+    if dim is None:
+        raise ValueError(
+            f"a full state dict under ep={domain.ep_size}: an expert parameter of shape {tuple(param.shape)} has no"
+            " _ep_shard_dim (one expert's own Parameter, held by one EP rank), so no rank holds a dense tensor for"
+            " its name; stack a layer's experts in one Parameter (zero/domains.mark_expert_param(p, shard_dim=0)),"
+            " or save the sharded checkpoint"
+        )
+    rows = local.movedim(dim, 0).contiguous().to(engine.device)
+    gathered = rows.new_empty((domain.ep_size * rows.shape[0], *rows.shape[1:]))
+    all_gather(gathered, rows, domain.ep_group, label="ep_gather_full")
+    return gathered.movedim(0, dim).contiguous().cpu()
+
+
+def ep_rows(dense: torch.Tensor, param: nn.Parameter, engine: Any) -> torch.Tensor:
+    """The inverse of :func:`dense_experts`: this EP rank's rows of a whole stacked expert tensor
+    (a view; ``dense`` itself when it already has the parameter's shape or without expert
+    parallelism). No collective."""
+    domain = expert_domain_of(param, engine)
+    dim = ep_shard_dim(param)
+    if domain is None or domain.ep_size == 1 or dim is None or tuple(dense.shape) == tuple(param.shape):
+        return dense
+    rows = param.shape[dim]
+    return dense.narrow(dim, domain.ep_rank * rows, rows)
+
+
 def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[dist.ProcessGroup],
-                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                 dtype: torch.dtype, *, dense: bool = False) -> torch.Tensor:  # fmt: skip
     """One parameter's full value on every rank of ``group`` (a collective), on the host. An expert
     parameter under expert parallelism is gathered over the engine's EDP group instead: this EP
-    rank's experts, whole ([Note: expert domain] in ``zero/domains.py``)."""
-    domain = getattr(engine, "expert_domain", None)
-    if domain is not None and is_expert_param(param):
+    rank's experts, whole ([Note: expert domain] in ``zero/domains.py``), and with ``dense`` then
+    every EP rank's (:func:`dense_experts`)."""
+    domain = expert_domain_of(param, engine)
+    if domain is not None:
         group = domain.group
     flat = torch.zeros(param.shape.numel(), dtype=torch.float32 if dtype.is_floating_point else dtype,
                        device=engine.device)  # fmt: skip
@@ -65,7 +119,8 @@ def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[d
         flat[run.param_lo : run.param_hi] = run.master.detach()[run.chunk_lo : run.chunk_hi].to(flat.dtype)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
-    return flat.view(param.shape).to(dtype).cpu()
+    value = flat.view(param.shape).to(dtype)
+    return (dense_experts(value, param, engine) if dense else value).cpu()
 
 
 def gather_full_state_dict(
@@ -75,10 +130,13 @@ def gather_full_state_dict(
     *,
     value_dtype: ValueDtype = _fp32,
     keep: Optional[Callable[[str, Any], bool]] = None,
+    dense: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The module's state dict with full master values, on every rank (collective over ``group``,
     the engine's shard group). ``keep(key, tensor)``: only the keys it accepts (Fabric's
-    ``filter``); a parameter no kept key names is not gathered."""
+    ``filter``); a parameter no kept key names is not gathered. ``dense``: stacked expert
+    parameters under expert parallelism hold every EP rank's experts (the whole layer's tensor, as
+    ddp's model holds it: [Note: dense experts in a full file]); else this EP rank's."""
     entries = {k: t for k, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     if keep is not None:
         entries = {k: t for k, t in entries.items() if keep(k, t)}
@@ -89,7 +147,8 @@ def gather_full_state_dict(
     with torch.no_grad(), record_function("lightning_zero::gather_full_state_dict"):
         for name, param in managed.items():  # the same order on every rank: one collective each
             if id(param) in wanted:
-                full[id(param)] = gather_param(param, owned.get(name, []), engine, group, value_dtype(param))
+                full[id(param)] = gather_param(param, owned.get(name, []), engine, group, value_dtype(param),
+                                               dense=dense)  # fmt: skip
     return {k: full[id(t)] if id(t) in full else t.detach().cpu().clone() for k, t in entries.items()}
 
 
@@ -118,6 +177,7 @@ class _Receiver(torch.Tensor):
 
     _runs: list
     _loaded: list
+    _rows: Optional[tuple[int, int, int]]  # (dim, first, count): this EP rank's rows of a whole tensor
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -136,16 +196,28 @@ class _Receiver(torch.Tensor):
         if not isinstance(source, torch.Tensor) and callable(getattr(source, "_load_tensor", None)):
             source = source._load_tensor()  # LitGPT / Fabric's lazily loaded tensor: read now, one at a time
         with torch._C.DisableTorchFunctionSubclass():
+            if self._rows is not None:  # a whole stacked expert tensor: this EP rank's rows
+                dim, start, count = self._rows
+                source = source.narrow(dim, start, count)
             flat = source.detach().reshape(-1)
             for run in self._runs:
                 run.master.detach()[run.chunk_lo : run.chunk_hi].copy_(flat[run.param_lo : run.param_hi])
         self._loaded.append(True)
 
 
-def _receiver(param: nn.Parameter, runs: list) -> _Receiver:
-    one = torch.empty((), dtype=param.dtype, device="cpu").expand(param.shape)
+def _receiver(param: nn.Parameter, runs: list, engine: Any, saved: Any = None) -> _Receiver:
+    """Under expert parallelism a stacked expert parameter whose ``saved`` value is the layer's
+    whole tensor receives that shape (the one torch's load checks) and keeps this EP rank's rows
+    ([Note: dense experts in a full file]); a value of this rank's shape loads as it is."""
+    shape, rows = param.shape, None
+    domain, dim = expert_domain_of(param, engine), ep_shard_dim(param)
+    if domain is not None and domain.ep_size > 1 and dim is not None:
+        whole = (*param.shape[:dim], domain.ep_size * param.shape[dim], *param.shape[dim + 1 :])
+        if tuple(getattr(saved, "shape", ())) == whole:
+            shape, rows = whole, (dim, domain.ep_rank * param.shape[dim], param.shape[dim])
+    one = torch.empty((), dtype=param.dtype, device="cpu").expand(shape)
     receiver = torch.Tensor._make_subclass(_Receiver, one, False)
-    receiver._runs, receiver._loaded = runs, []
+    receiver._runs, receiver._loaded, receiver._rows = runs, [], rows
     return receiver
 
 
@@ -163,7 +235,10 @@ def load_full_state_dict(
         )
     managed = engine.managed_parameters()
     owned = owned_runs_by_name(engine)
-    receivers = {id(param): _receiver(param, owned.get(name, [])) for name, param in managed.items()}
+    saved = state_dict if isinstance(state_dict, dict) else {}
+    receivers = {
+        id(param): _receiver(param, owned.get(name, []), engine, saved.get(name)) for name, param in managed.items()
+    }
     swapped: list[tuple[dict, str, nn.Parameter]] = []
     for child in module.modules():
         for key, param in child._parameters.items():

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.full import dense_experts, ep_rows, expert_domain_of
 from lightning_zero.checkpoint.targets import state_device
 
 
@@ -56,8 +57,11 @@ def gather_optimizer_state_dict(
     optimizer: Optimizer, param_names: list[list[str]], engine: Any, group: Optional[dist.ProcessGroup]
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as the unsharded optimizer would return it, on every rank of
-    ``group`` (a collective; [Note: full optimizer state]). Tensors on the host."""
-    shapes = {name: param.shape for name, param in engine.managed_parameters().items()}
+    ``group`` (a collective; [Note: full optimizer state]). Tensors on the host; an expert
+    parameter's state under expert parallelism is the whole layer's ([Note: dense experts in a
+    full file] in ``checkpoint/full.py``)."""
+    managed = engine.managed_parameters()
+    shapes = {name: param.shape for name, param in managed.items()}
     runs = _runs_with_state(optimizer, engine)
     local: dict[str, dict[str, Any]] = {}
     for name, entries in runs.items():
@@ -95,9 +99,12 @@ def gather_optimizer_state_dict(
                     flat[owned.param_lo : owned.param_hi] = (
                         tensor if own_run else tensor[owned.chunk_lo : owned.chunk_hi]
                     )
-                if dist.is_initialized() and dist.get_world_size(group) > 1:
-                    dist.all_reduce(flat, group=group)
-                state.setdefault(index, {})[key] = flat.view(shapes[name]).cpu()
+                param = managed[name]
+                domain = expert_domain_of(param, engine)
+                over = group if domain is None else domain.group  # an expert's chunks: its EDP group
+                if dist.is_initialized() and dist.get_world_size(over) > 1:
+                    dist.all_reduce(flat, group=over)
+                state.setdefault(index, {})[key] = dense_experts(flat.view(shapes[name]), param, engine).cpu()
     groups, start = [], 0
     for param_group, names in zip(optimizer.param_groups, param_names):
         groups.append({**{k: v for k, v in param_group.items() if k != "params"},
@@ -123,6 +130,7 @@ def load_optimizer_state_dict(
     for param_group, saved_group in zip(optimizer.param_groups, groups):
         param_group.update({k: v for k, v in saved_group.items() if k != "params"})
     saved_state = saved["state"]
+    managed = engine.managed_parameters()
     with torch.no_grad():
         for owned in engine.owned_ranges():
             entry = saved_state.get(index_of.get(owned.name, -1))
@@ -139,7 +147,8 @@ def load_optimizer_state_dict(
                 if value.dim() == 0 or key == "step":
                     state[key] = value.detach().clone().to(device)
                     continue
-                source = value.detach().reshape(-1)[owned.param_lo : owned.param_hi]
+                rows = ep_rows(value.detach(), managed[owned.name], engine)  # a whole expert tensor: this EP rank's
+                source = rows.reshape(-1)[owned.param_lo : owned.param_hi]
                 if own_run:
                     state[key] = source.to(device=device, dtype=stepped.dtype, copy=True)
                 else:

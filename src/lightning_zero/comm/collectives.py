@@ -400,6 +400,36 @@ def all_to_all(
     return _chunked("all_to_all", dist.all_to_all_single, output, input, input, group, async_op, counter, label)
 
 
+def ring_shift(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    step: int = 1,
+    counter: Optional[CommCounter] = None,
+    label: str = "ring_shift",
+) -> torch.Tensor:
+    """Every rank of ``group`` sends ``tensor`` to the rank ``step`` places after it in the group
+    (cyclically) and returns what the rank ``step`` places before it sent (same shape and dtype):
+    one hop of a ring. Each rank sends all of ``tensor``'s elements ([Note: logical bytes])."""
+    size = _group_size(group)
+    if local_only(size):
+        return tensor.clone()
+    rank = dist.get_rank(group)
+    received = torch.empty_like(tensor)
+    send = tensor.contiguous()
+    if counter is not None:
+        counter.add(label, float(send.numel()), send.element_size(), counter.link_of(group))
+    peers = dist.get_process_group_ranks(group)
+    ops = [
+        dist.P2POp(dist.isend, send, peers[(rank + step) % size], group),
+        dist.P2POp(dist.irecv, received, peers[(rank - step) % size], group),
+    ]
+    with record_function(f"lightning_zero::{label}"):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
+
+
 def all_to_all_v(
     output: torch.Tensor,
     input: torch.Tensor,

@@ -115,6 +115,60 @@ def ulysses_layout(cp: int, tp: int, model_config: Any) -> UlyssesLayout:
     return UlyssesLayout(cp=cp, tp=tp, n_heads=n_heads, n_kv_heads=n_kv_heads)
 
 
+@dataclass(frozen=True)
+class RingLayout:
+    """A ``(tp, cp)`` layout whose query heads do not split over ``tp * cp``: every rank attends
+    with all of its TP rank's heads, key/value blocks pass around the cp ring ([Note: ring
+    attention] in ``cp/ring_attention.py``)."""
+
+    cp: int
+    tp: int
+    n_heads: int
+    n_kv_heads: int
+    kv_repeats: int = 1  # nothing is repeated for an exchange
+
+    def describe(self) -> str:
+        return (
+            f"context parallelism (ring attention): tp({self.tp}) x cp({self.cp}) = {self.tp * self.cp} does not"
+            f" divide n_heads({self.n_heads}), so Ulysses cannot split the heads; each rank attends with its TP"
+            f" rank's {self.n_heads // self.tp} query heads while key/value blocks pass around the cp ring (not"
+            " load-balanced under the causal mask; lightning-zero plan does not model it)"
+        )
+
+
+def ring_layout(cp: int, tp: int, model_config: Any) -> RingLayout:
+    """The ring layout of ``model_config`` over ``tp * cp`` ranks: tp must divide the query and the
+    key/value heads (each rank keeps its TP rank's heads whole); else a ``ValueError``."""
+    n_heads = model_config.n_heads
+    n_kv_heads = getattr(model_config, "n_kv_heads", None) or n_heads
+    if n_heads % tp != 0 or n_kv_heads % tp != 0:
+        raise ValueError(
+            f"context parallelism (ring attention): tp({tp}) must divide n_heads({n_heads}) and"
+            f" n_kv_heads({n_kv_heads}); pick tp from {[d for d in _divisors(n_kv_heads) if n_heads % d == 0]}"
+        )
+    return RingLayout(cp=cp, tp=tp, n_heads=n_heads, n_kv_heads=n_kv_heads)
+
+
+def attention_layout(cp: int, tp: int, model_config: Any, attention: str = "auto") -> Any:
+    """How a model's attention runs over ``tp * cp`` ranks: ``"ulysses"`` (:func:`ulysses_layout`:
+    heads split by tp then cp, kv heads repeated where they do not split), ``"ring"``
+    (:func:`ring_layout`), or ``"auto"``: Ulysses where ``tp * cp`` divides the query heads, the
+    ring where it does not. Raises ``ValueError`` naming the fix."""
+    if attention not in ("auto", "ulysses", "ring"):
+        raise ValueError(f"context parallelism: attention must be 'auto', 'ulysses' or 'ring', got {attention!r}")
+    if attention == "ring" or (attention == "auto" and cp > 1 and model_config.n_heads % (tp * cp) != 0):
+        return ring_layout(cp, tp, model_config)
+    return ulysses_layout(cp, tp, model_config)
+
+
+def layout_notice(layout: Optional[Any]) -> Optional[str]:
+    """The line to state before launch when a layout costs more than a plain split (kv heads
+    repeated for Ulysses, or ring attention), else ``None``."""
+    if layout is None or layout.cp == 1:
+        return None
+    return layout.describe() if layout.kv_repeats > 1 or isinstance(layout, RingLayout) else None
+
+
 def context_shard_len(seq_len: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
     """``T / cp``, the tokens of each sequence one cp rank holds, or a ``ValueError`` naming the
     numbers and the fix; with sequence parallelism the slice must split over tp too."""
@@ -150,11 +204,15 @@ def check_context_parallel(
     model_config: Optional[Any] = None,
     seq_len: Optional[int] = None,
     sequence_parallel: bool = False,
-) -> Optional[UlyssesLayout]:
+    ring_fallback: bool = False,
+) -> Optional[Any]:
     """Every context-parallel check before launch: heads against ``tp * cp``, the sequence length
     against ``cp`` (and ``tp`` under sequence parallelism). Returns the attention layout (``None``
-    without a model config); raises ``ValueError`` naming the fix."""
-    layout = ulysses_layout(cp, tp, model_config) if model_config is not None else None
+    without a model config); raises ``ValueError`` naming the fix. ``ring_fallback``: a layout
+    whose query heads do not split over ``tp * cp`` runs ring attention instead of being refused
+    (the engine can; the planner, which does not model the ring, keeps refusing it)."""
+    attention = "auto" if ring_fallback else "ulysses"
+    layout = attention_layout(cp, tp, model_config, attention) if model_config is not None else None
     if seq_len is not None:
         context_shard_len(seq_len, cp, tp, sequence_parallel)
     return layout

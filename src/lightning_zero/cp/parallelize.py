@@ -26,16 +26,26 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.comm.collectives import CommCounter
-from lightning_zero.cp.layout import ulysses_layout
+from lightning_zero.cp.layout import RingLayout, attention_layout
 from lightning_zero.cp.loss import context_parallel_loss
+from lightning_zero.cp.ring_attention import RingAttention
 from lightning_zero.cp.ulysses import UlyssesExchange
 
 
 def parallelize_context(
-    model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None, tp: int = 1
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    *,
+    counter: Optional[CommCounter] = None,
+    tp: int = 1,
+    attention: str = "auto",
 ) -> nn.Module:
     """Make ``model`` (a ``Llama``, tensor-parallel or not) context-parallel over ``group``;
     returns ``model``. A group of one rank leaves it unchanged.
+
+    ``attention``: ``"ulysses"`` ([Note: Ulysses attention]), ``"ring"`` ([Note: ring attention]),
+    or ``"auto"``: Ulysses where ``tp * cp`` divides the query heads, the ring where it does not
+    (``cp.layout.attention_layout``).
 
     ``counter``: where the cp all-to-alls and the loss all-reduce count their bytes; default the
     model's ``tp_comm_counter`` (so tp and cp bytes land in one counter the strategy adopts), else
@@ -48,12 +58,12 @@ def parallelize_context(
     if getattr(model, "context_parallel_size", 1) != 1:
         raise ValueError("parallelize_context: the model is already context-parallel; call it once per model")
     config = getattr(model, "config", None)
-    if config is not None:
-        ulysses_layout(cp, tp, config)
+    layout = attention_layout(cp, tp, config, attention) if config is not None else None
     if counter is None:
         counter = getattr(model, "tp_comm_counter", None) or CommCounter()
     model.tp_comm_counter = counter  # the model-parallel counter the session adopts (runtime/setup.py)
-    exchange = UlyssesExchange(group, counter)
+    ring = isinstance(layout, RingLayout) or (layout is None and attention == "ring")
+    exchange = RingAttention(group, counter) if ring else UlyssesExchange(group, counter)
     for block in model.layers:
         block.attention.sequence_exchange = exchange
     model.context_parallel_size = cp

@@ -26,7 +26,7 @@ Counted under ``cp_all_to_all`` in ``comm/collectives.py``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,23 @@ class UlyssesExchange:
         if repeats > 1:  # ALST: kv head j becomes heads j*r .. j*r + r-1; backward sums them
             k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         return _Exchange.apply(self.group, self.counter, True, q, k, v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        core: Callable[..., torch.Tensor],
+        rope: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """``core`` (rotary + causal attention over whole sequences) between the two exchanges:
+        q ``(B, T/cp, q_heads, D)``, k and v ``(B, T/cp, kv_heads, D)`` -> ``(B, T/cp, q_heads * D)``.
+        ``rope`` is ``core``'s business here (it sees every position)."""
+        head_dim = q.size(-1)
+        q, k, v = self.heads_from_sequence(q, k, v)  # (B, T, heads/cp, D)
+        return self.sequence_from_heads(core(q, k, v, cos, sin), head_dim)
 
     def sequence_from_heads(self, y: torch.Tensor, head_dim: int) -> torch.Tensor:
         """Attention's output ``(B, T, q_heads/cp * D)`` -> ``(B, T/cp, q_heads * D)``."""

@@ -10,12 +10,14 @@ norms stay whole on every rank (dense parameters).
 [Note: experts and tensor parallelism] Experts are not split by TP (no Megatron ETP): an expert's
 SwiGLU is small (Qwen3's 768 wide, DeepSeek's 2048), and splitting it would add a TP collective per
 expert batch and a TP-wide token exchange for little memory. Instead a MoE layer under TP runs on
-the *sequence shard* sequence parallelism already gives it (so ``tp > 1`` requires
-``sequence_parallel=True``: ``check_moe_layout``), as a norm does:
+a *sequence shard*, as a sequence-parallel norm does:
 
 - attention and the dense layers (the first ``n_dense_layers``) are split as Llama's
-  (``tp.parallelize_llama``); the ``ffn_norm`` before a MoE layer keeps its ``(B, T/tp, dim)`` output
-  (no all-gather): TP rank ``t`` routes tokens ``[t T/tp, (t+1) T/tp)`` of its dp rank's micro-batch;
+  (``tp.parallelize_llama``); with sequence parallelism the ``ffn_norm`` before a MoE layer keeps its
+  ``(B, T/tp, dim)`` output (no all-gather); without, the layer cuts its slice from the replicated
+  ``(B, T, dim)`` and all-gathers its output back (``tp.layers.split_to_sequence_region`` /
+  ``gather_to_replicated_region``: the same bytes as sequence parallelism's gather and scatter).
+  Either way TP rank ``t`` routes tokens ``[t T/tp, (t+1) T/tp)`` of its dp rank's micro-batch;
 - its tokens go to their experts over the ``ep`` group of its own TP rank (``comm/mesh.py``: ``ep``
   consecutive members of the dp_cp group, which shares one tp rank), so the TP ranks of one
   position exchange disjoint token sets over disjoint EP groups, and every expert sees each of
@@ -94,23 +96,21 @@ def parallelize_moe_tp(
     model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
 ) -> nn.Module:
     """Run every MoE layer of ``model`` (a ``MoETransformer`` whose attention and dense layers
-    ``tp.parallelize_llama`` already split, sequence-parallel) on its TP rank's sequence shard:
+    ``tp.parallelize_llama`` already split) on its TP rank's sequence shard (without sequence
+    parallelism cut from the replicated input, the output all-gathered back):
     router, experts and shared experts replicated with their gradients summed over ``group``, the
     auxiliary losses and loads those of the whole micro-batch ([Note: experts and tensor
     parallelism]); returns ``model``. With a group of one rank nothing changes."""
     size = dist.get_world_size(group)
     if size == 1:
         return model
-    if not getattr(model, "tp_sequence_parallel", False):
-        raise ValueError(
-            "parallelize_moe_tp: the MoE layers run on sequence shards; split the model with"
-            " parallelize_llama(model, tp, sequence_parallel=True) first"
-        )
+    if not hasattr(model, "tp_sequence_parallel"):
+        raise ValueError("parallelize_moe_tp: split attention and the dense layers first (tp.parallelize_llama)")
     grad_sum = functools.partial(sum_grad_over_tp, group=group, counter=counter)
     for moe in model.moe_layers():
         if moe.tp is not None:
             raise ValueError("parallelize_moe_tp: the MoE layers are already tensor-parallel; call it once per model")
-        moe.tp = TensorParallelShard(group, size, counter)
+        moe.tp = TensorParallelShard(group, size, counter, sequence_parallel=model.tp_sequence_parallel)
         moe.router.tp_grad_sum = moe.experts.tp_grad_sum = grad_sum
         if moe.shared is not None:
             moe.shared.tp_grad_sum = grad_sum

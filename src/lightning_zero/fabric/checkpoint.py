@@ -80,11 +80,21 @@ class FabricState:
         """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
         module_key, optimizer_keys, _ = self.split(state)
         if full and getattr(self.engine, "expert_domain", None) is not None:
-            raise ValueError(
-                "ZeroFabricStrategy(state_dict_type='full') with ep > 1: one full file would hold one EP rank's"
-                " experts only; save the sharded checkpoint (state_dict_type='sharded': experts in dense"
-                " coordinates, readable under any ep)."
-            )
+            from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
+
+            own = [
+                name
+                for name, p in self.engine.managed_parameters().items()
+                if is_expert_param(p) and ep_shard_dim(p) is None
+            ]
+            if own:
+                raise ValueError(
+                    f"ZeroFabricStrategy(state_dict_type='full') with ep > 1: {len(own)} expert parameter(s) are"
+                    f" Parameters of their own ({own[:3]}), held by one EP rank each, so a full file has no whole"
+                    " tensor for them ([Note: dense experts in a full file] in checkpoint/full.py); stack a layer's"
+                    " experts in one Parameter with _ep_shard_dim, or save the sharded checkpoint"
+                    " (state_dict_type='sharded')."
+                )
         for key, predicate in (filter or {}).items():
             if key not in state:
                 raise ValueError(
@@ -150,7 +160,8 @@ class FabricState:
             if key == module_key:
                 keep = filter.get(key)
                 extra = {"value_dtype": self.value_dtype} if self.value_dtype is not None else {}
-                entry = gather_full_state_dict(self.module, self.engine, self.engine.dp_group, keep=keep, **extra)
+                entry = gather_full_state_dict(self.module, self.engine, self.engine.dp_group, keep=keep, dense=True,
+                                               **extra)  # fmt: skip
                 if keep is not None and not entry:
                     continue  # Fabric's filter drops an entry it keeps nothing of
             elif key in optimizer_keys:

@@ -88,7 +88,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig, knob_views
-from lightning_zero.cp.layout import check_context_parallel
+from lightning_zero.cp.layout import check_context_parallel, layout_notice
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.monitor import Monitor
@@ -159,8 +159,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
         model_config, seq_len: with ``cp > 1``, the model's config (``n_heads``, ``n_kv_heads``)
             and the sequence length the loop will feed, checked here against ``cp`` before any
-            process starts (``ValueError`` naming the fix); without them the heads are checked at
-            ``fabric.setup`` and the length at each ``context_slice``
+            process starts (``ValueError`` naming the fix; ring attention or a kv repeat stated);
+            without them the heads are checked at ``fabric.setup`` and the length at each
+            ``context_slice``
             ([Note: context parallelism under Fabric]).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
             process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
@@ -204,7 +205,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         refuse_knobs(self.zero_config)
         # [Note: context parallelism under Fabric]: what is known of the model and the data is
         # checked now, before any process starts (the model itself arrives after the launch)
-        check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len)
+        notice = layout_notice(
+            check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len, ring_fallback=True)
+        )
+        if notice is not None:
+            warnings.warn(f"lightning_zero: {notice}", stacklevel=2)
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"ZeroFabricStrategy(state_dict_type={state_dict_type!r}): use 'sharded' (a checkpoint directory,"
@@ -385,7 +390,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
-            # stage 3: model.state_dict() hands out full values, gathered one parameter at a time
+            # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
+            # gathered one parameter at a time
             for child in module.modules():
                 if any(param is not None for param in child._parameters.values()):
                     hook = functools.partial(ZeroFabricStrategy._after_state_dict, self)  # torch marks the hook object
@@ -675,12 +681,50 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._unscale(optimizer)
         return super().optimizer_step(optimizer, **kwargs)
 
-    # -- collectives that the failure path skips ------------------------------------------------
+    # -- Fabric's collectives: the failure path skips them; stage 3 serves evaluating peers first -
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self.failed:
             return  # [Note: failure path]: the peers are not coming
+        self._serve_evaluating_peers()
         super().barrier(*args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._serve_evaluating_peers()
+        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        self._serve_evaluating_peers()
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._serve_evaluating_peers()
+        return super().broadcast(obj, src=src)
+
+    def _serve_evaluating_peers(self) -> None:
+        """[Note: forwards on some ranks only] At stage 3 a forward needs every rank: the parameters
+        are shards, each unit is all-gathered before it runs. LitGPT's fine-tuning scripts run
+        ``generate_example`` (a forward per new token, under ``no_grad``) on rank 0 only, while the
+        other ranks go on to ``fabric.barrier()`` (after validation) or ``fabric.all_reduce`` (when
+        the last epoch ends); under Lightning's FSDP the other ranks' collective and rank 0's
+        all-gathers never meet, and the run stalls until the process group's timeout. Here each of
+        Fabric's collectives (``barrier``, ``all_reduce``, ``all_gather``, ``broadcast``) first takes
+        part in the evaluation forwards other ranks still run, as a rank whose evaluation loop ended
+        does (``engine.end_eval_loop``: one 16-byte exchange per call, and while a peer evaluates, the
+        recorded evaluation schedule's all-gathers: ``Stage3Runtime.end_eval_loop``), and returns
+        once every rank has arrived. A peer's forward must
+        follow the recorded evaluation schedule (one forward on every rank first: LitGPT's
+        ``validate`` runs before each ``generate_example``), else the serving ranks raise naming the
+        fix. Skipped inside a training step (between its forward and ``fabric.backward``), where no
+        rank evaluates; every rank takes the same decision, so the exchange itself always meets."""
+        engine = self.engine
+        if engine is None or engine.stage != 3 or self._train_step_open or self.failed or _in_backward():
+            return
+        with self._noting_failures():
+            engine.end_eval_loop()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _layout(self) -> Any:
@@ -766,11 +810,18 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         return load_full_state_dict(self._module, engine, state_dict, strict=strict, assign=assign)
 
     def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """Stage 3: ``module.state_dict()``'s entries for the parameters it holds get their full values
-        (this rank holds only shards), gathered one parameter at a time: a collective, every rank
-        calls ``state_dict()``. ``keep_vars=True`` (checkpoints) hands out the parameters as they are."""
+        """[Note: full state dicts] ``module.state_dict()``'s entries for the parameters it holds get
+        their full values in the dtypes ddp holds, gathered from the masters one parameter at a time:
+        a collective, every rank calls ``state_dict()``. Stage 3 always (this rank holds only shards);
+        stages 1-2 where the module holds compute copies in another dtype than ddp's (``bf16-mixed``,
+        and ``16-mixed`` with ``mixed_params="half"``: bf16 copies, where ddp holds fp32 weights; the
+        fp32 values are the sharded masters). ``keep_vars=True`` (checkpoints) hands out the
+        parameters as they are."""
         engine = self.engine
-        if engine is None or engine.stage != 3:
+        if engine is None:
+            return
+        params = [param for param in module._parameters.values() if param is not None]
+        if engine.stage != 3 and all(param.dtype == self._value_dtype(param) for param in params):
             return
         from lightning_zero.checkpoint.full import fill_gathered_values
 

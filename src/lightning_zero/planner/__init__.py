@@ -1,7 +1,7 @@
 """The planner: what every rank holds, sends and spends per step, before anything launches.
 
-Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> traffic ->
-fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their own):
+Modules, with imports flowing one way (ledger -> hardware -> workload -> timing -> plan -> moe ->
+traffic -> fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their own):
 
 - :mod:`~lightning_zero.planner.ledger`: the ZeRO paper's bytes per rank, Llama parameter counts
   and activation bytes (``lightning_zero.ledger`` re-exports it: public contract);
@@ -11,6 +11,7 @@ fit -> arithmetic -> search -> tables -> report; measure -> calibrate on their o
 - :mod:`~lightning_zero.planner.timing`: the step-time model (the engine's overlap, simulated
   bucket by bucket; [Note: step-time model]);
 - :mod:`~lightning_zero.planner.plan`: :class:`Plan` and the rows it holds (``MemoryPerRank``, ``TrafficPerRank``);
+- :mod:`~lightning_zero.planner.moe`: expert parallelism's all-to-all bytes (from routing counts; balanced);
 - :mod:`~lightning_zero.planner.traffic`: the bytes a rank sends per step (dp per link and hop, tp per collective);
 - :mod:`~lightning_zero.planner.arithmetic`: ``plan`` (the run whole), :func:`plan_run` (keywords) / :func:`compare_stages`;
 - :mod:`~lightning_zero.planner.fit`: the changes that would make a plan fit (``Plan.suggestions``);

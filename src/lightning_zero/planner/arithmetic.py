@@ -38,19 +38,18 @@ from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     ATTENTION_KERNELS,
+    DpTopology,
     dp_topology,
     grad_bytes_per_param,
     llama_activation_bytes,
-    llama_largest_block_param,
-    llama_param_counts,
     model_state_bytes,
     precision_bytes,
 )
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
 from lightning_zero.planner.timing import step_time
 from lightning_zero.planner.traffic import traffic_per_rank
-from lightning_zero.planner.workload import engine_buckets, gathered_numel, llama_workload, training_flops
-from lightning_zero.zero.bucketing import bucket_numel_for_bytes, pool_buffers
+from lightning_zero.planner.workload import engine_buckets, gathered_numel, is_moe, llama_workload, training_flops
+from lightning_zero.zero.bucketing import bucket_numel_for_bytes, defer_grad_reduce_at, keeps_full_grads, pool_buffers
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_MFU = 0.4
@@ -96,23 +95,9 @@ PLANNED_KNOBS = {
     "reduce_dtype": "reduce_dtype",
     "master_weights": "master_weights",
     "cp": "cp",
+    "ep": "ep",
     "mixed_params": "mixed_params",
 }
-
-
-UNPLANNED_KNOBS = ("ep",)
-"""ZeroConfig knobs that change predicted bytes and seconds but that the planner does not model yet:
-a plan with one of them above 1 is refused (:func:`refuse_unplanned`), never silently made without it."""
-
-
-def refuse_unplanned(knobs: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming each of :data:`UNPLANNED_KNOBS` set above 1 in ``knobs``."""
-    asked = [f"{name}={knobs[name]}" for name in UNPLANNED_KNOBS if knobs.get(name, 1) not in (1, None)]
-    if asked:
-        raise ValueError(
-            f"{where}: {', '.join(asked)} is not planned yet (expert parallelism: issue 54);"
-            " plan the run with ep=1, or launch it without a plan"
-        )
 
 
 def _given_knobs(function: Any, arguments: Mapping[str, Any], names: Any) -> list[str]:
@@ -225,6 +210,68 @@ def ddp_layout(config: ZeroConfig, dims: ParallelDims) -> tuple[ZeroConfig, Para
     return plain, ParallelDims.from_config(plain, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
 
 
+def resolve_model(model_config: Any) -> Any:
+    """A ``LlamaConfig`` or a ``MoEConfig`` (``models/moe/config.py``) from either, a preset name or
+    a mapping (a preset ``name`` plus overrides): the planner plans both families."""
+    from lightning_zero.models import LlamaConfig, resolve_config
+    from lightning_zero.models.moe.config import MoEConfig, moe_preset_names, resolve_moe_config
+
+    if isinstance(model_config, (LlamaConfig, MoEConfig)):
+        return model_config
+    name = model_config.get("name") if isinstance(model_config, Mapping) else model_config
+    if str(name).lower() in moe_preset_names():
+        return resolve_moe_config(model_config)
+    return resolve_config(model_config)
+
+
+def check_model_layout(model: Any, dims: ParallelDims, *, seq_len: Optional[int] = None) -> None:
+    """The model-dependent layout checks the runtime makes before any process group starts
+    (``runtime/setup.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
+    the heads (``ParallelDims.validate``); a mixture of experts' experts divide by ``ep`` and its
+    family's limits (``check_moe_layout``, what ``MoELM.check_parallel_dims`` calls), and under
+    ``tp > 1`` its MoE layers' sequence shards split ``seq_len`` evenly; a model without experts
+    takes no ``ep``. ``ValueError`` naming the fix."""
+    dims.validate(model)
+    if is_moe(model):
+        from lightning_zero.models.moe.config import check_moe_layout
+
+        check_moe_layout(model, ep=dims.ep, tp=int(dims.tp))
+        if seq_len is not None and seq_len % int(dims.tp):
+            raise ValueError(
+                f"plan: seq_len({seq_len}) does not split over tp({dims.tp}): the MoE layers of {model.name!r} run on"
+                " sequence shards of T/tp tokens; pick a seq_len divisible by tp or tensor_parallel_size=1"
+            )
+    elif dims.ep > 1:
+        raise ValueError(
+            f"plan: ep={dims.ep} but the model {model.name!r} has no expert layers to split; use ep=1 or a"
+            " mixture-of-experts model (models/moe)"
+        )
+
+
+def _spans_nodes(dims: ParallelDims, ranks: list[int]) -> bool:
+    return len({rank // dims.devices_per_node for rank in ranks}) > 1
+
+
+def expert_topology(dims: ParallelDims) -> DpTopology:
+    """The edp group as a ZeRO shard group (expert parameters are sharded and reduced over it,
+    [Note: expert groups] in ``comm/mesh.py``): ``edp`` ranks, stride ``ep`` inside the dense group,
+    so a node holds ``edp / nodes spanned`` of them; no hybrid sharding of experts."""
+    ranks = dims.edp_ranks(0)
+    nodes = len({rank // dims.devices_per_node for rank in ranks})
+    return DpTopology(dp=dims.edp, dp_per_node=dims.edp // nodes, shard_size=dims.edp)
+
+
+def _expert_hops(experts: Optional[DpTopology], stage: int, dtype: Any, config: ZeroConfig) -> dict[str, Any]:
+    """``step_time``'s expert-domain arguments (none without an expert domain)."""
+    if experts is None:
+        return {}
+    return dict(
+        expert_shard=experts.shard_size,
+        expert_grad_hops=experts.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=config.grad_comm_dtype),
+        expert_gather_hops=experts.gather_hops(param_bytes=dtype.param, param_comm_dtype=config.param_comm_dtype),
+    )
+
+
 def plan(
     model_config: Any,
     config: ZeroConfig,
@@ -246,8 +293,7 @@ def plan(
 
     Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
     ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), for a layout the model does not split
-    into (``ParallelDims.validate``, ``cp.layout.check_context_parallel``), for ``ep`` above 1 while
-    the planner does not model it (:data:`UNPLANNED_KNOBS`), and for a run the model cannot take
+    into (:func:`check_model_layout`, ``cp.layout.check_context_parallel``), and for a run the model cannot take
     (a ``seq_len`` above its ``max_seq_len``, sequence parallelism whose ``tp`` does not divide it).
     """
     asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
@@ -255,15 +301,13 @@ def plan(
         raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
     if ddp:
         config, dims = ddp_layout(config, dims)
-    refuse_unplanned(config.as_dict(), "plan(config=ZeroConfig(...))")
-    from lightning_zero.models import resolve_config
-
-    model = resolve_config(model_config)
+    model = resolve_model(model_config)
     stage = 0 if ddp else config.stage
-    defer_grad_reduce = config.defer_grad_reduce and stage == 2  # stage 1 always defers, as in the engine
-    dims.validate(model)
-    tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
+    defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
     seq_len = int(run.seq_len or model.max_seq_len)
+    check_model_layout(model, dims, seq_len=seq_len)
+    tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
+    ep, edp = dims.ep, dims.edp  # experts split over ep ranks, their states sharded over edp
     checkpointing = str(run.activation_checkpointing)
     micro_batch, micro_batches = run.micro_batch, run.accumulate_grad_batches
     if cp > 1:
@@ -287,24 +331,10 @@ def plan(
         precision_bytes(run.precision, config.master_weights, config.mixed_params),
         grad=grad_bytes_per_param(run.precision, config.reduce_dtype, config.mixed_params),
     )
-    counts = llama_param_counts(model, tp=tp)
-    # as the engine sizes buckets (lightning_zero.config.resolve_bucket_mb)
-    bucket_mb = resolve_bucket_mb(config.bucket_mb, counts.total * dtype.grad)
-    topology = dp_topology(
-        dp=dense,
-        devices_per_node=dims.devices_per_node,
-        tp=tp,
-        shard_size=dims.shard_size,
-        hierarchical_reduce=dims.hierarchical_reduce,
-    )
-    shard_ranks = topology.shard_size
-    local_params = counts.total
-    padded = math.ceil(local_params / shard_ranks) * shard_ranks
-    shard = padded // shard_ranks
-
     peak = hw.peak_fp32_flops if str(run.precision).startswith("32") else hw.peak_bf16_flops
     crosses_nodes = dims.world_size > dims.devices_per_node and dense > 1
-    cp_crosses_nodes = len({rank // dims.devices_per_node for rank in dims.cp_ranks(0)}) > 1
+    cp_crosses_nodes = _spans_nodes(dims, dims.cp_ranks(0))
+    ep_crosses_nodes = _spans_nodes(dims, dims.ep_ranks(0))
     workload = llama_workload(
         model,
         micro_batch=micro_batch,
@@ -317,21 +347,43 @@ def plan(
         sequence_parallel=config.sequence_parallel,
         cp=cp,
         cp_link=hw.link(inter_node=cp_crosses_nodes),
+        ep=ep,
+        ep_link=hw.link(inter_node=ep_crosses_nodes),
     )
+    local_params = workload.numel
+    # with ep > 1 the expert parameters are a ZeRO domain of their own over edp ([Note: expert domain])
+    expert_params = workload.expert_numel if ep > 1 else 0
+    bucket_mb = resolve_bucket_mb(config.bucket_mb, local_params * dtype.grad)  # as the engine sizes it
+    topology = dp_topology(
+        dp=dense,
+        devices_per_node=dims.devices_per_node,
+        tp=tp,
+        shard_size=dims.shard_size,
+        hierarchical_reduce=dims.hierarchical_reduce,
+    )
+    shard_ranks = topology.shard_size
+    experts = expert_topology(dims) if ep > 1 else None
+    padded = math.ceil((local_params - expert_params) / shard_ranks) * shard_ranks  # dense, as the ledger pads
+    expert_padded = math.ceil(expert_params / edp) * edp
     bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad)
+    buckets = engine_buckets(
+        workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad,
+        expert_dp=edp if ep > 1 else None,
+    )  # fmt: skip
 
-    memory_stage = 1 if defer_grad_reduce else stage  # deferred stage 2 keeps stage 1's full gradients
     states = model_state_bytes(
-        padded,
-        stage=memory_stage,
+        padded + ep * expert_padded,
+        stage=stage,
+        defer_grad_reduce=defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
         dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
         optim_bytes_per_param=dtype.optimizer,
+        expert_params=ep * expert_padded,
+        ep=ep,
     )
-    optimizer_numel = shard if stage >= 1 else padded
-    pooled = stage >= 2 and not defer_grad_reduce
+    optimizer_numel = padded // shard_ranks + expert_padded // edp if stage >= 1 else padded + expert_padded
+    pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
         min(pool_buffers(config.max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
@@ -340,11 +392,11 @@ def plan(
     # stage 3: the units in flight and the root ([Note: gathered working set] in zero/stage3/schedule.py)
     prefetch = gathered_numel(workload, config.prefetch_blocks) * dtype.param if stage == 3 else 0.0
     # stages 2-3: autograd's gradient of one parameter, until the hook copies it into its bucket
-    largest_param = max(counts.embedding, counts.output, llama_largest_block_param(model, tp=tp))
+    largest_param = workload.largest_numel
     param_grad = largest_param * dtype.grad if pooled else 0.0
 
     shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=config.sequence_parallel, cp=cp)
-    acts = llama_activation_bytes(model, act_bytes=dtype.activation, attention=run.attention, **shape)
+    acts = llama_activation_bytes(model, act_bytes=dtype.activation, attention=run.attention, ep=ep, **shape)
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -390,6 +442,7 @@ def plan(
             links={"intra_node": hw.link(inter_node=False), "inter_node": hw.link(inter_node=True)},
             shard_size=shard_ranks,
             overhead_s=hw.step_overhead_s,
+            **_expert_hops(experts, stage, dtype, config),
         )
     traffic = traffic_per_rank(
         model,
@@ -410,12 +463,15 @@ def plan(
         grad_comm_dtype=config.grad_comm_dtype,
         param_comm_dtype=config.param_comm_dtype,
         cp_link="inter_node" if cp_crosses_nodes else "intra_node",
+        expert_padded=expert_padded,
+        expert_topology=experts,
+        ep_link="inter_node" if ep_crosses_nodes else "intra_node",
     )
     planned = Plan(
         model=model.name,
         num_params=model.num_params(),
         params_per_tp_rank=local_params,
-        padded_params_per_tp_rank=padded,
+        padded_params_per_tp_rank=padded + expert_padded,
         stage=stage,
         world_size=dims.world_size,
         num_nodes=max(1, dims.world_size // dims.devices_per_node),
@@ -452,8 +508,10 @@ def plan(
         traffic=traffic,
         timing=simulated,
         activation_detail=acts,
-        notes=_notes(stage, dense, run.attention, micro_batches, defer_grad_reduce),
+        notes=_notes(stage, dense, run.attention, micro_batches, defer_grad_reduce, ep),
         cp=cp,
+        ep=ep,
+        expert_params_per_rank=expert_params,
     )
     if options.suggest and not planned.fits:
         fixes = suggest_fixes(planned, plan, model, config, dims, run, dataclasses.replace(options, hardware=hw), ddp)
@@ -550,7 +608,7 @@ def stage_plans(
         if stage == 0:
             plans.append(plan(model_config, config, dims, run, options, ddp=True))
         else:
-            defer = config.defer_grad_reduce and stage == 2
+            defer = defer_grad_reduce_at(stage, config.defer_grad_reduce)
             staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
             plans.append(plan(model_config, staged, dims, run, options))
     return plans
@@ -562,8 +620,15 @@ def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs
     return stage_plans(model_config, config, dims, run, options, stages)
 
 
-def _notes(stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool) -> tuple[str, ...]:
+def _notes(
+    stage: int, dp: int, attention: str, micro_batches: int, defer_grad_reduce: bool, ep: int = 1
+) -> tuple[str, ...]:
     notes = []
+    if ep > 1:
+        notes.append(
+            f"ep={ep}: a balanced router assumed (every expert gets tokens x top_k / experts of each rank's tokens)"
+            " for the experts' rows and the all-to-all bytes"
+        )
     if dp == 1 and stage > 0:
         notes.append("dp=1: ZeRO has nothing to shard over; every stage holds full states")
     if attention == "math":

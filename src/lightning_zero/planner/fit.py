@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.planner.hardware import available_hardware
 from lightning_zero.planner.plan import GiB, Plan
+from lightning_zero.zero.bucketing import defer_grad_reduce_at
 
 Planner = Callable[..., Plan]  # lightning_zero.planner.arithmetic.plan
 
@@ -51,7 +52,7 @@ def changed_plan(
     (``None`` where that layout is invalid)."""
     knobs = dict(knobs or {})
     stage = knobs.get("stage", config.stage)
-    knobs["defer_grad_reduce"] = config.defer_grad_reduce and stage == 2
+    knobs["defer_grad_reduce"] = defer_grad_reduce_at(stage, knobs.get("defer_grad_reduce", config.defer_grad_reduce))
 
     def make() -> Plan:
         changed = dataclasses.replace(config, **knobs)

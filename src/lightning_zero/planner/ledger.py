@@ -35,7 +35,7 @@ from lightning_zero.cp.layout import kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
-from lightning_zero.zero.bucketing import grad_element_bytes
+from lightning_zero.zero.bucketing import grad_element_bytes, keeps_full_grads
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,12 @@ def model_state_bytes(
     optim_bytes_per_param: int = 12,
     expert_params: int = 0,
     ep: int = 1,
+    defer_grad_reduce: bool = False,
 ) -> ModelStateBytes:
     """Per-rank bytes of parameters, gradients and optimizer state under ZeRO ``stage``.
+
+    Gradients are full-size where the engine keeps them so (``zero.bucketing.keeps_full_grads``:
+    stages 0-1, and stages 2-3 with ``defer_grad_reduce``), else sharded.
 
     ``stage=0`` is plain data parallelism. ``num_params`` is the count one data-parallel replica
     holds (with tensor parallelism: the parameters of one tp rank). Returns a
@@ -97,15 +101,15 @@ def model_state_bytes(
             f" num_params({num_params})"
         )
 
-    def per_rank(bytes_per_param: int, sharded_from: int) -> float:
-        """Bytes a rank holds of a state that ZeRO shards from stage ``sharded_from`` on."""
-        dense_over, expert_over = (dp, dp // ep) if stage >= sharded_from else (1, 1)
+    def per_rank(bytes_per_param: int, sharded: bool) -> float:
+        """Bytes a rank holds of a state, ``sharded`` over dp or not."""
+        dense_over, expert_over = (dp, dp // ep) if sharded else (1, 1)
         dense = bytes_per_param * (num_params - expert_params) / dense_over
         return dense + bytes_per_param * expert_params / ep / expert_over if expert_params else dense
 
-    params = per_rank(param_bytes, 3)
-    grads = per_rank(grad_bytes, 2)
-    optimizer = per_rank(optim_bytes_per_param, 1)
+    params = per_rank(param_bytes, stage >= 3)
+    grads = per_rank(grad_bytes, not keeps_full_grads(stage, defer_grad_reduce))
+    optimizer = per_rank(optim_bytes_per_param, stage >= 1)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
@@ -337,6 +341,26 @@ def _rms_norm_saved_bytes(tokens: int, dim: int, act_bytes: int, tp: int = 1, se
     return shard * dim * (4 + act_bytes) + shard * 4 + tokens * dim * act_bytes
 
 
+def _moe_terms(config: Any, *, tokens: int, act_bytes: int, tp: int, ep: int) -> dict[str, float]:
+    """A mixture of experts' feed-forward terms of :func:`llama_activation_bytes`, averaged over the
+    layers: ``swiglu`` (dense layers' and shared experts'), ``moe_router``, ``moe_dispatched_rows``,
+    ``moe_experts``, ``moe_indices``."""
+    layers, moe = config.n_layers, config.n_layers - config.n_dense_layers
+    shard = tokens // tp  # a MoE layer runs on the T/tp sequence shard (ep/parallelize.py)
+    rows = shard * config.top_k  # the dispatched copies a balanced router gives a rank's experts
+    per_moe = {
+        "moe_router": 2 * shard * config.n_experts * 4,
+        "moe_dispatched_rows": 2 * rows * config.dim * act_bytes,
+        "moe_experts": 4 * rows * config.expert_ffn_dim * act_bytes,
+        "moe_indices": rows * 8 * (4 if ep > 1 else 2),
+    }
+    dense_swiglu = 4 * tokens * (config.ffn_dim // tp) * act_bytes
+    shared_swiglu = 4 * shard * config.shared_ffn_dim * act_bytes
+    out = {name: value * moe / layers for name, value in per_moe.items()}
+    out["swiglu"] = (config.n_dense_layers * dense_swiglu + moe * shared_swiglu) / layers
+    return out
+
+
 def llama_activation_bytes(
     config: Any,
     *,
@@ -347,6 +371,7 @@ def llama_activation_bytes(
     attention: str = "fused",
     sequence_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> ActivationBytes:
     """Activation bytes the ``lightning_zero.models.Llama`` block keeps for backward, per tp rank.
 
@@ -377,6 +402,16 @@ def llama_activation_bytes(
     keeps it for backward, and ``wo`` keeps the copy exchanged back, ``attention_output``).
     Under selective checkpointing the kept q, k, v are the exchanged ones: key/value heads
     repeated for the exchange (``cp.layout.kv_head_repeats``) count repeated.
+
+    A mixture of experts (``MoEConfig``: attention on ``n_heads x head_dim``) keeps, per MoE layer,
+    instead of the SwiGLU: the router's fp32 logits and probabilities (``2 N E 4``); the
+    dispatched copies of the tokens, ``M = N top_k`` rows of ``dim`` that a balanced router sends a
+    rank's experts (kept by the experts' first matmuls) and the ``M`` rows combined back (kept by
+    their weighting): ``2 M dim a``; the experts' SwiGLU on those rows, ``4 M expert_ffn a``; the
+    int64 row indices of the sort and the gather back (``2 M 8``, with ``ep > 1`` two more: the
+    regrouping by expert and back, ``ep/dispatch.py``); and the shared experts' SwiGLU. The
+    ``terms`` are per layer averaged over the layers (dense layers keep their SwiGLU), so
+    ``n_layers x per_layer`` is the model's total.
     """
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"llama_activation_bytes: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
@@ -390,8 +425,9 @@ def llama_activation_bytes(
             f"llama_activation_bytes: sequence_parallel needs tp({tp}) to divide seq_len({seq_len}) / cp({cp})"
         )
     tokens, dim, a = micro_batch * seq_len // cp, config.dim, act_bytes  # this rank's tokens
-    q_dim = dim // tp  # this rank's query heads * head_dim
-    kv_dim = _kv_heads(config) * (dim // config.n_heads) // tp
+    head_dim = getattr(config, "head_dim", None) or dim // config.n_heads
+    q_dim = config.n_heads * head_dim // tp  # this rank's query heads * head_dim
+    kv_dim = _kv_heads(config) * head_dim // tp
     heads = config.n_heads // tp
     exchanged_kv_dim = kv_dim * (kv_head_repeats(heads, _kv_heads(config) // tp, cp) if cp > 1 else 1)
     norm = _rms_norm_saved_bytes(tokens, dim, a, tp, sequence_parallel)
@@ -408,6 +444,8 @@ def llama_activation_bytes(
         terms["attention_probs"] = micro_batch * heads * seq_len * seq_len // cp * a
     terms["ffn_norm"] = norm
     terms["swiglu"] = 4 * tokens * (config.ffn_dim // tp) * a
+    if getattr(config, "n_experts", 0):
+        terms.update(_moe_terms(config, tokens=tokens, act_bytes=a, tp=tp, ep=ep))
     core = terms["attention_q_k_v"] + sum(
         terms.get(name, 0.0) for name in ("attention_logsumexp", "attention_probs", "attention_output_heads")
     )
@@ -622,6 +660,14 @@ class LinkBytes:
     def by_kind(self, kind: str) -> float:
         return self.intra_node.get(kind, 0.0) + self.inter_node.get(kind, 0.0)
 
+    def plus(self, other: "LinkBytes") -> "LinkBytes":
+        """Both rows' bytes, kind by kind (the dense and the expert domain's collectives)."""
+
+        def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {kind: a.get(kind, 0.0) + b.get(kind, 0.0) for kind in {**a, **b}}
+
+        return LinkBytes(add(self.intra_node, other.intra_node), add(self.inter_node, other.inter_node))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "intra_node": dict(self.intra_node),
@@ -632,9 +678,10 @@ class LinkBytes:
 
 
 def grad_syncs_per_step(stage: int, micro_batches: int, defer_grad_reduce: bool = False) -> int:
-    """Gradient reductions per optimizer step: stages 0-1 (and stage 2 with ``defer_grad_reduce``)
-    accumulate full gradients and reduce once; stage 2 otherwise and stage 3 on every micro batch."""
-    return micro_batches if stage == 3 or (stage == 2 and not defer_grad_reduce) else 1
+    """Gradient reductions per optimizer step: stages 0-1 (and stages 2-3 with ``defer_grad_reduce``)
+    accumulate full gradients and reduce once; stages 2-3 otherwise on every micro batch
+    (``zero.bucketing.keeps_full_grads``, the engine's rule)."""
+    return 1 if keeps_full_grads(stage, defer_grad_reduce) else micro_batches
 
 
 def gathers_per_step(stage: int, micro_batches: int) -> int:

@@ -91,6 +91,15 @@ class TrafficPerRank:
     cp_all_to_all_bytes: float = 0.0
     cp_link: str = "intra_node"
     cp_s: float = 0.0
+    # expert parallelism: the tokens' all-to-alls by CommCounter label (a balanced router), the link
+    # the ep group crosses, and their seconds (blocking, inside compute_s like tp_s)
+    ep_bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    ep_link: str = "intra_node"
+    ep_s: float = 0.0
+
+    @property
+    def ep_all_to_all_bytes(self) -> float:
+        return sum(self.ep_bytes_by_kind.values())
 
     @property
     def dp_bytes(self) -> float:
@@ -101,12 +110,14 @@ class TrafficPerRank:
         """Every byte this rank sends inside its node per step: dp collectives whose group stays in
         the node, the tp all-reduces (tp lives inside a node), and cp all-to-alls whose group does."""
         cp = self.cp_all_to_all_bytes if self.cp_link == "intra_node" else 0.0
-        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp
+        ep = self.ep_all_to_all_bytes if self.ep_link == "intra_node" else 0.0
+        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp + ep
 
     @property
     def inter_node_bytes(self) -> float:
         cp = self.cp_all_to_all_bytes if self.cp_link == "inter_node" else 0.0
-        return self.dp_link_bytes.inter_node_total + cp
+        ep = self.ep_all_to_all_bytes if self.ep_link == "inter_node" else 0.0
+        return self.dp_link_bytes.inter_node_total + cp + ep
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -115,6 +126,7 @@ class TrafficPerRank:
             dp_link_bytes=self.dp_link_bytes.as_dict(),
             intra_node_bytes=self.intra_node_bytes,
             inter_node_bytes=self.inter_node_bytes,
+            ep_all_to_all_bytes=self.ep_all_to_all_bytes,
         )
         return values
 
@@ -166,6 +178,13 @@ class Plan:
     checkpointing: str = "none"  # "none" | "selective" | "full" ([Note: checkpointing modes])
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel size: ranks one sequence is split over (dp counts samples)
+    ep: int = 1  # expert-parallel size: ranks a mixture of experts' experts are split over
+    expert_params_per_rank: int = 0  # of params_per_tp_rank: this rank's experts (ep > 1), sharded over edp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (``dp * cp / ep``): expert states are sharded over them."""
+        return self.dp * self.cp // self.ep
 
     @property
     def available_bytes(self) -> float:

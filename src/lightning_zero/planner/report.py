@@ -13,13 +13,13 @@ from typing import Any
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZeroConfig, topology_defaults
 from lightning_zero.hydra_config import PlanConf
-from lightning_zero.models import LlamaConfig, resolve_config
+from lightning_zero.models import LlamaConfig
 from lightning_zero.models.checkpointing import checkpointing_mode
-from lightning_zero.models.moe.config import moe_preset_names
-from lightning_zero.planner.arithmetic import STAGES, PlanOptions, RunShape, plan, refuse_unplanned
+from lightning_zero.models.moe.config import MoEConfig, moe_preset_names
+from lightning_zero.planner.arithmetic import STAGES, PlanOptions, RunShape, plan, resolve_model
+from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
-from lightning_zero.planner.moe import run_moe_plan
 from lightning_zero.planner.plan import Plan
 from lightning_zero.planner.search import search_layouts, topology_overrides
 from lightning_zero.planner.tables import (
@@ -30,6 +30,7 @@ from lightning_zero.planner.tables import (
     print_tables,
     print_topology,
 )
+from lightning_zero.zero.bucketing import defer_grad_reduce_at
 
 PLAN_DEFAULTS = dataclasses.asdict(PlanConf())  # the plan/ schema's defaults, written once in config.py
 
@@ -57,7 +58,9 @@ class PlannedRun:
             return plan(self.model, self.config, self.dims, self.run, self.options, ddp=self.ddp)
         stage = knobs.get("stage", self.config.stage)
         knobs = {**knobs, "stage": max(stage, 1)}
-        knobs["defer_grad_reduce"] = knobs.get("defer_grad_reduce", self.config.defer_grad_reduce) and stage == 2
+        knobs["defer_grad_reduce"] = defer_grad_reduce_at(
+            stage, knobs.get("defer_grad_reduce", self.config.defer_grad_reduce)
+        )
         config = dataclasses.replace(self.config, **knobs)
         dims = ParallelDims.from_config(
             config, world_size=self.dims.world_size, devices_per_node=self.dims.devices_per_node
@@ -87,15 +90,15 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
         activation_checkpointing = checkpointing_mode(
             model.get("activation_checkpointing"), "model.activation_checkpointing"
         )
-        llama_fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-        model = {k: v for k, v in model.items() if k in llama_fields and v is not None}
-    model_config = resolve_config(model)
+        family = MoEConfig if str(model.get("name")).lower() in moe_preset_names() else LlamaConfig
+        fields = {f.name for f in dataclasses.fields(family)}
+        model = {k: v for k, v in model.items() if k in fields and v is not None}
+    model_config = resolve_model(model)
 
     strategy = container.get("strategy") or {}
     if isinstance(strategy, str):
         strategy = {"stage": int(strategy[-1]) if strategy.startswith("zero") else 0}
     stage = int(strategy.get("stage", 0 if "DDP" in str(strategy.get("_target_", "")) else 2))
-    refuse_unplanned(strategy, "lightning-zero plan (strategy.ep)")
     trainer = container.get("trainer") or {}
     data = container.get("data") or {}
     plan_options = {**PLAN_DEFAULTS, **(container.get("plan") or {})}
@@ -107,7 +110,7 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
     num_nodes = int(trainer.get("num_nodes") or 1)
     knobs = {name: value for name, value in strategy.items() if name in ZERO_FIELDS}
     knobs.update(topology_knobs(strategy), stage=max(stage, 1))
-    knobs["defer_grad_reduce"] = bool(knobs.get("defer_grad_reduce", False)) and stage == 2
+    knobs["defer_grad_reduce"] = defer_grad_reduce_at(stage, knobs.get("defer_grad_reduce", False))
     if plan_options["overlap_param_gather"] is not None:
         knobs["overlap_param_gather"] = bool(plan_options["overlap_param_gather"])
     config = ZeroConfig(**knobs)
@@ -169,8 +172,13 @@ TOPOLOGY_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def topology_plans(planned: PlannedRun) -> list[tuple[str, Plan]]:
-    """The configured run under each of :data:`TOPOLOGY_OPTIONS` (other knobs as configured)."""
-    return [(label, planned.plan(**{**topology_defaults(), **change})) for label, change in TOPOLOGY_OPTIONS]
+    """The configured run under each of :data:`TOPOLOGY_OPTIONS` its layout takes (other knobs as
+    configured; expert parallelism has no hybrid sharding of experts)."""
+    plans = [
+        (label, plan_or_none(lambda change=change: planned.plan(**{**topology_defaults(), **change})))
+        for label, change in TOPOLOGY_OPTIONS
+    ]
+    return [(label, option) for label, option in plans if option is not None]  # ep > 1: no hybrid sharding
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,10 +194,6 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
     ``plan.search=true`` it also ranks every layout that fits (``plan.top`` shown).
     Returns the JSON-ready dict (``{"plan": ..., "stages": [...], "search": {...}}``).
     """
-    container = _to_container(cfg)
-    model = container.get("model")
-    if str(model.get("name") if isinstance(model, Mapping) else model).lower() in moe_preset_names():
-        return run_moe_plan(container, console=console)  # a mixture of experts: planner/moe.py
     planned, options = plan_inputs_from_config(cfg)
     output_format = str(options.get("format", "table"))
     if output_format not in ("table", "json"):

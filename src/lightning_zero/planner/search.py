@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, Union
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
-from lightning_zero.planner.arithmetic import PlanOptions, RunShape, _given_knobs, plan, refuse_unplanned
+from lightning_zero.planner.arithmetic import PlanOptions, RunShape, _given_knobs, plan, resolve_model
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.ledger import precision_bytes
 from lightning_zero.planner.plan import GiB, Plan
@@ -79,6 +79,7 @@ class Layout:
     param_comm_dtype: Optional[str] = None
     sequence_parallel: bool = False
     cp: int = 1
+    ep: int = 1
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
@@ -99,6 +100,8 @@ class Layout:
             out.append("strategy.sequence_parallel=true")
         if self.cp > 1:
             out.append(f"strategy.cp={self.cp}")
+        if self.ep > 1:
+            out.append(f"strategy.ep={self.ep}")
         out += topology_overrides(
             self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
         )
@@ -156,6 +159,18 @@ def cp_sizes_for(seq_len: int, world_size: int) -> list[int]:
     return sizes
 
 
+def ep_sizes_for(model: Any) -> list[int]:
+    """The expert-parallel sizes the search plans by default: 1, and for a mixture of experts the
+    powers of two that divide its ``n_experts`` (the ep group must also divide the dense group's
+    ranks: the search skips those that do not)."""
+    experts = getattr(model, "n_experts", 0) or 1
+    sizes, ep = [1], 2
+    while ep <= experts and experts % ep == 0:
+        sizes.append(ep)
+        ep *= 2
+    return sizes
+
+
 def _tp_sizes(devices_per_node: int) -> list[int]:
     sizes, tp = [], 1
     while tp <= devices_per_node:
@@ -191,6 +206,7 @@ def search_layouts(
     stages: Sequence[int] = (0, 1, 2, 3),
     tp_sizes: Optional[Sequence[int]] = None,
     cp_sizes: Optional[Sequence[int]] = None,
+    ep_sizes: Optional[Sequence[int]] = None,
     micro_batches: Sequence[int] = MICRO_BATCHES,
     bucket_mbs: Sequence[float] = BUCKET_MBS,
     prefetch: Sequence[int] = PREFETCH,
@@ -213,7 +229,10 @@ def search_layouts(
     leaves the topology knobs at their defaults (what an engine without them runs);
     ``lossless=True`` plans no layout with a lossy wire format (``Plan.lossless``).
     ``cp_sizes``: the context-parallel sizes to plan (default :func:`cp_sizes_for` the sequence);
-    ``global_batch`` counts sequences, each split over a cp group.
+    ``global_batch`` counts sequences, each split over a cp group. ``ep_sizes``: the expert-parallel
+    sizes to plan (default :func:`ep_sizes_for` the model: 1 for a model without experts); a size
+    the model refuses (its family's ``check_moe_layout``: experts not divisible, tensor parallelism
+    of experts) is left out, as a tp that does not divide the heads is.
 
     ``zero_config``: a :class:`~lightning_zero.config.ZeroConfig` whose ``FIXED_KNOBS`` every
     layout keeps (then not passed as keywords); its searched knobs (stage, tp, bucket_mb,
@@ -226,7 +245,6 @@ def search_layouts(
                 f"search_layouts(zero_config=...): {', '.join(given)} come from the config; set them in"
                 " the ZeroConfig instead of passing them too"
             )
-        refuse_unplanned(zero_config.as_dict(), "search_layouts(zero_config=ZeroConfig(...))")
         fixed = ZeroConfig(**{name: getattr(zero_config, name) for name in FIXED_KNOBS})
     else:
         fixed = ZeroConfig(
@@ -239,14 +257,13 @@ def search_layouts(
         )
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
-    from lightning_zero.models import resolve_config
     from lightning_zero.planner.hardware import load_hardware
 
     start = time.perf_counter()
     # the wire format that sends the tensors as they are (bf16 under bf16-mixed's bf16 parameters)
     bf16_params = precision_bytes(precision, master_weights, mixed_params).param == 2
     native = "bf16" if str(precision) == "bf16-mixed" and bf16_params else "fp32"
-    model = resolve_config(model_config)
+    model = resolve_model(model_config)
     hw = load_hardware(hardware)
     options = PlanOptions(hardware=hw, mfu=mfu, reserved_gib=reserved_gib, suggest=False, simulate="if_fits")
 
@@ -260,6 +277,7 @@ def search_layouts(
                 tensor_parallel_size=layout.tp,
                 sequence_parallel=layout.sequence_parallel,
                 cp=layout.cp,
+                ep=layout.ep,
                 bucket_mb=layout.bucket_mb,
                 prefetch_blocks=layout.prefetch_blocks,
                 defer_grad_reduce=layout.defer_grad_reduce,
@@ -278,20 +296,25 @@ def search_layouts(
     ranked: list[Ranked] = []
     evaluated = rejected = 0
     seq = seq_len or model.max_seq_len
-    for tp, cp in product(tp_sizes or _tp_sizes(devices_per_node), cp_sizes or cp_sizes_for(seq, world_size)):
-        if world_size % (tp * cp):
+    layouts = product(
+        tp_sizes or _tp_sizes(devices_per_node),
+        cp_sizes or cp_sizes_for(seq, world_size),
+        ep_sizes or ep_sizes_for(model),
+    )
+    for tp, cp, ep in layouts:
+        if world_size % (tp * cp) or (world_size // tp) % ep:
             continue
         dp = world_size // (tp * cp)  # ranks with other sequences
         if global_batch % dp:
             continue
         for stage in stages:
-            if stage == 0 and (tp > 1 or cp > 1):
-                continue  # Lightning's DDP has no tensor or context parallelism
+            if stage == 0 and (tp > 1 or cp > 1 or ep > 1):
+                continue  # Lightning's DDP has no tensor, context or expert parallelism
             defers = (False, True) if stage == 2 else (False,)
             prefetches = tuple(prefetch) if stage == 3 else (1,)
             buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
             topologies = _topologies(
-                stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes
+                stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes, ep
             )
             sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
             for micro_batch in micro_batches:
@@ -320,6 +343,7 @@ def search_layouts(
                             **topo,
                             sequence_parallel=split,
                             cp=cp,
+                            ep=ep,
                         )
                         candidate = planned(layout)
                         if candidate is None:  # a tp that does not divide the model's heads, ...
@@ -345,18 +369,21 @@ def _topologies(
     shard_sizes: Sequence[Union[None, int, str]],
     hierarchical: Sequence[bool],
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]],
+    ep: int = 1,
 ) -> list[dict[str, Any]]:
     """The topology knobs worth planning for one layout: none for DDP or one node (nothing crosses
     nodes); ``"node"`` only when it differs from sharding over every dp rank; hierarchical only
     when the shard group spans nodes and a node holds more than one dp rank; a wire format only
     when it differs from the native one (bf16 under bf16-mixed is a no-op). For each shard size the
     plain option comes first: the others hold the same memory, so the search skips them when it
-    does not fit."""
+    does not fit. With ``ep > 1`` no hybrid sharding (experts have none: ``ZeroConfig``)."""
     from lightning_zero.planner.ledger import dp_topology
 
     plain = topology_defaults()
     if stage == 0 or world_size <= devices_per_node:
         return [plain]
+    if ep > 1:
+        shard_sizes, hierarchical = (None,), (False,)
     dp = world_size // tp
     out: list[dict[str, Any]] = []
     for shard_size in shard_sizes:

@@ -49,7 +49,8 @@ def _seconds(value: float) -> str:
 def layout_line(plan: Plan) -> str:
     nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''} x {plan.devices_per_node}"
     cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
-    return f"{plan.world_size} ranks ({nodes}): dp={plan.dp}{cp} x tp={plan.tp}"
+    ep = f", experts over ep={plan.ep} (edp={plan.edp})" if plan.ep > 1 else ""
+    return f"{plan.world_size} ranks ({nodes}): dp={plan.dp}{cp} x tp={plan.tp}{ep}"
 
 
 def header_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -94,6 +95,11 @@ def sharding_line(plan: Plan) -> str:
         text = f"hybrid: shard_size={plan.shard_size} x {plan.replicas} replicas"
     if plan.hierarchical_reduce:
         text += ", hierarchical reduce-scatter (in node, then across nodes)"
+    if plan.ep > 1:
+        text += (
+            f"; experts ({plan.expert_params_per_rank:,} params per rank) over their edp={plan.edp} ranks,"
+            f" tokens all-to-all over ep={plan.ep} ({plan.traffic.ep_link})"
+        )
     wire = {"grads": plan.grad_comm_dtype, "params": plan.param_comm_dtype}
     text += "; cross-node wire: " + ", ".join(f"{k} {v or 'uncompressed'}" for k, v in wire.items())
     return text
@@ -112,7 +118,7 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     rows = [
         ["dp bytes sent / step (GB)", *(_gb(p.traffic.dp_bytes) for p in stages)],
         ["dp time on the link", *(f"{_seconds(p.traffic.dp_s)} ({p.traffic.dp_link})" for p in stages)],
-        ["intra-node GB / step (dp + tp + cp)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
+        ["intra-node GB / step (dp + tp + cp + ep)", *(_gb(p.traffic.intra_node_bytes) for p in stages)],
         ["inter-node GB / step", *(_gb(p.traffic.inter_node_bytes) for p in stages)],
         [
             "dp time intra / inter-node",
@@ -128,6 +134,14 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
             [
                 "cp time (blocking, in compute)",
                 *(f"{_seconds(p.traffic.cp_s)} ({p.traffic.cp_link})" for p in stages),
+            ],
+        ]
+    if any(p.ep > 1 for p in stages):  # docs/moe.md
+        rows[-1:-1] = [
+            ["ep all-to-all bytes / step (GB)", *(_gb(p.traffic.ep_all_to_all_bytes) for p in stages)],
+            [
+                "ep time (blocking, in compute)",
+                *(f"{_seconds(p.traffic.ep_s)} ({p.traffic.ep_link})" for p in stages),
             ],
         ]
     if all(p.timing is not None for p in stages):

@@ -23,9 +23,9 @@ engine buckets it are ``workload.py``; a collective's cost on a link is ``hardwa
   buffers (one more than may be in flight) are out (the oldest reduce-scatter must finish
   first), and every stage waits before launching a bucket while ``max_buckets_in_flight``
   reduce-scatters are in flight; everything still in flight when backward's
-  compute ends is exposed (the last bucket at least). Stage 1 and stage 2 with
-  ``defer_grad_reduce`` communicate on the last micro batch only; stage 2 without it and stage 3
-  on every micro batch. Stage 3 all-gathers a unit (embedding, each block, final norm, head)
+  compute ends is exposed (the last bucket at least). Stage 1 and stages 2-3 with
+  ``defer_grad_reduce`` communicate on the last micro batch only; stages 2-3 without it on every
+  micro batch (``zero.bucketing.keeps_full_grads``). Stage 3 all-gathers a unit (embedding, each block, final norm, head)
   before its forward and again before its backward, ``prefetch_blocks`` units ahead, on the same
   link. Tensor-parallel all-reduces block compute. After the optimizer step, stages 1-2
   all-gather the updated parameters: exposed (``overlap_param_gather=False``, today's engine) or
@@ -53,7 +53,7 @@ from lightning_zero.config import ZERO_DEFAULTS
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.planner.ledger import Hop
 from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets, gathered_once_units
-from lightning_zero.zero.bucketing import pool_buffers
+from lightning_zero.zero.bucketing import keeps_full_grads, pool_buffers
 
 # --------------------------------------------------------------------------------------------
 # Simulating one micro batch
@@ -203,7 +203,7 @@ def gradient_path_bytes(stage: int, *, grad_bytes: int, dp: int, micro_batches: 
       the first accumulate in ``param.grad`` (``3g`` each: read, read, write); the syncing one
       copies each gradient into its bucket and back after the all-reduce (``4g``) and divides the
       bucket by the world size (``2g``): ``3g (A - 1) + 6g``.
-    - ``full_grads`` (stage 1, stage 2 with ``defer_grad_reduce``): the full buffer is zeroed once
+    - ``full_grads`` (stage 1, stages 2-3 with ``defer_grad_reduce``): the full buffer is zeroed once
       (``g``), every micro batch accumulates into its slot (``3g``), the owned chunk is divided
       in place (``2g / dp``): ``g + 3g A + 2g / dp``.
     - stage 2/3: every micro batch copies into a pool buffer (``2g``) and the owned chunk takes
@@ -299,6 +299,9 @@ def step_time(
     links: Optional[Mapping[str, Link]] = None,
     shard_size: Optional[int] = None,
     overhead_s: float = 0.0,
+    expert_shard: Optional[int] = None,
+    expert_grad_hops: Optional[Sequence[Hop]] = None,
+    expert_gather_hops: Optional[Sequence[Hop]] = None,
 ) -> StepTime:
     """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP).
 
@@ -306,10 +309,15 @@ def step_time(
     ``dp_link``. With them (:meth:`~lightning_zero.planner.ledger.DpTopology.grad_hops`: hybrid
     sharding, hierarchical reduction, compressed wire formats) a bucket's reduction is its hops
     run one after another, each on ``links[hop.link]``, and ZeRO shards over ``shard_size``
-    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step.
+    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step. Expert parallelism:
+    the expert domain's buckets ([Note: expert domain] in ``zero/domains.py``) are sharded over
+    ``expert_shard`` ranks (the edp group) and reduced / gathered by ``expert_grad_hops`` /
+    ``expert_gather_hops`` on their own links; ``None``: no expert domain.
     """
     shard = shard_size or dp
-    buckets = engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes)
+    buckets = engine_buckets(
+        workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes, expert_dp=expert_shard
+    )
     if grad_hops is None:
         kind = "all_reduce" if stage == 0 else "reduce_scatter"
         grad_hops = [Hop(kind, dp, 1.0, "dp", None, grad_bytes)] if dp > 1 else []
@@ -335,15 +343,18 @@ def step_time(
         for link, spent in per_link.items():
             by_link[link] = by_link.get(link, 0.0) + count * spent
 
-    bucket_s = [hops_seconds(grad_hops, b.numel)[0] for b in buckets]
+    grads_of = {False: grad_hops, True: grad_hops if expert_grad_hops is None else expert_grad_hops}
+    gathers_of = {False: gather_hops, True: gather_hops if expert_gather_hops is None else expert_gather_hops}
+    bucket_s = [hops_seconds(grads_of[b.expert], b.numel)[0] for b in buckets]
     gather_s = None
     if stage == 3:
         per_unit = [0.0] * len(workload.unit_forward_s)
         for bucket in buckets:
             unit = workload.tensors[bucket.tensors[0]].unit
-            per_unit[unit] += hops_seconds(gather_hops, bucket.numel)[0]
+            per_unit[unit] += hops_seconds(gathers_of[bucket.expert], bucket.numel)[0]
         gather_s = per_unit
-    pool = pool_buffers(max_buckets_in_flight) if stage in (2, 3) and not defer_grad_reduce else None
+    full_grads = keeps_full_grads(stage, defer_grad_reduce)  # [Note: deferred gradient reduction]
+    pool = None if full_grads else pool_buffers(max_buckets_in_flight)
     common = dict(
         overlap_comm=overlap_comm,
         pool=pool,
@@ -354,7 +365,7 @@ def step_time(
     )
     forward = simulate_forward(workload, gather_s=gather_s, prefetch=prefetch_blocks, efficiency=efficiency)
     backward_sync = simulate_backward(workload, buckets, bucket_s, sync=bool(grad_hops), **common)
-    every_micro_batch = stage == 3 or (stage == 2 and not defer_grad_reduce)
+    every_micro_batch = not full_grads
     backward_no_sync = (
         backward_sync if every_micro_batch else simulate_backward(workload, buckets, bucket_s, sync=False, **common)
     )
@@ -363,25 +374,26 @@ def step_time(
     compute = micro_batches * (forward.compute_s + backward_sync.compute_s)
     exposed = micro_batches * forward.exposed_s + syncing * backward_sync.exposed_s + quiet * backward_no_sync.exposed_s
     dp_comm = micro_batches * forward.comm_s + syncing * backward_sync.comm_s + quiet * backward_no_sync.comm_s
-    sizes = Counter(bucket.numel for bucket in buckets)  # few distinct sizes: tally each once
+    sizes = Counter((bucket.numel, bucket.expert) for bucket in buckets)  # few distinct sizes: tally each once
     if grad_hops:
-        for numel, count in sizes.items():
-            tally(hops_seconds(grad_hops, numel)[1], count * syncing)
+        for (numel, expert), count in sizes.items():
+            tally(hops_seconds(grads_of[expert], numel)[1], count * syncing)
     if stage == 3 and gather_hops:
         once = gathered_once_units(workload)  # gathered before each forward, again before each backward but these
-        gathers = Counter((b.numel, 1 if workload.tensors[b.tensors[0]].unit in once else 2) for b in buckets)
-        for (numel, times), count in gathers.items():
-            tally(hops_seconds(gather_hops, numel)[1], count * times * micro_batches)
+        gathers = Counter((b.numel, b.expert, 1 if workload.tensors[b.tensors[0]].unit in once else 2) for b in buckets)
+        for (numel, expert, times), count in gathers.items():
+            tally(hops_seconds(gathers_of[expert], numel)[1], count * times * micro_batches)
     post = 0.0
     if stage in (1, 2) and gather_hops:
-        gather = sum(count * hops_seconds(gather_hops, numel)[0] for numel, count in sizes.items())
-        for numel, count in sizes.items():
-            tally(hops_seconds(gather_hops, numel)[1], count)
+        gather = sum(count * hops_seconds(gathers_of[expert], numel)[0] for (numel, expert), count in sizes.items())
+        for (numel, expert), count in sizes.items():
+            tally(hops_seconds(gathers_of[expert], numel)[1], count)
         dp_comm += gather
         hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
         post = gather - hidden
     local_numel = sum(t.numel for t in workload.tensors)
-    stepped = local_numel / shard if stage >= 1 else local_numel
+    expert_numel = sum(t.numel for t in workload.tensors if t.expert) if expert_shard else 0
+    stepped = (local_numel - expert_numel) / shard + expert_numel / (expert_shard or 1) if stage >= 1 else local_numel
     return StepTime(
         compute_s=compute,
         tp_s=micro_batches * workload.tp_s,
@@ -393,7 +405,7 @@ def step_time(
             grad_bytes=grad_bytes,
             dp=shard,
             micro_batches=micro_batches,
-            full_grads=stage == 1 or (stage == 2 and defer_grad_reduce),
+            full_grads=full_grads,
         )
         * local_numel
         / memory_bytes_per_s,

@@ -13,6 +13,7 @@ from lightning_zero.comm.ring import ring_sent
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
+from lightning_zero.planner.moe import balanced_exchange_bytes
 from lightning_zero.planner.plan import TrafficPerRank
 from lightning_zero.planner.timing import StepTime
 from lightning_zero.planner.workload import Workload, cp_all_to_all_payloads, gathered_once_numel, training_flops
@@ -38,11 +39,18 @@ def traffic_per_rank(
     grad_comm_dtype: Optional[str],
     param_comm_dtype: Optional[str],
     cp_link: str = "intra_node",
+    expert_padded: int = 0,
+    expert_topology: Optional[DpTopology] = None,
+    ep_link: str = "intra_node",
 ) -> TrafficPerRank:
-    """The bytes one rank sends per step, by group, link and collective, with the seconds they take."""
+    """The bytes one rank sends per step, by group, link and collective, with the seconds they take.
+    ``padded``: the dense parameters one rank holds (padded to its shard group); with expert
+    parallelism ``expert_padded`` expert parameters are reduced and gathered over
+    ``expert_topology`` (the edp group, [Note: expert domain] in ``zero/domains.py``) and the
+    tokens' all-to-alls run over the ep group on ``ep_link``."""
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
-    # stage 0 all-reduces once; stage 1 (and stage 2 deferred) reduce-scatter once per step, stage 2
-    # every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
+    # stage 0 all-reduces once; stage 1 (and stages 2-3 deferred) reduce-scatter once per step, stages
+    # 2-3 otherwise every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
     # (once for the unit held from forward into backward, and for a tied embedding in the root).
     tp = int(dims.tp)
     links = dp_link_bytes(
@@ -57,6 +65,20 @@ def traffic_per_rank(
         param_comm_dtype=param_comm_dtype,
         gathered_once_numel=gathered_once_numel(workload) if stage == 3 else 0,
     )
+    if expert_topology is not None and expert_padded:
+        experts = dp_link_bytes(
+            expert_padded,
+            stage=stage,
+            topology=expert_topology,
+            micro_batches=micro_batches,
+            defer_grad_reduce=defer_grad_reduce,
+            grad_bytes=dtype.grad,
+            param_bytes=dtype.param,
+            grad_comm_dtype=grad_comm_dtype,
+            param_comm_dtype=param_comm_dtype,
+            gathered_once_numel=gathered_once_numel(workload, expert=True) if stage == 3 else 0,
+        )
+        links = links.plus(experts)
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
     tokens = micro_batch * seq_len
@@ -82,6 +104,10 @@ def traffic_per_rank(
         activation_checkpointing=activation_checkpointing,
         cp=cp,
     )
+    ep_bytes = ep_bytes_by_kind(
+        config, tokens=tokens // cp // tp, ep=int(dims.ep), act_bytes=dtype.activation, micro_batches=micro_batches,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
     return TrafficPerRank(
         dp_reduce_scatter_bytes=reduce_scatter,
         dp_all_gather_bytes=all_gather,
@@ -103,6 +129,9 @@ def traffic_per_rank(
         cp_all_to_all_bytes=sum(cp_bytes.values()),
         cp_link=cp_link,
         cp_s=micro_batches * workload.cp_s,
+        ep_bytes_by_kind=ep_bytes,
+        ep_link=ep_link,
+        ep_s=micro_batches * workload.ep_s,
     )
 
 
@@ -179,6 +208,30 @@ def cp_bytes_by_kind(
     passes = 3 if checkpointing_mode(activation_checkpointing) == "full" else 2
     per_layer = cp_all_to_all_bytes_per_layer(config, tokens=tokens, cp=cp, tp=tp, act_bytes=act_bytes)
     return {"cp_all_to_all": passes * config.n_layers * micro_batches * per_layer}
+
+
+def ep_bytes_by_kind(
+    config: Any,
+    *,
+    tokens: int,
+    ep: int,
+    act_bytes: int,
+    micro_batches: int = 1,
+    activation_checkpointing: CheckpointingLike = False,
+) -> dict[str, float]:
+    """Bytes one rank sends in the ep group per step, by ``CommCounter`` label (``moe_dispatch``,
+    ``moe_combine``, ``moe_dispatch_grad``, ``moe_combine_grad``; the small ``moe_counts`` control
+    exchange is left out), ``tokens`` being the rank's ``B T`` of one micro batch (a MoE layer's ``T / cp / tp`` shard): the formula the
+    engine's counters are tested against (``planner.moe.all_to_all_bytes``) for a balanced router
+    (:func:`~lightning_zero.planner.moe.balanced_exchange_bytes`). Empty for ``ep == 1`` or a
+    model without experts."""
+    if ep == 1 or not getattr(config, "n_experts", 0):
+        return {}
+    per_micro_batch = balanced_exchange_bytes(
+        tokens, top_k=config.top_k, ep=ep, moe_layers=config.n_layers - config.n_dense_layers,
+        row_bytes=config.dim * act_bytes, recomputed=checkpointing_mode(activation_checkpointing) == "full",
+    )  # fmt: skip
+    return {label: micro_batches * value for label, value in per_micro_batch.items()}
 
 
 def _dp_link_name(links: LinkBytes) -> str:

@@ -7,6 +7,7 @@ the collectives against this.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 from lightning_zero.cp.layout import ulysses_layout
@@ -20,24 +21,99 @@ from lightning_zero.zero.stage3.gather_order import gathered_high_water, held_en
 # --------------------------------------------------------------------------------------------
 
 
-def _weights(config: Any, tp: int) -> dict[str, int]:
-    dim, head_dim = config.dim, config.dim // config.n_heads
-    kv_dim = (getattr(config, "n_kv_heads", None) or config.n_heads) * head_dim
-    return {
-        "wq": dim * dim // tp,
-        "wk": dim * kv_dim // tp,
-        "wv": dim * kv_dim // tp,
-        "wo": dim * dim // tp,
-        "w1": dim * config.ffn_dim // tp,
-        "w3": dim * config.ffn_dim // tp,
-        "w2": config.ffn_dim * dim // tp,
-    }
+def head_dim(config: Any) -> int:
+    """Per-head width: ``config.head_dim`` where the model sets it apart (Qwen3, DeepSeek), else
+    ``dim // n_heads``."""
+    return getattr(config, "head_dim", None) or config.dim // config.n_heads
+
+
+def is_moe(config: Any) -> bool:
+    """Whether ``config`` is a mixture of experts (a ``MoEConfig``: ``n_experts`` routed experts)."""
+    return bool(getattr(config, "n_experts", 0))
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One parameter tensor of a decoder layer as one rank holds it: ``numel`` held, ``active``
+    elements one token's matmuls touch (``0``: a norm gain, no matmul), its optimizer param group
+    (0 matrices with weight decay, 1 norm gains) and whether it is an expert parameter."""
+
+    name: str
+    numel: int
+    active: int
+    group: int = 0
+    expert: bool = False
+
+
+def layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> tuple[LayerTensor, ...]:
+    """See :func:`_layer_tensors` (memoized: the layout search asks for the same layers many times)."""
+    key = (repr(config), layer, tp, ep)
+    tensors = _LAYERS.get(key)
+    if tensors is None:
+        if len(_LAYERS) > 4096:
+            _LAYERS.clear()
+        tensors = _LAYERS[key] = tuple(_layer_tensors(config, layer, tp=tp, ep=ep))
+    return tensors
+
+
+_LAYERS: dict[tuple, tuple[LayerTensor, ...]] = {}
+
+
+def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list[LayerTensor]:
+    """Layer ``layer``'s parameters on one rank, in registration order: Llama's block (attention
+    norm, ``wq wk wv wo``, FFN norm, SwiGLU ``w1 w3 w2``, matrices split over ``tp``), or a
+    ``MoEConfig``'s (q/k norms after ``wo`` with ``qk_norm``; after the first ``n_dense_layers`` the
+    SwiGLU replaced by the router ``(E, dim)``, the stacked experts ``w1 w3 w2`` of which a rank
+    holds ``E / ep`` while a token runs ``top_k`` of them, and the shared experts' SwiGLU). Under
+    tensor parallelism a MoE layer is not split: it runs on the rank's ``T / tp`` sequence shard
+    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``), so it holds whole tensors and
+    computes ``1 / tp`` of the tokens (its ``active`` elements divided by ``tp``)."""
+    dim, hd = config.dim, head_dim(config)
+    q_dim, kv_dim = config.n_heads * hd, (getattr(config, "n_kv_heads", None) or config.n_heads) * hd
+    tensors = [LayerTensor("attention_norm.weight", dim, 0, 1)]
+    for name, numel in (("wq", dim * q_dim), ("wk", dim * kv_dim), ("wv", dim * kv_dim), ("wo", q_dim * dim)):
+        tensors.append(LayerTensor(f"attention.{name}.weight", numel // tp, numel // tp))
+    if getattr(config, "qk_norm", False):
+        tensors += [LayerTensor("attention.q_norm.weight", hd, 0, 1), LayerTensor("attention.k_norm.weight", hd, 0, 1)]
+    tensors.append(LayerTensor("ffn_norm.weight", dim, 0, 1))
+
+    def swiglu(prefix: str, width: int) -> list[LayerTensor]:
+        return [
+            LayerTensor(f"{prefix}.{name}.weight", dim * width // tp, dim * width // tp) for name in ("w1", "w3", "w2")
+        ]
+
+    if not is_moe(config) or layer < config.n_dense_layers:
+        return tensors + swiglu("feed_forward", config.ffn_dim)
+    experts, width = config.n_experts, config.expert_ffn_dim
+    tensors.append(LayerTensor("moe.router.weight", experts * dim, experts * dim // tp))
+    for name in ("w1", "w3", "w2"):
+        held, active = experts // ep * width * dim, config.top_k * width * dim // tp
+        tensors.append(LayerTensor(f"moe.experts.{name}", held, active, 0, True))
+    shared = dim * config.shared_ffn_dim
+    if shared:
+        tensors += [LayerTensor(f"moe.shared.{name}.weight", shared, shared // tp) for name in ("w1", "w3", "w2")]
+    return tensors
+
+
+def _matmul_active(config: Any, tp: int) -> int:
+    """Matmul elements one token runs through in every layer on one tp rank (memoized)."""
+    key = (repr(config), tp)
+    if key not in _ACTIVE:
+        if len(_ACTIVE) > 1024:
+            _ACTIVE.clear()
+        layers = range(config.n_layers)
+        _ACTIVE[key] = sum(tensor.active for layer in layers for tensor in layer_tensors(config, layer, tp=tp))
+    return _ACTIVE[key]
+
+
+_ACTIVE: dict[tuple, int] = {}
 
 
 def attention_forward_flops(config: Any, *, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1) -> float:
-    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``);
-    with context parallelism a rank attends over all ``T`` tokens with ``1/cp`` of the heads."""
-    return 2.0 * micro_batch * seq_len * seq_len * config.dim / (tp * cp)
+    """Causal ``softmax(q k^T) v`` of one block: ``2 B T^2 d / tp`` (half of the full ``4 B T^2 d``;
+    ``d`` the query heads' width, ``n_heads x head_dim``); with context parallelism a rank attends
+    over all ``T`` tokens with ``1/cp`` of the heads."""
+    return 2.0 * micro_batch * seq_len * seq_len * config.n_heads * head_dim(config) / (tp * cp)
 
 
 def recompute_flops(
@@ -57,8 +133,8 @@ def recompute_flops(
     if mode == "selective":
         return config.n_layers * attention
     if mode == "full":
-        block_weights = sum(_weights(config, tp).values())
-        return config.n_layers * (2.0 * micro_batch * seq_len / cp * block_weights + attention)
+        matmuls = _matmul_active(config, tp)
+        return 2.0 * micro_batch * seq_len / cp * matmuls + config.n_layers * attention
     return 0.0
 
 
@@ -72,16 +148,16 @@ def training_flops(
     cp: int = 1,
 ) -> float:
     """Matmul FLOPs of one forward + backward of one micro batch on one tp rank (the model's
-    ``6 x matmul params x tokens`` + attention, + :func:`recompute_flops` under checkpointing);
+    ``6 x matmul params x tokens`` + attention, the matmul parameters being those a token runs
+    through: a mixture of experts' ``top_k`` routed experts, its router and shared experts,
+    :func:`layer_tensors`; + :func:`recompute_flops` under checkpointing);
     with context parallelism (``cp``) on one of the cp ranks, which holds ``T/cp`` tokens of each
     sequence and attends over all ``T`` with ``1/cp`` of the heads: ``1/cp`` of the whole."""
     tokens = micro_batch * seq_len / cp
-    block_weights = sum(_weights(config, tp).values())
-    block_forward = 2.0 * tokens * block_weights + attention_forward_flops(
-        config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp
-    )
+    matmuls = _matmul_active(config, tp)
+    attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp)
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp
-    forward = config.n_layers * block_forward + head_forward
+    forward = 2.0 * tokens * matmuls + config.n_layers * attention + head_forward
     recompute = recompute_flops(
         config,
         micro_batch=micro_batch,
@@ -99,7 +175,7 @@ def cp_all_to_all_payloads(config: Any, *, tokens: int, cp: int, tp: int, act_by
     ``cp/ulysses.py``): its ``B T / cp`` tokens of a TP rank's query heads, kv heads (repeated
     ``kv_repeats`` times where they do not split over cp, ``cp/layout.py``), and query heads back."""
     layout = ulysses_layout(cp, tp, config)
-    per_head = tokens // cp * (config.dim // config.n_heads) * act_bytes
+    per_head = tokens // cp * head_dim(config) * act_bytes
     qkv = per_head * (layout.q_heads_per_tp_rank + 2 * layout.kv_heads_exchanged)
     return float(qkv), float(per_head * layout.q_heads_per_tp_rank)
 
@@ -119,6 +195,7 @@ class Tensor:
     unit: int  # stage-3 unit, in forward order: 0 embedding, 1..L blocks, L+1 final norm, L+2 head
     group: int  # optimizer param group: 0 weight matrices (decay), 1 norm gains (no decay)
     backward_s: float  # compute (and blocking tp collectives) of its backward, recompute included
+    expert: bool = False  # an expert parameter: its own ZeRO domain ([Note: expert domain] in zero/domains.py)
 
 
 @dataclass(frozen=True)
@@ -135,6 +212,22 @@ class Workload:
     # parameters] in zero/stage3/units.py): gathered when a step begins, kept until backward ends
     root_units: frozenset[int] = frozenset()
     cp_s: float = 0.0  # part of compute_forward_s + compute_backward_s spent in cp all-to-alls (blocking)
+    ep_s: float = 0.0  # part of compute_forward_s + compute_backward_s spent in ep all-to-alls (blocking)
+
+    @cached_property
+    def numel(self) -> int:
+        """Parameter elements one rank holds (every tensor)."""
+        return sum(tensor.numel for tensor in self.tensors)
+
+    @cached_property
+    def expert_numel(self) -> int:
+        """Of :attr:`numel`, the expert parameters'."""
+        return sum(tensor.numel for tensor in self.tensors if tensor.expert)
+
+    @cached_property
+    def largest_numel(self) -> int:
+        """Elements of the largest parameter tensor."""
+        return max(tensor.numel for tensor in self.tensors)
 
 
 def recorded_schedule(workload: Workload) -> tuple[list[int], list[bool]]:
@@ -161,10 +254,11 @@ def gathered_once_units(workload: Workload) -> frozenset[int]:
     return held_units(workload) | workload.root_units
 
 
-def gathered_once_numel(workload: Workload) -> int:
-    """Elements one rank's stage-3 backward does not all-gather again (:func:`gathered_once_units`)."""
+def gathered_once_numel(workload: Workload, expert: bool = False) -> int:
+    """Elements of one domain (dense, or ``expert``) one rank's stage-3 backward does not
+    all-gather again (:func:`gathered_once_units`)."""
     once = gathered_once_units(workload)
-    return sum(tensor.numel for tensor in workload.tensors if tensor.unit in once)
+    return sum(tensor.numel for tensor in workload.tensors if tensor.unit in once and tensor.expert == expert)
 
 
 def gathered_numel(workload: Workload, prefetch: int) -> int:
@@ -223,8 +317,11 @@ def _llama_workload(
     sequence_parallel: bool = False,
     cp: int = 1,
     cp_link: Optional[Link] = None,
+    ep: int = 1,
+    ep_link: Optional[Link] = None,
 ) -> Workload:
-    """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank.
+    """Per-tensor backward time and per-unit forward time of the project's Llama (or mixture of
+    experts, ``MoEConfig``: :func:`layer_tensors`) on one rank.
 
     ``tp_all_reduce`` is one activation all-reduce of ``B T dim``, or under ``sequence_parallel``
     the reduce-scatter plus all-gather that replace it (same bytes and ring steps); the norm
@@ -232,10 +329,14 @@ def _llama_workload(
     With context parallelism (``cp > 1``) the rank holds ``T/cp`` tokens of each sequence (``B T``
     below is ``B T/cp``) and each block's attention adds its two all-to-alls on ``cp_link``
     forward and two backward (``cp_exchange``, blocking: attention waits for them), and the
-    recomputed ones under full checkpointing ([Note: Ulysses attention] in ``cp/ulysses.py``)."""
+    recomputed ones under full checkpointing ([Note: Ulysses attention] in ``cp/ulysses.py``).
+    A MoE layer runs its ``top_k`` experts' matmuls per token (a balanced router gives a rank's
+    experts ``B T k`` rows), and with expert parallelism (``ep > 1``) its token exchange: dispatch
+    and combine forward, their mirrors backward, each an all-to-all of ``B T k`` rows of ``dim``
+    on ``ep_link`` (``ep_exchange``, blocking), the forward pair again under full recompute
+    ([Note: all-to-all bytes] in ``planner/moe.py``)."""
     mode = checkpointing_mode(activation_checkpointing)
     tokens = micro_batch * seq_len // cp
-    weights = _weights(config, tp)
     attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp) / flops_per_s
     cp_exchange = 0.0  # one block's two all-to-alls (q/k/v there, the output back)
     if cp > 1:
@@ -246,6 +347,10 @@ def _llama_workload(
                 config, tokens=micro_batch * seq_len, cp=cp, tp=tp, act_bytes=act_bytes
             )
         )
+    ep_exchange = 0.0  # one MoE layer's dispatch (or combine): B T k rows of dim (of the T/tp shard)
+    if ep > 1:
+        rows = tokens // tp * config.top_k * config.dim * act_bytes
+        ep_exchange = collective_seconds("all_to_all", rows, ep, ep_link if ep_link is not None else tp_link)
     payload = tokens * config.dim * act_bytes
     if sequence_parallel:
         tp_gather = collective_seconds("all_gather", payload, tp, tp_link)
@@ -253,32 +358,40 @@ def _llama_workload(
         recomputed_tp = tp_all_reduce + tp_gather  # both gathers and wo's reduce-scatter
     else:
         tp_all_reduce = recomputed_tp = collective_seconds("all_reduce", payload, tp, tp_link)  # wo's
-    block_forward = (
-        sum(2.0 * tokens * w for w in weights.values()) / flops_per_s + attention + 2 * tp_all_reduce + cp_exchange
-    )
     head_forward = 2.0 * tokens * config.dim * config.vocab_size / tp / flops_per_s
 
     tensors: list[Tensor] = []
 
-    def add(name: str, numel: int, unit: int, group: int, backward_s: float) -> None:
-        tensors.append(Tensor(name, numel, len(tensors), unit, group, backward_s))
+    def add(name: str, numel: int, unit: int, group: int, backward_s: float, expert: bool = False) -> None:
+        tensors.append(Tensor(name, numel, len(tensors), unit, group, backward_s, expert))
 
     add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
+    block_forwards = []
+    ep_s = 0.0
     for layer in range(config.n_layers):
         unit = layer + 1
+        members = layer_tensors(config, layer, tp=tp, ep=ep)
+        moe = any(member.expert for member in members)
+        exchanges = 2 * ep_exchange if moe else 0.0  # dispatch + combine (backward: their mirrors)
+        block_forward = (
+            sum(2.0 * tokens * member.active for member in members) / flops_per_s
+            + attention
+            + 2 * tp_all_reduce
+            + cp_exchange
+            + exchanges
+        )
+        block_forwards.append(block_forward)
         recompute = {"none": 0.0, "selective": attention, "full": block_forward}[mode]
-        prefix = f"layers.{layer}."
-        # backward runs w2, w3, w1, ffn_norm, wo, (attention core), wv, wk, wq, attention_norm
-        backward = {name: 4.0 * tokens * numel / flops_per_s for name, numel in weights.items()}
-        backward["w2"] += recompute + tp_all_reduce  # recompute precedes the block's first grad
-        backward["wv"] += 2 * attention + cp_exchange  # the output's exchange, the core, the q/k/v exchange
-        backward["wo"] += tp_all_reduce
-        add(prefix + "attention_norm.weight", config.dim, unit, 1, 0.0)
-        for name in ("wq", "wk", "wv", "wo"):
-            add(prefix + f"attention.{name}.weight", weights[name], unit, 0, backward[name])
-        add(prefix + "ffn_norm.weight", config.dim, unit, 1, 0.0)
-        for name in ("w1", "w3", "w2"):
-            add(prefix + f"feed_forward.{name}.weight", weights[name], unit, 0, backward[name])
+        ep_s += exchanges * (3 if mode == "full" else 2)
+        # backward runs the tensors in reverse: the last registered (the FFN's output projection)
+        # first, after the block's recompute; attention's core between wo and wv
+        backward = [4.0 * tokens * member.active / flops_per_s for member in members]
+        backward[-1] += recompute + tp_all_reduce + exchanges
+        names = [member.name for member in members]
+        backward[names.index("attention.wv.weight")] += 2 * attention + cp_exchange
+        backward[names.index("attention.wo.weight")] += tp_all_reduce
+        for member, seconds in zip(members, backward):
+            add(f"layers.{layer}.{member.name}", member.numel, unit, member.group, seconds, member.expert)
     head_backward = 2 * head_forward + tp_all_reduce
     if getattr(config, "tie_embeddings", False):
         # A tied head has no tensor of its own (its gradient completes at the embedding, the
@@ -287,7 +400,7 @@ def _llama_workload(
     else:
         add("norm.weight", config.dim, config.n_layers + 1, 1, 0.0)
         add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
-    unit_forward = (tp_all_reduce, *([block_forward] * config.n_layers), 0.0, head_forward)
+    unit_forward = (tp_all_reduce, *block_forwards, 0.0, head_forward)
     # full recompute stops before w2 (non-reentrant checkpoint): see planner.traffic.tp_bytes_by_kind
     per_layer_tp = 4 * tp_all_reduce + (recomputed_tp if mode == "full" else 0.0)
     return Workload(
@@ -296,9 +409,10 @@ def _llama_workload(
         compute_forward_s=sum(unit_forward),
         compute_backward_s=sum(t.backward_s for t in tensors),
         tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
-        shape_key=(repr(config), tp),
+        shape_key=(repr(config), tp, ep),
         root_units=frozenset({0}) if getattr(config, "tie_embeddings", False) else frozenset(),
         cp_s=config.n_layers * cp_exchange * (3 if mode == "full" else 2),
+        ep_s=ep_s,
     )
 
 
@@ -307,8 +421,9 @@ class PlannedBucket:
     """A run of tensors reduced by one collective (``FlatLayout``'s buckets: [Note: bucket boundaries])."""
 
     tensors: tuple[int, ...]  # indices into Workload.tensors, in the order their grads arrive
-    numel: int  # padded to a multiple of dp
+    numel: int  # padded to a multiple of its domain's shard group (dp, or edp for experts)
     first_reg_index: int  # the reducer launches later-registered buckets first
+    expert: bool = False  # of the expert domain: reduced and sharded over the edp group
 
 
 def flat_buckets(
@@ -318,9 +433,11 @@ def flat_buckets(
     bucket_numel: int,
     dp: int,
     first_bucket_numel: Optional[int] = None,
+    expert: bool = False,
 ) -> list[PlannedBucket]:
     """``zero/flat.py``'s layout of ``indices`` (registration order): laid in reverse and cut by
-    :func:`~lightning_zero.zero.bucketing.bucket_sizes`, the engine's own rule."""
+    :func:`~lightning_zero.zero.bucketing.bucket_sizes`, the engine's own rule; ``expert``: the
+    layout is of the expert domain."""
     laid = list(reversed(list(indices)))  # registration order, reversed: the earliest comes last
     counts = bucket_sizes(
         (tensors[index].numel for index in laid), bucket_numel=bucket_numel, first_bucket_numel=first_bucket_numel
@@ -331,7 +448,7 @@ def flat_buckets(
         members = tuple(laid[taken : taken + count])
         taken += count
         used = sum(tensors[index].numel for index in members)
-        buckets.append(PlannedBucket(members, padded_numel(used, dp), tensors[members[-1]].reg_index))
+        buckets.append(PlannedBucket(members, padded_numel(used, dp), tensors[members[-1]].reg_index, expert))
     return buckets
 
 
@@ -339,33 +456,48 @@ _BUCKETS: dict[tuple, list[PlannedBucket]] = {}
 
 
 def engine_buckets(
-    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int, expert_dp: Optional[int] = None
 ) -> list[PlannedBucket]:
-    """Buckets in launch order. ZeRO: one layout per optimizer param group (per unit under stage 3),
-    launched by descending first registration index (``reducer.GradReducer``); stages 1-2 close
-    their first bucket at ``FIRST_BUCKET_MB`` of ``grad_bytes`` elements, as the engine's
-    ``FlatLayout`` does. DDP (stage 0): one layout over every parameter in reverse order. Memoized
-    by tensor shapes (the search asks for the same layouts for every micro batch and checkpointing
-    choice)."""
-    key = (workload.shape_key or id(workload), stage, bucket_numel, dp, grad_bytes)
+    """Buckets in launch order. ZeRO: one layout per optimizer param group and domain (per unit
+    too under stage 3; expert parameters apart, padded to ``expert_dp``, the edp group: [Note:
+    expert domain] in ``zero/domains.py``, as ``zero/build.py`` cuts them), launched by descending
+    first registration index (``reducer.GradReducer``); stages 1-2 close their first bucket at
+    ``FIRST_BUCKET_MB`` of ``grad_bytes`` elements, as the engine's ``FlatLayout`` does. DDP
+    (stage 0): one layout over every parameter in reverse order. ``expert_dp=None``: no expert
+    domain (``ep == 1``: expert parameters are dense ones). Memoized by tensor shapes (the search
+    asks for the same layouts for every micro batch and checkpointing choice)."""
+    key = (workload.shape_key or id(workload), stage, bucket_numel, dp, grad_bytes, expert_dp)
     if not workload.shape_key or key not in _BUCKETS:
         if len(_BUCKETS) > 1024:
             _BUCKETS.clear()
-        _BUCKETS[key] = _engine_buckets(workload, stage=stage, bucket_numel=bucket_numel, dp=dp, grad_bytes=grad_bytes)
+        _BUCKETS[key] = _engine_buckets(
+            workload, stage=stage, bucket_numel=bucket_numel, dp=dp, grad_bytes=grad_bytes, expert_dp=expert_dp
+        )
     return _BUCKETS[key]
 
 
 def _engine_buckets(
-    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int
+    workload: Workload, *, stage: int, bucket_numel: int, dp: int, grad_bytes: int, expert_dp: Optional[int]
 ) -> list[PlannedBucket]:
     tensors = workload.tensors
     if stage == 0:
         return flat_buckets(tensors, range(len(tensors)), bucket_numel=bucket_numel, dp=1)
     first = first_bucket_numel(bucket_numel, grad_bytes) if stage in (1, 2) else None
-    layouts: dict[tuple[int, int], list[int]] = {}
+    layouts: dict[tuple[int, int, bool], list[int]] = {}
     for index, tensor in enumerate(tensors):
-        layouts.setdefault((tensor.unit if stage == 3 else 0, tensor.group), []).append(index)
+        domain = tensor.expert and expert_dp is not None
+        layouts.setdefault((tensor.unit if stage == 3 else 0, tensor.group, domain), []).append(index)
     buckets: list[PlannedBucket] = []
     for key in sorted(layouts):
-        buckets.extend(flat_buckets(tensors, layouts[key], bucket_numel=bucket_numel, dp=dp, first_bucket_numel=first))
+        ranks = expert_dp if key[2] else dp
+        buckets.extend(
+            flat_buckets(
+                tensors,
+                layouts[key],
+                bucket_numel=bucket_numel,
+                dp=ranks,
+                first_bucket_numel=first,  # type: ignore[arg-type]
+                expert=key[2],
+            )  # fmt: skip
+        )
     return sorted(buckets, key=lambda b: -b.first_reg_index)

@@ -159,42 +159,63 @@ def _reduce_scatter_sequence(
     return shard.movedim(0, SEQ_DIM).contiguous()  # (B, T/tp, ...)
 
 
+def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> torch.Tensor:
+    return _all_gather_sequence(x, group, counter, SP_GATHER_LABEL)
+
+
+def _scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> torch.Tensor:
+    return _reduce_scatter_sequence(x, group, counter, SP_SCATTER_LABEL)
+
+
+def _split_sequence(x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter]) -> torch.Tensor:
+    return sequence_shard(x, group).clone()  # no communication
+
+
 class _SequenceRegion(torch.autograd.Function):
-    """``gather=True``: all-gather over the sequence forward, reduce-scatter of the gradient
-    backward (entering a split region); ``gather=False``: the reverse (leaving it)."""
+    """``there`` forward, ``back`` on the gradient backward: two of the sequence moves above
+    (all-gather, reduce-scatter, this rank's slice)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], gather: bool):
-        ctx.group, ctx.counter, ctx.gather = group, counter, gather
-        return _sequence_collective(x, group, counter, gather)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], there, back):
+        ctx.group, ctx.counter, ctx.back = group, counter, back
+        return there(x, group, counter)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return _sequence_collective(grad_out, ctx.group, ctx.counter, not ctx.gather), None, None, None
-
-
-def _sequence_collective(
-    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter], gather: bool
-) -> torch.Tensor:
-    if gather:
-        return _all_gather_sequence(x, group, counter, SP_GATHER_LABEL)
-    return _reduce_scatter_sequence(x, group, counter, SP_SCATTER_LABEL)
+        return ctx.back(grad_out, ctx.group, ctx.counter), None, None, None, None
 
 
 def gather_from_sequence_region(
     x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
 ) -> torch.Tensor:
-    """Enter a TP-split region from a sequence shard: ``(B, T/tp, dim) -> (B, T, dim)`` (see
-    [Note: sequence parallelism])."""
-    return _SequenceRegion.apply(x, group, counter, True)
+    """Enter a TP-split region from a sequence shard: ``(B, T/tp, dim) -> (B, T, dim)``, the
+    gradient reduce-scattered back (see [Note: sequence parallelism])."""
+    return _SequenceRegion.apply(x, group, counter, _gather_sequence, _scatter_sequence)
 
 
 def reduce_scatter_to_sequence_region(
     x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
 ) -> torch.Tensor:
     """Leave a TP-split region onto a sequence shard: partial ``(B, T, dim)`` -> summed
-    ``(B, T/tp, dim)`` (see [Note: sequence parallelism])."""
-    return _SequenceRegion.apply(x, group, counter, False)
+    ``(B, T/tp, dim)``, the gradient all-gathered back (see [Note: sequence parallelism])."""
+    return _SequenceRegion.apply(x, group, counter, _scatter_sequence, _gather_sequence)
+
+
+def split_to_sequence_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """A replicated ``(B, T, dim)`` (every TP rank holds it and the same gradient) -> this rank's
+    ``(B, T/tp, dim)`` to run on its own tokens; the gradient is all-gathered back to the replicated
+    one (Megatron's scatter to the sequence-parallel region)."""
+    return _SequenceRegion.apply(x, group, counter, _split_sequence, _gather_sequence)
+
+
+def gather_to_replicated_region(
+    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+) -> torch.Tensor:
+    """Every rank's ``(B, T/tp, dim)`` -> the replicated ``(B, T, dim)``; backward keeps this rank's
+    slice of the replicated gradient (no sum: it is the same on every rank)."""
+    return _SequenceRegion.apply(x, group, counter, _gather_sequence, _split_sequence)
 
 
 def sequence_shard(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -26,8 +26,8 @@ heads, and with GQA rank ``r``'s query heads map to exactly its own KV heads (bo
 Per-head norms on q and k (``attention.q_norm`` / ``k_norm``, Qwen3) run on this rank's heads: their
 gain's gradient is summed over the TP group (as a sequence-parallel norm's is). A block without a
 dense ``feed_forward`` (a mixture of experts, ``models/moe``) keeps its ``ffn_norm`` output as it is
-(the sequence shard: sequence parallelism is then required) for the model family's own wiring
-([Note: experts and tensor parallelism] in ``ep/parallelize.py``).
+(the sequence shard, or the replicated input) for the model family's own wiring ([Note: experts and
+tensor parallelism] in ``ep/parallelize.py``).
 
 ``attention_norm`` and ``ffn_norm`` get a forward hook that enters the TP region once for the
 three (two) column layers after them (see [Note: TP regions] in ``tp/layers.py``).
@@ -158,12 +158,6 @@ def parallelize_llama(
     enter_region = (_GatherSequence if sequence_parallel else _EnterTPRegion)(group, counter)
     for block in model.layers:
         attention, ffn = block.attention, getattr(block, "feed_forward", None)
-        if ffn is None and not sequence_parallel:
-            raise ValueError(
-                f"parallelize_llama: block {type(block).__name__} has no dense feed_forward (a mixture of experts"
-                " runs on the sequence shard: [Note: experts and tensor parallelism] in ep/parallelize.py); pass"
-                " sequence_parallel=True (ZeroStrategy(sequence_parallel=True)) with tensor_parallel_size > 1"
-            )
         attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
         attention.wo = row(attention.wo)
         for name in ("q_norm", "k_norm"):  # per-head norms (Qwen3) see this rank's heads only

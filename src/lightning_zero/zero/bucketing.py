@@ -69,6 +69,26 @@ def padded_numel(numel: int, dp: int) -> int:
     return -(-numel // dp) * dp
 
 
+def keeps_full_grads(stage: int, defer_grad_reduce: bool) -> bool:
+    """[Note: deferred gradient reduction] Whether a rank keeps full-size gradients over the micro
+    batches of a step and reduces once, at the last (``zero/grad_storage.py``'s ``FullGradStorage``):
+    ddp (stage 0) and stage 1 always; stages 2 and 3 with ``defer_grad_reduce=True``, as FSDP2's
+    ``set_requires_gradient_sync(False)``. Otherwise (stages 2-3 by default) every backward
+    reduce-scatters into the persistent gradient shard, through a pool of bucket buffers. One rule:
+    the engine picks its gradient storage by it, and the planner counts gradient bytes (``ledger.
+    model_state_bytes``), reductions per step (``ledger.grad_syncs_per_step``), the bucket pool and
+    the gradient timings by it. Under ``bf16-true`` deferring is what makes stages 2-3 equal ddp bit
+    for bit under accumulation (docs/precision.md)."""
+    return stage <= 1 or defer_grad_reduce
+
+
+def defer_grad_reduce_at(stage: int, defer_grad_reduce: bool) -> bool:
+    """The knob as it matters at ``stage``: only stages 2-3 choose (stages 0-1 always defer, so
+    their ``defer_grad_reduce`` changes nothing: :func:`keeps_full_grads`). What the planner
+    reports and replans with."""
+    return bool(defer_grad_reduce) and stage >= 2
+
+
 def pool_buffers(max_buckets_in_flight: int) -> int:
     """Stage 2/3: bucket buffers the gradient pool holds at most, one more than the reduce-scatters
     in flight, so the next bucket fills while ``max_buckets_in_flight`` are on the link ([Note:

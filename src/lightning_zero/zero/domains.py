@@ -82,7 +82,8 @@ class ExpertDomain:
     ``group``: the EDP group (``size`` ranks holding the same experts; this rank is ``rank`` in
     it), over which expert parameters, gradients and optimizer state are sharded and expert
     gradients reduce-scattered. ``ep_size`` / ``ep_rank``: the EP group's size and this rank's
-    position in it (the used flags and checkpoints read them). ``grad_divisor``: what a reduced
+    position in it (the used flags and checkpoints read them); ``ep_group``: the EP group itself
+    (full-file saves gather a layer's experts over it). ``grad_divisor``: what a reduced
     expert gradient is divided by (``dp * cp``: ``ParallelDims.grad_divisor``). ``gather_group``:
     stage 3's all-gathers of expert units run on it (a clone of ``group`` the engine creates, so
     they never interleave with the gradient reduce-scatters; ``None`` until then).
@@ -95,6 +96,7 @@ class ExpertDomain:
     ep_rank: int
     grad_divisor: int
     gather_group: Optional[dist.ProcessGroup] = None
+    ep_group: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def from_mesh(cls, groups: Any) -> Optional["ExpertDomain"]:
@@ -109,6 +111,7 @@ class ExpertDomain:
             dims.ep,
             groups.rank_in("ep"),
             dims.grad_divisor(expert=True),
+            ep_group=groups.ep,
         )
 
 

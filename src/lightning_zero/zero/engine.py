@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from lightning_zero.comm.collectives import INTRA_NODE, CommCounter, local_only
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
 from lightning_zero.zero.agreements import StepChecks
+from lightning_zero.zero.bucketing import keeps_full_grads
 from lightning_zero.zero.build import (
     build_replicated,
     build_sharded,
@@ -217,8 +218,9 @@ class ZeroEngine:
         self.params = built.params  # the parameter side: param_side.py
         self.stage3 = built.params.runtime  # stage 3's runtime (None at stages 1-2), for inspection
 
-        use_full = config.stage == 1 or config.defer_grad_reduce
-        storage = FullGradStorage() if use_full else ShardedGradStorage(config)
+        # [Note: deferred gradient reduction] in zero/bucketing.py
+        full_grads = keeps_full_grads(config.stage, config.defer_grad_reduce)
+        storage = FullGradStorage() if full_grads else ShardedGradStorage(config)
         self._reduced_groups = [
             group for group in self.groups if any(s.param.requires_grad for s in group.layout.slots)
         ]
@@ -275,6 +277,11 @@ class ZeroEngine:
     def stage(self) -> int:
         """``config.stage``: 1, 2 or 3."""
         return self.config.stage
+
+    @property
+    def defer_grad_reduce(self) -> bool:
+        """``config.defer_grad_reduce`` ([Note: deferred gradient reduction] in zero/bucketing.py)."""
+        return self.config.defer_grad_reduce
 
     @property
     def param_gatherer(self) -> Optional[ParamGatherer]:
@@ -406,10 +413,11 @@ class ZeroEngine:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Micro batches inside skip the gradient collective (stage 1; stage 2 with defer).
+        """Micro batches inside skip the gradient collective (stage 1; stages 2-3 with
+        ``defer_grad_reduce``: [Note: deferred gradient reduction] in zero/bucketing.py).
 
-        Stage 2 without ``defer_grad_reduce`` still reduce-scatters every backward: keeping only
-        the gradient shard is its memory promise.
+        Stages 2-3 without ``defer_grad_reduce`` still reduce-scatter every backward: keeping only
+        the gradient shard is their memory promise.
         """
         previous = self.reducer.sync_enabled
         self.reducer.sync_enabled = False

@@ -3,7 +3,8 @@
 Where the gradients live between backward and the reduce-scatter is the one thing stages 1 and 2
 do differently, and it lives in the two :class:`GradStorage` classes here:
 
-- :class:`FullGradStorage` (stage 1, and stage 2 with ``defer_grad_reduce=True``): one persistent
+- :class:`FullGradStorage` (stage 1, and stages 2-3 with ``defer_grad_reduce=True``: [Note: deferred
+  gradient reduction] in ``zero/bucketing.py``): one persistent
   full-size gradient buffer per group; each parameter's gradient is added into it as it arrives
   (and ``param.grad`` dropped), so micro batches accumulate and nothing is communicated until the
   last one. The reduce-scatter runs in place: afterwards this rank's chunk of the buffer holds the
@@ -286,6 +287,14 @@ class FullGradStorage(GradStorage):
 
     def grad_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
+
+    def release(self) -> None:
+        """Drop the full gradient buffers (stage 3's teardown: ``ZeroEngine.release_grads``)."""
+        for bucket in self.buckets:
+            self._drop_views(bucket)
+            bucket.grad_chunk = None
+        self._views.clear()
+        self.buffers.clear()
 
 
 class ShardedGradStorage(GradStorage):

@@ -100,8 +100,9 @@ class Attention(nn.Module):
         self.k_norm: Optional[nn.Module] = None
 
     recompute_core = False  # selective checkpointing ([Note: checkpointing modes]); set by Llama
-    # Context parallelism: a cp.ulysses.UlyssesExchange set by cp.parallelize_context; x is then a
-    # T/cp slice and attention runs on T tokens of q_heads/cp heads ([Note: Ulysses attention]).
+    # Context parallelism: set by cp.parallelize_context; x is then a T/cp slice. A
+    # cp.ulysses.UlyssesExchange runs the core on T tokens of q_heads/cp heads ([Note: Ulysses
+    # attention]); a cp.ring_attention.RingAttention passes k/v blocks around ([Note: ring attention]).
     sequence_exchange: Optional[Any] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,16 +112,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        exchange = self.sequence_exchange
-        if exchange is not None:  # (B, T/cp, heads, head_dim) -> (B, T, heads/cp, head_dim)
-            q, k, v = exchange.heads_from_sequence(q, k, v)
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(attention_core, q, k, v, cos, sin, use_reentrant=False)
-        else:
-            y = attention_core(q, k, v, cos, sin)
-        if exchange is not None:  # (B, T, q_heads/cp * head_dim) -> (B, T/cp, q_heads * head_dim)
-            y = exchange.sequence_from_heads(y, self.head_dim)
+        if self.sequence_exchange is None:
+            y = self._core(q, k, v, cos, sin)
+        else:  # x is a T/cp slice: Ulysses exchanges heads around the core, or the ring replaces it
+            y = self.sequence_exchange.attend(q, k, v, cos, sin, core=self._core, rope=apply_rope)
         return self.wo(y)  # y: (B, T, q_heads * head_dim)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.recompute_core and torch.is_grad_enabled():
+            return checkpoint(attention_core, q, k, v, cos, sin, use_reentrant=False)
+        return attention_core(q, k, v, cos, sin)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -220,10 +221,11 @@ def check_llama_layout(
     sequence_parallel: bool = False,
 ) -> None:
     """The layouts a Llama runs ([Note: layouts a model declares] in ``runtime/setup.py``), for the
-    model and for ``LlamaLM``: no experts to split (``ep`` must be 1); context parallelism as Ulysses
-    attention runs it (``tp * cp`` divides the heads, ``cp`` the sequence length ``seq_len`` when
-    known, ``tp`` the slice under sequence parallelism: ``cp.layout.check_context_parallel``).
-    Raises ``ValueError`` naming the fix, and states a key/value head repeat (a warning)."""
+    model and for ``LlamaLM``: no experts to split (``ep`` must be 1); context parallelism as its
+    attention runs it (Ulysses where ``tp * cp`` divides the heads, else ring attention; ``cp``
+    divides the sequence length ``seq_len`` when known, ``tp`` the slice under sequence parallelism:
+    ``cp.layout.check_context_parallel``). Raises ``ValueError`` naming the fix, and states a
+    key/value head repeat or the ring (a warning)."""
     if dims.ep > 1:
         raise ValueError(
             f"ZeroStrategy(ep={dims.ep}): {owner} has no expert layers split over ep; use ep=1 or a"
@@ -231,13 +233,15 @@ def check_llama_layout(
         )
     import warnings
 
-    from lightning_zero.cp.layout import check_context_parallel
+    from lightning_zero.cp.layout import check_context_parallel, layout_notice
 
     layout = check_context_parallel(
-        dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel
-    )
-    if dims.cp > 1 and layout is not None and layout.kv_repeats > 1:
-        warnings.warn(f"lightning_zero: {layout.describe()}", stacklevel=3)
+        dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel,
+        ring_fallback=True,
+    )  # fmt: skip
+    notice = layout_notice(layout)
+    if notice is not None:
+        warnings.warn(f"lightning_zero: {notice}", stacklevel=3)
 
 
 class Llama(nn.Module):

@@ -218,11 +218,12 @@ def resolve_moe_config(config: Union[MoEConfig, str, Mapping[str, Any]]) -> MoEC
     return resolve_preset_config(MoEConfig, _PRESETS, config)
 
 
-def check_moe_layout(config: MoEConfig, *, ep: int = 1, tp: int = 1, sequence_parallel: bool = False) -> None:
+def check_moe_layout(config: MoEConfig, *, ep: int = 1, tp: int = 1) -> None:
     """Raise ``ValueError`` naming the fix unless ``config``'s experts split evenly over ``ep``
-    ranks and, with ``tp > 1``, the MoE layers can run on sequence shards: sequence parallelism on
-    and no capacity factor ([Note: experts and tensor parallelism] in ``ep/parallelize.py``).
-    Plain arithmetic, called before any process group starts."""
+    ranks and, with ``tp > 1``, the MoE layers can run on sequence shards: no capacity factor
+    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``; the sequence length must split
+    over ``tp``, checked where it is known). Plain arithmetic, called before any process group
+    starts."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be a positive int, got {ep!r}")
     if config.n_experts % ep:
@@ -233,12 +234,6 @@ def check_moe_layout(config: MoEConfig, *, ep: int = 1, tp: int = 1, sequence_pa
         )
     if tp == 1:
         return
-    if not sequence_parallel:
-        raise ValueError(
-            f"tensor_parallel_size({tp}) with the MoE model {config.name!r} needs sequence_parallel=True: each TP "
-            "rank routes its own sequence shard to the experts (experts are not split by TP); set "
-            "ZeroStrategy(sequence_parallel=True), or tensor_parallel_size=1"
-        )
     if config.capacity_factor is not None:
         raise ValueError(
             f"capacity_factor({config.capacity_factor}) with tensor_parallel_size({tp}) for {config.name!r}: the "

@@ -77,10 +77,17 @@ class MoELM(LlamaLM):
 
     def check_parallel_dims(self, dims: Any) -> None:
         """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``,
-        tensor parallelism only with sequence parallelism (``check_moe_layout``), and context
+        with tensor parallelism no capacity factor (``check_moe_layout``) and a data module's
+        sequence length divisible by ``tp``, and context
         parallelism as Llama's attention runs it. Raises ``ValueError`` naming the fix, before any
         process group starts."""
-        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp, sequence_parallel=self._sequence_parallel())
+        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        seq_len = getattr(getattr(self._trainer, "datamodule", None), "seq_len", None)
+        if dims.tp > 1 and isinstance(seq_len, int) and seq_len % dims.tp:  # each TP rank routes T / tp tokens
+            raise ValueError(
+                f"tensor_parallel_size({dims.tp}) does not divide the data module's seq_len({seq_len}): each TP rank"
+                f" of a MoE model routes its slice of the sequence; use a seq_len that is a multiple of {dims.tp}"
+            )
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
     def _mesh_groups(self) -> Optional[Any]:

@@ -42,6 +42,7 @@ from lightning_zero.models.moe.router import (
     tp_aux_losses,
     z_loss,
 )
+from lightning_zero.tp.layers import gather_to_replicated_region, split_to_sequence_region
 
 
 class _Width(NamedTuple):
@@ -82,6 +83,13 @@ class MoE(nn.Module):
         self.load: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if tp is not None and not tp.sequence_parallel:  # replicated (B, T, dim): run on this rank's tokens
+            shard = split_to_sequence_region(x, tp.group, tp.counter)
+            return gather_to_replicated_region(self._forward_tokens(shard), tp.group, tp.counter)
+        return self._forward_tokens(x)
+
+    def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # (N, dim): under TP, this rank's sequence shard
         routing = self.router(tokens)
         counts = expert_counts(routing.expert_ids, self.n_experts)

@@ -83,6 +83,14 @@ class Router(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """``module.to(dtype)`` (a ``-true`` precision) leaves the selection bias in fp32: its
+        updates ([Note: bias update]) are ``1e-3``-sized steps that bf16 would round away."""
+        super()._apply(fn, recurse)
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> Routing:
         weight = self.weight if self.tp_grad_sum is None else self.tp_grad_sum(self.weight)
         logits = F.linear(x, weight).float()  # (N, E)
@@ -127,11 +135,14 @@ def z_loss(routing: Routing) -> torch.Tensor:
 @dataclass
 class TensorParallelShard:
     """The TP group a MoE layer's sequence shard belongs to ([Note: experts and tensor
-    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens."""
+    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens;
+    without ``sequence_parallel`` the layer cuts its shard from a replicated input and all-gathers
+    its output."""
 
     group: dist.ProcessGroup
     size: int
     counter: Optional[CommCounter] = None
+    sequence_parallel: bool = True  # False: the layer's input is replicated; it runs on its slice
 
 
 def tp_aux_losses(

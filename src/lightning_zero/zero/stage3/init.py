@@ -11,6 +11,10 @@ in this order: the model's ``init_module(module)`` (this project's Llama); the `
 of the nearest Hugging Face ``PreTrainedModel`` above it (which recomputes rotary ``inv_freq``
 and BatchNorm statistics); the module's own ``reset_parameters()``. A tensor still holding the
 sentinel afterwards had no initializer: setup fails naming it, instead of training on garbage.
+Initialization never changes a tensor's dtype: one that an initializer replaced by a tensor of
+another dtype (LitGPT's ``reset_parameters`` recomputes its rotary ``cos``/``sin`` in fp32) is cast
+back to the dtype it had on the meta device, where the precision converted it (``bf16-true``:
+ddp's module holds those buffers in bf16, converted with the rest of it).
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ def _init(
     """Initialize freshly materialized modules in pre-order ([Note: buffer init])."""
     covered: set[int] = set()
     fresh_by_module: dict[int, list[str]] = {}
+    built_dtypes = [_tensor(module, key).dtype for module, key in fresh]  # the meta tensors' (converted) dtypes
     for module, key in fresh:
         fresh_by_module.setdefault(id(module), []).append(key)
     with torch.no_grad():
@@ -134,6 +139,8 @@ def _init(
             pending = [k for k in keys if _still_sentinel(_tensor(module, k))]
             if pending and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
+    for (module, key), dtype in zip(fresh, built_dtypes):
+        _keep_dtype(module, key, dtype)
     for module, key in fresh:
         if _still_sentinel(_tensor(module, key)):
             kind = "parameter" if key in module._parameters else "buffer"
@@ -144,6 +151,19 @@ def _init(
                 f" reset_parameters() that sets it). Give {type(module).__name__} a reset_parameters() that fills"
                 f" {key!r}, or build this module outside configure_model."
             )
+
+
+def _keep_dtype(module: nn.Module, key: str, dtype: torch.dtype) -> None:
+    """An initializer that replaced ``module.<key>`` by a tensor of another dtype: cast it back to
+    ``dtype``, the one it was built (and converted) with ([Note: buffer init])."""
+    tensor = _tensor(module, key)
+    if tensor.dtype == dtype:
+        return
+    with torch.no_grad():
+        if key in module._parameters:
+            tensor.data = tensor.data.to(dtype)
+        else:
+            module._buffers[key] = tensor.to(dtype)
 
 
 def _broadcast(modules: list[nn.Module], group: Optional[dist.ProcessGroup], expert: Optional[ExpertDomain]) -> None:

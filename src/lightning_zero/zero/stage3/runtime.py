@@ -622,7 +622,8 @@ class Stage3Runtime:
 
     def end_eval_loop(self) -> None:
         """This rank's evaluation loop ended. While other ranks still run evaluation steps (uneven
-        numbers of batches per rank), serve their all-gathers by replaying the recorded
+        numbers of batches per rank, or a forward on some ranks only: [Note: forwards on some ranks
+        only] in ``fabric/strategy.py``), serve their all-gathers by replaying the recorded
         evaluation schedule; return once every rank is done (collective over the gather group)."""
         self.end_eval_step()
         while True:
@@ -634,9 +635,12 @@ class Stage3Runtime:
             if schedule is None or not schedule.recorded or any(kind != EVAL for kind, _ in everyone):
                 names = self.agreement.describe_all(everyone)
                 self.channel.abort(
-                    f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ended its evaluation loop while dp ranks"
-                    f" {running} still evaluate ({names}), and it ran no evaluation step to replay. Give every"
-                    " rank the same number of evaluation batches (a DistributedSampler pads them)."
+                    f"lightning_zero ZeRO-3: dp rank {self.dp_rank} ended its evaluation loop (or waits in a"
+                    f" collective) while dp ranks {running} still evaluate ({names}), and no evaluation step ran"
+                    " on every rank before, whose all-gathers it could replay. Give every rank the same number"
+                    " of evaluation batches (a DistributedSampler pads them); for a forward on some ranks only"
+                    " (LitGPT's generate_example on rank 0), run one no_grad forward on every rank first"
+                    " (LitGPT's validate does), or run it on every rank."
                 )
             for index in schedule.order:
                 unit = self.units[index]
