@@ -146,20 +146,28 @@ def _moe_tokens() -> torch.Tensor:
     return torch.randint(0, 256, (len(_batches(WORLD)), MICRO, WORLD, 2, MOE_SEQ + 1), generator=gen)
 
 
-def _train_moe(strategy) -> tuple[list[float], dict, int, list[str]]:
+def _train_moe(strategy, empty_init: bool = False) -> tuple[list[float], dict, int, list[str]]:
     """``MoETransformer`` (``MOE_CONFIG``) under Fabric with ``strategy``, fp32, built whole on every
-    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup``; per step 2 micro
+    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup`` (``empty_init``:
+    under ``init_module(empty_init=True)`` on the meta device, the optimizer after); per step 2 micro
     batches (``no_backward_sync``) of ``cross entropy + aux_loss``, clipping, the bias update over
     the dense group. Returns this rank's per-step losses, the trained state dict (an EP rank's
     expert rows), the EP rank's expert offset and the labels the strategy's counter counted."""
-    from lightning_zero.models.moe import build_moe, resolve_moe_config
+    from lightning_zero.models.moe import MoETransformer, build_moe, resolve_moe_config
 
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
-    model = build_moe(resolve_moe_config(MOE_CONFIG))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    model, optimizer = fabric.setup(model, optimizer)
+    if empty_init:  # LitGPT's order: built on the meta device, set up, then the optimizer
+        with fabric.init_module(empty_init=True):
+            model = MoETransformer(resolve_moe_config(MOE_CONFIG))
+        assert next(model.parameters()).is_meta
+        model = fabric.setup(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    else:
+        model = build_moe(resolve_moe_config(MOE_CONFIG))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model, optimizer = fabric.setup(model, optimizer)
     groups = getattr(fabric.strategy, "mesh_groups", None)
     dense_group = None if groups is None else groups.dp_cp
 
@@ -180,12 +188,13 @@ def _train_moe(strategy) -> tuple[list[float], dict, int, list[str]]:
 def moe_model() -> dict:
     """Our own ``MoETransformer`` under ``ZeroFabricStrategy(stage=S, ep=2)``: ``fabric.setup`` splits
     its experts ([Note: expert parallelism under Fabric]); per-step losses and trained weights
-    (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``."""
+    (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``.
+    ``3_meta``: stage 3 from a model built on the meta device (each rank draws only its experts)."""
     want_losses, want_state, _, _ = _train_moe("ddp")
     result = {}
-    for stage in (1, 2, 3):
-        strategy = ZeroFabricStrategy(stage=stage, ep=2, bucket_mb=0.02, collective_timeout=60)
-        losses, state, offset, counted = _train_moe(strategy)
+    for stage in (1, 2, 3, "3_meta"):
+        strategy = ZeroFabricStrategy(stage=int(str(stage)[0]), ep=2, bucket_mb=0.02, collective_timeout=60)
+        losses, state, offset, counted = _train_moe(strategy, empty_init=stage == "3_meta")
         assert set(state) == set(want_state), sorted(set(state) ^ set(want_state))
         weights = 0.0
         for name, want in want_state.items():
