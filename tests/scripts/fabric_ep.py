@@ -1,14 +1,14 @@
 """The toy MoE of tests/test_expert_domain.py under ``ZeroFabricStrategy(ep=2)`` on 2 CPU processes.
 
-Usage: python tests/scripts/fabric_ep.py OUT_DIR
-Launched torchrun-style by tests/test_expert_domain.py. For stages 1-3 the model is built with this
+Usage: python tests/scripts/fabric_ep.py OUT_DIR [moe]
+Launched torchrun-style by tests/test_expert_domain.py (on 4 ranks with ``moe``: :func:`moe_model` alone). For stages 1-3 the model is built with this
 rank's experts over ``fabric.strategy.mesh_groups.ep`` (after ``fabric.launch()``), set up, trained
 for 3 steps of 2 micro batches (``no_backward_sync``, ``clip_gradients``, AdamW with weight decay),
 and compared on every rank with one process training the full model on both ranks' batches: losses
 and weights to 1e-5 (``assert_close``); a model that does not declare ``check_parallel_dims`` is
 refused at ``fabric.setup`` naming ep; a full file saved at ep=2 loads into Fabric's ddp and back
 into ep=2 (:func:`full_file`); our ``MoETransformer``, built whole and split by ``fabric.setup``,
-trains at ep=2, stages 1-3, as under Fabric's ddp (:func:`moe_model`). Writes
+trains at ep=2 (and 4), stages 1-3, as under Fabric's ddp (:func:`moe_model`). Writes
 ``OUT_DIR/fabric_ep.rank<r>.json``.
 """
 
@@ -146,20 +146,28 @@ def _moe_tokens() -> torch.Tensor:
     return torch.randint(0, 256, (len(_batches(WORLD)), MICRO, WORLD, 2, MOE_SEQ + 1), generator=gen)
 
 
-def _train_moe(strategy) -> tuple[list[float], dict, int, list[str]]:
+def _train_moe(strategy, empty_init: bool = False) -> tuple[list[float], dict, int, list[str]]:
     """``MoETransformer`` (``MOE_CONFIG``) under Fabric with ``strategy``, fp32, built whole on every
-    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup``; per step 2 micro
+    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup`` (``empty_init``:
+    under ``init_module(empty_init=True)`` on the meta device, the optimizer after); per step 2 micro
     batches (``no_backward_sync``) of ``cross entropy + aux_loss``, clipping, the bias update over
     the dense group. Returns this rank's per-step losses, the trained state dict (an EP rank's
     expert rows), the EP rank's expert offset and the labels the strategy's counter counted."""
-    from lightning_zero.models.moe import build_moe, resolve_moe_config
+    from lightning_zero.models.moe import MoETransformer, build_moe, resolve_moe_config
 
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
-    model = build_moe(resolve_moe_config(MOE_CONFIG))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    model, optimizer = fabric.setup(model, optimizer)
+    if empty_init:  # LitGPT's order: built on the meta device, set up, then the optimizer
+        with fabric.init_module(empty_init=True):
+            model = MoETransformer(resolve_moe_config(MOE_CONFIG))
+        assert next(model.parameters()).is_meta
+        model = fabric.setup(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    else:
+        model = build_moe(resolve_moe_config(MOE_CONFIG))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model, optimizer = fabric.setup(model, optimizer)
     groups = getattr(fabric.strategy, "mesh_groups", None)
     dense_group = None if groups is None else groups.dp_cp
 
@@ -177,15 +185,20 @@ def _train_moe(strategy) -> tuple[list[float], dict, int, list[str]]:
     return losses, state, offset, counted
 
 
+MOE_CASES = {2: [(1, 2), (2, 2), (3, 2), ("3_meta", 2)], 4: [(2, 2), (3, 4)]}  # (stage, ep) per world size
+
+
 def moe_model() -> dict:
-    """Our own ``MoETransformer`` under ``ZeroFabricStrategy(stage=S, ep=2)``: ``fabric.setup`` splits
+    """Our own ``MoETransformer`` under ``ZeroFabricStrategy(stage=S, ep=E)`` (``MOE_CASES``; on 4
+    ranks ep=2 shards the experts over an EDP group of 2): ``fabric.setup`` splits
     its experts ([Note: expert parallelism under Fabric]); per-step losses and trained weights
-    (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``."""
+    (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``.
+    ``3_meta``: stage 3 from a model built on the meta device (each rank draws only its experts)."""
     want_losses, want_state, _, _ = _train_moe("ddp")
     result = {}
-    for stage in (1, 2, 3):
-        strategy = ZeroFabricStrategy(stage=stage, ep=2, bucket_mb=0.02, collective_timeout=60)
-        losses, state, offset, counted = _train_moe(strategy)
+    for stage, ep in MOE_CASES[WORLD]:
+        strategy = ZeroFabricStrategy(stage=int(str(stage)[0]), ep=ep, bucket_mb=0.02, collective_timeout=60)
+        losses, state, offset, counted = _train_moe(strategy, empty_init=stage == "3_meta")
         assert set(state) == set(want_state), sorted(set(state) ^ set(want_state))
         weights = 0.0
         for name, want in want_state.items():
@@ -193,7 +206,7 @@ def moe_model() -> dict:
                 want = want[offset : offset + state[name].shape[0]]
             assert state[name].shape == want.shape, (name, state[name].shape, want.shape)
             weights = max(weights, (state[name] - want).abs().max().item())
-        result[f"moe_stage{stage}"] = {
+        result[f"moe_stage{stage}_ep{ep}"] = {
             "loss": max(abs(a - b) for a, b in zip(losses, want_losses)),
             "weights": weights,
             "expert_rows": int(state["layers.1.moe.experts.w1"].shape[0]),
@@ -216,10 +229,13 @@ def refused() -> str:
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    result = {f"stage{stage}": run(stage) for stage in (1, 2, 3)}
-    result.update(full_file(out))
-    result.update(moe_model())
-    result["refused"] = refused()
+    if sys.argv[2:] == ["moe"]:  # the 4-rank launch: our MoETransformer alone
+        result = moe_model()
+    else:
+        result = {f"stage{stage}": run(stage) for stage in (1, 2, 3)}
+        result.update(full_file(out))
+        result.update(moe_model())
+        result["refused"] = refused()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"fabric_ep.rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
