@@ -9,9 +9,11 @@ same two processes, so they share the host's state; [Note: interleaved A/B] in
 interleaved_ab.py flips a switch inside one fit, which a model layout cannot). Reports per side
 the median step seconds (after 3 warm-up steps), the engine's measured model-state bytes against
 the ledger's prediction (``zero/measured_total_bytes`` / ``zero/predicted_total_bytes`` of the
-monitor), and the all-to-all bytes counted from the split sizes against
-``planner.moe.all_to_all_bytes`` of the routing counts of the same micro-batches. On 2 shared
-cores the step times say little about a GPU cluster; the bytes are exact.
+monitor) and the planner's (``planner.arithmetic.plan`` of the same run: params + grads +
+optimizer), and the all-to-all bytes counted from the split sizes against
+``planner.moe.all_to_all_bytes`` of the routing counts of the same micro-batches and against the
+planner's (a balanced router). On 2 shared cores the step times say little about a GPU cluster;
+the bytes are exact.
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def run(ep: int, stage: int, steps: int) -> dict:
     }
 
 
+def planned(ep: int, stage: int, steps: int) -> dict:
+    """What ``planner.arithmetic.plan`` predicts for one rank of ``run``'s fit: model-state bytes
+    and the all-to-all bytes of its ``steps`` optimizer steps (a balanced router)."""
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.moe import MoEConfig
+    from lightning_zero.planner.arithmetic import PlanOptions, RunShape, plan
+
+    config = ZeroConfig(stage=stage, ep=ep)
+    dims = ParallelDims.from_config(config, world_size=2, devices_per_node=2)
+    run = RunShape("32-true", micro_batch=4, seq_len=128)
+    planned_run = plan(MoEConfig(**CONFIG), config, dims, run, PlanOptions(simulate=False, suggest=False))
+    memory = planned_run.memory
+    return {
+        "planned_state_bytes": memory.params + memory.grads + memory.optimizer,
+        "planned_all_to_all": {k: steps * v for k, v in planned_run.traffic.ep_bytes_by_kind.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="moe.json")
@@ -112,7 +133,8 @@ def main() -> None:
             "ep": mine["ep"], "median_step_s": [mine["median_step_s"], theirs["median_step_s"]],
             "measured_total_bytes": [mine["measured_total_bytes"], theirs["measured_total_bytes"]],
             "predicted_total_bytes": [mine["predicted_total_bytes"], theirs["predicted_total_bytes"]],
-            "all_to_all_rank0": {"counted": mine["counted_all_to_all"], "planner": predicted},
+            "all_to_all_rank0": {"counted": mine["counted_all_to_all"], "from_counts": predicted},
+            **planned(mine["ep"], args.stage, args.steps),
         })  # fmt: skip
     with open(args.out, "w") as handle:
         json.dump(summary, handle, indent=2)

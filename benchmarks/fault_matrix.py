@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -483,6 +484,28 @@ def grid(trials: list[dict[str, dict]]) -> str:
     return "\n".join(out)
 
 
+KEPT = ("door", "strategy", "event", "moment", "ran", "why", "exit", "hung", "seconds_to_exit", "requeues", "error",
+        "published", "resume_diff", "resumed_from", "resumed_steps", "resume_exit", "resume_hung", "left")  # fmt: skip
+
+
+def slim(trials: list[dict[str, dict]]) -> list[dict[str, dict]]:
+    """The outcomes without the bulky per-cell records (communication counters, logged metrics),
+    errors without the run's directory and cut to 600 characters, each with its verdict: what
+    benchmarks/results/ keeps."""
+    kept = []
+    for trial in trials:
+        cells = {}
+        for name, outcome in trial.items():
+            cell = {key: outcome[key] for key in KEPT if key in outcome}
+            for key in ("error", "resume_error"):
+                if cell.get(key):
+                    cell[key] = re.sub(r"/\S*/trial\d+/", "", cell[key])[:600]
+            cell["verdict"] = verdict(outcome)
+            cells[name] = cell
+        kept.append(cells)
+    return kept
+
+
 def failures(trials: list[dict[str, dict]]) -> list[str]:
     """Every trial of a cell that is not as documented, with what differs."""
     found = []
@@ -498,6 +521,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--from-json", type=Path, default=None, help="print the tables of an earlier run")
+    parser.add_argument("--slim-json", type=Path, default=None, help="with --from-json: write its slim() outcomes")
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--strategies", default="ddp,zero1,zero2,zero3")
     parser.add_argument("--doors", default="trainer,fabric")
@@ -508,7 +532,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.from_json is not None:
-        _print(json.loads(args.from_json.read_text())["trials"])
+        run = json.loads(args.from_json.read_text())
+        if args.slim_json is not None:
+            args.slim_json.write_text(json.dumps({"argv": run.get("argv"), "trials": slim(run["trials"])}, indent=0))
+        _print(run["trials"])
         return
     if args.out is None:
         parser.error("--out DIR is needed to run the matrix")

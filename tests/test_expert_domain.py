@@ -360,7 +360,9 @@ def test_checkpoint_resumes_exactly_on_another_ep(tmp_path):
 def test_fabric_trains_experts_like_ddp(tmp_path):
     """The Fabric door with ``ep=2``, stages 1-3 (tests/scripts/fabric_ep.py asserts the numbers on
     each rank); a model that does not declare its layouts is refused at setup, naming ep; a full file
-    saved at ep=2 (stage 3) continues under Fabric's ddp, and back under ep=2, as the ep=2 run does."""
+    saved at ep=2 (stage 3) continues under Fabric's ddp, and back under ep=2, as the ep=2 run does;
+    our ``MoETransformer``, whose experts ``fabric.setup`` splits, trains as under Fabric's ddp
+    (aux losses in the loss, the selection-bias update, accumulation and clipping)."""
     import json
 
     from tests.distributed import launch
@@ -372,3 +374,42 @@ def test_fabric_trains_experts_like_ddp(tmp_path):
         assert result["expert_shape"] == [EXPERTS, DIM, DIM]  # the full file holds every expert
         assert result["full_file_vs_ddp"] < 1e-5 and result["full_file_back_to_ep2"] < 1e-5, result
         assert "ZeroStrategy(ep=2): Linear does not declare that it splits its experts over ep" in result["refused"]
+        _check_fabric_moe(result, ["stage1_ep2", "stage2_ep2", "stage3_ep2", "stage3_meta_ep2"])
+
+
+def _check_fabric_moe(result: dict, cases: list[str]) -> None:
+    """Our MoETransformer (8 experts), split by ``fabric.setup``, against Fabric's ddp
+    (tests/scripts/fabric_ep.py ``moe_model``)."""
+    for case in cases:
+        moe = result[f"moe_{case}"]
+        assert moe["loss"] < 1e-5 and moe["weights"] < 1e-5, (case, moe)
+        ep = int(case.rsplit("_ep", 1)[1])
+        assert moe["expert_rows"] == 8 // ep and moe["bias_moved"] > 0, (case, moe)  # this rank's experts; bias moved
+        assert {"moe_dispatch", "moe_combine", "moe_dispatch_grad"} <= set(moe["counted"]), moe
+
+
+def test_fabric_moe_transformer_on_four_ranks(tmp_path):
+    """4 ranks: ``MoETransformer`` under ``ZeroFabricStrategy`` at ep=2 (stage 2: experts sharded over
+    an EDP group of 2) and ep=4 (stage 3), against Fabric's ddp on 4 ranks."""
+    import json
+
+    from tests.distributed import launch
+
+    launch("fabric_ep.py", tmp_path, "moe", timeout_s=300, ranks=4)
+    for rank in range(4):
+        _check_fabric_moe(
+            json.loads((tmp_path / f"fabric_ep.rank{rank}.json").read_text()), ["stage2_ep2", "stage3_ep4"]
+        )
+
+
+def test_moe_transformer_declares_ep():
+    """``MoETransformer.check_parallel_dims`` (what the Fabric door asks at ``fabric.setup``) accepts
+    an ``ep`` that divides the experts and refuses the rest naming the fix, before any collective."""
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.models.moe import MoETransformer, resolve_moe_config
+
+    with torch.device("meta"):
+        model = MoETransformer(resolve_moe_config({"name": "tiny_moe_shared", "n_experts": 6}))
+    model.check_parallel_dims(ParallelDims(world_size=6, devices_per_node=6, ep=3))
+    with pytest.raises(ValueError, match=r"ep\(4\) does not divide n_experts\(6\).*pick ep from \[1, 2, 3, 6\]"):
+        model.check_parallel_dims(ParallelDims(world_size=4, devices_per_node=4, ep=4))

@@ -1,13 +1,15 @@
 """The toy MoE of tests/test_expert_domain.py under ``ZeroFabricStrategy(ep=2)`` on 2 CPU processes.
 
-Usage: python tests/scripts/fabric_ep.py OUT_DIR
-Launched torchrun-style by tests/test_expert_domain.py. For stages 1-3 the model is built with this
+Usage: python tests/scripts/fabric_ep.py OUT_DIR [moe]
+Launched torchrun-style by tests/test_expert_domain.py (on 4 ranks with ``moe``: :func:`moe_model` alone). For stages 1-3 the model is built with this
 rank's experts over ``fabric.strategy.mesh_groups.ep`` (after ``fabric.launch()``), set up, trained
 for 3 steps of 2 micro batches (``no_backward_sync``, ``clip_gradients``, AdamW with weight decay),
 and compared on every rank with one process training the full model on both ranks' batches: losses
 and weights to 1e-5 (``assert_close``); a model that does not declare ``check_parallel_dims`` is
 refused at ``fabric.setup`` naming ep; a full file saved at ep=2 loads into Fabric's ddp and back
-into ep=2 (:func:`full_file`). Writes ``OUT_DIR/fabric_ep.rank<r>.json``.
+into ep=2 (:func:`full_file`); our ``MoETransformer``, built whole and split by ``fabric.setup``,
+trains at ep=2 (and 4), stages 1-3, as under Fabric's ddp (:func:`moe_model`). Writes
+``OUT_DIR/fabric_ep.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -59,18 +61,24 @@ def run(stage: int) -> float:
     return worst
 
 
-def _train(fabric, model, optimizer, batches) -> list[float]:
+def _train(fabric, model, optimizer, batches, loss_of=None, after_step=None) -> list[float]:
+    """Per batch: its MICRO micro batches (``no_backward_sync``; this rank's row of each), each's
+    ``loss_of(model, x)`` (default ``model(x)``) / MICRO, clipping, the step, ``after_step()``.
+    Returns this rank's per-step losses."""
     losses = []
     for batch in batches:
         total = 0.0
         for micro, x in enumerate(batch):
             with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
-                loss = model(x[fabric.global_rank]) / MICRO
+                x = x[fabric.global_rank]
+                loss = (model(x) if loss_of is None else loss_of(model, x)) / MICRO
                 fabric.backward(loss)
             total += loss.item()
         fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
         losses.append(total)
     return losses
 
@@ -128,6 +136,86 @@ def full_file(out: str) -> dict:
     return {"full_file_vs_ddp": worst, "full_file_back_to_ep2": worst_back, "expert_shape": list(shape)}
 
 
+MOE_CONFIG = {"name": "tiny_moe_shared", "bias_update_rate": 0.01}  # aux loss, z loss, the bias update
+MOE_SEQ = 16
+
+
+def _moe_tokens() -> torch.Tensor:
+    """(STEPS, MICRO, WORLD, 2, MOE_SEQ + 1) token ids: rank r's micro batch m of step s."""
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(0, 256, (len(_batches(WORLD)), MICRO, WORLD, 2, MOE_SEQ + 1), generator=gen)
+
+
+def _train_moe(strategy, empty_init: bool = False) -> tuple[list[float], dict, int, list[str]]:
+    """``MoETransformer`` (``MOE_CONFIG``) under Fabric with ``strategy``, fp32, built whole on every
+    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup`` (``empty_init``:
+    under ``init_module(empty_init=True)`` on the meta device, the optimizer after); per step 2 micro
+    batches (``no_backward_sync``) of ``cross entropy + aux_loss``, clipping, the bias update over
+    the dense group. Returns this rank's per-step losses, the trained state dict (an EP rank's
+    expert rows), the EP rank's expert offset and the labels the strategy's counter counted."""
+    from lightning_zero.models.moe import MoETransformer, build_moe, resolve_moe_config
+
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    if empty_init:  # LitGPT's order: built on the meta device, set up, then the optimizer
+        with fabric.init_module(empty_init=True):
+            model = MoETransformer(resolve_moe_config(MOE_CONFIG))
+        assert next(model.parameters()).is_meta
+        model = fabric.setup(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    else:
+        model = build_moe(resolve_moe_config(MOE_CONFIG))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model, optimizer = fabric.setup(model, optimizer)
+    groups = getattr(fabric.strategy, "mesh_groups", None)
+    dense_group = None if groups is None else groups.dp_cp
+
+    def loss_of(model, batch):
+        return model.loss_fn(model(batch[:, :-1]), batch[:, 1:]) + model.aux_loss()
+
+    losses = _train(fabric, model, optimizer, _moe_tokens(), loss_of, lambda: model.update_router_bias(dense_group))
+    state = {
+        name: value.detach().clone()
+        for name, value in fabric.strategy.get_module_state_dict(model._forward_module).items()
+    }
+    offset = model.moe_layers()[0].experts.expert_offset
+    session = getattr(fabric.strategy, "session", None)  # the all-to-alls in the strategy's counter
+    counted = sorted(session.comm_counter.snapshot()["bytes"]) if session is not None else []
+    return losses, state, offset, counted
+
+
+MOE_CASES = {2: [(1, 2), (2, 2), (3, 2), ("3_meta", 2)], 4: [(2, 2), (3, 4)]}  # (stage, ep) per world size
+
+
+def moe_model() -> dict:
+    """Our own ``MoETransformer`` under ``ZeroFabricStrategy(stage=S, ep=E)`` (``MOE_CASES``; on 4
+    ranks ep=2 shards the experts over an EDP group of 2): ``fabric.setup`` splits
+    its experts ([Note: expert parallelism under Fabric]); per-step losses and trained weights
+    (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``.
+    ``3_meta``: stage 3 from a model built on the meta device (each rank draws only its experts)."""
+    want_losses, want_state, _, _ = _train_moe("ddp")
+    result = {}
+    for stage, ep in MOE_CASES[WORLD]:
+        strategy = ZeroFabricStrategy(stage=int(str(stage)[0]), ep=ep, bucket_mb=0.02, collective_timeout=60)
+        losses, state, offset, counted = _train_moe(strategy, empty_init=stage == "3_meta")
+        assert set(state) == set(want_state), sorted(set(state) ^ set(want_state))
+        weights = 0.0
+        for name, want in want_state.items():
+            if ".experts." in name:
+                want = want[offset : offset + state[name].shape[0]]
+            assert state[name].shape == want.shape, (name, state[name].shape, want.shape)
+            weights = max(weights, (state[name] - want).abs().max().item())
+        result[f"moe_stage{stage}_ep{ep}"] = {
+            "loss": max(abs(a - b) for a, b in zip(losses, want_losses)),
+            "weights": weights,
+            "expert_rows": int(state["layers.1.moe.experts.w1"].shape[0]),
+            "bias_moved": float(want_state["layers.1.moe.router.bias"].abs().max()),
+            "counted": counted,
+        }
+    return result
+
+
 def refused() -> str:
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=ZeroFabricStrategy(stage=2, ep=2))
     fabric.launch()
@@ -141,9 +229,13 @@ def refused() -> str:
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    result = {f"stage{stage}": run(stage) for stage in (1, 2, 3)}
-    result.update(full_file(out))
-    result["refused"] = refused()
+    if sys.argv[2:] == ["moe"]:  # the 4-rank launch: our MoETransformer alone
+        result = moe_model()
+    else:
+        result = {f"stage{stage}": run(stage) for stage in (1, 2, 3)}
+        result.update(full_file(out))
+        result.update(moe_model())
+        result["refused"] = refused()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"fabric_ep.rank{rank}.json"), "w") as handle:
         json.dump(result, handle)

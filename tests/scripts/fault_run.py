@@ -138,6 +138,7 @@ class Fault:
         self.raised = threading.Event()
         self.landed = threading.Event()  # the event landed in the writer thread
         self.wait_for_save = lambda: None  # the door's wait for a background save in flight
+        self.restore_ddp = lambda: None  # puts back what _ddp_save_hooks replaced
 
     # -- the checkpoint hooks ----------------------------------------------------------------------
     def install(self) -> None:
@@ -146,7 +147,7 @@ class Fault:
         checkpoint_save._fault_hook = self._shards_written
         if self.armed and self.cell.event == "publishkill":
             checkpoint_publish.exchange = lambda first, second: False  # the fallback publish: two renames
-            checkpoint_publish._publish_hook = lambda stage: self._fire("publishkill")
+            checkpoint_publish._publish_hook = lambda stage: self.fire("publishkill")
 
     def restore(self) -> None:
         checkpoint_save._fault_hook = None
@@ -167,14 +168,14 @@ class Fault:
             self.raised.wait(30)
         elif self.cell.event not in WRITE_EVENTS:
             self.landed.set()
-            self._fire(self.cell.event)
+            self.fire(self.cell.event)
 
     def save_begins(self, target: object) -> None:
         """A door begins a save (every rank): a full disk or a slow writer of a save moment starts."""
         if self.cell.moment in SAVE_MOMENTS and is_save_step(target):
             self.at(self.cell.moment, begin=True)
 
-    def _fire(self, event: str) -> None:
+    def fire(self, event: str) -> None:
         self.armed, self.sent_at = False, time.time()
         inject(event)
 
@@ -197,7 +198,7 @@ class Fault:
             else:
                 _slow_writes()
         elif event != "publishkill" and moment not in SAVE_MOMENTS:
-            self._fire(event)
+            self.fire(event)
 
     def poll(self, step: int) -> None:
         """Every micro batch of optimizer step ``step``: in an ``asyncsave`` cell the training thread
@@ -341,7 +342,7 @@ def _ddp_save_hooks(trainer: Any, fault: "Fault") -> None:
         fault.save_begins(filepath)
         if fault.armed and fault.cell.moment in SAVE_MOMENTS and fault.cell.event not in WRITE_EVENTS:
             if is_save_step(filepath):
-                fault._fire(fault.cell.event)
+                fault.fire(fault.cell.event)
         return save(checkpoint, filepath, *args, **kwargs)
 
     trainer.strategy.save_checkpoint = saving
@@ -361,7 +362,7 @@ def _ddp_save_hooks(trainer: Any, fault: "Fault") -> None:
             with fs.transaction, fs.open(urlpath, "wb") as handle:
                 handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
                 handle.flush()
-                fault._fire("publishkill")
+                fault.fire("publishkill")
 
         torch_io._atomic_save = dying
         fault.restore_ddp = lambda: setattr(torch_io, "_atomic_save", atomic_save)
@@ -439,7 +440,7 @@ def run_cell(out: Path, mode: str, cell: Cell, rank: int) -> tuple[dict, Optiona
         ended = exc
     finally:
         fault.restore()
-        getattr(fault, "restore_ddp", lambda: None)()
+        fault.restore_ddp()
     result.update(
         requeues=_requeues() - requeues_before, started=started, sent=fault.sent_at, ended=time.time(),
         exit=None if ended is None else (ended.code if isinstance(ended, SystemExit) else type(ended).__name__),

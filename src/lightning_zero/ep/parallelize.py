@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -81,15 +82,38 @@ def parallelize_experts(
     expert_parallel = ExpertParallel(group, size, rank, counter)
     n_local = config.n_experts // size
     rows = slice(rank * n_local, (rank + 1) * n_local)
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            experts = moe.experts
+            for name in ("w1", "w3", "w2"):
+                # the same Parameter objects, holding their rows: an optimizer built over the whole
+                # model (``fabric.setup(model, optimizer)``) steps what the model trains
+                full = getattr(experts, name)
+                full.data = full.detach()[rows].clone()
     for moe in model.moe_layers():
-        experts = moe.experts
-        for name in ("w1", "w3", "w2"):
-            full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad))
-        mark_expert_params(experts)
-        experts.expert_offset = rank * n_local
+        mark_expert_params(moe.experts)
+        moe.experts.expert_offset = rank * n_local
         moe.ep = expert_parallel
     return model
+
+
+def parallelize_expert_decoders(
+    module: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
+) -> list[nn.Module]:
+    """Split the experts of every whole ``MoETransformer`` inside ``module`` (itself included: a
+    module with ``moe_layers`` whose experts are not split yet) over ``group`` with
+    :func:`parallelize_experts`; returns them. For a door that receives the user's whole model
+    (the Fabric door's ``fabric.setup``, [Note: expert parallelism under Fabric] in
+    ``fabric/strategy.py``). A model without such decoders is left alone: it declared
+    ``check_parallel_dims``, so it splits its own experts."""
+    decoders = [
+        child
+        for child in module.modules()
+        if callable(getattr(child, "moe_layers", None)) and getattr(child, "ep_size", 1) == 1
+    ]
+    for decoder in decoders:
+        parallelize_experts(decoder, group, counter=counter)
+    return decoders
 
 
 def parallelize_moe_tp(

@@ -64,6 +64,21 @@ activation of all: what cp exists to avoid). One explicit cut, the same for ever
 batch, is exact and shows in the loop. The model config and ``seq_len`` given to the constructor
 are checked before any process starts; the model's own check runs at ``fabric.setup``, the
 sequence length's at each cut (both on every rank, before any collective that could hang).
+
+[Note: expert parallelism under Fabric] With ``ep=E`` the loop of a ``MoETransformer``
+(``lightning_zero.models.moe``) changes nothing but the bias update's group:
+
+- ``fabric.setup(model, optimizer)`` splits the experts of the whole model every rank built (the
+  same seed on every rank, as under ddp): each keeps ``n_experts / E`` rows of every stacked expert
+  tensor, in place, so an optimizer built over ``model.parameters()`` before ``setup`` steps them,
+  and its MoE layers exchange tokens over the ep group (``ep/parallelize.parallelize_experts``,
+  the call ``MoELM.configure_model`` makes under the Trainer; ``ep/dispatch.py``). The model's
+  ``check_parallel_dims`` refuses an ``ep`` that does not divide the experts, naming the fix.
+  A model that splits its own experts (no whole ``MoETransformer`` inside) is left as it is.
+- the loss is ``model.loss_fn(logits, targets) + model.aux_loss()``, as under ddp: each rank's
+  balance and z losses are over its own tokens, and the gradients are averaged as ddp's.
+- with a selection-bias update (``bias_update_rate > 0``), ``model.update_router_bias(group)``
+  after ``optimizer.step()``: ``group`` the strategy's ``mesh_groups.dp_cp`` (``None`` under ddp).
 """
 
 from __future__ import annotations
@@ -383,6 +398,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             if self.session.dims is not None:
                 check_model_layout(self.session.dims, module)
                 self._parallelize_context(module)
+                self._parallelize_experts(module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
@@ -415,6 +431,18 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         from lightning_zero.cp.parallelize import parallelize_context_decoders
 
         parallelize_context_decoders(module, groups.cp, tp=dims.tp)
+
+    def _parallelize_experts(self, module: nn.Module) -> None:
+        """[Note: expert parallelism under Fabric] ``ep > 1``: every whole ``MoETransformer`` in the
+        module keeps its ep rank's experts and routes its tokens over the ep group
+        (``ep.parallelize.parallelize_expert_decoders``, the function ``MoELM`` calls), before anything
+        is broadcast or sharded; its all-to-alls count into the counter ``prepare_module`` adopts."""
+        dims, groups = self.session.dims, self.session.groups
+        if dims is None or dims.ep == 1 or groups is None:
+            return
+        from lightning_zero.ep.parallelize import parallelize_expert_decoders
+
+        parallelize_expert_decoders(module, groups.ep, counter=getattr(module, "tp_comm_counter", None))
 
     @property
     def cp_rank(self) -> int:

@@ -122,9 +122,7 @@ class MoELM(LlamaLM):
         """Lightning's step, then the auxiliary-loss-free bias update from the step's assignments
         over every data-parallel rank ([Note: bias update] in ``models/moe/router.py``)."""
         super().optimizer_step(*args, **kwargs)
-        model = self._built_model()
-        counter = getattr(model, "ep_comm_counter", None) or getattr(model, "tp_comm_counter", None)
-        model.update_router_bias(self._dense_group(), counter)
+        self._built_model().update_router_bias(self._dense_group())  # counted in the model's counter
 
     def _dense_group(self) -> Optional[Any]:
         """The group data-parallel ranks of one TP rank form (``ZeroStrategy``'s dp_cp; ``None``: the

@@ -22,6 +22,7 @@ monitor (:meth:`MoETransformer.take_moe_stats`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.ep.dispatch import ExpertParallel, route_to_experts
-from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama
-from lightning_zero.models.moe.config import MoEConfig
+from lightning_zero.models.llama.model import Attention, FeedForward, Llama, RMSNorm, build_llama, check_llama_layout
+from lightning_zero.models.moe.config import MoEConfig, check_moe_layout
 from lightning_zero.models.moe.experts import GroupedExperts, mark_expert_params
 from lightning_zero.models.moe.router import (
     Router,
@@ -170,6 +171,14 @@ class MoETransformer(Llama):
         model.init_weights()
         return model
 
+    def check_parallel_dims(self, dims: Any) -> None:
+        """[Note: layouts a model declares] in ``runtime/setup.py``: the Fabric door asks the model
+        itself (the Trainer door asks ``MoELM``). ``ep`` must divide the experts, and with ``tp > 1``
+        no capacity factor (:func:`~lightning_zero.models.moe.config.check_moe_layout`); ``cp`` as
+        Llama's attention runs it. Raises ``ValueError`` naming the fix."""
+        check_moe_layout(self.config, ep=dims.ep, tp=dims.tp)
+        check_llama_layout(self.config, dataclasses.replace(dims, ep=1), owner=type(self).__name__)
+
     def make_block(self, config: Any, layer_id: int) -> nn.Module:
         return MoEBlock(config, layer_id)
 
@@ -242,10 +251,13 @@ class MoETransformer(Llama):
         ``None``: the default group) ([Note: bias update] in ``models/moe/router.py``). Call it
         after each optimizer step (``MoELM`` does); a no-op with ``bias_update_rate == 0`` or when
         no training forward ran. A collective when a process group is initialized: every rank of
-        ``group`` calls it."""
+        ``group`` calls it. Its bytes count into ``counter``, by default the model's own (expert or
+        tensor parallelism's, which the strategy adopts)."""
         load, self._bias_load = self._bias_load, None
         if self.config.bias_update_rate == 0 or load is None:
             return
+        if counter is None:
+            counter = getattr(self, "ep_comm_counter", None) or getattr(self, "tp_comm_counter", None)
         step = bias_update(load, self.config.bias_update_rate, group, counter)
         with torch.no_grad():
             for layer, delta in zip(self.moe_layers(), step):
