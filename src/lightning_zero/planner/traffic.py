@@ -16,7 +16,13 @@ from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes,
 from lightning_zero.planner.moe import balanced_exchange_bytes
 from lightning_zero.planner.plan import TrafficPerRank
 from lightning_zero.planner.timing import StepTime
-from lightning_zero.planner.workload import Workload, cp_all_to_all_payloads, gathered_once_numel, training_flops
+from lightning_zero.planner.workload import (
+    Workload,
+    cp_all_to_all_payloads,
+    gathered_once_numel,
+    model_layers,
+    training_flops,
+)
 
 
 def traffic_per_rank(
@@ -84,7 +90,7 @@ def traffic_per_rank(
     tokens = micro_batch * seq_len
     mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
     tp_bytes = tp_bytes_by_kind(
-        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, **mode
+        config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, ep=int(dims.ep), **mode
     )
     cp = int(dims.cp)
     cp_bytes = cp_bytes_by_kind(
@@ -144,6 +150,7 @@ def tp_bytes_by_kind(
     micro_batches: int = 1,
     activation_checkpointing: CheckpointingLike = False,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> dict[str, float]:
     """Bytes one rank sends in the TP group per step, by the ``CommCounter`` label of each
     collective (``tp/layers.py``; the loss's two small all-reduces are left out); all intra-node.
@@ -156,23 +163,50 @@ def tp_bytes_by_kind(
     block's saved tensors need: non-reentrant checkpointing stops before w2, so wo's all-reduce
     (1 per block), or with sequence parallelism both all-gathers and wo's reduce-scatter.
     Selective recompute repeats no collective.
+
+    A mixture of experts ([Note: experts and tensor parallelism] in ``ep/parallelize.py``): a MoE
+    layer runs whole on the rank's ``T/tp`` sequence shard, so its block keeps attention's
+    collectives only (with sequence parallelism; a full recompute repeats attention's all-gather and
+    ``wo``'s reduce-scatter), or without it adds an all-gather of the layer's output forward and one
+    backward (``tp_all_gather_seq``; cutting the shard is free); the MoE layers' gradients (router,
+    this rank's experts, shared experts) and q/k norm gains are summed over the TP group once per
+    micro batch (``tp_all_reduce_norm_grad``, with the norm gains). The all-reduce of the auxiliary
+    losses and loads (a few dozen bytes a micro batch) is left out, as the loss's.
     """
     if tp == 1:
         return {}
     full = checkpointing_mode(activation_checkpointing) == "full"
     layers = config.n_layers
+    moe = layers - config.n_dense_layers if getattr(config, "n_experts", 0) else 0
+    dense = layers - moe
     activation = tokens * config.dim * act_bytes
+    grads = _tp_summed_grads(config, tp=tp, ep=ep, sequence_parallel=sequence_parallel) * micro_batches
+    out: dict[str, float] = {}
     if not sequence_parallel:
-        all_reduces = (4 * layers + 2 + (layers if full else 0)) * micro_batches
-        return {"tp_all_reduce": all_reduces * ring_sent("all_reduce", activation, tp)}
-    gathers = (4 * layers + 2 + (2 * layers if full else 0)) * micro_batches
-    scatters = (4 * layers + 2 + (layers if full else 0)) * micro_batches
-    norm_grads = (2 * layers + 1) * micro_batches * ring_sent("all_reduce", config.dim * act_bytes, tp)
-    return {
-        "tp_all_gather_seq": gathers * ring_sent("all_gather", activation, tp),
-        "tp_reduce_scatter_seq": scatters * ring_sent("reduce_scatter", activation, tp),
-        "tp_all_reduce_norm_grad": norm_grads,
-    }
+        all_reduces = (4 * dense + 2 * moe + 2 + (layers if full else 0)) * micro_batches
+        out["tp_all_reduce"] = all_reduces * ring_sent("all_reduce", activation, tp)
+        if moe:
+            out["tp_all_gather_seq"] = 2 * moe * micro_batches * ring_sent("all_gather", activation, tp)
+    else:
+        gathers = (4 * dense + 2 * moe + 2 + ((2 * dense + moe) if full else 0)) * micro_batches
+        scatters = (4 * dense + 2 * moe + 2 + (layers if full else 0)) * micro_batches
+        out["tp_all_gather_seq"] = gathers * ring_sent("all_gather", activation, tp)
+        out["tp_reduce_scatter_seq"] = scatters * ring_sent("reduce_scatter", activation, tp)
+    if grads:
+        out["tp_all_reduce_norm_grad"] = ring_sent("all_reduce", grads * act_bytes, tp)
+    return out
+
+
+def _tp_summed_grads(config: Any, *, tp: int, ep: int, sequence_parallel: bool) -> int:
+    """Gradient elements one TP rank sums over its TP group per micro batch: the norm gains under
+    sequence parallelism (``2 n_layers + 1`` of ``dim``), q/k norm gains (``qk_norm``), and a
+    mixture of experts' MoE layers (router, this rank's ``E / ep`` experts, shared experts)."""
+    elements = (2 * config.n_layers + 1) * config.dim if sequence_parallel else 0
+    if getattr(config, "n_experts", 0) or getattr(config, "qk_norm", False):
+        summed = ("moe.", "attention.q_norm", "attention.k_norm")
+        layers = model_layers(config, tp=tp, ep=ep)
+        elements += sum(tensor.numel for layer in layers for tensor in layer if tensor.name.startswith(summed))
+    return elements
 
 
 def cp_all_to_all_bytes_per_layer(config: Any, *, tokens: int, cp: int, tp: int = 1, act_bytes: int) -> float:

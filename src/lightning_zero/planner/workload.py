@@ -46,17 +46,25 @@ class LayerTensor:
 
 
 def layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> tuple[LayerTensor, ...]:
-    """See :func:`_layer_tensors` (memoized: the layout search asks for the same layers many times)."""
-    key = (repr(config), layer, tp, ep)
-    tensors = _LAYERS.get(key)
-    if tensors is None:
-        if len(_LAYERS) > 4096:
+    """See :func:`_layer_tensors`."""
+    return model_layers(config, tp=tp, ep=ep)[layer]
+
+
+def model_layers(config: Any, *, tp: int = 1, ep: int = 1) -> tuple[tuple[LayerTensor, ...], ...]:
+    """:func:`_layer_tensors` of every layer (memoized: the layout search asks for the same layers
+    many times)."""
+    key = (repr(config), tp, ep)
+    layers = _LAYERS.get(key)
+    if layers is None:
+        if len(_LAYERS) > 1024:
             _LAYERS.clear()
-        tensors = _LAYERS[key] = tuple(_layer_tensors(config, layer, tp=tp, ep=ep))
-    return tensors
+        layers = _LAYERS[key] = tuple(
+            tuple(_layer_tensors(config, layer, tp=tp, ep=ep)) for layer in range(config.n_layers)
+        )
+    return layers
 
 
-_LAYERS: dict[tuple, tuple[LayerTensor, ...]] = {}
+_LAYERS: dict[tuple, tuple[tuple[LayerTensor, ...], ...]] = {}
 
 
 def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list[LayerTensor]:
@@ -101,8 +109,7 @@ def _matmul_active(config: Any, tp: int) -> int:
     if key not in _ACTIVE:
         if len(_ACTIVE) > 1024:
             _ACTIVE.clear()
-        layers = range(config.n_layers)
-        _ACTIVE[key] = sum(tensor.active for layer in layers for tensor in layer_tensors(config, layer, tp=tp))
+        _ACTIVE[key] = sum(tensor.active for layer in model_layers(config, tp=tp) for tensor in layer)
     return _ACTIVE[key]
 
 
@@ -367,26 +374,35 @@ def _llama_workload(
 
     add("tok_embeddings.weight", config.vocab_size * config.dim // tp, 0, 0, 0.0)  # its input needs no grad
     block_forwards = []
-    ep_s = 0.0
-    for layer in range(config.n_layers):
+    ep_s = tp_s = 0.0
+    for layer, members in enumerate(model_layers(config, tp=tp, ep=ep)):
         unit = layer + 1
-        members = layer_tensors(config, layer, tp=tp, ep=ep)
         moe = any(member.expert for member in members)
         exchanges = 2 * ep_exchange if moe else 0.0  # dispatch + combine (backward: their mirrors)
+        # the FFN's TP collective forward and backward, and the gradients summed over TP: a MoE layer
+        # runs whole on the T/tp shard ([Note: experts and tensor parallelism] in ep/parallelize.py)
+        ffn_tp, recompute_tp, grad_sum = tp_all_reduce, recomputed_tp, 0.0
+        if moe and tp > 1:
+            ffn_tp = 0.0 if sequence_parallel else collective_seconds("all_gather", payload, tp, tp_link)
+            recompute_tp = tp_all_reduce  # attention's collectives only
+            summed = sum(m.numel for m in members if m.name.startswith("moe.")) * act_bytes
+            grad_sum = collective_seconds("all_reduce", summed, tp, tp_link)
         block_forward = (
             sum(2.0 * tokens * member.active for member in members) / flops_per_s
             + attention
-            + 2 * tp_all_reduce
+            + tp_all_reduce
+            + ffn_tp
             + cp_exchange
             + exchanges
         )
         block_forwards.append(block_forward)
         recompute = {"none": 0.0, "selective": attention, "full": block_forward}[mode]
         ep_s += exchanges * (3 if mode == "full" else 2)
+        tp_s += 2 * tp_all_reduce + 2 * ffn_tp + grad_sum + (recompute_tp if mode == "full" else 0.0)
         # backward runs the tensors in reverse: the last registered (the FFN's output projection)
         # first, after the block's recompute; attention's core between wo and wv
         backward = [4.0 * tokens * member.active / flops_per_s for member in members]
-        backward[-1] += recompute + tp_all_reduce + exchanges
+        backward[-1] += recompute + ffn_tp + exchanges + grad_sum
         names = [member.name for member in members]
         backward[names.index("attention.wv.weight")] += 2 * attention + cp_exchange
         backward[names.index("attention.wo.weight")] += tp_all_reduce
@@ -402,13 +418,12 @@ def _llama_workload(
         add("output.weight", config.dim * config.vocab_size // tp, config.n_layers + 2, 0, head_backward)
     unit_forward = (tp_all_reduce, *block_forwards, 0.0, head_forward)
     # full recompute stops before w2 (non-reentrant checkpoint): see planner.traffic.tp_bytes_by_kind
-    per_layer_tp = 4 * tp_all_reduce + (recomputed_tp if mode == "full" else 0.0)
     return Workload(
         tensors=tuple(tensors),
         unit_forward_s=unit_forward,
         compute_forward_s=sum(unit_forward),
         compute_backward_s=sum(t.backward_s for t in tensors),
-        tp_s=(config.n_layers * per_layer_tp + 2 * tp_all_reduce) if tp > 1 else 0.0,
+        tp_s=(tp_s + 2 * tp_all_reduce) if tp > 1 else 0.0,
         shape_key=(repr(config), tp, ep),
         root_units=frozenset({0}) if getattr(config, "tie_embeddings", False) else frozenset(),
         cp_s=config.n_layers * cp_exchange * (3 if mode == "full" else 2),
