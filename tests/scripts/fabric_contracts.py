@@ -16,6 +16,7 @@ Usage: python tests/scripts/fabric_contracts.py OUT_DIR MODE:STRATEGY [MODE:STRA
 - at exit (every case): which stage 1-2 parameter all-gathers are still in flight and which of our
   threads still run when the interpreter finalizes (``exit.rank<r>.json``); no case tears down.
 - ``mixedsd``: ``model.state_dict()`` under bf16-mixed after setup and after 2 steps.
+- ``compiled``: ``torch.compile(model)`` set up with Fabric (stage 3 from the meta device): 3 losses.
 - ``full``: ``state_dict_type="full"``: 2 steps, ``fabric.save`` of model, optimizer, scheduler and a step
   count in one torch file, 2 more steps. ``fullresume:<loader>@<saver>``: the file of ``<saver>``'s run
   loaded by a fresh Fabric, 2 steps (ddp loads ours, we load ddp's).
@@ -380,7 +381,27 @@ def mixedsd(out: Path, strategy_name: str) -> dict:
     return {"first": first_values, "last": floats(last), "dtypes": dtypes, "losses": losses, "compute_dtypes": compute}
 
 
+def compiled(out: Path, strategy_name: str) -> dict:
+    """``torch.compile(model)`` before ``fabric.setup`` (LitGPT's pretrain order; ``backend="aot_eager"``:
+    dynamo and AOT autograd without an inductor build), built under ``init_module(empty_init=True)``
+    at stage 3 (materialized at the first forward, from the RNG state ``init_module`` closed with:
+    ddp's weights): 3 steps' losses."""
+    from litgpt.model import GPT
+
+    # dynamo does not guard on module hooks (skip_nnmodule_hook_guards): without a reset, this case
+    # would reuse the graphs an earlier case in this process compiled for GPT before our hooks existed
+    torch._dynamo.reset()
+    fabric = make_fabric(strategy_name)
+    fabric.seed_everything(21)
+    with fabric.init_module(empty_init=strategy_name == "zero3"):
+        module = GPT(gpt_config())
+    model = fabric.setup(torch.compile(module, backend="aot_eager"))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return {"losses": train(fabric, model, optimizer, range(3))}
+
+
 MODES = {
+    "compiled": compiled,
     "mixedsd": mixedsd,
     "lorabf16": lorabf16,
     "lora": lora,

@@ -403,7 +403,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
             # first of the module's forward pre-hooks (the engine's come after: [Note: Fabric step boundaries])
-            self._hooks.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
+            # [Note: hooks under torch.compile] in zero/stage3/runtime.py: the engine is built (stage 3:
+            # materialized) at the first forward, which must run eagerly, outside a compiled frame
+            self._hooks.append(
+                module.register_forward_pre_hook(torch.compiler.disable(self._before_forward), prepend=True)
+            )
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
             # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
@@ -590,7 +594,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         # last of the module's forward hooks: a step closes after the engine's own hooks ran
         if self._after_forward_hook is not None:
             self._after_forward_hook.remove()
-        self._after_forward_hook = self._module.register_forward_hook(self._after_forward, always_call=True)
+        self._after_forward_hook = self._module.register_forward_hook(
+            torch.compiler.disable(self._after_forward), always_call=True
+        )
         # the flags ride on the phase markers, which run over every rank (tp == 1): [Note: marker riders]
         self.signals.ride(engine, markers_cover_world=True)
         return engine

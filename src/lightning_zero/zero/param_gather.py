@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
@@ -121,7 +122,8 @@ class ParamGatherer:
         self._handles = []
         for submodule in module.modules():
             if id(submodule) in self._keys_of_module:
-                self._handles.append(submodule.register_forward_pre_hook(self._before_forward))
+                # [Note: hooks under torch.compile] in zero/stage3/runtime.py
+                self._handles.append(submodule.register_forward_pre_hook(torch.compiler.disable(self._before_forward)))
                 self._handles.append(submodule.register_state_dict_pre_hook(self._before_state_dict))
 
     # -- launch --------------------------------------------------------------------------------

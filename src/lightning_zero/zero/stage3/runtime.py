@@ -61,6 +61,21 @@ the recomputed inputs frees it (``use_reentrant=True``: its nested backward runs
 hook that sees a backward queues the end-of-backward callback on that (outermost) backward and
 tells the gradient reducer, so a reentrant checkpoint's nested backward never ends the sync early:
 one reduce-scatter per bucket per backward.
+
+[Note: hooks under torch.compile] The engine's module hooks (this runtime's unit and root hooks,
+stages 1-2's parameter-gather wait in ``param_gather.py``, the Fabric strategy's step hooks) are
+registered wrapped in ``torch.compiler.disable``: under ``torch.compile(model)`` (LitGPT's
+``pretrain``) each runs eagerly, a graph break at the unit's edges, and dynamo compiles the
+compute between them. Traced, they failed: the Fabric strategy builds the engine at the first
+forward, and stage 3's materialization swaps the meta parameters' storage, which dynamo holds weak
+references to ("Cannot swap t1 because it has weakref associated with it"); at stages 1-2 dynamo
+traced into the collectives and recompiled on every new byte count of the communication counter.
+FSDP2's hooks are kept out of dynamo the same way (without compiled autograd). Dynamo does not
+guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): graphs compiled for
+the model class before the engine's hooks existed (a compiled forward before ``fabric.setup``, an
+earlier model of the same class in the process) are reused without them; call
+``torch._dynamo.reset()`` before setting up such a model. Tested with ``backend="aot_eager"``
+against Fabric ddp compiled alike (tests/test_fabric_contracts.py).
 """
 
 from __future__ import annotations
@@ -172,19 +187,21 @@ class Stage3Runtime:
         )
         self.agreement = Agreement(units, ag_group, self.device, self.channel)
         self._handles: list[Any] = []
+        # [Note: hooks under torch.compile]: each hook runs eagerly, a graph break at the unit's edges
+        eager = torch.compiler.disable
         for unit in units:
             if unit.module is not None:
                 self._handles.append(
-                    unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+                    unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit)), with_kwargs=True)
                 )
-                self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+                self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
         if self.root.groups:
             holders = {id(m): m for m in root_holders}
             if top is not None:
                 holders[id(top)] = top
             for module in holders.values():
-                self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._make_root_post_forward(module is top)))
+                self._handles.append(module.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(eager(self._make_root_post_forward(module is top))))
         for optimizer in optimizers:
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
 
