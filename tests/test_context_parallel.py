@@ -41,8 +41,7 @@ def test_kv_head_repeats(q_heads, kv_heads, cp, repeats):
 @pytest.mark.parametrize(
     "cp, tp, n_heads, n_kv_heads, seq_len, sp, match",
     [
-        (3, 1, 4, 2, 2048, False, r"tp\(1\) x cp\(3\) = 3 does not divide n_heads\(4\).*pick cp from \[1, 2, 4\]"),
-        (2, 2, 2, 2, 2048, False, r"tp\(2\) x cp\(2\) = 4 does not divide n_heads\(2\)"),
+        (2, 2, 6, 3, 2048, False, r"ring attention\): tp\(2\) must divide n_heads\(6\) and n_kv_heads\(3\)"),
         (2, 1, 4, 2, 2047, False, r"cp\(2\) does not divide the sequence length \(2047\).*multiple of 2"),
         (2, 2, 8, 2, 2050, True, r"slice of 1025 tokens.*does not split over tp\(2\).*multiple of 4"),
         (0, 1, 4, 2, 2048, False, r"cp must be a positive int"),
@@ -93,9 +92,26 @@ def test_strategy_states_the_kv_repeat_before_launch():
         parallel_dims(ZeroConfig(cp=2, tensor_parallel_size=2), num_nodes=1, num_processes=4, lightning_module=module)
 
 
+@pytest.mark.parametrize(
+    "cp, tp, n_heads, match",
+    [
+        (3, 1, 4, r"tp\(1\) x cp\(3\) = 3 does not divide n_heads\(4\).*pick cp from \[1, 2, 4\]"),
+        (2, 2, 2, r"tp\(2\) x cp\(2\) = 4 does not divide n_heads\(2\)"),
+    ],
+)
+def test_ulysses_refuses_heads_that_do_not_split_and_the_rule_picks_the_ring(cp, tp, n_heads, match):
+    from lightning_zero.cp.layout import RingLayout, attention_layout
+
+    config = LlamaConfig.from_name("tiny", n_heads=n_heads, n_kv_heads=2, dim=8 * n_heads)
+    with pytest.raises(ValueError, match=match):
+        ulysses_layout(cp, tp, config)
+    assert isinstance(check_context_parallel(cp, tp=tp, model_config=config, seq_len=2048 * 3), RingLayout)
+    assert attention_layout(cp, tp, config) == check_context_parallel(cp, tp=tp, model_config=config)
+
+
 def test_strategy_states_ring_attention_before_launch():
     """Query heads that do not split over ``tp * cp`` (Ulysses cannot) run ring attention: stated
-    before launch; the planner, which does not model the ring, keeps refusing the layout."""
+    before launch; the planner plans the same layout with the ring (the same rule)."""
     from types import SimpleNamespace
 
     from lightning_zero.config import ZeroConfig
@@ -106,8 +122,9 @@ def test_strategy_states_ring_attention_before_launch():
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=SEQ), strategy=SimpleNamespace())
     with pytest.warns(UserWarning, match=r"ring attention.*cp\(4\) = 4 does not divide n_heads\(2\)"):
         parallel_dims(ZeroConfig(cp=4), num_nodes=1, num_processes=4, lightning_module=module)
-    with pytest.raises(ValueError, match=r"cp\(4\) = 4 does not divide n_heads\(2\)"):
-        check_context_parallel(4, model_config=module.config)  # the planner's check
+    from lightning_zero.cp.layout import RingLayout
+
+    assert isinstance(check_context_parallel(4, model_config=module.config), RingLayout)  # the planner's check
 
 
 def test_kv_replication_is_stated():
@@ -281,6 +298,68 @@ def test_search_chooses_cp_for_a_long_sequence():
     assert short.ranked and all(entry.layout.cp == 1 for entry in short.ranked)
 
 
+def test_plan_plans_a_ring_layout_with_the_engines_bytes_and_names_it():
+    """A layout whose query heads do not split over ``tp * cp`` is planned with ring attention, the
+    engine's rule (``cp.layout.attention_layout``): its ``cp_ring_kv`` bytes are what the Trainer
+    run of ``tests/test_cp_strategy.py`` counts (8,388,608 a rank over 4 steps; 4,194,304 under
+    tp=2, docs/context_parallel.md; that launch checks the counter against this planner too), its
+    activations the ring's, its hops in the step time, and the report names the ring."""
+    import io
+
+    from rich.console import Console
+
+    from lightning_zero.ledger import llama_activation_bytes
+    from lightning_zero.planner import plan_run
+    from lightning_zero.planner.hardware import load_hardware
+    from lightning_zero.planner.tables import layout_line, print_tables
+    from tests.scripts.cp_parity import HEADS3, HEADS6, SEQ, STEPS
+
+    common = dict(stage=2, micro_batch=2, seq_len=SEQ, precision="32-true", suggest=False, hardware="h100_80gb")
+    for shape, tp, measured in ((HEADS3, 1, 8_388_608), (HEADS6, 2, 4_194_304)):
+        config = LlamaConfig(**shape)
+        plan = plan_run(config, cp=2, tp=tp, world_size=2 * tp, devices_per_node=8, **common)
+        assert plan.cp_attention == "ring" and "ring attention" in plan.cp_notice
+        assert plan.traffic.cp_bytes_by_kind == {"cp_ring_kv": measured / STEPS}
+        assert plan.traffic.cp_all_to_all_bytes == 0 and plan.traffic.intra_node_bytes >= measured / STEPS
+        assert plan.activation_detail == llama_activation_bytes(
+            config, micro_batch=2, seq_len=SEQ, act_bytes=4, tp=tp, cp=2
+        )
+        assert "cp=2 (ring attention)" in layout_line(plan)
+        # 4 hops a layer (forward 1, backward 1 + 2), each one latency + block / bandwidth, blocking
+        link = load_hardware("h100_80gb").link(inter_node=False)
+        block = 2 * 2 * SEQ // 2 * config.n_kv_heads // tp * config.head_dim * 4
+        assert plan.traffic.cp_s == pytest.approx(config.n_layers * 4 * (link.latency_s + block / link.bytes_per_s))
+        out = io.StringIO()
+        print_tables(plan, [plan], console=Console(file=out, width=200))
+        assert "ring attention" in out.getvalue() and "cp_ring_kv" in out.getvalue()
+    # the ring keeps q, k, v unrepeated, its output (wo's input) and a log-sum-exp per head and
+    # token (compute dtype); selective checkpointing recomputes none of it
+    config = LlamaConfig(**HEADS3)
+    ring = llama_activation_bytes(config, micro_batch=2, seq_len=SEQ, act_bytes=4, cp=2)
+    tokens, q_dim, kv_dim = 2 * SEQ // 2, config.dim, config.n_kv_heads * config.head_dim
+    assert ring.terms["attention_q_k_v"] == tokens * (q_dim + 2 * kv_dim) * 4
+    assert ring.terms["attention_logsumexp"] == tokens * config.n_heads * 4
+    assert "attention_output_heads" not in ring.terms
+    assert ring.saved_after_forward("selective") == ring.saved_after_forward("none")
+    # full recompute runs the forward ring again: 5 hops a layer at cp=2
+    full = plan_run(config, cp=2, world_size=2, devices_per_node=8, activation_checkpointing="full", **common)
+    assert full.traffic.cp_bytes_by_kind["cp_ring_kv"] == 8_388_608 / STEPS * 5 / 4
+
+
+def test_search_offers_ring_layouts():
+    """``plan.search`` plans the layouts whose heads do not split over ``tp * cp`` with the ring."""
+    import dataclasses
+
+    from lightning_zero.planner import search_layouts
+
+    config = dataclasses.replace(LlamaConfig.from_name("llama3_8b"), max_seq_len=131072)
+    config = dataclasses.replace(config, n_heads=24, n_kv_heads=8, dim=24 * 128)  # 24 heads: 3 per TP rank at tp=8
+    common = dict(world_size=16, devices_per_node=8, global_batch=16, hardware="h100_80gb", topology=False)
+    result = search_layouts(config, seq_len=131072, micro_batches=(1,), tp_sizes=(8,), cp_sizes=(2,), **common)
+    assert result.ranked and {entry.plan.cp_attention for entry in result.ranked} == {"ring"}
+    assert all(entry.as_dict()["cp_attention"] == "ring" for entry in result.ranked[:1])
+
+
 def test_monitor_counts_a_cp_ranks_flops_as_the_planner_does():
     """``ZeroMonitor``'s MFU under cp: the rank's ``T/cp`` slice attends over all ``T`` tokens with
     ``1/cp`` of the heads, so its FLOPs are ``1/cp`` of the whole sequence's, not a short sequence's."""
@@ -311,7 +390,10 @@ def _ring_cases(rank: int, world_size: int) -> None:
     from lightning_zero.comm.collectives import CommCounter
     from lightning_zero.cp.parallelize import parallelize_context
     from lightning_zero.cp.ring_attention import RingAttention
+    from lightning_zero.ledger import llama_activation_bytes
     from lightning_zero.models.llama.model import build_llama
+    from lightning_zero.planner.saved_activations import measure_saved_bytes
+    from lightning_zero.planner.traffic import cp_bytes_by_kind, cp_ring_kv_bytes_per_layer
 
     batch = torch.randint(0, 64, (2, RING_SEQ + 1), generator=torch.Generator().manual_seed(7))
     inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -337,6 +419,24 @@ def _ring_cases(rank: int, world_size: int) -> None:
         block = 2 * 2 * shape["n_kv_heads"] * (RING_SEQ // world_size) * config.head_dim * 4  # k and v, fp32
         hops = 3 * world_size - 2  # forward cp-1; backward cp-1 of the block, cp of its gradient
         assert counter.bytes["cp_ring_kv"] == config.n_layers * hops * block, shape
+        # the planner's ring bytes (its formula, for the forced rings too) are the engine's count
+        per_layer = cp_ring_kv_bytes_per_layer(config, tokens=inputs.numel(), cp=world_size, act_bytes=4)
+        assert counter.bytes["cp_ring_kv"] == config.n_layers * per_layer, shape
+
+    # saved activations per rank = the planner's ring terms, and each checkpointing mode's ring bytes
+    # (full recompute runs the forward ring again) = the planner's, for the layout "auto" rings
+    config = LlamaConfig(**dict(CONFIG, max_seq_len=RING_SEQ, n_heads=3, n_kv_heads=1, dim=48))
+    predicted = llama_activation_bytes(config, micro_batch=2, seq_len=RING_SEQ, act_bytes=4, cp=world_size)
+    for mode in ("none", "selective", "full"):
+        counter = CommCounter()
+        model = parallelize_context(build_llama(config), dist.group.WORLD, counter=counter)
+        model.activation_checkpointing = mode
+        measured = measure_saved_bytes(model, inputs[:, start : stop - 1], targets[:, start : stop - 1])
+        assert measured == pytest.approx(predicted.saved_after_forward(mode), rel=0.01), mode
+        planned = cp_bytes_by_kind(
+            config, tokens=inputs.numel(), cp=world_size, act_bytes=4, activation_checkpointing=mode
+        )
+        assert counter.bytes["cp_ring_kv"] == planned["cp_ring_kv"], mode
 
 
 @pytest.mark.slow

@@ -116,3 +116,23 @@ def test_all_to_all_bytes_equal_the_formula(results, case, cp, tp):
     per_layer = cp_all_to_all_bytes_per_layer(config, tokens=2 * SEQ, cp=cp, tp=tp, act_bytes=4)
     got = _load(results, case)["sent"]["cp_all_to_all"]
     assert got == pytest.approx(2 * STEPS * config.n_layers * per_layer)  # forward + backward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, tp", [("cp2_zero2_heads3", 1), ("tp2cp2_zero2_heads6", 2)])
+def test_ring_bytes_equal_the_plan(results, case, tp):
+    """Ring attention's counted ``cp_ring_kv`` bytes = ``lightning-zero plan``'s for the same run
+    (its steps x the plan's bytes per step), and the plan names the ring."""
+    from lightning_zero.models import LlamaConfig
+    from lightning_zero.planner import plan_run
+    from tests.scripts.cp_parity import HEADS3, HEADS6, SEQ, STEPS
+
+    config = LlamaConfig(**(HEADS3 if tp == 1 else HEADS6))
+    plan = plan_run(
+        config, stage=2, cp=2, tp=tp, world_size=2 * tp, devices_per_node=8, micro_batch=2, seq_len=SEQ,
+        precision="32-true", suggest=False,
+    )  # fmt: skip
+    assert plan.cp_attention == "ring"
+    sent = _load(results, case)["sent"]
+    assert sent["cp_ring_kv"] == STEPS * plan.traffic.cp_bytes_by_kind["cp_ring_kv"]
+    assert "cp_all_to_all" not in sent

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from math import gcd
 from typing import Any, Optional
 
+CP_RING_LABEL = "cp_ring_kv"  # the CommCounter label of ring attention's key/value hops (engine and planner)
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -132,8 +134,19 @@ class RingLayout:
             f"context parallelism (ring attention): tp({self.tp}) x cp({self.cp}) = {self.tp * self.cp} does not"
             f" divide n_heads({self.n_heads}), so Ulysses cannot split the heads; each rank attends with its TP"
             f" rank's {self.n_heads // self.tp} query heads while key/value blocks pass around the cp ring (not"
-            " load-balanced under the causal mask; lightning-zero plan does not model it)"
+            f" load-balanced under the causal mask: the last cp rank attends to all {self.cp} blocks)"
         )
+
+    def kv_block_numel(self, tokens: int, head_dim: int) -> int:
+        """Elements of the key/value block one rank passes on per hop: k and v of its ``tokens / cp``
+        (``tokens`` = ``B T``) for its TP rank's kv heads, not repeated."""
+        return 2 * (tokens // self.cp) * (self.n_kv_heads // self.tp) * head_dim
+
+    def kv_hops(self, recompute: bool = False) -> int:
+        """Blocks one rank sends per attention layer and micro batch ([Note: ring attention]):
+        forward ``cp - 1`` hops, backward ``cp - 1`` of the block and ``cp`` of its gradient, and
+        under full recompute the forward's ``cp - 1`` again."""
+        return (self.cp - 1) * (3 if recompute else 2) + self.cp
 
 
 def ring_layout(cp: int, tp: int, model_config: Any) -> RingLayout:
@@ -204,15 +217,13 @@ def check_context_parallel(
     model_config: Optional[Any] = None,
     seq_len: Optional[int] = None,
     sequence_parallel: bool = False,
-    ring_fallback: bool = False,
 ) -> Optional[Any]:
-    """Every context-parallel check before launch: heads against ``tp * cp``, the sequence length
-    against ``cp`` (and ``tp`` under sequence parallelism). Returns the attention layout (``None``
-    without a model config); raises ``ValueError`` naming the fix. ``ring_fallback``: a layout
-    whose query heads do not split over ``tp * cp`` runs ring attention instead of being refused
-    (the engine can; the planner, which does not model the ring, keeps refusing it)."""
-    attention = "auto" if ring_fallback else "ulysses"
-    layout = attention_layout(cp, tp, model_config, attention) if model_config is not None else None
+    """Every context-parallel check before launch, the engine's doors' and the planner's: the
+    attention layout (:func:`attention_layout` ``"auto"``: Ulysses where ``tp * cp`` divides the
+    query heads, ring attention where it does not), the sequence length against ``cp`` (and
+    ``tp`` under sequence parallelism). Returns the layout (``None`` without a model config);
+    raises ``ValueError`` naming the fix."""
+    layout = attention_layout(cp, tp, model_config) if model_config is not None else None
     if seq_len is not None:
         context_shard_len(seq_len, cp, tp, sequence_parallel)
     return layout

@@ -14,11 +14,15 @@ Saved for backward: q, k, v, the output and the log-sum-exp (as a fused kernel k
 
 Bytes per attention layer, one rank: forward ``(cp-1)`` hops of its k and v block (its TP rank's
 kv heads, not repeated: grouped-query heads are repeated per block, locally), backward ``(cp-1)``
-hops of the block and ``cp`` of its gradient, counted under ``cp_ring_kv``.
+hops of the block and ``cp`` of its gradient (and the forward's again under full recompute),
+counted under ``cp_ring_kv`` (``RingLayout.kv_hops``, what the planner plans).
 
 Not load-balanced: under the causal mask rank ``c`` attends to ``c + 1`` blocks (the zigzag layout
-that balances it would change which tokens each rank holds, in the data path too). The planner
-does not model ring attention: ``lightning-zero plan`` refuses these layouts (docs/context_parallel.md).
+that balances it would change which tokens each rank holds, in the data path too); the last cp
+rank attends to all ``cp`` blocks, as many score FLOPs as a Ulysses rank, and the step waits for
+it. Selective checkpointing recomputes nothing here (the ring replaces the core it would
+recompute). The planner plans these layouts (``planner.traffic.cp_bytes_by_kind``,
+``planner.ledger.llama_activation_bytes``; docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -29,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm.collectives import CommCounter, ring_shift
-
-CP_RING_LABEL = "cp_ring_kv"
+from lightning_zero.cp.layout import CP_RING_LABEL
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

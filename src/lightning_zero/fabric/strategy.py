@@ -220,9 +220,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         refuse_knobs(self.zero_config)
         # [Note: context parallelism under Fabric]: what is known of the model and the data is
         # checked now, before any process starts (the model itself arrives after the launch)
-        notice = layout_notice(
-            check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len, ring_fallback=True)
-        )
+        notice = layout_notice(check_context_parallel(self.zero_config.cp, model_config=model_config, seq_len=seq_len))
         if notice is not None:
             warnings.warn(f"lightning_zero: {notice}", stacklevel=2)
         if state_dict_type not in ("sharded", "full"):

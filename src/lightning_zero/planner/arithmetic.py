@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZeroConfig, resolve_bucket_mb
-from lightning_zero.cp.layout import check_context_parallel
+from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.fit import suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
@@ -293,7 +293,8 @@ def plan(
 
     Raises ``ValueError`` when ``dims`` is not the layout ``config`` asks for (its ``tp``,
     ``shard_size``, ``hierarchical_reduce``, ``cp``, ``ep``), for a layout the model does not split
-    into (:func:`check_model_layout`, ``cp.layout.check_context_parallel``), and for a run the model cannot take
+    into (:func:`check_model_layout`, ``cp.layout.check_context_parallel``: a layout whose query
+    heads do not split over ``tp * cp`` is planned with ring attention, as the engine runs it), and for a run the model cannot take
     (a ``seq_len`` above its ``max_seq_len``, sequence parallelism whose ``tp`` does not divide it).
     """
     asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
@@ -310,10 +311,14 @@ def plan(
     ep, edp = dims.ep, dims.edp  # experts split over ep ranks, their states sharded over edp
     checkpointing = str(run.activation_checkpointing)
     micro_batch, micro_batches = run.micro_batch, run.accumulate_grad_batches
-    if cp > 1:
+    # the engine's rule: Ulysses where tp * cp divides the query heads, else ring attention
+    cp_layout = (
         check_context_parallel(
             cp, tp=tp, model_config=model, seq_len=seq_len, sequence_parallel=config.sequence_parallel
         )
+        if cp > 1
+        else None
+    )
     if config.sequence_parallel and seq_len % tp != 0:
         raise ValueError(
             f"plan: sequence_parallel needs tp dividing seq_len, got tp={tp}, seq_len={seq_len}; "
@@ -510,6 +515,8 @@ def plan(
         activation_detail=acts,
         notes=_notes(stage, dense, run.attention, micro_batches, defer_grad_reduce, ep),
         cp=cp,
+        cp_attention=_attention_name(cp_layout),
+        cp_notice=layout_notice(cp_layout) or "",
         ep=ep,
         expert_params_per_rank=expert_params,
     )
@@ -618,6 +625,11 @@ def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs
     """:func:`stage_plans` from :func:`plan_run`'s keywords (no ``stage``)."""
     config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
     return stage_plans(model_config, config, dims, run, options, stages)
+
+
+def _attention_name(layout: Any) -> str:
+    """``"ulysses"`` or ``"ring"`` for a cp layout (``cp.layout.attention_layout``), ``""`` without cp."""
+    return "" if layout is None else "ring" if isinstance(layout, RingLayout) else "ulysses"
 
 
 def _notes(

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.ring import ring_sent
-from lightning_zero.cp.layout import kv_head_repeats
+from lightning_zero.cp.layout import RingLayout, attention_layout, kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
@@ -401,7 +401,13 @@ def llama_activation_bytes(
     plus, for the fused kernel, its output in head layout (``attention_output_heads``: the kernel
     keeps it for backward, and ``wo`` keeps the copy exchanged back, ``attention_output``).
     Under selective checkpointing the kept q, k, v are the exchanged ones: key/value heads
-    repeated for the exchange (``cp.layout.kv_head_repeats``) count repeated.
+    repeated for the exchange (``cp.layout.kv_head_repeats``) count repeated. Where the query heads
+    do not split over ``tp * cp`` the layout runs ring attention (``cp.layout.attention_layout``,
+    [Note: ring attention] in ``cp/ring_attention.py``), whatever ``attention`` says: it keeps its
+    ``N / cp`` tokens of the rotated q and of k, v (not repeated), its output (built in q's token
+    layout, so ``wo``'s input is a view of it: ``attention_output``) and a log-sum-exp per head and
+    token in the compute dtype; selective checkpointing recomputes nothing of it (the ring replaces
+    the core selective recomputes).
 
     A mixture of experts (``MoEConfig``: attention on ``n_heads x head_dim``) keeps, per MoE layer,
     instead of the SwiGLU: the router's fp32 logits and probabilities (``2 N E 4``); the
@@ -429,14 +435,17 @@ def llama_activation_bytes(
     q_dim = config.n_heads * head_dim // tp  # this rank's query heads * head_dim
     kv_dim = _kv_heads(config) * head_dim // tp
     heads = config.n_heads // tp
-    exchanged_kv_dim = kv_dim * (kv_head_repeats(heads, _kv_heads(config) // tp, cp) if cp > 1 else 1)
+    ring = cp > 1 and isinstance(attention_layout(cp, tp, config), RingLayout)
+    exchanged_kv_dim = kv_dim * (kv_head_repeats(heads, _kv_heads(config) // tp, cp) if cp > 1 and not ring else 1)
     norm = _rms_norm_saved_bytes(tokens, dim, a, tp, sequence_parallel)
     terms: dict[str, float] = {
         "attention_norm": norm,
-        "attention_q_k_v": tokens * (q_dim + 2 * max(q_dim, kv_dim)) * a,
+        "attention_q_k_v": tokens * (q_dim + 2 * (kv_dim if ring else max(q_dim, kv_dim))) * a,
         "attention_output": tokens * q_dim * a,
     }
-    if attention == "fused":
+    if ring:  # [Note: ring attention]: q, k, v, its output (wo's input, a view) and log-sum-exp
+        terms["attention_logsumexp"] = tokens * heads * a
+    elif attention == "fused":
         terms["attention_logsumexp"] = tokens * heads * 4
         if cp > 1:  # the kernel keeps its output; wo keeps the exchanged copy (attention_output)
             terms["attention_output_heads"] = tokens * q_dim * a
@@ -450,6 +459,9 @@ def llama_activation_bytes(
         terms.get(name, 0.0) for name in ("attention_logsumexp", "attention_probs", "attention_output_heads")
     )
     per_layer = float(sum(terms.values()))
+    kept_q_k_v = tokens * (q_dim + 2 * exchanged_kv_dim) * a  # what selective keeps instead of the core
+    if ring:  # selective checkpointing leaves the ring's saved tensors as they are
+        core = kept_q_k_v = 0.0
     vocab = config.vocab_size // tp
     return ActivationBytes(
         terms=terms,
@@ -462,7 +474,7 @@ def llama_activation_bytes(
         # (int64) and out-of-range mask, the loss's mask and the kept tokens' int64 indices
         loss_saved=float(tokens * vocab * 4 + tokens * 8 + (tokens * (8 + 1 + 1 + 8) if tp > 1 else 0)),
         logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
-        selective_per_layer=per_layer - core + tokens * (q_dim + 2 * exchanged_kv_dim) * a,
+        selective_per_layer=per_layer - core + kept_q_k_v,
         selective_recompute=float(core),
     )
 

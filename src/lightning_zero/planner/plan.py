@@ -86,9 +86,11 @@ class TrafficPerRank:
     # TP bytes by CommCounter label: "tp_all_reduce", or under sequence parallelism
     # "tp_all_gather_seq" + "tp_reduce_scatter_seq" (same total) + "tp_all_reduce_norm_grad"
     tp_bytes_by_kind: dict[str, float] = field(default_factory=dict)
-    # context parallelism: the all-to-alls' bytes per step, the link the cp group crosses, and their
-    # seconds (blocking, inside compute_s like tp_s)
+    # context parallelism: the all-to-alls' bytes per step (Ulysses), every cp byte by CommCounter
+    # label ("cp_all_to_all", or ring attention's "cp_ring_kv"), the link the cp group crosses, and
+    # their seconds (blocking, inside compute_s like tp_s)
     cp_all_to_all_bytes: float = 0.0
+    cp_bytes_by_kind: dict[str, float] = field(default_factory=dict)
     cp_link: str = "intra_node"
     cp_s: float = 0.0
     # expert parallelism: the tokens' all-to-alls by CommCounter label (a balanced router), the link
@@ -96,6 +98,11 @@ class TrafficPerRank:
     ep_bytes_by_kind: dict[str, float] = field(default_factory=dict)
     ep_link: str = "intra_node"
     ep_s: float = 0.0
+
+    @property
+    def cp_bytes(self) -> float:
+        """Every byte one rank sends in its cp group per step (Ulysses' all-to-alls or the ring's hops)."""
+        return sum(self.cp_bytes_by_kind.values())
 
     @property
     def ep_all_to_all_bytes(self) -> float:
@@ -108,14 +115,14 @@ class TrafficPerRank:
     @property
     def intra_node_bytes(self) -> float:
         """Every byte this rank sends inside its node per step: dp collectives whose group stays in
-        the node, the tp all-reduces (tp lives inside a node), and cp all-to-alls whose group does."""
-        cp = self.cp_all_to_all_bytes if self.cp_link == "intra_node" else 0.0
+        the node, the tp all-reduces (tp lives inside a node), and cp bytes whose group does."""
+        cp = self.cp_bytes if self.cp_link == "intra_node" else 0.0
         ep = self.ep_all_to_all_bytes if self.ep_link == "intra_node" else 0.0
         return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp + ep
 
     @property
     def inter_node_bytes(self) -> float:
-        cp = self.cp_all_to_all_bytes if self.cp_link == "inter_node" else 0.0
+        cp = self.cp_bytes if self.cp_link == "inter_node" else 0.0
         ep = self.ep_all_to_all_bytes if self.ep_link == "inter_node" else 0.0
         return self.dp_link_bytes.inter_node_total + cp + ep
 
@@ -127,6 +134,7 @@ class TrafficPerRank:
             intra_node_bytes=self.intra_node_bytes,
             inter_node_bytes=self.inter_node_bytes,
             ep_all_to_all_bytes=self.ep_all_to_all_bytes,
+            cp_bytes=self.cp_bytes,
         )
         return values
 
@@ -178,6 +186,10 @@ class Plan:
     checkpointing: str = "none"  # "none" | "selective" | "full" ([Note: checkpointing modes])
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel size: ranks one sequence is split over (dp counts samples)
+    # cp > 1: how attention runs, "ulysses" or "ring" (cp.layout.attention_layout), and the line
+    # the engine states before launch for a kv repeat or the ring (cp.layout.layout_notice)
+    cp_attention: str = ""
+    cp_notice: str = ""
     ep: int = 1  # expert-parallel size: ranks a mixture of experts' experts are split over
     expert_params_per_rank: int = 0  # of params_per_tp_rank: this rank's experts (ep > 1), sharded over edp
 

@@ -125,6 +125,7 @@ class Ranked:
         return {
             "layout": asdict(self.layout),
             "overrides": self.layout.overrides(),
+            "cp_attention": self.plan.cp_attention,
             "tokens_per_s": timing.tokens_per_s,
             "step_s": timing.step_s,
             "exposed_comm_s": timing.exposed_comm_s + timing.post_step_gather_s,

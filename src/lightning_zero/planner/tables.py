@@ -48,7 +48,7 @@ def _seconds(value: float) -> str:
 
 def layout_line(plan: Plan) -> str:
     nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''} x {plan.devices_per_node}"
-    cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
+    cp = f" x cp={plan.cp} ({plan.cp_attention} attention)" if plan.cp > 1 else ""
     ep = f", experts over ep={plan.ep} (edp={plan.edp})" if plan.ep > 1 else ""
     return f"{plan.world_size} ranks ({nodes}): dp={plan.dp}{cp} x tp={plan.tp}{ep}"
 
@@ -130,7 +130,10 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
     ]
     if any(p.cp > 1 for p in stages):  # docs/context_parallel.md
         rows[-1:-1] = [
-            ["cp all-to-all bytes / step (GB)", *(_gb(p.traffic.cp_all_to_all_bytes) for p in stages)],
+            [
+                "cp bytes / step (GB): " + ", ".join(sorted({k for p in stages for k in p.traffic.cp_bytes_by_kind})),
+                *(_gb(p.traffic.cp_bytes) for p in stages),
+            ],
             [
                 "cp time (blocking, in compute)",
                 *(f"{_seconds(p.traffic.cp_s)} ({p.traffic.cp_link})" for p in stages),
@@ -192,6 +195,8 @@ def print_tables(plan: Plan, stages: Sequence[Plan], console: Any = None) -> Non
             table.add_row(*row)
         console.print(table)
     console.print(f"verdict (stage {plan.stage}): {plan.verdict}")
+    if plan.cp_notice:  # what the engine states before launch: a kv repeat, or ring attention
+        console.print(f"note: {plan.cp_notice}")
     for note in plan.notes:
         console.print(f"note: {note}")
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.comm.ring import ring_sent
+from lightning_zero.cp.layout import CP_RING_LABEL, RingLayout, attention_layout, ring_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Hardware
 from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
@@ -20,6 +21,7 @@ from lightning_zero.planner.workload import (
     Workload,
     cp_all_to_all_payloads,
     gathered_once_numel,
+    head_dim,
     model_layers,
     training_flops,
 )
@@ -132,7 +134,8 @@ def traffic_per_rank(
         dp_link_bytes=links,
         intra_node_s=simulated.link_s("intra_node") if simulated else 0.0,
         inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
-        cp_all_to_all_bytes=sum(cp_bytes.values()),
+        cp_all_to_all_bytes=cp_bytes.get("cp_all_to_all", 0.0),
+        cp_bytes_by_kind=cp_bytes,
         cp_link=cp_link,
         cp_s=micro_batches * workload.cp_s,
         ep_bytes_by_kind=ep_bytes,
@@ -223,6 +226,19 @@ def cp_all_to_all_bytes_per_layer(config: Any, *, tokens: int, cp: int, tp: int 
     return ring_sent("all_to_all", sum(payloads), cp)
 
 
+def cp_ring_kv_bytes_per_layer(
+    config: Any, *, tokens: int, cp: int, tp: int = 1, act_bytes: int, recompute: bool = False
+) -> float:
+    """Bytes one rank sends in the cp ring for one attention layer, forward and backward (and the
+    recomputed forward under full checkpointing), ``tokens`` being ``B T`` of the rank's samples
+    ([Note: ring attention] in ``cp/ring_attention.py``)::
+
+        (3 cp - 2, or 4 cp - 3 recomputed) * 2 B T/cp * n_kv_heads / tp * head_dim * act_bytes
+    """
+    layout = ring_layout(cp, tp, config)
+    return float(layout.kv_hops(recompute) * layout.kv_block_numel(tokens, head_dim(config)) * act_bytes)
+
+
 def cp_bytes_by_kind(
     config: Any,
     *,
@@ -234,12 +250,18 @@ def cp_bytes_by_kind(
     activation_checkpointing: CheckpointingLike = False,
 ) -> dict[str, float]:
     """Bytes one rank sends in the cp group per step, by ``CommCounter`` label (the loss's two
-    16-byte all-reduces are left out, as TP's loss all-reduces are): every layer's exchanges
-    (:func:`cp_all_to_all_bytes_per_layer`) forward and backward, and under full recompute once
-    more (the recomputed block runs attention again; selective recompute repeats none)."""
+    16-byte all-reduces are left out, as TP's loss all-reduces are). Ulysses (``cp_all_to_all``):
+    every layer's exchanges (:func:`cp_all_to_all_bytes_per_layer`) forward and backward, and under
+    full recompute once more (the recomputed block runs attention again; selective recompute
+    repeats none). Ring attention, where the query heads do not split over ``tp * cp``
+    (``cp.layout.attention_layout``; ``cp_ring_kv``): :func:`cp_ring_kv_bytes_per_layer`."""
     if cp == 1:
         return {}
-    passes = 3 if checkpointing_mode(activation_checkpointing) == "full" else 2
+    full = checkpointing_mode(activation_checkpointing) == "full"
+    if isinstance(attention_layout(cp, tp, config), RingLayout):
+        per_layer = cp_ring_kv_bytes_per_layer(config, tokens=tokens, cp=cp, tp=tp, act_bytes=act_bytes, recompute=full)
+        return {CP_RING_LABEL: config.n_layers * micro_batches * per_layer}
+    passes = 3 if full else 2
     per_layer = cp_all_to_all_bytes_per_layer(config, tokens=tokens, cp=cp, tp=tp, act_bytes=act_bytes)
     return {"cp_all_to_all": passes * config.n_layers * micro_batches * per_layer}
 

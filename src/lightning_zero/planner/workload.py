@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Optional, Sequence
 
-from lightning_zero.cp.layout import ulysses_layout
+from lightning_zero.cp.layout import RingLayout, attention_layout, ulysses_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.zero.bucketing import bucket_sizes, first_bucket_numel, padded_numel
@@ -337,6 +337,12 @@ def _llama_workload(
     below is ``B T/cp``) and each block's attention adds its two all-to-alls on ``cp_link``
     forward and two backward (``cp_exchange``, blocking: attention waits for them), and the
     recomputed ones under full checkpointing ([Note: Ulysses attention] in ``cp/ulysses.py``).
+    Where the query heads do not split over ``tp * cp`` the layout runs ring attention
+    (``cp.layout.attention_layout``): forward ``cp - 1`` hops of its key/value block, backward
+    ``2 cp - 1`` (the block's and its gradient's), each one step of ``latency + block / bandwidth``
+    on ``cp_link``, blocking; its attention FLOPs are those of the last cp rank, which attends to
+    all ``cp`` blocks (as many as a Ulysses rank; [Note: ring attention] in
+    ``cp/ring_attention.py``), and selective checkpointing recomputes none of it.
     A MoE layer runs its ``top_k`` experts' matmuls per token (a balanced router gives a rank's
     experts ``B T k`` rows), and with expert parallelism (``ep > 1``) its token exchange: dispatch
     and combine forward, their mirrors backward, each an all-to-all of ``B T k`` rows of ``dim``
@@ -345,10 +351,16 @@ def _llama_workload(
     mode = checkpointing_mode(activation_checkpointing)
     tokens = micro_batch * seq_len // cp
     attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp) / flops_per_s
-    cp_exchange = 0.0  # one block's two all-to-alls (q/k/v there, the output back)
-    if cp > 1:
-        link = cp_link if cp_link is not None else tp_link
-        cp_exchange = sum(
+    cp_exchange = cp_backward = 0.0  # one block's two all-to-alls (q/k/v there, the output back), or ring hops
+    layout = attention_layout(cp, tp, config) if cp > 1 else None
+    ring = isinstance(layout, RingLayout)
+    link = cp_link if cp_link is not None else tp_link
+    if ring:
+        block = layout.kv_block_numel(micro_batch * seq_len, head_dim(config)) * act_bytes
+        hop = link.latency_s + block / link.bytes_per_s
+        cp_exchange, cp_backward = (cp - 1) * hop, (layout.kv_hops() - (cp - 1)) * hop
+    elif cp > 1:
+        cp_exchange = cp_backward = sum(
             collective_seconds("all_to_all", payload, cp, link)
             for payload in cp_all_to_all_payloads(
                 config, tokens=micro_batch * seq_len, cp=cp, tp=tp, act_bytes=act_bytes
@@ -396,7 +408,7 @@ def _llama_workload(
             + exchanges
         )
         block_forwards.append(block_forward)
-        recompute = {"none": 0.0, "selective": attention, "full": block_forward}[mode]
+        recompute = {"none": 0.0, "selective": 0.0 if ring else attention, "full": block_forward}[mode]
         ep_s += exchanges * (3 if mode == "full" else 2)
         tp_s += 2 * tp_all_reduce + 2 * ffn_tp + grad_sum + (recompute_tp if mode == "full" else 0.0)
         # backward runs the tensors in reverse: the last registered (the FFN's output projection)
@@ -404,7 +416,7 @@ def _llama_workload(
         backward = [4.0 * tokens * member.active / flops_per_s for member in members]
         backward[-1] += recompute + ffn_tp + exchanges + grad_sum
         names = [member.name for member in members]
-        backward[names.index("attention.wv.weight")] += 2 * attention + cp_exchange
+        backward[names.index("attention.wv.weight")] += 2 * attention + cp_backward
         backward[names.index("attention.wo.weight")] += tp_all_reduce
         for member, seconds in zip(members, backward):
             add(f"layers.{layer}.{member.name}", member.numel, unit, member.group, seconds, member.expert)
@@ -426,7 +438,7 @@ def _llama_workload(
         tp_s=(tp_s + 2 * tp_all_reduce) if tp > 1 else 0.0,
         shape_key=(repr(config), tp, ep),
         root_units=frozenset({0}) if getattr(config, "tie_embeddings", False) else frozenset(),
-        cp_s=config.n_layers * cp_exchange * (3 if mode == "full" else 2),
+        cp_s=config.n_layers * (cp_exchange * (2 if mode == "full" else 1) + cp_backward),
         ep_s=ep_s,
     )
 

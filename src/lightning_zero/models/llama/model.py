@@ -236,9 +236,8 @@ def check_llama_layout(
     from lightning_zero.cp.layout import check_context_parallel, layout_notice
 
     layout = check_context_parallel(
-        dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel,
-        ring_fallback=True,
-    )  # fmt: skip
+        dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel
+    )
     notice = layout_notice(layout)
     if notice is not None:
         warnings.warn(f"lightning_zero: {notice}", stacklevel=3)
