@@ -151,3 +151,15 @@ def test_plan_recipe_shows_that_it_fits_on_its_gpus_and_nodes():
     ddp, *zero = result["stages"]
     assert (ddp["stage"], ddp["ep"], ddp["tp"], ddp["expert_params_per_rank"]) == (0, 1, 1, 0)  # plain ddp
     assert all(stage["ep"] == 8 for stage in zero) and result["plan"]["fits"]
+
+
+def test_a_plan_that_does_not_fit_suggests_splitting_the_experts():
+    tight = plan_run("qwen3_30b_a3b", stage=2, world_size=32, devices_per_node=8, seq_len=4096, micro_batch=2,
+                     hardware=H100)  # fmt: skip
+    assert not tight.fits and tight.ep == 1
+    assert tight.suggestions[0].startswith("ep=2 + activation_checkpointing=true (")
+    split = plan_run("qwen3_30b_a3b", stage=2, ep=2, activation_checkpointing=True, world_size=32, devices_per_node=8,
+                     seq_len=4096, micro_batch=2, hardware=H100)  # fmt: skip
+    assert split.fits and f"({split.memory.total / 2**30:.1f} GiB)" in tight.suggestions[0]
+    dense = plan_run("7b", stage=1, world_size=8, devices_per_node=8, seq_len=4096, micro_batch=8, hardware=H100)
+    assert not any(fix.startswith("ep=") for fix in dense.suggestions)  # no experts to split

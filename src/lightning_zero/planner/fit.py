@@ -66,13 +66,20 @@ def changed_plan(
     return plan_or_none(make)
 
 
-def _candidates(plan: Plan) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _candidates(plan: Plan, n_experts: int = 0) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """``(label, ZeroConfig changes, RunShape changes)``: single changes first, in the order a user
-    would try them, then combinations. DDP (stage 0) takes no tensor parallelism of its own."""
+    would try them, then combinations. DDP (stage 0) takes no tensor parallelism of its own; a
+    mixture of experts (``n_experts``) may split its experts over more ranks (``ep``)."""
     out: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     full = {"activation_checkpointing": "full"}
     for stage in range(plan.stage + 1, 4):
         out.append((f"stage={stage}", {"stage": stage}, {}))
+    splits = []  # a mixture of experts' experts over more ranks
+    ep = plan.ep * 2
+    while plan.stage > 0 and ep <= n_experts and n_experts % ep == 0:
+        splits.append(ep)
+        ep *= 2
+    out += [(f"ep={ep}", {"ep": ep}, {}) for ep in splits]
     if not plan.activation_checkpointing:
         out.append(("activation_checkpointing=true", {}, full))
     tp = plan.tp * 2
@@ -90,6 +97,8 @@ def _candidates(plan: Plan) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
             )
         )
         micro_batch //= 2
+    if not plan.activation_checkpointing:
+        out += [(f"ep={ep} + activation_checkpointing=true", {"ep": ep}, full) for ep in splits]
     out.append(("stage=3 + activation_checkpointing=true", {"stage": 3}, full))
     tp = plan.tp * 2
     while tp <= plan.devices_per_node:
@@ -125,7 +134,7 @@ def suggest_fixes(
     (:func:`_no_single_fix`). What ``plan`` puts in ``Plan.suggestions``."""
     found: list[str] = []
     where = (planner, model, config, dims, run, options)
-    for label, knobs, shape in _candidates(plan):
+    for label, knobs, shape in _candidates(plan, getattr(model, "n_experts", 0)):
         other = changed_plan(*where, ddp=ddp, knobs=knobs, shape=shape)
         if other is None:  # e.g. a tp that does not divide the heads
             continue

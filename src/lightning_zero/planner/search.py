@@ -7,7 +7,8 @@ with ``accumulate_grad_batches`` chosen so ``dp x micro_batch x accumulate`` sta
 global batch, ``defer_grad_reduce`` (stage 2), activation checkpointing (``"none"``,
 ``"selective"``, ``"full"``), ``sequence_parallel`` (tp > 1 dividing the sequence), context parallelism
 ``cp`` (powers of two leaving each rank at least ``MIN_CP_SLICE`` tokens of a sequence: long
-sequences only, docs/context_parallel.md), ``bucket_mb`` and, for
+sequences only, docs/context_parallel.md), expert parallelism ``ep`` for a mixture of experts
+(:func:`ep_sizes_for`, docs/moe.md), ``bucket_mb`` and, for
 stage 3, ``prefetch_blocks``; on more than one node also the topology knobs (docs/topology.md):
 ``shard_size`` (``None``, ``"node"``), ``hierarchical_reduce`` (when the shard group spans nodes)
 and the cross-node wire format (``grad_comm_dtype`` = ``param_comm_dtype`` in ``None``, ``"bf16"``
