@@ -59,6 +59,8 @@ LAUNCHES = [
     ),  # fmt: skip
     _cells("trainer", "zero1", ["usr1@accum", "term@syncsave", "term@accum"]),
     _cells("trainer", "ddp", ["usr1@predict", "term@validate", "term@accum"]),
+    _cells("trainer", "ddp", ["exc@val"]),  # [Note: exchanges under ddp]: hung before, in our exchange
+    _cells("trainer", "ddp", ["exc@fitpredict"]),
     _cells("trainer", "zero2", ["exc@accum"]),
     _cells("trainer", "zero3", ["kill@accum"]),
     _cells("trainer", "zero2", ["exc@predict"]),

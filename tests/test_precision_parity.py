@@ -36,7 +36,9 @@ PAIRS = {
     "llama_tp2_bf16t": ("llama_ddp_same_bf16t", 5e-3, 8e-2, "torch.bfloat16"),
     "llama_z2_16t": ("llama_ddp_16t", 0.0, 0.0, "torch.float16"),
     "llama_z3_bf16t_fp32": ("llama_ddp_bf16m", 1e-2, 1.5e-1, "torch.float32"),
+    "llama_z1_bf16m": ("llama_ddp_bf16m", 1e-2, 5e-2, "torch.float32"),
     "llama_z2_bf16m": ("llama_ddp_bf16m", 1e-2, 5e-2, "torch.float32"),
+    "llama_z3_bf16m": ("llama_ddp_bf16m", 1e-2, 5e-2, "torch.float32"),
     "llama_z2_bf16mf": ("llama_ddp_bf16m", 0.0, 0.0, "torch.float32"),
     "llama_z3_bf16mf": ("llama_ddp_bf16m", 0.0, 0.0, "torch.float32"),
 }
@@ -121,6 +123,42 @@ def test_half_precision_checkpoints_resume_exactly(results, kind):
     for rank in (0, 1):
         got = _load(results, f"llama_z2_{kind}_resume", rank)
         want = _load(results, f"llama_z2_{kind}_save", rank)
+        assert len(got["losses"]) == 2 and got["losses"] == want["losses"][2:]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama_z1_bf16m", "llama_z2_bf16m", "llama_z3_bf16m"])
+def test_bf16_mixed_state_dict_during_fit_holds_ddps_dtypes_and_the_masters(results, case):
+    """bf16-mixed under the Trainer: ``self.state_dict()`` while fit runs hands out what ddp's does
+    (fp32 weights), gathered from the fp32 masters where the module holds bf16 compute copies
+    (stages 1-2) or shards (stage 3) ([Note: full state dicts] in checkpoint/full.py; the Fabric
+    door's twin is in test_fabric_contracts.py). Before: bf16 at stages 1-2, shards at stage 3."""
+    for rank in (0, 1):
+        got, want = _load(results, case, rank), _load(results, "llama_ddp_bf16m", rank)
+        for when in ("first", "last"):
+            ours, ddps = got["state_dicts"][when], want["state_dicts"][when]
+            assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in ddps.items()}, (case, when)
+        assert {str(v.dtype) for v in want["state_dicts"]["last"].values()} == {"torch.float32"}
+        # at fit start: ddp's own fp32 weights, bit for bit
+        for key, value in want["state_dicts"]["first"].items():
+            assert torch.equal(got["state_dicts"]["first"][key], value), (case, key)
+        # after the last step: the masters, which teardown puts back into the module (``params``)
+        last = got["state_dicts"]["last"]
+        for name, value in got["params"].items():
+            assert torch.equal(last[f"model.{name}"], value), (case, name)
+        assert got["after_fit_dtypes"] == want["after_fit_dtypes"]
+
+
+@pytest.mark.slow
+def test_bf16_mixed_stage3_checkpoint_resumes_exactly_beside_state_dict_calls(results):
+    """Checkpoints keep their own path (``state_dict(keep_vars=True)``: the shards as they are): the
+    step-2 checkpoint of a stage-3 bf16-mixed run whose callback calls ``state_dict()`` after every
+    step resumes into the uninterrupted run's steps 3-4 exactly."""
+    for rank in (0, 1):
+        got = _load(results, "llama_z3_bf16m_resume", rank)
+        want = _load(results, "llama_z3_bf16m", rank)
         assert len(got["losses"]) == 2 and got["losses"] == want["losses"][2:]
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), name

@@ -45,6 +45,18 @@ def test_every_property_of_every_policy_evaluates(precision, master_weights, mix
     assert policy.separate_masters == (policy.master_dtype != policy.compute_dtype)
 
 
+@pytest.mark.parametrize("precision, master_weights, mixed_params", EVERY_POLICY)
+def test_ddp_dtype_is_what_ddp_holds_each_parameter_in(precision, master_weights, mixed_params):
+    """``model.state_dict()``'s dtypes at either door ([Note: full state dicts]): fp32 for floating
+    parameters under the ``-mixed`` precisions (ddp's fp32 weights under autocast), whatever copies
+    the engine computes with; else the parameter's own dtype (ddp converts the module as we do)."""
+    policy = precision_policy(precision, master_weights, mixed_params)
+    for held in (torch.float32, torch.bfloat16, torch.float16):
+        expected = torch.float32 if precision.endswith("-mixed") else held
+        assert policy.ddp_dtype(torch.nn.Parameter(torch.zeros(2, dtype=held))) == expected
+    assert policy.ddp_dtype(torch.zeros(2, dtype=torch.int64)) == torch.int64
+
+
 @pytest.mark.parametrize(
     "precision, master_weights, mixed_params, compute, master, autocast, scaled",
     [

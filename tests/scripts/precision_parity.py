@@ -53,7 +53,10 @@ CASES = {
     "llama_z3_bf16t_fp32": ("llama", zero(3, master_weights="fp32"), "bf16-true", False),
     # bf16-mixed: bf16 parameters, fp32 masters in the shards (the default), and fp32 parameters
     # under autocast, as ddp holds them (mixed_params="fp32")
+    "llama_z1_bf16m": ("llama", zero(1), "bf16-mixed", False),
     "llama_z2_bf16m": ("llama", zero(2), "bf16-mixed", False),
+    "llama_z3_bf16m": ("llama", zero(3), "bf16-mixed", False),  # saves at step 2 (the resume below)
+    "llama_z3_bf16m_resume": ("llama", zero(3), "bf16-mixed", False),
     "llama_z2_bf16mf": ("llama", zero(2, mixed_params="fp32"), "bf16-mixed", False),
     "llama_z3_bf16mf": ("llama", zero(3, mixed_params="fp32"), "bf16-mixed", False),
     "llama_ddp_16t": ("llama16", lambda: "ddp", "16-true", False),
@@ -70,8 +73,8 @@ CASES = {
     "llama_z2_fp32_save": ("llama", zero(2, master_weights="fp32"), "bf16-true", False),
     "llama_z2_fp32_resume": ("llama", zero(2, master_weights="fp32"), "bf16-true", False),
 }
-SAVES = {"llama_z2_bf16t_save": "bf16t", "llama_z2_fp32_save": "fp32"}
-RESUMES = {"llama_z2_bf16t_resume": "bf16t", "llama_z2_fp32_resume": "fp32"}
+SAVES = {"llama_z2_bf16t_save": "bf16t", "llama_z2_fp32_save": "fp32", "llama_z3_bf16m": "bf16m"}
+RESUMES = {"llama_z2_bf16t_resume": "bf16t", "llama_z2_fp32_resume": "fp32", "llama_z3_bf16m_resume": "bf16m"}
 
 
 class Record(L.Callback):
@@ -93,6 +96,22 @@ class Record(L.Callback):
         self.bytes = bytes_record(engine)
 
 
+class StateDicts(L.Callback):
+    """bf16-mixed: ``pl_module.state_dict()`` at fit start and after every step (before the
+    checkpoint of that step is saved): the dtypes and values the LightningModule hands out while it
+    trains, where ddp holds fp32 weights and the engine bf16 compute copies beside fp32 masters."""
+
+    def __init__(self) -> None:
+        self.first: dict = {}
+        self.last: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.first = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.last = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
 def run(name: str, out_dir: str) -> None:
     kind, make_strategy, precision, same_data = CASES[name]
     L.seed_everything(42, verbose=False)
@@ -105,6 +124,7 @@ def run(name: str, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=batch, vocab_size=64, val_fraction=0.2, seed=3,
                            **where)  # fmt: skip
     record = Record()
+    state_dicts = [StateDicts()] if precision == "bf16-mixed" else []
     checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -118,7 +138,7 @@ def run(name: str, out_dir: str) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[record, *checkpoints],
+        callbacks=[record, *state_dicts, *checkpoints],
     )
     trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)
@@ -135,6 +155,9 @@ def run(name: str, out_dir: str) -> None:
             "dtypes": sorted({str(p.dtype) for p in inner.parameters()}),
             "params": {n: p.float().clone() for n, p in params.items()},
             "bytes": record.bytes,
+            # during fit (bf16-mixed), and after it
+            "state_dicts": {"first": state_dicts[0].first, "last": state_dicts[0].last} if state_dicts else {},
+            "after_fit_dtypes": {k: str(v.dtype) for k, v in model.state_dict().items()},
         },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )

@@ -84,7 +84,6 @@ sequence length's at each cut (both on every rank, before any collective that co
 from __future__ import annotations
 
 import atexit
-import functools
 import sys
 import warnings
 import weakref
@@ -409,11 +408,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
             # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
-            # gathered one parameter at a time
-            for child in module.modules():
-                if any(param is not None for param in child._parameters.values()):
-                    hook = functools.partial(ZeroFabricStrategy._after_state_dict, self)  # torch marks the hook object
-                    self._hooks.append(child.register_state_dict_post_hook(hook))
+            # gathered one parameter at a time (the Trainer door does the same)
+            self._hooks.extend(self.session.serve_full_state_dicts(module, self._value_dtype))
             if not self._optimizers:
                 self._stand_in_for_meta_parameters(module)
         return module
@@ -764,11 +760,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                                               precision=self.precision_policy.name)  # fmt: skip
 
     def _value_dtype(self, param: nn.Parameter) -> torch.dtype:
-        """The dtype ddp holds ``param`` in ([Note: full state dicts]): the module's own dtype, fp32
-        for floating parameters under the ``-mixed`` precisions (ours are the compute copies)."""
-        if self.precision_policy.autocast and param.is_floating_point():
-            return torch.float32
-        return param.dtype
+        """The dtype ddp holds ``param`` in ([Note: full state dicts]): ``PrecisionPolicy.ddp_dtype``."""
+        return self.precision_policy.ddp_dtype(param)
 
     def _state_io(self) -> "FabricState":
         from lightning_zero.fabric.checkpoint import FabricState
@@ -840,24 +833,6 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         assert self._module is not None
         engine = self._ensure_engine()
         return load_full_state_dict(self._module, engine, state_dict, strict=strict, assign=assign)
-
-    def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """[Note: full state dicts] ``module.state_dict()``'s entries for the parameters it holds get
-        their full values in the dtypes ddp holds, gathered from the masters one parameter at a time:
-        a collective, every rank calls ``state_dict()``. Stage 3 always (this rank holds only shards);
-        stages 1-2 where the module holds compute copies in another dtype than ddp's (``bf16-mixed``,
-        and ``16-mixed`` with ``mixed_params="half"``: bf16 copies, where ddp holds fp32 weights; the
-        fp32 values are the sharded masters). ``keep_vars=True`` (checkpoints) hands out the
-        parameters as they are."""
-        engine = self.engine
-        if engine is None:
-            return
-        params = [param for param in module._parameters.values() if param is not None]
-        if engine.stage != 3 and all(param.dtype == self._value_dtype(param) for param in params):
-            return
-        from lightning_zero.checkpoint.full import fill_gathered_values
-
-        fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, self._value_dtype)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

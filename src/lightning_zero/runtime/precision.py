@@ -161,6 +161,16 @@ class PrecisionPolicy:
         ones, as ddp's autocast leaves them (the engine's ``norms_in_fp32``)."""
         return self.autocast is not None and self.params != "fp32"
 
+    def ddp_dtype(self, param: "torch.Tensor") -> "torch.dtype":
+        """The dtype ddp holds ``param`` in ([Note: full state dicts] in ``checkpoint/full.py``): the
+        module's own dtype, fp32 for floating parameters under the ``-mixed`` precisions (where ours
+        may be the compute copies: bf16 under ``bf16-mixed``, ``16-mixed`` with ``mixed_params="half"``)."""
+        import torch
+
+        if self.autocast is not None and param.is_floating_point():
+            return torch.float32
+        return param.dtype
+
     @property
     def param_bytes(self) -> int:
         """Bytes per parameter element, and per gradient element (before ``reduce_dtype``)."""

@@ -13,12 +13,15 @@ are thin layers that decide *when*; the session does the same things in the same
    weights (as DDP does at construction); meta tensors are left for stage 3 to materialize.
 4. :meth:`build_engine`: the :class:`~lightning_zero.zero.engine.ZeroEngine` over the module and
    the optimizers, with the groups, the counter and the failure channel of this session.
-5. :meth:`checkpoint_layout` for saves and loads; :meth:`close_engine` at teardown (the failure
-   path's teardown when this rank or a peer failed); :meth:`close`.
+5. :meth:`serve_full_state_dicts` once per set-up module: ``module.state_dict()`` hands out
+   ddp's values while the engine runs; :meth:`checkpoint_layout` for saves and loads;
+   :meth:`close_engine` at teardown (the failure path's teardown when this rank or a peer failed);
+   :meth:`close`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -40,6 +43,7 @@ from lightning_zero.zero.waits import hold_collective_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
 
     from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
@@ -162,7 +166,26 @@ class ZeroSession:
             weigh_tp_norm(self.engine, self.dims.tp)
         return self.engine
 
-    # -- 5. checkpoints, failures, teardown ------------------------------------------------------
+    # -- 5. state dicts, checkpoints, failures, teardown ------------------------------------------
+    def serve_full_state_dicts(
+        self, module: nn.Module, value_dtype: Callable[[nn.Parameter], torch.dtype]
+    ) -> list["RemovableHandle"]:
+        """[Note: full state dicts] in ``checkpoint/full.py``: while this session's engine runs,
+        ``module.state_dict()`` hands out what ddp's would: every engine-owned parameter's full
+        value in ``value_dtype(param)`` (the precision policy's ``ddp_dtype``), gathered from the
+        masters one parameter at a time. Stage 3 always (the module holds shards); stages 1-2 where
+        the module holds compute copies in another dtype (``bf16-mixed``: bf16 copies where ddp
+        holds fp32 weights). A collective wherever it gathers: every rank calls ``state_dict()``.
+        ``keep_vars=True`` (the checkpoints' path) hands out the parameters as they are; with no
+        engine (before setup, after :meth:`close_engine`) the module's own values. Both doors call
+        it once per set-up module and remove the handles at teardown."""
+        hook = functools.partial(_fill_full_values, self, value_dtype)  # a partial: torch marks the hook object
+        return [
+            child.register_state_dict_post_hook(hook)
+            for child in module.modules()
+            if any(param is not None for param in child._parameters.values())
+        ]
+
     def checkpoint_layout(self, *, world_size: int, global_rank: int, precision: str) -> "RankPlacement":
         """Where this rank sits, as a checkpoint records it (and a load reads into)."""
         from lightning_zero.checkpoint import RankPlacement
@@ -208,6 +231,26 @@ class ZeroSession:
         """The failure channel's watcher stops (after :meth:`close_engine`)."""
         if self.failure_channel is not None:
             self.failure_channel.close()
+
+
+def _fill_full_values(
+    session: ZeroSession,
+    value_dtype: Callable[[nn.Parameter], torch.dtype],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    metadata: Any,
+) -> None:
+    """The state-dict post-hook of :meth:`ZeroSession.serve_full_state_dicts` on ``module``."""
+    engine = session.engine
+    if engine is None:
+        return
+    params = [param for param in module._parameters.values() if param is not None]
+    if engine.stage != 3 and all(param.dtype == value_dtype(param) for param in params):
+        return
+    from lightning_zero.checkpoint.full import fill_gathered_values
+
+    fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, value_dtype)
 
 
 class SessionViews:

@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import distributed as dist
 
+from lightning_zero.runtime.failure import note_failure, open_failure_channel
 from lightning_zero.runtime.signals import (
     SIGTERM_EXIT_CODE,
     AgreedSignals,
@@ -48,6 +50,10 @@ from lightning_zero.runtime.signals import (
     requeue_slurm_job,
 )
 from lightning_zero.trainer._lightning_compat import is_accumulating
+from lightning_zero.zero.waits import PeerFailedError
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.waits import FailureChannel
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,7 @@ class SchedulerSignals(Callback):
     def __init__(self) -> None:
         self.boundary = SignalBoundary()
         self.closes_eval_loops = False  # ZeroStrategy closes them (after stage 3's ranks served each other)
+        self._channel: Optional["FailureChannel"] = None  # under a strategy without one ([Note: exchanges under ddp])
 
     @property
     def agreement(self) -> SignalAgreement:
@@ -144,6 +151,13 @@ class SchedulerSignals(Callback):
         self.attach(
             trainer
         )  # every entry point; ZeroStrategy attaches again with its engine (strategy.setup runs later)
+        if not hasattr(trainer.strategy, "failure_channel") and dist.is_initialized() and dist.get_world_size() > 1:
+            self._channel = open_failure_channel(self._channel)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     # -- training --------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -219,6 +233,28 @@ class SchedulerSignals(Callback):
 
     # -- acting on what was agreed ---------------------------------------------------------------
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """[Note: exchanges under ddp] Under ZeRO a rank that fails tells its peers through the
+        strategy's failure channel, and a peer waiting in an exchange of this callback raises
+        ``PeerFailedError`` within seconds. Lightning's ``ddp`` has no such channel, and an exception
+        on one rank in an evaluation loop (``predict`` / ``validate`` / ``test``, or the validation
+        inside ``fit``) left the other rank waiting in that batch's exchange while the failing rank
+        sat in ``OnExceptionCheckpoint``'s barrier: a hang until the process group's timeout (the
+        fault matrix's ddp ``val`` and ``fitpredict`` cells). So under a strategy without a failure
+        channel this callback opens one of its own, and a rank that fails in an evaluation loop
+        posts its error, then issues the one exchange its peers wait in (every rank owes exactly
+        one: the batch's or the loop's end). A peer reads the channel right after each of its
+        exchanges (one store read per evaluation batch, ddp only) and raises ``PeerFailedError``;
+        then every rank meets in ``OnExceptionCheckpoint``'s barrier with no collective pending.
+        Lightning orders checkpoint callbacks last, so this runs before any of them. An exception
+        in training still hangs ddp in DDP's own gradient all-reduce, as without this callback."""
+        if self._channel is not None and not isinstance(exception, AgreedStop):
+            note_failure(self._channel, exception, f"{trainer.state.fn}")
+            evaluating = trainer.validating or trainer.testing or trainer.predicting
+            if evaluating and not trainer.sanity_checking and not isinstance(exception, PeerFailedError):
+                try:
+                    self._exchange(trainer, "a failure in evaluation")([0, 0])
+                except Exception:  # noqa: BLE001 - a peer already gone: nothing is owed any more
+                    pass
         note = self.agreement.pending()
         if note and not isinstance(exception, AgreedStop) and hasattr(exception, "add_note"):
             exception.add_note(f"lightning_zero: this rank was handling {note} (not yet agreed by every rank)")
@@ -242,8 +278,20 @@ class SchedulerSignals(Callback):
     def _exchange(self, trainer: Any, where: Optional[str] = None) -> Any:
         strategy = trainer.strategy
         text = where or f"the end of training batch {trainer.global_step}"
-        return self.boundary.exchange(strategy.root_device, failure=getattr(strategy, "failure_channel", None),
-                                      where=lambda: text)  # fmt: skip
+        failure = getattr(strategy, "failure_channel", None) or self._channel
+        exchange = self.boundary.exchange(strategy.root_device, failure=failure, where=lambda: text)
+        channel = self._channel
+        if channel is None:
+            return exchange
+
+        def checked(values: list[int]) -> list[int]:  # [Note: exchanges under ddp]
+            agreed = exchange(values)
+            error = channel.read_now()
+            if error is not None and not channel.posted:
+                raise error
+            return agreed
+
+        return checked
 
     def _save_and_requeue(self, trainer: Any) -> None:
         """Every rank: the hpc checkpoint Lightning would save; rank 0: ``scontrol requeue``."""

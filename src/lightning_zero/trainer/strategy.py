@@ -140,6 +140,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
         )  # fmt: skip
         self._signals: Any = None  # trainer/signals.py's SchedulerSignals of the running entry point
+        self._state_dict_hooks: list[Any] = []  # ZeroSession.serve_full_state_dicts', removed at teardown
 
     # -- precision ------------------------------------------------------------------------------
     @property
@@ -244,6 +245,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             self.setup_optimizers(trainer)
         if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
+        # [Note: full state dicts] in checkpoint/full.py: self.state_dict() while the engine runs hands
+        # out ddp's values (stage 3: gathered; bf16-mixed: the fp32 masters), as the Fabric door does
+        self._remove_state_dict_hooks()
+        self._state_dict_hooks = self.session.serve_full_state_dicts(self.lightning_module,
+                                                                     self.precision_policy.ddp_dtype)  # fmt: skip
         if fitting:
             # state the engine put beside the host masters (offload_optimizer; Adagrad creates it in
             # __init__) stays on the host: moving it to the device would break the first step
@@ -423,9 +429,15 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # under bf16-mixed as under ddp; on the failure path without the collectives.
         self.session.close_engine(self.global_rank)
         self.session.close()
+        self._remove_state_dict_hooks()
         super().teardown()
         if save_error is not None:
             raise save_error
+
+    def _remove_state_dict_hooks(self) -> None:
+        for handle in self._state_dict_hooks:
+            handle.remove()
+        self._state_dict_hooks = []
 
     # -- checkpoints (strategy_checkpoint.py; the logic in checkpoint/) -------------------------
     @property

@@ -231,6 +231,13 @@ class FailureChannel:
         if error is not None:
             raise error
 
+    def read_now(self) -> Optional[PeerFailedError]:
+        """:meth:`peer_error` after reading the key once now (not waiting for the watcher): after a
+        collective with a rank that posts *before* it issues that collective, its message is there."""
+        if self._peer is None and self.store is not None:
+            self._read()
+        return self.peer_error()
+
     def await_peer_error(self, seconds: float = MESSAGE_AFTER_ERROR_S) -> Optional[PeerFailedError]:
         """After a collective failed ("Connection closed by peer"): the failing peer posts before it
         exits, so look for its message for up to ``seconds``."""
