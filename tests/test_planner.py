@@ -244,6 +244,18 @@ def test_unknown_arguments_are_refused_by_name():
         plan_run("70b", ZeroConfig(stage=3, tensor_parallel_size=8), **run, bukcet_mb=25)
 
 
+def test_a_config_with_knobs_of_the_old_signature_plans_as_the_config_alone():
+    """``stage=None`` was the 31-keyword signature's default (benchmarks/gpu_check.py passes it
+    beside a config); a knob with a value beside a config is refused, naming it."""
+    run = {k: v for k, v in RUN_70B.items() if k != "tp"}
+    config = ZeroConfig(stage=3, tensor_parallel_size=8)
+    assert plan_run("70b", config, stage=None, **run).memory.total == plan_run("70b", config, **run).memory.total
+    with pytest.raises(TypeError, match=r"set stage in the ZeroConfig"):
+        plan_run("70b", config, stage=2, **run)
+    with pytest.raises(TypeError, match=r"give stage="):
+        plan_run("70b", stage=None, **RUN_70B)
+
+
 # ---------------------------------------------------------------------------- outputs
 
 

@@ -42,7 +42,7 @@ class EngineProbe(L.Callback):
     """Reads the engine directly: bytes sent per optimizer step (all its micro batches) and the
     measured bytes after the last step."""
 
-    def __init__(self, accumulate: int) -> None:
+    def __init__(self, accumulate: int = 1) -> None:
         self.accumulate = accumulate
         self.sent: list[dict] = []
         self.measured: dict = {}

@@ -547,7 +547,8 @@ def plan_inputs(
             f"plan_run() got unexpected keyword argument(s) {', '.join(unknown)}; it takes world_size,"
             f" devices_per_node, {', '.join([*PLANNED_KNOBS, *RUN_FIELDS, *OPTION_FIELDS])}"
         )
-    given = [name for name in PLANNED_KNOBS if name in knobs]
+    # ``None`` beside a config is not a knob given (the 31-keyword signature defaulted ``stage`` to it)
+    given = [name for name in PLANNED_KNOBS if knobs.get(name) is not None]
     ddp = False
     if zero_config is not None:
         if given:
@@ -556,10 +557,10 @@ def plan_inputs(
                 f" ZeroConfig (dataclasses.replace(zero_config, {given[0]}=...)) instead of passing them too"
             )
         config = zero_config
-    elif "stage" not in knobs:
+    elif knobs.get("stage") is None:
         raise TypeError("plan_run: give stage=... (or the knobs whole, as zero_config=ZeroConfig(...))")
     else:
-        values = {PLANNED_KNOBS[name]: knobs[name] for name in given}
+        values = {PLANNED_KNOBS[name]: knobs[name] for name in PLANNED_KNOBS if name in knobs}
         stage = values["stage"]
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(f"plan_run: stage must be one of {STAGES} (0 = plain DDP), got stage={stage!r}")
