@@ -61,32 +61,25 @@ def traffic_per_rank(
     # 2-3 otherwise every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
     # (once for the unit held from forward into backward, and for a tied embedding in the root).
     tp = int(dims.tp)
-    links = dp_link_bytes(
-        padded,
-        stage=stage,
-        topology=topology,
-        micro_batches=micro_batches,
-        defer_grad_reduce=defer_grad_reduce,
-        grad_bytes=dtype.grad,
-        param_bytes=dtype.param,
-        grad_comm_dtype=grad_comm_dtype,
-        param_comm_dtype=param_comm_dtype,
-        gathered_once_numel=gathered_once_numel(workload) if stage == 3 else 0,
-    )
-    if expert_topology is not None and expert_padded:
-        experts = dp_link_bytes(
-            expert_padded,
+
+    def domain_links(numel: int, domain_topology: Any, expert: bool) -> Any:
+        """One ZeRO domain's ring bytes: the dense parameters, or the experts over their edp group."""
+        return dp_link_bytes(
+            numel,
             stage=stage,
-            topology=expert_topology,
+            topology=domain_topology,
             micro_batches=micro_batches,
             defer_grad_reduce=defer_grad_reduce,
             grad_bytes=dtype.grad,
             param_bytes=dtype.param,
             grad_comm_dtype=grad_comm_dtype,
             param_comm_dtype=param_comm_dtype,
-            gathered_once_numel=gathered_once_numel(workload, expert=True) if stage == 3 else 0,
+            gathered_once_numel=gathered_once_numel(workload, expert=expert) if stage == 3 else 0,
         )
-        links = links.plus(experts)
+
+    links = domain_links(padded, topology, expert=False)
+    if expert_topology is not None and expert_padded:
+        links = links.plus(domain_links(expert_padded, expert_topology, expert=True))
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
     tokens = micro_batch * seq_len
