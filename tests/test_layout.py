@@ -245,7 +245,7 @@ def _groups_body(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
     from lightning_zero.comm.mesh import build_groups
-    from lightning_zero.runtime.precision import precision_policy
+    from lightning_zero.precision import precision_policy
     from lightning_zero.runtime.session import ZeroSession
 
     for kwargs in GLOO_LAYOUTS:

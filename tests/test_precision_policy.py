@@ -1,4 +1,4 @@
-"""The precision policy in one place (``runtime/precision.py``), without any process group.
+"""The precision policy in one place (``precision.py``), without any process group.
 
 Every policy evaluates every one of its properties; the knobs that shape it are validated by one
 function, whose message every entry point (``ZeroConfig``, the Hydra schema, the ledger, the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.runtime.precision import (
+from lightning_zero.precision import (
     MASTER_WEIGHTS,
     MIXED_PARAMS,
     PRECISIONS,
@@ -103,14 +103,14 @@ def test_one_validator_for_the_precision_knobs(knob, value):
 
 
 def test_only_the_policy_module_knows_the_knobs_values():
-    # The values of master_weights / mixed_params are compared in runtime/precision.py alone: a
+    # The values of master_weights / mixed_params are compared in precision.py alone: a
     # second validator (config.py, the ledger and the policy each had one) or a door deciding on a
     # knob's value by itself fails here.
     compares = re.compile(r"\b(master_weights|mixed_params)\b\s*(==|!=|\bin\b|\bnot in\b)")
     offenders = [
         f"{path.relative_to(PACKAGE)}:{number}"
         for path in PACKAGE.rglob("*.py")
-        if path.relative_to(PACKAGE).as_posix() != "runtime/precision.py"
+        if path.relative_to(PACKAGE).as_posix() != "precision.py"
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if compares.search(line)
     ]

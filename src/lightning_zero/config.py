@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_zero.runtime.precision import check_precision_knobs
+from lightning_zero.precision import check_precision_knobs
 
 COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
 

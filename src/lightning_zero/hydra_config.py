@@ -315,8 +315,8 @@ def _check_zero_knobs(strategy: DictConfig) -> None:
 
 
 def _check_zero_precision(precision: str) -> None:
-    """``trainer.precision`` is one ZeroStrategy accepts (``runtime/precision.py``, docs/precision.md)."""
-    from lightning_zero.runtime.precision import check_precision
+    """``trainer.precision`` is one ZeroStrategy accepts (``precision.py``, docs/precision.md)."""
+    from lightning_zero.precision import check_precision
 
     try:
         check_precision(precision)

@@ -1,11 +1,11 @@
-"""Fabric's precision plugins mapped onto the one policy (``runtime/precision.py``), and Fabric's
+"""Fabric's precision plugins mapped onto the one policy (``precision.py``), and Fabric's
 ``16-mixed`` loss-scaling flow.
 
 Fabric's ``Precision`` (``"32-true"``), ``MixedPrecision`` (``"bf16-mixed"`` / ``"16-mixed"``) and
 ``HalfPrecision`` (``"bf16-true"`` / ``"16-true"``) each name a precision string;
 :func:`policy_of` turns it and the strategy's ``ZeroConfig`` into the
-:class:`~lightning_zero.runtime.precision.PrecisionPolicy` the engine is built from, the same object
-the Trainer door hands it (where each byte lives: ``runtime/precision.py``, docs/precision.md).
+:class:`~lightning_zero.precision.PrecisionPolicy` the engine is built from, the same object
+the Trainer door hands it (where each byte lives: ``precision.py``, docs/precision.md).
 Fabric's plugin stays in charge of what it does around a forward and a backward: autocast under
 the ``-mixed`` ones (``convert_module`` is the identity there, so the engine takes the masters
 from fp32 values, or keeps the fp32 parameters under ``mixed_params="fp32"``), the module
@@ -17,10 +17,10 @@ that dtype), the plugin's ``GradScaler`` under ``16-mixed`` ([Note: Fabric loss 
   module to the half dtype (``convert_module``, as for ddp; under stage 3 ``init_module`` builds it
   in that dtype), and the optimizer steps the half-precision chunks (2 + 2 + 4), or fp32 masters
   and optimizer state with ``ZeroConfig.master_weights="fp32"`` ([Note: master_weights] in
-  ``runtime/precision.py``).
+  ``precision.py``).
 
 Fabric's plugin stays in charge of what it does around a forward and a backward; the engine reads
-where each byte lives from the plugin's :class:`~lightning_zero.runtime.precision.PrecisionPolicy`
+where each byte lives from the plugin's :class:`~lightning_zero.precision.PrecisionPolicy`
 (:func:`policy_of`), the same object the Trainer door hands it.
 
 [Note: Fabric loss scaling] Under ``16-mixed`` Fabric's ``MixedPrecision`` scales the loss in
@@ -28,7 +28,7 @@ where each byte lives from the plugin's :class:`~lightning_zero.runtime.precisio
 unscales in ``fabric.clip_gradients``. ``ZeroFabricStrategy`` replaces that unscale, and adds one
 right before ``optimizer_step`` when the user did not clip, by :func:`unscale_agreed`: the scaler
 unscales this rank's fp32 gradient shards, then the ranks agree whether any shard overflowed
-(``runtime/precision.unscale_and_agree``, the Trainer door's call), so ``scaler.step`` skips the
+(``precision.unscale_and_agree``, the Trainer door's call), so ``scaler.step`` skips the
 step on every rank alike and ``scaler.update`` backs off on every rank alike. The scaler's state
 is not saved by Fabric on its own: as for ddp, a user who wants it put the scaler (or
 ``fabric.strategy.precision``) in the state given to ``fabric.save`` / ``fabric.load``.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 
-from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
+from lightning_zero.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig

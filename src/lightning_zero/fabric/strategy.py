@@ -114,7 +114,7 @@ if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
 
     from lightning_zero.fabric.checkpoint import FabricState
-    from lightning_zero.runtime.precision import PrecisionPolicy
+    from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
 
 

@@ -33,8 +33,8 @@ from typing import Any, Optional, Union
 from lightning_zero.comm.ring import ring_sent
 from lightning_zero.cp.layout import RingLayout, attention_layout, kv_head_repeats
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
-from lightning_zero.runtime.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
-from lightning_zero.runtime.precision import PRECISIONS as PRECISION_NAMES
+from lightning_zero.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
+from lightning_zero.precision import PRECISIONS as PRECISION_NAMES
 from lightning_zero.zero.bucketing import grad_element_bytes, keeps_full_grads
 
 
@@ -142,7 +142,7 @@ class PrecisionBytes:
 
 
 def policy_bytes(policy: PrecisionPolicy) -> PrecisionBytes:
-    """Bytes per parameter where ``policy`` keeps them (``runtime/precision.py`` says where each byte
+    """Bytes per parameter where ``policy`` keeps them (``precision.py`` says where each byte
     lives; this says how many). Optimizer step traffic: AdamW reads/writes the param, exp_avg and
     exp_avg_sq and reads the grad (28 B in fp32, half that in a half-precision state); separate fp32
     masters add the grad-shard cast to fp32 (2 + 4 B) and the master -> half copy (4 + 2 B)."""
@@ -166,7 +166,7 @@ PRECISIONS: dict[str, PrecisionBytes] = {name: policy_bytes(precision_policy(nam
 def precision_bytes(precision: str, master_weights: str = "auto", mixed_params: str = "auto") -> PrecisionBytes:
     """Bytes per parameter of ``precision`` under the knobs ``master_weights`` and ``mixed_params``
     (``ZeroConfig``'s): the one rule the planner, the monitor and the tests read. The policy, and
-    the knobs' validation, is ``runtime/precision.precision_policy`` ([Note: master_weights],
+    the knobs' validation, is ``precision.precision_policy`` ([Note: master_weights],
     [Note: mixed_params] there)."""
     try:
         return policy_bytes(precision_policy(precision, master_weights, mixed_params))

@@ -60,8 +60,8 @@ from lightning_zero.planner.ledger import (
     optimizer_state_bytes,
     policy_bytes,
 )
+from lightning_zero.precision import engine_policy
 from lightning_zero.runtime.expert_load import ExpertLoadMeter
-from lightning_zero.runtime.precision import engine_policy
 from lightning_zero.runtime.throughput import (
     ThroughputMeter,
     batch_tokens,

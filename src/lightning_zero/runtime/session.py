@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
-    from lightning_zero.runtime.precision import PrecisionPolicy
+    from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
@@ -137,7 +137,7 @@ class ZeroSession:
         ranks_per_node: int,
     ) -> "ZeroEngine":
         """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first), keeping
-        each byte where ``precision`` says (runtime/precision.py)."""
+        each byte where ``precision`` says (precision.py)."""
         from lightning_zero.zero.domains import ExpertDomain
         from lightning_zero.zero.engine import ZeroEngine
 

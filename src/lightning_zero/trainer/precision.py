@@ -2,7 +2,7 @@
 
 ``ZeroStrategy`` swaps the plugin Lightning builds from ``Trainer(precision=...)`` (or the one
 passed in ``plugins=[...]``) for one of these; each carries the
-:class:`~lightning_zero.runtime.precision.PrecisionPolicy` that ``runtime/precision.py`` gives for
+:class:`~lightning_zero.precision.PrecisionPolicy` that ``precision.py`` gives for
 the plugin's precision string and the strategy's ``ZeroConfig`` (where each byte lives, and the
 knobs' validation, are there and in docs/precision.md, not here):
 
@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_zero.runtime.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
+from lightning_zero.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig

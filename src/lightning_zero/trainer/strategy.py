@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_zero.comm.collectives import CommCounter
-    from lightning_zero.runtime.precision import PrecisionPolicy
+    from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.runtime.restore import CheckpointRestore
     from lightning_zero.zero.waits import FailureChannel
 
@@ -160,7 +160,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @property
     def precision_policy(self) -> "PrecisionPolicy":
-        """Where each byte lives under the chosen precision (``runtime/precision.py``)."""
+        """Where each byte lives under the chosen precision (``precision.py``)."""
         return self.precision_plugin.policy  # type: ignore[attr-defined]
 
     @property

@@ -80,7 +80,7 @@ class ZeroEngine:
             (default: fp32 master chunks beside half-precision compute parameters, or the fp32
             parameters themselves), or ``compute_dtype`` (``bf16-true``: the half-precision
             parameter chunks are stepped in place, no master copy; [Note: master_weights] in
-            ``runtime/precision.py``).
+            ``precision.py``).
         norms_in_fp32: norm layers with running statistics keep fp32 parameters when the compute
             dtype is lower (the ``-mixed`` precisions, as under ddp's autocast); ``False`` under
             the ``-true`` ones, where ddp converts the whole module.
