@@ -4,6 +4,17 @@ Plain Python (no Hydra, no omegaconf): ``ZeroStrategy`` builds one from its argu
 whole to :class:`lightning_zero.zero.engine.ZeroEngine`, whose parts read ``config.<knob>`` where
 they use it; the planner takes one too. The Hydra schema of the ``strategy`` group
 (``lightning_zero.hydra_config.ZeroStrategyConf``) is generated from it.
+
+[Note: policies] ``ZeroConfig`` is flat for its users (``ZeroStrategy``'s keywords, Hydra's
+``strategy.*`` keys); inside, its knobs fall into a few small frozen policies, each a view of the
+same values (:data:`POLICY_KNOBS`): ``config.layout`` (:class:`LayoutPolicy`, what
+``ParallelDims.from_config`` reads), ``config.sharding`` (:class:`ShardingPolicy`),
+``config.communication`` (:class:`CommPolicy`), ``config.precision_knobs``
+(:class:`PrecisionKnobs`; with Lightning's precision string they make a
+``precision.PrecisionPolicy``) and ``config.runtime`` (:class:`RuntimePolicy`: monitor, timeouts,
+checkpoints). Code below the strategies takes the policy it needs whole, as FSDP2's
+``fully_shard`` takes ``MixedPrecisionPolicy`` and ``OffloadPolicy``, instead of one argument per
+knob (tests/test_signatures.py keeps every internal function at 10 parameters or fewer).
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_zero.precision import check_precision_knobs
+from lightning_zero.precision import PrecisionPolicy, check_precision_knobs, precision_policy
 
 COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
 
@@ -265,6 +276,102 @@ class ZeroConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def layout(self) -> "LayoutPolicy":
+        """How the ranks split the work (:class:`LayoutPolicy`; ``ParallelDims.from_config`` adds the cluster)."""
+        return _policy(self, LayoutPolicy)
+
+    @property
+    def sharding(self) -> "ShardingPolicy":
+        """What ZeRO shards and when (:class:`ShardingPolicy`)."""
+        return _policy(self, ShardingPolicy)
+
+    @property
+    def communication(self) -> "CommPolicy":
+        """How gradients and parameters travel (:class:`CommPolicy`)."""
+        return _policy(self, CommPolicy)
+
+    @property
+    def precision_knobs(self) -> "PrecisionKnobs":
+        """The precision knobs (:class:`PrecisionKnobs`); ``precision_policy(name)`` adds Lightning's precision."""
+        return _policy(self, PrecisionKnobs)
+
+    @property
+    def runtime(self) -> "RuntimePolicy":
+        """What the run around the engine does (:class:`RuntimePolicy`)."""
+        return _policy(self, RuntimePolicy)
+
+    def precision_policy(self, precision: Any) -> "PrecisionPolicy":
+        """Where each byte lives under Lightning's ``precision`` with these knobs (``precision.py``)."""
+        return precision_policy(precision, self.master_weights, self.mixed_params)
+
+
+# The policies: small frozen views of ZeroConfig's knobs ([Note: policies]). Each field is the knob
+# of the same name, documented and defaulted once on ZeroConfig (``ZeroConfig(...).sharding`` builds
+# one); every knob belongs to exactly one policy.
+
+
+@dataclass(frozen=True)
+class LayoutPolicy:
+    """The parallel sizes a config asks for: what ``comm.mesh.ParallelDims`` is built from."""
+
+    tensor_parallel_size: Union[int, str]
+    sequence_parallel: bool
+    cp: int
+    ep: int
+    shard_size: Optional[Union[int, str]]
+    hierarchical_reduce: bool
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch,
+    where the optimizer state lives."""
+
+    stage: int
+    defer_grad_reduce: bool
+    prefetch_blocks: int
+    offload_optimizer: bool
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """How gradients and parameters travel: bucket size, overlap, what goes on the wire."""
+
+    bucket_mb: Union[float, str]
+    overlap_comm: bool
+    max_buckets_in_flight: int
+    overlap_param_gather: bool
+    grad_comm_dtype: Optional[str]
+    param_comm_dtype: Optional[str]
+
+
+@dataclass(frozen=True)
+class PrecisionKnobs:
+    """The precision knobs: the gradient reduce dtype, masters under ``-true``, parameters under ``-mixed``."""
+
+    reduce_dtype: str
+    master_weights: str
+    mixed_params: str
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    """What the run around the engine does: the monitor, the wait limit, asynchronous checkpoints."""
+
+    monitor: bool
+    collective_timeout: Optional[float]
+    async_checkpoint: bool
+
+
+POLICIES = (LayoutPolicy, ShardingPolicy, CommPolicy, PrecisionKnobs, RuntimePolicy)
+POLICY_KNOBS = {policy: tuple(f.name for f in dataclasses.fields(policy)) for policy in POLICIES}
+"""``{policy class: the ZeroConfig knobs it holds}``; every knob is in exactly one (tests/test_config.py)."""
+
+
+def _policy(config: ZeroConfig, policy: type) -> Any:
+    return policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
 
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
