@@ -34,6 +34,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class PolicyView:
+    """``config.<name>``: the policy of that name (defined below the class) built from the config's
+    knobs ([Note: policies])."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+
+    def __get__(self, config: Any, owner: type) -> Any:
+        if config is None:
+            return self
+        policy = globals()[self.policy]
+        return policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Every knob of :class:`lightning_zero.ZeroStrategy` that is plain data, with its default.
@@ -277,101 +291,57 @@ class ZeroConfig:
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    @property
-    def layout(self) -> "LayoutPolicy":
-        """How the ranks split the work (:class:`LayoutPolicy`; ``ParallelDims.from_config`` adds the cluster)."""
-        return _policy(self, LayoutPolicy)
-
-    @property
-    def sharding(self) -> "ShardingPolicy":
-        """What ZeRO shards and when (:class:`ShardingPolicy`)."""
-        return _policy(self, ShardingPolicy)
-
-    @property
-    def communication(self) -> "CommPolicy":
-        """How gradients and parameters travel (:class:`CommPolicy`)."""
-        return _policy(self, CommPolicy)
-
-    @property
-    def precision_knobs(self) -> "PrecisionKnobs":
-        """The precision knobs (:class:`PrecisionKnobs`); ``precision_policy(name)`` adds Lightning's precision."""
-        return _policy(self, PrecisionKnobs)
-
-    @property
-    def runtime(self) -> "RuntimePolicy":
-        """What the run around the engine does (:class:`RuntimePolicy`)."""
-        return _policy(self, RuntimePolicy)
+    layout = PolicyView("LayoutPolicy")  # what ParallelDims.from_config reads (it adds the cluster)
+    sharding = PolicyView("ShardingPolicy")
+    communication = PolicyView("CommPolicy")
+    precision_knobs = PolicyView("PrecisionKnobs")  # precision_policy(name) adds Lightning's precision
+    runtime = PolicyView("RuntimePolicy")
 
     def precision_policy(self, precision: Any) -> "PrecisionPolicy":
         """Where each byte lives under Lightning's ``precision`` with these knobs (``precision.py``)."""
         return precision_policy(precision, self.master_weights, self.mixed_params)
 
 
-# The policies: small frozen views of ZeroConfig's knobs ([Note: policies]). Each field is the knob
-# of the same name, documented and defaulted once on ZeroConfig (``ZeroConfig(...).sharding`` builds
-# one); every knob belongs to exactly one policy.
+def _policy(name: str, doc: str, knobs: tuple[str, ...]) -> type:
+    """A frozen dataclass ``name`` holding ``knobs``, each with its ``ZeroConfig`` annotation: the
+    policies ([Note: policies]) declare no knob again; its default and documentation stay on
+    ``ZeroConfig``, and ``ZeroConfig(...).<policy>`` builds one."""
+    hints = ZeroConfig.__annotations__
+    policy = dataclasses.make_dataclass(name, [(knob, hints[knob]) for knob in knobs], frozen=True)
+    policy.__doc__, policy.__module__ = doc, __name__
+    return policy
 
 
-@dataclass(frozen=True)
-class LayoutPolicy:
-    """The parallel sizes a config asks for: what ``comm.mesh.ParallelDims`` is built from."""
-
-    tensor_parallel_size: Union[int, str]
-    sequence_parallel: bool
-    cp: int
-    ep: int
-    shard_size: Optional[Union[int, str]]
-    hierarchical_reduce: bool
-
-
-@dataclass(frozen=True)
-class ShardingPolicy:
-    """What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch,
-    where the optimizer state lives."""
-
-    stage: int
-    defer_grad_reduce: bool
-    prefetch_blocks: int
-    offload_optimizer: bool
-
-
-@dataclass(frozen=True)
-class CommPolicy:
-    """How gradients and parameters travel: bucket size, overlap, what goes on the wire."""
-
-    bucket_mb: Union[float, str]
-    overlap_comm: bool
-    max_buckets_in_flight: int
-    overlap_param_gather: bool
-    grad_comm_dtype: Optional[str]
-    param_comm_dtype: Optional[str]
-
-
-@dataclass(frozen=True)
-class PrecisionKnobs:
-    """The precision knobs: the gradient reduce dtype, masters under ``-true``, parameters under ``-mixed``."""
-
-    reduce_dtype: str
-    master_weights: str
-    mixed_params: str
-
-
-@dataclass(frozen=True)
-class RuntimePolicy:
-    """What the run around the engine does: the monitor, the wait limit, asynchronous checkpoints."""
-
-    monitor: bool
-    collective_timeout: Optional[float]
-    async_checkpoint: bool
-
-
+LayoutPolicy = _policy(
+    "LayoutPolicy",
+    "The parallel sizes a config asks for: what ``comm.mesh.ParallelDims`` is built from.",
+    ("tensor_parallel_size", "sequence_parallel", "cp", "ep", "shard_size", "hierarchical_reduce"),
+)
+ShardingPolicy = _policy(
+    "ShardingPolicy",
+    "What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch, where"
+    " the optimizer state lives.",
+    ("stage", "defer_grad_reduce", "prefetch_blocks", "offload_optimizer"),
+)
+CommPolicy = _policy(
+    "CommPolicy",
+    "How gradients and parameters travel: bucket size, overlap, what goes on the wire.",
+    ("bucket_mb", "overlap_comm", "max_buckets_in_flight", "overlap_param_gather", "grad_comm_dtype",
+     "param_comm_dtype"),
+)  # fmt: skip
+PrecisionKnobs = _policy(
+    "PrecisionKnobs",
+    "The precision knobs: the gradient reduce dtype, masters under ``-true``, parameters under ``-mixed``.",
+    ("reduce_dtype", "master_weights", "mixed_params"),
+)
+RuntimePolicy = _policy(
+    "RuntimePolicy",
+    "What the run around the engine does: the monitor, the wait limit, asynchronous checkpoints.",
+    ("monitor", "collective_timeout", "async_checkpoint"),
+)
 POLICIES = (LayoutPolicy, ShardingPolicy, CommPolicy, PrecisionKnobs, RuntimePolicy)
 POLICY_KNOBS = {policy: tuple(f.name for f in dataclasses.fields(policy)) for policy in POLICIES}
 """``{policy class: the ZeroConfig knobs it holds}``; every knob is in exactly one (tests/test_config.py)."""
-
-
-def _policy(config: ZeroConfig, policy: type) -> Any:
-    return policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
 
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
