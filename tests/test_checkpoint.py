@@ -157,7 +157,7 @@ def _save_body(rank, world, out, stage, tp):
     from lightning_zero.checkpoint import RankPlacement, save_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     torch.manual_seed(0)
     model = Llama(_config())
@@ -167,7 +167,7 @@ def _save_body(rank, world, out, stage, tp):
 
         parallelize_llama(model, tp_group)
     opt = _optimizer(model)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01), dp_group=dp_group)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01), groups=EngineGroups(dp=dp_group))
     dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -250,7 +250,7 @@ def _load_body(rank, world, out, cases):
     from lightning_zero.checkpoint import RankPlacement, apply_optimizer_state, load_model, open_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [None]  # every rank makes every group
     for src, tag, stage, dp in cases:
@@ -258,7 +258,7 @@ def _load_body(rank, world, out, cases):
         model = Llama(_config())
         opt = _optimizer(model)
         dp_group = None if dp == world else singles[rank]
-        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), dp_group=dp_group)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), groups=EngineGroups(dp=dp_group))
         dp_rank = rank if dp == world else 0
         layout = RankPlacement(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
         opened = open_checkpoint(Path(src, "ckpt"), layout)

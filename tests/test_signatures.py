@@ -37,27 +37,12 @@ def parameter_counts() -> list[tuple[int, str, str]]:
     return sorted(rows, reverse=True)
 
 
-# not grouped yet (issue 62 item 3, in progress): may not grow, only leave
-PENDING = {
-    ("zero/build.py", "build_sharded"),
-    ("zero/stage3/init.py", "build_units"),
-    ("zero/engine.py", "__init__"),
-    ("zero/build.py", "build_replicated"),
-    ("planner/workload.py", "_llama_workload"),
-    ("zero/reducer.py", "__init__"),
-}
-
-
-def _internal(rows, allowed=USER_FACING):
-    return [row for row in rows if (row[1].split(":")[0], row[2]) not in allowed]
+def _internal(rows):
+    return [row for row in rows if (row[1].split(":")[0], row[2]) not in USER_FACING]
 
 
 def test_no_internal_function_takes_more_than_ten_parameters():
-    wide = [
-        row
-        for row in _internal(parameter_counts(), {**USER_FACING, **dict.fromkeys(PENDING)})
-        if row[0] > MAX_PARAMETERS
-    ]
+    wide = [row for row in _internal(parameter_counts()) if row[0] > MAX_PARAMETERS]
     assert not wide, f"group these parameters into a policy or a small frozen object: {wide}"
 
 

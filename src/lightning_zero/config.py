@@ -44,8 +44,12 @@ class PolicyView:
     def __get__(self, config: Any, owner: type) -> Any:
         if config is None:
             return self
-        policy = globals()[self.policy]
-        return policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
+        cached = config.__dict__.get(self.policy)  # a frozen config's policy never changes
+        if cached is None:
+            policy = globals()[self.policy]
+            cached = policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
+            object.__setattr__(config, self.policy, cached)
+        return cached
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
 
     from lightning_zero.comm.mesh import ParallelDims, build_shard_groups
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     dims = ParallelDims(world_size=world, devices_per_node=2, shard_size=shard_size, hierarchical_reduce=hierarchical)
     groups = build_shard_groups(dims)
@@ -154,7 +154,7 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
     inputs = torch.randn(world, 5, 7)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = ZeroConfig(stage=stage, bucket_mb=0.0002, collective_timeout=timeout)
-    engine = ZeroEngine(model, [optimizer], config, shard_groups=groups, ranks_per_node=2)
+    engine = ZeroEngine(model, [optimizer], config, groups=EngineGroups(shard=groups, ranks_per_node=2))
     for _ in range(2):  # the second backward runs in the learned bucket order
         optimizer.zero_grad()
         engine.backward(model(inputs[rank]).pow(2).sum())

@@ -471,7 +471,8 @@ def assemble_plan(
 ) -> Plan:
     """:func:`plan`'s last step: the :class:`Plan` of a resolved run and what its steps found."""
     r, config, dims, run = resolved, resolved.config, resolved.dims, resolved.run
-    wire = {k: v for k, v in dataclasses.asdict(config.communication).items() if k != "bucket_mb"}
+    comm = config.communication
+    wire = {f.name: getattr(comm, f.name) for f in dataclasses.fields(comm) if f.name != "bucket_mb"}
     return Plan(
         model=r.model.name,
         num_params=r.model.num_params(),
