@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers zero1/zero2/zero3)
 from lightning_zero import ZeroStrategy
+from tests.scripts.harness import script_trainer
 
 STEPS = 4
 VOCAB = 64
@@ -815,13 +816,17 @@ def run_one(run: str) -> dict[str, Any]:
     counter, callbacks = CountSent(), case.callbacks()
     saver = SaveAtLastStep(run) if case.checkpoint and strategy != "ddp" else None
     callbacks += [saver] if saver is not None else []
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=make_strategy(case, strategy), precision=case.precision,
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[counter, *callbacks],
+    trainer = script_trainer(
+        devices=WORLD,
+        strategy=make_strategy(case, strategy),
+        precision=case.precision,
+        max_steps=STEPS,
+        callbacks=[counter, *callbacks],
         num_sanity_val_steps=2 if case.val else 0,  # Lightning's default: validation before training
-        limit_val_batches=2 if case.val else 0, val_check_interval=2 if case.val else 1.0, **case.trainer,
-    )  # fmt: skip
+        limit_val_batches=2 if case.val else 0,
+        val_check_interval=2 if case.val else 1.0,
+        **case.trainer,
+    )
     data = case.data()
     val = loader(case.data(seed=4, samples=2 * BATCH * WORLD)) if case.val else None
     trainer.fit(module, loader(data), val)

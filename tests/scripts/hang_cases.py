@@ -47,6 +47,8 @@ from lightning_zero import ZeroStrategy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conformance import _RANK, _peer_verdict, _status, _wait_for, _write  # noqa: F401
 
+from tests.scripts.harness import script_trainer
+
 WORLD = 2
 STEPS = 4
 RUN_TIMEOUT_S = float(os.environ.get("HANG_RUN_TIMEOUT_S", "45"))
@@ -137,12 +139,13 @@ def run_one(run: str) -> dict[str, Any]:
     L.seed_everything(42, verbose=False)
     module = HazardNet(hazard, reference=strategy == "ddp")
     uneven = hazard == "uneven_val"
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=make_strategy(hazard, strategy), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=None if uneven else 0,
+    trainer = script_trainer(
+        devices=WORLD,
+        strategy=make_strategy(hazard, strategy),
+        max_steps=STEPS,
+        limit_val_batches=None if uneven else 0,
         use_distributed_sampler=not uneven,
-    )  # fmt: skip
+    )
     train = data(STEPS * 2 * WORLD, seed=1)
     if uneven:  # this rank's own shards: the same train batches as ddp's sampler, uneven validation
         rank = _RANK[0]
