@@ -256,7 +256,9 @@ def build_units(
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
         keep_fp32 = (
-            fp32_parameter_ids(unit_module or module) if compute_dtype != torch.float32 and spec.norms_in_fp32 else set()
+            fp32_parameter_ids(unit_module or module)
+            if compute_dtype != torch.float32 and spec.norms_in_fp32
+            else set()
         )
         for param in params:
             key = slot_of.get(id(param), ("frozen", param.dtype))
