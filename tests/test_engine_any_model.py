@@ -359,12 +359,8 @@ def _adafactor(rank, world, out_dir):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
-        engine = ZeroEngine(
-            model,
-            [opt],
-            ZeroConfig(stage=stage, bucket_mb=0.0001, offload_optimizer=offload),
-            precision=engine_policy(dtype, torch.float32),
-        )
+        config = ZeroConfig(stage=stage, bucket_mb=0.0001, offload_optimizer=offload)
+        engine = ZeroEngine(model, [opt], config, precision=engine_policy(dtype, torch.float32))
         sharded = engine.sharded_optimizer(opt)
         assert isinstance(sharded, ReplicatedOptimizer)
         gen = torch.Generator().manual_seed(2)
@@ -395,12 +391,8 @@ def _adafactor(rank, world, out_dir):
             torch.manual_seed(5)
             fresh = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
             fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=5e-2)
-            fresh_engine = ZeroEngine(
-                fresh,
-                [fresh_opt],
-                ZeroConfig(stage=2, bucket_mb=0.0002),
-                precision=engine_policy(torch.bfloat16, torch.float32),
-            )
+            bf16 = engine_policy(torch.bfloat16, torch.float32)
+            fresh_engine = ZeroEngine(fresh, [fresh_opt], ZeroConfig(stage=2, bucket_mb=0.0002), precision=bf16)
             load_model(open_checkpoint(target), fresh, engine=fresh_engine, optimizers=[fresh_opt], layout=layout)
             for got, want in zip(fresh.parameters(), saved):  # bf16 compute params from the fp32 masters
                 torch.testing.assert_close(got.detach().float(), want, rtol=0, atol=1e-2)

@@ -205,18 +205,8 @@ def test_each_link_class_gets_its_own_seconds():
 
 
 def test_70b_table_options_on_8_nodes():
-    common = dict(
-        stage=3,
-        world_size=64,
-        devices_per_node=8,
-        micro_batch=4,
-        seq_len=4096,
-        accumulate_grad_batches=4,
-        activation_checkpointing=True,
-        prefetch_blocks=2,
-        bucket_mb=25,
-        hardware="h100_80gb",
-    )
+    common = dict(stage=3, world_size=64, devices_per_node=8, micro_batch=4, seq_len=4096, accumulate_grad_batches=4,
+                  activation_checkpointing=True, prefetch_blocks=2, bucket_mb=25, hardware="h100_80gb")  # fmt: skip
     world = plan_run("70b", **common)
     hier = plan_run("70b", hierarchical_reduce=True, **common)
     node = plan_run("70b", shard_size="node", **common)

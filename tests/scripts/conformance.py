@@ -851,21 +851,17 @@ def _exit(code: int = 0) -> None:
     os._exit(code)
 
 
-def _watchdog(out: str, run: str, done: threading.Event) -> None:
-    if done.wait(RUN_TIMEOUT_S):
+def _watchdog(out: str, run: str, done: threading.Event, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Unless ``done`` is set within ``timeout_s``, record run ``run`` as a hang on this rank, with
+    every thread's stack, and exit (hang_cases.py watches its runs with it too)."""
+    if done.wait(timeout_s):
         return
     with tempfile.TemporaryFile("w+") as stacks:
         faulthandler.dump_traceback(stacks, all_threads=True)
         stacks.seek(0)
         dump = stacks.read()
-    _write(
-        out,
-        run,
-        {
-            "ok": False,
-            "error": f"hang: run {run} did not finish within {RUN_TIMEOUT_S:.0f}s on rank {_RANK[0]}\n{dump}",
-        },
-    )
+    error = f"hang: run {run} did not finish within {timeout_s:.0f}s on rank {_RANK[0]}\n{dump}"
+    _write(out, run, {"ok": False, "hang": True, "error": error})
     with open(_status(out, run, _RANK[0]), "w") as status:
         status.write("fail")
     _exit(3)

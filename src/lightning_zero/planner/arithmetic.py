@@ -34,7 +34,7 @@ from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.config import ZeroConfig, resolve_bucket_mb
 from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 from lightning_zero.models.checkpointing import checkpointing_mode
-from lightning_zero.planner.fit import suggest_fixes
+from lightning_zero.planner.fit import PlanInputs, suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     ATTENTION_KERNELS,
@@ -302,14 +302,10 @@ def plan(
         )
     planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
     if options.suggest and not planned.fits:
-        where = (
-            resolved.model,
-            resolved.config,
-            resolved.dims,
-            run,
-            dataclasses.replace(options, hardware=resolved.hw),
+        options = dataclasses.replace(options, hardware=resolved.hw)
+        fixes = suggest_fixes(
+            planned, PlanInputs(plan, resolved.model, resolved.config, resolved.dims, run, options, ddp)
         )
-        fixes = suggest_fixes(planned, plan, *where, ddp)
         planned = dataclasses.replace(planned, suggestions=tuple(fixes))
     return planned
 

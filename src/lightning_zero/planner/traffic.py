@@ -41,20 +41,15 @@ def traffic_per_rank(resolved: ResolvedRun, simulated: Optional[StepTime]) -> Tr
     activation_checkpointing = resolved.checkpointing
     tp = int(dims.tp)
 
+    # what each domain's collectives carry: the bytes per element and the communication policy's wire formats
+    wire = dict(grad_bytes=dtype.grad, param_bytes=dtype.param, grad_comm_dtype=comm.grad_comm_dtype,
+                param_comm_dtype=comm.param_comm_dtype)  # fmt: skip
+
     def domain_links(numel: int, domain_topology: Any, expert: bool) -> Any:
         """One ZeRO domain's ring bytes: the dense parameters, or the experts over their edp group."""
-        return dp_link_bytes(
-            numel,
-            stage=stage,
-            topology=domain_topology,
-            micro_batches=micro_batches,
-            defer_grad_reduce=r.defer_grad_reduce,
-            grad_bytes=dtype.grad,
-            param_bytes=dtype.param,
-            grad_comm_dtype=comm.grad_comm_dtype,
-            param_comm_dtype=comm.param_comm_dtype,
-            gathered_once_numel=gathered_once_numel(workload, expert=expert) if stage == 3 else 0,
-        )
+        once = gathered_once_numel(workload, expert=expert) if stage == 3 else 0
+        return dp_link_bytes(numel, stage=stage, topology=domain_topology, micro_batches=micro_batches,
+                             defer_grad_reduce=r.defer_grad_reduce, gathered_once_numel=once, **wire)  # fmt: skip
 
     links = domain_links(r.padded, r.topology, expert=False)
     if r.experts is not None and r.expert_padded:
