@@ -163,6 +163,13 @@ def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
         for label, per_step in planned.items():
             assert engine.counter.bytes.get(label, 0) == 3 * per_step, (label, engine.counter.bytes, planned)
         assert planned["muon_to_owner"] + planned["muon_from_owner"] > 0
+        # the momentum lives whole on its owner: this rank holds exactly the planner's bytes
+        from lightning_zero.planner.muon import muon_cost
+
+        muon = engine.sharded_optimizer(opts[0])
+        shapes = [tuple(p.shape) for p in muon._module_params[0]]
+        assert muon.state_bytes() == muon_cost(shapes, world).state_bytes[rank]
+        assert sum(muon_cost(shapes, world).state_bytes) == 4 * sum(a * b for a, b in shapes)
         engine.release_module()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             gap = (p.detach() - q.detach()).abs().max().item()

@@ -54,8 +54,9 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
     """ValueError for optimizers the engine cannot step exactly at ``stage``.
 
     Element-wise optimizers are sharded at every stage; ``REPLICATED_STEP_OPTIMIZERS`` run at
-    every stage with replicated state (not over tensor-parallel-split parameters); the rest of
-    ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
+    every stage with replicated state (not over tensor-parallel-split parameters);
+    ``MATRIX_OPTIMIZERS`` (Muon) step whole matrices on owner ranks ([Note: owner step]); the rest
+    of ``NON_ELEMENTWISE_OPTIMIZERS`` (Shampoo, SOAP, Dion among them) are refused.
     """
     for index, optimizer in enumerate(optimizers):
         name = type(optimizer).__name__

@@ -343,6 +343,12 @@ class ZeroEngine:
                 stacklevel=3,
             )
 
+    def attach_tensor_parallel(self, tp_group: Optional[dist.ProcessGroup]) -> None:
+        """Matrix optimizers orthogonalize tp-split matrices whole over ``tp_group`` ([Note: owner step])."""
+        for sharded in self.optimizers:
+            if isinstance(sharded, MatrixOwnerOptimizer):
+                sharded.attach_tensor_parallel(tp_group)
+
     def has_replicated_optimizers(self) -> bool:
         """Whether some optimizer steps replicated full masters (its state cannot be range-saved)."""
         return any(isinstance(sharded, ReplicatedOptimizer) for sharded in self.optimizers)
