@@ -54,6 +54,7 @@ from lightning_zero.checkpoint.load import open_checkpoint
 from lightning_zero.models.llama.hf import (
     EXPORT_DTYPES,
     _rope_rows,
+    _rows,
     check_export_dtype,
     hf_decoder_fields,
     hf_rope_fields,
@@ -173,11 +174,6 @@ def hf_config_dict(config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _norm_gain(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf: bool) -> torch.Tensor:
-    """A q/k norm gain ``(head_dim,)`` permuted as one head's rows ([Note: rotary permutation])."""
-    return _rope_rows(tensor.view(head_dim, 1), None, head_dim=head_dim, to_hf=to_hf).view(head_dim)
-
-
 def tensor_plan(config: MoEConfig, family: str, *, to_hf: bool = False) -> dict[str, Source]:
     """``{our name: Source}`` for every non-expert tensor, and ``{our name + ".<e>": Source}`` for
     each expert's row of a stacked tensor (``layers.i.moe.experts.w1.7``)."""
@@ -185,7 +181,7 @@ def tensor_plan(config: MoEConfig, family: str, *, to_hf: bool = False) -> dict[
     dim, head_dim = config.dim, config.head_dim
     q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim  # type: ignore[operator]
     rope = functools.partial(_rope_rows, head_dim=head_dim, to_hf=to_hf)
-    gain = functools.partial(_norm_gain, head_dim=head_dim, to_hf=to_hf)
+    gain = functools.partial(_rows, head_dim=head_dim, to_hf=to_hf)
     plan = {"tok_embeddings.weight": Source("model.embed_tokens.weight", (config.vocab_size, dim))}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
