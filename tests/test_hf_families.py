@@ -152,6 +152,7 @@ def test_import_reads_byte_ranges_within_the_largest_tensor(tmp_path):
 def launched(saved, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_export_runs")
     cases = [f"{family}={saved['root'] / family}" for family in FAMILIES]
+    cases.append(f"fabric-qwen2={saved['root'] / 'qwen2'}")  # ZeRO-3 over 4 ranks, tied, biases
     launch("hf_export_run.py", out, *cases, timeout_s=900, ranks=4)
     return out
 
@@ -194,3 +195,26 @@ def test_tp2_zero2_trains_like_one_dense_process_and_exports_without_gather(save
     theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
     assert len(list(out.glob("model-*.safetensors"))) > 2
     assert _index(out) == _index(tmp_path / "ref")
+
+
+def test_fabric_zero3_no_gather_export_loads_strictly(saved, launched, tmp_path):
+    out = launched / "fabric-qwen2-hf"
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert _max_diff(Llama.from_pretrained(saved["root"] / "qwen2"), theirs.eval(), _tokens()) <= 1e-5
+    theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
+    assert _index(out) == _index(tmp_path / "ref")
+
+
+def test_sliding_window_refuses_ring_attention_and_keeps_ulysses():
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.models.llama.model import check_llama_layout
+
+    config = LlamaConfig(name="window", vocab_size=64, dim=48, n_layers=1, n_heads=6, n_kv_heads=3, ffn_dim=64,
+                         max_seq_len=64, sliding_window=8, family="mistral")  # fmt: skip
+    ring = ParallelDims(world_size=4, devices_per_node=4, cp=4)  # 6 heads do not split over 4: the ring
+    with pytest.raises(ValueError, match="sliding window of 8 tokens, which ring attention does not apply"):
+        check_llama_layout(config, ring, owner="Llama", seq_len=16)
+    check_llama_layout(config, ring, owner="Llama", seq_len=8)  # the window never bites
+    with pytest.warns(UserWarning):  # Ulysses (2 divides 6 heads; kv heads repeat): allowed
+        check_llama_layout(config, ParallelDims(world_size=2, devices_per_node=2, cp=2), owner="Llama", seq_len=16)

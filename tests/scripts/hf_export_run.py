@@ -5,7 +5,9 @@ Launched by tests/test_hf_families.py (4 ranks, torchrun-style). For each NAME (
 qwen3, qwen2, mistral) LlamaLM(init_from=HF_DIR) fine-tunes 3 steps under ZeroStrategy(stage=2,
 tensor_parallel_size=2) (dp=2), then every rank calls ``strategy.save_hf_pretrained`` into
 OUT_DIR/NAME-hf (small shards, so the files split tensors between ranks' pieces). Each rank writes
-OUT_DIR/NAME.rank<r>.pt: losses, batches, the export's wall time, and the bytes it wrote.
+OUT_DIR/NAME.rank<r>.pt: losses, batches and the export's wall time. ``fabric-NAME=HF_DIR``:
+through the Fabric door instead, ZeRO-3 over dp=4 (Fabric has no TP yet): Llama.from_pretrained,
+fabric.setup, then fabric.strategy.save_hf_pretrained into OUT_DIR/fabric-NAME-hf, no step.
 """
 
 import os
@@ -60,8 +62,22 @@ def run(name: str, hf_dir: str, out: str) -> None:
     torch.save(model.record, os.path.join(out, f"{name}.rank{trainer.global_rank}.pt"))
 
 
+def run_fabric(case: str, hf_dir: str, out: str) -> None:
+    from lightning_zero import ZeroFabricStrategy
+    from lightning_zero.models import Llama
+
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=ZeroFabricStrategy(stage=3, bucket_mb=0.05))
+    fabric.launch()
+    model = fabric.setup(Llama.from_pretrained(hf_dir))
+    start = time.perf_counter()
+    fabric.strategy.save_hf_pretrained(os.path.join(out, f"{case}-hf"), max_shard_size=SHARD)
+    record = {"export_s": time.perf_counter() - start}
+    torch.save(record, os.path.join(out, f"{case}.rank{fabric.global_rank}.pt"))
+    del model
+
+
 if __name__ == "__main__":
     out_dir = sys.argv[1]
     for arg in sys.argv[2:]:
         case, _, directory = arg.partition("=")
-        run(case, directory, out_dir)
+        (run_fabric if case.startswith("fabric-") else run)(case, directory, out_dir)

@@ -483,6 +483,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         from lightning_zero.checkpoint.hf_write import save_hf_pretrained
 
         assert self.lightning_module is not None
+        if self.failed:  # [Note: failure path]: it needs every rank
+            raise RuntimeError(f"ZeroStrategy.save_hf_pretrained({str(path)!r}): a rank failed; not written")
         self._wait_param_gathers()
         return save_hf_pretrained(path, module=self.lightning_module, engine=self.engine,
                                   layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size)  # fmt: skip

@@ -355,7 +355,7 @@ def export_hf(
     out: Union[str, os.PathLike],
     *,
     dtype: Optional[str] = None,
-    max_shard_size: Union[str, int] = "5GB",
+    max_shard_size: Union[str, int] = "50GB",
 ) -> Path:
     """Write the ``LlamaLM`` checkpoint ``ckpt`` as a Hugging Face Llama directory at ``out``.
 

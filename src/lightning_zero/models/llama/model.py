@@ -266,11 +266,18 @@ def check_llama_layout(
         )
     import warnings
 
-    from lightning_zero.cp.layout import check_context_parallel, layout_notice
+    from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 
     layout = check_context_parallel(
         dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel
     )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and isinstance(layout, RingLayout) and (seq_len is None or seq_len > window):
+        raise ValueError(
+            f"ZeroStrategy(cp={dims.cp}, tp={dims.tp}): {owner} attends over a sliding window of {window} tokens, "
+            f"which ring attention does not apply; pick cp so that tp * cp divides n_heads ({config.n_heads}) "
+            "(Ulysses attention keeps the window), or train on sequences no longer than the window"
+        )
     notice = layout_notice(layout)
     if notice is not None:
         warnings.warn(f"lightning_zero: {notice}", stacklevel=3)

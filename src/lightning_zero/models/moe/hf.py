@@ -242,9 +242,7 @@ class HFMoEWeights:
             stacked = getattr(experts, projection)
             for row in range(stacked.shape[0]):
                 source = self.plan[f"{name}.{projection}.{experts.expert_offset + row}"]
-                tensor = self.files.read(source.key)
-                stacked[row].copy_(tensor)
-                self.bytes_read += tensor.numel() * tensor.element_size()
+                self.bytes_read += self.files.read_into(source.key, stacked.data[row])  # byte ranges, in place
 
 
 def pretrained_config(requested: Any, path: PathLike) -> MoEConfig:
@@ -281,7 +279,7 @@ def export_hf(
     out: Union[str, os.PathLike],
     *,
     dtype: Optional[str] = None,
-    max_shard_size: Union[str, int] = "5GB",
+    max_shard_size: Union[str, int] = "50GB",
 ) -> Path:
     """Write the ``MoELM`` checkpoint ``ckpt`` (saved at any ``ep``) as a Hugging Face Mixtral or
     Qwen3-MoE directory, streaming: each stacked expert tensor is assembled from its saved
