@@ -5,7 +5,7 @@
 given the run whole: the knobs (``ZeroConfig``), the layout (``ParallelDims``), the run's shape
 (:class:`RunShape`) and the planner's options (:class:`PlanOptions`). It never builds the model, so
 a 70B plan takes milliseconds. :func:`plan_run` is the same plan from keywords (each put in the
-object holding it, :func:`plan_inputs`); :func:`stage_plans` / :func:`compare_stages` lay stages
+object holding it, :func:`plan_inputs`); :func:`compare_stages` lays stages
 0-3 side by side for one run.
 
 [Note: what a plan counts] Per rank, at the peak of one training step (the start of backward):
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
-from lightning_zero.config import ZeroConfig, resolve_bucket_mb
+from lightning_zero.config import POLICY_KNOBS, ZERO_DEFAULTS, LayoutPolicy, ZeroConfig, resolve_bucket_mb
 from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 from lightning_zero.models.checkpointing import checkpointing_mode
 from lightning_zero.planner.fit import PlanInputs, suggest_fixes
@@ -196,18 +196,9 @@ def ddp_layout(config: ZeroConfig, dims: ParallelDims) -> tuple[ZeroConfig, Para
     or expert parallelism, no hybrid sharding, nothing compressed, no deferred reduction), with the
     knobs DDP shares with ZeRO (``bucket_mb``, ``overlap_comm``, ``reduce_dtype``, the precision
     knobs) as ``config`` has them. What ``plan(..., ddp=True)`` plans."""
+    plain_layout = {name: getattr(ZERO_DEFAULTS, name) for name in POLICY_KNOBS[LayoutPolicy]}  # tp = cp = ep = 1
     plain = dataclasses.replace(
-        config,
-        stage=1,
-        tensor_parallel_size=1,
-        sequence_parallel=False,
-        cp=1,
-        ep=1,
-        shard_size=None,
-        hierarchical_reduce=False,
-        grad_comm_dtype=None,
-        param_comm_dtype=None,
-        defer_grad_reduce=False,
+        config, stage=1, defer_grad_reduce=False, grad_comm_dtype=None, param_comm_dtype=None, **plain_layout
     )
     return plain, ParallelDims.from_config(plain, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
 
@@ -590,16 +581,11 @@ def plan_run(
     return plan(model_config, config, dims, run, options, ddp=ddp)
 
 
-def stage_plans(
-    model_config: Any,
-    config: ZeroConfig,
-    dims: ParallelDims,
-    run: RunShape = RunShape(),
-    options: PlanOptions = PlanOptions(),
-    stages: tuple[int, ...] = STAGES,
-) -> list[Plan]:
-    """:func:`plan` for each of ``stages`` with everything else equal (0: Lightning's DDP on the
-    same ranks, :func:`ddp_layout`); what the report's side-by-side columns show."""
+def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
+    """:func:`plan` for each of ``stages`` with everything else equal, from :func:`plan_run`'s
+    keywords (no ``stage``; 0: Lightning's DDP on the same ranks, :func:`ddp_layout`); what the
+    report's side-by-side columns show."""
+    config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
     plans = []
     for stage in stages:
         if stage == 0:
@@ -609,12 +595,6 @@ def stage_plans(
             staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
             plans.append(plan(model_config, staged, dims, run, options))
     return plans
-
-
-def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
-    """:func:`stage_plans` from :func:`plan_run`'s keywords (no ``stage``)."""
-    config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
-    return stage_plans(model_config, config, dims, run, options, stages)
 
 
 def _attention_name(layout: Any) -> str:
