@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero.checkpoint import objstore
+import lightning_zero.checkpoint.objstore as objstore
 from lightning_zero.checkpoint.objstore import StoragePolicy, is_url
 from lightning_zero.checkpoint.objstore_dcp import ObjectWriter, UploadFileSystem
 from lightning_zero.checkpoint.publish import (
@@ -22,8 +22,11 @@ from lightning_zero.checkpoint.publish import (
     RecordingFileSystem,
     WriteProgress,
     begin_write,
+    clean_leftovers,
     fsync_write,
+    link_atomically,
     publish,
+    remove_checkpoint,
     sha256_of,
     write_rank_file,
 )
@@ -128,3 +131,31 @@ def destination(
     if isinstance(target, str):
         return ObjectDestination(target, layout, group, progress, policy)
     return LocalDestination(target, layout, group, progress)
+
+
+def link_checkpoint(target: Location, link: Location, policy: StoragePolicy) -> None:
+    """Rank 0: ``link`` follows the published ``target`` from now on (a symlink swapped in by
+    rename locally; a link commit object at a URL)."""
+    if isinstance(target, str) or isinstance(link, str):
+        objstore.link(str(target), str(link), policy)
+    else:
+        link_atomically(target, link)
+
+
+def remove_any(path: Location, policy: StoragePolicy) -> None:
+    """Delete a checkpoint (or a plain file) at a local path or a URL; call on one rank."""
+    if isinstance(path, str):
+        objstore.remove(path, policy)
+    else:
+        remove_checkpoint(path)
+
+
+def clean_any(directory: Location, policy: StoragePolicy) -> list[str]:
+    """What killed saves left in ``directory`` removed (rank 0), one line per action."""
+    if isinstance(directory, str):
+        return objstore.clean_directory(directory, policy)
+    return clean_leftovers(directory)
+
+
+def parent_of(path: Location) -> Location:
+    return objstore.parent(path) if isinstance(path, str) else path.parent

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import objstore
+import lightning_zero.checkpoint.objstore as objstore
 from lightning_zero.checkpoint.dcp import (
     CheckpointError,
     ChunkLoadPlanner,
