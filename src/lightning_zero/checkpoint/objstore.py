@@ -288,7 +288,7 @@ class UploadStream:
         except BaseException as exc:  # noqa: BLE001 - raised by the producer
             self._error = exc
         finally:
-            if handle is not None and self._error is None and not self._done.is_set():
+            if handle is not None:  # aborted or failed: never completed into an object
                 _discard(handle)
             self._done.set()
 

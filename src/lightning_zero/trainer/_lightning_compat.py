@@ -79,3 +79,28 @@ def step_progress_bar() -> Any:
             self.train_progress_bar.set_description(label(trainer, trainer.current_epoch))
 
     return StepTQDMProgressBar()
+
+
+def allow_url_last_link(callback: Any) -> None:
+    """Let ``ModelCheckpoint(save_last="link")`` keep ``last`` at a URL ``dirpath``.
+
+    [Note: last links at URLs] Lightning's ``ModelCheckpoint.setup`` refuses ``save_last="link"``
+    for a non-local ``dirpath`` because its ``_link_checkpoint`` makes an ``os.symlink``. Under
+    ZeroStrategy that method is routed to the checkpoint lifecycle (``trainer/checkpoints.py``),
+    which writes a link commit object at a URL ([Note: commit objects] in ``checkpoint/objstore.py``).
+    So this instance's ``setup`` runs Lightning's with ``save_last=True`` (the only check that
+    differs) and puts ``"link"`` back. tests/test_object_store.py saves with it; a Lightning that
+    renames the attribute or moves the check fails there."""
+    if getattr(callback, "_lightning_zero_url_link", False):
+        return
+    original = callback.setup
+
+    def setup(*args: Any, **kwargs: Any) -> Any:
+        callback.save_last = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            callback.save_last = "link"
+
+    callback.setup = setup  # shadows the class's method on this instance only
+    callback._lightning_zero_url_link = True

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning_zero.checkpoint.destinations import Location, location
 from lightning_zero.checkpoint.objstore import is_url, newest_link
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.trainer._lightning_compat import allow_url_last_link
 
 
 def checkpoint_directories(trainer: Any) -> list[Location]:
@@ -45,6 +46,9 @@ def _before_launch(function: Callable, args: tuple, kwargs: dict, trainer: Any) 
     if trainer is None:
         return args, kwargs
     CheckpointLifecycle.restore_before_resolve(checkpoint_directories(trainer))
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last == "link" and is_url(str(callback.dirpath)):
+            allow_url_last_link(callback)  # [Note: last links at URLs] in _lightning_compat.py
     try:
         bound = inspect.signature(function).bind(*args, **kwargs)
     except (TypeError, ValueError):
