@@ -274,7 +274,10 @@ class ZeroConfig:
             )
         check_precision_knobs(master_weights=self.master_weights, mixed_params=self.mixed_params)
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            fail("storage_options", 'give a dict of fsspec keywords (e.g. {"client_kwargs": {"endpoint_url": ...}}) or None.')
+            fail(
+                "storage_options",
+                'give a dict of fsspec keywords (e.g. {"client_kwargs": {"endpoint_url": ...}}) or None.',
+            )
         if not _is_int(self.upload_threads) or self.upload_threads < 1:
             fail("upload_threads", "give an int >= 1 (objects each rank uploads at once).")
         stall = self.upload_stall_s

@@ -3,7 +3,7 @@
 Usage: LZ_CKPT_URL=s3://bucket python tests/scripts/objstore_train.py OUT_DIR CASE [CASE ...]
 (torchrun-style ranks; the local S3 server's address and dummy credentials come from the
 environment, as s3fs reads real ones). Cases, tests/scripts/ckpt_train.py's model and data:
-  full<s>       stage s, dp 2, 8 steps; ModelCheckpoint(dirpath=<url>/s<s>, every 3 steps,
+  full<s>       stage s, dp 2, 8 steps (stage 2; else 4); ModelCheckpoint(dirpath=<url>/s<s>, every 3 steps,
                 save_last="link"); ``full2`` saves with async_checkpoint=True
   last<s>       stage s from ckpt_path="last" (resolved through the commits: step 6) to step 8
   tp<s>to<t>    stage t, tensor_parallel_size=2 (dp 1), from <url>/s<s>/epoch=0-step=3.ckpt, 1 step
@@ -28,6 +28,7 @@ def run(case: str, out: str, url: str) -> None:
     kind, stage = case.rstrip("0123456789"), int(case[-1])
     max_steps, ckpt_path, callbacks, knobs = 8, None, [], {}
     if kind == "full":
+        max_steps = 8 if stage == 2 else 4  # last2 resumes full2 at step 6
         directory = f"{url}/s{stage}"
         callbacks = [ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1, save_last="link")]
         knobs["async_checkpoint"] = stage == 2

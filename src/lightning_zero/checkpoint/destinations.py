@@ -108,8 +108,10 @@ class ObjectDestination:
         try:
             with self.uploads.create_stream(objstore.join(self.data, name), "wb") as stream:
                 stream.write(text.encode())
+        except objstore.UploadError as exc:  # names the rank and the object
+            return str(exc)
         except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank
-            return f"cannot write {objstore.join(self.data, name)!r}: {exc}"
+            return f"cannot write {objstore.join(self.data, name)!r}: {type(exc).__name__}: {exc}"
         return None
 
     def storage_writer(self) -> ObjectWriter:

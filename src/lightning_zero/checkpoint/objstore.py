@@ -122,7 +122,11 @@ class StoragePolicy:
 DEFAULT_POLICY = StoragePolicy()
 
 
-class UploadStalledError(OSError):
+class UploadError(OSError):
+    """An upload to object storage failed; the message names the rank, the object and the bytes so far."""
+
+
+class UploadStalledError(UploadError):
     """An upload (or a ranged read) made no progress for ``stall_s`` seconds ([Note: bounded uploads])."""
 
 
@@ -257,10 +261,10 @@ class UploadStream:
 
     def _check_stall(self) -> None:
         if time.monotonic() - self._moved > self._policy.stall_s:
-            raise self._failure(f"stalled: no part finished for {self._policy.stall_s:g} s")
+            raise self._failure(f"stalled: no part finished for {self._policy.stall_s:g} s", UploadStalledError)
 
-    def _failure(self, what: str) -> UploadStalledError:
-        return UploadStalledError(
+    def _failure(self, what: str, kind: type = UploadError) -> UploadError:
+        return kind(
             f"rank {self._rank}: upload of {self.url!r} {what}, after {self._uploaded} of {self._written} bytes"
             " uploaded"
         )

@@ -31,6 +31,7 @@ from lightning_zero.checkpoint.dcp import SafeFileSystemReader, unpickle_dcp_met
 from lightning_zero.checkpoint.objstore import (
     Counter,
     StoragePolicy,
+    UploadError,
     UploadStream,
     bounded_map,
     filesystem,
@@ -102,8 +103,10 @@ class _Noting:
         except BaseException as exc:
             self.errors.append(str(exc))
             raise
-        if value is not None:
-            self.errors.append(f"rank {self.stream._rank}: writing {self.stream.url!r} failed: {value}")
+        if isinstance(value, UploadError):  # names the rank, the object and the bytes already
+            self.errors.append(str(value))
+        elif value is not None:
+            self.errors.append(f"writing {self.stream.url!r} failed: {type(value).__name__}: {value}")
 
 
 class ObjectWriter(_FileSystemWriter):

@@ -226,19 +226,27 @@ def _shards_failed(target: Location, exc: BaseException, errors: list[str], rank
     """The message every rank raises when DCP's write failed: which rank could not write which
     file and why (the OS error), when the ranks can still agree on it (DCP raised its
     ``CheckpointException`` on every rank); else DCP's own error."""
-    lines = [f"rank {rank}: {errors[0]}"] if errors else []
+
+    def ranked(index: int, line: str) -> str:
+        return line if line.startswith(f"rank {index}:") else f"rank {index}: {line}"
+
+    lines = [ranked(rank, errors[0])] if errors else []
     if isinstance(exc, CheckpointException):
         try:
             gathered = all_gather_object(errors[0] if errors else None, "ckpt_write_errors", group)
-            lines = [f"rank {index}: {line}" for index, line in enumerate(gathered) if line]
+            lines = [ranked(index, line) for index, line in enumerate(gathered) if line]
         except RuntimeError:  # a peer is gone: this rank's own line only
             pass
     if not lines:
         return f"writing the shards of {str(target)!r} failed: {exc}"
+    fix = (
+        "Check the credentials, the bucket and the network, or raise upload_stall_s for a slow store."
+        if isinstance(target, str)
+        else "Free space, raise the quota or file-size limit (ulimit -f), or save to another directory."
+    )
     return (
         f"writing the shards of {str(target)!r} failed: {'; '.join(lines)}. Nothing was published: the"
-        " checkpoint saved before is still the newest. Free space, raise the quota or file-size limit"
-        " (ulimit -f), or save to another directory."
+        f" checkpoint saved before is still the newest. {fix}"
     )
 
 

@@ -59,7 +59,9 @@ def _before_launch(function: Callable, args: tuple, kwargs: dict, trainer: Any) 
             if isinstance(cb, ModelCheckpoint) and is_url(str(cb.dirpath or ""))]  # fmt: skip
     if not urls:
         return args, kwargs
-    names = {re.escape(cb.CHECKPOINT_NAME_LAST) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)}
+    names = {
+        re.escape(cb.CHECKPOINT_NAME_LAST) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+    }
     pattern = re.compile(rf"^({'|'.join(sorted(names))})(-v\d+)?{re.escape(ModelCheckpoint.FILE_EXTENSION)}$")
     storage = trainer.strategy.checkpoints.storage
     newest = newest_link([location(url) for url in urls], storage, pattern)
