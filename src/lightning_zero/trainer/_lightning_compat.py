@@ -81,8 +81,43 @@ def step_progress_bar() -> Any:
     return StepTQDMProgressBar()
 
 
+# [Note: replaced Lightning internals]
+# Three attributes of Lightning's objects are changed on an instance, because Lightning has no public hook for
+# either; both changes live here, and tests/test_lightning_compat.py fails when the installed
+# Lightning moves the attribute or changes its call:
+# - ``trainer._signal_connector``: the Trainer's signal handling (``_SignalConnector``) saves or
+#   broadcasts from inside the handler (Lightning issue 21406); ours only records the signal and the
+#   ranks agree at a step boundary ([Note: signals as events], runtime/signals.py). Lightning calls
+#   ``trainer._signal_connector.register_signal_handlers()`` at the start of every entry point and
+#   ``teardown()`` at its end; a callback's ``setup`` runs before the former, so installing there
+#   is early enough.
+# - ``ModelCheckpoint._link_checkpoint`` (a staticmethod ``(trainer, filepath, linkpath)``): with
+#   ``save_last="link"`` Lightning links ``last.ckpt`` right after its ``save_checkpoint`` returns;
+#   under a background save that target is not published yet, so the link waits for the lifecycle
+#   (runtime/checkpoints.py). Shadowed on the user's callback instance, not on the class.
+# - ``ModelCheckpoint.setup`` of a callback with ``save_last="link"`` and a URL ``dirpath``: run
+#   with ``save_last=True`` for the one check that refuses links there ([Note: last links at URLs]).
+
+
+def install_signal_connector(trainer: Any, connector: Any) -> None:
+    """Make ``connector`` the Trainer's signal connector ([Note: replaced Lightning internals])."""
+    trainer._signal_connector = connector
+
+
+def signal_connector(trainer: Any) -> Any:
+    """The Trainer's signal connector now installed."""
+    return trainer._signal_connector
+
+
+def route_checkpoint_links(callback: Any, link: Any) -> None:
+    """``callback`` (a ``ModelCheckpoint``) links ``last`` through ``link(trainer, filepath, linkpath)``
+    ([Note: replaced Lightning internals])."""
+    callback._link_checkpoint = link
+
+
 def allow_url_last_link(callback: Any) -> None:
-    """Let ``ModelCheckpoint(save_last="link")`` keep ``last`` at a URL ``dirpath``.
+    """Let ``ModelCheckpoint(save_last="link")`` keep ``last`` at a URL ``dirpath`` ([Note: replaced
+    Lightning internals]).
 
     [Note: last links at URLs] Lightning's ``ModelCheckpoint.setup`` refuses ``save_last="link"``
     for a non-local ``dirpath`` because its ``_link_checkpoint`` makes an ``os.symlink``. Under

@@ -8,8 +8,7 @@
   Lightning's does.
 - ``ckpt_path="last"`` where a ``ModelCheckpoint``'s ``dirpath`` is a URL: Lightning's own lookup
   lists ``last*.ckpt`` through ``os.path.normpath``, which drops the ``s3://``, and finds nothing.
-  The same launchers (and :class:`ZeroInPlaceLauncher` where Lightning starts no processes:
-  torchrun, SLURM, one device) replace ``"last"`` with the newest ``last*.ckpt`` there whose commit
+  The same launchers (every entry point, torchrun and SLURM included) replace ``"last"`` with the newest ``last*.ckpt`` there whose commit
   resolves ([Note: commit objects] in ``checkpoint/objstore.py``) before the entry point runs.
 - ``ModelCheckpoint(save_last="link")``: its ``_link_checkpoint`` is routed to the lifecycle, so
   ``last.ckpt`` is linked to a checkpoint only once it is published (under ``async_checkpoint``
@@ -24,12 +23,11 @@ from typing import Any, Callable
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from lightning_zero.checkpoint.destinations import Location, location
 from lightning_zero.checkpoint.objstore import is_url, newest_link
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
-from lightning_zero.trainer._lightning_compat import allow_url_last_link
+from lightning_zero.trainer._lightning_compat import allow_url_last_link, route_checkpoint_links
 
 
 def checkpoint_directories(trainer: Any) -> list[Location]:
@@ -86,37 +84,12 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class ZeroInPlaceLauncher(_Launcher):
-    """Where Lightning starts no processes (torchrun, SLURM, one device, a ``popen`` child): the
-    entry point runs in this process after :func:`_before_launch`."""
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        args, kwargs = _before_launch(function, args, kwargs, trainer)
-        return function(*args, **kwargs)
-
-    def kill(self, signum: Any) -> None:
-        """No process of its own to signal."""
-
-
-LAUNCHERS = {
-    _SubprocessScriptLauncher: ZeroSubprocessScriptLauncher,
-    _MultiProcessingLauncher: ZeroMultiProcessingLauncher,
-}
-
-
-def resolving_launcher(launcher: Any) -> Any:
-    """``launcher`` (Lightning's, as ``DDPStrategy`` made it) as the subclass that restores first;
-    :class:`ZeroInPlaceLauncher` where Lightning made none."""
-    if launcher is None:
-        return ZeroInPlaceLauncher()
-    subclass = LAUNCHERS.get(type(launcher))
-    if subclass is not None:
-        launcher.__class__ = subclass  # same state, one method more: isinstance checks still hold
-    return launcher
+def resolving_launcher(strategy: Any, start_method: str) -> Any:
+    """The launcher ``DDPStrategy._configure_launcher`` builds for ``start_method``, as the subclass
+    that restores first (``isinstance`` checks against Lightning's launchers still hold)."""
+    if start_method == "popen":
+        return ZeroSubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return ZeroMultiProcessingLauncher(strategy, start_method=start_method)
 
 
 def route_links(trainer: Any, lifecycle: CheckpointLifecycle) -> None:
@@ -131,4 +104,4 @@ def route_links(trainer: Any, lifecycle: CheckpointLifecycle) -> None:
 
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
-            callback._link_checkpoint = link_after_publish  # shadows Lightning's staticmethod on this instance
+            route_checkpoint_links(callback, link_after_publish)
