@@ -1,6 +1,6 @@
 """Sharded saves and loads against a shaped local S3 server: stock DCP ``FsspecWriter`` vs ours.
 
-    python benchmarks/bench_object_store.py [--mb 48] [--latency-ms 20] [--mb-per-s 8] [--threads 8]
+    python benchmarks/bench_object_store.py [--mb 32] [--latency-ms 20] [--mb-per-s 2] [--threads 8]
 
 A moto S3 server runs in a subprocess behind a throttling WSGI wrapper written here: every request
 first waits ``latency-ms``, then its body (up) and its response (down) each move at ``mb-per-s``
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
         tensors = _tensors(args.mb)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         share_bytes = nbytes // 2
-        policy = StoragePolicy(upload_threads=args.threads)
+        options = {"config_kwargs": {"read_timeout": 600}}  # a shaped 32 MiB PUT takes longer than botocore's 60 s
+        policy = StoragePolicy(storage_options=options, upload_threads=args.threads)
         results: dict = {"settings": {"mb": nbytes / 2**20, "latency_ms": args.latency_ms,
                                       "mb_per_s_per_request": args.mb_per_s, "threads": args.threads}}  # fmt: skip
 
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
                               "bytes_fetched": served["bytes_out"]}  # fmt: skip
 
         def stock_save() -> None:
-            writer = FsspecWriter("s3://bench/stock", thread_count=1, sync_files=False)
+            writer = FsspecWriter("s3://bench/stock", thread_count=1, sync_files=False, **options)
             dcp.save(_halves(tensors, (0, 1), True), storage_writer=writer, planner=ChunkSavePlanner(), no_dist=True)
 
         def ours_save() -> None:
@@ -193,9 +194,9 @@ def run(args: argparse.Namespace) -> dict:
         timed("stock_save", stock_save)
         timed("ours_save", ours_save)
         data = objstore.resolve("s3://bench/ours", policy)[0]
-        timed("stock_load_full", load(lambda: FsspecReader("s3://bench/stock"), (0, 1)))
+        timed("stock_load_full", load(lambda: FsspecReader("s3://bench/stock", **options), (0, 1)))
         timed("ours_load_full", load(lambda: ObjectReader(data, policy), (0, 1)))
-        timed("stock_load_share", load(lambda: FsspecReader("s3://bench/stock"), (0,)))
+        timed("stock_load_share", load(lambda: FsspecReader("s3://bench/stock", **options), (0,)))
         timed("ours_load_share", load(lambda: ObjectReader(data, policy), (0,)))
         results["checkpoint_bytes"], results["share_bytes"] = nbytes, share_bytes
         return results
@@ -228,9 +229,9 @@ def report(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=48, help="checkpoint MiB")
+    parser.add_argument("--mb", type=int, default=32, help="checkpoint MiB")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to every request")
-    parser.add_argument("--mb-per-s", type=float, default=8.0, help="MB/s of one request's body or response")
+    parser.add_argument("--mb-per-s", type=float, default=2.0, help="MB/s of one request's body or response")
     parser.add_argument("--threads", type=int, default=8, help="upload_threads of ours")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

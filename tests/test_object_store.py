@@ -169,7 +169,7 @@ def _linear_load(path):
     module = torch.nn.Linear(4, 3)
     opened = open_checkpoint(path)
     load_model(opened, module)
-    return opened, float(module.weight[0, 0])
+    return opened, float(module.weight.detach()[0, 0])
 
 
 def test_commit_objects_publish_link_and_clean_on_memory_urls():
@@ -186,6 +186,12 @@ def test_commit_objects_publish_link_and_clean_on_memory_urls():
     opened, value = _linear_load(f"{root}/a.ckpt")
     assert value == 2.0 and opened.state["global_step"] == 2
     assert not fs.exists(f"{root}/a.ckpt/{first}")
+    from safetensors.torch import load as load_safetensors
+
+    from lightning_zero.checkpoint import export
+
+    export(f"{root}/a.ckpt", f"{root}/w.safetensors")  # `lightning-zero export URL URL`
+    assert float(load_safetensors(fs.cat_file(f"{root}/w.safetensors"))["weight"][0, 0]) == 2.0
     # a save that died before its commit: invisible, then removed by the next save of that name
     fs.pipe_file(f"{root}/a.ckpt/save-0123456789ab/__0_0.distcp", b"partial")
     assert _linear_load(f"{root}/a.ckpt")[1] == 2.0

@@ -101,6 +101,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.destinations import location, parent_of
+from lightning_zero.checkpoint.objstore import is_url
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.cp.layout import check_context_parallel, layout_notice
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
@@ -795,6 +796,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
         Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it.
         A bad argument raises here and leaves the strategy usable; a save that cannot write raises."""
+        if storage_options is not None and not is_url(path):
+            raise TypeError(
+                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): options for object storage, and"
+                f" {str(path)!r} is a local path; pass them with a URL (s3://...) or save without them."
+            )
         self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
         full = self.state_dict_type == "full"

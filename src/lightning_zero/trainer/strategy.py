@@ -464,6 +464,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        from lightning_zero.checkpoint.objstore import is_url
+
+        if storage_options is not None and not is_url(filepath):
+            raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): options for object"
+                            f" storage, and {str(filepath)!r} is a local path; pass them with a URL (s3://...).")  # fmt: skip
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
             what = (f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every rank); the"
