@@ -71,7 +71,7 @@ def _parallelize_llama(model: nn.Module, groups: "MeshGroups", *, counter: Optio
 
 def _parallelize_moe(model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> nn.Module:
     """MoETransformer: tp (at the Trainer door), then ep (``ep.parallelize``), then cp as Llama's."""
-    from lightning_zero.ep.parallelize import parallelize_experts
+    from lightning_zero.models.moe.parallelize import parallelize_experts
 
     if groups.dims.ep > 1 and getattr(model, "ep_size", 1) == 1:
         parallelize_experts(model, groups.ep, counter=counter or getattr(model, "tp_comm_counter", None))

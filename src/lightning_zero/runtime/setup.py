@@ -75,8 +75,8 @@ def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
 
 def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
     """The counter a model's own collectives count into (TP layers' ``tp_comm_counter``, see
-    ``tp.parallelize_llama``; expert parallelism's ``ep_comm_counter``, ``ep.parallelize_experts``,
-    which is the TP one when both exist), or ``None``."""
+    ``models/llama/parallelize.parallelize_llama``; expert parallelism's ``ep_comm_counter``,
+    ``models/moe/parallelize.parallelize_experts``, which is the TP one when both exist), or ``None``."""
     for child in module.modules():
         for name in ("tp_comm_counter", "ep_comm_counter"):
             counter = getattr(child, name, None)
