@@ -62,12 +62,17 @@ def root(tmp_path_factory):
         codes, tails = launch_ranks(["python", *argv, *cases(strategy)], cwd=root, env=script_env(ROOT),
                                     timeout_s=900, log_prefix=f"litgpt_{strategy}")  # fmt: skip
         assert codes == [0, 0], tails
-    # context parallelism on 4 processes (dp 2 x cp 2), against the ddp runs above (dp 2)
-    cp_cases = [
-        CP_CASE[script].format(strategy=f"zero{stage}cp2") for stage in ("1", "2", "3") for script in CP_SCRIPTS
-    ]
-    codes, tails = launch_ranks(["python", *argv, *cp_cases], cwd=root, env=script_env(ROOT), timeout_s=900,
-                                world=4, log_prefix="litgpt_cp")  # fmt: skip
+    return root
+
+
+@pytest.fixture(scope="module")
+def cp_root(root):
+    """``--cp 2`` on 4 processes (dp 2 x cp 2) in ``root``, beside the ddp runs there (dp 2): a
+    launch of its own, after the others (a fixture of its own: its own share of the test timeout)."""
+    argv = [str(ROOT / "tests" / "scripts" / "litgpt_scripts.py"), str(root)]
+    cases = [CP_CASE[script].format(strategy=f"zero{stage}cp2") for stage in ("1", "2", "3") for script in CP_SCRIPTS]
+    codes, tails = launch_ranks(["python", *argv, *cases], cwd=root, env=script_env(ROOT), timeout_s=900, world=4,
+                                log_prefix="litgpt_cp")  # fmt: skip
     assert codes == [0] * 4, tails
     return root
 
@@ -198,15 +203,15 @@ def test_litgpt_resume_equals_ddps_resume(root, script, strategy):
 
 @pytest.mark.parametrize("stage", ["1", "2", "3"])
 @pytest.mark.parametrize("script", CP_SCRIPTS)
-def test_litgpt_script_under_cp_equals_fabric_ddp(root, script, stage):
+def test_litgpt_script_under_cp_equals_fabric_ddp(cp_root, script, stage):
     """``python -m lightning_zero.fabric.litgpt --stage S --cp 2 finetune_lora|pretrain ...`` on 4
     processes (dp 2 x cp 2: [Note: LitGPT under context parallelism] in models/litgpt/parallelize.py)
     against the same script under ddp on 2: LitGPT's logged losses and every file it saves (LoRA
     weights and the merged model; pretrain's model and optimizer state) to 1e-5 in fp32."""
     case = CP_CASE[script]
-    ran = results(root)
+    ran = results(cp_root)
     assert "exception" not in ran.get(case.format(strategy=f"zero{stage}cp2"), {}), ran
-    report = compare(root, case.format(strategy=f"zero{stage}cp2"), case.format(strategy="ddp"))
+    report = compare(cp_root, case.format(strategy=f"zero{stage}cp2"), case.format(strategy="ddp"))
     assert report["loss"] <= LOSS_TOL["32"] and all(e["diff"] <= WEIGHT_TOL["32"] for e in report["files"].values()), (
         report
     )
