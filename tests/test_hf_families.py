@@ -211,6 +211,29 @@ def test_tp2_zero2_trains_like_one_dense_process_and_exports_without_gather(save
     theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
     assert len(list(out.glob("model-*.safetensors"))) > 2
     assert _index(out) == _index(tmp_path / "ref")
+    # the offline, streamed export of the run's checkpoint writes the same tensors into the same files
+    from safetensors.torch import load_file
+
+    from lightning_zero.models.llama.hf import export_hf
+
+    offline = export_hf(launched / f"{family}.ckpt", tmp_path / "offline", max_shard_size=SHARD)
+    assert _index(offline) == _index(out)
+    assert json.loads((offline / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    for file in out.glob("model-*.safetensors"):
+        mine, streamed = load_file(file), load_file(offline / file.name)
+        assert mine.keys() == streamed.keys() and all(torch.equal(mine[k], streamed[k]) for k in mine)
+    if family == "llama":  # to a URL: written, then uploaded (index and config.json last)
+        import fsspec
+
+        export_hf(launched / f"{family}.ckpt", "memory://hf-export/llama", max_shard_size=SHARD)
+        fs = fsspec.filesystem("memory")
+        assert sorted(Path(p).name for p in fs.ls("/hf-export/llama", detail=False)) == sorted(
+            p.name for p in offline.iterdir()
+        )
+        for file in offline.iterdir():
+            assert fs.cat_file(f"/hf-export/llama/{file.name}") == file.read_bytes()
+        with pytest.raises(ValueError, match="object store has none"):
+            save_hf_pretrained("memory://hf-export/live", module=dense.model, engine=None, layout=RankPlacement())
 
 
 def test_fabric_zero3_no_gather_export_loads_strictly(saved, launched, tmp_path):

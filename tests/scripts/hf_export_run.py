@@ -3,8 +3,9 @@
 Usage: python tests/scripts/hf_export_run.py OUT_DIR NAME=HF_DIR [...]
 Launched by tests/test_hf_families.py (4 ranks, torchrun-style). For each NAME (a family: llama,
 qwen3, qwen2, mistral) LlamaLM(init_from=HF_DIR) fine-tunes 3 steps under ZeroStrategy(stage=2,
-tensor_parallel_size=2) (dp=2), then every rank calls ``strategy.save_hf_pretrained`` into
-OUT_DIR/NAME-hf (small shards, so the files split tensors between ranks' pieces). Each rank writes
+tensor_parallel_size=2) (dp=2), saves OUT_DIR/NAME.ckpt, then every rank calls
+``strategy.save_hf_pretrained`` into OUT_DIR/NAME-hf (small shards, so the files split tensors
+between ranks' pieces). Each rank writes
 OUT_DIR/NAME.rank<r>.pt: losses, batches and the export's wall time. ``fabric-NAME=HF_DIR``:
 through the Fabric door instead, ZeRO-3 over dp=4 (Fabric has no TP yet): Llama.from_pretrained,
 fabric.setup, then fabric.strategy.save_hf_pretrained into OUT_DIR/fabric-NAME-hf, no step.
@@ -45,6 +46,7 @@ class Recorder(LlamaLM):
         return loss
 
     def on_train_end(self) -> None:
+        self.trainer.save_checkpoint(self.export_dir.removesuffix("-hf") + ".ckpt")  # for the offline export
         start = time.perf_counter()
         self.trainer.strategy.save_hf_pretrained(self.export_dir, max_shard_size=SHARD)
         self.record["export_s"] = time.perf_counter() - start

@@ -27,7 +27,10 @@ consolidation is the gather this module avoids. Reading needs nothing from it ei
 ``checkpoint/hf.py``'s reader fills each parameter by byte ranges (:func:`~.hf.read_into`).
 
 The byte sink is a local (or shared POSIX) directory: ``pwrite`` at an offset. An object store
-has no such call; a URL's filesystem layer would carry the same plan as one upload part per run.
+has no such call (a file is one object from one writer), so a URL is refused before any collective;
+the offline ``lightning-zero export CKPT OUT --format hf`` takes URLs on both sides (the checkpoint
+read by byte ranges, ``checkpoint/objstore.py``; the directory written locally, then uploaded with
+the index last: ``hf.upload_directory``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_zero.checkpoint import objstore
 from lightning_zero.checkpoint.hf import (
     SAFE_INDEX,
     HFLayout,
@@ -188,6 +192,12 @@ def save_hf_sharded(
     writes). ``dtype``: the written dtype (``None``: the held tensors'). Raises
     :class:`HFExportError` on every rank if any rank failed."""
     max_shard_bytes = parse_size(max_shard_size)
+    if objstore.is_url(out):  # before any collective: every rank raises alike
+        raise ValueError(
+            f"save_hf_pretrained({str(out)!r}): the no-gather export writes byte ranges into files (os.pwrite) and an "
+            "object store has none; write to a local or shared directory, or save a checkpoint to the URL and run "
+            "lightning-zero export CKPT_URL OUT_URL --format hf (streamed, uploaded when written)"
+        )
     out = Path(out)
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
     error: Optional[str] = None
