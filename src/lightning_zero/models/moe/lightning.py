@@ -48,6 +48,12 @@ class MoELM(LlamaLM):
                          activation_checkpointing, init_from)  # fmt: skip
         self._ep_applied = False
 
+    def hf_export(self) -> Any:
+        """The Mixtral / Qwen3-MoE layout for ``ZeroStrategy.save_hf_pretrained`` (no gather, any ep)."""
+        from lightning_zero.models.moe.hf import hf_export
+
+        return hf_export(self.config, prefix="model.")
+
     def _resolve_config(self, config: Any, init_from: Optional[str], read_weights: bool = True) -> tuple[Any, Any]:
         if init_from is None:
             return resolve_moe_config("tiny_moe" if config is None else config), None
@@ -76,7 +82,7 @@ class MoELM(LlamaLM):
             self._parallelize_experts(group)
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``,
+        """[Note: layouts a model declares] in ``runtime/parallelize.py``: experts divisible by ``ep``,
         with tensor parallelism no capacity factor (``check_moe_layout``) and a data module's
         sequence length divisible by ``tp``, and context
         parallelism as Llama's attention runs it. Raises ``ValueError`` naming the fix, before any
