@@ -22,6 +22,7 @@ import torch
 from lightning_zero.checkpoint.dcp import CheckpointError, range_pieces, read_dcp_metadata, storage_shape
 from lightning_zero.checkpoint.state import decode, encode
 from tests.distributed import run_ranks
+from tests.engine_state import llama_step
 
 STAGES = (1, 2, 3)
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -171,12 +172,7 @@ def _save_body(rank, world, out, stage, tp):
     dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
-        batch = torch.randint(0, 64, (dp, 2, 9), generator=gen)[dp_rank]
-        opt.zero_grad()
-        if engine.stage3 is not None:
-            engine.stage3.begin_step()
-        model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-        opt.step()
+        llama_step(model, opt, engine, gen, dp_rank, dp)
     layout = RankPlacement(
         world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage
     )
