@@ -174,6 +174,7 @@ def test_every_knob_is_in_exactly_one_policy_and_the_policies_are_views():
     assert config.layout == LayoutPolicy(1, False, 2, 1, None, False)
     assert config.communication == CommPolicy(4.0, True, 2, True, "int8", None)
     assert (config.sharding.stage, config.precision_knobs.reduce_dtype, config.runtime.monitor) == (3, "fp32", False)
+    assert config.checkpointing.upload_threads == ZERO_DEFAULTS.upload_threads
     assert config.precision_policy("bf16-true").masters == "bf16"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.sharding.stage = 1  # type: ignore[misc]

@@ -11,8 +11,8 @@ same values (:data:`POLICY_KNOBS`): ``config.layout`` (:class:`LayoutPolicy`, wh
 ``ParallelDims.from_config`` reads), ``config.sharding`` (:class:`ShardingPolicy`),
 ``config.communication`` (:class:`CommPolicy`), ``config.precision_knobs``
 (:class:`PrecisionKnobs`; with Lightning's precision string they make a
-``precision.PrecisionPolicy``) and ``config.runtime`` (:class:`RuntimePolicy`: monitor, timeouts,
-checkpoints). Code below the strategies takes the policy it needs whole, as FSDP2's
+``precision.PrecisionPolicy``), ``config.runtime`` (:class:`RuntimePolicy`: monitor, timeouts)
+and ``config.checkpointing`` (:class:`CheckpointPolicy`: background saves, object storage). Code below the strategies takes the policy it needs whole, as FSDP2's
 ``fully_shard`` takes ``MixedPrecisionPolicy`` and ``OffloadPolicy``, instead of one argument per
 knob (tests/test_signatures.py keeps every internal function at 10 parameters or fewer).
 """
@@ -326,6 +326,7 @@ class ZeroConfig:
     communication = PolicyView("CommPolicy")
     precision_knobs = PolicyView("PrecisionKnobs")  # precision_policy(name) adds Lightning's precision
     runtime = PolicyView("RuntimePolicy")
+    checkpointing = PolicyView("CheckpointPolicy")
 
     def precision_policy(self, precision: Any) -> "PrecisionPolicy":
         """Where each byte lives under Lightning's ``precision`` with these knobs (``precision.py``)."""
@@ -366,10 +367,16 @@ PrecisionKnobs = _policy(
 )
 RuntimePolicy = _policy(
     "RuntimePolicy",
-    "What the run around the engine does: the monitor, the wait limit, asynchronous checkpoints.",
-    ("monitor", "collective_timeout", "async_checkpoint"),
+    "What the run around the engine does: the monitor and the wait limit on collectives.",
+    ("monitor", "collective_timeout"),
 )
-POLICIES = (LayoutPolicy, ShardingPolicy, CommPolicy, PrecisionKnobs, RuntimePolicy)
+CheckpointPolicy = _policy(
+    "CheckpointPolicy",
+    "How checkpoints are written: in the background or not, and to object storage (file system"
+    " keywords, uploads at once, the stall limit).",
+    ("async_checkpoint", "storage_options", "upload_threads", "upload_stall_s"),
+)
+POLICIES = (LayoutPolicy, ShardingPolicy, CommPolicy, PrecisionKnobs, RuntimePolicy, CheckpointPolicy)
 POLICY_KNOBS = {policy: tuple(f.name for f in dataclasses.fields(policy)) for policy in POLICIES}
 """``{policy class: the ZeroConfig knobs it holds}``; every knob is in exactly one (tests/test_config.py)."""
 
