@@ -204,3 +204,12 @@ def test_reseed_between_construction_and_reset_parameters_equals_eager_ddp(root,
         assert (got["trained"][name] - value).abs().max().item() <= 1e-5, name
     assert max(abs(a - b) for a, b in zip(ran[case]["losses"], ran[reference]["losses"])) <= 1e-5
     assert ran[case]["draw"] == ran[reference]["draw"]
+
+
+def test_no_bucket_advice_on_runs_that_never_set_bucket_mb(root):
+    """No run here sets bucket_mb ("auto" gives these tiny models one bucket on purpose): none is told
+    to "set bucket_mb to about 0.25 or leave it at 'auto'" (before: three times per launch on rank 0)."""
+    for strategy in STRATEGIES[1:]:
+        for rank in (0, 1):
+            log = (root / f"litgpt_{strategy}.rank{rank}.log").read_text()
+            assert "set bucket_mb to about" not in log, (strategy, rank)
