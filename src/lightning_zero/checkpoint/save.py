@@ -75,7 +75,8 @@ def snapshot(
     keep_device: bool = False,
     keep: Optional[Callable[[str], bool]] = None,
 ) -> Snapshot:
-    """The first half of :func:`save_checkpoint`: no file and no collective, only reads.
+    """The first half of :func:`save_checkpoint`: no file and no collective, only reads (but for
+    a matrix optimizer's state, sent from its owners first: [Note: Muon state in checkpoints]).
 
     ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
     that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
@@ -94,8 +95,17 @@ def snapshot(
             " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
         )
     kinds: list[dict] = [{} for _ in optimizers]
-    params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                          with_optimizer=with_optimizer)  # fmt: skip
+    # Matrix optimizers (Muon) keep each momentum whole on its owner: the one collective of a
+    # snapshot gives every rank its runs first ([Note: Muon state in checkpoints], every rank saves)
+    staged = [opt for opt in getattr(engine, "optimizers", []) if hasattr(opt, "stage_range_state")]
+    for sharded in staged if with_optimizer else []:
+        sharded.stage_range_state()
+    try:
+        params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                              with_optimizer=with_optimizer)  # fmt: skip
+    finally:
+        for sharded in staged:
+            sharded.drop_range_state()
     managed = _managed_info(engine, layout) if engine is not None else {}
     if keep is not None:
         targets.tensors = {k: v for k, v in targets.tensors.items() if keep(param_of_key(k))}
