@@ -89,7 +89,6 @@ import warnings
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
 
 import torch
@@ -101,13 +100,14 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.destinations import location, parent_of
+from lightning_zero.checkpoint.objstore import is_url
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.cp.layout import check_context_parallel, layout_notice
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
-from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.runtime.checkpoints import CheckpointLifecycle, storage_policy
 from lightning_zero.runtime.monitor import Monitor
 from lightning_zero.runtime.session import SessionViews, ZeroSession
-from lightning_zero.runtime.setup import check_model_layout
 from lightning_zero.runtime.signals import AgreedSignals, SignalBoundary, requeue_slurm_job
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ FABRIC_HONOURS = frozenset(
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
-        "async_checkpoint", "ep", "cp",
+        "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
     }
 )  # fmt: skip
 
@@ -244,6 +244,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self.checkpoints = CheckpointLifecycle(
             async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
             failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
+            storage=storage_policy(self.zero_config),
         )  # fmt: skip
         self._module: Optional[nn.Module] = None
         self._optimizers: list[Optimizer] = []
@@ -403,12 +404,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
             )
         if self._module is None:
-            # [Note: layouts a model declares] in runtime/setup.py: under Fabric the model arrives after
-            # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
-            if self.session.dims is not None:
-                check_model_layout(self.session.dims, module)
-                self._parallelize_context(module)
-                self._parallelize_experts(module)
+            # [Note: the parallelize registry] in runtime/parallelize.py: under Fabric the model arrives
+            # after the launch, so the layout is checked against it and pushed into it here, before
+            # anything is broadcast or sharded
+            self._parallelize(module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
@@ -427,29 +426,32 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 self._stand_in_for_meta_parameters(module)
         return module
 
-    # -- context parallelism ([Note: context parallelism under Fabric]) --------------------------
-    def _parallelize_context(self, module: nn.Module) -> None:
-        """``cp > 1``: the model's decoder exchanges its heads over the cp group
-        (``cp.parallelize.parallelize_context_decoders``), before anything is broadcast or sharded;
-        its all-to-alls count into the counter ``prepare_module`` adopts."""
+    # -- the layout pushed into the model ([Note: the parallelize registry]) ---------------------
+    def _parallelize(self, module: nn.Module) -> None:
+        """The layout's one check against the model, then each registered decoder inside it
+        parallelized by its family's step (``runtime/parallelize.py``: tp, ep, cp in that order;
+        context parallelism: [Note: context parallelism under Fabric]; experts: [Note: expert
+        parallelism under Fabric]); the collectives count into the counter ``prepare_module`` adopts."""
         dims, groups = self.session.dims, self.session.groups
-        if dims is None or dims.cp == 1 or groups is None:
+        if dims is None or groups is None:
             return
-        from lightning_zero.cp.parallelize import parallelize_context_decoders
+        from lightning_zero.runtime.parallelize import check_layout, parallelize
 
-        parallelize_context_decoders(module, groups.cp, tp=dims.tp)
+        check_layout(dims, module)
+        if dims.cp > 1 or dims.ep > 1 or dims.tp > 1:
+            parallelize(module, groups)
 
-    def _parallelize_experts(self, module: nn.Module) -> None:
-        """[Note: expert parallelism under Fabric] ``ep > 1``: every whole ``MoETransformer`` in the
-        module keeps its ep rank's experts and routes its tokens over the ep group
-        (``models.moe.parallelize.parallelize_expert_decoders``, the function ``MoELM`` calls), before anything
-        is broadcast or sharded; its all-to-alls count into the counter ``prepare_module`` adopts."""
-        dims, groups = self.session.dims, self.session.groups
-        if dims is None or dims.ep == 1 or groups is None:
-            return
-        from lightning_zero.models.moe.parallelize import parallelize_expert_decoders
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """[Note: litdata's ranks] in ``fabric/_litdata_compat.py``: a litdata ``StreamingDataset``
+        splits its items over the dp ranks, not over every process (the cp ranks of one dp rank
+        read the same batches, as Fabric's sampler gives them)."""
+        from lightning_zero.fabric._litdata_compat import split_streaming_over_dp
 
-        parallelize_expert_decoders(module, groups.ep, counter=getattr(module, "tp_comm_counter", None))
+        dims = self.session.dims
+        if dims is not None and dims.dp != self.world_size:
+            split_streaming_over_dp(dataloader, dp_size=dims.dp, dp_rank=self.dp_rank, num_nodes=self.num_nodes)
+        return super().process_dataloader(dataloader)
 
     @property
     def cp_rank(self) -> int:
@@ -782,7 +784,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         engine = self._ensure_engine()
         assert self._module is not None
         return FabricState(self._module, self._optimizers, engine, self._layout(), param_names=self._param_names,
-                           value_dtype=self._value_dtype)  # fmt: skip
+                           value_dtype=self._value_dtype, storage=self.checkpoints.storage)  # fmt: skip
 
     def _refuse_when_failed(self, what: str) -> None:
         """[Note: failure path]: a save or load that needs every rank raises, naming the failure."""
@@ -807,21 +809,22 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
         Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it.
         A bad argument raises here and leaves the strategy usable; a save that cannot write raises."""
-        if storage_options is not None:
+        if storage_options is not None and not is_url(path):
             raise TypeError(
-                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): not supported (a checkpoint_io"
-                " plugin's options); save without it."
+                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): options for object storage, and"
+                f" {str(path)!r} is a local path; pass them with a URL (s3://...) or save without them."
             )
         self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
         full = self.state_dict_type == "full"
         state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
-            self.checkpoints.clean_once(Path(path).parent, self.barrier)  # what killed saves left there
+            self.checkpoints.clean_once(parent_of(location(path)), self.barrier)  # what killed saves left there
             if full:
-                state_io.save_full(Path(path), state, self.checkpoints, filter)
+                state_io.save_full(location(path), state, self.checkpoints, filter, storage_options)
             else:
-                state_io.save_sharded(path, state, self.checkpoints, step=self._steps, filter=filter)
+                state_io.save_sharded(path, state, self.checkpoints, step=self._steps, filter=filter,
+                                      storage_options=storage_options)  # fmt: skip
 
     def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
         """``fabric.strategy.save_hf_pretrained(OUT)``: the set-up model (a ``Llama``, any family) as a

@@ -76,8 +76,8 @@ def _check_positive(where: str, **values: int) -> None:
 
 
 # The plan_run keyword of each ZeroConfig knob the planner reads (its field name, but ``tp``); the
-# others (offload_optimizer, monitor, collective_timeout, async_checkpoint) change no predicted byte
-# or second.
+# others (offload_optimizer, monitor, collective_timeout, async_checkpoint and the object-storage
+# knobs storage_options, upload_threads, upload_stall_s) change no predicted byte or second.
 PLANNED_KNOBS = {
     "stage": "stage",
     "tp": "tensor_parallel_size",
@@ -226,7 +226,7 @@ def resolve_model(model_config: Any) -> Any:
 
 def check_model_layout(model: Any, dims: ParallelDims, *, seq_len: Optional[int] = None) -> None:
     """The model-dependent layout checks the runtime makes before any process group starts
-    (``runtime/setup.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
+    (``runtime/parallelize.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
     the heads (``ParallelDims.validate``); a mixture of experts' experts divide by ``ep`` and its
     family's limits (``check_moe_layout``, what ``MoELM.check_parallel_dims`` calls), and under
     ``tp > 1`` its MoE layers' sequence shards split ``seq_len`` evenly; a model without experts
