@@ -422,11 +422,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         dims, groups = self.session.dims, self.session.groups
         if dims is None or groups is None:
             return
-        from lightning_zero.runtime.parallelize import check_layout, parallelize
+        from lightning_zero.runtime.parallelize import check_layout
 
         check_layout(dims, module)
-        if dims.cp > 1 or dims.ep > 1 or dims.tp > 1:
-            parallelize(module, groups)
+        self.session.parallel_plan().apply(module)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
