@@ -256,8 +256,7 @@ def run(name: str, out_dir: str) -> None:
         strategy=make_strategy(),
         max_steps=STEPS,
         callbacks=[counter],
-        limit_val_batches=1.0,
-        **trainer_kwargs,
+        **{"limit_val_batches": 1.0, **trainer_kwargs},  # Lightning's default unless the case sets it
     )
     strategy = trainer.strategy
     trainer.fit(model, loader)

@@ -277,8 +277,7 @@ def run(name: str, out_dir: str) -> None:
         devices=2,
         strategy=make_strategy(),
         callbacks=[stats, grad_dtypes, *([ema] if ema is not None else [])],
-        limit_val_batches=1.0,
-        **kwargs,
+        **{"limit_val_batches": 1.0, **kwargs},  # Lightning's default unless the case sets it
     )
     trainer.fit(model, data(), *([data()] if two_optimizers else []))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
