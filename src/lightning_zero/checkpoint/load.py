@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -66,7 +67,8 @@ class OpenedCheckpoint:
         """What Lightning expects back from ``Strategy.load_checkpoint`` (tensors stay on disk)."""
         out = dict(self.state)
         out["state_dict"] = {}
-        if self.meta["optimizers"]:
+        # every save but a weights-only one holds the optimizers' list, empty with no optimizer (as ddp's)
+        if self.meta["optimizers"] or self.meta.get("with_optimizer"):
             out["optimizer_states"] = [{} for _ in self.meta["optimizers"]]
         return out
 
@@ -248,10 +250,19 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
 
 
 def apply_optimizer_state(
-    opened: OpenedCheckpoint, optimizers: list[Optimizer], states: list[dict[int, dict[str, torch.Tensor]]]
+    opened: OpenedCheckpoint,
+    optimizers: list[Optimizer],
+    states: list[dict[int, dict[str, torch.Tensor]]],
+    *,
+    rank: int = 0,
 ) -> None:
-    """Install loaded optimizer state and the saved param-group hyperparameters (lr, betas, ...)."""
+    """Install loaded optimizer state and the saved param-group hyperparameters (lr, betas, ...).
+    An optimizer the checkpoint holds no state for, where it should, is named in a warning (global
+    ``rank`` 0): :func:`missing_optimizer_state`."""
     saved = opened.meta["optimizers"]
+    if rank == 0:
+        for line in missing_optimizer_state(opened, optimizers):
+            warnings.warn(line, stacklevel=2)
     if not saved:
         return
     for index, (optimizer, opt_meta) in enumerate(zip(optimizers, saved)):
@@ -266,6 +277,33 @@ def apply_optimizer_state(
         stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
         for tensor_id, state in (states[index] if index < len(states) else {}).items():
             optimizer.state[stepped[tensor_id]] = state
+
+
+def missing_optimizer_state(opened: OpenedCheckpoint, optimizers: list[Optimizer]) -> list[str]:
+    """What a load into ``optimizers`` would otherwise restore silently without any state: one line
+    per optimizer that the checkpoint lists no state for although it had some when saved (or, from a
+    writer before ``had_state`` was recorded, that may have had some), or that the checkpoint does
+    not list at all (a save after validate, test or predict without fit holds no optimizer, as
+    ddp's). The optimizer then starts from zero state: Adam's moments restart, and the resumed run
+    drifts from an uninterrupted one ([Note: optimizer state after the loop] in zero/flat.py)."""
+    saved = opened.meta["optimizers"]
+    lines = []
+    for index, optimizer in enumerate(optimizers):
+        name = type(optimizer).__name__
+        if index >= len(saved):
+            lines.append(
+                f"{opened.path}: holds no state for optimizer {index} ({name}): it was saved with {len(saved)}"
+                " optimizer(s) (a save after validate, test or predict without a fit holds none); the optimizer"
+                " starts from zero state. Resume from a checkpoint saved during or after fit to continue exactly."
+            )
+        elif not saved[index]["state"] and saved[index].get("had_state", True):
+            lines.append(
+                f"{opened.path}: holds no state for optimizer {index} ({saved[index]['type']}) although it had"
+                " some when saved (trainer.save_checkpoint after fit lost it before issue 61 was fixed); the"
+                " optimizer starts from zero state, so the run drifts from an uninterrupted one. Resume from a"
+                " checkpoint saved during fit (ModelCheckpoint) to continue exactly."
+            )
+    return lines
 
 
 def restore_rng(opened: OpenedCheckpoint) -> bool:

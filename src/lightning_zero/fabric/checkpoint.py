@@ -48,14 +48,18 @@ class FabricState:
 
     ``param_names``: per optimizer, per param group, its parameters' names in the user's order
     ([Note: full optimizer state] in ``checkpoint/full_optimizer.py``); ``value_dtype``: the dtype
-    ddp holds a parameter in ([Note: full state dicts] in ``checkpoint/full.py``)."""
+    ddp holds a parameter in ([Note: full state dicts] in ``checkpoint/full.py``). After the
+    strategy's teardown ``engine`` is ``None``: the module holds its full parameters and
+    ``optimizer_shards`` the optimizers' state ([Note: optimizer state after the loop] in
+    ``zero/flat.py``); only sharded saves are possible then."""
 
     module: nn.Module
     optimizers: list[Optimizer]
-    engine: "ZeroEngine"
+    engine: Optional["ZeroEngine"]
     layout: "RankPlacement"
     param_names: list[list[list[str]]] = field(default_factory=list)
     value_dtype: Optional[Callable[[nn.Parameter], torch.dtype]] = None
+    optimizer_shards: Any = None
 
     def split(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
         """(key of the set-up module, keys of its optimizers, the other entries as saved)."""
@@ -79,6 +83,12 @@ class FabricState:
     def check_save(self, state: dict[str, Any], filter: Filter, full: bool) -> None:
         """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
         module_key, optimizer_keys, _ = self.split(state)
+        if full and self.engine is None:
+            raise ValueError(
+                "ZeroFabricStrategy(state_dict_type='full'): fabric.save after strategy.teardown() cannot gather a"
+                " full file (the engine that held the shards is closed); save it before the teardown, or save the"
+                " sharded checkpoint (state_dict_type='sharded'), which holds everything after it too."
+            )
         if full and getattr(self.engine, "expert_domain", None) is not None:
             from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
 
@@ -134,7 +144,8 @@ class FabricState:
         others = {key: _filtered(key, value, filter) for key, value in others.items()}
         others = {key: value for key, value in others.items() if value is not _DROPPED}
         optimizers = [state[key] for key in optimizer_keys]
-        self.engine.wait_param_gathers()
+        if self.engine is not None:
+            self.engine.wait_param_gathers()
         checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
         if optimizers:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
@@ -142,8 +153,9 @@ class FabricState:
         if module_key in filter:
             tensors = self.module.state_dict(keep_vars=True)
             keep = lambda name: name in tensors and bool(filter[module_key](name, tensors[name]))  # noqa: E731
+        shards = self.optimizer_shards if optimizers and self.optimizer_shards is not None else None
         lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
-                       layout=self.layout, keep=keep)  # fmt: skip
+                       layout=self.layout, keep=keep, optimizer_shards=shards)  # fmt: skip
 
     def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
         """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each
@@ -251,7 +263,7 @@ class FabricState:
                 opened.meta["optimizers"] = []
             states = load_model(opened, module, engine=self.engine, optimizers=optimizers, layout=self.layout,
                                 strict=strict)  # fmt: skip
-            apply_optimizer_state(opened, optimizers, states)
+            apply_optimizer_state(opened, optimizers, states, rank=self.layout.rank)
         for key, value in list(state.items()):
             if key not in saved or isinstance(value, (nn.Module, Optimizer)):
                 continue

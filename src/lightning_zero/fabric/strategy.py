@@ -265,6 +265,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         # [Note: the monitor] in runtime/monitor.py: measured at the forward pre-hook and the step hook
         self.step_monitor: Optional[Monitor] = Monitor() if self.zero_config.monitor else None
         self._report: Any = None  # the Fabric whose log_dict gets the monitor's metrics (report_to)
+        self._torn_down = False
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
     @property
@@ -766,10 +767,14 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     def _state_io(self) -> "FabricState":
         from lightning_zero.fabric.checkpoint import FabricState
 
-        engine = self._ensure_engine()
+        if self._torn_down:  # the module holds its full parameters, the optimizers' state stays sharded
+            shards = self.session.optimizer_shards(self._optimizers)  # [Note: optimizer state after the loop]
+            engine = None
+        else:
+            shards, engine = None, self._ensure_engine()
         assert self._module is not None
         return FabricState(self._module, self._optimizers, engine, self._layout(), param_names=self._param_names,
-                           value_dtype=self._value_dtype)  # fmt: skip
+                           value_dtype=self._value_dtype, optimizer_shards=shards)  # fmt: skip
 
     def _refuse_when_failed(self, what: str) -> None:
         """[Note: failure path]: a save or load that needs every rank raises, naming the failure."""
@@ -819,6 +824,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         self._refuse_when_failed(f"{str(path)!r} was not loaded")
+        if self._torn_down:
+            raise RuntimeError(
+                f"ZeroFabricStrategy: fabric.load({str(path)!r}) after strategy.teardown(): the engine that held the"
+                " shards is closed. Load into a new Fabric's set-up model and optimizers (as a resumed script does)."
+            )
         state_io = self._state_io()
         with self._noting_failures():
             # the save in flight published; a checkpoint a killed publish moved aside back before it is read
@@ -855,6 +865,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             self._module.__dict__.pop("load_state_dict", None)
         save_error = self.checkpoints.close()  # the save in flight published (abandoned on the failure path)
         self.session.close_engine(self.global_rank)
+        self._torn_down = True  # later saves: the full module and the closed engine's optimizer shards
         self.session.close()
         self.signals.forget_engine()
         # a SIGTERM after the last boundary is raised again, not swallowed ([Note: signal boundaries])

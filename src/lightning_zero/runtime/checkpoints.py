@@ -236,10 +236,11 @@ class CheckpointLifecycle:
         optimizers: list,
         layout: Any,
         keep: Optional[Callable[[str], bool]] = None,
+        optimizer_shards: Any = None,
     ) -> Optional[SaveRecord]:
         """Save ``checkpoint`` (Lightning's dict: the non-tensor state; tensors come from
-        ``module`` / ``engine`` / ``optimizers``; ``keep(name)``: only those module entries, as
-        ``save.snapshot`` takes it) to ``path`` for the agreed ``step``; every rank calls it.
+        ``module`` / ``engine`` / ``optimizers``; ``keep(name)`` and ``optimizer_shards`` as
+        ``save.snapshot`` takes them) to ``path`` for the agreed ``step``; every rank calls it.
         ``None`` on the failure path (no save: it needs every rank)."""
         from lightning_zero.checkpoint.save import snapshot, write_snapshot
 
@@ -253,7 +254,7 @@ class CheckpointLifecycle:
         if not background:
             self.wait()  # a save in flight (same process, earlier run) is published first
             taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                             keep=keep)  # fmt: skip
+                             keep=keep, optimizer_shards=optimizer_shards)  # fmt: skip
             try:
                 write_snapshot(taken, layout, on_state=record.advance)
             except BaseException:
@@ -261,7 +262,7 @@ class CheckpointLifecycle:
                 raise
             return record
         taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep_device=True, keep=keep)  # fmt: skip
+                         keep_device=True, keep=keep, optimizer_shards=optimizer_shards)  # fmt: skip
         writer = self._writer()
         if not writer.start(taken, layout, started, record):
             record.advance(SaveState.ABANDONED)

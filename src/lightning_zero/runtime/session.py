@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
     from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.flat import OptimizerShards
     from lightning_zero.zero.waits import FailureChannel
 
 
@@ -67,6 +68,8 @@ class ZeroSession:
         self.groups: Optional["MeshGroups"] = None  # the layout's process groups, from start()
         self.failure_channel: Optional["FailureChannel"] = None
         self.engine: Optional["ZeroEngine"] = None
+        # what the last engine with optimizers left at close ([Note: optimizer state after the loop])
+        self._closed_shards: Optional["OptimizerShards"] = None
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
         self.comm_counter = CommCounter()
 
@@ -143,6 +146,8 @@ class ZeroSession:
 
         if self.engine is not None:
             self.engine.close()
+        if optimizers:  # a new set of optimizers: the closed engine's runs belong to the old ones
+            self._closed_shards = None
         groups = self.shard_groups
         self.engine = ZeroEngine(
             module,
@@ -216,6 +221,8 @@ class ZeroSession:
         that needs the peers."""
         if self.engine is None:
             return
+        if self.engine.optimizers:  # [Note: optimizer state after the loop] in zero/flat.py
+            self._closed_shards = self.engine.optimizer_shards()
         if self.failed:  # [Note: failure path]: nothing that needs the peers
             what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
                     " bf16-mixed: bf16 parameters) and skipped the collectives that need every rank (gathers,"
@@ -226,6 +233,16 @@ class ZeroSession:
             self.engine.release_module()
             self.engine.close()
         self.engine = None
+
+    def optimizer_shards(self, optimizers: list) -> Optional["OptimizerShards"]:
+        """Where the state of ``optimizers`` lives when no running engine steps them: the runs the
+        engine that did left at its close ([Note: optimizer state after the loop] in
+        ``zero/flat.py``), for a save after the loop; ``None`` while an engine steps them (saves
+        read the engine) or when they are not the closed engine's."""
+        if self.engine is not None and self.engine.optimizers:
+            return None
+        shards = self._closed_shards
+        return shards if shards is not None and optimizers and shards.serves(optimizers) else None
 
     def close(self) -> None:
         """The failure channel's watcher stops (after :meth:`close_engine`)."""
