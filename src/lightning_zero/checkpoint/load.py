@@ -86,12 +86,17 @@ def _verify_file(root: Path, name: str, info: dict[str, Any], with_hash: bool) -
 
 
 def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> OpenedCheckpoint:
-    """Read and verify the checkpoint directory ``path``; a collective when a process group exists.
+    """Read and verify the checkpoint directory ``path``.
 
-    Every file's size is checked on every rank; the sha256 checks are split over the ranks.
-    Raises :class:`CheckpointError` naming the first bad file; nothing is loaded anywhere.
+    With ``layout`` (a load into a running job) a collective over the default process group: every
+    file's size is checked on every rank, the sha256 checks are split over the ranks and the
+    verdict is agreed. Without it (``export``, one process reading a finished checkpoint on its
+    own, inside a job or not: ``if trainer.is_global_zero: export(...)``) every check runs here
+    and no other rank is asked. Raises :class:`CheckpointError` naming the first bad file; nothing
+    is loaded anywhere.
     """
     root = Path(path)
+    alone = layout is None
     layout = layout or RankPlacement()
     with labelled("ckpt_open"):
         error = None
@@ -108,7 +113,7 @@ def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> O
             read_dcp_metadata(str(root / DCP_METADATA_FILE))
         except CheckpointError as exc:
             error = str(exc)
-        raise_any(all_gather_object(error, "ckpt_verify"), CheckpointError)
+        raise_any([error] if alone else all_gather_object(error, "ckpt_verify"), CheckpointError)
         rank_file = root / f"rank{layout.rank}.json"
         rank_state = None
         if meta["layout"]["world_size"] == layout.world_size and rank_file.is_file():

@@ -70,6 +70,7 @@ class ZeroSession:
         self.engine: Optional["ZeroEngine"] = None
         # what the last engine with optimizers left at close ([Note: optimizer state after the loop])
         self._closed_shards: Optional["OptimizerShards"] = None
+        self._state_dict_calls = 0  # full state dicts agreed so far ([Note: one rank's state_dict])
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
         self.comm_counter = CommCounter()
 
@@ -185,11 +186,35 @@ class ZeroSession:
         engine (before setup, after :meth:`close_engine`) the module's own values. Both doors call
         it once per set-up module and remove the handles at teardown."""
         hook = functools.partial(_fill_full_values, self, value_dtype)  # a partial: torch marks the hook object
-        return [
+        agree = functools.partial(_agree_full_values, self, value_dtype)  # [Note: one rank's state_dict]
+        handles = [child.register_state_dict_pre_hook(agree) for child in module.modules()]
+        return handles + [
             child.register_state_dict_post_hook(hook)
             for child in module.modules()
             if any(param is not None for param in child._parameters.values())
         ]
+
+    def agree_full_state_dict(self) -> None:
+        """[Note: one rank's state_dict]: every rank is in this ``state_dict()`` call within
+        :data:`STATE_DICT_AGREEMENT_S` seconds, or this rank raises (posted on the failure channel,
+        so the ranks that went on end too)."""
+        channel = self.failure_channel
+        if channel is None or channel.world_size == 1:
+            return
+        self._state_dict_calls += 1
+        if channel.all_ranks_reach(f"state_dict/{self._state_dict_calls}", STATE_DICT_AGREEMENT_S):
+            return
+        error = RuntimeError(
+            f"lightning_zero (global rank {channel.rank}): model.state_dict() gathers every parameter from the"
+            f" shards (stage {self.config.stage}, or a precision whose parameters are not in ddp's dtype), a"
+            f" collective, but not every rank called it within {STATE_DICT_AGREEMENT_S:.0f} s: the others went on"
+            " and would wait for this rank until collective_timeout. Call model.state_dict() on every rank (each"
+            " gets the full state dict; keep or save it on rank 0), or save with trainer.save_checkpoint /"
+            " fabric.save on every rank; after fit (or the Fabric strategy's teardown) the module is whole and"
+            " state_dict() is local."
+        )
+        note_failure(channel, error, "model.state_dict()")
+        raise error
 
     def checkpoint_layout(self, *, world_size: int, global_rank: int, precision: str) -> "RankPlacement":
         """Where this rank sits, as a checkpoint records it (and a load reads into)."""
@@ -248,6 +273,37 @@ class ZeroSession:
         """The failure channel's watcher stops (after :meth:`close_engine`)."""
         if self.failure_channel is not None:
             self.failure_channel.close()
+
+
+STATE_DICT_AGREEMENT_S = 5.0  # [Note: one rank's state_dict]: how far apart the ranks may call it
+
+
+def _agree_full_values(
+    session: ZeroSession,
+    value_dtype: Callable[[nn.Parameter], torch.dtype],
+    module: nn.Module,
+    prefix: str,
+    keep_vars: bool,
+) -> None:
+    """The state-dict pre-hook of :meth:`ZeroSession.serve_full_state_dicts` on every module.
+
+    [Note: one rank's state_dict] A full state dict gathers each parameter from the shards over the
+    dp group ([Note: full state dicts] in ``checkpoint/full.py``), so every rank must call it: a
+    ``model.state_dict()`` under ``if trainer.is_global_zero:`` (or ``fabric.global_rank == 0``)
+    left rank 0 in the first gather while the others went on to their next step, and every rank
+    waited ``collective_timeout`` (300 s). So the outermost ``state_dict()`` call that will gather
+    (``prefix == ""``: the module the user called it on; ``keep_vars=True`` hands out the
+    parameters and gathers nothing) first counts itself in through the store and waits for every
+    rank, at most :data:`STATE_DICT_AGREEMENT_S` seconds (one store request per poll; ranks called
+    at the same point of the loop arrive within milliseconds); a rank that waited in vain raises a
+    named error and posts it, so the ranks that went on raise within one poll of their failure
+    channel and every rank exits."""
+    engine = session.engine
+    if prefix or keep_vars or engine is None:
+        return
+    if engine.stage != 3 and all(param.dtype == value_dtype(param) for param in module.parameters()):
+        return  # nothing to gather: the parameters are ddp's values already
+    session.agree_full_state_dict()
 
 
 def _fill_full_values(
