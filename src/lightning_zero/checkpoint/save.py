@@ -38,7 +38,6 @@ from lightning_zero.checkpoint.targets import (
     engine_entries,
     managed_names,
     module_entries,
-    param_of_key,
     split_info,
     state_entries,
 )
@@ -75,15 +74,13 @@ def snapshot(
     optimizers: list[Optimizer],
     layout: RankPlacement,
     keep_device: bool = False,
-    keep: Optional[Callable[[str], bool]] = None,
     optimizer_shards: Any = None,
 ) -> Snapshot:
     """The first half of :func:`save_checkpoint`: no file and no collective, only reads.
 
     ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
     that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
-    device tensor is copied to the host here. ``keep(name)``: only the module entries (and their
-    optimizer state) it accepts (Fabric's ``filter``); everything when None. ``optimizer_shards``:
+    device tensor is copied to the host here. ``optimizer_shards``:
     where the optimizers' state lives when the engine that stepped them is closed ([Note:
     optimizer state after the loop] in ``zero/flat.py``); None: the engine's own."""
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -105,10 +102,6 @@ def snapshot(
     params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
                           with_optimizer=with_optimizer, optimizer_shards=optimizer_shards)  # fmt: skip
     managed = _managed_info(engine, layout) if engine is not None else {}
-    if keep is not None:
-        targets.tensors = {k: v for k, v in targets.tensors.items() if keep(param_of_key(k))}
-        params = {name: info for name, info in params.items() if keep(name)}
-        managed = {name: info for name, info in managed.items() if keep(name)}
     groups = [
         (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                                     f"optimizer {index}"))
@@ -155,7 +148,6 @@ def save_checkpoint(
     engine: Any,
     optimizers: list[Optimizer],
     layout: RankPlacement,
-    keep: Optional[Callable[[str], bool]] = None,
 ) -> Path:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
 
@@ -168,8 +160,7 @@ def save_checkpoint(
     (``checkpoint/background.py`` runs the second half in a thread).
     """
     with labelled("ckpt_save"):
-        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep=keep)  # fmt: skip
+        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
         return write_snapshot(taken, layout)
 
 

@@ -8,6 +8,14 @@ written as every rank's shards (any dp size or stage reads them back), stateful 
 of which key was the model and which the optimizers. ``state_dict_type="full"`` writes one
 ``torch.save`` file instead (global rank 0, atomically), and a single file -- that one, or any
 plain state dict -- loads into the sharded model through ``checkpoint/full.py``.
+
+[Note: filtered saves are one file] ``fabric.save(path, state, filter={"model": lora_filter})`` is
+how LitGPT writes its adapters and LoRA weights (``lit_model.pth.lora``), and its tools read the
+result with ``torch.load`` / ``lazy_load``: a file. A filter picks a small set (the adapter
+tensors), so a filtered save is written as Fabric's ``ddp`` writes it whatever
+``state_dict_type`` says: one ``torch.save`` file of the filtered entries, full values gathered
+from the shards, written by global rank 0 (before, the default sharded type wrote a directory,
+and LitGPT's ``merge_lora`` failed on it with ``IsADirectoryError``, far from the cause).
 """
 
 from __future__ import annotations
@@ -85,9 +93,10 @@ class FabricState:
         module_key, optimizer_keys, _ = self.split(state)
         if full and self.engine is None:
             raise ValueError(
-                "ZeroFabricStrategy(state_dict_type='full'): fabric.save after strategy.teardown() cannot gather a"
-                " full file (the engine that held the shards is closed); save it before the teardown, or save the"
-                " sharded checkpoint (state_dict_type='sharded'), which holds everything after it too."
+                "ZeroFabricStrategy: fabric.save after strategy.teardown() cannot gather a full file"
+                " (state_dict_type='full', or a save with a filter: [Note: filtered saves are one file]); the engine"
+                " that held the shards is closed. Save it before the teardown, or save the sharded checkpoint"
+                " (state_dict_type='sharded', no filter), which holds everything after it too."
             )
         if full and getattr(self.engine, "expert_domain", None) is not None:
             from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
@@ -115,12 +124,6 @@ class FabricState:
                 raise TypeError(
                     f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter is a callable (key, value) -> bool."
                 )
-            if key in optimizer_keys and not full:
-                raise ValueError(
-                    f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter on an optimizer entry selects keys of its"
-                    " state dict, which a sharded checkpoint does not hold; save without it, or with"
-                    " ZeroFabricStrategy(state_dict_type='full') (torch's format)."
-                )
 
     def _check_module(self, module: nn.Module, key: Any = "model") -> nn.Module:
         if module is not self.module:
@@ -134,28 +137,20 @@ class FabricState:
         return self.param_names[self.optimizers.index(optimizer)]
 
     # -- save ------------------------------------------------------------------------------------
-    def save_sharded(
-        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int, filter: Filter = None
-    ) -> None:
+    def save_sharded(self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int) -> None:
         """Through ``lifecycle`` ([Note: checkpoint lifecycle]): in the background under
-        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step."""
+        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step.
+        A save with a ``filter`` is a full file instead ([Note: filtered saves are one file])."""
         module_key, optimizer_keys, others = self.split(state)
-        filter = filter or {}
-        others = {key: _filtered(key, value, filter) for key, value in others.items()}
-        others = {key: value for key, value in others.items() if value is not _DROPPED}
         optimizers = [state[key] for key in optimizer_keys]
         if self.engine is not None:
             self.engine.wait_param_gathers()
         checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
         if optimizers:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
-        keep = None
-        if module_key in filter:
-            tensors = self.module.state_dict(keep_vars=True)
-            keep = lambda name: name in tensors and bool(filter[module_key](name, tensors[name]))  # noqa: E731
         shards = self.optimizer_shards if optimizers and self.optimizer_shards is not None else None
         lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
-                       layout=self.layout, keep=keep, optimizer_shards=shards)  # fmt: skip
+                       layout=self.layout, optimizer_shards=shards)  # fmt: skip
 
     def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
         """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each

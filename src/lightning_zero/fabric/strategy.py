@@ -167,9 +167,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             ``ZeroStrategy(...).zero_config``), or ``None`` to build one from ``knobs``.
         state_dict_type: ``"sharded"`` (default): ``fabric.save`` writes a sharded checkpoint
             directory (every rank its shards; resumes on any dp size or stage); ``"full"``: one
-            file, ``torch.save`` of the state with the model's full state dict (fp32 masters), as
-            FSDP's ``state_dict_type="full"`` writes it for LitGPT's tools; written by global rank
-            0, without optimizer state.
+            file, ``torch.save`` of the state with the model's full state dict (fp32 masters) and
+            the optimizers' state in torch's format, as Fabric's ddp writes it for LitGPT's tools;
+            written by global rank 0. A save with a ``filter`` is such a file under either type
+            ([Note: filtered saves are one file] in ``fabric/checkpoint.py``).
         wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
         model_config, seq_len: with ``cp > 1``, the model's config (``n_heads``, ``n_kv_heads``)
             and the sequence length the loop will feed, checked here against ``cp`` before any
@@ -797,8 +798,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
-        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it.
-        A bad argument raises here and leaves the strategy usable; a save that cannot write raises."""
+        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it, and
+        a save with a filter is one file whatever the type ([Note: filtered saves are one file] in
+        ``fabric/checkpoint.py``). A bad argument raises here and leaves the strategy usable; a save
+        that cannot write raises."""
         if storage_options is not None:
             raise TypeError(
                 f"ZeroFabricStrategy.save(storage_options={storage_options!r}): not supported (a checkpoint_io"
@@ -806,14 +809,14 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             )
         self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
-        full = self.state_dict_type == "full"
+        full = self.state_dict_type == "full" or bool(filter)  # [Note: filtered saves are one file]
         state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
             self.checkpoints.clean_once(Path(path).parent, self.barrier)  # what killed saves left there
             if full:
                 state_io.save_full(Path(path), state, self.checkpoints, filter)
             else:
-                state_io.save_sharded(path, state, self.checkpoints, step=self._steps, filter=filter)
+                state_io.save_sharded(path, state, self.checkpoints, step=self._steps)
 
     @override
     def load_checkpoint(

@@ -235,12 +235,11 @@ class CheckpointLifecycle:
         engine: Any,
         optimizers: list,
         layout: Any,
-        keep: Optional[Callable[[str], bool]] = None,
         optimizer_shards: Any = None,
     ) -> Optional[SaveRecord]:
         """Save ``checkpoint`` (Lightning's dict: the non-tensor state; tensors come from
-        ``module`` / ``engine`` / ``optimizers``; ``keep(name)`` and ``optimizer_shards`` as
-        ``save.snapshot`` takes them) to ``path`` for the agreed ``step``; every rank calls it.
+        ``module`` / ``engine`` / ``optimizers``; ``optimizer_shards`` as
+        ``save.snapshot`` takes it) to ``path`` for the agreed ``step``; every rank calls it.
         ``None`` on the failure path (no save: it needs every rank)."""
         from lightning_zero.checkpoint.save import snapshot, write_snapshot
 
@@ -254,7 +253,7 @@ class CheckpointLifecycle:
         if not background:
             self.wait()  # a save in flight (same process, earlier run) is published first
             taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                             keep=keep, optimizer_shards=optimizer_shards)  # fmt: skip
+                             optimizer_shards=optimizer_shards)  # fmt: skip
             try:
                 write_snapshot(taken, layout, on_state=record.advance)
             except BaseException:
@@ -262,7 +261,7 @@ class CheckpointLifecycle:
                 raise
             return record
         taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep_device=True, keep=keep, optimizer_shards=optimizer_shards)  # fmt: skip
+                         keep_device=True, optimizer_shards=optimizer_shards)  # fmt: skip
         writer = self._writer()
         if not writer.start(taken, layout, started, record):
             record.advance(SaveState.ABANDONED)
