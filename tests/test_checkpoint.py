@@ -163,7 +163,7 @@ def _save_body(rank, world, out, stage, tp):
     model = Llama(_config())
     dp_group, tp_group = _dp_groups(world, tp)
     if tp > 1:
-        from lightning_zero.tp import parallelize_llama
+        from lightning_zero.models.llama.parallelize import parallelize_llama
 
         parallelize_llama(model, tp_group)
     opt = _optimizer(model)

@@ -466,9 +466,9 @@ def _tp_cp_activation_cases(rank: int, world_size: int, out: str) -> None:
     from lightning_zero.cp.parallelize import parallelize_context
     from lightning_zero.ledger import llama_activation_bytes
     from lightning_zero.models.llama.model import build_llama
+    from lightning_zero.models.llama.parallelize import parallelize_llama
     from lightning_zero.planner.saved_activations import measure_saved_bytes
     from lightning_zero.planner.traffic import cp_bytes_by_kind
-    from lightning_zero.tp import parallelize_llama
 
     dims = ParallelDims(world_size=world_size, devices_per_node=world_size, tp=2, cp=2)
     groups = build_groups(dims)

@@ -199,7 +199,7 @@ def test_hf_config_round_trips(tmp_path):
 def _exchange_body(rank: int, world_size: int, results: str) -> None:
     import torch.distributed as dist
 
-    from lightning_zero.ep.parallelize import parallelize_experts
+    from lightning_zero.models.moe.parallelize import parallelize_experts
     from lightning_zero.planner.moe import all_to_all_bytes
 
     out = {}
@@ -265,8 +265,8 @@ def _tensor_parallel_cases(rank: int) -> dict:
     [0, 1] [2, 3] (dp ranks 0 and 1), EP groups [0, 2] [1, 3] (one tp rank each)."""
     import torch.distributed as dist
 
-    from lightning_zero.ep.parallelize import parallelize_experts, parallelize_moe_tp
-    from lightning_zero.tp import parallelize_llama
+    from lightning_zero.models.llama.parallelize import parallelize_llama
+    from lightning_zero.models.moe.parallelize import parallelize_experts, parallelize_moe_tp
     from lightning_zero.tp.layers import local_slice, tp_shard_dim
 
     tp_groups, ep_groups = (

@@ -1,5 +1,6 @@
-"""The architecture as a test: no import circles (lazy imports included), checkpoint/ below models/, and only
-the engine walks buckets and slots."""
+"""The architecture as a test: a declared package order that every import follows (lazy imports, imports under
+``TYPE_CHECKING`` and lazy-name tables included), no import circles between packages or files, checkpoint/ below
+models/, and only the engine walks buckets and slots."""
 
 import ast
 import collections
@@ -87,6 +88,101 @@ def test_no_import_circles():
         if module not in state:
             visit(module, [])
     assert cycles == []
+
+
+# [Note: package order] The packages of lightning_zero, bottom to top (docs/architecture.md, "Package
+# order"). A module imports only from its own package or from a package on a lower line; the packages
+# on one line are siblings that do not import each other. What everything needs (precision rules,
+# config) is at the bottom, the two doors and the command line at the top. A new package or top-level
+# module takes its line here before it can land.
+PACKAGE_ORDER = (
+    ("_lazy", "ports", "precision"),  # leaves: import nothing of ours
+    ("config",),  # every knob, once
+    ("comm",),  # mesh, groups, counted collectives
+    ("tp", "cp"),  # generic tensor- and context-parallel layers
+    ("zero", "ep"),  # the ZeRO engine; the generic expert token exchange
+    ("checkpoint",),  # readers and writers, no model family
+    ("models", "data"),  # model families (each with its own parallelize plan); token data
+    ("hydra_config",),  # the Hydra schema generated from config and the model presets
+    ("planner",),  # arithmetic over all of the above
+    ("runtime", "ledger"),  # what both doors share; the public ledger
+    ("trainer", "fabric"),  # the two front doors
+    ("cli", "_registry"),  # the command line; the strategy registration (names the doors)
+    ("__main__", "lightning_zero"),  # ``python -m lightning_zero``; the package's own __init__
+)
+
+
+def _package(module: str) -> str:
+    """The part of PACKAGE_ORDER a module belongs to: ``lightning_zero.zero.stage3.units`` -> ``zero``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _named_modules(path: Path, modules: set[str]) -> set[str]:
+    """Every module of the package ``path`` names: its imports (``_all_imports``: module level, in functions,
+    under ``TYPE_CHECKING``) and each string that names a module of ours, dotted (a lazy-name table such as
+    ``lightning_zero.__init__._LAZY``, an ``importlib.import_module`` target: an import all the same)."""
+    named = _all_imports(path) & modules
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+            if node.value in modules:
+                named.add(node.value)
+    return named
+
+
+def _package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the imports that make the edge, ``module:line -> module``."""
+    modules = _modules()
+    edges: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for name, path in modules.items():
+        for target in sorted(_named_modules(path, set(modules))):
+            if _package(target) != _package(name):
+                edges[(_package(name), _package(target))].append(f"{name} -> {target}")
+    return edges
+
+
+def test_every_package_has_its_place_in_the_order():
+    declared = [package for line in PACKAGE_ORDER for package in line]
+    assert len(declared) == len(set(declared))
+    assert set(declared) == {_package(name) for name in _modules()}
+
+
+def test_imports_only_point_down_the_package_order():
+    # [Note: package order]. Sibling packages (one line) do not import each other either.
+    level = {package: index for index, line in enumerate(PACKAGE_ORDER) for package in line}
+    upward = [
+        f"{importer} (line {level[importer]}) -> {imported} (line {level[imported]}): {', '.join(why)}"
+        for (importer, imported), why in sorted(_package_edges().items())
+        if level[imported] >= level[importer]
+    ]
+    assert upward == []
+
+
+def test_no_import_circles_between_packages():
+    # Independent of the declared order: no package reaches itself through other packages' imports.
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for importer, imported in _package_edges():
+        graph[importer].add(imported)
+    cycles = []
+    for start in sorted(graph):
+        seen, todo = set(), [[start]]
+        while todo:
+            path = todo.pop()
+            for target in sorted(graph[path[-1]]):
+                if target == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif target not in seen:
+                    seen.add(target)
+                    todo.append(path + [target])
+    assert cycles == []
+
+
+def test_architecture_doc_declares_the_same_order():
+    # docs/architecture.md's "Package order" block lists PACKAGE_ORDER's lines, bottom line last.
+    text = (SRC.parent / "docs" / "architecture.md").read_text()
+    block = text.split("## Package order", 1)[1].split("```", 2)[1]
+    lines = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert [tuple(line) for line in reversed(lines) if line] == list(PACKAGE_ORDER)
 
 
 def test_checkpoint_knows_no_model_family():

@@ -17,12 +17,12 @@ from torch import nn
 
 from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.comm.mesh import ParallelDims, build_mesh, dp_group_and_rank, tp_group_and_rank
+from lightning_zero.models.llama.parallelize import parallelize_llama
 from lightning_zero.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_tp_state_dict,
-    parallelize_llama,
     shard_dense_state_dict,
     tp_grad_norm,
     tp_grad_norm_weight,

@@ -1,3 +1,3 @@
-"""Expert parallelism: ``dispatch`` (tokens to their experts' ranks and back by uneven
-all-to-all, forward and backward) and ``parallelize`` (``parallelize_experts``: keep this rank's
-experts, wire the ``ep`` group into every MoE layer)."""
+"""Expert parallelism, generic: ``dispatch`` (tokens to their experts' ranks and back by uneven
+all-to-all, forward and backward). Splitting a family's experts over the ``ep`` group lives beside
+the family (``models/moe/parallelize.py``: ``parallelize_experts``), importing this package."""

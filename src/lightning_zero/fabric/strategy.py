@@ -71,7 +71,7 @@ sequence length's at each cut (both on every rank, before any collective that co
 - ``fabric.setup(model, optimizer)`` splits the experts of the whole model every rank built (the
   same seed on every rank, as under ddp): each keeps ``n_experts / E`` rows of every stacked expert
   tensor, in place, so an optimizer built over ``model.parameters()`` before ``setup`` steps them,
-  and its MoE layers exchange tokens over the ep group (``ep/parallelize.parallelize_experts``,
+  and its MoE layers exchange tokens over the ep group (``models/moe/parallelize.parallelize_experts``,
   the call ``MoELM.configure_model`` makes under the Trainer; ``ep/dispatch.py``). The model's
   ``check_parallel_dims`` refuses an ``ep`` that does not divide the experts, naming the fix.
   A model that splits its own experts (no whole ``MoETransformer`` inside) is left as it is.
@@ -431,12 +431,12 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     def _parallelize_experts(self, module: nn.Module) -> None:
         """[Note: expert parallelism under Fabric] ``ep > 1``: every whole ``MoETransformer`` in the
         module keeps its ep rank's experts and routes its tokens over the ep group
-        (``ep.parallelize.parallelize_expert_decoders``, the function ``MoELM`` calls), before anything
+        (``models.moe.parallelize.parallelize_expert_decoders``, the function ``MoELM`` calls), before anything
         is broadcast or sharded; its all-to-alls count into the counter ``prepare_module`` adopts."""
         dims, groups = self.session.dims, self.session.groups
         if dims is None or dims.ep == 1 or groups is None:
             return
-        from lightning_zero.ep.parallelize import parallelize_expert_decoders
+        from lightning_zero.models.moe.parallelize import parallelize_expert_decoders
 
         parallelize_expert_decoders(module, groups.ep, counter=getattr(module, "tp_comm_counter", None))
 

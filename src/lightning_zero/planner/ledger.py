@@ -346,7 +346,7 @@ def _moe_terms(config: Any, *, tokens: int, act_bytes: int, tp: int, ep: int) ->
     layers: ``swiglu`` (dense layers' and shared experts'), ``moe_router``, ``moe_dispatched_rows``,
     ``moe_experts``, ``moe_indices``."""
     layers, moe = config.n_layers, config.n_layers - config.n_dense_layers
-    shard = tokens // tp  # a MoE layer runs on the T/tp sequence shard (ep/parallelize.py)
+    shard = tokens // tp  # a MoE layer runs on the T/tp sequence shard (models/moe/parallelize.py)
     rows = shard * config.top_k  # the dispatched copies a balanced router gives a rank's experts
     per_moe = {
         "moe_router": 2 * shard * config.n_experts * 4,

@@ -160,7 +160,7 @@ def tp_bytes_by_kind(
     (1 per block), or with sequence parallelism both all-gathers and wo's reduce-scatter.
     Selective recompute repeats no collective.
 
-    A mixture of experts ([Note: experts and tensor parallelism] in ``ep/parallelize.py``): a MoE
+    A mixture of experts ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``): a MoE
     layer runs whole on the rank's ``T/tp`` sequence shard, so its block keeps attention's
     collectives only (with sequence parallelism; a full recompute repeats attention's all-gather and
     ``wo``'s reduce-scatter), or without it adds an all-gather of the layer's output forward and one

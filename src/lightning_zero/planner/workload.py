@@ -74,7 +74,7 @@ def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list
     SwiGLU replaced by the router ``(E, dim)``, the stacked experts ``w1 w3 w2`` of which a rank
     holds ``E / ep`` while a token runs ``top_k`` of them, and the shared experts' SwiGLU). Under
     tensor parallelism a MoE layer is not split: it runs on the rank's ``T / tp`` sequence shard
-    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``), so it holds whole tensors and
+    ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``), so it holds whole tensors and
     computes ``1 / tp`` of the tokens (its ``active`` elements divided by ``tp``)."""
     dim, hd = config.dim, head_dim(config)
     q_dim, kv_dim = config.n_heads * hd, (getattr(config, "n_kv_heads", None) or config.n_heads) * hd
@@ -392,7 +392,7 @@ def _llama_workload(
         moe = any(member.expert for member in members)
         exchanges = 2 * ep_exchange if moe else 0.0  # dispatch + combine (backward: their mirrors)
         # the FFN's TP collective forward and backward, and the gradients summed over TP: a MoE layer
-        # runs whole on the T/tp shard ([Note: experts and tensor parallelism] in ep/parallelize.py)
+        # runs whole on the T/tp shard ([Note: experts and tensor parallelism] in models/moe/parallelize.py)
         ffn_tp, recompute_tp, grad_sum = tp_all_reduce, recomputed_tp, 0.0
         if moe and tp > 1:
             ffn_tp = 0.0 if sequence_parallel else collective_seconds("all_gather", payload, tp, tp_link)

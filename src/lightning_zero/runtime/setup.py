@@ -69,8 +69,9 @@ def check_model_layout(dims: ParallelDims, lightning_module: Any) -> None:
     ``config``), which raises ``ValueError`` for a layout it cannot run (heads not divisible by
     ``tp * cp``, experts not divisible by ``ep``, a sequence length not divisible by ``cp``), naming
     the fix. A module without it is refused with ``cp > 1`` or ``ep > 1`` before any process group
-    starts; with ``tp > 1`` alone it is not (TP splits Llama-style layers, ``tp.parallelize_llama``),
-    but a module that declares the method is asked (the MoE family needs sequence parallelism)."""
+    starts; with ``tp > 1`` alone it is not (TP splits Llama-style layers,
+    ``models/llama/parallelize.parallelize_llama``), but a module that declares the method is asked
+    (the MoE family needs sequence parallelism)."""
     if dims.cp == 1 and dims.ep == 1 and dims.tp == 1:
         return
     owner = next(
@@ -107,8 +108,8 @@ def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:
 
 def find_tp_counter(module: nn.Module) -> Optional[CommCounter]:
     """The counter a model's own collectives count into (TP layers' ``tp_comm_counter``, see
-    ``tp.parallelize_llama``; expert parallelism's ``ep_comm_counter``, ``ep.parallelize_experts``,
-    which is the TP one when both exist), or ``None``."""
+    ``models/llama/parallelize.parallelize_llama``; expert parallelism's ``ep_comm_counter``,
+    ``models/moe/parallelize.parallelize_experts``, which is the TP one when both exist), or ``None``."""
     for child in module.modules():
         for name in ("tp_comm_counter", "ep_comm_counter"):
             counter = getattr(child, name, None)

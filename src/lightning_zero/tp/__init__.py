@@ -1,4 +1,6 @@
-"""Tensor parallelism in plain torch (no Lightning): TP layers, vocab-parallel loss, Llama plan.
+"""Tensor parallelism in plain torch (no Lightning): TP layers, vocab-parallel loss, the region hooks and
+TP state dicts every family's plan uses (a family's plan lives beside its model: Llama's is
+``lightning_zero.models.llama.parallelize_llama``).
 
 See ``docs/tensor_parallel.md`` for what is split how and what each layer sends.
 """
@@ -22,8 +24,9 @@ from lightning_zero.tp.layers import (
 )
 from lightning_zero.tp.loss import vocab_parallel_cross_entropy
 from lightning_zero.tp.parallelize import (
+    EnterTPRegion,
+    GatherSequence,
     gather_tp_state_dict,
-    parallelize_llama,
     resolve_tp_group,
     shard_dense_state_dict,
 )
@@ -31,6 +34,8 @@ from lightning_zero.tp.parallelize import (
 __all__ = [
     "TP_SHARD_DIM_ATTR",
     "ColumnParallelLinear",
+    "EnterTPRegion",
+    "GatherSequence",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tp_region",
@@ -38,7 +43,6 @@ __all__ = [
     "grad_norm_sq_contributions",
     "is_tp_sharded",
     "mark_tp_params",
-    "parallelize_llama",
     "reduce_from_tp_region",
     "resolve_tp_group",
     "shard_dense_state_dict",

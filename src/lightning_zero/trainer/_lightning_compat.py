@@ -79,3 +79,35 @@ def step_progress_bar() -> Any:
             self.train_progress_bar.set_description(label(trainer, trainer.current_epoch))
 
     return StepTQDMProgressBar()
+
+
+# [Note: replaced Lightning internals]
+# Two objects of Lightning's are changed on an instance, because Lightning has no public hook for
+# either; both changes live here, and tests/test_lightning_compat.py fails when the installed
+# Lightning moves the attribute or changes its call:
+# - ``trainer._signal_connector``: the Trainer's signal handling (``_SignalConnector``) saves or
+#   broadcasts from inside the handler (Lightning issue 21406); ours only records the signal and the
+#   ranks agree at a step boundary ([Note: signals as events], runtime/signals.py). Lightning calls
+#   ``trainer._signal_connector.register_signal_handlers()`` at the start of every entry point and
+#   ``teardown()`` at its end; a callback's ``setup`` runs before the former, so installing there
+#   is early enough.
+# - ``ModelCheckpoint._link_checkpoint`` (a staticmethod ``(trainer, filepath, linkpath)``): with
+#   ``save_last="link"`` Lightning links ``last.ckpt`` right after its ``save_checkpoint`` returns;
+#   under a background save that target is not published yet, so the link waits for the lifecycle
+#   (runtime/checkpoints.py). Shadowed on the user's callback instance, not on the class.
+
+
+def install_signal_connector(trainer: Any, connector: Any) -> None:
+    """Make ``connector`` the Trainer's signal connector ([Note: replaced Lightning internals])."""
+    trainer._signal_connector = connector
+
+
+def signal_connector(trainer: Any) -> Any:
+    """The Trainer's signal connector now installed."""
+    return trainer._signal_connector
+
+
+def route_checkpoint_links(callback: Any, link: Any) -> None:
+    """``callback`` (a ``ModelCheckpoint``) links ``last`` through ``link(trainer, filepath, linkpath)``
+    ([Note: replaced Lightning internals])."""
+    callback._link_checkpoint = link

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.trainer._lightning_compat import route_checkpoint_links
 
 
 def checkpoint_directories(trainer: Any) -> list[Path]:
@@ -51,18 +52,12 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-LAUNCHERS = {
-    _SubprocessScriptLauncher: ZeroSubprocessScriptLauncher,
-    _MultiProcessingLauncher: ZeroMultiProcessingLauncher,
-}
-
-
-def resolving_launcher(launcher: Any) -> Any:
-    """``launcher`` (Lightning's, as ``DDPStrategy`` made it) as the subclass that restores first."""
-    subclass = LAUNCHERS.get(type(launcher))
-    if subclass is not None:
-        launcher.__class__ = subclass  # same state, one method more: isinstance checks still hold
-    return launcher
+def resolving_launcher(strategy: Any, start_method: str) -> Any:
+    """The launcher ``DDPStrategy._configure_launcher`` builds for ``start_method``, as the subclass
+    that restores first (``isinstance`` checks against Lightning's launchers still hold)."""
+    if start_method == "popen":
+        return ZeroSubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return ZeroMultiProcessingLauncher(strategy, start_method=start_method)
 
 
 def route_links(trainer: Any, lifecycle: CheckpointLifecycle) -> None:
@@ -77,4 +72,4 @@ def route_links(trainer: Any, lifecycle: CheckpointLifecycle) -> None:
 
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
-            callback._link_checkpoint = link_after_publish  # shadows Lightning's staticmethod on this instance
+            route_checkpoint_links(callback, link_after_publish)

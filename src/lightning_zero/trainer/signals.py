@@ -49,7 +49,7 @@ from lightning_zero.runtime.signals import (
     requeue_exit_code,
     requeue_slurm_job,
 )
-from lightning_zero.trainer._lightning_compat import is_accumulating
+from lightning_zero.trainer._lightning_compat import install_signal_connector, is_accumulating, signal_connector
 from lightning_zero.zero.waits import PeerFailedError
 
 if TYPE_CHECKING:
@@ -139,9 +139,9 @@ class SchedulerSignals(Callback):
     def attach(self, trainer: Any, *, engine: Any = None, markers_cover_world: bool = False) -> None:
         """Install the connector; with ``engine``, let the flags ride on its phase markers
         (``markers_cover_world``: they run over every rank, i.e. ``tp == 1``)."""
-        connector = trainer._signal_connector
+        connector = signal_connector(trainer)
         if not (isinstance(connector, ZeroSignalConnector) and connector.agreement is self.agreement):
-            trainer._signal_connector = ZeroSignalConnector(trainer, self.agreement)
+            install_signal_connector(trainer, ZeroSignalConnector(trainer, self.agreement))
         if engine is not None:
             self.boundary.ride(engine, markers_cover_world=markers_cover_world)
         else:

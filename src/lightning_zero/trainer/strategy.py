@@ -190,9 +190,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
     def _configure_launcher(self) -> None:
         from lightning_zero.trainer.checkpoints import resolving_launcher
 
-        super()._configure_launcher()
-        # moved-aside checkpoints are back before Lightning resolves ckpt_path="last" (trainer/checkpoints.py)
-        self._launcher = resolving_launcher(self._launcher)
+        # DDPStrategy's launchers, each restoring moved-aside checkpoints before Lightning resolves
+        # ckpt_path="last" (trainer/checkpoints.py)
+        self._launcher = resolving_launcher(self, self._start_method)
 
     # -- mesh -----------------------------------------------------------------------------------
     @property

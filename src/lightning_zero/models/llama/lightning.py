@@ -83,7 +83,7 @@ class LlamaLM(L.LightningModule):
 
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
     sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
-    parallelized there with :func:`lightning_zero.tp.parallelize_llama`, sequence-parallel when
+    parallelized there with :func:`lightning_zero.models.llama.parallelize_llama`, sequence-parallel when
     the strategy says so (``ZeroStrategy(sequence_parallel=True)``); then, when it has a ``cp``
     dimension larger than 1 (``ZeroStrategy(cp=C)``), made context-parallel with
     :func:`lightning_zero.cp.parallelize.parallelize_context`: each batch is then this rank's slice
@@ -212,7 +212,7 @@ class LlamaLM(L.LightningModule):
         return mesh["tp"]
 
     def _parallelize(self, tp_mesh: Any) -> None:
-        from lightning_zero.tp import parallelize_llama
+        from lightning_zero.models.llama.parallelize import parallelize_llama
 
         # counts into model.tp_comm_counter (the strategy adopts it)
         parallelize_llama(self.model, tp_mesh, sequence_parallel=self._sequence_parallel())

@@ -16,7 +16,7 @@ The module tree matches Meta's reference implementation, so its checkpoints' key
 
 [Note: tensor-parallel friendly] ``Attention`` never stores a head count: it reshapes with ``-1``
 heads and derives the grouped-query repeat factor from the shapes of q and k. Tensor parallelism
-(``lightning_zero.tp.parallelize_llama``) can therefore split heads by swapping the Linear layers
+(``lightning_zero.models.llama.parallelize_llama``) can therefore split heads by swapping the Linear layers
 for column/row-parallel ones and swap ``Llama.loss_fn`` for a vocab-parallel cross entropy,
 without touching any attribute here.
 
@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
 
     def gain(self) -> torch.Tensor:
         """The per-channel gain the normalized input is multiplied by (``weight``; sequence
-        parallelism routes it through a TP gradient sum, ``tp.parallelize``)."""
+        parallelism routes it through a TP gradient sum, ``models/llama/parallelize.py``)."""
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

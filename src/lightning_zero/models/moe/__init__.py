@@ -1,8 +1,9 @@
 """A mixture-of-experts decoder family on Llama's attention and norms: ``config`` (``MoEConfig`` and
 presets; plain Python), ``router`` (top-k softmax / sigmoid-with-bias routing, the balance and z
 losses), ``experts`` (stacked experts, grouped matmul), ``model`` (``MoETransformer``),
-``lightning`` (``MoELM``) and ``hf`` (Mixtral and Qwen3-MoE layouts: import, export). Expert
-parallelism (the token exchange) is ``lightning_zero.ep``.
+``lightning`` (``MoELM``), ``parallelize`` (its experts split over ``ep``, its MoE layers under TP)
+and ``hf`` (Mixtral and Qwen3-MoE layouts: import, export). The generic token exchange is
+``lightning_zero.ep``.
 
 Names are imported lazily: ``MoEConfig`` does not import torch (the planner reads it)."""
 
@@ -17,6 +18,8 @@ _LAZY = {
     "MoELM": "lightning_zero.models.moe.lightning",
     "MoETransformer": "lightning_zero.models.moe.model",
     "build_moe": "lightning_zero.models.moe.model",
+    "parallelize_experts": "lightning_zero.models.moe.parallelize",
+    "parallelize_moe_tp": "lightning_zero.models.moe.parallelize",
     "moe_preset_names": "lightning_zero.models.moe.config",
     "resolve_moe_config": "lightning_zero.models.moe.config",
 }

@@ -221,7 +221,7 @@ def resolve_moe_config(config: Union[MoEConfig, str, Mapping[str, Any]]) -> MoEC
 def check_moe_layout(config: MoEConfig, *, ep: int = 1, tp: int = 1) -> None:
     """Raise ``ValueError`` naming the fix unless ``config``'s experts split evenly over ``ep``
     ranks and, with ``tp > 1``, the MoE layers can run on sequence shards: no capacity factor
-    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``; the sequence length must split
+    ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``; the sequence length must split
     over ``tp``, checked where it is known). Plain arithmetic, called before any process group
     starts."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:

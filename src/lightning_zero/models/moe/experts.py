@@ -43,7 +43,7 @@ class GroupedExperts(nn.Module):
     """``n_local`` SwiGLU experts of width ``ffn_dim`` ([Note: stacked experts]).
 
     ``expert_offset``: the global id of row 0 (``ep_rank * n_local``), ``n_experts``: all experts of
-    the layer; both are set by ``lightning_zero.ep.parallelize_experts``."""
+    the layer; both are set by ``lightning_zero.models.moe.parallelize.parallelize_experts``."""
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ class MoELM(LlamaLM):
     over MoE layers; [Note: balance loss] in ``models/moe/router.py``); validation and test report
     the cross entropy alone. Under expert parallelism (the strategy's ``expert_parallel_group``,
     set when ``ep > 1``) ``configure_model`` keeps this rank's experts
-    (``lightning_zero.ep.parallelize_experts``).
+    (``lightning_zero.models.moe.parallelize.parallelize_experts``).
     """
 
     def __init__(
@@ -102,10 +102,10 @@ class MoELM(LlamaLM):
 
     def _parallelize(self, tp_mesh: Any) -> None:
         """Llama's TP of attention and the dense layers (sequence-parallel), then the MoE layers on
-        the sequence shards ([Note: experts and tensor parallelism] in ``ep/parallelize.py``), all
+        the sequence shards ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``), all
         counting into the counter expert parallelism already counts into."""
-        from lightning_zero.ep.parallelize import parallelize_moe_tp
-        from lightning_zero.tp import parallelize_llama
+        from lightning_zero.models.llama.parallelize import parallelize_llama
+        from lightning_zero.models.moe.parallelize import parallelize_moe_tp
 
         counter = getattr(self.model, "ep_comm_counter", None)
         parallelize_llama(self.model, tp_mesh, counter=counter, sequence_parallel=self._sequence_parallel())
@@ -113,7 +113,7 @@ class MoELM(LlamaLM):
         self._tp_applied = True
 
     def _parallelize_experts(self, group: Any) -> None:
-        from lightning_zero.ep.parallelize import parallelize_experts
+        from lightning_zero.models.moe.parallelize import parallelize_experts
 
         parallelize_experts(self.model, group)
         self._ep_applied = True

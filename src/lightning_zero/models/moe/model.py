@@ -56,7 +56,7 @@ class _Width(NamedTuple):
 class SharedExperts(FeedForward):
     """DeepSeek's shared experts: one SwiGLU of width ``n_shared * expert_ffn_dim`` (Llama's
     ``FeedForward``, same names), whose weights take ``tp_grad_sum`` under tensor parallelism
-    ([Note: experts and tensor parallelism] in ``ep/parallelize.py``)."""
+    ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``)."""
 
     tp_grad_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
@@ -78,8 +78,8 @@ class MoE(nn.Module):
         self.shared = SharedExperts(_Width(config.dim, config.shared_ffn_dim)) if config.n_shared_experts else None
         self.n_experts = config.n_experts
         self.capacity_factor = config.capacity_factor
-        self.ep: Optional[ExpertParallel] = None  # set by lightning_zero.ep.parallelize_experts
-        self.tp: Optional[TensorParallelShard] = None  # set by lightning_zero.ep.parallelize_moe_tp
+        self.ep: Optional[ExpertParallel] = None  # set by lightning_zero.models.moe.parallelize.parallelize_experts
+        self.tp: Optional[TensorParallelShard] = None  # set by lightning_zero.models.moe.parallelize.parallelize_moe_tp
         self.aux: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.load: Optional[torch.Tensor] = None
 

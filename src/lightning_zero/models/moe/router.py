@@ -135,7 +135,7 @@ def z_loss(routing: Routing) -> torch.Tensor:
 @dataclass
 class TensorParallelShard:
     """The TP group a MoE layer's sequence shard belongs to ([Note: experts and tensor
-    parallelism] in ``ep/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens;
+    parallelism] in ``models/moe/parallelize.py``): ``size`` ranks, each routing ``1/size`` of the tokens;
     without ``sequence_parallel`` the layer cuts its shard from a replicated input and all-gathers
     its output."""
 

@@ -1,4 +1,5 @@
-"""``parallelize_experts``: keep this rank's experts and wire the ``ep`` group into every MoE layer;
+"""The MoE family's expert and tensor parallelism (the generic token exchange is ``lightning_zero.ep``):
+``parallelize_experts``: keep this rank's experts and wire the ``ep`` group into every MoE layer;
 ``parallelize_moe_tp``: run the MoE layers on a tensor-parallel model's sequence shards.
 
 Experts are split in ``ep`` consecutive blocks: ep rank ``r`` keeps experts
@@ -13,9 +14,10 @@ expert batch and a TP-wide token exchange for little memory. Instead a MoE layer
 a *sequence shard*, as a sequence-parallel norm does:
 
 - attention and the dense layers (the first ``n_dense_layers``) are split as Llama's
-  (``tp.parallelize_llama``); with sequence parallelism the ``ffn_norm`` before a MoE layer keeps its
-  ``(B, T/tp, dim)`` output (no all-gather); without, the layer cuts its slice from the replicated
-  ``(B, T, dim)`` and all-gathers its output back (``tp.layers.split_to_sequence_region`` /
+  (``models/llama/parallelize.parallelize_llama``); with sequence parallelism the ``ffn_norm``
+  before a MoE layer keeps its ``(B, T/tp, dim)`` output (no all-gather); without, the layer cuts
+  its slice from the replicated ``(B, T, dim)`` and all-gathers its output back
+  (``tp.layers.split_to_sequence_region`` /
   ``gather_to_replicated_region``: the same bytes as sequence parallelism's gather and scatter).
   Either way TP rank ``t`` routes tokens ``[t T/tp, (t+1) T/tp)`` of its dp rank's micro-batch;
 - its tokens go to their experts over the ``ep`` group of its own TP rank (``comm/mesh.py``: ``ep``
@@ -120,7 +122,7 @@ def parallelize_moe_tp(
     model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
 ) -> nn.Module:
     """Run every MoE layer of ``model`` (a ``MoETransformer`` whose attention and dense layers
-    ``tp.parallelize_llama`` already split) on its TP rank's sequence shard (without sequence
+    ``parallelize_llama`` already split) on its TP rank's sequence shard (without sequence
     parallelism cut from the replicated input, the output all-gathered back):
     router, experts and shared experts replicated with their gradients summed over ``group``, the
     auxiliary losses and loads those of the whole micro-batch ([Note: experts and tensor
@@ -129,7 +131,7 @@ def parallelize_moe_tp(
     if size == 1:
         return model
     if not hasattr(model, "tp_sequence_parallel"):
-        raise ValueError("parallelize_moe_tp: split attention and the dense layers first (tp.parallelize_llama)")
+        raise ValueError("parallelize_moe_tp: split attention and the dense layers first (parallelize_llama)")
     grad_sum = functools.partial(sum_grad_over_tp, group=group, counter=counter)
     for moe in model.moe_layers():
         if moe.tp is not None:
