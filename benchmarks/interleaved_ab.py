@@ -177,10 +177,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=1)
     parser.add_argument("--models", choices=("bench", "issue24", "small"), default="issue24", help="bench_zero12's")
     parser.add_argument("--quick", action="store_true", help="the model's tiny stand-in (a smoke test)")
-    parser.add_argument("--block", type=int, default=4, help="steps per side before the switch flips")
-    parser.add_argument("--pairs", type=int, default=6, help="A blocks (and as many B blocks) timed")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    return parse_ab_args(parser, argv, block=4)
+
+
+def parse_ab_args(parser: argparse.ArgumentParser, argv: list[str], *, block: int) -> argparse.Namespace:
+    """The arguments every interleaved A/B takes (blocks, pairs, timeout, output, the worker's
+    directory), added to ``parser``, then ``argv`` parsed and checked."""
+    parser.add_argument("--block", type=int, default=block, help="steps per side before the switch flips")
+    parser.add_argument("--pairs", type=int, default=6, help="A blocks (and as many B blocks) timed")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds the pair may run")
     parser.add_argument("--out", default=None, help="write the steps and ratios as JSON here")
     parser.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
@@ -190,7 +196,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main() -> int:
+def main(parse=None, worker=None, driver=None) -> int:
+    """Run as the driver, or (``--worker-dir`` given) as one rank of the pair."""
+    parse, worker, driver = parse or globals()["parse"], worker or globals()["worker"], driver or globals()["driver"]
     argv = sys.argv[1:]
     args = parse(argv)
     if args.worker_dir is not None:

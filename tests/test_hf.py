@@ -246,8 +246,8 @@ def _unexpected_key(path: Path) -> str:
 
 
 def _not_llama(path: Path) -> str:
-    _edit_config(path, model_type="mistral", architectures=["MistralForCausalLM"])
-    return r"config\.json: model_type 'mistral'.*only Llama"
+    _edit_config(path, model_type="gemma", architectures=["GemmaForCausalLM"])
+    return r"config\.json: model_type 'gemma'.*only these dense families"
 
 
 def _rope_scaling(path: Path) -> str:

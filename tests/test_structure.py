@@ -100,7 +100,7 @@ PACKAGE_ORDER = (
     ("config",),  # every knob, once
     ("comm",),  # mesh, groups, counted collectives
     ("tp", "cp"),  # generic tensor- and context-parallel layers
-    ("zero", "ep"),  # the ZeRO engine; the generic expert token exchange
+    ("zero", "ep", "pp"),  # the ZeRO engine; the generic expert token exchange; pipeline layout and schedules
     ("checkpoint",),  # readers and writers, no model family
     ("models", "data"),  # model families (each with its own parallelize plan); token data
     ("hydra_config",),  # the Hydra schema generated from config and the model presets

@@ -20,6 +20,7 @@ _LAZY = {
     "Llama": "lightning_zero.models",
     "LlamaLM": "lightning_zero.models",
     "model_state_bytes": "lightning_zero.ledger",
+    "GroupedMuon": "lightning_zero.zero.muon",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

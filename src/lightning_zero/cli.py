@@ -39,7 +39,7 @@ commands:
   train [OVERRIDES]    train with Hydra overrides, e.g. recipe=tiny trainer.max_steps=200
   plan  [OVERRIDES]    print the planned bytes per rank and step time (plan.search=true: rank layouts)
   plan calibrate [--out FILE.yaml] [--quick]   measure this machine into a hardware config
-  export CKPT OUT [--format hf] [--dtype bf16|fp32] [--max-shard-size 5GB]
+  export CKPT OUT [--format hf] [--dtype bf16|fp32] [--max-shard-size 50GB]
                        consolidate a (sharded) checkpoint into one plain state dict at OUT, or
                        write a Hugging Face Llama directory (--format hf)
   prepare-data INPUT... OUT --tokenizer PATH
@@ -422,7 +422,7 @@ def _export(args: list[str]) -> None:
     parser.add_argument(
         "--max-shard-size",
         default=None,
-        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 5GB)",
+        help="--format hf: largest shard, e.g. 5GB (10^9 bytes), 500MB, 2GiB (default 50GB, transformers 5's save_pretrained default)",
     )
     parsed = parser.parse_args(args)
     if parsed.format == "plain" and (parsed.dtype is not None or parsed.max_shard_size is not None):
@@ -436,7 +436,7 @@ def _export(args: list[str]) -> None:
     try:
         if parsed.format == "hf":
             exporter = export_moe_hf if is_moe_checkpoint(parsed.ckpt) else export_hf
-            path = exporter(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "5GB")
+            path = exporter(parsed.ckpt, parsed.out, dtype=parsed.dtype, max_shard_size=parsed.max_shard_size or "50GB")
         else:
             path = export(parsed.ckpt, parsed.out)
     except (CheckpointError, ValueError) as error:

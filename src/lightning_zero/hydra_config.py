@@ -37,10 +37,11 @@ RECIPES_DIR = Path(__file__).parent / "recipes"
 
 @dataclass
 class ModelConf:
-    """``model/``: a Llama preset plus optional field overrides (``None`` keeps the preset's).
+    """``model/``: a Llama-family preset (Llama 2/3.x, Mistral, Qwen2.5, Qwen3) plus optional field
+    overrides (``None`` keeps the preset's).
 
-    ``init_from``: a Hugging Face Llama directory to start from (``model=hf``: its config.json
-    gives the shape; a preset must agree with it).
+    ``init_from``: a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory to start from
+    (``model=hf``: its config.json gives the shape; a preset must agree with it).
     """
 
     name: str = "tiny"
@@ -55,6 +56,11 @@ class ModelConf:
     rope_theta: Optional[float] = None
     rope_scaling: Optional[dict[str, Any]] = None
     tie_embeddings: Optional[bool] = None
+    head_dim: Optional[int] = None
+    qk_norm: Optional[bool] = None
+    qkv_bias: Optional[bool] = None
+    sliding_window: Optional[int] = None
+    family: Optional[str] = None
     activation_checkpointing: Any = False  # false | "selective" | "full" (true: "full")
     init_from: Optional[str] = None
 

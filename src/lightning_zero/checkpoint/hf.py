@@ -44,6 +44,7 @@ from torch import nn
 from lightning_zero.checkpoint.dcp import CheckpointError
 
 PathLike = Union[str, os.PathLike]
+READ_CHUNK_BYTES = 16 * 2**20  # the buffer of a read_into whose destination is not the file's bytes
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -73,6 +74,7 @@ class TensorInfo:
     path: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: Optional[int] = None  # safetensors: byte offset of the data in the file (None: .bin)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 def _safetensors_infos(path: Path) -> dict[str, TensorInfo]:
-    header, _ = read_safetensors_header(path)
+    header, start = read_safetensors_header(path)
     infos = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -130,7 +132,8 @@ def _safetensors_infos(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}, not one of {sorted(SAFETENSORS_DTYPES)}"
             )
-        infos[key] = TensorInfo(key, path, dtype, tuple(int(s) for s in info["shape"]))
+        shape = tuple(int(s) for s in info["shape"])
+        infos[key] = TensorInfo(key, path, dtype, shape, start + int(info["data_offsets"][0]))
     return infos
 
 
@@ -204,6 +207,62 @@ class WeightFiles:
         state = dict(self.__dict__)
         state["_bin_cache"] = (None, {})  # memory-mapped tensors: re-opened where needed, never pickled
         return state
+
+    def read_into(
+        self,
+        key: str,
+        dest: torch.Tensor,
+        *,
+        dim: Optional[int] = None,
+        start: int = 0,
+        rows: Optional[torch.Tensor] = None,
+    ) -> int:
+        """Fill ``dest`` with tensor ``key`` (or elements ``[start, start + dest.shape[dim])`` of it
+        along ``dim``, 0 or 1), reading byte ranges of the safetensors file straight into
+        ``dest``'s memory: no copy of the tensor exists besides ``dest`` (a different dtype or a
+        device tensor goes through a buffer of at most :data:`READ_CHUNK_BYTES`). ``rows``:
+        ``dest`` row ``r`` is the file's row ``rows[r]`` (a row permutation; along ``dim`` 0 the
+        indices are into the slice's rows). Returns bytes read. ``.bin`` files: :meth:`read` then copy."""
+        info = self.infos.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.directory}: no tensor {key!r}")
+        if info.offset is None or dim not in (None, 0, 1) or (dim == 1 and len(info.shape) != 2):
+            piece = self.read(key, dim, start, dest.shape[dim] if dim is not None else None)
+            piece = piece if rows is None else piece[rows]
+            dest.copy_(piece.view(dest.shape))
+            return piece.numel() * piece.element_size()
+        shape = info.shape or (1,)
+        cols = math.prod(shape[1:])
+        n_rows = dest.shape[0] if dest.dim() else 1
+        width = dest.numel() // max(1, n_rows)
+        src = (torch.arange(n_rows) if rows is None else rows.reshape(-1)) + (start if dim == 0 else 0)
+        c0 = start if dim == 1 else 0
+        item = torch.empty((), dtype=info.dtype).element_size()
+        direct = dest.device.type == "cpu" and dest.dtype == info.dtype and dest.is_contiguous()
+        flat = dest.reshape(n_rows, width)
+        # runs of whole rows that follow each other in the file: one read each (a column slice:
+        # one read per row); through a bounded buffer when dest cannot take the file's bytes
+        follows = torch.cat([torch.tensor([False]), src[1:] - src[:-1] == 1]) if width == cols else None
+        starts = [0] + (torch.nonzero(~follows[1:]).reshape(-1) + 1).tolist() if follows is not None else None
+        runs = list(zip(starts, starts[1:] + [n_rows])) if starts is not None else [(r, r + 1) for r in range(n_rows)]
+        per_chunk = n_rows if direct else max(1, READ_CHUNK_BYTES // max(1, width * item))
+        read = 0
+        with open(info.path, "rb", buffering=0) as handle:
+            for a, b in runs:
+                for lo in range(a, b, per_chunk):
+                    hi = min(b, lo + per_chunk)
+                    target = flat[lo:hi] if direct else torch.empty((hi - lo, width), dtype=info.dtype)
+                    handle.seek(info.offset + (int(src[lo]) * cols + c0) * item)
+                    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                    while view:
+                        got = handle.readinto(view)
+                        if not got:
+                            raise CheckpointError(f"{info.path}: tensor {key!r} ends early (truncated?)")
+                        view = view[got:]
+                    if not direct:
+                        flat[lo:hi].copy_(target)
+                    read += target.numel() * item
+        return read
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None) -> torch.Tensor:
         """Tensor ``key``, or elements ``[start, start + length)`` of it along ``dim`` (a new tensor)."""
@@ -280,21 +339,22 @@ def load_module_params(module: nn.Module, prefix: str, files: WeightFiles, plan:
                 raise CheckpointError(f"{files.directory}: no checkpoint tensor is mapped to parameter {name}")
             dim = getattr(param, "_tp_shard_dim", None)
             tp_size = getattr(sub, "tp_size", 1)
-            if dim is None or tp_size == 1:
-                dim, tensor = None, files.read(source.key)
-            else:
-                local = param.shape[dim]
-                tensor = files.read(source.key, dim, sub.tp_rank * local, local)
-            if source.transform is not None:
-                tensor = source.transform(tensor, dim)
-            if tuple(tensor.shape) != tuple(param.shape):
+            split = dim is not None and tp_size > 1
+            info = files.infos[source.key]
+            wanted = list(info.shape)
+            if split:
+                wanted[dim] = param.shape[dim]
+            if tuple(wanted) != tuple(param.shape):
                 raise CheckpointError(
-                    f"{files.directory}: tensor {source.key!r} gives shape {list(tensor.shape)} for parameter "
+                    f"{files.directory}: tensor {source.key!r} gives shape {wanted} for parameter "
                     f"{name} of shape {list(param.shape)}"
                 )
-            param.copy_(tensor)
-            bytes_read += tensor.numel() * tensor.element_size()
-            del tensor
+            rows = None
+            if source.transform is not None:  # a row permutation (the q/k rotary one): where each row reads
+                count = param.shape[0]
+                rows = source.transform(torch.arange(count).reshape(count, 1), dim if split else None).reshape(-1)
+            start = sub.tp_rank * param.shape[dim] if split else 0
+            bytes_read += files.read_into(source.key, param.data, dim=dim if split else None, start=start, rows=rows)
     return bytes_read
 
 
@@ -336,41 +396,96 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+def save_order_key(name: str) -> list[tuple]:
+    """transformers 5's ``dot_natural_key``: the order ``save_pretrained`` cuts a loaded model's
+    tensors into files in (see :func:`plan_layout`): dotted parts, numbers numerically first,
+    words alphabetically, a word's trailing digits numerically."""
+    parts: list[tuple] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text) :]
+        parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
+
+
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Cut ``specs`` (in order) into shards of at most ``max_shard_bytes`` (a bigger tensor: alone)."""
-    shards: list[list[TensorSpec]] = [[]]
+    """Cut ``specs`` (in order) into shards as ``save_pretrained`` does (``huggingface_hub``'s
+    ``split_torch_state_dict_into_shards``): a tensor joins the current shard unless that would pass
+    ``max_shard_bytes``, which then closes; a tensor bigger than the limit gets a shard of its own,
+    placed *before* the still-open current shard."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
     size = 0
     for spec in specs:
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
+        if spec.nbytes > max_shard_bytes:
+            shards.append([spec])
+            continue
+        if size + spec.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
         size += spec.nbytes
+    if current or not shards:
+        shards.append(current)
     return shards
 
 
-def write_safetensors_shards(
-    out_dir: PathLike,
-    specs: list[TensorSpec],
-    produce: Callable[[TensorSpec], torch.Tensor],
-    *,
-    max_shard_bytes: int,
-    metadata: Optional[dict[str, str]] = None,
-) -> list[Path]:
-    """Write ``specs`` as safetensors shards (+ index when more than one) into ``out_dir``.
+@dataclass(frozen=True)
+class ShardFile:
+    """One safetensors file of an :class:`HFLayout`: its name, its header (length prefix, JSON,
+    padding: the bytes before the data), its tensors, and where each tensor's data starts."""
 
-    ``produce(spec)`` is called once per tensor, in order, while its shard is being written; the
-    result must have ``spec``'s shape (it is cast to ``spec.dtype``). Each shard is written under
-    a ``.partial`` name and renamed when complete. Returns the shard paths.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    name: str
+    header: bytes
+    specs: tuple[TensorSpec, ...]
+    data_offsets: dict[str, int]  # tensor name -> byte offset from the file's start
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(spec.nbytes for spec in self.specs)
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """The files of a Hugging Face weights directory, planned from names, shapes and dtypes alone
+    (no tensor): what ``save_pretrained`` writes for the same tensors and ``max_shard_bytes``.
+
+    ``index`` is ``model.safetensors.index.json``'s content (``None`` for one file): the
+    ``weight_map`` and ``metadata`` ``total_size`` / ``total_parameters``, as transformers 5 writes
+    them (every tensor a parameter, none shared)."""
+
+    files: tuple[ShardFile, ...]
+    index: Optional[dict[str, Any]]
+
+    def locate(self, name: str) -> tuple[ShardFile, int]:
+        """(file, byte offset of the data of tensor ``name`` in it)."""
+        for shard in self.files:
+            if name in shard.data_offsets:
+                return shard, shard.data_offsets[name]
+        raise KeyError(name)
+
+    def index_text(self) -> str:
+        """The index file's text, byte for byte as ``save_pretrained`` writes it."""
+        return json.dumps(self.index, indent=2, sort_keys=True) + "\n"
+
+
+def plan_layout(
+    specs: list[TensorSpec], max_shard_bytes: int, *, metadata: Optional[dict[str, str]] = None
+) -> HFLayout:
+    """The :class:`HFLayout` of ``specs`` cut at ``max_shard_bytes``, the grouping transformers 5's
+    ``save_pretrained`` chooses for a model loaded with ``from_pretrained``: it sorts the state dict
+    by :func:`save_order_key` before cutting (``revert_weight_conversion``), so re-saving our export
+    with transformers gives the same files. (A model built from a config, never loaded, is cut in
+    its registration order instead: same tensors, same total, other boundaries.)"""
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
-        raise ValueError("write_safetensors_shards: duplicate tensor names")
-    shards = plan_shards(specs, max_shard_bytes)
+        raise ValueError("plan_layout: duplicate tensor names")
+    shards = plan_shards(sorted(specs, key=lambda spec: save_order_key(spec.name)), max_shard_bytes)
     count = len(shards)
-    paths = []
+    files = []
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         file_name = SAFE_SINGLE if count == 1 else f"model-{number:05d}-of-{count:05d}.safetensors"
@@ -386,12 +501,52 @@ def write_safetensors_shards(
             weight_map[spec.name] = file_name
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        path = out_dir / file_name
+        prefix = struct.pack("<Q", len(blob)) + blob
+        starts, position = {}, len(prefix)
+        for spec in shard:
+            starts[spec.name] = position
+            position += spec.nbytes
+        files.append(ShardFile(file_name, prefix, tuple(shard), starts))
+    index = None
+    if count > 1:
+        total_size = sum(spec.nbytes for spec in specs)
+        total_parameters = sum(math.prod(spec.shape) for spec in specs)
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size},
+                 "weight_map": weight_map}  # fmt: skip
+    return HFLayout(tuple(files), index)
+
+
+def remove_stale_weights(out_dir: Path) -> None:
+    """Delete the weight files and index of an earlier export from ``out_dir``."""
+    for stale in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob(SAFE_INDEX)):
+        stale.unlink()
+
+
+def write_safetensors_shards(
+    out_dir: PathLike,
+    specs: list[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    *,
+    max_shard_bytes: int,
+    metadata: Optional[dict[str, str]] = None,
+) -> list[Path]:
+    """Write ``specs`` as safetensors shards (+ index when more than one) into ``out_dir``, in one
+    process: the :class:`HFLayout` of :func:`plan_layout`.
+
+    ``produce(spec)`` is called once per tensor, in order, while its shard is being written; the
+    result must have ``spec``'s shape (it is cast to ``spec.dtype``). Each shard is written under
+    a ``.partial`` name and renamed when complete. Returns the shard paths.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = plan_layout(specs, max_shard_bytes, metadata=metadata)
+    paths = []
+    for shard in layout.files:
+        path = out_dir / shard.name
         partial = path.with_name(path.name + ".partial")
         with open(partial, "wb") as handle:
-            handle.write(struct.pack("<Q", len(blob)))
-            handle.write(blob)
-            for spec in shard:
+            handle.write(shard.header)
+            for spec in shard.specs:
                 tensor = produce(spec)
                 if tuple(tensor.shape) != tuple(spec.shape):
                     raise ValueError(
@@ -405,9 +560,8 @@ def write_safetensors_shards(
         os.replace(partial, path)
         paths.append(path)
     index = out_dir / SAFE_INDEX
-    if count > 1:
-        total = sum(spec.nbytes for spec in specs)
-        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if layout.index is not None:
+        index.write_text(layout.index_text())
     elif index.exists():
         index.unlink()
     return paths

@@ -76,7 +76,8 @@ def snapshot(
     keep_device: bool = False,
     optimizer_shards: Any = None,
 ) -> Snapshot:
-    """The first half of :func:`save_checkpoint`: no file and no collective, only reads.
+    """The first half of :func:`save_checkpoint`: no file and no collective, only reads (but for
+    a matrix optimizer's state, sent from its owners first: [Note: Muon state in checkpoints]).
 
     ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
     that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
@@ -90,6 +91,13 @@ def snapshot(
     replicated = getattr(engine, "has_replicated_optimizers", lambda: False)() if engine is not None else False
     if optimizer_shards is not None:
         replicated = optimizer_shards.replicated
+        if with_optimizer and optimizer_shards.whole_matrices:  # [Note: optimizer state after the loop]
+            raise ValueError(
+                "lightning_zero checkpoint: a matrix optimizer (Muon) keeps each momentum whole on its owner, and"
+                " the engine that would spread it over the ranks for a save is closed (after fit, or the Fabric"
+                " strategy's teardown); save inside the run (ModelCheckpoint, fabric.save before the teardown), or"
+                " the weights only (trainer.save_checkpoint(path, weights_only=True))."
+            )
     if with_optimizer and replicated:
         names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
         raise ValueError(
@@ -99,8 +107,17 @@ def snapshot(
             " or trainer.save_checkpoint(path, weights_only=True)), or use an element-wise optimizer."
         )
     kinds: list[dict] = [{} for _ in optimizers]
-    params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                          with_optimizer=with_optimizer, optimizer_shards=optimizer_shards)  # fmt: skip
+    # Matrix optimizers (Muon) keep each momentum whole on its owner: the one collective of a
+    # snapshot gives every rank its runs first ([Note: Muon state in checkpoints], every rank saves)
+    staged = [opt for opt in getattr(engine, "optimizers", []) if hasattr(opt, "stage_range_state")]
+    for sharded in staged if with_optimizer else []:
+        sharded.stage_range_state()
+    try:
+        params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
+                              with_optimizer=with_optimizer, optimizer_shards=optimizer_shards)  # fmt: skip
+    finally:
+        for sharded in staged:
+            sharded.drop_range_state()
     managed = _managed_info(engine, layout) if engine is not None else {}
     groups = [
         (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],

@@ -818,6 +818,21 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             else:
                 state_io.save_sharded(path, state, self.checkpoints, step=self._steps)
 
+    def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
+        """``fabric.strategy.save_hf_pretrained(OUT)``: the set-up model (a ``Llama``, any family) as a
+        Hugging Face directory, written with no gather: each rank writes the ranges it holds into
+        ``save_pretrained``'s files ([Note: no-gather Hugging Face export] in
+        ``checkpoint/hf_write.py``). A collective: every rank calls it. ``dtype``: ``fp32``, ``bf16``,
+        ``fp16`` or ``None`` (the fp32 masters)."""
+        from lightning_zero.checkpoint.hf_write import save_hf_pretrained
+
+        self._refuse_when_failed(f"the Hugging Face export {str(path)!r} was not written")
+        engine = self._ensure_engine()
+        engine.wait_param_gathers()
+        with self._noting_failures():
+            return save_hf_pretrained(path, module=self._module, engine=engine, layout=self._layout(), dtype=dtype,
+                                      max_shard_size=max_shard_size)  # fmt: skip
+
     @override
     def load_checkpoint(
         self,

@@ -253,21 +253,23 @@ def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
     """Parameters of ``config`` (a ``LlamaConfig``: vocab_size, dim, n_layers, n_heads,
     n_kv_heads, ffn_dim) held by one of ``tp`` tensor-parallel ranks.
 
-    Per block: ``wq, wo: dim x dim``; ``wk, wv: dim x (n_kv_heads * head_dim)``;
-    ``w1, w3: dim x ffn_dim``, ``w2: ffn_dim x dim``; two RMSNorm weights of ``dim``.
-    No biases. ``tp`` must divide the split sizes (``mesh.check_model_divisible`` says which).
+    Per block: ``wq, wo: dim x (n_heads * head_dim)``; ``wk, wv: dim x (n_kv_heads * head_dim)``
+    (with ``qkv_bias`` their biases too); ``w1, w3: dim x ffn_dim``, ``w2: ffn_dim x dim``; two
+    RMSNorm weights of ``dim`` (with ``qk_norm`` two of ``head_dim`` more). ``tp`` must divide the split sizes (``mesh.check_model_divisible`` says which).
 
         >>> # Llama 2 70B: 68,976,648,192 parameters; Llama 3.2 1B (tied): 1,235,814,400
     """
     if tp < 1:
         raise ValueError(f"llama_param_counts: tp must be >= 1, got tp={tp!r}")
-    dim, head_dim = config.dim, config.dim // config.n_heads
-    kv_dim = _kv_heads(config) * head_dim
-    attention = 2 * dim * dim + 2 * dim * kv_dim
+    dim, head_dim = config.dim, getattr(config, "head_dim", None) or config.dim // config.n_heads
+    q_dim, kv_dim = config.n_heads * head_dim, _kv_heads(config) * head_dim
+    attention = 2 * dim * q_dim + 2 * dim * kv_dim
+    attention += q_dim + 2 * kv_dim if getattr(config, "qkv_bias", False) else 0  # split with their rows
     feed_forward = 3 * dim * config.ffn_dim
+    norms = 2 * dim + (2 * head_dim if getattr(config, "qk_norm", False) else 0)  # replicated
     return LlamaParamCounts(
         embedding=config.vocab_size * dim // tp,
-        block=(attention + feed_forward) // tp + 2 * dim,
+        block=(attention + feed_forward) // tp + norms,
         n_layers=config.n_layers,
         final_norm=dim,
         output=0 if getattr(config, "tie_embeddings", False) else dim * config.vocab_size // tp,
@@ -276,7 +278,8 @@ def llama_param_counts(config: Any, *, tp: int = 1) -> LlamaParamCounts:
 
 def llama_largest_block_param(config: Any, *, tp: int = 1) -> int:
     """Elements of a block's largest weight on one of ``tp`` ranks (``wq``/``wo`` or ``w1``/``w2``/``w3``)."""
-    return max(config.dim * config.dim, config.dim * config.ffn_dim) // tp
+    q_dim = config.n_heads * (getattr(config, "head_dim", None) or config.dim // config.n_heads)
+    return max(config.dim * q_dim, config.dim * config.ffn_dim) // tp
 
 
 ATTENTION_KERNELS = ("fused", "math")

@@ -79,8 +79,11 @@ def _layer_tensors(config: Any, layer: int, *, tp: int = 1, ep: int = 1) -> list
     dim, hd = config.dim, head_dim(config)
     q_dim, kv_dim = config.n_heads * hd, (getattr(config, "n_kv_heads", None) or config.n_heads) * hd
     tensors = [LayerTensor("attention_norm.weight", dim, 0, 1)]
+    bias = getattr(config, "qkv_bias", False)  # Qwen2.5: after each of wq, wk, wv's weight
     for name, numel in (("wq", dim * q_dim), ("wk", dim * kv_dim), ("wv", dim * kv_dim), ("wo", q_dim * dim)):
         tensors.append(LayerTensor(f"attention.{name}.weight", numel // tp, numel // tp))
+        if bias and name != "wo":
+            tensors.append(LayerTensor(f"attention.{name}.bias", numel // dim // tp, 0, 1))  # no decay, no matmul
     if getattr(config, "qk_norm", False):
         tensors += [LayerTensor("attention.q_norm.weight", hd, 0, 1), LayerTensor("attention.k_norm.weight", hd, 0, 1)]
     tensors.append(LayerTensor("ffn_norm.weight", dim, 0, 1))

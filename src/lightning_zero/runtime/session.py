@@ -170,6 +170,7 @@ class ZeroSession:
         )
         if self.dims is not None and self.dims.tp_enabled:
             weigh_tp_norm(self.engine, self.dims.tp)
+            self.engine.attach_tensor_parallel(self.groups.tp)  # [Note: owner step]
         return self.engine
 
     # -- 5. state dicts, checkpoints, failures, teardown ------------------------------------------

@@ -476,6 +476,22 @@ class ZeroStrategy(SessionViews, DDPStrategy):
                               layout=self._checkpoint_layout(),
                               optimizer_shards=self.session.optimizer_shards(self.optimizers))  # fmt: skip
 
+    def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
+        """Write the model as a Hugging Face directory at ``path`` with no gather: every rank writes
+        the bytes of the tensors it holds into their place in the ``model-0000k-of-0000n.safetensors``
+        files ``save_pretrained`` would write ([Note: no-gather Hugging Face export] in
+        ``checkpoint/hf_write.py``). Call it on every rank (a collective), e.g. from ``on_train_end``.
+        ``dtype``: ``fp32``, ``bf16``, ``fp16`` or ``None`` (the fp32 masters); ``max_shard_size``
+        as transformers counts it (``5GB`` = 5 * 10^9 bytes, default transformers 5's ``50GB``)."""
+        from lightning_zero.checkpoint.hf_write import save_hf_pretrained
+
+        assert self.lightning_module is not None
+        if self.failed:  # [Note: failure path]: it needs every rank
+            raise RuntimeError(f"ZeroStrategy.save_hf_pretrained({str(path)!r}): a rank failed; not written")
+        self._wait_param_gathers()
+        return save_hf_pretrained(path, module=self.lightning_module, engine=self.engine,
+                                  layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size)  # fmt: skip
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes, grad_element_bytes
 from lightning_zero.zero.domains import ExpertDomain, split_by_domain
 from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
+from lightning_zero.zero.muon import MATRIX_OPTIMIZERS, WHOLE_MATRIX_OPTIMIZERS
 from lightning_zero.zero.param_side import ReplicatedParams, ShardedParams
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ def bucket_numel_for(bucket_mb: float, dtype: torch.dtype) -> int:
 
 
 # Optimizers whose update of an element depends on other elements of the same parameter (factored
-# second moments, whole-tensor norms, orthogonalization): ZeRO's element-range shards cannot run them.
-NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+# second moments, whole-tensor norms): ZeRO's element-range shards cannot run them as they are.
+# Muon (orthogonalization) is served by matrix owners (MATRIX_OPTIMIZERS, zero/matrix_optimizer.py);
+# other whole-matrix optimizers (WHOLE_MATRIX_OPTIMIZERS) are refused by name.
+NON_ELEMENTWISE_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", *WHOLE_MATRIX_OPTIMIZERS)
 # Of those, the ones every stage runs with full fp32 masters and replicated optimizer state
 # ([Note: non-element-wise optimizers] in replicated_optimizer.py; stage 3: one unit at a time,
 # [Note: replicated step per unit] in stage3/replicated_step.py). LBFGS (closure re-runs backward inside
@@ -51,8 +54,9 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
     """ValueError for optimizers the engine cannot step exactly at ``stage``.
 
     Element-wise optimizers are sharded at every stage; ``REPLICATED_STEP_OPTIMIZERS`` run at
-    every stage with replicated state (not over tensor-parallel-split parameters); the rest of
-    ``NON_ELEMENTWISE_OPTIMIZERS`` are refused.
+    every stage with replicated state (not over tensor-parallel-split parameters);
+    ``MATRIX_OPTIMIZERS`` (Muon) step whole matrices on owner ranks ([Note: owner step]); the rest
+    of ``NON_ELEMENTWISE_OPTIMIZERS`` (Shampoo, SOAP, Dion among them) are refused.
     """
     for index, optimizer in enumerate(optimizers):
         name = type(optimizer).__name__
@@ -74,12 +78,23 @@ def check_elementwise(optimizers: list[Optimizer], stage: int = 1) -> None:
                 " backward is a gradient sync the engine's step does not expect",
                 "SparseAdam": "it needs sparse gradients, and ZeRO's flat gradient buffers are dense",
             }.get(name, "its update of one element depends on other elements of the same parameter")
+            if name in WHOLE_MATRIX_OPTIMIZERS:
+                why = (
+                    "it preconditions whole matrices (Kronecker factors / low-rank projections), and only"
+                    f" {' and '.join(MATRIX_OPTIMIZERS)} are served by matrix owners (docs/optimizers.md)"
+                )
             raise ValueError(
                 f"lightning_zero: optimizer {index} is {name}, which ZeRO stages cannot run: {why}. Use an"
                 " element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...),"
-                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} (replicated optimizer state), or Lightning's ddp/fsdp"
+                f" {', '.join(REPLICATED_STEP_OPTIMIZERS)} (replicated optimizer state), torch.optim.Muon (matrix"
+                " owners), or Lightning's ddp/fsdp"
                 " strategies for this optimizer."
             )
+
+
+def matrix_step(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` steps whole matrices on owner ranks ([Note: owner step])."""
+    return type(optimizer).__name__ in MATRIX_OPTIMIZERS
 
 
 def replicated_step(optimizer: Optimizer) -> bool:

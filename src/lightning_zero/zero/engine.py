@@ -39,6 +39,7 @@ from lightning_zero.zero.build import (
     build_sharded,
     check_elementwise,
     check_optimizer_params,
+    matrix_step,
     replicated_step,
 )
 from lightning_zero.zero.cpu_heap import raise_glibc_thresholds
@@ -46,6 +47,7 @@ from lightning_zero.zero.domains import ExpertDomain, shard_group
 from lightning_zero.zero.flat import OptimizerShards, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
+from lightning_zero.zero.matrix_optimizer import MatrixOwnerOptimizer
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.param_gather import ParamGatherer, closure_then
 from lightning_zero.zero.param_side import offload_masters
@@ -271,6 +273,8 @@ class ZeroEngine:
     def _sharded_optimizer_class(self, optimizer: Optimizer) -> Callable[..., ShardedOptimizer]:
         """What steps ``optimizer``: its chunks (element-wise), or full replicated masters (the
         parameter side says how: ``param_side.py``)."""
+        if matrix_step(optimizer):
+            return MatrixOwnerOptimizer  # [Note: owner step]
         return self.params.sharded_optimizer_class(optimizer) if replicated_step(optimizer) else ShardedOptimizer
 
     @property
@@ -338,6 +342,12 @@ class ZeroEngine:
                 f"lightning_zero: {', '.join(names)} is not element-wise: stage {self.stage} steps full fp32{what}",
                 stacklevel=3,
             )
+
+    def attach_tensor_parallel(self, tp_group: Optional[dist.ProcessGroup]) -> None:
+        """Matrix optimizers orthogonalize tp-split matrices whole over ``tp_group`` ([Note: owner step])."""
+        for sharded in self.optimizers:
+            if isinstance(sharded, MatrixOwnerOptimizer):
+                sharded.attach_tensor_parallel(tp_group)
 
     def has_replicated_optimizers(self) -> bool:
         """Whether some optimizer steps replicated full masters (its state cannot be range-saved)."""
@@ -475,8 +485,9 @@ class ZeroEngine:
     def optimizer_shards(self) -> OptimizerShards:
         """This rank's runs and what steps each ([Note: optimizer state after the loop] in flat.py)."""
         runs = tuple((owned, self.optimizer_tensor(owned)) for owned in self.owned_ranges())
-        return OptimizerShards(runs, tuple(s.optimizer for s in self.optimizers),
-                               self.has_replicated_optimizers())  # fmt: skip
+        whole = any(hasattr(sharded, "stage_range_state") for sharded in self.optimizers)
+        return OptimizerShards(runs, tuple(s.optimizer for s in self.optimizers), self.has_replicated_optimizers(),
+                               whole)  # fmt: skip
 
     def num_params(self) -> int:
         """Unpadded parameter count managed by the engine (one dp replica)."""

@@ -370,6 +370,7 @@ class OptimizerShards:
     runs: tuple[tuple[OwnedRange, torch.Tensor], ...]
     optimizers: tuple  # the user's torch optimizers, in the engine's order
     replicated: bool  # some optimizer steps replicated full masters (its state is not range-saved)
+    whole_matrices: bool = False  # some optimizer keeps each state matrix whole on its owner (Muon)
 
     def serves(self, optimizers: list) -> bool:
         """Whether every one of ``optimizers`` (at least one) is an optimizer these runs belong to."""

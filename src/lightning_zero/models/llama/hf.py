@@ -46,7 +46,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -61,18 +61,23 @@ from lightning_zero.checkpoint.hf import (
     load_module_params,
     open_weight_files,
     parse_size,
+    remove_stale_weights,
     write_safetensors_shards,
 )
 from lightning_zero.checkpoint.load import open_checkpoint
 from lightning_zero.models.llama.config import LlamaConfig, preset_names, resolve_config
-from lightning_zero.models.llama.hf_config import ARCHITECTURE, CONFIG_FILE, PathLike, read_hf_config
+from lightning_zero.models.llama.hf_config import CONFIG_FILE, FAMILY_ARCHITECTURES, PathLike, read_hf_config
 from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
+
+if TYPE_CHECKING:
+    from lightning_zero.checkpoint.hf_write import HFExport
 
 # Keys some checkpoints carry that are derived, not learned (old transformers saved the RoPE table).
 IGNORABLE_KEYS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # LlamaConfig fields that config.json decides (max_seq_len, the rotary table length, may differ).
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
-                "rope_scaling", "tie_embeddings")  # fmt: skip
+                "rope_scaling", "tie_embeddings", "head_dim", "qk_norm", "qkv_bias", "sliding_window",
+                "family")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,8 +110,18 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, base: Optional[Mappi
         k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype")
     }
     max_positions = max(config.max_seq_len, int((base or {}).get("max_position_embeddings", 0)))
-    values.update(architectures=[ARCHITECTURE], model_type="llama", **hf_decoder_fields(config, dtype))
-    values.update(intermediate_size=config.ffn_dim, max_position_embeddings=max_positions, mlp_bias=False)
+    family = config.family
+    values.update(architectures=[FAMILY_ARCHITECTURES[family]], model_type=family, **hf_decoder_fields(config, dtype))
+    values.update(intermediate_size=config.ffn_dim, max_position_embeddings=max_positions)
+    if family == "llama":
+        values.update(mlp_bias=False)
+    elif family == "mistral":
+        values.update(sliding_window=config.sliding_window)
+    else:  # qwen2 / qwen3: full attention in every layer ([Note] in hf_config._family_fields)
+        values.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layers,
+                      layer_types=["full_attention"] * config.n_layers)  # fmt: skip
+        if family == "qwen2":  # its q/k/v biases are not a config field
+            del values["attention_bias"]
     values.update(hf_rope_fields(config))  # dynamic: max_position_embeddings is where scaling starts
     return values
 
@@ -158,7 +173,8 @@ def pretrained_config(requested: Union[None, str, LlamaConfig, Mapping[str, Any]
         values["rope_scaling"] = normalize_rope_scaling(values["rope_scaling"], where=f"model {name!r}")
     for field_name, wanted in values.items():
         have = getattr(loaded, field_name)
-        same = math.isclose(float(wanted), float(have), rel_tol=1e-9) if isinstance(have, float) else wanted == have
+        numeric = isinstance(have, float) and not isinstance(wanted, (str, bool))
+        same = math.isclose(float(wanted), float(have), rel_tol=1e-9) if numeric else wanted == have
         if not same:
             disagree.append(f"{field_name} {wanted!r} (config.json: {have!r})")
     if disagree:
@@ -193,60 +209,67 @@ def _rope_rows(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf
     return permute_for_hf(tensor, head_dim) if to_hf else unpermute_from_hf(tensor, head_dim)
 
 
-def hf_names(config: LlamaConfig, tied: bool = False) -> dict[str, str]:
-    """``{our parameter name: Hugging Face key}`` in Hugging Face's order; ``tied``: the head
-    reads the embedding (``config.tie_embeddings``: the head is the embedding, so no entry)."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
-    for i in range(config.n_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        names |= {
-            ours + "attention_norm.weight": theirs + "input_layernorm.weight",
-            ours + "attention.wq.weight": theirs + "self_attn.q_proj.weight",
-            ours + "attention.wk.weight": theirs + "self_attn.k_proj.weight",
-            ours + "attention.wv.weight": theirs + "self_attn.v_proj.weight",
-            ours + "attention.wo.weight": theirs + "self_attn.o_proj.weight",
-            ours + "ffn_norm.weight": theirs + "post_attention_layernorm.weight",
-            ours + "feed_forward.w1.weight": theirs + "mlp.gate_proj.weight",
-            ours + "feed_forward.w3.weight": theirs + "mlp.up_proj.weight",
-            ours + "feed_forward.w2.weight": theirs + "mlp.down_proj.weight",
-        }
-    names["norm.weight"] = "model.norm.weight"
-    if not config.tie_embeddings:
-        names["output.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    return names
+def _rows(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf: bool) -> torch.Tensor:
+    """A :class:`Source` transform for a q/k bias or norm gain: (un)permuted as rows of ``wq``."""
+    return _rope_rows(tensor.reshape(tensor.shape[0], 1), dim, head_dim=head_dim, to_hf=to_hf).reshape(tensor.shape)
 
 
-def dense_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """``{our parameter name: dense shape}`` from the config alone."""
-    kv_dim = config.n_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "attention_norm.weight": (config.dim,),
-            p + "attention.wq.weight": (config.n_heads * config.head_dim, config.dim),
-            p + "attention.wk.weight": (kv_dim, config.dim),
-            p + "attention.wv.weight": (kv_dim, config.dim),
-            p + "attention.wo.weight": (config.dim, config.n_heads * config.head_dim),
-            p + "ffn_norm.weight": (config.dim,),
-            p + "feed_forward.w1.weight": (config.ffn_dim, config.dim),
-            p + "feed_forward.w3.weight": (config.ffn_dim, config.dim),
-            p + "feed_forward.w2.weight": (config.dim, config.ffn_dim),
-        }
-    shapes["norm.weight"] = (config.dim,)
-    shapes["output.weight"] = (config.vocab_size, config.dim)
-    return shapes
+# One row of a block's layout: (our name, Hugging Face name, which shape, permuted). In the order
+# of transformers' ``state_dict()`` (its modules' registration order), which decides how
+# ``save_pretrained`` groups tensors into files (``checkpoint.hf.plan_shards``).
+_BLOCK_LAYOUT = (
+    ("attention.wq.weight", "self_attn.q_proj.weight", "q", True),
+    ("attention.wq.bias", "self_attn.q_proj.bias", "q_bias", True),
+    ("attention.wk.weight", "self_attn.k_proj.weight", "kv", True),
+    ("attention.wk.bias", "self_attn.k_proj.bias", "kv_bias", True),
+    ("attention.wv.weight", "self_attn.v_proj.weight", "kv", False),
+    ("attention.wv.bias", "self_attn.v_proj.bias", "kv_bias", False),
+    ("attention.wo.weight", "self_attn.o_proj.weight", "o", False),
+    ("attention.q_norm.weight", "self_attn.q_norm.weight", "head", True),
+    ("attention.k_norm.weight", "self_attn.k_norm.weight", "head", True),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight", "up", False),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight", "up", False),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight", "down", False),
+    ("attention_norm.weight", "input_layernorm.weight", "dim", False),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "dim", False),
+)
+
+
+def _block_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim  # type: ignore[operator]
+    return dict(q=(q_dim, config.dim), q_bias=(q_dim,), kv=(kv_dim, config.dim), kv_bias=(kv_dim,),
+                o=(config.dim, q_dim), head=(config.head_dim,), up=(config.ffn_dim, config.dim),
+                down=(config.dim, config.ffn_dim), dim=(config.dim,))  # fmt: skip
+
+
+def _in_block(config: LlamaConfig, ours: str) -> bool:
+    if ours.endswith(".bias"):
+        return config.qkv_bias
+    if ".q_norm." in ours or ".k_norm." in ours:
+        return config.qk_norm
+    return True
 
 
 def tensor_plan(config: LlamaConfig, *, tied: bool = False, to_hf: bool = False) -> dict[str, Source]:
-    """``{our parameter name: Source}``: the Hugging Face key, the dense shape, the q/k permutation
-    (towards ours when loading, towards Hugging Face's with ``to_hf``)."""
-    shapes = dense_shapes(config)
+    """``{our parameter name: Source}`` in transformers' ``state_dict()`` order: the Hugging Face
+    key, the dense shape, the q/k permutation of ``wq``/``wk`` rows, their biases and the q/k norm
+    gains (towards ours when loading, towards Hugging Face's with ``to_hf``). ``tied``: the
+    checkpoint has no ``lm_head.weight``; the head reads the embedding (``config.tie_embeddings``:
+    the head *is* the embedding, so no entry)."""
+    shapes = _block_shapes(config)
     rope = functools.partial(_rope_rows, head_dim=config.head_dim, to_hf=to_hf)  # picklable (spawn)
-    return {
-        name: Source(key, shapes[name], rope if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None)
-        for name, key in hf_names(config, tied).items()
-    }
+    rows = functools.partial(_rows, head_dim=config.head_dim, to_hf=to_hf)
+    table = (config.vocab_size, config.dim)
+    plan = {"tok_embeddings.weight": Source("model.embed_tokens.weight", table)}
+    for i in range(config.n_layers):
+        for ours, theirs, shape, permuted in _BLOCK_LAYOUT:
+            if _in_block(config, ours):
+                transform = (rope if shape in ("q", "kv") else rows) if permuted else None
+                plan[f"layers.{i}.{ours}"] = Source(f"model.layers.{i}.{theirs}", shapes[shape], transform)
+    plan["norm.weight"] = Source("model.norm.weight", (config.dim,))
+    if not config.tie_embeddings:
+        plan["output.weight"] = Source("model.embed_tokens.weight" if tied else "lm_head.weight", table)
+    return plan
 
 
 class HFLlamaWeights:
@@ -288,6 +311,22 @@ def check_export_dtype(dtype: Optional[str]) -> None:
         raise ValueError(f"export --dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
 
 
+def hf_export(config: LlamaConfig, base: Optional[Mapping[str, Any]] = None, prefix: str = "") -> "HFExport":
+    """What the no-gather export writes for a ``Llama`` of ``config`` whose parameters are named
+    ``prefix + name`` (``checkpoint.hf_write``): sources towards Hugging Face's layout, and its
+    config.json (``base``: the source directory's, for the fields we do not own)."""
+    from lightning_zero.checkpoint.hf_write import HFExport
+
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(
+            f"no-gather Hugging Face export: {type(config).__name__} {config.name!r} is not a dense Llama-family "
+            "config; export a mixture of experts from its checkpoint with lightning-zero export --format hf"
+        )
+    sources = {prefix + name: source for name, source in tensor_plan(config, to_hf=True).items()}
+    aliases = frozenset({prefix + "output.weight"}) if config.tie_embeddings else frozenset()
+    return HFExport(sources, lambda dtype: hf_config_dict(config, dtype, base), aliases)
+
+
 def write_hf_export(
     out: Union[str, os.PathLike],
     specs: list[TensorSpec],
@@ -303,8 +342,7 @@ def write_hf_export(
     dtype (``dtype``, or the first tensor's saved dtype)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
+    remove_stale_weights(out)
     write_safetensors_shards(out, specs, produce, max_shard_bytes=parse_size(max_shard_size),
                              metadata={"lightning_zero_format": checkpoint_format})  # fmt: skip
     out_dtype = EXPORT_DTYPES[dtype] if dtype else specs[0].dtype
@@ -335,7 +373,7 @@ def export_hf(
     out: Union[str, os.PathLike],
     *,
     dtype: Optional[str] = None,
-    max_shard_size: Union[str, int] = "5GB",
+    max_shard_size: Union[str, int] = "50GB",
 ) -> Path:
     """Write the ``LlamaLM`` checkpoint ``ckpt`` as a Hugging Face Llama directory at ``out``.
 

@@ -1,4 +1,5 @@
-"""A Hugging Face Llama directory's ``config.json``, read into ``LlamaConfig`` fields.
+"""A Hugging Face Llama, Mistral, Qwen2(.5) or Qwen3 directory's ``config.json``, read into
+``LlamaConfig`` fields (the families that are a Llama decoder with flags: ``FAMILY_ARCHITECTURES``).
 
 Plain data in, plain data out: ``LlamaConfig.from_hf`` (``config.py``) builds the config from
 these fields, so the config module reads config.json without importing the rest of the Hugging
@@ -18,6 +19,11 @@ from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
 PathLike = Union[str, os.PathLike]
 CONFIG_FILE = "config.json"
 ARCHITECTURE = "LlamaForCausalLM"
+# config.json's model_type -> its architecture: each a Llama decoder with flags (``LlamaConfig.family``).
+FAMILY_ARCHITECTURES = {"llama": ARCHITECTURE, "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# transformers' MistralConfig default when config.json names no sliding_window.
+MISTRAL_DEFAULT_WINDOW = 4096
 
 
 def read_hf_config(path: PathLike) -> dict[str, Any]:
@@ -54,34 +60,50 @@ def _rope_scaling_from_hf(values: Mapping[str, Any], where: Path) -> Optional[di
     return normalize_rope_scaling(raw, where=str(where))
 
 
+def _family_fields(values: Mapping[str, Any], family: str, where: Path) -> dict[str, Any]:
+    """The flags of ``family`` (``qk_norm``, ``qkv_bias``, ``sliding_window``) from config.json,
+    refusing what its ``transformers`` class would compute differently from ``Llama``."""
+    bias_key = {"llama": "attention_bias", "mistral": None, "qwen2": None, "qwen3": "attention_bias"}[family]
+    refusals = {"hidden_act": (values.get("hidden_act", "silu"), "silu")}
+    if bias_key is not None:
+        refusals[bias_key] = (values.get(bias_key, False), False)
+    if family == "llama":
+        refusals["mlp_bias"] = (values.get("mlp_bias", False), False)
+    for key, (got, want) in refusals.items():
+        if got != want:
+            raise ValueError(f"{where}: {key} = {got!r} is not supported ({family} here uses {want!r})")
+    fields: dict[str, Any] = dict(family=family, qk_norm=family == "qwen3", qkv_bias=family == "qwen2")
+    if family == "mistral":
+        fields["sliding_window"] = values.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+    elif family in ("qwen2", "qwen3"):  # transformers applies their window only with use_sliding_window
+        sliding = [i for i, kind in enumerate(values.get("layer_types") or []) if kind == "sliding_attention"]
+        if values.get("use_sliding_window") or sliding:
+            raise ValueError(
+                f"{where}: use_sliding_window / sliding_attention layers {sliding} are not supported for {family} "
+                "(only full attention in every layer, as the published Qwen2.5 and Qwen3 checkpoints have)"
+            )
+    return fields
+
+
 def config_fields_from_hf(path: PathLike) -> dict[str, Any]:
-    """The ``LlamaConfig`` fields of a Hugging Face Llama directory, refusing what ``Llama`` cannot
-    compute (``LlamaConfig.from_hf`` builds the config from them)."""
+    """The ``LlamaConfig`` fields of a Hugging Face Llama, Mistral, Qwen2(.5) or Qwen3 directory,
+    refusing what ``Llama`` cannot compute (``LlamaConfig.from_hf`` builds the config from them)."""
     values = read_hf_config(path)
     where = Path(path) / CONFIG_FILE
     model_type = values.get("model_type")
-    architectures = values.get("architectures") or [ARCHITECTURE]
-    if model_type != "llama" or any(arch != ARCHITECTURE for arch in architectures):
+    architecture = FAMILY_ARCHITECTURES.get(str(model_type))
+    architectures = values.get("architectures") or [architecture]
+    if architecture is None or any(arch != architecture for arch in architectures):
+        known = ", ".join(f"{name!r} ({arch})" for name, arch in FAMILY_ARCHITECTURES.items())
         raise ValueError(
-            f"{where}: model_type {model_type!r}, architectures {architectures}: only Llama checkpoints "
-            f"(model_type 'llama', {ARCHITECTURE}) can be loaded"
+            f"{where}: model_type {model_type!r}, architectures {architectures}: only these dense families can be "
+            f"loaded here: {known} (Mixtral and Qwen3-MoE: the MoE models, lightning_zero.models.moe)"
         )
     rope_scaling = _rope_scaling_from_hf(values, where)
-    refusals = {
-        "attention_bias": (values.get("attention_bias", False), False),
-        "mlp_bias": (values.get("mlp_bias", False), False),
-        "hidden_act": (values.get("hidden_act", "silu"), "silu"),
-    }
-    for key, (got, want) in refusals.items():
-        if got != want:
-            raise ValueError(f"{where}: {key} = {got!r} is not supported (Llama uses {want!r})")
+    family = _family_fields(values, str(model_type), where)
     try:
         dim, n_heads = int(values["hidden_size"]), int(values["num_attention_heads"])
         head_dim = values.get("head_dim") or dim // n_heads
-        if head_dim * n_heads != dim:
-            raise ValueError(
-                f"{where}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; not supported"
-            )
         theta = values.get("rope_theta") or (values.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return dict(
             name=f"hf:{Path(path).resolve().name}",
@@ -96,6 +118,8 @@ def config_fields_from_hf(path: PathLike) -> dict[str, Any]:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             tie_embeddings=bool(values.get("tie_word_embeddings", False)),
+            head_dim=int(head_dim),
+            **family,
         )
     except KeyError as exc:
         raise ValueError(f"{where}: missing field {exc.args[0]!r}") from exc

@@ -226,6 +226,18 @@ class LlamaLM(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self._built_model()(idx)
 
+    def hf_export(self) -> Any:
+        """The Hugging Face layout of this model's family for the no-gather export
+        (``ZeroStrategy.save_hf_pretrained``; ``checkpoint/hf_write.py``); the ``init_from``
+        directory's config.json, when it still exists, contributes the fields we do not own."""
+        from pathlib import Path
+
+        from lightning_zero.models.llama.hf import hf_export, read_hf_config
+
+        init_from = self.hparams.get("init_from")
+        base = read_hf_config(init_from) if init_from and Path(init_from, "config.json").is_file() else None
+        return hf_export(self.config, base, prefix="model.")
+
     def _built_model(self) -> Llama:
         if self.model is None:
             raise RuntimeError("LlamaLM.model is not built yet; the Trainer calls configure_model(), or call it")

@@ -91,13 +91,19 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        bias = bool(getattr(config, "qkv_bias", False))  # Qwen2.5
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # Per-head RMSNorms on q and k before rotary (Qwen3): set by a model family that has them.
+        # Per-head RMSNorms on q and k before rotary (Qwen3, ``qk_norm``).
         self.q_norm: Optional[nn.Module] = None
         self.k_norm: Optional[nn.Module] = None
+        if getattr(config, "qk_norm", False):
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        # Mistral 7B v0.1: each query sees the last ``sliding_window`` keys (itself included).
+        self.sliding_window: Optional[int] = getattr(config, "sliding_window", None)
 
     recompute_core = False  # selective checkpointing ([Note: checkpointing modes]); set by Llama
     # Context parallelism: set by cp.parallelize_context; x is then a T/cp slice. A
@@ -119,15 +125,25 @@ class Attention(nn.Module):
         return self.wo(y)  # y: (B, T, q_heads * head_dim)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        window = self.sliding_window
         if self.recompute_core and torch.is_grad_enabled():
-            return checkpoint(attention_core, q, k, v, cos, sin, use_reentrant=False)
-        return attention_core(q, k, v, cos, sin)
+            return checkpoint(attention_core, q, k, v, cos, sin, window, use_reentrant=False)
+        return attention_core(q, k, v, cos, sin, window)
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    sliding_window: Optional[int] = None,
+):
     """Rotary, grouped-query repeat and causal SDPA: q ``(B, T, q_heads, head_dim)``, k and v
     ``(B, T, kv_heads, head_dim)`` -> ``(B, T, q_heads * head_dim)``. What selective checkpointing
-    recomputes ([Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``)."""
+    recomputes ([Note: checkpointing modes] in ``lightning_zero/models/checkpointing.py``).
+    ``sliding_window``: query ``i`` sees keys ``j`` with ``i - window < j <= i`` (transformers'
+    ``sliding_window_overlay``); a sequence no longer than the window is plain causal."""
     batch, seq = q.shape[:2]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     repeats = q.size(2) // k.size(2)
@@ -135,7 +151,13 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         k = k.repeat_interleave(repeats, dim=2)
         v = v.repeat_interleave(repeats, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if sliding_window is not None and seq > sliding_window:
+        position = torch.arange(seq, device=q.device)
+        distance = position[:, None] - position[None, :]  # query - key
+        mask = (distance >= 0) & (distance < sliding_window)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, q_heads * head_dim)
 
 
@@ -165,6 +187,17 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def init_attention_extras(attention: nn.Module) -> None:
+    """The q/k/v biases (zero, as transformers' Qwen2 init) and q/k norm gains (one) of a block,
+    where the family has them."""
+    for linear in (attention.wq, attention.wk, attention.wv):
+        if linear.bias is not None:
+            nn.init.zeros_(linear.bias)
+    for norm in (attention.q_norm, attention.k_norm):
+        if norm is not None:
+            norm.reset_parameters()
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -233,11 +266,18 @@ def check_llama_layout(
         )
     import warnings
 
-    from lightning_zero.cp.layout import check_context_parallel, layout_notice
+    from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 
     layout = check_context_parallel(
         dims.cp, tp=dims.tp, model_config=config, seq_len=seq_len, sequence_parallel=sequence_parallel
     )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and isinstance(layout, RingLayout) and (seq_len is None or seq_len > window):
+        raise ValueError(
+            f"ZeroStrategy(cp={dims.cp}, tp={dims.tp}): {owner} attends over a sliding window of {window} tokens, "
+            f"which ring attention does not apply; pick cp so that tp * cp divides n_heads ({config.n_heads}) "
+            "(Ulysses attention keeps the window), or train on sequences no longer than the window"
+        )
     notice = layout_notice(layout)
     if notice is not None:
         warnings.warn(f"lightning_zero: {notice}", stacklevel=3)
@@ -314,6 +354,13 @@ class Llama(nn.Module):
         model.weight_source = weights
         model.init_weights()
         return model
+
+    def hf_export(self) -> Any:
+        """This model's Hugging Face layout (``config.family``) for the no-gather export
+        (``checkpoint.hf_write.save_hf_pretrained``; ``models/llama/hf.py``)."""
+        from lightning_zero.models.llama.hf import hf_export
+
+        return hf_export(self.config)
 
     def check_parallel_dims(self, dims: Any) -> None:
         """[Note: layouts a model declares] in ``runtime/setup.py``: the Fabric door asks the model
@@ -439,6 +486,7 @@ class Llama(nn.Module):
             trunc_normal(linear, 0.02)
         for linear in (layer.attention.wo, layer.feed_forward.w2, layer.feed_forward.w3):
             trunc_normal(linear, depth_std)
+        init_attention_extras(layer.attention)
         layer.attention_norm.reset_parameters()
         layer.ffn_norm.reset_parameters()
 

@@ -54,6 +54,7 @@ from lightning_zero.checkpoint.load import open_checkpoint
 from lightning_zero.models.llama.hf import (
     EXPORT_DTYPES,
     _rope_rows,
+    _rows,
     check_export_dtype,
     describe_recorded_model,
     hf_decoder_fields,
@@ -174,11 +175,6 @@ def hf_config_dict(config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _norm_gain(tensor: torch.Tensor, dim: Optional[int], *, head_dim: int, to_hf: bool) -> torch.Tensor:
-    """A q/k norm gain ``(head_dim,)`` permuted as one head's rows ([Note: rotary permutation])."""
-    return _rope_rows(tensor.view(head_dim, 1), None, head_dim=head_dim, to_hf=to_hf).view(head_dim)
-
-
 def tensor_plan(config: MoEConfig, family: str, *, to_hf: bool = False) -> dict[str, Source]:
     """``{our name: Source}`` for every non-expert tensor, and ``{our name + ".<e>": Source}`` for
     each expert's row of a stacked tensor (``layers.i.moe.experts.w1.7``)."""
@@ -186,7 +182,7 @@ def tensor_plan(config: MoEConfig, family: str, *, to_hf: bool = False) -> dict[
     dim, head_dim = config.dim, config.head_dim
     q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim  # type: ignore[operator]
     rope = functools.partial(_rope_rows, head_dim=head_dim, to_hf=to_hf)
-    gain = functools.partial(_norm_gain, head_dim=head_dim, to_hf=to_hf)
+    gain = functools.partial(_rows, head_dim=head_dim, to_hf=to_hf)
     plan = {"tok_embeddings.weight": Source("model.embed_tokens.weight", (config.vocab_size, dim))}
     for i in range(config.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -247,9 +243,7 @@ class HFMoEWeights:
             stacked = getattr(experts, projection)
             for row in range(stacked.shape[0]):
                 source = self.plan[f"{name}.{projection}.{experts.expert_offset + row}"]
-                tensor = self.files.read(source.key)
-                stacked[row].copy_(tensor)
-                self.bytes_read += tensor.numel() * tensor.element_size()
+                self.bytes_read += self.files.read_into(source.key, stacked.data[row])  # byte ranges, in place
 
 
 def pretrained_config(requested: Any, path: PathLike) -> MoEConfig:
@@ -294,7 +288,7 @@ def export_hf(
     out: Union[str, os.PathLike],
     *,
     dtype: Optional[str] = None,
-    max_shard_size: Union[str, int] = "5GB",
+    max_shard_size: Union[str, int] = "50GB",
 ) -> Path:
     """Write the ``MoELM`` checkpoint ``ckpt`` (saved at any ``ep``) as a Hugging Face Mixtral or
     Qwen3-MoE directory, streaming: each stacked expert tensor is assembled from its saved

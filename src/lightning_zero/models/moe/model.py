@@ -113,10 +113,7 @@ class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)  # type: ignore[arg-type]  (reads LlamaConfig's fields)
-        if config.qk_norm:
-            self.attention.q_norm = RMSNorm(config.head_dim, config.norm_eps)  # type: ignore[arg-type]
-            self.attention.k_norm = RMSNorm(config.head_dim, config.norm_eps)  # type: ignore[arg-type]
+        self.attention = Attention(config)  # type: ignore[arg-type]  (reads LlamaConfig's fields, qk_norm too)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         if layer_id < config.n_dense_layers:
             self.feed_forward: Optional[FeedForward] = FeedForward(config)  # type: ignore[arg-type]

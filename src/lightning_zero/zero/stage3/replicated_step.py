@@ -35,7 +35,7 @@ masters exist only while the step runs, and only for one unit at a time:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.zero.flat import ChunkedParamGroup
+from lightning_zero.zero.hidden_step import HiddenFromOwnStep
 from lightning_zero.zero.optimizer import ShardedOptimizer
 from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
@@ -58,7 +59,7 @@ def _stand_in(master: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
 
 
-class UnitReplicatedOptimizer(ReplicatedOptimizer):
+class UnitReplicatedOptimizer(HiddenFromOwnStep, ReplicatedOptimizer):
     """Stage 3: steps full fp32 masters of its parameters, one unit at a time, on every dp rank.
 
     See [Note: replicated step per unit]. Same surface as :class:`ShardedOptimizer`; gradients,
@@ -84,7 +85,7 @@ class UnitReplicatedOptimizer(ReplicatedOptimizer):
         param_group_of = {id(group): index for index, groups in enumerate(flat_groups) for group in groups}
         plan = [[(param_group_of[id(g)], g) for g in unit if id(g) in param_group_of] for unit in units]
         self._plan: list[list[tuple[int, ChunkedParamGroup]]] = [steps for steps in plan if steps]
-        self._pre_hook = optimizer.register_step_pre_hook(self._before_step)
+        self._register_hiding()  # zero/hidden_step.py
 
     def _point_optimizer_at_masters(self, eager_state: dict) -> None:
         self._master_of_param: dict[int, nn.Parameter] = {}  # module param id -> full master
@@ -130,32 +131,6 @@ class UnitReplicatedOptimizer(ReplicatedOptimizer):
         self._remember_grads()
 
     # -- the step ---------------------------------------------------------------------------------
-    def _show_params(self) -> None:
-        for param_group, masters in zip(self.optimizer.param_groups, self._params_per_group):
-            param_group["params"] = masters
-
-    def _hide_params(self) -> None:
-        for param_group in self.optimizer.param_groups:
-            param_group["params"] = []
-
-    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        """Let the closure (zero_grad, backward, clipping) see the full masters; the optimizer's own
-        loop then sees none (the post-hook steps them per unit)."""
-        self._show_params()  # a step that raised left them hidden
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self._hide_params()
-            return None
-
-        def closure_then_hide() -> Any:
-            loss = closure()
-            self._hide_params()
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_hide}
-        return (args[0], closure_then_hide, *args[2:]), kwargs
-
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         try:
             with record_function("lightning_zero::replicated_step_by_unit"):
@@ -239,5 +214,4 @@ class UnitReplicatedOptimizer(ReplicatedOptimizer):
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
-        self._pre_hook.remove()
-        self._show_params()
+        self._remove_hiding()

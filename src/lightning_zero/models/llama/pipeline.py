@@ -1,0 +1,68 @@
+"""One pipeline stage of a Llama: the blocks a stage holds, the embeddings on the first stage, the
+final norm and head on the last ([Note: pipeline stages] in ``pp/layout.py``).
+
+A stage holds the model's own modules (no copies), under the same names, so a stage's
+``named_parameters()`` are the full model's names for the part it holds (``layers.5.attention.wq.weight``
+stays ``layers.5...`` on whichever stage holds block 5): checkpoints keep dense coordinates and resume
+on any split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_zero.models.llama.model import Llama
+
+
+class LlamaStage(nn.Module):
+    """Stage of a :class:`Llama` holding ``blocks`` (indices into ``model.layers``).
+
+    ``forward`` takes token ids ``(B, T)`` on the first stage and hidden states ``(B, T, dim)``
+    elsewhere; it returns hidden states, or logits ``(B, T, vocab)`` on the last stage.
+    """
+
+    def __init__(self, model: Llama, blocks: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        if model.config.tie_embeddings and first != last:
+            raise ValueError(
+                f"{model.config.name!r} ties its embedding to its head (tie_embeddings=True), and pipeline "
+                "stages put them on different ranks: train it without pp, or untie the head"
+            )
+        self.config = model.config
+        self.first, self.last = first, last
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(index): model.layers[index] for index in blocks})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.context_parallel_size = model.context_parallel_size
+        self.activation_checkpointing = model.activation_checkpointing
+
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return Llama.rope(self, seq_len)  # type: ignore[arg-type]  # reads config and the two tables only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.first else x  # (B, T, dim)
+        cos, sin = self.rope(h.size(1) * self.context_parallel_size)
+        for layer in self.layers.values():
+            if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.output(self.norm(h)) if self.last else h  # (B, T, vocab) on the last stage
+
+
+def llama_stages(model: Llama, layout: Any, pp_rank: int) -> dict[int, LlamaStage]:
+    """The stages ``pp_rank`` runs under ``layout`` (a ``pp.layout.PipelineLayout``), by stage index."""
+    if layout.n_layers != model.config.n_layers:
+        raise ValueError(f"the pipeline layout splits {layout.n_layers} blocks, the model has {model.config.n_layers}")
+    last = layout.num_stages - 1
+    return {
+        stage: LlamaStage(model, layout.stage_blocks(stage), first=stage == 0, last=stage == last)
+        for stage in layout.rank_stages(pp_rank)
+    }

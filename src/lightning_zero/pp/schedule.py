@@ -1,0 +1,75 @@
+"""torch's pipeline schedules over our stages: build once, then one ``step`` per optimizer step.
+
+[Note: what torch's schedules do for us] ``torch.distributed.pipelining`` owns the order of
+forwards and backwards, the point-to-point sends and receives, the shape inference of the first
+step, the micro-batch split of the batch (``TensorChunkSpec`` on dim 0) and the loss per
+micro-batch on the last stage; with ``scale_grads=True`` it divides the accumulated gradients by the
+micro-batch count, so equal micro-batches give the batch-mean gradient ddp computes. What it
+cannot do for us, and so we do: choose the split and check it before any process group
+(``pp/layout.py``), run ZeRO or clipping across stages (each stage's engine over its own dp group;
+the global norm needs every stage), report one loss per step on every rank (only the last stage
+computes it: it is broadcast), and end every rank when one fails (its receives have no timeout of
+their own beyond the process group's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.pp.layout import MULTI_STAGE, TORCH_SCHEDULES, PipelineLayout
+
+
+def build_schedule(
+    layout: PipelineLayout,
+    stage_modules: dict[int, nn.Module],
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
+    """torch's schedule for ``layout`` over this rank's ``stage_modules`` (stage index -> module)."""
+    import torch.distributed.pipelining as pipelining
+
+    expected = layout.rank_stages(dist.get_rank(group))
+    if sorted(stage_modules) != sorted(expected):
+        raise ValueError(f"this pp rank runs stages {expected}, got modules for {sorted(stage_modules)}")
+    stages = [
+        pipelining.PipelineStage(stage_modules[index], index, layout.num_stages, device, group=group)
+        for index in expected
+    ]
+    schedule_class = getattr(pipelining, TORCH_SCHEDULES[layout.schedule])
+    if layout.schedule in MULTI_STAGE:
+        return schedule_class(stages, layout.microbatches, loss_fn=loss_fn)
+    return schedule_class(stages[0], layout.microbatches, loss_fn=loss_fn)
+
+
+def holds_first_stage(layout: PipelineLayout, pp_rank: int) -> bool:
+    return 0 in layout.rank_stages(pp_rank)
+
+
+def holds_last_stage(layout: PipelineLayout, pp_rank: int) -> bool:
+    return layout.num_stages - 1 in layout.rank_stages(pp_rank)
+
+
+def run_step(
+    schedule: Any, layout: PipelineLayout, pp_rank: int, inputs: torch.Tensor, targets: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """One forward and backward of the whole batch through the pipeline; gradients accumulate in
+    each stage's parameters. Returns the batch's mean loss on the rank holding the last stage
+    (``None`` elsewhere)."""
+    from torch.profiler import record_function
+
+    kwargs: dict[str, Any] = {}
+    losses: Optional[list[torch.Tensor]] = None
+    if holds_last_stage(layout, pp_rank):
+        losses = []
+        kwargs.update(target=targets, losses=losses)
+    args = (inputs,) if holds_first_stage(layout, pp_rank) else ()
+    with record_function("lightning_zero::pp_schedule_step"):
+        schedule.step(*args, **kwargs)
+    if losses is None:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).mean()

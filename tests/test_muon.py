@@ -1,0 +1,183 @@
+"""Muon under ZeRO: owners balanced by Newton-Schulz FLOPs, the owner's update bit for bit torch's,
+and the engine's owner step equal to a plain ``torch.optim.Muon`` step on the averaged gradient.
+
+The Lightning parity table (ddp vs zero1-3, tp, ep) is ``tests/test_muon_parity.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.zero.matrix_owners import assign_owners, ns_flops, owner_loads
+from lightning_zero.zero.muon import GroupedMuon, step_matrix
+from tests.distributed import run_ranks
+
+# -- owners -----------------------------------------------------------------------------------------
+
+
+def test_ns_flops_counts_the_wide_orientation():
+    assert ns_flops(64, 256) == ns_flops(256, 64) == 5 * (4 * 64 * 64 * 256 + 2 * 64**3)
+    assert ns_flops(8, 8, steps=1) == 4 * 8**3 + 2 * 8**3
+    with pytest.raises(ValueError, match="rows"):
+        ns_flops(0, 4)
+
+
+def test_owners_balance_newton_schulz_flops():
+    # a transformer's matrices: 4 layers of (q, k, v, o, gate, up, down) at dim 256, ffn 688
+    shapes = [(256, 256)] * 4 * 4 + [(688, 256), (688, 256), (256, 688)] * 4
+    costs = [ns_flops(*s) for s in shapes]
+    for ranks in (2, 4, 8):
+        owners = assign_owners(costs, ranks)
+        loads = owner_loads(costs, owners, ranks)
+        assert set(owners) == set(range(ranks))
+        # longest-processing-time first: max load within (4/3) of the ideal, and within one matrix of it
+        ideal = sum(costs) / ranks
+        assert max(loads) <= min(4 / 3 * ideal, ideal + max(costs))
+    # equal matrices spread evenly; the answer is deterministic (every rank computes it)
+    assert owner_loads([1.0] * 8, assign_owners([1.0] * 8, 4), 4) == [2.0] * 4
+    assert assign_owners(costs, 4) == assign_owners(list(costs), 4)
+    # one huge matrix alone, the rest on the others
+    assert assign_owners([100.0, 1.0, 1.0, 1.0], 2) == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="ranks"):
+        assign_owners([1.0], 0)
+
+
+# -- the owner's arithmetic, bit for bit ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 24)])
+@pytest.mark.parametrize("knobs", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.0}])
+def test_owner_update_is_torch_muon_bitwise(shape, knobs):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    reference = nn.Parameter(weight.clone())
+    torch_muon = torch.optim.Muon([reference], lr=0.02, **knobs)
+    ours = weight.clone()
+    buf = torch.zeros_like(ours)
+    group = dict(torch_muon.param_groups[0])
+    for grad in grads:
+        reference.grad = grad.clone()
+        torch_muon.step()
+        step_matrix(ours, grad.clone(), buf, group)
+        assert torch.equal(ours, reference.detach())
+        assert torch.equal(buf, torch_muon.state[reference]["momentum_buffer"])
+
+
+def test_grouped_muon_steps_each_matrix_as_torch_muon():
+    gen = torch.Generator().manual_seed(1)
+    stack = torch.randn(3, 16, 24, generator=gen)
+    grouped = nn.Parameter(stack.clone())
+    singles = [nn.Parameter(stack[e].clone()) for e in range(3)]
+    opt = GroupedMuon([grouped], lr=0.05, weight_decay=0.01)
+    reference = torch.optim.Muon(singles, lr=0.05, weight_decay=0.01)
+    for _ in range(2):
+        grad = torch.randn(3, 16, 24, generator=gen)
+        grouped.grad = grad.clone()
+        for e, single in enumerate(singles):
+            single.grad = grad[e].clone()
+        opt.step()
+        reference.step()
+    for e, single in enumerate(singles):
+        assert torch.equal(grouped.detach()[e], single.detach())
+
+
+def test_non_matrix_parameter_refused_as_torch_refuses_it():
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        torch.optim.Muon([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="GroupedMuon only supports 2D parameters"):
+        GroupedMuon([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="Learning rate"):
+        GroupedMuon([nn.Parameter(torch.zeros(2, 4))], lr=-1.0)
+
+
+def test_other_whole_matrix_optimizers_refused_by_name():
+    from lightning_zero.zero.build import check_elementwise
+
+    model = nn.Linear(4, 4)
+    for name in ("Shampoo", "SOAP", "Dion"):
+        fake = type(name, (torch.optim.SGD,), {})(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=f"optimizer 0 is {name}.*matrix owners"):
+            check_elementwise([fake], 1)
+    check_elementwise([torch.optim.Muon([model.weight])], 3)  # admitted: owners
+
+
+# -- the engine's owner step vs one process running torch.optim.Muon -------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 12)
+        self.up = nn.Linear(12, 40)
+        self.mid = nn.Linear(40, 40)
+        self.down = nn.Linear(40, 12, bias=False)
+        self.norm = nn.LayerNorm(12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.norm(self.down(torch.relu(self.mid(torch.relu(self.up(h)))))).sum(-1)
+
+
+def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if p.ndim != 2 or "embed" in n]
+    return [torch.optim.Muon(matrices, lr=0.05, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.zero.engine import ZeroEngine
+
+    for stage in stages:
+        torch.manual_seed(0)
+        reference = _Net()
+        model = _Net()
+        model.load_state_dict(reference.state_dict())
+        ref_opts = _optimizers(reference)
+        opts = _optimizers(model)
+        engine = ZeroEngine(model, opts, ZeroConfig(stage=stage, bucket_mb=0.0005))
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            batches = [torch.randint(0, 16, (4, 3), generator=gen) for _ in range(world)]
+            ref_loss = sum(reference(b).pow(2).mean() for b in batches) / world
+            ref_loss.backward()
+            for opt in ref_opts:  # clipped per optimizer, as Lightning clips
+                torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 0.5)
+            for opt in ref_opts:
+                opt.step()
+                opt.zero_grad()
+            loss = model(batches[rank]).pow(2).mean()
+            engine.backward(loss)
+            for opt in opts:
+                engine.sharded_optimizer(opt).clip_grad_norm_(0.5)
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad()
+        # bytes counted per step = the plan's (every matrix stepped each of the 3 steps)
+        planned = engine.sharded_optimizer(opts[0]).planned_bytes()
+        for label, per_step in planned.items():
+            assert engine.counter.bytes.get(label, 0) == 3 * per_step, (label, engine.counter.bytes, planned)
+        assert planned["muon_to_owner"] + planned["muon_from_owner"] > 0
+        # the momentum lives whole on its owner: this rank holds exactly the planner's bytes
+        from lightning_zero.planner.muon import muon_cost
+
+        muon = engine.sharded_optimizer(opts[0])
+        shapes = [tuple(p.shape) for p in muon._module_params[0]]
+        assert muon.state_bytes() == muon_cost(shapes, world).state_bytes[rank]
+        assert sum(muon_cost(shapes, world).state_bytes) == 4 * sum(a * b for a, b in shapes)
+        engine.release_module()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            gap = (p.detach() - q.detach()).abs().max().item()
+            assert gap < 1e-5, f"stage {stage} rank {rank}: {name} differs by {gap}"
+        engine.close()
+        dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_engine_owner_step_equals_torch_muon(world):
+    run_ranks(_engine_vs_reference, world, args=([1, 2, 3],), timeout_s=240)

@@ -1,0 +1,153 @@
+"""Pipeline parallelism's engine level: the layout's checks (no process group), the schedule played
+on paper against torch's own order, and torch's schedules over our Llama stages on 2 gloo ranks
+against one process running the whole model."""
+
+import pytest
+import torch
+
+from lightning_zero.pp.layout import SCHEDULES, PipelineLayout, balanced_split
+from lightning_zero.pp.simulate import StageCosts, schedule_order, trace_schedule
+from tests.distributed import run_ranks
+
+BAD_LAYOUTS = [
+    (dict(pp=2, schedule="pipedream", n_layers=4, microbatches=4), "is not a schedule"),
+    (dict(pp=4, schedule="1f1b", n_layers=3, microbatches=4), "every stage needs at least one"),
+    (
+        dict(pp=2, schedule="interleaved_1f1b", n_layers=3, microbatches=4, virtual_stages=2),
+        "every stage needs at least one",
+    ),
+    (dict(pp=2, schedule="interleaved_1f1b", n_layers=4, microbatches=4), "pp_virtual_stages >= 2"),
+    (dict(pp=2, schedule="1f1b", n_layers=4, microbatches=4, virtual_stages=2), "pp_virtual_stages must be 1"),
+    (dict(pp=4, schedule="1f1b", n_layers=8, microbatches=2), "at least pp\\(4\\) micro-batches"),
+    (dict(pp=2, schedule="zbv", n_layers=8, microbatches=2, virtual_stages=2), "at least 4 micro-batches"),
+    (dict(pp=2, schedule="interleaved_1f1b", n_layers=8, microbatches=7, virtual_stages=2), "not a multiple"),
+    (dict(pp=2, schedule="1f1b", n_layers=4, microbatches=4, pp_layers=(1, 2)), "sums to 3"),
+    (dict(pp=2, schedule="1f1b", n_layers=4, microbatches=4, pp_layers=(4,)), "must give 2 positive block counts"),
+    (dict(pp=2, schedule="1f1b", n_layers=4, microbatches=4, pp_layers=(4, 0)), "must give 2 positive block counts"),
+    (dict(pp=0, schedule="1f1b", n_layers=4, microbatches=4), "pp must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_LAYOUTS)
+def test_a_split_that_cannot_work_is_refused_naming_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineLayout(**kwargs)
+
+
+def test_stages_hold_every_block_once_and_ranks_run_torchs_stages():
+    layout = PipelineLayout(pp=2, schedule="1f1b", n_layers=7, microbatches=2)
+    assert [list(layout.stage_blocks(s)) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6]]
+    four = PipelineLayout(pp=4, schedule="1f1b", n_layers=10, microbatches=4)
+    assert four.layers_per_stage == (2, 3, 3, 2)  # the remainder to the stages without embeddings or head
+    by_hand = PipelineLayout(pp=2, schedule="gpipe", n_layers=4, microbatches=1, pp_layers=(1, 3))
+    assert list(by_hand.stage_blocks(1)) == [1, 2, 3]
+    interleaved = PipelineLayout(pp=2, schedule="interleaved_1f1b", n_layers=8, microbatches=4, virtual_stages=2)
+    assert interleaved.rank_stages(0) == (0, 2) and interleaved.rank_stages(1) == (1, 3)
+    v = PipelineLayout(pp=2, schedule="zbv", n_layers=8, microbatches=4)
+    assert v.rank_stages(0) == (0, 3) and v.rank_stages(1) == (1, 2)
+    assert [v.stage_rank(s) for s in range(4)] == [0, 1, 1, 0]
+
+
+def test_balanced_split_minimizes_the_costliest_stage():
+    assert balanced_split([1.0] * 8, 2) == (4, 4)
+    assert balanced_split([1.0] * 8, 2, last_extra=2.0) == (5, 3)
+    split = balanced_split([1.0] * 8, 4, first_extra=1.0, last_extra=3.0)
+    costs = [n + (1.0 if i == 0 else 0.0) + (3.0 if i == 3 else 0.0) for i, n in enumerate(split)]
+    assert sum(split) == 8 and split[3] == 1 and max(costs) == 4.0  # 8 + 1 + 3 over 4 stages: 3 is out of reach
+    with pytest.raises(ValueError, match="stages need"):
+        balanced_split([1.0] * 3, 4)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_one_f_one_b_and_gpipe_bubbles_and_in_flight_match_the_textbook(pp, m):
+    # Equal stages, backward = 2 forwards: both have the bubble (pp - 1) / (m + pp - 1); GPipe keeps
+    # every micro-batch's activations, 1F1B at most pp - rank of them (pp on the first stage).
+    for schedule in ("gpipe", "1f1b"):
+        trace = trace_schedule(PipelineLayout(pp=pp, schedule=schedule, n_layers=pp * 2, microbatches=m))
+        assert trace.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+        expected = (m,) * pp if schedule == "gpipe" else tuple(min(m, pp - r) for r in range(pp))
+        assert trace.in_flight == expected
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble_in_torchs_own_order():
+    pp, m = 4, 8
+    one_f_one_b = trace_schedule(PipelineLayout(pp=pp, schedule="1f1b", n_layers=16, microbatches=m))
+    # v stages per rank, each 1/v of the work: the per-stage costs are 1/v of 1F1B's
+    half = StageCosts.uniform(2 * pp, 0.5, 0.5, 0.5)
+    interleaved = trace_schedule(
+        PipelineLayout(pp=pp, schedule="interleaved_1f1b", n_layers=16, microbatches=m, virtual_stages=2), half
+    )
+    assert interleaved.bubble_fraction == pytest.approx((pp - 1) / (2 * m + pp - 1))
+    zero_bubble = trace_schedule(
+        PipelineLayout(pp=pp, schedule="interleaved_zb", n_layers=16, microbatches=m, virtual_stages=2), half
+    )
+    zbv = trace_schedule(PipelineLayout(pp=pp, schedule="zbv", n_layers=16, microbatches=m), half)
+    assert zero_bubble.bubble_fraction < interleaved.bubble_fraction < one_f_one_b.bubble_fraction
+    assert zbv.bubble_fraction < interleaved.bubble_fraction
+    # the order is torch's: every (stage, micro-batch) runs its forward and backward exactly once
+    for schedule in SCHEDULES:
+        layout = PipelineLayout(
+            pp=2,
+            schedule=schedule,
+            n_layers=8,
+            microbatches=4,
+            virtual_stages=1 if schedule in ("gpipe", "1f1b") else 2,
+        )
+        done = [action for rank in schedule_order(layout) for action in rank]
+        forwards = sorted((s, mb) for s, kind, mb in done if kind == "F")
+        assert forwards == [(s, mb) for s in range(layout.num_stages) for mb in range(4)]
+
+
+CONFIG = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+PIPELINE_CASES = [("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved_1f1b", 2, 4), ("interleaved_zb", 2, 4), ("zbv", 2, 4)]
+
+
+def _reference(batch, targets):
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama, cross_entropy_loss
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(name="pp-test", **CONFIG))
+    loss = cross_entropy_loss(model(batch), targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _pipeline_cases(rank, world, cases, batch, targets, expected_loss, expected_grads):
+    import torch.distributed as dist
+
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama, cross_entropy_loss
+    from lightning_zero.models.llama.pipeline import llama_stages
+    from lightning_zero.pp.schedule import build_schedule, run_step
+
+    for schedule, virtual, microbatches in cases:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(name="pp-test", **CONFIG))
+        layout = PipelineLayout(
+            pp=world, schedule=schedule, n_layers=CONFIG["n_layers"], microbatches=microbatches, virtual_stages=virtual
+        )
+        stages = llama_stages(model, layout, rank)
+        pipeline = build_schedule(layout, stages, None, torch.device("cpu"), cross_entropy_loss)
+        loss = run_step(pipeline, layout, rank, batch, targets)
+        if loss is not None:
+            assert torch.allclose(loss, expected_loss, rtol=0, atol=1e-6), (schedule, loss, expected_loss)
+        seen = set()
+        for stage in stages.values():
+            for name, param in stage.named_parameters():
+                seen.add(name)
+                assert param.grad is not None, (schedule, name)
+                torch.testing.assert_close(
+                    param.grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=f"{schedule} {name}"
+                )
+        every = [None] * world
+        dist.all_gather_object(every, sorted(seen))
+        assert sorted(n for names in every for n in names) == sorted(expected_grads), schedule  # each once
+
+
+def test_torchs_schedules_over_llama_stages_equal_one_process():
+    torch.manual_seed(1)
+    batch = torch.randint(0, CONFIG["vocab_size"], (4, 8))
+    targets = torch.randint(0, CONFIG["vocab_size"], (4, 8))
+    loss, grads = _reference(batch, targets)
+    run_ranks(_pipeline_cases, 2, args=(PIPELINE_CASES, batch, targets, loss, grads), timeout_s=120)
