@@ -3,7 +3,8 @@ of litgpt 0.5.13), on 2 CPU processes under ZeroFabricStrategy at stages 1-3 aga
 under Fabric's ddp, in fp32 and bf16-true: LitGPT's logged per-step losses, every file it saves (LoRA
 and adapter weights, full checkpoints with optimizer state, LitGPT's merged LoRA model) and resuming
 from a saved step. One launch per strategy (tests/scripts/litgpt_scripts.py runs every case in turn
-through ``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users).
+through ``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users), and one of
+4 processes for ``finetune_lora`` and ``pretrain`` under ``--cp 2`` at stages 1-3.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ pytestmark = [
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 SCRIPTS = ["lora", "adapter", "full", "pretrain"]
 RESUMED = ["full", "pretrain"]
+CP_SCRIPTS = ["lora", "pretrain"]  # under --cp 2 (models/litgpt/parallelize.py)
+# LoRA's dropout draws per rank: under cp for a slice of the sequence, other numbers than ddp's for the whole
+CP_CASE = {"lora": "lora-{strategy}-32-nodropout", "pretrain": "pretrain-{strategy}-32"}
 DEFERRED = ["lora", "full"]  # accumulate 2 micro batches and do not clip (pretrain clips: docs/precision.md)
 # fp32: the issue's bound; bf16-true: the rounding of the same sums in another order (docs/precision.md)
 LOSS_TOL = {"32": 1e-5, "bf16": 5e-3}
@@ -43,6 +47,8 @@ def cases(strategy: str) -> list[str]:
     out = [f"{script}-{strategy}-{precision}" for precision in ("32", "bf16") for script in SCRIPTS]
     out += [f"{script}-{strategy}-32-resume" for script in RESUMED]
     out.append(f"lora-{strategy}-32-generate")  # at the same place in every launch (LitGPT keeps state between runs)
+    if strategy == "ddp":
+        out.append("lora-ddp-32-nodropout")  # the reference of --cp 2 (test_litgpt_script_under_cp_equals_fabric_ddp)
     if strategy in ("zero2", "zero3"):
         out += [f"{script}-{strategy}defer-bf16" for script in DEFERRED]
     return out
@@ -56,6 +62,18 @@ def root(tmp_path_factory):
         codes, tails = launch_ranks(["python", *argv, *cases(strategy)], cwd=root, env=script_env(ROOT),
                                     timeout_s=900, log_prefix=f"litgpt_{strategy}")  # fmt: skip
         assert codes == [0, 0], tails
+    return root
+
+
+@pytest.fixture(scope="module")
+def cp_root(root):
+    """``--cp 2`` on 4 processes (dp 2 x cp 2) in ``root``, beside the ddp runs there (dp 2): a
+    launch of its own, after the others (a fixture of its own: its own share of the test timeout)."""
+    argv = [str(ROOT / "tests" / "scripts" / "litgpt_scripts.py"), str(root)]
+    cases = [CP_CASE[script].format(strategy=f"zero{stage}cp2") for stage in ("1", "2", "3") for script in CP_SCRIPTS]
+    codes, tails = launch_ranks(["python", *argv, *cases], cwd=root, env=script_env(ROOT), timeout_s=900, world=4,
+                                log_prefix="litgpt_cp")  # fmt: skip
+    assert codes == [0] * 4, tails
     return root
 
 
@@ -181,3 +199,19 @@ def test_litgpt_resume_equals_ddps_resume(root, script, strategy):
         resumed, first = losses(root, f"{script}-{strategy}-32-resume"), losses(root, f"{script}-{strategy}-32")
         assert resumed and max(resumed) == max(first)
         assert max(abs(resumed[i] - first[i]) for i in resumed) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+@pytest.mark.parametrize("script", CP_SCRIPTS)
+def test_litgpt_script_under_cp_equals_fabric_ddp(cp_root, script, stage):
+    """``python -m lightning_zero.fabric.litgpt --stage S --cp 2 finetune_lora|pretrain ...`` on 4
+    processes (dp 2 x cp 2: [Note: LitGPT under context parallelism] in models/litgpt/parallelize.py)
+    against the same script under ddp on 2: LitGPT's logged losses and every file it saves (LoRA
+    weights and the merged model; pretrain's model and optimizer state) to 1e-5 in fp32."""
+    case = CP_CASE[script]
+    ran = results(cp_root)
+    assert "exception" not in ran.get(case.format(strategy=f"zero{stage}cp2"), {}), ran
+    report = compare(cp_root, case.format(strategy=f"zero{stage}cp2"), case.format(strategy="ddp"))
+    assert report["loss"] <= LOSS_TOL["32"] and all(e["diff"] <= WEIGHT_TOL["32"] for e in report["files"].values()), (
+        report
+    )

@@ -5,10 +5,11 @@ Launched torchrun-style by tests/test_litgpt_scripts.py; one launch runs several
 through ``lightning_zero.fabric.litgpt.run`` (LitGPT's CLI with every ``L.Fabric`` built on the
 case's strategy). CASE = ``<script>-<strategy>-<precision>[-resume]``: script ``lora``, ``adapter``,
 ``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``, ``zero3defer``
-(``defer_grad_reduce=True``); precision ``32`` or ``bf16``
+(``defer_grad_reduce=True``), ``zero1cp2`` (stage 1 with ``--cp 2``, on 4 processes: dp 2 as ddp's); precision ``32`` or ``bf16``
 (``32-true`` / ``bf16-true``). ``-resume`` runs ``full`` / ``pretrain`` again with ``--resume`` from the
 step-2 checkpoint of the same case's first run (which ran 4 steps), into a directory of its own.
-``-generate`` runs ``lora`` with LitGPT's rank-0 ``generate_example`` on (``--eval.interval 2``, one
+``-nodropout`` runs ``lora`` with ``--lora_dropout 0`` (under cp each rank draws dropout for its slice
+of the sequence, other numbers than ddp's draw for the whole: compared without it). ``-generate`` runs ``lora`` with LitGPT's rank-0 ``generate_example`` on (``--eval.interval 2``, one
 epoch: after the validations at steps 2 and 4 and when the epoch ends) and records what it generated.
 
 What the runs share, made once by rank 0 (no network): a byte-level BPE ``tokenizer.json`` trained with
@@ -41,6 +42,7 @@ torch._dynamo.config.disable = True
 from lightning_zero.fabric.litgpt import run  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "2"))
 CONFIG = dict(name="tiny-lz", block_size=32, vocab_size=120, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
               n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
               mlp_class_name="LLaMAMLP", intermediate_size=64)  # fmt: skip
@@ -151,22 +153,26 @@ PRETRAIN_SEQ = 16
 
 
 def command(root: Path, script: str, strategy: str, precision: str, out: Path, resume: bool,
-            generate: bool = False) -> list[str]:  # fmt: skip
+            generate: bool = False, model_parallel: int = 1) -> list[str]:  # fmt: skip
+    """LitGPT's command line for a case. ``model_parallel``: the ranks of one dp index (cp x tp):
+    LitGPT counts every process as a data-parallel rank, so the global batch and pretrain's token
+    budget grow by it to keep ddp's step (docs/fabric.md, LitGPT)."""
+    devices, batch = WORLD, 8 * model_parallel
     common = ["--out_dir", str(out), "--precision", {"32": "32-true", "bf16": "bf16-true"}[precision],
-              "--devices", "2", "--logger_name", "csv", "--train.log_interval", "1",
+              "--devices", str(devices), "--logger_name", "csv", "--train.log_interval", "1",
               "--train.save_interval", "2", "--train.lr_warmup_steps", "1"]  # fmt: skip
     if script == "pretrain":
         return ["pretrain", CONFIG["name"], "--model_config", json.dumps(CONFIG),
                 "--tokenizer_dir", str(root / "checkpoints/base"), "--data", "TextFiles",
                 "--data.train_data_path", str(root / "texts"), "--data.num_workers", "0",
-                "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.max_seq_length", str(PRETRAIN_SEQ),
-                "--train.max_tokens", str(STEPS * 8 * PRETRAIN_SEQ), "--train.max_norm", "1.0",
+                "--train.micro_batch_size", "2", "--train.global_batch_size", str(batch), "--train.max_seq_length", str(PRETRAIN_SEQ),
+                "--train.max_tokens", str(STEPS * batch * PRETRAIN_SEQ), "--train.max_norm", "1.0",
                 "--eval.interval", "1000", "--eval.max_iters", "2", "--eval.final_validation", "false",
                 *common, *(["--resume", str(resume_path(out, script))] if resume else [])]  # fmt: skip
     checkpoint = {"lora": "lora", "adapter": "adapter", "full": "base"}[script]
     args = [SCRIPTS[script], str(root / "checkpoints" / checkpoint), "--data", "JSON",
             "--data.json_path", str(root / "instructions.json"), "--data.val_split_fraction", "0.2",
-            "--data.num_workers", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
+            "--data.num_workers", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", str(batch),
             "--train.max_steps", str(STEPS), "--train.epochs", "100", "--train.max_seq_length", "32",
             "--eval.interval", "1000", "--eval.max_iters", "2", "--eval.max_new_tokens", "4",
             "--eval.final_validation", "false", *common]  # fmt: skip
@@ -195,10 +201,13 @@ def resume_path(out: Path, script: str) -> Path:
 
 def run_case(root: Path, case: str) -> dict:
     script, strategy, precision, *rest = case.split("-")
-    resume, generate = rest == ["resume"], rest == ["generate"]
+    resume, generate, no_dropout = rest == ["resume"], rest == ["generate"], rest == ["nodropout"]
     out = root / "runs" / case
     ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
     options = {"stage": ddp if strategy == "ddp" else strategy[4], "state_dict_type": "full"}
+    model_parallel = 1
+    if "cp" in strategy:  # zero1cp2: stage 1, cp=2 (the wrapper's --cp)
+        options["cp"] = model_parallel = int(strategy.partition("cp")[2])
     if strategy.endswith("defer"):  # zero2defer, zero3defer: gradients stay local over the accumulated micro batches
         options["defer_grad_reduce"] = True
     if generate and strategy != "ddp":
@@ -206,7 +215,8 @@ def run_case(root: Path, case: str) -> dict:
     generated: list = []
     started = time.perf_counter()
     with recording_generations(generated, enabled=generate):
-        run(command(root, script, strategy, precision, out, resume, generate), options)
+        argv = command(root, script, strategy, precision, out, resume, generate, model_parallel)
+        run(argv + (["--lora_dropout", "0"] if no_dropout else []), options)
     return {"seconds": time.perf_counter() - started, "generated": generated}
 
 

@@ -69,24 +69,3 @@ def parallelize_context(
     model.context_parallel_size = cp
     model.loss_fn = functools.partial(context_parallel_loss, token_loss=model.loss_fn, group=group, counter=counter)
     return model
-
-
-def parallelize_context_decoders(
-    module: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None, tp: int = 1
-) -> list[nn.Module]:
-    """Make every context-parallel-capable decoder inside ``module`` (itself included: a module with
-    ``context_parallel_size``, such as ``Llama``) context-parallel over ``group`` with
-    :func:`parallelize_context`; returns them. For a door that receives the user's whole model (the
-    Fabric door's ``fabric.setup``): a wrapper around a ``Llama`` works too. Raises ``ValueError``
-    when there is none (no attention here knows how to exchange its heads)."""
-    decoders = [child for child in module.modules() if hasattr(child, "context_parallel_size")]
-    if not decoders:
-        raise ValueError(
-            f"context parallelism (cp={dist.get_world_size(group)}): {type(module).__name__} holds no decoder that"
-            " splits its sequences over cp (a module with context_parallel_size and Ulysses attention, such as"
-            " lightning_zero.models.Llama); use cp=1 or such a model"
-        )
-    for decoder in decoders:
-        if decoder.context_parallel_size == 1:
-            parallelize_context(decoder, group, counter=counter, tp=tp)
-    return decoders

@@ -14,7 +14,9 @@ takes LitGPT's arguments after the command as LitGPT's ``litgpt`` does. Our opti
 command: ``--stage`` (1, 2, 3; or ``ddp``, ``ddp_find_unused_parameters_true`` for Fabric's own DDP, to compare), ``--state-dict-type``
 (``full``, the default: one ``torch.save`` file per save, as LitGPT's scripts ask of FSDP, so
 LitGPT's merge, generate and convert tools read it; ``sharded``: a checkpoint directory) and
-``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g. ``--knob reduce_dtype=fp32``). They travel
+``--cp N`` (context parallelism: [Note: LitGPT under context parallelism] in
+``models/litgpt/parallelize.py``) and ``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g.
+``--knob reduce_dtype=fp32``). They travel
 to the processes Fabric launches in ``LIGHTNING_ZERO_LITGPT`` (JSON), so Fabric's own re-launch of
 the command line works. docs/fabric.md, "LitGPT", lists what was tested.
 """
@@ -82,6 +84,13 @@ def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     )
     parser.add_argument("--stage", default="3", choices=["1", "2", "3", *DDP])
     parser.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context parallelism: N ranks hold slices of each sequence (docs/fabric.md, LitGPT)",
+    )
     parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help="a ZeroConfig field")
     parser.add_argument("command", help="LitGPT's command, e.g. finetune_lora")
     ours, rest = parser.parse_known_args(argv)
@@ -94,6 +103,8 @@ def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             knobs[name] = json.loads(value)
         except json.JSONDecodeError:
             knobs[name] = value
+    if ours.cp is not None:
+        knobs["cp"] = ours.cp
     options = {"stage": ours.stage, "state_dict_type": ours.state_dict_type, **knobs}
     return options, [ours.command, *rest]
 

@@ -107,7 +107,6 @@ from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 from lightning_zero.runtime.monitor import Monitor
 from lightning_zero.runtime.session import SessionViews, ZeroSession
-from lightning_zero.runtime.setup import check_model_layout
 from lightning_zero.runtime.signals import AgreedSignals, SignalBoundary, requeue_slurm_job
 
 if TYPE_CHECKING:
@@ -392,12 +391,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 f" {type(self._module).__name__}. Put the models in one nn.Module, or use one Fabric per model."
             )
         if self._module is None:
-            # [Note: layouts a model declares] in runtime/setup.py: under Fabric the model arrives after
-            # the launch, so ep > 1 is checked against it here, before anything is broadcast or sharded
-            if self.session.dims is not None:
-                check_model_layout(self.session.dims, module)
-                self._parallelize_context(module)
-                self._parallelize_experts(module)
+            # [Note: the parallelize registry] in runtime/parallelize.py: under Fabric the model arrives
+            # after the launch, so the layout is checked against it and pushed into it here, before
+            # anything is broadcast or sharded
+            self._parallelize(module)
             self._module = module
             # every dp rank starts from the weights of dp rank 0 (as DDP does at construction)
             self.session.prepare_module(module, self.root_device, ranks_per_node=self.num_processes)
@@ -416,29 +413,32 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 self._stand_in_for_meta_parameters(module)
         return module
 
-    # -- context parallelism ([Note: context parallelism under Fabric]) --------------------------
-    def _parallelize_context(self, module: nn.Module) -> None:
-        """``cp > 1``: the model's decoder exchanges its heads over the cp group
-        (``cp.parallelize.parallelize_context_decoders``), before anything is broadcast or sharded;
-        its all-to-alls count into the counter ``prepare_module`` adopts."""
+    # -- the layout pushed into the model ([Note: the parallelize registry]) ---------------------
+    def _parallelize(self, module: nn.Module) -> None:
+        """The layout's one check against the model, then each registered decoder inside it
+        parallelized by its family's step (``runtime/parallelize.py``: tp, ep, cp in that order;
+        context parallelism: [Note: context parallelism under Fabric]; experts: [Note: expert
+        parallelism under Fabric]); the collectives count into the counter ``prepare_module`` adopts."""
         dims, groups = self.session.dims, self.session.groups
-        if dims is None or dims.cp == 1 or groups is None:
+        if dims is None or groups is None:
             return
-        from lightning_zero.cp.parallelize import parallelize_context_decoders
+        from lightning_zero.runtime.parallelize import check_layout, parallelize
 
-        parallelize_context_decoders(module, groups.cp, tp=dims.tp)
+        check_layout(dims, module)
+        if dims.cp > 1 or dims.ep > 1 or dims.tp > 1:
+            parallelize(module, groups)
 
-    def _parallelize_experts(self, module: nn.Module) -> None:
-        """[Note: expert parallelism under Fabric] ``ep > 1``: every whole ``MoETransformer`` in the
-        module keeps its ep rank's experts and routes its tokens over the ep group
-        (``models.moe.parallelize.parallelize_expert_decoders``, the function ``MoELM`` calls), before anything
-        is broadcast or sharded; its all-to-alls count into the counter ``prepare_module`` adopts."""
-        dims, groups = self.session.dims, self.session.groups
-        if dims is None or dims.ep == 1 or groups is None:
-            return
-        from lightning_zero.models.moe.parallelize import parallelize_expert_decoders
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """[Note: litdata's ranks] in ``fabric/_litdata_compat.py``: a litdata ``StreamingDataset``
+        splits its items over the dp ranks, not over every process (the cp ranks of one dp rank
+        read the same batches, as Fabric's sampler gives them)."""
+        from lightning_zero.fabric._litdata_compat import split_streaming_over_dp
 
-        parallelize_expert_decoders(module, groups.ep, counter=getattr(module, "tp_comm_counter", None))
+        dims = self.session.dims
+        if dims is not None and dims.dp != self.world_size:
+            split_streaming_over_dp(dataloader, dp_size=dims.dp, dp_rank=self.dp_rank, num_nodes=self.num_nodes)
+        return super().process_dataloader(dataloader)
 
     @property
     def cp_rank(self) -> int:

@@ -226,7 +226,7 @@ def resolve_model(model_config: Any) -> Any:
 
 def check_model_layout(model: Any, dims: ParallelDims, *, seq_len: Optional[int] = None) -> None:
     """The model-dependent layout checks the runtime makes before any process group starts
-    (``runtime/setup.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
+    (``runtime/parallelize.py``, [Note: layouts a model declares]), on the model's shape: ``tp`` divides
     the heads (``ParallelDims.validate``); a mixture of experts' experts divide by ``ep`` and its
     family's limits (``check_moe_layout``, what ``MoELM.check_parallel_dims`` calls), and under
     ``tp > 1`` its MoE layers' sequence shards split ``seq_len`` evenly; a model without experts

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lightning_module: Any) -> ParallelDims:
     """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one (before any process
     group starts): TP against the model's heads, cp and ep against the model
-    (:func:`check_model_layout`), sequence parallelism against TP and the data module's sequence
+    (``runtime/parallelize.check_layout``), sequence parallelism against TP and the data module's sequence
     length."""
     from lightning_zero.comm.mesh import ParallelDims
 
@@ -37,7 +37,9 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
     model_config = getattr(lightning_module, "config", None)
     dims.validate(model_config if hasattr(model_config, "n_heads") else None)
     if lightning_module is not None:  # the Fabric door checks its model at setup_module
-        check_model_layout(dims, lightning_module)
+        from lightning_zero.runtime.parallelize import check_layout
+
+        check_layout(dims, lightning_module)  # [Note: the parallelize registry]
     if config.sequence_parallel and dims.tp == 1:
         raise ValueError(
             f"ZeroStrategy(sequence_parallel=True): tensor_parallel_size={config.tensor_parallel_size!r} resolved"
@@ -59,41 +61,6 @@ def build_groups(dims: ParallelDims, device_type: str) -> MeshGroups:
     from lightning_zero.comm.mesh import build_groups as build
 
     return build(dims, device_type)
-
-
-def check_model_layout(dims: ParallelDims, lightning_module: Any) -> None:
-    """[Note: layouts a model declares] ``cp > 1`` and ``ep > 1`` change what the model itself
-    computes (its sequence slice and attention, its experts and token dispatch), so the runtime
-    cannot honour them for any module: a model that can declares it by a method
-    ``check_parallel_dims(dims: ParallelDims) -> None`` on the LightningModule (or on its
-    ``config``), which raises ``ValueError`` for a layout it cannot run (heads not divisible by
-    ``tp * cp``, experts not divisible by ``ep``, a sequence length not divisible by ``cp``), naming
-    the fix. A module without it is refused with ``cp > 1`` or ``ep > 1`` before any process group
-    starts; with ``tp > 1`` alone it is not (TP splits Llama-style layers,
-    ``models/llama/parallelize.parallelize_llama``), but a module that declares the method is asked
-    (the MoE family needs sequence parallelism)."""
-    if dims.cp == 1 and dims.ep == 1 and dims.tp == 1:
-        return
-    owner = next(
-        (
-            candidate
-            for candidate in (lightning_module, getattr(lightning_module, "config", None))
-            if callable(getattr(candidate, "check_parallel_dims", None))
-        ),
-        None,
-    )
-    if owner is None:
-        if dims.cp == 1 and dims.ep == 1:
-            return
-        asked = [name for name in ("cp", "ep") if getattr(dims, name) > 1]
-        what = {"cp": "splits its sequences over cp", "ep": "splits its experts over ep"}
-        raise ValueError(
-            f"ZeroStrategy({', '.join(f'{name}={getattr(dims, name)}' for name in asked)}):"
-            f" {type(lightning_module).__name__} does not declare that it {' and '.join(what[n] for n in asked)}"
-            " (no check_parallel_dims(dims) method on the LightningModule or its config); use a model family"
-            f" that does, or {' and '.join(f'{name}=1' for name in asked)}."
-        )
-    owner.check_parallel_dims(dims)
 
 
 def weigh_tp_norm(engine: ZeroEngine, tp: int) -> None:

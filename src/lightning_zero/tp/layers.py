@@ -43,6 +43,7 @@ Every collective goes through ``lightning_zero.comm.collectives`` labelled (``tp
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -186,11 +187,21 @@ class _SequenceRegion(torch.autograd.Function):
 
 
 def gather_from_sequence_region(
-    x: torch.Tensor, group: dist.ProcessGroup, counter: Optional[CommCounter] = None
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    counter: Optional[CommCounter] = None,
+    *,
+    labels: tuple[str, str] = (SP_GATHER_LABEL, SP_SCATTER_LABEL),
 ) -> torch.Tensor:
     """Enter a TP-split region from a sequence shard: ``(B, T/tp, dim) -> (B, T, dim)``, the
-    gradient reduce-scattered back (see [Note: sequence parallelism])."""
-    return _SequenceRegion.apply(x, group, counter, _gather_sequence, _scatter_sequence)
+    gradient reduce-scattered back (see [Note: sequence parallelism]). ``labels``: the counter's
+    names of the all-gather and the reduce-scatter (another group's sequence, such as cp's, counts
+    under its own)."""
+    if labels == (SP_GATHER_LABEL, SP_SCATTER_LABEL):
+        return _SequenceRegion.apply(x, group, counter, _gather_sequence, _scatter_sequence)
+    gather = functools.partial(_all_gather_sequence, label=labels[0])
+    scatter = functools.partial(_reduce_scatter_sequence, label=labels[1])
+    return _SequenceRegion.apply(x, group, counter, gather, scatter)
 
 
 def reduce_scatter_to_sequence_region(

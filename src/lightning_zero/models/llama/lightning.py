@@ -195,7 +195,7 @@ class LlamaLM(L.LightningModule):
         return mesh["cp"].get_group()
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: Llama runs ``cp > 1`` (Ulysses
+        """[Note: layouts a model declares] in ``runtime/parallelize.py``: Llama runs ``cp > 1`` (Ulysses
         attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``, and
         with sequence parallelism ``tp`` the slice) and has no experts (``ep`` must be 1). Raises
         ``ValueError`` naming the fix; states a key/value head repeat before launch."""

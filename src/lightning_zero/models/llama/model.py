@@ -253,7 +253,7 @@ def check_llama_layout(
     seq_len: Optional[int] = None,
     sequence_parallel: bool = False,
 ) -> None:
-    """The layouts a Llama runs ([Note: layouts a model declares] in ``runtime/setup.py``), for the
+    """The layouts a Llama runs ([Note: layouts a model declares] in ``runtime/parallelize.py``), for the
     model and for ``LlamaLM``: no experts to split (``ep`` must be 1); context parallelism as its
     attention runs it (Ulysses where ``tp * cp`` divides the heads, else ring attention; ``cp``
     divides the sequence length ``seq_len`` when known, ``tp`` the slice under sequence parallelism:
@@ -363,7 +363,7 @@ class Llama(nn.Module):
         return hf_export(self.config)
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: the Fabric door asks the model
+        """[Note: layouts a model declares] in ``runtime/parallelize.py``: the Fabric door asks the model
         itself (the Trainer door asks ``LlamaLM``). Raises ``ValueError`` naming the fix for a ``cp``
         its heads cannot split over (:func:`check_llama_layout`), or ``ep > 1`` (this model's experts,
         if any, are not split over ep by the door)."""

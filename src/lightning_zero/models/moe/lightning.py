@@ -76,7 +76,7 @@ class MoELM(LlamaLM):
             self._parallelize_experts(group)
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: experts divisible by ``ep``,
+        """[Note: layouts a model declares] in ``runtime/parallelize.py``: experts divisible by ``ep``,
         with tensor parallelism no capacity factor (``check_moe_layout``) and a data module's
         sequence length divisible by ``tp``, and context
         parallelism as Llama's attention runs it. Raises ``ValueError`` naming the fix, before any

@@ -169,7 +169,7 @@ class MoETransformer(Llama):
         return model
 
     def check_parallel_dims(self, dims: Any) -> None:
-        """[Note: layouts a model declares] in ``runtime/setup.py``: the Fabric door asks the model
+        """[Note: layouts a model declares] in ``runtime/parallelize.py``: the Fabric door asks the model
         itself (the Trainer door asks ``MoELM``). ``ep`` must divide the experts, and with ``tp > 1``
         no capacity factor (:func:`~lightning_zero.models.moe.config.check_moe_layout`); ``cp`` as
         Llama's attention runs it. Raises ``ValueError`` naming the fix."""

@@ -99,25 +99,6 @@ def parallelize_experts(
     return model
 
 
-def parallelize_expert_decoders(
-    module: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
-) -> list[nn.Module]:
-    """Split the experts of every whole ``MoETransformer`` inside ``module`` (itself included: a
-    module with ``moe_layers`` whose experts are not split yet) over ``group`` with
-    :func:`parallelize_experts`; returns them. For a door that receives the user's whole model
-    (the Fabric door's ``fabric.setup``, [Note: expert parallelism under Fabric] in
-    ``fabric/strategy.py``). A model without such decoders is left alone: it declared
-    ``check_parallel_dims``, so it splits its own experts."""
-    decoders = [
-        child
-        for child in module.modules()
-        if callable(getattr(child, "moe_layers", None)) and getattr(child, "ep_size", 1) == 1
-    ]
-    for decoder in decoders:
-        parallelize_experts(decoder, group, counter=counter)
-    return decoders
-
-
 def parallelize_moe_tp(
     model: nn.Module, group: dist.ProcessGroup, *, counter: Optional[CommCounter] = None
 ) -> nn.Module:

@@ -1,0 +1,178 @@
+"""The parallelize registry: one pushed step per model family, for both doors.
+
+[Note: the parallelize registry] (torchtitan's ``models/*/parallelize.py``) A layout with
+``tp``, ``ep`` or ``cp`` above 1 changes what a model computes, so each model family has one
+function that applies the layout to it, in a fixed order: tensor parallelism, then expert
+parallelism, then context parallelism (pipeline stages would come last). The runtime calls it; the
+model never reaches up into its strategy for a group. :data:`FAMILIES` maps each family to
+
+- ``check(model, dims)``: the layout's one check against the model (heads, experts, the attention
+  it can exchange), raising ``ValueError`` naming the fix; the doors call :func:`check_layout`
+  before any process group starts (the Trainer door: the LightningModule is known then) or, under
+  Fabric, where the model first arrives (``fabric.setup``), before anything is split, broadcast
+  or sharded;
+- ``parallelize(model, groups, counter=...)``: the step itself, given the layout's groups
+  (``comm/mesh.py`` ``MeshGroups``: ``tp``, ``cp``, ``ep`` and the expert-data-parallel ``edp``
+  named, as torchtitan's ``ParallelDims.build_mesh`` names ``ep`` and ``dp_shard_in_ep``).
+
+The families: this project's ``Llama`` and ``MoETransformer`` (``lightning_zero.models``) and
+LitGPT's ``GPT`` (``models/litgpt/parallelize.py``). A module that splits itself declares it with
+``check_parallel_dims(dims)`` (on the module or its ``config``: [Note: layouts a model declares]);
+the runtime checks it and applies nothing. Any other model asking for ``tp``, ``cp`` or ``ep`` is
+refused, and the refusal names the families.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_zero.comm.collectives import CommCounter
+    from lightning_zero.comm.mesh import MeshGroups, ParallelDims
+
+
+def _instance_of(module_name: str, class_name: str) -> Callable[[Any], bool]:
+    """A matcher that imports nothing: no object is of a class whose module was never imported."""
+
+    def matches(candidate: Any) -> bool:
+        module = sys.modules.get(module_name)
+        return module is not None and isinstance(candidate, getattr(module, class_name))
+
+    return matches
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One entry of [Note: the parallelize registry]."""
+
+    name: str  # what a refusal lists
+    matches: Callable[[Any], bool]
+    check: Callable[[nn.Module, "ParallelDims"], None]
+    parallelize: Callable[..., nn.Module]  # (model, groups, *, counter) -> model
+
+
+def _check_declared(model: nn.Module, dims: "ParallelDims") -> None:
+    model.check_parallel_dims(dims)
+
+
+def _parallelize_llama(model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> nn.Module:
+    """Llama: tp (at the Trainer door, ``LlamaLM.configure_model``), then cp (``cp.parallelize``)."""
+    from lightning_zero.cp.parallelize import parallelize_context
+
+    dims = groups.dims
+    if dims.cp > 1 and model.context_parallel_size == 1:
+        parallelize_context(model, groups.cp, counter=counter or getattr(model, "tp_comm_counter", None), tp=dims.tp)
+    return model
+
+
+def _parallelize_moe(model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> nn.Module:
+    """MoETransformer: tp (at the Trainer door), then ep (``ep.parallelize``), then cp as Llama's."""
+    from lightning_zero.models.moe.parallelize import parallelize_experts
+
+    if groups.dims.ep > 1 and getattr(model, "ep_size", 1) == 1:
+        parallelize_experts(model, groups.ep, counter=counter or getattr(model, "tp_comm_counter", None))
+    return _parallelize_llama(model, groups, counter=counter or getattr(model, "ep_comm_counter", None))
+
+
+def _parallelize_litgpt(
+    model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None
+) -> nn.Module:
+    from lightning_zero.models.litgpt.parallelize import parallelize_litgpt
+
+    return parallelize_litgpt(model, groups, counter=counter)
+
+
+def _check_litgpt(model: nn.Module, dims: "ParallelDims") -> None:
+    from lightning_zero.models.litgpt.parallelize import check_litgpt_layout
+
+    check_litgpt_layout(model, dims)
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    # a MoETransformer is a Llama: the more specific family first
+    ModelFamily("lightning_zero.models.moe.MoETransformer (tp, ep, cp)",
+                _instance_of("lightning_zero.models.moe.model", "MoETransformer"), _check_declared, _parallelize_moe),
+    ModelFamily("lightning_zero.models.Llama (tp, cp)",
+                _instance_of("lightning_zero.models.llama.model", "Llama"), _check_declared, _parallelize_llama),
+    ModelFamily("litgpt.model.GPT and LoRA's GPT (cp under Fabric)",
+                _instance_of("litgpt.model", "GPT"), _check_litgpt, _parallelize_litgpt),
+)  # fmt: skip
+
+SELF_DECLARED = "a module of your own that splits itself and declares check_parallel_dims(dims)"
+
+
+def supported_families() -> str:
+    """The families a refusal names."""
+    return "; ".join([family.name for family in FAMILIES] + [SELF_DECLARED])
+
+
+def find_decoders(module: nn.Module) -> list[tuple[nn.Module, ModelFamily]]:
+    """Every module of a registered family inside ``module`` (itself included), outermost first;
+    nothing inside a found one is searched (a family's step covers its whole model)."""
+    found: list[tuple[nn.Module, ModelFamily]] = []
+
+    def visit(candidate: nn.Module) -> None:
+        family = next((family for family in FAMILIES if family.matches(candidate)), None)
+        if family is not None:
+            found.append((candidate, family))
+            return
+        for child in candidate.children():
+            visit(child)
+
+    visit(module)
+    return found
+
+
+def _declared_check(module: Any) -> Optional[Callable[[Any], None]]:
+    for owner in (module, getattr(module, "config", None)):
+        check = getattr(owner, "check_parallel_dims", None)
+        if callable(check):
+            return check
+    return None
+
+
+def check_layout(dims: "ParallelDims", module: Any, *, door: str = "ZeroStrategy") -> None:
+    """[Note: layouts a model declares] ``tp``, ``cp`` and ``ep`` above 1 change what the model
+    computes (its layers, its sequence slice and attention, its experts and token dispatch), so
+    the runtime cannot honour them for any module: the layout is checked here, once, against the
+    model ([Note: the parallelize registry]), raising ``ValueError`` naming the fix. ``module``: the LightningModule (Trainer door, before any
+    process group) or the model given to ``fabric.setup``. A module that declares
+    ``check_parallel_dims`` is asked (a LightningModule of this project's families declares it for
+    its model); else every registered decoder inside it is checked; a layout with ``tp``, ``cp``
+    or ``ep`` above 1 and neither is refused, naming the families."""
+    if dims.tp == 1 and dims.cp == 1 and dims.ep == 1:
+        return
+    declared = _declared_check(module)
+    decoders = find_decoders(module) if isinstance(module, nn.Module) else []
+    if declared is None and not decoders:
+        asked = [name for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
+        what = {
+            "tp": "splits its layers over tp",
+            "cp": "splits its sequences over cp",
+            "ep": "splits its experts over ep",
+        }
+        raise ValueError(
+            f"{door}({', '.join(f'{name}={getattr(dims, name)}' for name in asked)}): {type(module).__name__} does not"
+            f" declare that it {' and '.join(what[name] for name in asked)} (no check_parallel_dims(dims) method on"
+            " it or its config) and is no model family this project parallelizes; the families are:"
+            f" {supported_families()}. Use such a model, or {' and '.join(f'{name}=1' for name in asked)}."
+        )
+    if declared is not None:
+        declared(dims)
+        return
+    for decoder, family in decoders:
+        family.check(decoder, dims)
+
+
+def parallelize(module: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> list[nn.Module]:
+    """Push ``groups``' layout into every registered decoder inside ``module`` (its family's step:
+    tp, ep, cp in that order); returns them. A module that declared ``check_parallel_dims`` and
+    holds no registered decoder split itself: nothing is applied."""
+    decoders = find_decoders(module)
+    for decoder, family in decoders:
+        family.parallelize(decoder, groups, counter=counter)
+    return [decoder for decoder, _ in decoders]

@@ -1,0 +1,127 @@
+"""LitGPT's GPT under context parallelism through the parallelize registry (runtime/parallelize.py).
+
+- In-process (2 gloo ranks, no Lightning): ``parallelize_litgpt`` on LitGPT's ``GPT`` and LoRA's,
+  Ulysses and ring attention, odd lengths and a chunked head: the loss equals the dense model's and
+  the gradients averaged over the cp ranks equal its gradients.
+- LitGPT's own ``finetune_lora`` and ``pretrain`` under ``--cp 2``: tests/test_litgpt_scripts.py.
+- The registry refuses a model it does not know, naming the families, before any process group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.comm.mesh import ParallelDims
+from lightning_zero.config import ZeroConfig
+from tests.distributed import run_ranks
+
+NEEDED = ("litgpt", "litdata", "jsonargparse", "tokenizers")
+MISSING = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+needs_litgpt = pytest.mark.skipif(bool(MISSING), reason=f"not installed: {MISSING} (README: pip install --no-deps litgpt litdata)")  # fmt: skip
+
+CONFIG = dict(name="tiny-lz", block_size=32, vocab_size=120, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
+              n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+              mlp_class_name="LLaMAMLP", intermediate_size=64)  # fmt: skip
+
+
+def test_a_model_outside_the_registry_is_refused_naming_the_families():
+    from lightning_zero.runtime.parallelize import check_layout
+    from lightning_zero.runtime.setup import parallel_dims
+
+    for knobs in (dict(tensor_parallel_size=2), dict(cp=2), dict(ep=2)):
+        with pytest.raises(ValueError, match=r"does not declare .* the families are: .*MoETransformer.*Llama.*litgpt"):
+            parallel_dims(ZeroConfig(**knobs), num_nodes=1, num_processes=4, lightning_module=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(cp=2\): Sequential .*litgpt\.model\.GPT"):
+        check_layout(ParallelDims(world_size=2, devices_per_node=2, cp=2), nn.Sequential(nn.Linear(2, 2)))
+    check_layout(ParallelDims(world_size=2, devices_per_node=2), nn.Linear(2, 2))  # dp only: any model
+
+
+def _loss(gpt: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """LitGPT's loss as ``pretrain`` (whole head) or ``finetune_lora`` (chunked head, shifted) computes it."""
+    from litgpt.utils import chunked_cross_entropy
+
+    if not chunk:
+        return chunked_cross_entropy(gpt(idx), targets)
+    logits = gpt(idx, lm_head_chunk_size=chunk)
+    logits[-1] = logits[-1][..., :-1, :]
+    return chunked_cross_entropy(logits, targets[..., 1:])
+
+
+def _litgpt_layout_refusals_name_the_fix() -> None:
+    from litgpt.adapter import GPT as AdapterGPT
+    from litgpt.adapter import Config as AdapterConfig
+    from litgpt.model import GPT, Config
+
+    from lightning_zero.runtime.parallelize import check_layout
+
+    dims = ParallelDims(world_size=2, devices_per_node=2, cp=2)
+    check_layout(dims, nn.ModuleDict({"gpt": GPT(Config(**CONFIG))}))  # found inside a wrapper
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*LitGPT's GPT is not available yet"):
+        check_layout(ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**CONFIG)))
+    with pytest.raises(ValueError, match=r"cp=2.*sliding_window_size=4.*use cp=1"):
+        check_layout(dims, GPT(Config(**CONFIG, sliding_window_size=4)))
+    with pytest.raises(ValueError, match=r"cp=2.*adapter.*use cp=1"):
+        check_layout(dims, AdapterGPT(AdapterConfig(**CONFIG, adapter_prompt_length=4, adapter_start_layer=0)))
+
+
+def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
+    import copy
+
+    from lightning_zero.comm.mesh import build_groups
+    from lightning_zero.runtime.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        _litgpt_layout_refusals_name_the_fix()  # here: LitGPT is imported in the ranks, not in pytest's process
+    groups = build_groups(ParallelDims(world_size=world, devices_per_node=world, cp=world))
+    worst = {}
+    # (LoRA?, T, lm_head chunk, config overrides): Ulysses; LoRA's qkv, an odd length, a chunked head;
+    # 3 heads over cp 2: ring attention
+    cases = [(False, 16, 0, {}), (True, 15, 4, {}), (False, 13, 0, dict(n_head=3, n_query_groups=1, n_embd=24))]
+    for lora, length, chunk, overrides in cases:
+        if lora:
+            from litgpt.lora import GPT, Config
+
+            config = Config(**CONFIG, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True)
+        else:
+            from litgpt.model import GPT, Config
+
+            config = Config(**{**CONFIG, **overrides})
+        torch.manual_seed(0)
+        dense = GPT(config)
+        with torch.no_grad():
+            for name, param in dense.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+        model = parallelize(copy.deepcopy(dense), groups)[0]
+        if lora:  # LoRA's GPT reads a base model's keys (qkv.weight for qkv.linear.weight) under cp too
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.zero_()
+            base_keys = {key.replace(".linear.", "."): value for key, value in dense.state_dict().items()}
+            model.load_state_dict(base_keys, strict=True)
+        idx, targets = torch.randint(0, 120, (2, length)), torch.randint(0, 120, (2, length))
+
+        dense_loss, loss = _loss(dense, idx, targets, chunk), _loss(model, idx, targets, chunk)
+        dense_loss.backward()
+        loss.backward()
+        grads = {name: param.grad for name, param in dense.named_parameters() if param.grad is not None}
+        diff = abs(loss.item() - dense_loss.item())
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                averaged = param.grad.clone()
+                torch.distributed.all_reduce(averaged)  # the engine's average over the dp x cp ranks
+                diff = max(diff, (averaged / world - grads.pop(name)).abs().max().item())
+        assert not grads, sorted(grads)  # every parameter the dense model trains got a gradient
+        assert list(model.state_dict()) == list(dense.state_dict())  # names unchanged
+        worst[f"lora={lora} T={length} chunk={chunk} {overrides}"] = diff
+    assert all(diff <= 1e-6 for diff in worst.values()), worst
+
+
+@needs_litgpt
+def test_litgpt_gpt_under_cp_equals_the_dense_model_and_refuses_what_it_cannot_run():
+    run_ranks(_parallel_litgpt_equals_dense, world_size=2)
