@@ -20,3 +20,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A bucket of the session's local S3 server (tests/s3_server.py)."""
+    from tests.s3_server import new_bucket
+
+    return new_bucket(monkeypatch)

@@ -77,6 +77,9 @@ def test_planner_reads_the_same_defaults():
         "monitor",
         "collective_timeout",
         "async_checkpoint",
+        "storage_options",
+        "upload_threads",
+        "upload_stall_s",
     } == set(KNOBS)
     search = inspect.signature(search_layouts).parameters
     for name in FIXED_KNOBS:

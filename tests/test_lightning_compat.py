@@ -63,3 +63,22 @@ def test_our_launchers_are_the_ones_ddp_builds_plus_the_restore():
         launcher = resolving_launcher(strategy, strategy._start_method)
         assert type(launcher) is ours and isinstance(launcher, lightning_class)
         assert vars(launcher).keys() == vars(strategy.launcher).keys()
+
+
+def test_model_checkpoint_refuses_url_links_only_by_save_last():
+    """[Note: last links at URLs]: Lightning's refusal of ``save_last="link"`` at a URL reads
+    ``self.save_last`` in ``setup``; ``allow_url_last_link`` runs that setup with ``True`` and puts
+    ``"link"`` back (a later save then routes the link to the lifecycle)."""
+    import pytest
+
+    from lightning_zero.trainer._lightning_compat import allow_url_last_link
+
+    source = inspect.getsource(ModelCheckpoint.setup)
+    assert 'self.save_last == "link"' in source and "_is_local_file_protocol" in source
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    callback = ModelCheckpoint(dirpath="memory://lz-compat/ckpts", save_last="link")
+    with pytest.raises(ValueError, match="save_last='link'"):
+        callback.setup(trainer, None, stage="fit")
+    allow_url_last_link(callback)
+    callback.setup(trainer, None, stage="fit")
+    assert callback.save_last == "link"

@@ -268,7 +268,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Any:
     except ModuleNotFoundError:  # tensorboard is optional
         pass
     checkpoint = ModelCheckpoint(
-        dirpath=str(run_dir / "checkpoints"),
+        dirpath=cfg.checkpoint.get("dir") or str(run_dir / "checkpoints"),
         every_n_train_steps=cfg.checkpoint.every_n_train_steps,
         save_last=cfg.checkpoint.save_last,
         save_top_k=cfg.checkpoint.save_top_k,

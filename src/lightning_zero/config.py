@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -143,6 +144,17 @@ class ZeroConfig:
             a gloo process group of their own. The next save, the end of fit, a requeue and a load
             wait for it; a failure abandons it (the previous checkpoint stays the newest). The files
             hold the same bytes as a synchronous save's. See docs/checkpoints.md.
+        storage_options: keywords for the fsspec file system of a checkpoint path that is a URL
+            (``s3://``, ``gs://``, ``memory://``): ``ModelCheckpoint(dirpath=...)``, ``ckpt_path=``,
+            ``trainer.save_checkpoint``, ``fabric.save``/``load``. ``None``: the file system's
+            defaults, credentials from the environment as it reads them (s3fs: ``AWS_*``,
+            ``~/.aws``, instance roles). Local paths ignore it. See docs/checkpoints.md.
+        upload_threads: objects each rank writes to object storage at once (its shards split into
+            this many objects of about equal bytes, each uploaded in 8 MiB parts); ranged reads on
+            load use as many threads. Local paths ignore it.
+        upload_stall_s: seconds an upload to (or a ranged read from) object storage may go without
+            finishing a part before the save fails with an error naming the rank, the object and
+            the bytes uploaded so far (the previous checkpoint stays the newest). Local paths ignore it.
         cp: context-parallel size: ranks that each hold a contiguous slice of every sequence (the
             same samples), so a rank keeps ``T / cp`` tokens of activations. ``world_size = dp * cp *
             tp`` (cp between dp and tp in the rank order); ZeRO shards dense parameters, gradients
@@ -177,6 +189,9 @@ class ZeroConfig:
     master_weights: str = "auto"
     mixed_params: str = "auto"
     async_checkpoint: bool = False
+    storage_options: Optional[dict] = None
+    upload_threads: int = 8
+    upload_stall_s: float = 60.0
     cp: int = 1
     ep: int = 1
 
@@ -258,6 +273,17 @@ class ZeroConfig:
                 ' or "fp32" (accumulate and reduce gradients in fp32).',
             )
         check_precision_knobs(master_weights=self.master_weights, mixed_params=self.mixed_params)
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            fail(
+                "storage_options",
+                'give a dict of fsspec keywords (e.g. {"client_kwargs": {"endpoint_url": ...}}) or None.',
+            )
+        if not _is_int(self.upload_threads) or self.upload_threads < 1:
+            fail("upload_threads", "give an int >= 1 (objects each rank uploads at once).")
+        stall = self.upload_stall_s
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)) or not stall > 0:
+            fail("upload_stall_s", "give a number of seconds > 0 (default 60).")
+        object.__setattr__(self, "upload_stall_s", float(stall))
         if bucket != "auto":
             object.__setattr__(self, "bucket_mb", float(bucket))
         if timeout is not None:

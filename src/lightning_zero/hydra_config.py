@@ -159,11 +159,12 @@ class OptimConf:
 
 @dataclass
 class CheckpointConf:
-    """``checkpoint:``: when ``ModelCheckpoint`` saves under ``<run dir>/checkpoints``."""
+    """``checkpoint:``: when and where ``ModelCheckpoint`` saves (``<run dir>/checkpoints``, or ``dir``)."""
 
     every_n_train_steps: Optional[int] = None  # None: at the end of each epoch / of training
     save_last: bool = True
     save_top_k: int = 1
+    dir: Optional[str] = None  # None: <run dir>/checkpoints; a path or an fsspec URL (s3://bucket/run)
 
 
 @dataclass

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.checkpoint.dcp import DenseChunks
-from lightning_zero.checkpoint.publish import CheckpointWriteError, PathLike, WriteProgress, remove_checkpoint
+from lightning_zero.checkpoint.destinations import remove_any
+from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, StoragePolicy
+from lightning_zero.checkpoint.publish import CheckpointWriteError, PathLike, WriteProgress
 from lightning_zero.checkpoint.ranks import distributed
 from lightning_zero.checkpoint.save import Snapshot, save_entries, write_snapshot
 from lightning_zero.checkpoint.targets import RankPlacement, Targets
@@ -131,12 +133,14 @@ class BackgroundSaves:
         stall_s: :meth:`wait` gives up when no rank wrote a byte (nor passed a phase) of the saves
             in flight for this long (``collective_timeout``); ``None``: waits as long as it takes.
             A slow disk that still writes is waited for.
+        storage: how a URL target is written ([Note: commit objects] in ``objstore.py``).
     """
 
     GROUP_TIMEOUT = timedelta(hours=6)  # the saves' own gloo group: progress, not this, bounds a wait
 
-    def __init__(self, stall_s: Optional[float] = None) -> None:
+    def __init__(self, stall_s: Optional[float] = None, storage: StoragePolicy = DEFAULT_POLICY) -> None:
         self.stall_s = stall_s
+        self.storage = storage
         self.group: Any = None
         self.progress = WriteProgress()
         self._lock = threading.Lock()
@@ -259,7 +263,8 @@ class BackgroundSaves:
                     return
                 taken, layout, record = self._queue.pop(0)
             try:
-                write_snapshot(taken, layout, self.group, progress=self.progress, on_state=record.advance)
+                write_snapshot(taken, layout, self.group, progress=self.progress, on_state=record.advance,
+                               storage=getattr(record, "storage", self.storage))  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the training thread
                 record.advance("abandoned")
                 with self._lock:
@@ -295,7 +300,7 @@ class BackgroundSaves:
         if error is not None:
             raise error
         for path in removals:
-            remove_checkpoint(path)
+            remove_any(path, self.storage)
 
     def remove_after(self, path: PathLike) -> None:
         """Rank 0: remove ``path`` now, or once the save in flight is published (at the next wait;
@@ -303,7 +308,7 @@ class BackgroundSaves:
         if self._thread is not None:
             self._removals.append(path)
         else:
-            remove_checkpoint(path)
+            remove_any(path, self.storage)
 
     def abandon(self) -> None:
         """A failure, or a wait that gave up: stop waiting for the saves in flight (their daemon

@@ -262,8 +262,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: str) -> Metadata:
     """The DCP ``.metadata`` at ``path``, read with the restricted unpickler; tensors entries only."""
     try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle, path).load()
+        handle = open(path, "rb")
+    except OSError as error:
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(error).__name__}: {error})") from error
+    with handle:
+        return unpickle_dcp_metadata(handle, path)
+
+
+def unpickle_dcp_metadata(handle: Any, path: str) -> Metadata:
+    """:func:`read_dcp_metadata` of an open binary ``handle`` (``path`` names it in errors)."""
+    try:
+        metadata = _MetadataUnpickler(handle, path).load()
     except CheckpointError:
         raise
     except Exception as error:  # truncated or garbage pickle

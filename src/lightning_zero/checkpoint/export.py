@@ -23,13 +23,15 @@ import json
 import math
 import os
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
-from lightning_zero.checkpoint.dcp import CheckpointError, read_dcp_metadata, storage_shape
+import lightning_zero.checkpoint.objstore as objstore
+from lightning_zero.checkpoint.dcp import CheckpointError, read_dcp_metadata, storage_shape, unpickle_dcp_metadata
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -77,7 +79,14 @@ class _FileWindow(io.RawIOBase):
         return got
 
 
-def _read_rectangle(root: Path, storage: Any) -> torch.Tensor:
+def _read_rectangle(root: Any, storage: Any) -> torch.Tensor:
+    if isinstance(root, str):  # a URL checkpoint's data prefix: one ranged read
+        url = objstore.join(root, storage.relative_path)
+        fs, inner = objstore.filesystem(url)
+        data = fs.cat_file(inner, start=storage.offset, end=storage.offset + storage.length)
+        if len(data) != storage.length:
+            raise CheckpointError(f"{url}: truncated (wanted {storage.length} bytes at offset {storage.offset})")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     path = root / storage.relative_path
     with open(path, "rb") as handle:
         if path.stat().st_size < storage.offset + storage.length:
@@ -112,8 +121,16 @@ def _index(key: str, offsets: Any) -> Any:
     return MetadataIndex(key, torch.Size(offsets))
 
 
-def _write_safetensors(root: Path, meta: dict[str, Any], out: Path, prefix: str, extra: dict[str, str]) -> None:
-    metadata = read_dcp_metadata(str(root / ".metadata"))
+def dcp_metadata(root: Any) -> Any:
+    """The DCP metadata of a checkpoint directory, or of a URL checkpoint's data prefix."""
+    if isinstance(root, str):
+        url = objstore.join(root, ".metadata")
+        return unpickle_dcp_metadata(io.BytesIO(objstore.read_bytes(url, objstore.DEFAULT_POLICY)), url)
+    return read_dcp_metadata(str(root / ".metadata"))
+
+
+def _write_safetensors(root: Any, meta: dict[str, Any], out: Path, prefix: str, extra: dict[str, str]) -> None:
+    metadata = dcp_metadata(root)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **extra}}
     order = []
     offset = 0
@@ -180,10 +197,18 @@ def export(ckpt: Union[str, os.PathLike], out: Union[str, os.PathLike], *, prefi
     Keys are the module's parameter names without ``prefix`` (default: the prefix recorded at
     save time, ``"model."`` for ``LlamaLM``, so keys match ``Llama.state_dict()``). Values are the
     fp32 master weights (buffers and frozen parameters in their own dtype), in dense shapes
-    whatever dp/tp layout wrote them. Every file is verified (size, sha256) first.
+    whatever dp/tp layout wrote them. Every file is verified (size, sha256) first. ``ckpt`` and
+    ``out`` may be fsspec URLs (credentials from the environment; [Note: commit objects] in
+    ``objstore.py``).
     """
     from lightning_zero.checkpoint.load import open_checkpoint
 
+    if objstore.is_url(out):  # written here, then uploaded in one piece
+        with tempfile.TemporaryDirectory() as local:
+            written = export(ckpt, Path(local, objstore.basename(str(out))), prefix=prefix)
+            fs, inner = objstore.filesystem(str(out))
+            fs.put_file(str(written), inner)
+        return out  # type: ignore[return-value]
     opened = open_checkpoint(ckpt)
     meta = opened.meta
     prefix = meta.get("export_prefix", "") if prefix is None else prefix

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,12 +18,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
+import lightning_zero.checkpoint.objstore as objstore
 from lightning_zero.checkpoint.dcp import (
     CheckpointError,
     ChunkLoadPlanner,
     SafeFileSystemReader,
     read_dcp_metadata,
+    unpickle_dcp_metadata,
 )
+from lightning_zero.checkpoint.destinations import Location
+from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, Counter, StoragePolicy, is_url
+from lightning_zero.checkpoint.objstore_dcp import ObjectReader
 from lightning_zero.checkpoint.publish import DCP_METADATA_FILE, FORMAT, META_FILE, PathLike, sha256_of
 from lightning_zero.checkpoint.ranks import all_gather_object, labelled, raise_any
 from lightning_zero.checkpoint.state import decode, set_rng_state
@@ -36,8 +43,14 @@ from lightning_zero.checkpoint.targets import (
 )
 
 
-def is_checkpoint(path: PathLike) -> bool:
-    """True for a directory holding a lightning_zero checkpoint's ``meta.json``."""
+def is_checkpoint(path: PathLike, storage: StoragePolicy = DEFAULT_POLICY) -> bool:
+    """True for a directory holding a lightning_zero checkpoint's ``meta.json``, or a URL whose
+    commit object resolves ([Note: commit objects] in ``objstore.py``)."""
+    if is_url(path):
+        try:
+            return objstore.resolve(str(path), storage) is not None
+        except (OSError, ValueError):
+            return False
     return Path(path, META_FILE).is_file()
 
 
@@ -58,10 +71,12 @@ def refuse_plain_load(path: PathLike) -> None:
 class OpenedCheckpoint:
     """A verified checkpoint: its ``meta.json`` and Lightning state, ready to load from."""
 
-    path: Path
+    path: Location  # the directory, or for a URL checkpoint the data prefix its commit names
     meta: dict[str, Any]
     state: dict[str, Any]
     rank_state: Optional[dict[str, Any]]
+    storage: StoragePolicy = DEFAULT_POLICY
+    reads: Counter = field(default_factory=Counter)  # bytes read from object storage (ranges and whole objects)
 
     def lightning_dict(self) -> dict[str, Any]:
         """What Lightning expects back from ``Strategy.load_checkpoint`` (tensors stay on disk)."""
@@ -85,7 +100,9 @@ def _verify_file(root: Path, name: str, info: dict[str, Any], with_hash: bool) -
     return None
 
 
-def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> OpenedCheckpoint:
+def open_checkpoint(
+    path: PathLike, layout: Optional[RankPlacement] = None, storage: StoragePolicy = DEFAULT_POLICY
+) -> OpenedCheckpoint:
     """Read and verify the checkpoint directory ``path``.
 
     With ``layout`` (a load into a running job) a collective over the default process group: every
@@ -93,11 +110,13 @@ def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> O
     verdict is agreed. Without it (``export``, one process reading a finished checkpoint on its
     own, inside a job or not: ``if trainer.is_global_zero: export(...)``) every check runs here
     and no other rank is asked. Raises :class:`CheckpointError` naming the first bad file; nothing
-    is loaded anywhere.
+    is loaded anywhere. A URL is read through its commit object (:func:`_open_url`).
     """
-    root = Path(path)
     alone = layout is None
     layout = layout or RankPlacement()
+    if is_url(path):
+        return _open_url(str(path).rstrip("/"), layout, storage, alone=alone)
+    root = Path(path)
     with labelled("ckpt_open"):
         error = None
         meta: dict[str, Any] = {}
@@ -121,6 +140,51 @@ def open_checkpoint(path: PathLike, layout: Optional[RankPlacement] = None) -> O
         return OpenedCheckpoint(root, meta, decode(meta["trainer_state"]), rank_state)
 
 
+def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy, *, alone: bool) -> OpenedCheckpoint:
+    """[Note: commit objects]: the commit resolved, every object's size checked against it (one
+    listing), ``meta.json``, ``.metadata`` and this rank's rank file checked by sha256 as they are
+    read; the shards are read later, by range."""
+    reads = Counter()
+    with labelled("ckpt_open"):
+        error, meta, rank_text = None, {}, None
+        try:
+            found = objstore.resolve(target, storage)
+            if found is None:
+                raise CheckpointError(f"{target}: no commit object; not a (complete) lightning_zero checkpoint")
+            data, commit = found
+            listed = objstore.sizes(data, storage)
+            for name, info in sorted(commit["files"].items()):
+                size = listed.get(name)
+                if size is None:
+                    raise CheckpointError(f"{objstore.join(data, name)}: missing")
+                if size != info["size"]:
+                    raise CheckpointError(
+                        f"{objstore.join(data, name)}: {size} bytes, expected {info['size']} (truncated or replaced)"
+                    )
+
+            def checked(name: str) -> bytes:
+                payload = objstore.read_bytes(objstore.join(data, name), storage)
+                reads.add(len(payload))
+                if hashlib.sha256(payload).hexdigest() != commit["files"][name]["sha256"]:
+                    raise CheckpointError(f"{objstore.join(data, name)}: sha256 does not match the commit")
+                return payload
+
+            meta = _parse_meta(checked(META_FILE).decode(), objstore.join(data, META_FILE))
+            if DCP_METADATA_FILE not in meta["files"]:
+                raise CheckpointError(f"{objstore.join(data, META_FILE)}: lists no {DCP_METADATA_FILE}")
+            unpickle_dcp_metadata(io.BytesIO(checked(DCP_METADATA_FILE)), objstore.join(data, DCP_METADATA_FILE))
+            rank_name = f"rank{layout.rank}.json"
+            if meta["layout"]["world_size"] == layout.world_size and rank_name in commit["files"]:
+                rank_text = checked(rank_name).decode()
+        except CheckpointError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - no credentials, no bucket, a stalled read
+            error = f"{target}: cannot read ({type(exc).__name__}: {exc})"
+        raise_any([error] if alone else all_gather_object(error, "ckpt_verify"), CheckpointError)
+        rank_state = decode(json.loads(rank_text)) if rank_text is not None else None
+        return OpenedCheckpoint(data, meta, decode(meta["trainer_state"]), rank_state, storage, reads)
+
+
 def _read_meta(root: Path) -> dict[str, Any]:
     meta_path = root / META_FILE
     if not root.exists():
@@ -132,8 +196,12 @@ def _read_meta(root: Path) -> dict[str, Any]:
         )
     if not meta_path.is_file():
         raise CheckpointError(f"{meta_path}: missing; {root} is not a complete lightning_zero checkpoint")
+    return _parse_meta(meta_path.read_text(errors="replace"), meta_path)
+
+
+def _parse_meta(text: str, meta_path: Any) -> dict[str, Any]:
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -149,7 +217,9 @@ def _read_meta(root: Path) -> dict[str, Any]:
 def _dcp_load(opened: OpenedCheckpoint, tensors: dict[str, Any]) -> None:
     try:
         with labelled("ckpt_dcp_load"):
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(opened.path)), planner=ChunkLoadPlanner())
+            reader = (ObjectReader(opened.path, opened.storage, opened.reads) if isinstance(opened.path, str)
+                      else SafeFileSystemReader(str(opened.path)))  # fmt: skip
+            dcp.load(tensors, storage_reader=reader, planner=ChunkLoadPlanner())
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"{opened.path}: loading failed, nothing was changed: {exc}") from exc
 

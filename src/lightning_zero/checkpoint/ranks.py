@@ -41,6 +41,7 @@ def broadcast_object(value: Any, label: str, group: Optional[Any] = None) -> Any
 
 def raise_any(errors: list[Optional[str]], kind: type[Exception]) -> None:
     """Raise ``kind`` on every rank if any rank reported an error (after an all-gather)."""
-    messages = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
+    messages = [error if error.startswith(f"rank {rank}:") else f"rank {rank}: {error}"
+                for rank, error in enumerate(errors) if error]  # fmt: skip
     if messages:
         raise kind("; ".join(messages))

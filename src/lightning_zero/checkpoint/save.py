@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed.checkpoint as dcp
@@ -15,20 +13,14 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint.dcp import (
     ChunkSavePlanner,
 )
+from lightning_zero.checkpoint.destinations import Location, destination, location
+from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, StoragePolicy
 from lightning_zero.checkpoint.publish import (
-    DCP_METADATA_FILE,
     FORMAT,
-    META_FILE,
     CheckpointWriteError,
     PathLike,
-    RecordingFileSystem,
     WriteProgress,
-    begin_write,
-    fsync_write,
-    publish,
     rank_file_text,
-    sha256_of,
-    write_rank_file,
 )
 from lightning_zero.checkpoint.ranks import all_gather_object, broadcast_object, labelled, raise_any
 from lightning_zero.checkpoint.state import encode
@@ -52,7 +44,7 @@ class Snapshot:
     file, the tensors to write (the live ones, or host copies: :func:`host_copy`), and what
     ``meta.json`` needs from the model and the optimizers."""
 
-    target: Path
+    target: Location
     encoded_state: Any
     rng_file: str
     tensors: dict[str, Any]
@@ -126,7 +118,7 @@ def snapshot(
     ]  # fmt: skip
     inner = getattr(module, "model", None)
     return Snapshot(
-        target=Path(path), encoded_state=encoded_state, rng_file=rank_file_text(), tensors=targets.tensors,
+        target=location(path), encoded_state=encoded_state, rng_file=rank_file_text(), tensors=targets.tensors,
         params=params, managed=managed, kinds=kinds,
         optimizer_groups=groups, with_optimizer=with_optimizer, has_inner_model=isinstance(inner, nn.Module),
         had_state=[bool(opt.state) for opt in optimizers],
@@ -165,7 +157,8 @@ def save_checkpoint(
     engine: Any,
     optimizers: list[Optimizer],
     layout: RankPlacement,
-) -> Path:
+    storage: StoragePolicy = DEFAULT_POLICY,
+) -> Location:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
 
     ``checkpoint``: Lightning's checkpoint dict; its ``state_dict`` and ``optimizer_states`` are
@@ -178,7 +171,7 @@ def save_checkpoint(
     """
     with labelled("ckpt_save"):
         taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
-        return write_snapshot(taken, layout)
+        return write_snapshot(taken, layout, storage=storage)
 
 
 def write_snapshot(
@@ -188,11 +181,13 @@ def write_snapshot(
     *,
     progress: Optional[WriteProgress] = None,
     on_state: Optional[Callable[[str], None]] = None,
-) -> Path:
+    storage: StoragePolicy = DEFAULT_POLICY,
+) -> Location:
     """The second half of :func:`save_checkpoint`: every rank writes its files, rank 0 publishes.
     Collectives over ``group`` (``None``: the default group). ``progress`` counts the bytes
     written; ``on_state`` hears ``"staged"``, ``"written"`` and ``"published"`` as they happen
-    ([Note: checkpoint lifecycle] in ``runtime/checkpoints.py``)."""
+    ([Note: checkpoint lifecycle] in ``runtime/checkpoints.py``). A URL target is written to
+    object storage as ``storage`` says ([Note: commit objects] in ``objstore.py``)."""
 
     def reached(state: str) -> None:
         if progress is not None:
@@ -201,28 +196,20 @@ def write_snapshot(
             on_state(state)
 
     target = taken.target
-    tmp = begin_write(target, layout, group)
+    where = destination(target, layout, group, progress, storage)
     reached("staged")
-    raise_any(all_gather_object(write_rank_file(tmp, layout, taken.rng_file), "ckpt_rank_files", group),
+    raise_any(all_gather_object(where.write_rank_file(taken.rng_file), "ckpt_rank_files", group),
               CheckpointWriteError)  # fmt: skip
-    writer = dcp.FileSystemWriter(str(tmp))
-    writer.fs = recording = RecordingFileSystem(progress)  # names the file and the OS error of a failed write
     try:
         with labelled("ckpt_dcp_save"):
-            dcp.save(taken.tensors, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
+            dcp.save(taken.tensors, storage_writer=where.storage_writer(), planner=ChunkSavePlanner(),
+                     process_group=group)  # fmt: skip
     except (Exception, CheckpointException) as exc:
-        raise CheckpointWriteError(_shards_failed(target, exc, recording.errors, layout.rank, group)) from exc
+        raise CheckpointWriteError(_shards_failed(target, exc, where.errors, layout.rank, group)) from exc
     if _fault_hook is not None:
         _fault_hook("shards_written")
 
-    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{layout.rank}_") or p.name == f"rank{layout.rank}.json"]
-    if layout.rank == 0:
-        mine.append(tmp / DCP_METADATA_FILE)
-    files = {}
-    for path in mine:  # hashing reads every byte again: progress too
-        files[path.name] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
-        if progress is not None:
-            progress.wrote(files[path.name]["size"])
+    files = where.files()
     try:
         all_files = all_gather_object(files, "ckpt_manifest", group)
         all_kinds = all_gather_object((taken.kinds, taken.had_state), "ckpt_state_kinds", group)
@@ -250,34 +237,41 @@ def write_snapshot(
                 "trainer_state": taken.encoded_state,
                 "files": {name: info for rank_files in all_files for name, info in rank_files.items()},
             }
-            fsync_write(tmp / META_FILE, json.dumps(meta))
-            publish(tmp, target)
-        except OSError as exc:
-            error = f"publishing {str(target)!r} failed: {exc}"
-        except CheckpointWriteError as exc:  # raised on every rank below
+            where.publish(meta)
+        except CheckpointWriteError as exc:  # an optimizer's state found nowhere: raised on every rank below
             error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - OSError locally; any fsspec error at a URL: raised on every rank
+            error = f"publishing {str(target)!r} failed: {type(exc).__name__}: {exc}"
     raise_any([broadcast_object(error, "ckpt_publish", group)], CheckpointWriteError)
     reached("published")
     return target
 
 
-def _shards_failed(target: Path, exc: BaseException, errors: list[str], rank: int, group: Optional[Any]) -> str:
+def _shards_failed(target: Location, exc: BaseException, errors: list[str], rank: int, group: Optional[Any]) -> str:
     """The message every rank raises when DCP's write failed: which rank could not write which
     file and why (the OS error), when the ranks can still agree on it (DCP raised its
     ``CheckpointException`` on every rank); else DCP's own error."""
-    lines = [f"rank {rank}: {errors[0]}"] if errors else []
+
+    def ranked(index: int, line: str) -> str:
+        return line if line.startswith(f"rank {index}:") else f"rank {index}: {line}"
+
+    lines = [ranked(rank, errors[0])] if errors else []
     if isinstance(exc, CheckpointException):
         try:
             gathered = all_gather_object(errors[0] if errors else None, "ckpt_write_errors", group)
-            lines = [f"rank {index}: {line}" for index, line in enumerate(gathered) if line]
+            lines = [ranked(index, line) for index, line in enumerate(gathered) if line]
         except RuntimeError:  # a peer is gone: this rank's own line only
             pass
     if not lines:
         return f"writing the shards of {str(target)!r} failed: {exc}"
+    fix = (
+        "Check the credentials, the bucket and the network, or raise upload_stall_s for a slow store."
+        if isinstance(target, str)
+        else "Free space, raise the quota or file-size limit (ulimit -f), or save to another directory."
+    )
     return (
         f"writing the shards of {str(target)!r} failed: {'; '.join(lines)}. Nothing was published: the"
-        " checkpoint saved before is still the newest. Free space, raise the quota or file-size limit"
-        " (ulimit -f), or save to another directory."
+        f" checkpoint saved before is still the newest. {fix}"
     )
 
 

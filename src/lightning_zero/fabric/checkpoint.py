@@ -20,6 +20,7 @@ and LitGPT's ``merge_lora`` failed on it with ``IsADirectoryError``, far from th
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -68,6 +69,7 @@ class FabricState:
     param_names: list[list[list[str]]] = field(default_factory=list)
     value_dtype: Optional[Callable[[nn.Parameter], torch.dtype]] = None
     optimizer_shards: Any = None
+    storage: Any = None  # a StoragePolicy: how a path that is a URL is reached (None: the defaults)
 
     def split(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
         """(key of the set-up module, keys of its optimizers, the other entries as saved)."""
@@ -137,7 +139,10 @@ class FabricState:
         return self.param_names[self.optimizers.index(optimizer)]
 
     # -- save ------------------------------------------------------------------------------------
-    def save_sharded(self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int) -> None:
+    def save_sharded(
+        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:  # fmt: skip
         """Through ``lifecycle`` ([Note: checkpoint lifecycle]): in the background under
         ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step.
         A save with a ``filter`` is a full file instead ([Note: filtered saves are one file])."""
@@ -150,7 +155,7 @@ class FabricState:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
         shards = self.optimizer_shards if optimizers and self.optimizer_shards is not None else None
         lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
-                       layout=self.layout, optimizer_shards=shards)  # fmt: skip
+                       layout=self.layout, optimizer_shards=shards, storage_options=storage_options)  # fmt: skip
 
     def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
         """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each
@@ -181,11 +186,12 @@ class FabricState:
         return payload
 
     def save_full(
-        self, path: Path, state: dict[str, Any], lifecycle: "CheckpointLifecycle", filter: Filter = None
-    ) -> None:
+        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", filter: Filter = None,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:  # fmt: skip
         payload = self.full_payload(state, filter)
         # global rank 0 writes, atomically; its error is raised on every rank ([Note: checkpoint lifecycle])
-        lifecycle.save_file(path, lambda handle: torch.save(payload, handle))
+        lifecycle.save_file(path, lambda handle: torch.save(payload, handle), storage_options)
 
     # -- load ------------------------------------------------------------------------------------
     def load(
@@ -202,20 +208,27 @@ class FabricState:
                 " 'optimizer': optimizer, ...}) or fabric.load_raw(path, model). Optimizer state is restored with"
                 " its model."
             )
-        if is_checkpoint(path):
+        from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, is_url, read_bytes
+
+        storage = self.storage or DEFAULT_POLICY
+        if is_checkpoint(path, storage):
             return self._load_sharded(path, state, strict)
+        if is_url(path):  # one torch file in object storage: read whole (no memory map there)
+            return self._load_file(io.BytesIO(read_bytes(path, storage)), state, strict, weights_only, name=path)
         return self._load_file(Path(path), state, strict, weights_only)
 
     def _load_file(
-        self, path: Path, state: Union[nn.Module, dict[str, Any]], strict: bool, weights_only: Optional[bool]
-    ) -> dict[str, Any]:
+        self, path: Any, state: Union[nn.Module, dict[str, Any]], strict: bool, weights_only: Optional[bool],
+        name: Any = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """A single file (``state_dict_type="full"``, or any plain ``torch.save`` of a state dict)."""
         from lightning_zero.checkpoint.full import load_full_state_dict
         from lightning_zero.checkpoint.full_optimizer import load_optimizer_state_dict
 
         # memory-mapped: each tensor is read when it is copied into the shards, one at a time
-        loaded = torch.load(path, map_location="cpu", mmap=True,
+        loaded = torch.load(path, map_location="cpu", mmap=isinstance(path, Path),
                             weights_only=True if weights_only is None else weights_only)  # fmt: skip
+        path = path if name is None else name
         if isinstance(state, nn.Module):  # load_raw: the file is the module's state dict
             load_full_state_dict(self._check_module(state), self.engine, loaded, strict=strict)
             return {}
@@ -240,8 +253,9 @@ class FabricState:
 
     def _load_sharded(self, path: Any, state: Union[nn.Module, dict[str, Any]], strict: bool) -> dict[str, Any]:
         from lightning_zero.checkpoint import apply_optimizer_state, load_model, open_checkpoint
+        from lightning_zero.checkpoint.objstore import DEFAULT_POLICY
 
-        opened = open_checkpoint(path, self.layout)
+        opened = open_checkpoint(path, self.layout, self.storage or DEFAULT_POLICY)
         keys = opened.state.get(FABRIC_KEYS, {"model": None, "optimizers": []})
         saved = dict(opened.state.get("state", {}))
         if isinstance(state, nn.Module):  # load_raw of a sharded checkpoint: the weights

@@ -89,7 +89,6 @@ import warnings
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
 
 import torch
@@ -101,10 +100,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.destinations import location, parent_of
+from lightning_zero.checkpoint.objstore import is_url
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.cp.layout import check_context_parallel, layout_notice
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
-from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.runtime.checkpoints import CheckpointLifecycle, storage_policy
 from lightning_zero.runtime.monitor import Monitor
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.runtime.signals import AgreedSignals, SignalBoundary, requeue_slurm_job
@@ -140,7 +141,7 @@ FABRIC_HONOURS = frozenset(
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
-        "async_checkpoint", "ep", "cp",
+        "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
     }
 )  # fmt: skip
 
@@ -244,6 +245,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self.checkpoints = CheckpointLifecycle(
             async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
             failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
+            storage=storage_policy(self.zero_config),
         )  # fmt: skip
         self._module: Optional[nn.Module] = None
         self._optimizers: list[Optimizer] = []
@@ -775,7 +777,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             shards, engine = None, self._ensure_engine()
         assert self._module is not None
         return FabricState(self._module, self._optimizers, engine, self._layout(), param_names=self._param_names,
-                           value_dtype=self._value_dtype, optimizer_shards=shards)  # fmt: skip
+                           value_dtype=self._value_dtype, optimizer_shards=shards,
+                           storage=self.checkpoints.storage)  # fmt: skip
 
     def _refuse_when_failed(self, what: str) -> None:
         """[Note: failure path]: a save or load that needs every rank raises, naming the failure."""
@@ -802,21 +805,22 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         a save with a filter is one file whatever the type ([Note: filtered saves are one file] in
         ``fabric/checkpoint.py``). A bad argument raises here and leaves the strategy usable; a save
         that cannot write raises."""
-        if storage_options is not None:
+        if storage_options is not None and not is_url(path):
             raise TypeError(
-                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): not supported (a checkpoint_io"
-                " plugin's options); save without it."
+                f"ZeroFabricStrategy.save(storage_options={storage_options!r}): options for object storage, and"
+                f" {str(path)!r} is a local path; pass them with a URL (s3://...) or save without them."
             )
         self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
         full = self.state_dict_type == "full" or bool(filter)  # [Note: filtered saves are one file]
         state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
-            self.checkpoints.clean_once(Path(path).parent, self.barrier)  # what killed saves left there
+            self.checkpoints.clean_once(parent_of(location(path)), self.barrier)  # what killed saves left there
             if full:
-                state_io.save_full(Path(path), state, self.checkpoints, filter)
+                state_io.save_full(location(path), state, self.checkpoints, filter, storage_options)
             else:
-                state_io.save_sharded(path, state, self.checkpoints, step=self._steps)
+                state_io.save_sharded(path, state, self.checkpoints, step=self._steps,
+                                      storage_options=storage_options)  # fmt: skip
 
     def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
         """``fabric.strategy.save_hf_pretrained(OUT)``: the set-up model (a ``Llama``, any family) as a

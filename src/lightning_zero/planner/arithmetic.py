@@ -76,8 +76,8 @@ def _check_positive(where: str, **values: int) -> None:
 
 
 # The plan_run keyword of each ZeroConfig knob the planner reads (its field name, but ``tp``); the
-# others (offload_optimizer, monitor, collective_timeout, async_checkpoint) change no predicted byte
-# or second.
+# others (offload_optimizer, monitor, collective_timeout, async_checkpoint and the object-storage
+# knobs storage_options, upload_threads, upload_stall_s) change no predicted byte or second.
 PLANNED_KNOBS = {
     "stage": "stage",
     "tp": "tensor_parallel_size",

@@ -50,18 +50,29 @@ its own about a save.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import sys
 import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
 
-from lightning_zero.checkpoint.publish import PathLike, clean_leftovers, link_atomically, remove_checkpoint
+from lightning_zero.checkpoint.destinations import (
+    Location,
+    clean_any,
+    link_checkpoint,
+    location,
+    parent_of,
+    remove_any,
+)
+from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, StoragePolicy, is_url
+from lightning_zero.checkpoint.publish import PathLike
 from lightning_zero.checkpoint.publish import restore_moved_aside as _restore_moved_aside
 
 
@@ -91,12 +102,13 @@ class SaveRecord:
     the thread that publishes (rank 0), under the record's lock, so a link asked for while the
     save is being published is made exactly once, after the publish."""
 
-    path: Path
+    path: Location
     step: Any
     background: bool
     link_on_rank: bool  # this rank makes the links (global rank 0)
+    storage: StoragePolicy = DEFAULT_POLICY
     state: SaveState = SaveState.REQUESTED
-    links: list[Path] = field(default_factory=list)
+    links: list[Location] = field(default_factory=list)
     history: list[tuple[str, float]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -117,12 +129,12 @@ class SaveRecord:
     def _make_links(self) -> None:
         if self.link_on_rank:
             for link in self.links:
-                link_atomically(self.path, link)
+                link_checkpoint(self.path, link, self.storage)
         if self.links:
             self.state = SaveState.LINKED
             self.history.append((SaveState.LINKED.value, time.time()))
 
-    def link(self, link: Path) -> bool:
+    def link(self, link: Location) -> bool:
         """Ask for ``link`` to point at this save once published; False: it is published already
         (the caller links now) or abandoned (no link is made to it)."""
         with self._lock:
@@ -143,6 +155,7 @@ class CheckpointLifecycle:
         failed: whether this rank failed or knows a peer did ([Note: failure path] in
             ``runtime/failure.py``): no collective then, so no save, and :meth:`close` abandons.
         is_global_zero: whether this is global rank 0 (it publishes, links and removes).
+        storage: how checkpoint paths that are URLs are reached (:func:`storage_policy`).
     """
 
     def __init__(
@@ -152,8 +165,10 @@ class CheckpointLifecycle:
         stall_s: Optional[float],
         failed: Callable[[], bool],
         is_global_zero: Callable[[], bool],
+        storage: StoragePolicy = DEFAULT_POLICY,
     ) -> None:
         self.async_checkpoint = async_checkpoint
+        self.storage = storage
         self.stall_s = stall_s
         self._failed = failed
         self._is_global_zero = is_global_zero
@@ -162,7 +177,7 @@ class CheckpointLifecycle:
         self.is_open = False
         self._at_exit = False
         self._abandoned: list[threading.Thread] = []  # writer threads abandoned while still running
-        self._cleaned: set[Path] = set()
+        self._cleaned: set[Location] = set()
 
     # -- leftovers ------------------------------------------------------------------------------
     @staticmethod
@@ -171,7 +186,7 @@ class CheckpointLifecycle:
         process group yet): what a killed publish moved aside is moved back; staging names of
         earlier releases are hidden. Idempotent; ranks may run it at once."""
         done = []
-        for directory in sorted({Path(d) for d in directories}):
+        for directory in sorted({Path(d) for d in directories if not is_url(d)}):  # a URL moves nothing aside
             done += _restore_moved_aside(directory)
         return done
 
@@ -179,15 +194,15 @@ class CheckpointLifecycle:
         """Rank 0 restores and removes what killed saves left in ``directories``, with a warning
         per action ([Note: staging names]); then every rank meets at ``barrier``."""
         if self._is_global_zero():
-            for directory in sorted({Path(d) for d in directories}):
-                for line in clean_leftovers(directory):
+            for directory in sorted({location(d) for d in directories}, key=str):
+                for line in clean_any(directory, self.storage):
                     warnings.warn(f"lightning_zero: {line}", stacklevel=3)
         barrier()
 
     def clean_once(self, directory: PathLike, barrier: Callable[[], None]) -> None:
         """:meth:`clean` of ``directory`` the first time this run saves there (Fabric, which has no
         start that knows its checkpoint directories); every rank calls it."""
-        directory = Path(directory)
+        directory = location(directory)
         if directory not in self._cleaned:
             self._cleaned.add(directory)
             self.restore_before_resolve([directory])
@@ -222,7 +237,7 @@ class CheckpointLifecycle:
         from lightning_zero.checkpoint.background import BackgroundSaves
 
         if self.writer is None:
-            self.writer = BackgroundSaves(self.stall_s)
+            self.writer = BackgroundSaves(self.stall_s, self.storage)
         return self.writer
 
     def save(
@@ -236,17 +251,21 @@ class CheckpointLifecycle:
         optimizers: list,
         layout: Any,
         optimizer_shards: Any = None,
+        storage_options: Optional[Mapping[str, Any]] = None,
     ) -> Optional[SaveRecord]:
         """Save ``checkpoint`` (Lightning's dict: the non-tensor state; tensors come from
         ``module`` / ``engine`` / ``optimizers``; ``optimizer_shards`` as
         ``save.snapshot`` takes it) to ``path`` for the agreed ``step``; every rank calls it.
+        ``storage_options`` (a door's per-save ones: ``trainer.save_checkpoint(storage_options=)``)
+        are added to the run's for this save of a URL.
         ``None`` on the failure path (no save: it needs every rank)."""
         from lightning_zero.checkpoint.save import snapshot, write_snapshot
 
         if self._failed():
             return None
         background = self.background()
-        record = SaveRecord(Path(path), step, background, self._is_global_zero())
+        storage = self._storage(storage_options)
+        record = SaveRecord(location(path), step, background, self._is_global_zero(), storage)
         self.records.append(record)
         record.advance(SaveState.AGREED)
         started = time.perf_counter()
@@ -255,7 +274,7 @@ class CheckpointLifecycle:
             taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
                              optimizer_shards=optimizer_shards)  # fmt: skip
             try:
-                write_snapshot(taken, layout, on_state=record.advance)
+                write_snapshot(taken, layout, on_state=record.advance, storage=storage)
             except BaseException:
                 record.advance(SaveState.ABANDONED)
                 raise
@@ -270,11 +289,14 @@ class CheckpointLifecycle:
             atexit.register(self._wait_at_exit)
         return record
 
-    def save_file(self, path: PathLike, write: Callable[[BinaryIO], None]) -> Optional[SaveRecord]:
+    def save_file(
+        self, path: PathLike, write: Callable[[BinaryIO], None], storage_options: Optional[Mapping[str, Any]] = None
+    ) -> Optional[SaveRecord]:
         """One file at ``path`` written by global rank 0 (``write(handle)``, e.g. a ``torch.save``
         into the open staging file), published atomically (staged under a hidden name, synced,
         renamed, the directory synced); its error is raised on every rank. Every rank calls it (a
         broadcast)."""
+        from lightning_zero.checkpoint.objstore import put_small
         from lightning_zero.checkpoint.publish import (
             STAGING,
             CheckpointWriteError,
@@ -288,12 +310,21 @@ class CheckpointLifecycle:
         if self._failed():
             return None
         self.wait()
-        path = Path(path)
-        record = SaveRecord(path, None, False, self._is_global_zero())
+        path = location(path)
+        record = SaveRecord(path, None, False, self._is_global_zero(), self._storage(storage_options))
         self.records.append(record)
         record.advance(SaveState.AGREED)
         error = None
-        if self._is_global_zero():
+        if self._is_global_zero() and isinstance(path, str):  # one PUT is atomic: no staging name
+            try:
+                record.advance(SaveState.STAGED)
+                buffer = io.BytesIO()
+                write(buffer)
+                put_small(path, buffer.getvalue(), record.storage)
+                record.advance(SaveState.WRITTEN)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = f"global rank 0 could not write {path!r}: {type(exc).__name__}: {exc}"
+        elif self._is_global_zero():
             staged = path.parent / side_name(STAGING, path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,13 +340,19 @@ class CheckpointLifecycle:
                 fsync_directory(path.parent)
             except Exception as exc:  # noqa: BLE001 - disk full, permissions: raised on every rank below
                 error = f"global rank 0 could not write {str(path)!r}: {type(exc).__name__}: {exc}"
-                remove_checkpoint(staged)
+                remove_any(staged, self.storage)
         error = broadcast_object(error, "ckpt_file_publish")
         if error is not None:
             record.advance(SaveState.ABANDONED)
             raise CheckpointWriteError(f"{error}. Nothing was published; an earlier file of that name is untouched.")
         record.advance(SaveState.PUBLISHED)
         return record
+
+    def _storage(self, storage_options: Optional[Mapping[str, Any]]) -> StoragePolicy:
+        """The run's policy, with a door's per-save ``storage_options`` added."""
+        if not storage_options:
+            return self.storage
+        return replace(self.storage, storage_options={**self.storage.storage_options, **_plain(storage_options)})
 
     def prepare(self, tensors: dict[str, Any]) -> None:
         """[Note: host buffers before the first save] in ``checkpoint/background.py``."""
@@ -341,26 +378,26 @@ class CheckpointLifecycle:
 
     def link(self, target: PathLike, link: PathLike) -> None:
         """Rank 0: ``link`` -> ``target`` once ``target`` is published (now, if it is)."""
-        target, link = Path(target), Path(link)
+        target, link = location(target), location(link)
         pending = next((r for r in reversed(self.records) if r.path == target), None)
         if pending is not None and pending.link(link):
             return
         if pending is not None and pending.state is SaveState.ABANDONED:
             return  # never link to a checkpoint that was not published: the old link stays
-        link_atomically(target, link)
+        link_checkpoint(target, link, self.storage)
 
     def remove(self, path: PathLike) -> None:
         """Rank 0: remove ``path`` once the save in flight is published (now without one)."""
         if self.writer is not None:
-            self.writer.remove_after(path)
+            self.writer.remove_after(location(path))
         else:
-            remove_checkpoint(path)
+            remove_any(location(path), self.storage)
 
     def before_load(self, path: PathLike, barrier: Callable[[], None]) -> None:
         """A load of ``path``: the save in flight published, ``path``'s directory restored and
         cleaned (a moved-aside ``path`` is back before it is read)."""
         self.wait()
-        directory = Path(path).parent
+        directory = parent_of(location(path))
         self.restore_before_resolve([directory])
         self.clean([directory], barrier)
 
@@ -390,6 +427,21 @@ class CheckpointLifecycle:
         if any(thread.is_alive() for thread in self._abandoned):
             _exit_now("an abandoned background checkpoint save was still in a collective at exit; the last"
                       " published checkpoint is the newest")  # fmt: skip
+
+
+def storage_policy(config: Any) -> StoragePolicy:
+    """The :class:`StoragePolicy` of a ``ZeroConfig`` (``storage_options``, ``upload_threads``,
+    ``upload_stall_s``); Hydra's nested configs become plain dicts for fsspec."""
+    return StoragePolicy(storage_options=_plain(config.storage_options or {}), upload_threads=config.upload_threads,
+                         stall_s=config.upload_stall_s)  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _exit_now(why: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_zero.checkpoint import RankPlacement, apply_optimizer_state, load_model, open_checkpoint, restore_rng
+from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, StoragePolicy
 
 
 class CheckpointRestore:
@@ -26,8 +27,8 @@ class CheckpointRestore:
     module's tensors and the engine's masters; it also reads the optimizer states this rank
     owns) and :meth:`load_optimizers` (those states, then the RNG)."""
 
-    def __init__(self, path: Any, layout: RankPlacement) -> None:
-        self.opened = open_checkpoint(path, layout)  # files verified before anything is read
+    def __init__(self, path: Any, layout: RankPlacement, storage: StoragePolicy = DEFAULT_POLICY) -> None:
+        self.opened = open_checkpoint(path, layout, storage)  # files verified before anything is read
         self.rank = layout.rank
         self.optimizer_states: list = []
 

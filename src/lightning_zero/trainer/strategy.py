@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+from lightning_zero.runtime.checkpoints import CheckpointLifecycle, storage_policy
 from lightning_zero.runtime.session import SessionViews, ZeroSession
 from lightning_zero.runtime.signals import AgreedStop
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
@@ -115,6 +115,9 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         master_weights: Literal["auto", "fp32"] = ZERO_DEFAULTS.master_weights,
         mixed_params: Literal["auto", "fp32", "half"] = ZERO_DEFAULTS.mixed_params,
         async_checkpoint: bool = ZERO_DEFAULTS.async_checkpoint,
+        storage_options: Optional[dict] = ZERO_DEFAULTS.storage_options,
+        upload_threads: int = ZERO_DEFAULTS.upload_threads,
+        upload_stall_s: float = ZERO_DEFAULTS.upload_stall_s,
         cp: int = ZERO_DEFAULTS.cp,
         ep: int = ZERO_DEFAULTS.ep,
     ) -> None:
@@ -138,6 +141,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         self.checkpoints = CheckpointLifecycle(
             async_checkpoint=self.zero_config.async_checkpoint, stall_s=self.zero_config.collective_timeout,
             failed=lambda: self.session.failed, is_global_zero=lambda: self.is_global_zero,
+            storage=storage_policy(self.zero_config),
         )  # fmt: skip
         self._signals: Any = None  # trainer/signals.py's SchedulerSignals of the running entry point
         self._state_dict_hooks: list[Any] = []  # ZeroSession.serve_full_state_dicts', removed at teardown
@@ -460,8 +464,11 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): not supported.")
+        from lightning_zero.checkpoint.objstore import is_url
+
+        if storage_options is not None and not is_url(filepath):
+            raise TypeError(f"ZeroStrategy.save_checkpoint(storage_options={storage_options!r}): options for object"
+                            f" storage, and {str(filepath)!r} is a local path; pass them with a URL (s3://...).")  # fmt: skip
         assert self.lightning_module is not None
         if self.failed:  # [Note: failure path]: ModelCheckpoint(save_on_exception=True), or a save after it
             what = (f"the checkpoint {str(filepath)!r} was not saved (a sharded checkpoint needs every rank); the"
@@ -473,7 +480,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # ([Note: optimizer state after the loop] in zero/flat.py): such a save holds what ddp's holds
         self.checkpoints.save(filepath, checkpoint, step=(checkpoint.get("epoch"), checkpoint.get("global_step")),
                               module=self.lightning_module, engine=self.engine, optimizers=self.optimizers,
-                              layout=self._checkpoint_layout(),
+                              layout=self._checkpoint_layout(), storage_options=storage_options,
                               optimizer_shards=self.session.optimizer_shards(self.optimizers))  # fmt: skip
 
     def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
@@ -524,7 +531,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
         # the save in flight published; a checkpoint a killed publish moved aside back before it is read
         self.checkpoints.before_load(checkpoint_path, lambda: self.barrier("lightning_zero-leftovers"))
-        self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout())
+        self._restore = CheckpointRestore(checkpoint_path, self._checkpoint_layout(), self.checkpoints.storage)
         return self._restore.lightning_dict()
 
     @override
