@@ -33,6 +33,10 @@ Phases, in order of value (each one's checks: docs/gpu.md):
    ``async_checkpoint=True``: the same losses, byte-identical tensor files, and how long each save
    held the training loop (the background copy goes from the device into pinned host buffers).
 
+10. ``muon``: torch.optim.Muon + AdamW through matrix owners on the one-rank group, forced, fp32:
+   bit for bit torch.optim.Muon on a copy of the model, the owner exchanges on the wire, and the
+   optimizer step's seconds beside AdamW's (docs/optimizers.md).
+
 Why one rank: NCCL refuses two ranks on one device ("Duplicate GPU detected"); the wire is
 forced instead, so the collectives, their ops, in-place buffers and stream semantics all run
 through NCCL. Collective *timing* and overlap need two GPUs.
@@ -103,7 +107,7 @@ DRY = {
 }
 RUNS = ("single", "zero1", "zero2", "zero3")
 PHASES = ("preflight", "probes", "runs", "forced", "offload_clip_monitor", "zero3_offload_accum_ckpt",
-          "uninitialized_fill", "profile", "async_checkpoint")  # fmt: skip
+          "uninitialized_fill", "profile", "async_checkpoint", "muon")  # fmt: skip
 
 
 class SingleDevice(SingleDeviceStrategy):
@@ -503,6 +507,79 @@ def phase_async_checkpoint(ctx: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _muon_optimizers(model: torch.nn.Module, muon: bool) -> list[torch.optim.Optimizer]:
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "embeddings" not in n and "output" not in n]
+    rest = [p for n, p in model.named_parameters() if not any(p is q for q in hidden)]
+    first = torch.optim.Muon(hidden, lr=0.02) if muon else torch.optim.AdamW(hidden, lr=1e-3)
+    return [first, torch.optim.AdamW(rest, lr=1e-3)]
+
+
+def phase_muon(ctx: dict[str, Any]) -> dict[str, Any]:
+    """torch.optim.Muon through matrix owners (zero/matrix_optimizer.py) on a one-rank group, the
+    wire forced, in fp32: the engine's steps equal torch.optim.Muon's on a copy of the model bit for
+    bit (Newton-Schulz in bf16 on the device), the owner exchanges ran, and the optimizer step's
+    seconds beside AdamW's at the same size (stage 2; the device synchronized around each step)."""
+    import copy
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import Llama
+    from lightning_zero.models.llama.config import resolve_config
+    from lightning_zero.zero.engine import ZeroEngine
+
+    device, settings = ctx["device"], ctx["settings"]
+    created = not dist.is_initialized()  # the Lightning runs before may have left theirs (one rank)
+    if created:
+        dist.init_process_group(
+            ctx["backend"], rank=0, world_size=1, device_id=device if device.type == "cuda" else None
+        )
+    try:
+        with wire_forced(True):
+            torch.manual_seed(0)
+            reference = Llama(resolve_config(settings["model"])).to(device)
+            models = {"reference": reference, "muon": copy.deepcopy(reference), "adamw": copy.deepcopy(reference)}
+            plain = _muon_optimizers(reference, True)
+            engines, optimizers = {}, {}
+            for kind in ("muon", "adamw"):
+                optimizers[kind] = _muon_optimizers(models[kind], kind == "muon")
+                engines[kind] = ZeroEngine(models[kind], optimizers[kind], ZeroConfig(stage=2), device=device)
+            rows = token_batches(settings, settings["micro_batch"] * (settings["short_steps"] + 1))
+            step_s: dict[str, list[float]] = {"muon": [], "adamw": []}
+            for step in range(settings["short_steps"]):
+                ids = torch.stack(rows[step * settings["micro_batch"] : (step + 1) * settings["micro_batch"]]).to(
+                    device
+                )
+                for kind, model in models.items():
+                    out = model(ids[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
+                    if kind == "reference":
+                        loss.backward()
+                    else:
+                        engines[kind].backward(loss)
+                    started = StepProbe(device)._sync()
+                    for optimizer in plain if kind == "reference" else optimizers[kind]:
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    if kind in engines:
+                        engines[kind].wait_param_gathers()
+                        step_s[kind].append(StepProbe(device)._sync() - started)
+            gap = max((p - q).abs().max().item() for p, q in zip(reference.parameters(), models["muon"].parameters()))
+            calls = {k: v for k, v in engines["muon"].counter.calls.items() if k.startswith("muon_")}
+            for engine in engines.values():
+                engine.close()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    warm = settings["warmup"] if settings["short_steps"] > settings["warmup"] else 0
+    medians = {kind: statistics.median(times[warm:]) for kind, times in step_s.items()}
+    return {
+        "ok": gap == 0.0 and calls.get("muon_to_owner", 0) > 0 and calls.get("muon_from_owner", 0) > 0,
+        "max_abs_vs_torch_muon": gap,
+        "owner_exchange_calls": calls,
+        "optimizer_step_s_median": medians,
+        "muon_over_adamw": medians["muon"] / medians["adamw"],
+    }
+
+
 PHASE_FUNCTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "preflight": phase_preflight,
     "probes": phase_probes,
@@ -513,6 +590,7 @@ PHASE_FUNCTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "uninitialized_fill": phase_uninitialized,
     "profile": phase_profile,
     "async_checkpoint": phase_async_checkpoint,
+    "muon": phase_muon,
 }
 
 

@@ -42,8 +42,12 @@ def test_gpu_check_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
     phases = report["phases"]
     assert list(phases) == [
         "preflight", "probes", "runs", "forced", "offload_clip_monitor", "zero3_offload_accum_ckpt",
-        "uninitialized_fill", "profile", "async_checkpoint",
+        "uninitialized_fill", "profile", "async_checkpoint", "muon",
     ]  # fmt: skip
+    # Muon through matrix owners: torch.optim.Muon's steps bit for bit, the owner exchanges ran
+    muon = phases["muon"]
+    assert muon["max_abs_vs_torch_muon"] == 0.0 and muon["owner_exchange_calls"]["muon_to_owner"] > 0, muon
+    assert muon["optimizer_step_s_median"]["muon"] > 0 and muon["muon_over_adamw"] > 0, muon
     assert phases["preflight"]["versions"]["omegaconf"] is None and phases["preflight"]["versions"]["hydra"] is None
     assert all(phases["probes"]["checks"].values())
     runs = phases["runs"]["runs"]

@@ -163,6 +163,16 @@ def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
         for label, per_step in planned.items():
             assert engine.counter.bytes.get(label, 0) == 3 * per_step, (label, engine.counter.bytes, planned)
         assert planned["muon_to_owner"] + planned["muon_from_owner"] > 0
+        if stage in (1, 2):  # the planner's own count from the shapes and the bucket rule
+            from lightning_zero.planner.muon import owner_exchange_bytes
+            from lightning_zero.zero.bucketing import bucket_numel_for_bytes, first_bucket_numel
+
+            bucket_numel = bucket_numel_for_bytes(0.0005, 4)
+            shapes = [tuple(p.shape) for p in engine.sharded_optimizer(opts[0])._module_params[0]]
+            first = first_bucket_numel(bucket_numel, 4)
+            assert owner_exchange_bytes(shapes, world, bucket_numel=bucket_numel, first_bucket_numel=first)[rank] == {
+                label: planned[label] for label in ("muon_to_owner", "muon_from_owner")
+            }
         # the momentum lives whole on its owner: this rank holds exactly the planner's bytes
         from lightning_zero.planner.muon import muon_cost
 
@@ -173,11 +183,37 @@ def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
         engine.release_module()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             gap = (p.detach() - q.detach()).abs().max().item()
-            assert gap < 1e-5, f"stage {stage} rank {rank}: {name} differs by {gap}"
+            # two ranks sum gradients as the reference does; four in another order, and one flipped bf16
+            # rounding in Newton-Schulz moves a weight by lr * ulp (docs/optimizers.md, "How close to ddp")
+            assert gap < (1e-5 if world == 2 else 1e-3), f"stage {stage} rank {rank}: {name} differs by {gap}"
         engine.close()
         dist.barrier()
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_engine_owner_step_equals_torch_muon(world):
     run_ranks(_engine_vs_reference, world, args=([1, 2, 3],), timeout_s=240)
+
+
+# -- the planner's cost -----------------------------------------------------------------------------------
+
+
+def test_planner_muon_cost_owner_flops_state_and_bytes():
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.planner.muon import llama_matrices, muon_cost, muon_cost_on, owner_exchange_bytes
+
+    shapes = llama_matrices(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688)
+    numel = sum(a * b for a, b in shapes)
+    cost = muon_cost(shapes, 4)
+    assert sum(cost.state_bytes) == 4 * numel  # every momentum once, whole on its owner
+    assert sum(cost.owner_flops) == sum(ns_flops(*s) for s in shapes)
+    assert cost.exchange_bytes == numel * 3 / 16 * 6  # P (n-1)/n^2 elements out (fp32) and back (bf16)
+    assert cost.muon_s > cost.adamw_s > 0 and cost.ratio == cost.muon_s / cost.adamw_s
+    # the exact per-rank bytes: what goes to an owner comes back to its sender in bf16
+    per_rank = owner_exchange_bytes(shapes, 4, bucket_numel=40_000, first_bucket_numel=10_000)
+    assert sum(r["muon_to_owner"] for r in per_rank) // 4 == sum(r["muon_from_owner"] for r in per_rank) // 2
+    assert sum(r["muon_to_owner"] for r in per_rank) // 4 <= numel * 3 // 4
+    # an 8B Llama over 8 ranks: owners balanced, the exchange below the model in bf16 gradients
+    big = muon_cost_on(LlamaConfig.from_name("llama3_8b"), 8, "h100_80gb")
+    assert max(big.owner_flops) <= 1.01 * sum(big.owner_flops) / 8
+    assert big.exchange_bytes <= 2 * sum(big.state_bytes) / 4

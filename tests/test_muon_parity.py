@@ -25,6 +25,8 @@ Two launches of ``tests/scripts/muon_parity.py`` (10 steps). What is compared, a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -103,12 +105,18 @@ def test_muon_with_accumulation_and_clipping_stays_within_bf16_rounding_of_ddp(r
     assert loss < 1e-4 and weight < 2e-2, (loss, weight)
 
 
+def _bf16_ulp(value: float) -> float:
+    """One unit in the last place of bf16 (8 significant bits) at ``value``."""
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
 def test_muon_bf16_mixed_stays_near_ddp(runs):
-    # ddp keeps fp32 weights under autocast, the engine bf16 weights with fp32 masters
+    # ddp keeps fp32 weights under autocast, the engine bf16 weights with fp32 masters: the losses
+    # (computed from bf16 activations either way) within 2 bf16 ulps of the loss
     losses = _mean_losses(runs("zero3_bf16"))
-    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(math.isfinite(value) for value in losses)
     loss, _ = _gaps(runs("ddp_bf16"), runs("zero3_bf16"))
-    assert loss < 2e-2 * max(losses), loss
+    assert loss <= 2 * _bf16_ulp(max(losses)), loss
 
 
 def test_muon_experts_stepped_per_matrix_within_the_edp_group(runs):

@@ -3,11 +3,15 @@
 Usage: python tests/scripts/hf_export_run.py OUT_DIR NAME=HF_DIR [...]
 Launched by tests/test_hf_families.py (4 ranks, torchrun-style). For each NAME (a family: llama,
 qwen3, qwen2, mistral) LlamaLM(init_from=HF_DIR) fine-tunes 3 steps under ZeroStrategy(stage=2,
-tensor_parallel_size=2) (dp=2), then every rank calls ``strategy.save_hf_pretrained`` into
-OUT_DIR/NAME-hf (small shards, so the files split tensors between ranks' pieces). Each rank writes
+tensor_parallel_size=2) (dp=2), saves OUT_DIR/NAME.ckpt, then every rank calls
+``strategy.save_hf_pretrained`` into OUT_DIR/NAME-hf (small shards, so the files split tensors
+between ranks' pieces). Each rank writes
 OUT_DIR/NAME.rank<r>.pt: losses, batches and the export's wall time. ``fabric-NAME=HF_DIR``:
 through the Fabric door instead, ZeRO-3 over dp=4 (Fabric has no TP yet): Llama.from_pretrained,
 fabric.setup, then fabric.strategy.save_hf_pretrained into OUT_DIR/fabric-NAME-hf, no step.
+``moe-NAME=HF_DIR``: MoELM(init_from=HF_DIR) (Mixtral / Qwen3-MoE) under ZeRO-2 with ep=2 (each
+rank holds half the experts), exported at on_train_start (the pretrained weights) into
+OUT_DIR/moe-NAME-hf, then one step.
 """
 
 import os
@@ -42,23 +46,43 @@ class Recorder(LlamaLM):
         return loss
 
     def on_train_end(self) -> None:
+        self.trainer.save_checkpoint(self.export_dir.removesuffix("-hf") + ".ckpt")  # for the offline export
         start = time.perf_counter()
         self.trainer.strategy.save_hf_pretrained(self.export_dir, max_shard_size=SHARD)
         self.record["export_s"] = time.perf_counter() - start
 
 
+def moe_recorder(out: str, name: str, **kwargs):
+    from lightning_zero.models.moe import MoELM
+
+    class MoERecorder(MoELM):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.record: dict = {}
+
+        def on_train_start(self) -> None:  # the pretrained weights, before any step
+            start = time.perf_counter()
+            self.trainer.strategy.save_hf_pretrained(os.path.join(out, f"{name}-hf"), max_shard_size=SHARD)
+            self.record["export_s"] = time.perf_counter() - start
+
+    return MoERecorder(**kwargs)
+
+
 def run(name: str, hf_dir: str, out: str) -> None:
     L.seed_everything(7, verbose=False)
-    model = Recorder(out, name, init_from=hf_dir, lr=1e-3, warmup_steps=1, max_steps=4)
-    strategy = ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.05, timeout=timedelta(seconds=120))
+    if name.startswith("moe-"):
+        model = moe_recorder(out, name, init_from=hf_dir, lr=1e-3, warmup_steps=1, max_steps=4)
+        strategy = ZeroStrategy(stage=2, ep=2, bucket_mb=0.05, timeout=timedelta(seconds=120))
+    else:
+        model = Recorder(out, name, init_from=hf_dir, lr=1e-3, warmup_steps=1, max_steps=4)
+        strategy = ZeroStrategy(stage=2, tensor_parallel_size=2, bucket_mb=0.05, timeout=timedelta(seconds=120))
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, max_steps=3, strategy=strategy, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=4, max_steps=1 if name.startswith("moe-") else 3, strategy=strategy, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False,
     )  # fmt: skip
     data = TokenDataModule("synthetic", seq_len=16, batch_size=2, vocab_size=model.config.vocab_size,
                            val_fraction=0.0, synthetic_tokens=2000)  # fmt: skip
     trainer.fit(model, datamodule=data)
-    model.record["tp_rank"] = trainer.strategy.session.dims.group_rank("tp", trainer.global_rank)
     torch.save(model.record, os.path.join(out, f"{name}.rank{trainer.global_rank}.pt"))
 
 

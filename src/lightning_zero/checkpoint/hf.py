@@ -516,6 +516,24 @@ def plan_layout(
     return HFLayout(tuple(files), index)
 
 
+def upload_directory(local: Path, url: str) -> None:
+    """Publish the Hugging Face directory written at ``local`` to the fsspec ``url``
+    (``objstore.filesystem``: credentials from the environment): the weight files first, then the
+    index and ``config.json``, so a reader that finds the index finds every file; an earlier
+    export's weight files there are removed first."""
+    from lightning_zero.checkpoint import objstore
+
+    fs, inner = objstore.filesystem(url)
+    fs.makedirs(inner, exist_ok=True)
+    for stale in fs.glob(f"{inner}/model*.safetensors") + fs.glob(f"{inner}/{SAFE_INDEX}"):
+        fs.rm(stale)
+    last = [SAFE_INDEX, "config.json"]
+    for path in sorted(
+        local.iterdir(), key=lambda item: (item.name in last, last.index(item.name) if item.name in last else 0)
+    ):
+        fs.put_file(str(path), f"{inner}/{path.name}")
+
+
 def remove_stale_weights(out_dir: Path) -> None:
     """Delete the weight files and index of an earlier export from ``out_dir``."""
     for stale in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob(SAFE_INDEX)):

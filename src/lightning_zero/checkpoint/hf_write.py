@@ -27,7 +27,10 @@ consolidation is the gather this module avoids. Reading needs nothing from it ei
 ``checkpoint/hf.py``'s reader fills each parameter by byte ranges (:func:`~.hf.read_into`).
 
 The byte sink is a local (or shared POSIX) directory: ``pwrite`` at an offset. An object store
-has no such call; a URL's filesystem layer would carry the same plan as one upload part per run.
+has no such call (a file is one object from one writer), so a URL is refused before any collective;
+the offline ``lightning-zero export CKPT OUT --format hf`` takes URLs on both sides (the checkpoint
+read by byte ranges, ``checkpoint/objstore.py``; the directory written locally, then uploaded with
+the index last: ``hf.upload_directory``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_zero.checkpoint import objstore
 from lightning_zero.checkpoint.hf import (
     SAFE_INDEX,
     HFLayout,
@@ -64,12 +68,13 @@ class HFExportError(RuntimeError):
 
 @dataclass(frozen=True)
 class HFExport:
-    """What a model family exports: ``sources`` (``{our parameter name: Source}`` in transformers'
-    ``state_dict()`` order, each ``transform`` at most a row permutation) and ``config(dtype)``
+    """What a model family exports: ``sources`` (``{our parameter name: Source}``, each
+    ``transform`` at most a row permutation; or a tuple of Sources for a stacked parameter whose
+    row ``e`` is Hugging Face tensor ``e``: a layer's experts) and ``config(dtype)``
     (``config.json`` for the written dtype). ``aliases``: our names that are another parameter (a
     tied head), skipped."""
 
-    sources: Mapping[str, Source]
+    sources: Mapping[str, Union[Source, tuple[Source, ...]]]
     config: Callable[[torch.dtype], dict[str, Any]]
     aliases: frozenset[str] = frozenset()
 
@@ -140,6 +145,10 @@ def _raise_if_any(errors: list[Optional[str]], what: str) -> None:
                             + "; ".join(f"{rank}: {error}" for rank, error in failed))  # fmt: skip
 
 
+def _sources(entry: Union[Source, tuple[Source, ...]]) -> tuple[Source, ...]:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def plan_export(
     export: HFExport,
     dtypes: Mapping[str, torch.dtype],
@@ -149,10 +158,22 @@ def plan_export(
     metadata: Optional[dict[str, str]] = None,
 ) -> tuple[HFLayout, dict[str, TensorSpec]]:
     """The :class:`HFLayout` of ``export``: each tensor in ``dtype``, else its held dtype
-    (``dtypes``, over all ranks); ``{our name: TensorSpec}`` beside it."""
-    specs = {name: TensorSpec(source.key, tuple(source.shape), dtype or dtypes.get(name, torch.float32))
-             for name, source in export.sources.items()}  # fmt: skip
+    (``dtypes``, over all ranks); ``{Hugging Face key: TensorSpec}`` beside it."""
+    specs = {source.key: TensorSpec(source.key, tuple(source.shape), dtype or dtypes.get(name, torch.float32))
+             for name, entry in export.sources.items() for source in _sources(entry)}  # fmt: skip
     return plan_layout(list(specs.values()), max_shard_bytes, metadata=metadata), specs
+
+
+def _writes(entry: Union[Source, tuple[Source, ...]], offsets: tuple[int, ...], view: torch.Tensor) -> list[tuple]:
+    """``(source, rows: None or the one row, cols, offsets, view)`` per Hugging Face tensor a held
+    rectangle feeds: itself, or for a stacked parameter (storage ``(E, rest)``) one row each."""
+    if isinstance(entry, Source):
+        cols = math.prod(entry.shape[1:]) if len(entry.shape) > 1 else 1
+        return [(entry, None, cols, offsets, view)]
+    c0 = offsets[1] if len(offsets) > 1 else 0
+    rows = view.reshape(view.shape[0], -1)
+    return [(entry[offsets[0] + i], torch.zeros(1, dtype=torch.long), math.prod(entry[offsets[0] + i].shape),
+             (0, c0), rows[i : i + 1]) for i in range(rows.shape[0])]  # fmt: skip
 
 
 def save_hf_sharded(
@@ -171,6 +192,12 @@ def save_hf_sharded(
     writes). ``dtype``: the written dtype (``None``: the held tensors'). Raises
     :class:`HFExportError` on every rank if any rank failed."""
     max_shard_bytes = parse_size(max_shard_size)
+    if objstore.is_url(out):  # before any collective: every rank raises alike
+        raise ValueError(
+            f"save_hf_pretrained({str(out)!r}): the no-gather export writes byte ranges into files (os.pwrite) and an "
+            "object store has none; write to a local or shared directory, or save a checkpoint to the URL and run "
+            "lightning-zero export CKPT_URL OUT_URL --format hf (streamed, uploaded when written)"
+        )
     out = Path(out)
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
     error: Optional[str] = None
@@ -190,8 +217,9 @@ def save_hf_sharded(
     covered: dict[str, int] = {}
     for name, _, sizes in owner:
         covered[name] = covered.get(name, 0) + math.prod(sizes)
-    gaps = [f"{name} ({covered.get(name, 0)} of {math.prod(source.shape)} elements)"
-            for name, source in export.sources.items() if covered.get(name, 0) != math.prod(source.shape)]  # fmt: skip
+    numel = {name: sum(math.prod(s.shape) for s in _sources(entry)) for name, entry in export.sources.items()}
+    gaps = [f"{name} ({covered.get(name, 0)} of {numel[name]} elements)"
+            for name in export.sources if covered.get(name, 0) != numel[name]]  # fmt: skip
     if gaps:
         raise HFExportError(f"no-gather Hugging Face export: the ranks together do not hold exactly {gaps[:6]}")
     layout, specs = plan_export(export, dtypes, dtype=dtype, max_shard_bytes=max_shard_bytes, metadata=metadata)
@@ -207,31 +235,30 @@ def save_hf_sharded(
             error = f"creating the files in {out}: {exc}"
     _raise_if_any([e for e in _gather(error, group)], "creating the files")
     written = 0
+    descriptors: dict[str, int] = {}
     try:
         destinations: dict[str, torch.Tensor] = {}
-        by_file: dict[str, list[tuple[str, tuple, torch.Tensor]]] = {}
         for name, chunks in held.items():
             for offsets, view in chunks.pieces if name in export.sources else ():
-                if owner[(name, tuple(offsets), tuple(view.shape))] == rank:
-                    shard, _ = layout.locate(export.sources[name].key)
-                    by_file.setdefault(shard.name, []).append((name, tuple(offsets), view))
-        for file_name, pieces in by_file.items():
-            fd = os.open(out / file_name, os.O_WRONLY)
-            try:
-                for name, offsets, view in pieces:
-                    source = export.sources[name]
-                    if name not in destinations:
-                        destinations = {name: row_destinations(source)}  # one tensor's map at a time
-                    _, base = layout.locate(source.key)
-                    cols = int(torch.Size(source.shape[1:]).numel()) if len(source.shape) > 1 else 1
-                    out_dtype = specs[name].dtype
+                if owner[(name, tuple(offsets), tuple(view.shape))] != rank:
+                    continue  # another rank holds the same rectangle and writes it
+                for source, rows, cols, at, part in _writes(export.sources[name], tuple(offsets), view):
+                    shard, base = layout.locate(source.key)
+                    if shard.name not in descriptors:
+                        descriptors[shard.name] = os.open(out / shard.name, os.O_WRONLY)
+                    if rows is None and source.key not in destinations:
+                        destinations = {source.key: row_destinations(source)}  # one tensor's map at a time
+                    rows = destinations[source.key] if rows is None else rows
                     with torch.profiler.record_function("lightning_zero::hf_export_write"):
-                        written += write_runs(fd, base, destinations[name], cols, offsets, view, out_dtype)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                        written += write_runs(descriptors[shard.name], base, rows, cols, at, part,
+                                              specs[source.key].dtype)  # fmt: skip
+        for fd in descriptors.values():
+            os.fsync(fd)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
     _raise_if_any([e for e in _gather(error, group)], "writing")
     if rank == 0:
         try:

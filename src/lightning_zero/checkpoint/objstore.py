@@ -198,8 +198,8 @@ class UploadStream:
         self._buffer += view
         self._written += len(view)
         if len(self._buffer) >= self._policy.part_bytes:
-            self._hand_over(bytes(self._buffer))
-            self._buffer = bytearray()
+            part, self._buffer = self._buffer, bytearray()  # handed over whole: no copy
+            self._hand_over(part)
         return len(view)
 
     def tell(self) -> int:
@@ -219,8 +219,8 @@ class UploadStream:
             return
         self._closed = True
         if self._buffer:
-            self._hand_over(bytes(self._buffer))
-            self._buffer = bytearray()
+            part, self._buffer = self._buffer, bytearray()
+            self._hand_over(part)
         self._hand_over(None)
         while not self._done.wait(self._poll()):
             self._check_stall()
@@ -249,7 +249,7 @@ class UploadStream:
     def _poll(self) -> float:
         return min(0.2, self._policy.stall_s / 4)
 
-    def _hand_over(self, part: Optional[bytes]) -> None:
+    def _hand_over(self, part: Optional[bytearray]) -> None:
         while True:
             if self._error is not None:
                 raise self._failure(f"failed: {type(self._error).__name__}: {self._error}") from self._error

@@ -12,8 +12,9 @@ exact figure of one rank depends on where the bucket chunks cut each matrix;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
+from lightning_zero.zero.bucketing import bucket_sizes, padded_numel
 from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops, owner_loads
 
 BF16_BYTES = 2
@@ -80,8 +81,69 @@ def muon_cost(
     )
 
 
+def owner_exchange_bytes(
+    shapes: Sequence[tuple[int, int]],
+    ranks: int,
+    *,
+    bucket_numel: int,
+    first_bucket_numel: Optional[int] = None,
+    master_bytes: int = 4,
+    ns_steps: int = DEFAULT_NS_STEPS,
+) -> list[dict[str, int]]:
+    """Each rank's bytes per step, ``{"muon_to_owner": ..., "muon_from_owner": ...}``, exactly as
+    the engine sends them at stages 1-2 for one Muon param group of 2-D matrices ``shapes`` (in the
+    order the module registers them): the flat layout's buckets and chunks (``zero/flat.py``,
+    reversed order, ``zero/bucketing.py``'s cut), the owners of [Note: matrix owners], and every
+    matrix stepped."""
+    numels = [rows * cols for rows, cols in shapes]
+    ordered = list(reversed(range(len(shapes))))  # the layout lays the last registered first
+    offsets, bucket_of, buckets = {}, {}, []
+    offset = taken = 0
+    for count in bucket_sizes((numels[i] for i in ordered), bucket_numel=bucket_numel,
+                              first_bucket_numel=first_bucket_numel):  # fmt: skip
+        start = offset
+        for index in ordered[taken : taken + count]:
+            offsets[index], bucket_of[index] = offset, len(buckets)
+            offset += numels[index]
+        taken += count
+        buckets.append((start, padded_numel(offset - start, ranks)))
+        offset = start + buckets[-1][1]
+    owners = assign_owners([float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes], ranks)
+    out = [{"muon_to_owner": 0, "muon_from_owner": 0} for _ in range(ranks)]
+    for index, owner in enumerate(owners):
+        start, padded = buckets[bucket_of[index]]
+        chunk = padded // ranks
+        lo, hi = offsets[index], offsets[index] + numels[index]
+        for rank in range(ranks):
+            held = max(0, min(hi, start + (rank + 1) * chunk) - max(lo, start + rank * chunk))
+            if rank != owner:
+                out[rank]["muon_to_owner"] += held * master_bytes
+                out[owner]["muon_from_owner"] += held * BF16_BYTES
+    return out
+
+
 def llama_matrices(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int) -> list[tuple[int, int]]:
     """The hidden matrices of a Llama decoder (what Muon steps; embeddings and head go to AdamW)."""
     kv = dim // n_heads * n_kv_heads
     layer = [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (ffn_dim, dim), (ffn_dim, dim), (dim, ffn_dim)]
     return layer * n_layers
+
+
+def muon_cost_on(model_config: Any, ranks: int, hardware: Any = None, *, mfu: Optional[float] = None) -> MuonCost:
+    """:func:`muon_cost` of a Llama config's hidden matrices over ``ranks`` dp ranks, with the
+    hardware's figures (``planner/hardware.py``: bf16 peak times ``mfu`` (default: the
+    hardware's, else the planner's 0.4), its optimizer and memory bandwidth, its intra-node link
+    for up to a node of ranks, else the network)."""
+    from lightning_zero.planner.hardware import DEFAULT_MFU, load_hardware
+
+    hw = load_hardware(hardware)
+    c = model_config
+    shapes = llama_matrices(c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim)
+    link = hw.intra_node_bytes_per_s if ranks <= hw.devices_per_node else hw.inter_node_bytes_per_s
+    return muon_cost(
+        shapes,
+        ranks,
+        flops_per_s=hw.peak_bf16_flops * (mfu or hw.mfu or DEFAULT_MFU),
+        memory_bytes_per_s=hw.optimizer_bytes_per_s or hw.memory_bytes_per_s,
+        link_bytes_per_s=link,
+    )

@@ -62,6 +62,7 @@ from lightning_zero.checkpoint.hf import (
     open_weight_files,
     parse_size,
     remove_stale_weights,
+    upload_directory,
     write_safetensors_shards,
 )
 from lightning_zero.checkpoint.load import open_checkpoint
@@ -339,7 +340,18 @@ def write_hf_export(
 ) -> Path:
     """The streamed end of every family's ``export_hf``: stale shards removed from ``out``, the
     ``specs`` written one tensor at a time from ``produce``, and ``config.json`` for the written
-    dtype (``dtype``, or the first tensor's saved dtype)."""
+    dtype (``dtype``, or the first tensor's saved dtype). ``out`` may be an fsspec URL: written
+    locally, then uploaded (:func:`~lightning_zero.checkpoint.hf.upload_directory`)."""
+    from lightning_zero.checkpoint import objstore
+
+    if objstore.is_url(out):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as local:
+            write_hf_export(local, specs, produce, max_shard_size=max_shard_size, checkpoint_format=checkpoint_format,
+                            config_dict=config_dict, dtype=dtype)  # fmt: skip
+            upload_directory(Path(local), str(out))
+        return out  # type: ignore[return-value]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_weights(out)

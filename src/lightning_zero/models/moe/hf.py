@@ -278,6 +278,23 @@ def _recorded_moe_config(hparams: Any) -> Optional[dict[str, Any]]:
     return config if isinstance(config, dict) and "n_experts" in config else None
 
 
+def hf_export(config: MoEConfig, prefix: str = "") -> Any:
+    """What the no-gather export writes for a ``MoETransformer`` of ``config`` whose parameters are
+    named ``prefix + name`` (``checkpoint.hf_write``): each stacked expert tensor feeds one Hugging
+    Face tensor per expert (its rows, in expert order), whichever ep rank holds them."""
+    from lightning_zero.checkpoint.hf_write import HFExport
+
+    sources: dict[str, Any] = {}
+    for name, source in tensor_plan(config, family_for(config), to_hf=True).items():
+        if ".moe.experts." in name:
+            sources.setdefault(prefix + name.rsplit(".", 1)[0], []).append(source)  # experts 0, 1, ...
+        else:
+            sources[prefix + name] = source
+    sources = {name: tuple(entry) if isinstance(entry, list) else entry for name, entry in sources.items()}
+    aliases = frozenset({prefix + "output.weight"}) if config.tie_embeddings else frozenset()
+    return HFExport(sources, lambda dtype: hf_config_dict(config, dtype), aliases)
+
+
 def is_moe_checkpoint(ckpt: Union[str, os.PathLike]) -> bool:
     """Whether ``ckpt`` was saved by an ``MoELM`` (its recorded config has experts)."""
     return _recorded_moe_config(open_checkpoint(ckpt).state.get("hyper_parameters")) is not None

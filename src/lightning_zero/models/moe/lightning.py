@@ -48,6 +48,12 @@ class MoELM(LlamaLM):
                          activation_checkpointing, init_from)  # fmt: skip
         self._ep_applied = False
 
+    def hf_export(self) -> Any:
+        """The Mixtral / Qwen3-MoE layout for ``ZeroStrategy.save_hf_pretrained`` (no gather, any ep)."""
+        from lightning_zero.models.moe.hf import hf_export
+
+        return hf_export(self.config, prefix="model.")
+
     def _resolve_config(self, config: Any, init_from: Optional[str], read_weights: bool = True) -> tuple[Any, Any]:
         if init_from is None:
             return resolve_moe_config("tiny_moe" if config is None else config), None

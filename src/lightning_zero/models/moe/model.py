@@ -142,6 +142,13 @@ class MoETransformer(Llama):
     expert by expert over *all* ``n_experts`` so an expert-parallel rank keeps the rows the whole
     model would hold (the same random numbers at any ``ep``)."""
 
+    def hf_export(self) -> Any:
+        """This model's Hugging Face layout (Mixtral or Qwen3-MoE) for the no-gather export
+        (``checkpoint.hf_write.save_hf_pretrained``; ``models/moe/hf.py``)."""
+        from lightning_zero.models.moe.hf import hf_export
+
+        return hf_export(self.config)
+
     def __init__(self, config: MoEConfig) -> None:
         self._load_sum: Optional[torch.Tensor] = None  # (n_moe_layers, E) assignments since last taken
         self._aux_sum: Optional[torch.Tensor] = None  # (balance, z) summed over those forwards
