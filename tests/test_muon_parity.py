@@ -31,12 +31,14 @@ import pytest
 import torch
 
 from tests.distributed import launch
+from tests.ulps import ulp
 
 STEPS = 10
 CASES_2 = [
     "ddp_exact", "zero1_exact", "zero2_exact", "zero3_exact", "fabric_ddp_exact", "fabric_zero2_exact",
     "fabric_zero3_exact", "ddp", "zero2", "fabric_ddp", "fabric_zero3", "ddp_bf16", "zero3_bf16",
-    "save_zero2", "resume_zero2_from_save_zero2", "resume_zero3_from_save_zero2",
+    "save_zero2", "resume_zero2_from_save_zero2", "resume_zero3_from_save_zero2", "fabric_ddp_exact_reload",
+    "fabric_zero3_exact_reload",
 ]  # fmt: skip
 CASES_4 = [
     "ddp_dp4", "zero2_dp4", "zero2_tp2", "ddp_moe", "zero2_ep2_moe", "ddp_moe_exact_1step",
@@ -54,6 +56,7 @@ def runs(tmp_path_factory):
         ranks = 4 if case in CASES_4 else 2
         return [torch.load(where / f"{case}.rank{r}.pt") for r in range(ranks)]
 
+    load.where = where  # type: ignore[attr-defined]
     return load
 
 
@@ -105,18 +108,13 @@ def test_muon_with_accumulation_and_clipping_stays_within_bf16_rounding_of_ddp(r
     assert loss < 1e-4 and weight < 2e-2, (loss, weight)
 
 
-def _bf16_ulp(value: float) -> float:
-    """One unit in the last place of bf16 (8 significant bits) at ``value``."""
-    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
-
-
 def test_muon_bf16_mixed_stays_near_ddp(runs):
     # ddp keeps fp32 weights under autocast, the engine bf16 weights with fp32 masters: the losses
     # (computed from bf16 activations either way) within 2 bf16 ulps of the loss
     losses = _mean_losses(runs("zero3_bf16"))
     assert all(math.isfinite(value) for value in losses)
     loss, _ = _gaps(runs("ddp_bf16"), runs("zero3_bf16"))
-    assert loss <= 2 * _bf16_ulp(max(losses)), loss
+    assert loss <= 2 * ulp(max(losses), torch.bfloat16).item(), loss  # [Note: tolerances in ulps]
 
 
 def test_muon_experts_stepped_per_matrix_within_the_edp_group(runs):
@@ -165,3 +163,17 @@ def test_muon_resume_in_the_same_layout_is_exact(runs):
 def test_muon_resume_across_stage_tp_and_dp(runs, resumed, straight):
     loss, weight = _gaps(runs(straight), runs(resumed))
     assert loss < 1e-4 and weight < 2e-2, (loss, weight)
+
+
+def test_muon_fabric_full_file_is_ddps_and_loads_back_exactly(runs):
+    # state_dict_type="full": torch's own optimizer.state_dict(), the momenta gathered from their owners
+    ours, theirs = (
+        torch.load(runs.where / f"full_{case}.pt", weights_only=False)
+        for case in ("fabric_zero3_exact_reload", "fabric_ddp_exact_reload")
+    )
+    assert ours["muon"]["param_groups"] == theirs["muon"]["param_groups"]
+    assert sorted(ours["muon"]["state"]) == sorted(theirs["muon"]["state"]) != []
+    for index, state in theirs["muon"]["state"].items():
+        assert torch.equal(ours["muon"]["state"][index]["momentum_buffer"], state["momentum_buffer"]), index
+    # a fresh Fabric loads it (the momenta go back to their owners) and trains on as ddp does
+    assert _gaps(runs("fabric_ddp_exact"), runs("fabric_zero3_exact_reload")) == (0.0, 0.0)

@@ -200,19 +200,17 @@ def run(case: str, out_dir: str) -> None:
     )
 
 
-def run_fabric(case: str, out_dir: str) -> None:
-    """The Fabric door, LitGPT's order: ``setup(model)``, then ``setup_optimizers(muon, adamw)``;
-    accumulation under ``no_backward_sync`` and ``clip_gradients`` per optimizer (``exact``: neither)."""
+def fabric_setup(knobs: dict) -> tuple:
+    """A Fabric with ``ZeroFabricStrategy(**knobs)`` (``{}``: Fabric's ddp), in LitGPT's order:
+    ``setup(model)``, then ``setup_optimizers(muon, adamw)``."""
     from lightning.fabric.strategies import DDPStrategy
 
     from lightning_zero import ZeroFabricStrategy
     from lightning_zero.models import Llama, LlamaConfig
 
-    knobs = layout(case.removeprefix("fabric_"))
-    exact = "exact" in case
-    accumulate = 1 if exact else ACCUMULATE
-    strategy = ZeroFabricStrategy(**knobs) if knobs else DDPStrategy()
-    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric = L.Fabric(
+        accelerator="cpu", devices=WORLD, strategy=ZeroFabricStrategy(**knobs) if knobs else DDPStrategy()
+    )
     fabric.launch()
     L.seed_everything(42, verbose=False)
     config = {k: v for k, v in LLAMA.items() if k != "name"}
@@ -220,9 +218,26 @@ def run_fabric(case: str, out_dir: str) -> None:
     matrices, rest = split_params(model)
     muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1, momentum=0.9)
     muon, adamw = fabric.setup_optimizers(muon, torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0))
+    return fabric, model, muon, adamw
+
+
+def run_fabric(case: str, out_dir: str) -> None:
+    """The Fabric door: accumulation under ``no_backward_sync`` and ``clip_gradients`` per optimizer
+    (``exact``: neither). ``_reload``: after SAVE_AT steps ``fabric.save`` a full file (torch's own
+    optimizer state dicts, ``state_dict_type="full"``), then a fresh Fabric, model and optimizers
+    ``fabric.load`` it and train on to STEPS."""
+    knobs = layout(case.removeprefix("fabric_").removesuffix("_reload"))
+    exact, reload = "exact" in case, case.endswith("_reload")
+    accumulate = 1 if exact else ACCUMULATE
+    fabric, model, muon, adamw = fabric_setup({**knobs, "state_dict_type": "full"} if knobs and reload else knobs)
     data = tokens(WORLD, accumulate)[fabric.global_rank]
     losses = []
     for step in range(STEPS):
+        if reload and step == SAVE_AT:
+            path = os.path.join(out_dir, f"full_{case}.pt")
+            fabric.save(path, {"model": model, "muon": muon, "adamw": adamw})
+            fabric, model, muon, adamw = fabric_setup({**knobs, "state_dict_type": "full"} if knobs else knobs)
+            fabric.load(path, {"model": model, "muon": muon, "adamw": adamw})
         for micro in range(accumulate):
             ids = data[step * accumulate + micro]
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):

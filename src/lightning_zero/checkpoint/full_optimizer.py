@@ -59,7 +59,23 @@ def gather_optimizer_state_dict(
     """``optimizer.state_dict()`` as the unsharded optimizer would return it, on every rank of
     ``group`` (a collective; [Note: full optimizer state]). Tensors on the host; an expert
     parameter's state under expert parallelism is the whole layer's ([Note: dense experts in a
-    full file] in ``checkpoint/full.py``)."""
+    full file] in ``checkpoint/full.py``). A matrix optimizer's momenta (Muon's, whole on their
+    owners) are first sent to the ranks holding each run ([Note: Muon state in checkpoints])."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper, or the optimizer
+    sharded = next((opt for opt in engine.optimizers if opt.optimizer is inner), None)
+    staged = hasattr(sharded, "stage_range_state")
+    if staged:
+        sharded.stage_range_state()  # type: ignore[union-attr]
+    try:
+        return _gather_optimizer_state_dict(optimizer, param_names, engine, group)
+    finally:
+        if staged:
+            sharded.drop_range_state()  # type: ignore[union-attr]
+
+
+def _gather_optimizer_state_dict(
+    optimizer: Optimizer, param_names: list[list[str]], engine: Any, group: Optional[dist.ProcessGroup]
+) -> dict[str, Any]:
     managed = engine.managed_parameters()
     shapes = {name: param.shape for name, param in managed.items()}
     runs = _runs_with_state(optimizer, engine)
