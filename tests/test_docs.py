@@ -261,7 +261,8 @@ def test_dotted_paths_exist(path):
 FILE_PATH = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|yaml|yml|sh|sbatch|toml))\b")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # Files the docs name that a user or a run creates, not the repository.
-NOT_IN_REPO = {"resolved_config.yaml", "my_machine.yaml", "cpu_calibrated.yaml", "bench_x.py"}
+NOT_IN_REPO = {"resolved_config.yaml", "my_machine.yaml", "cpu_calibrated.yaml", "bench_x.py", "pretrain-my-model.yaml",
+               "model_config.yaml"}  # fmt: skip
 PLACEHOLDER = re.compile(r"[A-Z]{3,}|\.\.\.|[*{<]")
 
 

@@ -38,6 +38,7 @@ def test_a_model_outside_the_registry_is_refused_naming_the_families():
     with pytest.raises(ValueError, match=r"ZeroStrategy\(cp=2\): Sequential .*litgpt\.model\.GPT"):
         check_layout(ParallelDims(world_size=2, devices_per_node=2, cp=2), nn.Sequential(nn.Linear(2, 2)))
     check_layout(ParallelDims(world_size=2, devices_per_node=2), nn.Linear(2, 2))  # dp only: any model
+    assert not torch.distributed.is_initialized()  # refused before any process group started
 
 
 def _loss(gpt: nn.Module, idx: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -72,7 +73,7 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
     import copy
 
     from lightning_zero.comm.mesh import build_groups
-    from lightning_zero.runtime.parallelize import parallelize
+    from lightning_zero.runtime.parallelize import ParallelPlan
 
     torch.set_num_threads(1)
     if rank == 0:
@@ -97,7 +98,7 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
             for name, param in dense.named_parameters():
                 if "lora_B" in name:
                     param.normal_(std=0.1)
-        model = parallelize(copy.deepcopy(dense), groups)[0]
+        model = ParallelPlan(groups).apply(copy.deepcopy(dense))[0]
         if lora:  # LoRA's GPT reads a base model's keys (qkv.weight for qkv.linear.weight) under cp too
             with torch.no_grad():
                 for param in model.parameters():
@@ -125,3 +126,20 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
 @needs_litgpt
 def test_litgpt_gpt_under_cp_equals_the_dense_model_and_refuses_what_it_cannot_run():
     run_ranks(_parallel_litgpt_equals_dense, world_size=2)
+
+
+def test_no_model_reads_its_strategy():
+    """[Note: the parallelize registry]: the doors push the layout's groups into a model family's
+    step; no code under models/ reaches up for them (``trainer.strategy``, its ``mesh_groups``, the
+    LightningModule's ``device_mesh``)."""
+    import ast
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parents[1] / "src" / "lightning_zero" / "models"
+    reads = []
+    for path in sorted(models.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if name in ("strategy", "mesh_groups", "device_mesh", "_device_mesh"):
+                reads.append(f"{path.relative_to(models)}:{node.lineno}")
+    assert reads == []

@@ -1,10 +1,12 @@
 """LitGPT's own scripts, unchanged (``finetune_lora``, ``finetune_adapter``, ``finetune_full``, ``pretrain``
 of litgpt 0.5.13), on 2 CPU processes under ZeroFabricStrategy at stages 1-3 against the same scripts
-under Fabric's ddp, in fp32 and bf16-true: LitGPT's logged per-step losses, every file it saves (LoRA
-and adapter weights, full checkpoints with optimizer state, LitGPT's merged LoRA model) and resuming
-from a saved step. One launch per strategy (tests/scripts/litgpt_scripts.py runs every case in turn
-through ``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users), and one of
-4 processes for ``finetune_lora`` and ``pretrain`` under ``--cp 2`` at stages 1-3.
+under Fabric's ddp with the model built eagerly, in fp32 and bf16-true: LitGPT's logged per-step
+losses, every file it saves (LoRA and adapter weights, full checkpoints with optimizer state, LitGPT's
+merged LoRA model) and resuming from a saved step. LoRA and the adapter start from a base checkpoint
+without their tensors, as users' checkpoints are: those come from the deferred initialization. One
+launch per strategy (tests/scripts/litgpt_scripts.py runs every case in turn through
+``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users), and one of 4
+processes for ``finetune_lora`` and ``pretrain`` under ``--cp 2`` at stages 1-3.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def cases(strategy: str) -> list[str]:
     out = [f"{script}-{strategy}-{precision}" for precision in ("32", "bf16") for script in SCRIPTS]
     out += [f"{script}-{strategy}-32-resume" for script in RESUMED]
     out.append(f"lora-{strategy}-32-generate")  # at the same place in every launch (LitGPT keeps state between runs)
+    out.append(f"reseed-{strategy}-32")
     if strategy == "ddp":
         out.append("lora-ddp-32-nodropout")  # the reference of --cp 2 (test_litgpt_script_under_cp_equals_fabric_ddp)
     if strategy in ("zero2", "zero3"):
@@ -232,3 +235,33 @@ def test_litgpt_script_under_cp_equals_fabric_ddp(cp_root, script, stage):
     assert report["loss"] <= LOSS_TOL["32"] and all(e["diff"] <= WEIGHT_TOL["32"] for e in report["files"].values()), (
         report
     )
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_reseed_between_construction_and_reset_parameters_equals_eager_ddp(root, strategy):
+    """LitGPT's GPT under ``init_module(empty_init=True)``, a seed set, then ``reset_parameters(model)``:
+    the initializer replays with the RNG state of its own call, so the weights are ddp's bit for bit
+    (before: stage 3 replayed every initializer from the state at ``init_module``'s exit, 4.3e-2 off);
+    the caller's stream afterwards is where ddp's eager run left it (the dropout masks, a draw after
+    the steps), so the losses and trained weights equal ddp's too."""
+    case, reference = f"reseed-{strategy}-32", "reseed-ddp-32"
+    ran = results(root)
+    assert "exception" not in ran[case], ran[case]
+    got = torch.load(root / "runs" / case / "weights.pt", weights_only=True)
+    want = torch.load(root / "runs" / reference / "weights.pt", weights_only=True)
+    assert set(got["init"]) == set(want["init"]) and got["init"]
+    for name, value in want["init"].items():
+        assert torch.equal(got["init"][name], value), (name, (got["init"][name] - value).abs().max().item())
+    for name, value in want["trained"].items():
+        assert (got["trained"][name] - value).abs().max().item() <= 1e-5, name
+    assert max(abs(a - b) for a, b in zip(ran[case]["losses"], ran[reference]["losses"])) <= 1e-5
+    assert ran[case]["draw"] == ran[reference]["draw"]
+
+
+def test_no_bucket_advice_on_runs_that_never_set_bucket_mb(root):
+    """No run here sets bucket_mb ("auto" gives these tiny models one bucket on purpose): none is told
+    to "set bucket_mb to about 0.25 or leave it at 'auto'" (before: three times per launch on rank 0)."""
+    for strategy in STRATEGIES[1:]:
+        for rank in (0, 1):
+            log = (root / f"litgpt_{strategy}.rank{rank}.log").read_text()
+            assert "set bucket_mb to about" not in log, (strategy, rank)

@@ -100,6 +100,7 @@ class _FakeEngine:
         self.device = torch.device(device)
         self.compute_dtype = torch.float32
         self.bucket_mb = 25.0
+        self.bucket_mb_auto = False
 
     def overlap_possible(self) -> bool:
         return self._possible
@@ -124,6 +125,13 @@ def test_single_bucket_per_group_warns_once_naming_the_fix(monkeypatch):
     seen = _warnings_for(_FakeEngine(overlap_possible=False, device="cpu"), 0.0, monkeypatch)
     assert len(seen) == 1
     assert "fit in one bucket" in seen[0] and "bucket_mb to about 3.1" in seen[0]
+
+
+def test_single_bucket_under_auto_bucket_mb_gives_no_advice_to_set_it(monkeypatch):
+    """A run that never set bucket_mb ("auto" chose one bucket for a small model) is not told to set it."""
+    engine = _FakeEngine(overlap_possible=False, device="cpu")
+    engine.bucket_mb_auto = True
+    assert _warnings_for(engine, 0.0, monkeypatch) == []
 
 
 def test_low_hidden_fraction_warns_on_cuda_only(monkeypatch):

@@ -384,8 +384,8 @@ def mixedsd(out: Path, strategy_name: str) -> dict:
 def compiled(out: Path, strategy_name: str) -> dict:
     """``torch.compile(model)`` before ``fabric.setup`` (LitGPT's pretrain order; ``backend="aot_eager"``:
     dynamo and AOT autograd without an inductor build), built under ``init_module(empty_init=True)``
-    at stage 3 (materialized at the first forward, from the RNG state ``init_module`` closed with:
-    ddp's weights): 3 steps' losses."""
+    at stage 3 (materialized at the first forward with the values its recorded initializers give:
+    ddp's weights, [Note: deferred init]): 3 steps' losses."""
     from litgpt.model import GPT
 
     # dynamo does not guard on module hooks (skip_nnmodule_hook_guards): without a reset, this case

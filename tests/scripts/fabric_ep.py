@@ -146,10 +146,15 @@ def _moe_tokens() -> torch.Tensor:
     return torch.randint(0, 256, (len(_batches(WORLD)), MICRO, WORLD, 2, MOE_SEQ + 1), generator=gen)
 
 
-def _train_moe(strategy, empty_init: bool = False) -> tuple[list[float], dict, int, list[str]]:
+def _train_moe(
+    strategy, empty_init: bool = False, constructor: bool = False
+) -> tuple[list[float], dict, int, list[str]]:
     """``MoETransformer`` (``MOE_CONFIG``) under Fabric with ``strategy``, fp32, built whole on every
-    rank from one seed, AdamW over ``model.parameters()`` before ``fabric.setup`` (``empty_init``:
-    under ``init_module(empty_init=True)`` on the meta device, the optimizer after); per step 2 micro
+    rank from one seed (``build_moe``; ``constructor``: by ``MoETransformer(config)`` itself, whose
+    default layer inits draw before its ``init_weights``), AdamW over ``model.parameters()`` before
+    ``fabric.setup`` (``empty_init``: ``MoETransformer(config)`` under ``init_module(empty_init=True)``,
+    on the meta device at stage 3, the optimizer after: the values that constructor gives eagerly,
+    [Note: deferred init]); per step 2 micro
     batches (``no_backward_sync``) of ``cross entropy + aux_loss``, clipping, the bias update over
     the dense group. Returns this rank's per-step losses, the trained state dict (an EP rank's
     expert rows), the EP rank's expert offset and the labels the strategy's counter counted."""
@@ -165,7 +170,8 @@ def _train_moe(strategy, empty_init: bool = False) -> tuple[list[float], dict, i
         model = fabric.setup(model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     else:
-        model = build_moe(resolve_moe_config(MOE_CONFIG))
+        config = resolve_moe_config(MOE_CONFIG)
+        model = MoETransformer(config) if constructor else build_moe(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         model, optimizer = fabric.setup(model, optimizer)
     groups = getattr(fabric.strategy, "mesh_groups", None)
@@ -193,12 +199,18 @@ def moe_model() -> dict:
     ranks ep=2 shards the experts over an EDP group of 2): ``fabric.setup`` splits
     its experts ([Note: expert parallelism under Fabric]); per-step losses and trained weights
     (experts: this EP rank's rows; the routers' selection biases too) against Fabric's ``ddp``.
-    ``3_meta``: stage 3 from a model built on the meta device (each rank draws only its experts)."""
-    want_losses, want_state, _, _ = _train_moe("ddp")
+    ``3_meta``: stage 3 from ``MoETransformer(config)`` built under ``init_module(empty_init=True)`` (on
+    the meta device, its initializers recorded and replayed after the experts are split), against
+    ddp building the same constructor eagerly."""
+    references = {False: _train_moe("ddp")}
     result = {}
     for stage, ep in MOE_CASES[WORLD]:
         strategy = ZeroFabricStrategy(stage=int(str(stage)[0]), ep=ep, bucket_mb=0.02, collective_timeout=60)
-        losses, state, offset, counted = _train_moe(strategy, empty_init=stage == "3_meta")
+        meta = stage == "3_meta"
+        if meta not in references:
+            references[meta] = _train_moe("ddp", constructor=True)
+        want_losses, want_state, _, _ = references[meta]
+        losses, state, offset, counted = _train_moe(strategy, empty_init=meta)
         assert set(state) == set(want_state), sorted(set(state) ^ set(want_state))
         weights = 0.0
         for name, want in want_state.items():

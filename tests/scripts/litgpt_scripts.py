@@ -13,11 +13,19 @@ of the sequence, other numbers than ddp's draw for the whole: compared without i
 epoch: after the validations at steps 2 and 4 and when the epoch ends) and records what it generated.
 
 What the runs share, made once by rank 0 (no network): a byte-level BPE ``tokenizer.json`` trained with
-the ``tokenizers`` library on the corpus below, a tiny LitGPT config, base checkpoints (for LoRA and the
-adapter with their extra tensors, so every run starts from the same weights: under ddp on 2 devices
-the scripts' ``init_module(empty_init=True)`` leaves them uninitialized memory), an instruction
-dataset for ``litgpt.data.JSON`` and text files for ``litgpt.data.TextFiles``. Each case records the
-seconds it took; the test reads LitGPT's own CSV logs and saved files.
+the ``tokenizers`` library on the corpus below, a tiny LitGPT config, base checkpoints holding the base
+model only (no LoRA or adapter tensors, as every real checkpoint: the scripts build those under
+``init_module(empty_init=True)`` and load the checkpoint with ``strict=False``), an instruction dataset
+for ``litgpt.data.JSON`` and text files for ``litgpt.data.TextFiles``. Each case records the seconds it
+took; the test reads LitGPT's own CSV logs and saved files.
+
+The reference (``ddp``) is Fabric's DDP with the model built eagerly (``empty_init`` ignored): under
+Fabric's own ``empty_init=True`` the tensors the checkpoint does not hold stay uninitialized memory,
+where ours take the values eager construction gives ([Note: deferred init] in zero/stage3/deferred.py).
+
+``reseed-<strategy>-32``: LitGPT's GPT built under ``fabric.init_module(empty_init=True)``, a new seed,
+then LitGPT's ``reset_parameters(model)`` (pretrain's order with a reseed between), two training steps
+with dropout; records the weights after setup, the losses, and a draw from the stream afterwards.
 """
 
 from __future__ import annotations
@@ -77,10 +85,6 @@ def prepare(root: Path) -> None:
 
 
 def _prepare(root: Path, Tokenizer, decoders, models, pre_tokenizers, trainers) -> None:
-    from litgpt.adapter import GPT as AdapterGPT
-    from litgpt.adapter import Config as AdapterConfig
-    from litgpt.lora import GPT as LoraGPT
-    from litgpt.lora import Config as LoraConfig
     from litgpt.model import GPT
     from litgpt.model import Config as BaseConfig
 
@@ -95,14 +99,9 @@ def _prepare(root: Path, Tokenizer, decoders, models, pre_tokenizers, trainers) 
 
     import yaml
 
-    bases = {
-        "base": (BaseConfig, GPT, {}),
-        "lora": (LoraConfig, LoraGPT, LORA),
-        "adapter": (AdapterConfig, AdapterGPT, ADAPTER),
-    }
     torch.manual_seed(7)
     plain = GPT(BaseConfig(**CONFIG)).state_dict()
-    for name, (config_class, model_class, extra) in bases.items():
+    for name in ("base", "lora", "adapter"):  # the adapter's directory: its model_config.yaml sets ADAPTER
         directory = root / "checkpoints" / name
         directory.mkdir(parents=True, exist_ok=True)
         tokenizer.save(str(directory / "tokenizer.json"))
@@ -110,12 +109,8 @@ def _prepare(root: Path, Tokenizer, decoders, models, pre_tokenizers, trainers) 
         (directory / "model_config.yaml").write_text(
             yaml.safe_dump({**CONFIG, **(ADAPTER if name == "adapter" else {})})
         )
-        state = dict(plain)
-        torch.manual_seed(8)
-        for key, value in model_class(config_class(**CONFIG, **extra)).state_dict().items():
-            if "lora_" in key or "adapter_wte" in key or "gating_factor" in key:
-                state[key] = torch.randn_like(value) * 0.1
-        torch.save(state, directory / "lit_model.pth")
+        # the base model only: the LoRA and adapter tensors come from the model's own initialization
+        torch.save(dict(plain), directory / "lit_model.pth")
     rows = [
         {"instruction": sentence(i, 4 + i % 3), "input": "", "output": sentence(i + 5, 6 + i % 4)} for i in range(40)
     ]
@@ -199,8 +194,39 @@ def resume_path(out: Path, script: str) -> Path:
     return first / ("step-00000002" if script == "pretrain" else "step-000002") / "lit_model.pth"
 
 
+def eager_ddp(find_unused_parameters: bool):
+    """Fabric's DDP building the model eagerly under ``init_module(empty_init=True)`` too: the reference
+    every stage must equal (values and RNG stream of eager construction)."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    class EagerInitDDP(DDPStrategy):
+        def module_init_context(self, empty_init=None):
+            return super().module_init_context(empty_init=False)
+
+    return EagerInitDDP(find_unused_parameters=find_unused_parameters)
+
+
+@contextmanager
+def strategy_for(strategy: str, find_unused_parameters: bool) -> Iterator[None]:
+    """``ddp``: every ``L.Fabric`` LitGPT builds gets :func:`eager_ddp` (``run`` itself passes the
+    string ``"ddp"`` through, which keeps Fabric's ``empty_init``)."""
+    if strategy != "ddp":
+        yield
+        return
+    from lightning_zero.fabric import litgpt as wrapper
+
+    make = wrapper.make_strategy
+    wrapper.make_strategy = lambda **options: eager_ddp(find_unused_parameters)
+    try:
+        yield
+    finally:
+        wrapper.make_strategy = make
+
+
 def run_case(root: Path, case: str) -> dict:
     script, strategy, precision, *rest = case.split("-")
+    if script == "reseed":
+        return reseed_case(root, strategy)
     resume, generate, no_dropout = rest == ["resume"], rest == ["generate"], rest == ["nodropout"]
     out = root / "runs" / case
     ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
@@ -214,10 +240,55 @@ def run_case(root: Path, case: str) -> dict:
         options["collective_timeout"] = 60.0  # a stalled rank-0 generation fails in a minute, naming the wait
     generated: list = []
     started = time.perf_counter()
-    with recording_generations(generated, enabled=generate):
+    with recording_generations(generated, enabled=generate), strategy_for(strategy, script == "adapter"):
         argv = command(root, script, strategy, precision, out, resume, generate, model_parallel)
         run(argv + (["--lora_dropout", "0"] if no_dropout else []), options)
     return {"seconds": time.perf_counter() - started, "generated": generated}
+
+
+def reseed_case(root: Path, strategy: str) -> dict:
+    """LitGPT's GPT under ``init_module(empty_init=True)``, reseeded, then ``reset_parameters(model)``
+    (LitGPT's pretrain order with a seed set between); two AdamW steps with dropout. Records the weights
+    after setup (full, gathered at stage 3), the losses, and ``torch.rand`` after the steps."""
+    import lightning as L
+    from litgpt.model import GPT, Config
+    from litgpt.utils import reset_parameters
+
+    from lightning_zero.fabric.litgpt import make_strategy
+
+    started = time.perf_counter()
+    made = eager_ddp(False) if strategy == "ddp" else make_strategy(stage=int(strategy[4]))
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=made, precision="32-true")
+    fabric.launch()
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=True):
+        model = GPT(Config(**CONFIG))
+    fabric.seed_everything(42)  # between construction and the initializer: its draws use this seed
+    reset_parameters(model)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out = root / "runs" / f"reseed-{strategy}-32"
+    out.mkdir(parents=True, exist_ok=True)
+    data = torch.randint(0, CONFIG["padded_vocab_size"], (4, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # stage 3 materializes at the first forward (before it, stand-ins: NaN)
+        model(data[:1, :-1])
+    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    dropout = torch.nn.Dropout(0.1)  # the caller's stream after init: as ddp's eager run left it
+    losses = []
+    for step in range(2):
+        inputs = data[2 * fabric.global_rank + step % 2 : 2 * fabric.global_rank + step % 2 + 1]
+        logits = model(inputs[:, :-1])
+        loss = torch.nn.functional.cross_entropy(dropout(logits).flatten(0, 1), inputs[:, 1:].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    after = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    draw = torch.rand(4).tolist()
+    fabric.strategy.teardown()
+    if fabric.global_rank == 0:
+        torch.save({"init": weights, "trained": after}, out / "weights.pt")
+    return {"seconds": time.perf_counter() - started, "losses": losses, "draw": draw}
 
 
 @contextmanager

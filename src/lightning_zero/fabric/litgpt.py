@@ -16,14 +16,19 @@ command: ``--stage`` (1, 2, 3; or ``ddp``, ``ddp_find_unused_parameters_true`` f
 LitGPT's merge, generate and convert tools read it; ``sharded``: a checkpoint directory) and
 ``--cp N`` (context parallelism: [Note: LitGPT under context parallelism] in
 ``models/litgpt/parallelize.py``) and ``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g.
-``--knob reduce_dtype=fp32``). They travel
-to the processes Fabric launches in ``LIGHTNING_ZERO_LITGPT`` (JSON), so Fabric's own re-launch of
-the command line works. docs/fabric.md, "LitGPT", lists what was tested.
+``--knob reduce_dtype=fp32``; a boolean knob takes ``True``/``False``, ``true``/``false`` or ``1``/``0``;
+an unknown name is refused, listing the knobs). They travel to the processes Fabric launches in
+``LIGHTNING_ZERO_LITGPT`` (JSON), so Fabric's own re-launch of the command line works. ``pretrain``
+with a model name LitGPT does not know (where LitGPT prints its list and exits 0 without training)
+is refused before anything starts, naming the ``--config`` YAML (``model_config:``) way to pretrain
+a model of one's own. docs/fabric.md, "LitGPT", lists what was tested.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
 import os
 import sys
@@ -34,13 +39,101 @@ ENV = "LIGHTNING_ZERO_LITGPT"
 DDP = ("ddp", "ddp_find_unused_parameters_true")
 
 
+def _knob_fields() -> dict[str, dataclasses.Field]:
+    from lightning_zero.config import ZeroConfig
+
+    return {field.name: field for field in dataclasses.fields(ZeroConfig) if field.name != "stage"}
+
+
+def check_knobs(knobs: dict[str, Any]) -> None:
+    """Every name a ``ZeroConfig`` field (``stage`` is ``--stage``); else a ValueError listing them."""
+    fields = _knob_fields()
+    unknown = sorted(set(knobs) - set(fields))
+    if unknown:
+        hint = " (the stage is --stage N, not a knob)" if "stage" in unknown else ""
+        raise ValueError(
+            f"--knob {', '.join(unknown)}: no such knob{hint}. The knobs are the ZeroConfig fields (docs/cli.md):"
+            f" {', '.join(sorted(fields))}."
+        )
+
+
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def parse_knob(name: str, text: str) -> Any:
+    """``--knob NAME=TEXT``'s value: for a boolean knob ``True``/``False``, ``true``/``false``, ``1``/``0``;
+    otherwise JSON (``0.5``, ``null``, ``"fp32"``), a Python literal (``None``) or the text itself."""
+    check_knobs({name: text})
+    if _knob_fields()[name].type in (bool, "bool"):
+        if text.strip().lower() not in _BOOLEANS:
+            raise ValueError(f"--knob {name}={text}: give True or False (also true/false, 1/0).")
+        return _BOOLEANS[text.strip().lower()]
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError):
+            continue
+    return text
+
+
+def _option(args: list[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` in ``args`` (``--flag VALUE`` or ``--flag=VALUE``), or None."""
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def check_command(command: list[str]) -> None:
+    """Refuse, before any process starts, a LitGPT command that would end without training:
+    ``pretrain NAME`` where LitGPT knows no model ``NAME`` and neither ``--model_config`` nor the
+    ``--config`` YAML's ``model_config:`` gives the architecture (LitGPT prints its list of names and
+    exits 0)."""
+    if not command or command[0] != "pretrain":
+        return
+    rest = command[1:]
+    if _option(rest, "--model_config") is not None:
+        return
+    from_yaml: Any = {}
+    config_path = _option(rest, "--config")
+    if config_path is not None and os.path.isfile(config_path):
+        import yaml
+
+        with open(config_path) as file:
+            from_yaml = yaml.safe_load(file) or {}
+    if isinstance(from_yaml, dict) and from_yaml.get("model_config"):
+        return
+    name = _option(rest, "--model_name")
+    if name is None and rest and not rest[0].startswith("-"):
+        name = rest[0]
+    if name is None and isinstance(from_yaml, dict):
+        name = from_yaml.get("model_name")
+    if name is None or name == "list":
+        return
+    from litgpt.config import Config
+
+    try:
+        Config.from_name(name)
+    except ValueError:
+        raise ValueError(
+            f"pretrain {name}: LitGPT knows no model named {name!r} (it would print its list of names and exit"
+            " without training). For a model of your own give its architecture: --config pretrain.yaml with a"
+            " model_config: section (its litgpt.Config fields: name, block_size, n_layer, n_embd, ...), or"
+            " --model_config '{...}' (docs/fabric.md, LitGPT). `pretrain list` prints the names LitGPT knows."
+        ) from None
+
+
 def make_strategy(stage: Union[int, str], state_dict_type: str = "full", **knobs: Any) -> Any:
     """``ZeroFabricStrategy(stage=..., state_dict_type=..., **knobs)``; a Fabric strategy name for a
-    ``stage`` that names one (``"ddp"``, ``"ddp_find_unused_parameters_true"``), to compare."""
+    ``stage`` that names one (``"ddp"``, ``"ddp_find_unused_parameters_true"``), to compare. A knob
+    that is no ``ZeroConfig`` field raises ValueError listing them."""
     if str(stage) in DDP:
         if knobs:
             raise ValueError(f"--stage ddp takes no ZeRO knobs (got {sorted(knobs)}).")
         return str(stage)
+    check_knobs(knobs)
     from lightning_zero.fabric.strategy import ZeroFabricStrategy
 
     return ZeroFabricStrategy(stage=int(stage), state_dict_type=state_dict_type, **knobs)  # type: ignore[arg-type]
@@ -100,9 +193,9 @@ def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if not sep:
             parser.error(f"--knob {item!r}: write NAME=VALUE")
         try:
-            knobs[name] = json.loads(value)
-        except json.JSONDecodeError:
-            knobs[name] = value
+            knobs[name] = parse_knob(name, value)
+        except ValueError as error:
+            parser.error(str(error))
     if ours.cp is not None:
         knobs["cp"] = ours.cp
     options = {"stage": ours.stage, "state_dict_type": ours.state_dict_type, **knobs}
@@ -114,6 +207,7 @@ def run(command: list[str], options: dict[str, Any]) -> None:
     strategy ``options`` describe (:func:`make_strategy`'s arguments). LitGPT reads ``sys.argv``
     again when it saves its hyperparameters, so ``sys.argv[1:]`` is ``command`` meanwhile."""
     make_strategy(**options)  # bad options fail here, before any process group starts
+    check_command(command)
     from litgpt.__main__ import main as litgpt_main
 
     saved_argv, saved_env = sys.argv, os.environ.get(ENV)
@@ -137,6 +231,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         run(argv, json.loads(inherited))
         return
     options, command = _options(argv)
+    try:
+        check_command(command)
+    except ValueError as error:
+        raise SystemExit(f"python -m lightning_zero.fabric.litgpt: error: {error}") from None
     run(command, options)
 
 

@@ -258,6 +258,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._meta_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._previous_excepthook: Optional[Callable[..., Any]] = None
         self._init_rng: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self._init_record: Optional[Any] = None  # [Note: deferred init] in zero/stage3/deferred.py
         self._exit_hook = False  # [Note: nothing running at exit]
         # per optimizer, per param group: the parameter names in the user's order ([Note: full optimizer state])
         self._param_names: list[list[list[str]]] = []
@@ -331,19 +332,26 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     # -- module and optimizers ------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """[Note: stage 3 init under Fabric] As Lightning's FSDP: ``init_module(empty_init=True)`` at
-        stage 3 builds on the meta device and the engine materializes one unit at a time from the
-        module's own initialization (``zero/stage3/init.py``); that draws from a fork of the caller's
-        RNG state as it was when ``init_module`` closed, so the weights are those the module's
-        ``reset_parameters`` would draw right after construction (LitGPT's pretrain order), and the
-        caller's own stream is left where it is (as ddp's ``empty_init`` draws nothing). Without
-        ``empty_init`` (``None`` or ``False``) the module is built for real, by its own constructor
-        from the caller's RNG stream, as under ddp and FSDP, and sharded at setup. Stages 1-2: ddp's."""
+        """[Note: stage 3 init under Fabric] ``init_module(empty_init=True)`` gives, at every stage, the
+        values eager construction gives (Fabric ddp with ``empty_init=False``, same seed), and leaves
+        the caller's RNG stream where that eager run leaves it. Stages 1-2 hold the whole model on
+        every rank anyway: they build it eagerly (ddp's ``empty_init`` would leave the tensors a
+        checkpoint does not hold -- LoRA's, an adapter's -- uninitialized memory). Stage 3 builds on
+        the meta device, recording every initializer as it runs, in construction and after it
+        (LitGPT's ``reset_parameters(model)``), each random one with the RNG state of its own call;
+        the engine materializes one unit at a time and replays them ([Note: deferred init] in
+        ``zero/stage3/deferred.py``). Tensors no recorded op made (rare: a buffer recomputed by
+        factory calls after construction) get the module's own initializers ([Note: buffer init]),
+        drawing from a fork of the RNG state at ``init_module``'s exit. Without ``empty_init``
+        (``None`` or ``False``) the module is built for real and sharded at setup."""
         if self.zero_config.stage != 3 or not empty_init:
-            return super().module_init_context(empty_init=empty_init)
+            return super().module_init_context(empty_init=False)
+        from lightning_zero.zero.stage3.deferred import InitRecord
+
+        self._init_record = InitRecord(self.root_device)
         stack = ExitStack()
-        stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(self._init_record.building())
         stack.callback(self._remember_init_rng)
         return stack
 
@@ -354,18 +362,23 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
 
     @contextmanager
     def _init_rng_stream(self) -> Generator[None, None, None]:
-        """The engine's materialization draws from the RNG state ``init_module`` closed with, in a
-        fork ([Note: stage 3 init under Fabric]); once."""
+        """The fallback initializers draw from the RNG state ``init_module`` closed with, in a fork
+        ([Note: stage 3 init under Fabric]); once. The record is closed after."""
         saved, self._init_rng = self._init_rng, None
-        if saved is None:
-            yield
-            return
-        device = self.root_device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.set_rng_state(saved[0])
-            if saved[1] is not None:
-                torch.cuda.set_rng_state(saved[1], device)
-            yield
+        record, self._init_record = self._init_record, None
+        try:
+            if saved is None:
+                yield
+                return
+            device = self.root_device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.set_rng_state(saved[0])
+                if saved[1] is not None:
+                    torch.cuda.set_rng_state(saved[1], device)
+                yield
+        finally:
+            if record is not None:
+                record.close()
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -422,11 +435,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         dims, groups = self.session.dims, self.session.groups
         if dims is None or groups is None:
             return
-        from lightning_zero.runtime.parallelize import check_layout, parallelize
+        from lightning_zero.runtime.parallelize import check_layout
 
         check_layout(dims, module)
-        if dims.cp > 1 or dims.ep > 1 or dims.tp > 1:
-            parallelize(module, groups)
+        self.session.parallel_plan().apply(module)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -206,8 +206,12 @@ class Monitor:
         if not engine.overlap_comm or self._warned or comm <= 0 or len(self.history) < 2:
             return None
         if not engine.overlap_possible():
-            # One bucket per group fills only when backward ends: a layout fact, on any device.
+            # One bucket per group fills only when backward ends: a layout fact, on any device. Said
+            # only to a user who set bucket_mb: "auto" gives a model under 4 MiB of gradients one bucket
+            # on purpose (lightning_zero.config.resolve_bucket_mb), and the advice would be to set it.
             self._warned = True
+            if engine.bucket_mb_auto:
+                return None
             grad_mib = engine.num_params() * getattr(engine, "reduce_dtype", engine.compute_dtype).itemsize / 2**20
             return (
                 f"lightning_zero: every parameter group's gradients fit in one bucket (bucket_mb="

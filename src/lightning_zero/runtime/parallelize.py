@@ -52,38 +52,29 @@ class ModelFamily:
     name: str  # what a refusal lists
     matches: Callable[[Any], bool]
     check: Callable[[nn.Module, "ParallelDims"], None]
-    parallelize: Callable[..., nn.Module]  # (model, groups, *, counter) -> model
+    parallelize: Callable[..., nn.Module]  # (model, plan, *, dims, counter) -> model: tp, ep, cp of dims
 
 
 def _check_declared(model: nn.Module, dims: "ParallelDims") -> None:
     model.check_parallel_dims(dims)
 
 
-def _parallelize_llama(model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> nn.Module:
-    """Llama: tp (at the Trainer door, ``LlamaLM.configure_model``), then cp (``cp.parallelize``)."""
-    from lightning_zero.cp.parallelize import parallelize_context
+def _apply_llama(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
+    from lightning_zero.models.llama.parallelize import apply_layout
 
-    dims = groups.dims
-    if dims.cp > 1 and model.context_parallel_size == 1:
-        parallelize_context(model, groups.cp, counter=counter or getattr(model, "tp_comm_counter", None), tp=dims.tp)
-    return model
+    return apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
 
 
-def _parallelize_moe(model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> nn.Module:
-    """MoETransformer: tp (at the Trainer door), then ep (``ep.parallelize``), then cp as Llama's."""
-    from lightning_zero.models.moe.parallelize import parallelize_experts
+def _apply_moe(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
+    from lightning_zero.models.moe.parallelize import apply_layout
 
-    if groups.dims.ep > 1 and getattr(model, "ep_size", 1) == 1:
-        parallelize_experts(model, groups.ep, counter=counter or getattr(model, "tp_comm_counter", None))
-    return _parallelize_llama(model, groups, counter=counter or getattr(model, "ep_comm_counter", None))
+    return apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
 
 
-def _parallelize_litgpt(
-    model: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None
-) -> nn.Module:
+def _apply_litgpt(model: nn.Module, plan: "ParallelPlan", *, dims: tuple[str, ...], counter: Any = None) -> nn.Module:
     from lightning_zero.models.litgpt.parallelize import parallelize_litgpt
 
-    return parallelize_litgpt(model, groups, counter=counter)
+    return parallelize_litgpt(model, plan.groups, counter=counter) if "cp" in dims else model
 
 
 def _check_litgpt(model: nn.Module, dims: "ParallelDims") -> None:
@@ -95,11 +86,11 @@ def _check_litgpt(model: nn.Module, dims: "ParallelDims") -> None:
 FAMILIES: tuple[ModelFamily, ...] = (
     # a MoETransformer is a Llama: the more specific family first
     ModelFamily("lightning_zero.models.moe.MoETransformer (tp, ep, cp)",
-                _instance_of("lightning_zero.models.moe.model", "MoETransformer"), _check_declared, _parallelize_moe),
+                _instance_of("lightning_zero.models.moe.model", "MoETransformer"), _check_declared, _apply_moe),
     ModelFamily("lightning_zero.models.Llama (tp, cp)",
-                _instance_of("lightning_zero.models.llama.model", "Llama"), _check_declared, _parallelize_llama),
+                _instance_of("lightning_zero.models.llama.model", "Llama"), _check_declared, _apply_llama),
     ModelFamily("litgpt.model.GPT and LoRA's GPT (cp under Fabric)",
-                _instance_of("litgpt.model", "GPT"), _check_litgpt, _parallelize_litgpt),
+                _instance_of("litgpt.model", "GPT"), _check_litgpt, _apply_litgpt),
 )  # fmt: skip
 
 SELF_DECLARED = "a module of your own that splits itself and declares check_parallel_dims(dims)"
@@ -168,11 +159,42 @@ def check_layout(dims: "ParallelDims", module: Any, *, door: str = "ZeroStrategy
         family.check(decoder, dims)
 
 
-def parallelize(module: nn.Module, groups: "MeshGroups", *, counter: Optional["CommCounter"] = None) -> list[nn.Module]:
-    """Push ``groups``' layout into every registered decoder inside ``module`` (its family's step:
-    tp, ep, cp in that order); returns them. A module that declared ``check_parallel_dims`` and
-    holds no registered decoder split itself: nothing is applied."""
-    decoders = find_decoders(module)
-    for decoder, family in decoders:
-        family.parallelize(decoder, groups, counter=counter)
-    return [decoder for decoder, _ in decoders]
+DIMENSIONS = ("tp", "ep", "cp")  # the fixed order of every family's step; pipeline stages would come last
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What a door hands a model ([Note: the parallelize registry]): the layout's groups (``tp``,
+    ``cp``, ``ep``, the expert-data-parallel ``edp``, ``dp_cp``: ``comm/mesh.py`` ``MeshGroups``)
+    and the knob a family's step reads (``sequence_parallel``). The Fabric door applies it to the
+    model given to ``fabric.setup``; the Trainer door hands it to the LightningModule
+    (``receive_parallel_plan``) before ``configure_model``, which applies it to the model it
+    builds: no model reaches into its strategy for a group."""
+
+    groups: "MeshGroups"
+    sequence_parallel: bool = False
+
+    @property
+    def dims(self) -> "ParallelDims":
+        return self.groups.dims
+
+    def apply(
+        self, module: nn.Module, *, dims: tuple[str, ...] = DIMENSIONS, counter: Optional["CommCounter"] = None
+    ) -> list[nn.Module]:
+        """Each registered decoder inside ``module`` gets its family's step for ``dims`` (tp, ep, cp
+        in that order, each applied once: a LightningModule may apply one on the meta device before
+        it initializes, the rest after); returns the decoders. A module that declared
+        ``check_parallel_dims`` and holds no registered decoder split itself: nothing is applied."""
+        decoders = find_decoders(module)
+        for decoder, family in decoders:
+            family.parallelize(decoder, self, dims=dims, counter=counter)
+        return [decoder for decoder, _ in decoders]
+
+
+def hand_over(module: Any, plan: ParallelPlan) -> None:
+    """The Trainer door's push: a LightningModule that applies the layout to the model it builds
+    (``receive_parallel_plan(plan)``: this project's ``LlamaLM`` and ``MoELM``) gets ``plan`` before
+    Lightning calls its ``configure_model``."""
+    receive = getattr(module, "receive_parallel_plan", None)
+    if callable(receive):
+        receive(plan)

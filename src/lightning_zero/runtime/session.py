@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
     from lightning_zero.precision import PrecisionPolicy
+    from lightning_zero.runtime.parallelize import ParallelPlan
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.waits import FailureChannel
 
@@ -86,6 +87,18 @@ class ZeroSession:
         self.groups = build_groups(self.dims, device_type)
         # [Note: collective timeout on NCCL] in zero/waits.py: the watchdog's limit is collective_timeout
         hold_collective_timeout([None, *self.groups.all()], self.config.collective_timeout)
+
+    def parallel_plan(self) -> "ParallelPlan":
+        """[Note: the parallelize registry]: the layout's groups and knobs, for a model family's step
+        (the Fabric door applies it at ``fabric.setup``; the Trainer door hands it to the
+        LightningModule before ``configure_model``)."""
+        from lightning_zero.runtime.parallelize import ParallelPlan
+
+        if self.groups is None:
+            raise RuntimeError(
+                "ZeroSession.parallel_plan: call start first (the groups exist once the process group is up)"
+            )
+        return ParallelPlan(self.groups, sequence_parallel=self.config.sequence_parallel)
 
     @property
     def device_mesh(self) -> Optional["DeviceMesh"]:

@@ -53,6 +53,10 @@ def parallel_dims(config: ZeroConfig, *, num_nodes: int, num_processes: int, lig
         seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
         if isinstance(seq_len, int):
             sequence_shard_len(seq_len, dims.tp)
+            if dims.cp > 1:  # each cp slice splits over tp too
+                from lightning_zero.cp.layout import context_shard_len
+
+                context_shard_len(seq_len, dims.cp, dims.tp, sequence_parallel=True)
     return dims
 
 

@@ -211,6 +211,10 @@ class ZeroStrategy(SessionViews, DDPStrategy):
                                  module=self.lightning_module)  # fmt: skip
         super().setup_environment()  # starts the process group
         self.session.start(self.root_device.type)
+        # [Note: the parallelize registry]: the LightningModule applies the layout to the model it builds
+        from lightning_zero.runtime.parallelize import hand_over
+
+        hand_over(self.lightning_module, self.session.parallel_plan())
         if self.device_mesh is not None:
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self.device_mesh

@@ -185,6 +185,7 @@ class ZeroEngine:
         grad_bytes = sum(p.numel() for p in trainable.values()) * self.reduce_dtype.itemsize
         bucket_mb = resolve_bucket_mb(config.bucket_mb, grad_bytes)  # "auto": see lightning_zero.config
         self.bucket_mb = bucket_mb  # in MiB, "auto" resolved
+        self.bucket_mb_auto = config.bucket_mb == "auto"  # the user never set it (no advice to set it)
         check_elementwise(optimizers, config.stage)
         replicated = sorted({type(opt).__name__ for opt in optimizers if replicated_step(opt)})
         if expert_domain is not None and replicated:

@@ -82,12 +82,13 @@ class LlamaLM(L.LightningModule):
             only what it keeps, one unit at a time (see docs/pretrained.md).
 
     The model is built in ``configure_model`` (so a strategy can build it on the meta device or
-    sharded); when the strategy's device mesh has a ``tp`` dimension larger than 1, it is
-    parallelized there with :func:`lightning_zero.models.llama.parallelize_llama`, sequence-parallel when
-    the strategy says so (``ZeroStrategy(sequence_parallel=True)``); then, when it has a ``cp``
-    dimension larger than 1 (``ZeroStrategy(cp=C)``), made context-parallel with
+    sharded) and parallelized there by the plan the strategy handed over
+    (:meth:`receive_parallel_plan`, [Note: the parallelize registry]): the family's step
+    (``models/llama/parallelize.apply_layout``) applies tensor parallelism
+    (:func:`lightning_zero.models.llama.parallelize_llama`, sequence-parallel under
+    ``ZeroStrategy(sequence_parallel=True)``), then context parallelism (``ZeroStrategy(cp=C)``,
     :func:`lightning_zero.cp.parallelize.parallelize_context`: each batch is then this rank's slice
-    of every sequence (``TokenDataModule`` hands it out), see docs/context_parallel.md.
+    of every sequence, which ``TokenDataModule`` hands out), see docs/context_parallel.md.
     """
 
     model_class: type = Llama  # a model family built on Llama's decoder sets its own (``MoELM``)
@@ -138,7 +139,7 @@ class LlamaLM(L.LightningModule):
         config, betas = dataclasses.asdict(self.config), list(betas)
         self.save_hyperparameters()
         self.model: Optional[Llama] = None
-        self._tp_applied = False
+        self._parallel_plan: Optional[Any] = None  # handed over by the strategy (receive_parallel_plan)
         self.eval_metrics = nn.ModuleDict(
             {f"{stage}_loss": MeanMetric() for stage in ("val", "test")}
             | {f"{stage}_ppl": PerplexityFromLoss() for stage in ("val", "test")}
@@ -154,67 +155,41 @@ class LlamaLM(L.LightningModule):
         resolved = pretrained_config(config, init_from)
         return resolved, HFLlamaWeights(init_from, resolved)  # read when the model is built
 
+    def receive_parallel_plan(self, plan: Any) -> None:
+        """[Note: the parallelize registry] in ``runtime/parallelize.py``: the strategy hands the
+        layout's groups and knobs here (``ParallelPlan``) before ``configure_model``; the model reads
+        nothing from its strategy."""
+        self._parallel_plan = plan
+
     def configure_model(self) -> None:
-        tp_mesh = self._tp_mesh()
+        plan = self._parallel_plan
         if self.model is None:
             target = torch.get_default_device()
-            if self.pretrained is not None and tp_mesh is not None and target.type != "meta":
+            if self.pretrained is not None and plan is not None and plan.dims.tp > 1 and target.type != "meta":
                 # Pretrained under TP: split on the meta device, then read only this rank's slices.
                 from lightning_zero.tp.layers import mark_tp_params
 
                 with torch.device("meta"):
                     self.model = build_llama(self.config, self.pretrained, self.model_class)
-                self._parallelize(tp_mesh)
+                plan.apply(self.model, dims=("tp",))
                 self.model.to_empty(device=target)
                 mark_tp_params(self.model)  # to_empty made new Parameter objects
                 self.model.init_weights()
             else:
                 self.model = build_llama(self.config, self.pretrained, self.model_class)
         self.model.activation_checkpointing = self.hparams.activation_checkpointing
-        if tp_mesh is not None and not self._tp_applied:
-            self._parallelize(tp_mesh)
-        cp_group = self._cp_group()
-        if cp_group is not None and self.model.context_parallel_size == 1:
-            from lightning_zero.cp.parallelize import parallelize_context
-
-            tp = tp_mesh.size() if tp_mesh is not None else 1
-            parallelize_context(self.model, cp_group, counter=getattr(self.model, "tp_comm_counter", None), tp=tp)
-
-    def _cp_group(self) -> Optional[Any]:
-        """The strategy's ``cp`` process group when it has more than one rank, else ``None``."""
-        mesh = self.device_mesh
-        if mesh is None or "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
-            return None
-        return mesh["cp"].get_group()
+        if plan is not None:  # the family's step: tp (unless done above), ep, cp, each once
+            plan.apply(self.model)
 
     def check_parallel_dims(self, dims: Any) -> None:
         """[Note: layouts a model declares] in ``runtime/parallelize.py``: Llama runs ``cp > 1`` (Ulysses
-        attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``, and
-        with sequence parallelism ``tp`` the slice) and has no experts (``ep`` must be 1). Raises
-        ``ValueError`` naming the fix; states a key/value head repeat before launch."""
+        attention: ``tp * cp`` must divide the heads, ``cp`` the data module's ``seq_len``; with
+        sequence parallelism the runtime checks that the slice splits over ``tp``) and has no experts
+        (``ep`` must be 1). Raises ``ValueError`` naming the fix; states a key/value head repeat
+        before launch."""
         seq_len = getattr(getattr(self._trainer, "datamodule", None), "seq_len", None)
         check_llama_layout(self.config, dims, owner=type(self).__name__,
-                           seq_len=seq_len if isinstance(seq_len, int) else None,
-                           sequence_parallel=self._sequence_parallel())  # fmt: skip
-
-    def _tp_mesh(self) -> Optional[Any]:
-        """The strategy's ``tp`` sub-mesh when it has more than one rank, else ``None``."""
-        mesh = self.device_mesh
-        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
-            return None
-        return mesh["tp"]
-
-    def _parallelize(self, tp_mesh: Any) -> None:
-        from lightning_zero.models.llama.parallelize import parallelize_llama
-
-        # counts into model.tp_comm_counter (the strategy adopts it)
-        parallelize_llama(self.model, tp_mesh, sequence_parallel=self._sequence_parallel())
-        self._tp_applied = True
-
-    def _sequence_parallel(self) -> bool:
-        """The strategy's ``sequence_parallel`` knob (``ZeroStrategy(sequence_parallel=True)``)."""
-        strategy = getattr(self._trainer, "strategy", None)
-        return bool(getattr(strategy, "sequence_parallel", False))
+                           seq_len=seq_len if isinstance(seq_len, int) else None)  # fmt: skip
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self._built_model()(idx)

@@ -47,7 +47,7 @@ sequence parallelism, so checkpoints move freely between the two.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,10 @@ from lightning_zero.tp.layers import (
     sum_grad_over_tp,
 )
 from lightning_zero.tp.loss import vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from lightning_zero.comm.mesh import MeshGroups
+
 from lightning_zero.tp.parallelize import EnterTPRegion, GatherSequence, TPGroupLike, resolve_tp_group
 
 
@@ -155,4 +159,27 @@ def parallelize_llama(
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, counter=counter)
 
     mark_tp_params(model)  # split: from the TP layers; replicated (norm weights): None
+    return model
+
+
+def apply_layout(
+    model: nn.Module,
+    groups: "MeshGroups",
+    *,
+    sequence_parallel: bool = False,
+    dims: tuple[str, ...] = ("tp", "cp"),
+    counter: Optional[CommCounter] = None,
+) -> nn.Module:
+    """The Llama family's one step ([Note: the parallelize registry] in ``runtime/parallelize.py``):
+    tensor parallelism (:func:`parallelize_llama`), then context parallelism
+    (``cp.parallelize.parallelize_context``), each applied once, over ``groups`` (``MeshGroups``).
+    ``dims``: the dimensions to apply now, in that order whatever their order here (``LlamaLM``
+    splits a pretrained model for tp on the meta device, reads its slices, then applies the rest)."""
+    from lightning_zero.cp.parallelize import parallelize_context
+
+    layout = groups.dims
+    if "tp" in dims and layout.tp > 1 and not isinstance(model.tok_embeddings, VocabParallelEmbedding):
+        parallelize_llama(model, groups.tp, counter=counter, sequence_parallel=sequence_parallel)
+    if "cp" in dims and layout.cp > 1 and model.context_parallel_size == 1:
+        parallelize_context(model, groups.cp, counter=getattr(model, "tp_comm_counter", None) or counter, tp=layout.tp)
     return model

@@ -46,7 +46,6 @@ class MoELM(LlamaLM):
         config, betas = dataclasses.asdict(self._resolve_config(config, init_from, read_weights=False)[0]), list(betas)
         super().__init__(config, lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio,
                          activation_checkpointing, init_from)  # fmt: skip
-        self._ep_applied = False
 
     def hf_export(self) -> Any:
         """The Mixtral / Qwen3-MoE layout for ``ZeroStrategy.save_hf_pretrained`` (no gather, any ep)."""
@@ -65,21 +64,19 @@ class MoELM(LlamaLM):
     model_class = MoETransformer
 
     def configure_model(self) -> None:
-        group = self._ep_group()
+        plan = self._parallel_plan
         target = torch.get_default_device()
-        if self.model is None and (group is not None or self._tp_mesh() is not None) and target.type != "meta":
-            # Split the experts on the meta device, then initialize (or read) only this rank's; TP
+        splits = plan is not None and (plan.dims.ep > 1 or plan.dims.tp > 1)
+        if self.model is None and splits and target.type != "meta":
+            # Keep this rank's experts on the meta device, then initialize (or read) only them; TP
             # then splits the dense layers of the materialized model (super().configure_model).
             with torch.device("meta"):
                 self.model = build_moe(self.config, self.pretrained)
-            if group is not None:
-                self._parallelize_experts(group)
+            plan.apply(self.model, dims=("ep",))
             self.model.to_empty(device=target)
             self.model.mark_expert_params()  # to_empty made new Parameter objects
             self.model.init_weights()
-        super().configure_model()  # builds the model if not yet, TP, checkpointing, context parallelism
-        if group is not None and not self._ep_applied:
-            self._parallelize_experts(group)
+        super().configure_model()  # builds the model if not yet; the family's step: tp, ep, cp, each once
 
     def check_parallel_dims(self, dims: Any) -> None:
         """[Note: layouts a model declares] in ``runtime/parallelize.py``: experts divisible by ``ep``,
@@ -96,34 +93,6 @@ class MoELM(LlamaLM):
             )
         super().check_parallel_dims(dataclasses.replace(dims, ep=1))
 
-    def _mesh_groups(self) -> Optional[Any]:
-        """The strategy's ``comm/mesh.py`` ``MeshGroups`` (``ZeroStrategy``), else ``None``."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        return getattr(strategy, "mesh_groups", None)
-
-    def _ep_group(self) -> Optional[Any]:
-        """The strategy's expert-parallel group (``ZeroStrategy(ep=E)``, ``E > 1``), else ``None``."""
-        groups = self._mesh_groups()
-        return None if groups is None or groups.dims.ep == 1 else groups.ep
-
-    def _parallelize(self, tp_mesh: Any) -> None:
-        """Llama's TP of attention and the dense layers (sequence-parallel), then the MoE layers on
-        the sequence shards ([Note: experts and tensor parallelism] in ``models/moe/parallelize.py``), all
-        counting into the counter expert parallelism already counts into."""
-        from lightning_zero.models.llama.parallelize import parallelize_llama
-        from lightning_zero.models.moe.parallelize import parallelize_moe_tp
-
-        counter = getattr(self.model, "ep_comm_counter", None)
-        parallelize_llama(self.model, tp_mesh, counter=counter, sequence_parallel=self._sequence_parallel())
-        parallelize_moe_tp(self.model, tp_mesh.get_group(), counter=self.model.tp_comm_counter)
-        self._tp_applied = True
-
-    def _parallelize_experts(self, group: Any) -> None:
-        from lightning_zero.models.moe.parallelize import parallelize_experts
-
-        parallelize_experts(self.model, group)
-        self._ep_applied = True
-
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's step, then the auxiliary-loss-free bias update from the step's assignments
         over every data-parallel rank ([Note: bias update] in ``models/moe/router.py``)."""
@@ -133,8 +102,8 @@ class MoELM(LlamaLM):
     def _dense_group(self) -> Optional[Any]:
         """The group data-parallel ranks of one TP rank form (``ZeroStrategy``'s dp_cp; ``None``: the
         default group, as under ddp)."""
-        groups = self._mesh_groups()
-        return None if groups is None else groups.dp_cp
+        plan = self._parallel_plan  # handed over by the strategy ([Note: the parallelize registry])
+        return None if plan is None else plan.groups.dp_cp
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)

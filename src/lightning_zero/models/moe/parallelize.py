@@ -47,7 +47,7 @@ rank; it is left for later (docs/moe.md).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,9 @@ from lightning_zero.models.moe.config import check_moe_layout
 from lightning_zero.models.moe.experts import mark_expert_params
 from lightning_zero.models.moe.router import TensorParallelShard
 from lightning_zero.tp.layers import sum_grad_over_tp
+
+if TYPE_CHECKING:
+    from lightning_zero.comm.mesh import MeshGroups
 
 
 def parallelize_experts(
@@ -122,3 +125,29 @@ def parallelize_moe_tp(
         if moe.shared is not None:
             moe.shared.tp_grad_sum = grad_sum
     return model
+
+
+def apply_layout(
+    model: nn.Module,
+    groups: "MeshGroups",
+    *,
+    sequence_parallel: bool = False,
+    dims: tuple[str, ...] = ("tp", "ep", "cp"),
+    counter: Optional[CommCounter] = None,
+) -> nn.Module:
+    """The MoE family's one step ([Note: the parallelize registry] in ``runtime/parallelize.py``):
+    tensor parallelism (Llama's for attention and the dense layers, then :func:`parallelize_moe_tp`),
+    expert parallelism (:func:`parallelize_experts`), context parallelism as Llama's, each applied
+    once, in that order. ``dims``: the dimensions to apply now (``MoELM`` keeps this rank's experts
+    on the meta device and initializes only them before the rest)."""
+    from lightning_zero.models.llama.parallelize import apply_layout as apply_llama_layout
+    from lightning_zero.models.llama.parallelize import parallelize_llama
+
+    layout = groups.dims
+    if "tp" in dims and layout.tp > 1 and not hasattr(model, "tp_sequence_parallel"):
+        parallelize_llama(model, groups.tp, counter=getattr(model, "ep_comm_counter", None) or counter,
+                          sequence_parallel=sequence_parallel)  # fmt: skip
+        parallelize_moe_tp(model, groups.tp, counter=model.tp_comm_counter)
+    if "ep" in dims and layout.ep > 1 and getattr(model, "ep_size", 1) == 1:
+        parallelize_experts(model, groups.ep, counter=counter)
+    return apply_llama_layout(model, groups, dims=tuple(name for name in dims if name == "cp"), counter=counter)

@@ -26,7 +26,9 @@ What stage 3 does differently from stage 2 is all in this package:
 - ``replicated_step.py`` -- optimizers that are not element-wise (Adafactor): full fp32 masters
   gathered and stepped one unit at a time ([Note: replicated step per unit]).
 - ``init.py`` -- **Sharded init.** A meta-device model is materialized, initialized (buffers
-  included, [Note: buffer init]) and sharded one unit at a time.
+  included, [Note: buffer init]) and sharded one unit at a time; ``deferred.py`` records the
+  initializers of a model built under ``fabric.init_module(empty_init=True)`` and replays them
+  there, so its values are eager construction's ([Note: deferred init]).
 - ``gather_order.py`` -- a recorded order's held entries and the most it holds gathered at once
   ([Note: gathered working set]); plain Python, which the planner reads too.
 

@@ -5,12 +5,18 @@ the model would: a unit when its module comes up, root modules as they come up (
 whole until the end), so random draws happen in the same order for models that initialize in
 that order (``Llama.init_module``).
 
-[Note: buffer init] Buffers are state too. A tensor materialized from the meta device is first
-filled with a sentinel (NaN for floats, the dtype's minimum for integers), then initialized by,
-in this order: the model's ``init_module(module)`` (this project's Llama); the ``_init_weights``
-of the nearest Hugging Face ``PreTrainedModel`` above it (which recomputes rotary ``inv_freq``
-and BatchNorm statistics); the module's own ``reset_parameters()``. A tensor still holding the
-sentinel afterwards had no initializer: setup fails naming it, instead of training on garbage.
+[Note: buffer init] Buffers are state too. A tensor built under ``fabric.init_module(empty_init=True)``
+takes the value its recorded initializers give ([Note: deferred init] in ``deferred.py``: eager
+construction's values, whatever the order). Any other tensor materialized from the meta device
+(built under the Trainer's ``configure_model``, or made after construction by factory calls no
+recorded tensor took part in, as LitGPT's rotary cache is) is first filled with a sentinel (NaN for
+floats, the dtype's minimum for integers), then initialized by, in this order: the model's
+``init_module(module)`` (this project's Llama; always, when it reads pretrained weights from its
+``weight_source``); the ``_init_weights`` of the nearest Hugging Face ``PreTrainedModel`` above it
+(which recomputes rotary ``inv_freq`` and BatchNorm statistics); the module's own
+``reset_parameters()``. Those fallbacks write only sentinel tensors: a tensor the record gave a
+value keeps it. A tensor still holding the sentinel afterwards had no initializer: setup fails
+naming it, instead of training on garbage.
 Initialization never changes a tensor's dtype: one that an initializer replaced by a tensor of
 another dtype (LitGPT's ``reset_parameters`` recomputes its rotary ``cos``/``sin`` in fp32) is cast
 back to the dtype it had on the meta device, where the precision converted it (``bf16-true``:
@@ -19,6 +25,8 @@ ddp's module holds those buffers in bf16, converted with the rest of it).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -28,6 +36,7 @@ from torch import nn
 from lightning_zero.zero.bucketing import grad_bucket_numel
 from lightning_zero.zero.domains import ExpertDomain, is_expert_param
 from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
+from lightning_zero.zero.stage3.deferred import fill_sentinel
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
     Unit,
@@ -46,13 +55,6 @@ def _direct_tensors(module: nn.Module) -> list[tuple[dict, str]]:
     ]
 
 
-def _fill_sentinel(tensor: torch.Tensor) -> None:
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
-    elif tensor.dtype != torch.bool:
-        tensor.fill_(torch.iinfo(tensor.dtype).min)
-
-
 def _still_sentinel(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0 or tensor.dtype == torch.bool:
         return False
@@ -61,9 +63,13 @@ def _still_sentinel(tensor: torch.Tensor) -> bool:
     return bool((tensor == torch.iinfo(tensor.dtype).min).all())
 
 
+_DEFERRED_MARKS = ("_lz_record", "_is_param")  # a DeferredTensor's own attributes, not the model's
+
+
 def _materialize(modules: list[nn.Module], device: torch.device) -> list[tuple[nn.Module, str]]:
-    """Give meta parameters/buffers held directly by ``modules`` real storage filled with a
-    sentinel ([Note: buffer init]); returns (module, key) of each tensor materialized."""
+    """Give meta parameters/buffers held directly by ``modules`` real storage holding their
+    recorded value, or else a sentinel ([Note: buffer init]); returns (module, key) of each tensor
+    materialized."""
     fresh: list[tuple[nn.Module, str]] = []
     with torch.no_grad():
         for module in modules:
@@ -71,17 +77,21 @@ def _materialize(modules: list[nn.Module], device: torch.device) -> list[tuple[n
                 tensor = owner[key]
                 if not tensor.is_meta:
                     continue
+                record = getattr(tensor, "_lz_record", None)  # [Note: deferred init] in deferred.py
+                recorded = record.value_of(tensor) if record is not None else None
+                value = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                if recorded is not None:
+                    value.copy_(recorded)
+                else:
+                    fill_sentinel(value)
                 if isinstance(tensor, nn.Parameter):
                     # Same Python object (optimizers and ties hold it), new device: swap the tensors.
-                    real = nn.Parameter(
-                        torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor.requires_grad
-                    )
-                    real.__dict__.update(tensor.__dict__)  # keep marks such as _tp_shard_dim
+                    real = nn.Parameter(value, tensor.requires_grad)
+                    marks = {k: v for k, v in tensor.__dict__.items() if k not in _DEFERRED_MARKS}
+                    real.__dict__.update(marks)  # keep marks such as _tp_shard_dim
                     torch.utils.swap_tensors(tensor, real)
-                    _fill_sentinel(tensor.data)
                 else:
-                    owner[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                    _fill_sentinel(owner[key])
+                    owner[key] = value
                 fresh.append((module, key))
     return fresh
 
@@ -125,20 +135,26 @@ def _init(
     built_dtypes = [_tensor(module, key).dtype for module, key in fresh]  # the meta tensors' (converted) dtypes
     for module, key in fresh:
         fresh_by_module.setdefault(id(module), []).append(key)
+    # a model reading pretrained weights (its weight_source) initializes every unit it knows itself
+    reads = init_owner is not None and getattr(init_owner, "weight_source", None) is not None
     with torch.no_grad():
         for module in modules:
             if id(module) in covered:
                 continue
-            if init_owner is not None and init_owner.init_module(module):
-                covered.update(id(m) for m in module.modules())
-                continue
-            hf = hf_owners.get(id(module))
-            if hf is not None and _direct_tensors(module):
-                hf._init_weights(module)
-            keys = fresh_by_module.get(id(module), [])
-            pending = [k for k in keys if _still_sentinel(_tensor(module, k))]
-            if pending and callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
+            subtree = [(m, k) for m in module.modules() for k in fresh_by_module.get(id(m), [])]
+            if not reads and not any(_still_sentinel(_tensor(m, k)) for m, k in subtree):
+                continue  # every tensor here has its recorded value ([Note: deferred init])
+            with _keeping_initialized(subtree if not reads else []):
+                if init_owner is not None and init_owner.init_module(module):
+                    covered.update(id(m) for m in module.modules())
+                    continue
+                hf = hf_owners.get(id(module))
+                if hf is not None and _direct_tensors(module):
+                    hf._init_weights(module)
+                keys = fresh_by_module.get(id(module), [])
+                pending = [k for k in keys if _still_sentinel(_tensor(module, k))]
+                if pending and callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
     for (module, key), dtype in zip(fresh, built_dtypes):
         _keep_dtype(module, key, dtype)
     for module, key in fresh:
@@ -151,6 +167,25 @@ def _init(
                 f" reset_parameters() that sets it). Give {type(module).__name__} a reset_parameters() that fills"
                 f" {key!r}, or build this module outside configure_model."
             )
+
+
+@contextmanager
+def _keeping_initialized(tensors: list[tuple[nn.Module, str]]) -> Iterator[None]:
+    """The fallback initializers run inside write only the tensors still holding the sentinel:
+    the others (recorded values) are put back after them ([Note: buffer init])."""
+    kept = [(module, key, _tensor(module, key).clone()) for module, key in tensors]
+    kept = [(module, key, value) for module, key, value in kept if not _still_sentinel(value)]
+    try:
+        yield
+    finally:
+        for module, key, value in kept:
+            tensor = _tensor(module, key)
+            if tensor.shape == value.shape:
+                tensor.data.copy_(value.to(tensor.dtype))
+            elif key in module._parameters:
+                tensor.data = value
+            else:
+                module._buffers[key] = value
 
 
 def _keep_dtype(module: nn.Module, key: str, dtype: torch.dtype) -> None:
