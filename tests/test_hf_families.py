@@ -111,8 +111,7 @@ def test_no_gather_export_in_one_process_round_trips_strictly(saved, family, tmp
         )
 
 
-PRESETS = ("mistral_7b", "mistral_7b_v03", "mistral_nemo_12b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_72b",
-           "qwen3_0_6b", "qwen3_4b", "qwen3_8b", "qwen3_32b")  # fmt: skip
+PRESETS = ("mistral_7b", "mistral_nemo_12b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -132,7 +131,7 @@ def test_presets_are_transformers_models_of_the_same_size(preset):
 
 
 def test_import_reads_byte_ranges_within_the_largest_tensor(tmp_path):
-    """Peak host memory of loading a model whose largest tensor is 32 MiB: the parameters are
+    """Peak host memory of loading a model whose largest tensor is 16 MiB: the parameters are
     allocated first, then every unit is read (``tests/scripts/hf_import_memory.py``)."""
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "hf_import_memory.py"), str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
