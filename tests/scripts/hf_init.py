@@ -40,6 +40,7 @@ import lightning_zero  # noqa: E402,F401
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models.llama import LlamaLM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 FAMILIES = ("qwen3", "qwen2", "mistral")  # <family>-ddp=DIR: tests/test_hf_families.py's ddp reference
 RANDOM = dict(name="strict", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -163,11 +164,14 @@ def run(case: str, out: str, hf_dir: str) -> None:
     bucket_mb = float(os.environ.get("HF_INIT_BUCKET_MB", 0.05))  # tiny: many buckets, every buffer touched
     strategy = "ddp" if layout == "ddp" else ZeroStrategy(stage=stage, tensor_parallel_size=tp, bucket_mb=bucket_mb,
                                                           timeout=timedelta(seconds=120))  # fmt: skip
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=max_steps, strategy=strategy,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=checkpointing, callbacks=callbacks,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=2,
+        max_steps=max_steps,
+        strategy=strategy,
+        enable_checkpointing=checkpointing,
+        callbacks=callbacks,
+        limit_val_batches=1.0,
+    )
     data = TokenDataModule(
         "synthetic", seq_len=16, batch_size=2, vocab_size=vocab, val_fraction=0.0, synthetic_tokens=2000
     )
