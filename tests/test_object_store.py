@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.distributed import launch, launch_ranks, run_ranks, script_env
+from tests.engine_state import llama_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -46,13 +47,7 @@ def tiny():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def step(model, opt, engine, gen, rank, world) -> None:
-    batch = torch.randint(0, 64, (world, 2, 9), generator=gen)[rank]
-    opt.zero_grad()
-    if engine.stage3 is not None:
-        engine.stage3.begin_step()
-    model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-    opt.step()
+step = llama_step
 
 
 def dump_owned(engine, opt) -> dict:
@@ -391,3 +386,21 @@ def test_fabric_saves_zero3_on_4_ranks_to_s3_and_loads_at_zero1_on_2_exactly(s3_
     for rank in (0, 1):
         loaded = torch.load(tmp_path / f"resume1w2@fab3w4.rank{rank}.pt", weights_only=False)["loaded"]
         assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_hydra_checkpoint_dir_takes_a_url(tmp_path):
+    """``lightning-zero train checkpoint.dir=s3://... strategy.storage_options=...``: the run's
+    ``ModelCheckpoint`` writes there, and the strategy reaches the store with those options."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zero.cli import build_trainer
+    from lightning_zero.hydra_config import compose, validate
+
+    cfg = validate(compose(["checkpoint.dir=s3://bucket/run", "trainer.devices=1",
+                            "strategy.storage_options={client_kwargs:{endpoint_url:'http://127.0.0.1:9'}}"]))  # fmt: skip
+    trainer = build_trainer(cfg, tmp_path)
+    (checkpoint,) = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    assert checkpoint.dirpath == "s3://bucket/run"
+    storage = trainer.strategy.checkpoints.storage
+    assert storage.storage_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    assert type(storage.storage_options["client_kwargs"]) is dict  # plain dicts for fsspec, not DictConfig

@@ -8,22 +8,28 @@ does (``model.safetensors.index.json``, ``model.safetensors``, ``pytorch_model.b
 ``pytorch_model.bin``) and reads only the headers: every tensor's file, dtype and shape. A shard
 the index names but that is missing, a file shorter than its header says (truncated), or a
 tensor the index places in a file that lacks it fails here, naming the file and the tensor,
-before a single weight is read. :meth:`WeightFiles.read` then reads one tensor, or one slice
-along one dimension of it, with safetensors' slice reads (``safe_open(...).get_slice``): only the
-bytes of the slice leave the disk, and the file is mapped only for that read. ``.bin`` files are
-opened with ``torch.load(weights_only=True, mmap=True)`` (paged, never unpickling code).
+before a single weight is read. :meth:`WeightFiles.read_into` then reads one tensor, or this rank's
+slice of it along one dimension (rows permuted on the way, as the q/k rotary permutation needs),
+straight into the destination parameter with positioned reads of the file's bytes: one read per run
+of rows that follow each other in the file, none mapped, no copy besides the parameter (another
+dtype or a device parameter goes through a buffer of at most :data:`READ_CHUNK_BYTES`).
+:meth:`WeightFiles.read` returns a tensor (safetensors' slice reads). ``.bin`` files are opened
+with ``torch.load(weights_only=True, mmap=True)`` (paged, never unpickling code).
 
 Loading into a module. :func:`check_plan` compares a plan (``{param name: Source}``) with the
 files: missing keys, unexpected keys (beyond the family's ignorable ones) and shape mismatches
 fail together in one message, shapes on both sides. :func:`load_module_params` fills the
 parameters a module holds directly, each with the slice its rank keeps under tensor parallelism
 (``_tp_shard_dim`` on the parameter, ``tp_rank``/``tp_size`` on its module, the marks of
-``lightning_zero.tp``), so a rank reads only what it keeps, one module at a time.
+``lightning_zero.tp``), so a rank reads only what it keeps, one module at a time; a plan's
+``transform`` there must be a row permutation (it is applied to row indices, not to data).
 
-Writing. :func:`write_safetensors_shards` plans the shards from names, shapes and dtypes (no
-tensor needed), writes each shard's header first and then asks for the tensors one at a time, so
-peak memory is one tensor whatever the model's size; it writes ``model.safetensors`` (one shard)
-or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+Writing. :func:`plan_layout` plans the files from names, shapes and dtypes (no tensor needed) as
+``save_pretrained`` would (:func:`plan_shards`, :func:`save_order_key`): ``model.safetensors``
+(one shard) or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+:func:`write_safetensors_shards` writes that layout in one process, each shard's header first and
+then the tensors one at a time, so peak memory is one tensor whatever the model's size;
+``hf_write.py`` writes it from every rank at once (no gather).
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional, Union
 
+from lightning_zero.fabric._compat import fabric_class_replaced
+
 ENV = "LIGHTNING_ZERO_LITGPT"
 DDP = ("ddp", "ddp_find_unused_parameters_true")
 
@@ -160,11 +162,10 @@ def zero_strategy(strategy: Callable[[], Any]) -> Generator[list, None, None]:
                 built.append(self)
 
     Fabric.__name__ = Fabric.__qualname__ = "Fabric"
-    lightning.Fabric = Fabric
     try:
-        yield built
+        with fabric_class_replaced(Fabric):  # [Note: replaced attributes at the Fabric door]
+            yield built
     finally:
-        lightning.Fabric = original
         for fabric in built:
             fabric.strategy.teardown()
 

@@ -104,6 +104,12 @@ from lightning_zero.checkpoint.destinations import location, parent_of
 from lightning_zero.checkpoint.objstore import is_url
 from lightning_zero.config import ZeroConfig, knob_views
 from lightning_zero.cp.layout import check_context_parallel, layout_notice
+from lightning_zero.fabric._compat import (
+    install_excepthook,
+    restore_excepthook,
+    route_load_state_dict,
+    unroute_load_state_dict,
+)
 from lightning_zero.fabric.precision import policy_of, unscale_agreed
 from lightning_zero.runtime.checkpoints import CheckpointLifecycle, storage_policy
 from lightning_zero.runtime.monitor import Monitor
@@ -300,9 +306,8 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self.session.start(self.root_device.type)
         self.checkpoints.open()  # async_checkpoint: fabric.save writes in the background from now on
         self._install_signal_handlers()
-        if self._previous_excepthook is None:
-            self._previous_excepthook = sys.excepthook
-            sys.excepthook = self._excepthook
+        if self._previous_excepthook is None:  # [Note: replaced attributes at the Fabric door]
+            self._previous_excepthook = install_excepthook(self._excepthook)
         if not self._exit_hook:
             self._exit_hook = True
             atexit.register(_quiesce_at_exit, weakref.ref(self))
@@ -418,7 +423,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
                 module.register_forward_pre_hook(torch.compiler.disable(self._before_forward), prepend=True)
             )
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
-            module.load_state_dict = self._load_module_state_dict  # type: ignore[method-assign]
+            route_load_state_dict(module, self._load_module_state_dict)
             # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
             # gathered one parameter at a time (the Trainer door does the same)
             self._hooks.extend(self.session.serve_full_state_dicts(module, self._value_dtype))
@@ -882,15 +887,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         self._hooks.clear()
         self._after_forward_hook = None
         if self._module is not None:
-            self._module.__dict__.pop("load_state_dict", None)
+            unroute_load_state_dict(self._module)
         save_error = self.checkpoints.close()  # the save in flight published (abandoned on the failure path)
         self.session.close_engine(self.global_rank)
         self.session.close()
         self.signals.forget_engine()
         # a SIGTERM after the last boundary is raised again, not swallowed ([Note: signal boundaries])
         self.signals.agreement.uninstall(deliver_pending=True)
-        if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
-            sys.excepthook = self._previous_excepthook
+        if self._previous_excepthook is not None:
+            restore_excepthook(self._excepthook, self._previous_excepthook)
         self._previous_excepthook = None
         super().teardown()
         if save_error is not None:
