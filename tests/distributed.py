@@ -283,3 +283,16 @@ def launch(script: str, out_dir, *args: str, timeout_s: float, ranks: int = 2) -
     codes, tails = launch_ranks(argv, cwd=out_dir, env=script_env(ROOT), timeout_s=timeout_s, world=ranks,
                                 log_prefix=Path(script).stem)  # fmt: skip
     assert codes == [0] * ranks, f"{script}: exit codes {codes} (None: killed after {timeout_s:.0f} s)\n{tails}"
+
+
+def launch_each(script: str, out_dir, launches: list[tuple[int, list[str]]], *, timeout_s: float):
+    """:func:`launch` of ``script`` once per ``(devices, cases)`` of ``launches`` (each case a run the
+    script trains in sequence on that many ranks); returns ``out_dir``."""
+    for devices, cases in launches:
+        launch(script, out_dir, devices, *cases, timeout_s=timeout_s, ranks=devices)
+    return out_dir
+
+
+def rank_result(results, case: str, rank: int = 0) -> Any:
+    """What a script wrote for ``case`` on ``rank``: ``OUT_DIR/<case>.rank<rank>.pt``."""
+    return torch.load(Path(results) / f"{case}.rank{rank}.pt")

@@ -47,3 +47,16 @@ def walked_high_water(runtime) -> int:
     schedule = runtime.schedules["train"]
     numel = {unit.index: unit.numel for unit in runtime.units[:-1]}
     return gathered_high_water(schedule.order, schedule.in_backward, numel, runtime.config.prefetch_blocks)
+
+
+def llama_step(model, opt, engine, gen, rank: int, world: int) -> None:
+    """One optimizer step of a tiny Llama (vocabulary 64) under ``engine`` on rank ``rank``'s two
+    samples of a ``(world, 2, 9)`` token batch drawn from ``gen`` (stage 3 marks the step first)."""
+    import torch
+
+    batch = torch.randint(0, 64, (world, 2, 9), generator=gen)[rank]
+    opt.zero_grad()
+    if engine.stage3 is not None:
+        engine.stage3.begin_step()
+    model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+    opt.step()

@@ -90,6 +90,7 @@ def _engine_buckets_by_stage(rank: int, world: int, bucket_mb: float, out: str) 
     """(parameter names, padded numel) of every gradient bucket of real engines over a tiny Llama,
     for each stage and precision (``torch.save``d to ``out``)."""
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
 
     found = {}
@@ -101,7 +102,9 @@ def _engine_buckets_by_stage(rank: int, world: int, bucket_mb: float, out: str) 
             groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
             optimizer = torch.optim.AdamW(groups, lr=1e-3)
             config = ZeroConfig(stage=stage, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-            engine = ZeroEngine(model, [optimizer], config, compute_dtype=dtype, device=torch.device("cpu"))
+            engine = ZeroEngine(
+                model, [optimizer], config, precision=engine_policy(dtype, torch.float32), device=torch.device("cpu")
+            )
             found[(stage, precision, reduce_dtype)] = sorted(
                 (tuple(slot.name for slot in bucket.layout.slots), bucket.layout.numel)
                 for bucket in engine.reducer.buckets

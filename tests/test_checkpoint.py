@@ -22,6 +22,7 @@ import torch
 from lightning_zero.checkpoint.dcp import CheckpointError, range_pieces, read_dcp_metadata, storage_shape
 from lightning_zero.checkpoint.state import decode, encode
 from tests.distributed import run_ranks
+from tests.engine_state import llama_step
 
 STAGES = (1, 2, 3)
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -157,7 +158,7 @@ def _save_body(rank, world, out, stage, tp):
     from lightning_zero.checkpoint import RankPlacement, save_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     torch.manual_seed(0)
     model = Llama(_config())
@@ -167,16 +168,11 @@ def _save_body(rank, world, out, stage, tp):
 
         parallelize_llama(model, tp_group)
     opt = _optimizer(model)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01), dp_group=dp_group)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.01), groups=EngineGroups(dp=dp_group))
     dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
-        batch = torch.randint(0, 64, (dp, 2, 9), generator=gen)[dp_rank]
-        opt.zero_grad()
-        if engine.stage3 is not None:
-            engine.stage3.begin_step()
-        model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-        opt.step()
+        llama_step(model, opt, engine, gen, dp_rank, dp)
     layout = RankPlacement(
         world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=rank % tp, stage=stage
     )
@@ -250,7 +246,7 @@ def _load_body(rank, world, out, cases):
     from lightning_zero.checkpoint import RankPlacement, apply_optimizer_state, load_model, open_checkpoint
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.llama import Llama
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     singles = [dist.new_group([r]) for r in range(world)] if world > 1 else [None]  # every rank makes every group
     for src, tag, stage, dp in cases:
@@ -258,7 +254,7 @@ def _load_body(rank, world, out, cases):
         model = Llama(_config())
         opt = _optimizer(model)
         dp_group = None if dp == world else singles[rank]
-        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), dp_group=dp_group)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.003), groups=EngineGroups(dp=dp_group))
         dp_rank = rank if dp == world else 0
         layout = RankPlacement(world_size=world, rank=rank, dp_size=dp, dp_rank=dp_rank, stage=stage)
         opened = open_checkpoint(Path(src, "ckpt"), layout)

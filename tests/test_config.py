@@ -163,3 +163,18 @@ def test_threads_split_the_cpus_over_local_processes(monkeypatch):
     assert threads_per_process(compose(["trainer.devices=16"])) == 1
     assert threads_per_process(compose(["threads=3"])) == 3
     assert threads_per_process(compose(["trainer=gpu"])) is None
+
+
+def test_every_knob_is_in_exactly_one_policy_and_the_policies_are_views():
+    from lightning_zero.config import POLICIES, POLICY_KNOBS, ZERO_DEFAULTS, CommPolicy, LayoutPolicy, ZeroConfig
+
+    held = [name for policy in POLICIES for name in POLICY_KNOBS[policy]]
+    assert sorted(held) == sorted(ZERO_DEFAULTS.as_dict()) and len(held) == len(set(held))
+    config = ZeroConfig(stage=3, cp=2, bucket_mb=4, grad_comm_dtype="int8", reduce_dtype="fp32", monitor=False)
+    assert config.layout == LayoutPolicy(1, False, 2, 1, None, False)
+    assert config.communication == CommPolicy(4.0, True, 2, True, "int8", None)
+    assert (config.sharding.stage, config.precision_knobs.reduce_dtype, config.runtime.monitor) == (3, "fp32", False)
+    assert config.checkpointing.upload_threads == ZERO_DEFAULTS.upload_threads
+    assert config.precision_policy("bf16-true").masters == "bf16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sharding.stage = 1  # type: ignore[misc]

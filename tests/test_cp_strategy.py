@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch
+from tests.distributed import launch_each, rank_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [
@@ -53,14 +53,10 @@ CP_CASES = [case for case in RANKS if case.startswith(("cp", "tp2cp"))]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp")
-    for devices, cases in LAUNCHES:
-        launch("cp_parity.py", out, devices, *cases, timeout_s=500, ranks=devices)
-    return out
+    return launch_each("cp_parity.py", tmp_path_factory.mktemp("cp"), LAUNCHES, timeout_s=500)
 
 
-def _load(results, case, rank=0):
-    return torch.load(results / f"{case}.rank{rank}.pt")
+_load = rank_result
 
 
 def _mean_losses(results, case) -> torch.Tensor:

@@ -187,6 +187,7 @@ def _learned_order(rank, world, out_dir):
 
 def _frozen_int8_bytes(rank, world):
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
 
     for stage in (1, 2):
@@ -204,7 +205,9 @@ def _frozen_int8_bytes(rank, world):
                 [nn.Sequential(nn.Linear(24, 4, bias=False), nn.Linear(4, 24, bias=False)) for _ in base]
             )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included: torch skips them
-            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0005), compute_dtype=dtype)
+            engine = ZeroEngine(
+                model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0005), precision=engine_policy(dtype, torch.float32)
+            )
             for _ in range(2):
                 opt.zero_grad()
                 h = torch.randn(8, 24, dtype=dtype)
@@ -341,6 +344,7 @@ def _adafactor(rank, world, out_dir):
 
     from lightning_zero.checkpoint import RankPlacement, load_model, open_checkpoint, save_checkpoint
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.replicated_optimizer import ReplicatedOptimizer
 
@@ -356,9 +360,8 @@ def _adafactor(rank, world, out_dir):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = torch.optim.Adafactor(model.parameters(), lr=5e-2)
-        engine = ZeroEngine(
-            model, [opt], ZeroConfig(stage=stage, bucket_mb=0.0001, offload_optimizer=offload), compute_dtype=dtype
-        )
+        config = ZeroConfig(stage=stage, bucket_mb=0.0001, offload_optimizer=offload)
+        engine = ZeroEngine(model, [opt], config, precision=engine_policy(dtype, torch.float32))
         sharded = engine.sharded_optimizer(opt)
         assert isinstance(sharded, ReplicatedOptimizer)
         gen = torch.Generator().manual_seed(2)
@@ -395,9 +398,8 @@ def _adafactor(rank, world, out_dir):
             torch.manual_seed(5)
             fresh = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
             fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=5e-2)
-            fresh_engine = ZeroEngine(
-                fresh, [fresh_opt], ZeroConfig(stage=2, bucket_mb=0.0002), compute_dtype=torch.bfloat16
-            )
+            bf16 = engine_policy(torch.bfloat16, torch.float32)
+            fresh_engine = ZeroEngine(fresh, [fresh_opt], ZeroConfig(stage=2, bucket_mb=0.0002), precision=bf16)
             load_model(open_checkpoint(target), fresh, engine=fresh_engine, optimizers=[fresh_opt], layout=layout)
             for got, want in zip(fresh.parameters(), saved):  # bf16 compute params: the masters rounded once
                 assert_close_ulps(got.detach().float(), want, 0.5, torch.bfloat16)
@@ -423,6 +425,7 @@ def _adafactor_gpt2(rank: int, *, steps: int, clip: float, engine_kwargs=None):
     import torch.distributed as dist
 
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
@@ -432,6 +435,8 @@ def _adafactor_gpt2(rank: int, *, steps: int, clip: float, engine_kwargs=None):
     if engine_kwargs is not None:
         knobs = {"stage": 3, **engine_kwargs}
         runtime = {name: knobs.pop(name) for name in ("compute_dtype", "device") if name in knobs}
+        if "compute_dtype" in runtime:
+            runtime["precision"] = engine_policy(runtime.pop("compute_dtype"), torch.float32)
         engine = ZeroEngine(model, [opt], ZeroConfig(**knobs), **runtime)
     bf16 = engine is not None and engine.compute_dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(4)

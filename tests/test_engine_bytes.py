@@ -17,6 +17,7 @@ CASES = [  # (stage, compute dtype, bucket_mb)
 
 def _check(rank, world, stage, dtype, bucket_mb):
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
 
     torch.manual_seed(0)
@@ -24,7 +25,9 @@ def _check(rank, world, stage, dtype, bucket_mb):
         nn.Linear(33, 24), *[nn.Sequential(nn.ReLU(), nn.Linear(24, 24)) for _ in range(5)], nn.Linear(24, 5)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, bucket_mb=bucket_mb), compute_dtype=dtype)
+    engine = ZeroEngine(
+        model, [opt], ZeroConfig(stage=stage, bucket_mb=bucket_mb), precision=engine_policy(dtype, torch.float32)
+    )
     num_params = sum(p.numel() for p in model.parameters())
     padded = num_params + engine.padding_numel()
     assert engine.num_params() == num_params

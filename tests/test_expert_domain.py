@@ -165,7 +165,7 @@ def _run(rank: int, world: int, stage: int, ep: int, expected) -> None:
     from lightning_zero.ledger import model_state_bytes
     from lightning_zero.runtime.setup import broadcast_module_states
     from lightning_zero.zero.domains import ExpertDomain
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     want_losses, want_weights, full_expert_numel = expected
     dims = ParallelDims(world_size=world, devices_per_node=world, ep=ep)
@@ -176,7 +176,10 @@ def _run(rank: int, world: int, stage: int, ep: int, expected) -> None:
     optimizer = _optimizer(model)
     domain = ExpertDomain.from_mesh(groups)
     engine = ZeroEngine(
-        model, [optimizer], ZeroConfig(stage=stage, bucket_mb=0.0005, collective_timeout=20), expert_domain=domain
+        model,
+        [optimizer],
+        ZeroConfig(stage=stage, bucket_mb=0.0005, collective_timeout=20),
+        groups=EngineGroups(expert=domain),
     )
     sharded = engine.sharded_optimizer(optimizer)
     assert {group.dp_rank for group in engine.groups if group.domain is not None} == {groups.rank_in("edp")}
@@ -226,13 +229,13 @@ def _refuses_replicated_optimizers(world: int) -> None:
     from lightning_zero.comm.mesh import ParallelDims, build_groups
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.domains import ExpertDomain
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     groups = build_groups(ParallelDims(world_size=world, devices_per_node=world, ep=2))
     model = ToyMoE(2, groups.rank_in("ep"), groups.ep)
     with pytest.raises(ValueError, match=r"Adafactor steps replicated full masters.*ep > 1"):
         ZeroEngine(model, [torch.optim.Adafactor(model.parameters())], ZeroConfig(stage=2),
-                   expert_domain=ExpertDomain.from_mesh(groups))  # fmt: skip
+                   groups=EngineGroups(expert=ExpertDomain.from_mesh(groups)))  # fmt: skip
 
 
 def _expected(world: int, cases):
@@ -298,7 +301,7 @@ def _train_stacked(rank, world, stage, ep, steps, out, *, load=None, save=None):
     from lightning_zero.comm.mesh import ParallelDims, build_groups
     from lightning_zero.config import ZeroConfig
     from lightning_zero.zero.domains import ExpertDomain
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     dims = ParallelDims(world_size=world, devices_per_node=world, ep=ep)
     groups = build_groups(dims)
@@ -306,7 +309,7 @@ def _train_stacked(rank, world, stage, ep, steps, out, *, load=None, save=None):
     model = ToyMoE(ep, ep_rank, groups.ep, stacked=True, seed=123 if load else 0)  # loaded: weights come from there
     optimizer = _optimizer(model)
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_mb=0.0005, collective_timeout=20),
-                        expert_domain=ExpertDomain.from_mesh(groups))  # fmt: skip
+                        groups=EngineGroups(expert=ExpertDomain.from_mesh(groups)))  # fmt: skip
     layout = RankPlacement(world_size=world, rank=rank, dp_size=world, dp_rank=rank, stage=stage, ep_size=ep,
                            ep_rank=ep_rank)  # fmt: skip
     if load is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch
+from tests.distributed import launch, rank_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -20,8 +20,7 @@ def results(tmp_path_factory):
     return out
 
 
-def _load(results, case, rank=0):
-    return torch.load(results / f"{case}.rank{rank}.pt")
+_load = rank_result
 
 
 @pytest.mark.slow
@@ -93,7 +92,6 @@ def test_planner_model_states_equal_measured(results, case):
 
 class _FakeEngine:
     def __init__(self, overlap_possible: bool, device: str) -> None:
-        import torch
 
         self.overlap_comm = True
         self._possible = overlap_possible

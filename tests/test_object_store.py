@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.distributed import launch, launch_ranks, run_ranks, script_env
+from tests.engine_state import llama_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -46,13 +47,7 @@ def tiny():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def step(model, opt, engine, gen, rank, world) -> None:
-    batch = torch.randint(0, 64, (world, 2, 9), generator=gen)[rank]
-    opt.zero_grad()
-    if engine.stage3 is not None:
-        engine.stage3.begin_step()
-    model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-    opt.step()
+step = llama_step
 
 
 def dump_owned(engine, opt) -> dict:

@@ -144,20 +144,18 @@ def test_stage3_forward_prefetch_hides_all_but_the_first_gather():
 # ---------------------------------------------------------------------------- the engine's rules
 
 
+def _plan_7b(stage: int, **knobs):
+    """7B on H100s, sequences of 4096 tokens, one per micro batch: the run the tests below vary."""
+    return plan_run("7b", stage=stage, seq_len=4096, micro_batch=1, hardware=H100, **knobs)
+
+
 def test_stage2_communicates_every_micro_batch_stage1_and_defer_once():
-    common = dict(
-        world_size=16,
-        devices_per_node=8,
-        seq_len=4096,
-        micro_batch=1,
-        accumulate_grad_batches=8,
-        activation_checkpointing=True,
-        hardware=H100,
-        overlap_param_gather=False,  # first the post-step all-gather exposed (overlap_param_gather=False)
-    )
-    stage1 = plan_run("7b", stage=1, **common).timing
-    stage2 = plan_run("7b", stage=2, **common).timing
-    deferred = plan_run("7b", stage=2, defer_grad_reduce=True, **common).timing
+    # first the post-step all-gather exposed (overlap_param_gather=False)
+    common = dict(world_size=16, devices_per_node=8, accumulate_grad_batches=8, activation_checkpointing=True,
+                  overlap_param_gather=False)  # fmt: skip
+    stage1 = _plan_7b(1, **common).timing
+    stage2 = _plan_7b(2, **common).timing
+    deferred = _plan_7b(2, defer_grad_reduce=True, **common).timing
     gather = stage1.post_step_gather_s
     reduce_once = stage1.dp_comm_s - gather
     assert stage2.dp_comm_s - gather == pytest.approx(8 * reduce_once)
@@ -165,7 +163,7 @@ def test_stage2_communicates_every_micro_batch_stage1_and_defer_once():
     assert deferred.exposed_comm_s == pytest.approx(stage1.exposed_comm_s)
     # overlapped (the engine's default) it hides behind the next forward
     # (one micro batch's: 0.14 s here, shorter than the 0.29 s cross-node gather)
-    overlapped = plan_run("7b", stage=1, **{**common, "overlap_param_gather": True}).timing
+    overlapped = _plan_7b(1, **{**common, "overlap_param_gather": True}).timing
     forward = stage1.forward.compute_s
     assert gather > forward > 0
     assert overlapped.post_step_gather_s == pytest.approx(gather - forward)
@@ -173,17 +171,7 @@ def test_stage2_communicates_every_micro_batch_stage1_and_defer_once():
 
 
 def test_tokens_per_second_and_mfu_follow_the_step_time():
-    plan = plan_run(
-        "7b",
-        stage=2,
-        world_size=8,
-        devices_per_node=8,
-        seq_len=4096,
-        micro_batch=1,
-        accumulate_grad_batches=4,
-        hardware=H100,
-        mfu=0.5,
-    )
+    plan = _plan_7b(2, world_size=8, devices_per_node=8, accumulate_grad_batches=4, mfu=0.5)
     timing = plan.timing
     assert plan.tokens_per_s == pytest.approx(4 * 4096 * 8 / timing.step_s)
     assert timing.mfu == pytest.approx(timing.model_flops_per_rank / timing.step_s / 989e12)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from lightning_zero.config import ZeroConfig
 from lightning_zero.models import LlamaConfig
 from lightning_zero.planner import load_hardware, plan_run, run_plan, search_layouts
 from lightning_zero.planner.hardware import Link
@@ -19,7 +20,7 @@ from lightning_zero.planner.ledger import (
     dp_topology,
     model_state_bytes,
 )
-from lightning_zero.planner.timing import step_time
+from lightning_zero.planner.timing import DomainHops, MachineCosts, ZeroSchedule, step_time
 from lightning_zero.planner.workload import Tensor, Workload
 
 N = 2048  # parameters per tp rank in the ledger cases: divisible by every group and by 256
@@ -180,19 +181,16 @@ def test_each_link_class_gets_its_own_seconds():
     workload = Workload(tensors, (1.0,), 1.0, 2.0, 0.0)
     links = {"intra_node": Link(0.0, 100.0), "inter_node": Link(0.0, 10.0)}
     topology = dp_topology(dp=8, devices_per_node=4, shard_size="node")
+    hops = DomainHops(
+        topology.shard_size, topology.grad_hops(stage=1, grad_bytes=4), topology.gather_hops(param_bytes=4)
+    )
+    schedule = ZeroSchedule(stage=1, dp=8, grad_bytes=4, param_bytes=4, bucket_numel=10**9, dense=hops)  # one bucket
     timing = step_time(
         workload,
-        stage=1,
-        dp=8,
+        schedule,
+        ZeroConfig(overlap_param_gather=False).communication,
+        MachineCosts(links["inter_node"], links),
         micro_batches=1,
-        dp_link=links["inter_node"],
-        grad_bytes=4,
-        param_bytes=4,
-        bucket_numel=10**9,  # one bucket of 8192 elements
-        grad_hops=topology.grad_hops(stage=1, grad_bytes=4),
-        gather_hops=topology.gather_hops(param_bytes=4),
-        links=links,
-        shard_size=topology.shard_size,
     )
     # in node: reduce-scatter 3/4 x 32768 B + all-gather 3/4 x 32768 B at 100 B/s
     assert timing.link_s("intra_node") == pytest.approx(2 * 24576 / 100)
@@ -207,18 +205,8 @@ def test_each_link_class_gets_its_own_seconds():
 
 
 def test_70b_table_options_on_8_nodes():
-    common = dict(
-        stage=3,
-        world_size=64,
-        devices_per_node=8,
-        micro_batch=4,
-        seq_len=4096,
-        accumulate_grad_batches=4,
-        activation_checkpointing=True,
-        prefetch_blocks=2,
-        bucket_mb=25,
-        hardware="h100_80gb",
-    )
+    common = dict(stage=3, world_size=64, devices_per_node=8, micro_batch=4, seq_len=4096, accumulate_grad_batches=4,
+                  activation_checkpointing=True, prefetch_blocks=2, bucket_mb=25, hardware="h100_80gb")  # fmt: skip
     world = plan_run("70b", **common)
     hier = plan_run("70b", hierarchical_reduce=True, **common)
     node = plan_run("70b", shard_size="node", **common)
@@ -301,9 +289,10 @@ def test_search_enumerates_hybrid_hierarchical_and_int8_and_keeps_what_fits():
 def test_step_overhead_is_added_once_per_optimizer_step():
     tensors = (Tensor("a", 8, 0, 0, 0, 1.0),)
     workload = Workload(tensors, (0.5,), 0.5, 1.0, 0.0)
-    common = dict(stage=1, dp=1, dp_link=Link(0.0, 1.0), grad_bytes=4, param_bytes=4, bucket_numel=8, micro_batches=4)
-    plain = step_time(workload, **common)
-    loaded = step_time(workload, overhead_s=0.25, **common)
+    schedule = ZeroSchedule(stage=1, dp=1, grad_bytes=4, param_bytes=4, bucket_numel=8)
+    comm = ZeroConfig(overlap_param_gather=False).communication
+    plain = step_time(workload, schedule, comm, MachineCosts(Link(0.0, 1.0)), micro_batches=4)
+    loaded = step_time(workload, schedule, comm, MachineCosts(Link(0.0, 1.0), overhead_s=0.25), micro_batches=4)
     assert plain.step_s == pytest.approx(4 * 1.5)  # 4 x (forward 0.5 + backward 1.0)
     assert loaded.step_s == pytest.approx(4 * 1.5 + 0.25)  # once per step, not per micro batch
     assert loaded.as_dict()["overhead_s"] == 0.25

@@ -287,6 +287,7 @@ def _bf16_accumulation(rank, world):
     """bf16 compute, 8 micro batches: reduce_dtype=fp32 gives the fp32 reduction of the same bf16
     micro-batch gradients (to fp32 rounding); reducing in bf16 is measurably further off."""
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.precision import engine_policy
     from lightning_zero.zero.engine import ZeroEngine
 
     micro = 8
@@ -311,7 +312,7 @@ def _bf16_accumulation(rank, world):
             model = _stack()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             config = ZeroConfig(stage=stage, bucket_mb=0.05, reduce_dtype=reduce_dtype)
-            engine = ZeroEngine(model, [opt], config, compute_dtype=torch.bfloat16)
+            engine = ZeroEngine(model, [opt], config, precision=engine_policy(torch.bfloat16, torch.float32))
             for i, x in enumerate(batch):
                 with engine.no_sync() if i < micro - 1 else torch.enable_grad():
                     engine.backward(model(x[rank]).float().pow(2).mean() / micro)

@@ -25,10 +25,10 @@ WORLD = 2
 # -- helpers --------------------------------------------------------------------------------------
 def _engine(model, optimizers, dp_group=None, **knobs):
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     config = ZeroConfig(**{"stage": 3, "bucket_mb": 0.002, **knobs})
-    return ZeroEngine(model, optimizers, config, dp_group=dp_group, device=torch.device("cpu"))
+    return ZeroEngine(model, optimizers, config, groups=EngineGroups(dp=dp_group), device=torch.device("cpu"))
 
 
 def _mean_over_ranks(value: float) -> float:

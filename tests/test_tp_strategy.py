@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch
+from tests.distributed import launch_each, rank_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [
@@ -34,14 +34,10 @@ LAUNCHES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    for devices, cases in LAUNCHES:
-        launch("tp_parity.py", out, devices, *cases, timeout_s=400, ranks=devices)
-    return out
+    return launch_each("tp_parity.py", tmp_path_factory.mktemp("tp"), LAUNCHES, timeout_s=400)
 
 
-def _load(results, case, rank=0):
-    return torch.load(results / f"{case}.rank{rank}.pt")
+_load = rank_result
 
 
 @pytest.mark.slow

@@ -4,6 +4,17 @@ Plain Python (no Hydra, no omegaconf): ``ZeroStrategy`` builds one from its argu
 whole to :class:`lightning_zero.zero.engine.ZeroEngine`, whose parts read ``config.<knob>`` where
 they use it; the planner takes one too. The Hydra schema of the ``strategy`` group
 (``lightning_zero.hydra_config.ZeroStrategyConf``) is generated from it.
+
+[Note: policies] ``ZeroConfig`` is flat for its users (``ZeroStrategy``'s keywords, Hydra's
+``strategy.*`` keys); inside, its knobs fall into a few small frozen policies, each a view of the
+same values (:data:`POLICY_KNOBS`): ``config.layout`` (:class:`LayoutPolicy`, what
+``ParallelDims.from_config`` reads), ``config.sharding`` (:class:`ShardingPolicy`),
+``config.communication`` (:class:`CommPolicy`), ``config.precision_knobs``
+(:class:`PrecisionKnobs`; with Lightning's precision string they make a
+``precision.PrecisionPolicy``), ``config.runtime`` (:class:`RuntimePolicy`: monitor, timeouts)
+and ``config.checkpointing`` (:class:`CheckpointPolicy`: background saves, object storage). Code below the strategies takes the policy it needs whole, as FSDP2's
+``fully_shard`` takes ``MixedPrecisionPolicy`` and ``OffloadPolicy``, instead of one argument per
+knob (tests/test_signatures.py keeps every internal function at 10 parameters or fewer).
 """
 
 from __future__ import annotations
@@ -15,13 +26,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_zero.precision import check_precision_knobs
+from lightning_zero.precision import PrecisionPolicy, check_precision_knobs, precision_policy
 
 COMM_DTYPE_CHOICES = (None, "fp32", "bf16", "int8")  # grad_comm_dtype / param_comm_dtype
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class PolicyView:
+    """``config.<name>``: the policy of that name (defined below the class) built from the config's
+    knobs ([Note: policies])."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+
+    def __get__(self, config: Any, owner: type) -> Any:
+        if config is None:
+            return self
+        cached = config.__dict__.get(self.policy)  # a frozen config's policy never changes
+        if cached is None:
+            policy = globals()[self.policy]
+            cached = policy(**{name: getattr(config, name) for name in POLICY_KNOBS[policy]})
+            object.__setattr__(config, self.policy, cached)
+        return cached
 
 
 @dataclass(frozen=True)
@@ -291,6 +320,65 @@ class ZeroConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    layout = PolicyView("LayoutPolicy")  # what ParallelDims.from_config reads (it adds the cluster)
+    sharding = PolicyView("ShardingPolicy")
+    communication = PolicyView("CommPolicy")
+    precision_knobs = PolicyView("PrecisionKnobs")  # precision_policy(name) adds Lightning's precision
+    runtime = PolicyView("RuntimePolicy")
+    checkpointing = PolicyView("CheckpointPolicy")
+
+    def precision_policy(self, precision: Any) -> "PrecisionPolicy":
+        """Where each byte lives under Lightning's ``precision`` with these knobs (``precision.py``)."""
+        return precision_policy(precision, self.master_weights, self.mixed_params)
+
+
+def _policy(name: str, doc: str, knobs: tuple[str, ...]) -> type:
+    """A frozen dataclass ``name`` holding ``knobs``, each with its ``ZeroConfig`` annotation: the
+    policies ([Note: policies]) declare no knob again; its default and documentation stay on
+    ``ZeroConfig``, and ``ZeroConfig(...).<policy>`` builds one."""
+    hints = ZeroConfig.__annotations__
+    policy = dataclasses.make_dataclass(name, [(knob, hints[knob]) for knob in knobs], frozen=True)
+    policy.__doc__, policy.__module__ = doc, __name__
+    return policy
+
+
+LayoutPolicy = _policy(
+    "LayoutPolicy",
+    "The parallel sizes a config asks for: what ``comm.mesh.ParallelDims`` is built from.",
+    ("tensor_parallel_size", "sequence_parallel", "cp", "ep", "shard_size", "hierarchical_reduce"),
+)
+ShardingPolicy = _policy(
+    "ShardingPolicy",
+    "What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch, where"
+    " the optimizer state lives.",
+    ("stage", "defer_grad_reduce", "prefetch_blocks", "offload_optimizer"),
+)
+CommPolicy = _policy(
+    "CommPolicy",
+    "How gradients and parameters travel: bucket size, overlap, what goes on the wire.",
+    ("bucket_mb", "overlap_comm", "max_buckets_in_flight", "overlap_param_gather", "grad_comm_dtype",
+     "param_comm_dtype"),
+)  # fmt: skip
+PrecisionKnobs = _policy(
+    "PrecisionKnobs",
+    "The precision knobs: the gradient reduce dtype, masters under ``-true``, parameters under ``-mixed``.",
+    ("reduce_dtype", "master_weights", "mixed_params"),
+)
+RuntimePolicy = _policy(
+    "RuntimePolicy",
+    "What the run around the engine does: the monitor and the wait limit on collectives.",
+    ("monitor", "collective_timeout"),
+)
+CheckpointPolicy = _policy(
+    "CheckpointPolicy",
+    "How checkpoints are written: in the background or not, and to object storage (file system"
+    " keywords, uploads at once, the stall limit).",
+    ("async_checkpoint", "storage_options", "upload_threads", "upload_stall_s"),
+)
+POLICIES = (LayoutPolicy, ShardingPolicy, CommPolicy, PrecisionKnobs, RuntimePolicy, CheckpointPolicy)
+POLICY_KNOBS = {policy: tuple(f.name for f in dataclasses.fields(policy)) for policy in POLICIES}
+"""``{policy class: the ZeroConfig knobs it holds}``; every knob is in exactly one (tests/test_config.py)."""
 
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB

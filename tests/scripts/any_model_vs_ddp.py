@@ -21,6 +21,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 STEPS = 4
 
@@ -250,11 +251,14 @@ def run(name: str, out_dir: str) -> None:
     x, y = data(model.kind)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     counter = CountReduceScatters()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=make_strategy(), max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[counter], **trainer_kwargs,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=2,
+        strategy=make_strategy(),
+        max_steps=STEPS,
+        callbacks=[counter],
+        limit_val_batches=1.0,
+        **trainer_kwargs,
+    )
     strategy = trainer.strategy
     trainer.fit(model, loader)
     extra = {}

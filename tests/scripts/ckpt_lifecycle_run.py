@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401
 from lightning_zero import ZeroStrategy  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 from tests.scripts.signal_run import Moments, Net  # noqa: E402
 
 MAX_STEPS = 6
@@ -61,11 +62,9 @@ def run_trial(out: str, trial: str, rank: int) -> tuple[dict, BaseException | No
     record = Record()
     L.seed_everything(0, verbose=False)
     model = Net(Moments(None, signal.SIGTERM))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=_strategy(strategy), max_steps=MAX_STEPS, default_root_dir=root,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[record], limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=2, strategy=_strategy(strategy), max_steps=MAX_STEPS, default_root_dir=root, callbacks=[record]
+    )
     ended: BaseException | None = None
     started = time.time()
     try:

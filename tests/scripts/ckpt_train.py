@@ -33,6 +33,7 @@ import lightning_zero  # noqa: E402,F401
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models.llama import LlamaLM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -121,12 +122,14 @@ def run(case: str, out: str, devices: int) -> None:
         max_steps = 4
     L.seed_everything(7, verbose=False)
     model = DropRecorder() if drop else Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_steps=max_steps,
+    trainer = script_trainer(
+        devices=devices,
+        max_steps=max_steps,
         strategy=ZeroStrategy(stage=stage, bucket_mb=0.01, timeout=timeout),
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=bool(callbacks), callbacks=callbacks,
-    )  # fmt: skip
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
+        limit_val_batches=1.0,
+    )
     trainer.fit(model, datamodule=data(), ckpt_path=ckpt_path)
     torch.save(model.record, os.path.join(out, f"{case}.d{devices}.rank{trainer.global_rank}.pt"))
 

@@ -27,6 +27,7 @@ from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
 from lightning_zero.config import ZeroConfig
 from lightning_zero.models.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_zero.zero.engine import ZeroEngine  # noqa: E402
+from tests.engine_state import llama_step  # noqa: E402
 
 CONFIG = dict(name="ckpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -42,12 +43,7 @@ def main(out: Path, stage: int) -> None:
     gen = torch.Generator().manual_seed(1)
 
     def step() -> None:
-        batch = torch.randint(0, 64, (world, 2, 9), generator=gen)[rank]
-        opt.zero_grad()
-        if engine.stage3 is not None:
-            engine.stage3.begin_step()
-        model.loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
-        opt.step()
+        llama_step(model, opt, engine, gen, rank, world)
 
     def save(global_step: int) -> None:
         checkpoint.save_checkpoint(out / "last.ckpt", {"global_step": global_step, "optimizer_states": []},

@@ -19,6 +19,7 @@ from monitor_run import CONFIG, EngineProbe  # noqa: E402  (tests/scripts: this 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 CASES = {  # name: (stage, precision, grad_comm_dtype, param_comm_dtype)
     "s2_fp32_gbf16_pint8": (2, "32-true", "bf16", "int8"),
@@ -58,20 +59,7 @@ def run(name: str, out_dir: str) -> None:
     strategy = ZeroStrategy(
         stage=stage, bucket_mb=0.004, grad_comm_dtype=grad_comm_dtype, param_comm_dtype=param_comm_dtype, monitor=False
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        precision=precision,
-        max_steps=3,
-        logger=False,
-        strategy=strategy,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[probe],
-    )
+    trainer = script_trainer(devices=2, precision=precision, max_steps=3, strategy=strategy, callbacks=[probe])
     trainer.fit(model, data)
     torch.save(
         {**probe.engine, "sent": probe.sent, "losses": probe.losses},

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers zero1/zero2/zero3)
 from lightning_zero import ZeroStrategy
+from tests.scripts.harness import script_trainer
 
 STEPS = 4
 VOCAB = 64
@@ -124,57 +125,36 @@ class Recorded(L.LightningModule):
         return {}
 
 
-def hf_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(config)
-
-
-def hf_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+# The tiny transformers models of the matrix: family -> (config class, model class, config keywords).
+# transformers 5 Mixtral fuses a layer's experts into one module (``gate_up_proj`` and ``down_proj``
+# stacked over experts), top-2 of 4, so every rank touches every expert tensor.
+HF_TINY = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
-
-
-def hf_mixtral():
-    """transformers 5 Mixtral: the experts of a layer are one fused module (``gate_up_proj`` and
-    ``down_proj`` stacked over experts), top-2 of 4, so every rank touches every expert tensor."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return MixtralForCausalLM(config)
-
-
-def hf_t5():
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config(
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1,
-    )  # fmt: skip
-    return T5ForConditionalGeneration(config)
+        dropout_rate=0.0, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+}  # fmt: skip
 
 
-class CausalLM(Recorded):
-    """A transformers causal LM (GPT-2 or Llama), built in ``__init__``."""
+def hf_tiny(family: str) -> Any:
+    """A freshly initialized tiny transformers model of ``family`` (:data:`HF_TINY`)."""
+    import transformers
 
-    def __init__(self, family: str) -> None:
-        super().__init__()
-        self.family = family
-        self.model = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}[family]()
+    config_class, model_class, keywords = HF_TINY[family]
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**keywords))
+
+
+class TokenLM(Recorded):
+    """A transformers language model in ``self.model`` trained on token batches (:func:`token_data`): its loss and probe."""
 
     def loss(self, batch: Any) -> torch.Tensor:
         (ids,) = batch
@@ -182,6 +162,15 @@ class CausalLM(Recorded):
 
     def probe(self) -> torch.Tensor:
         return self.model(input_ids=probe_ids()).logits
+
+
+class CausalLM(TokenLM):
+    """A transformers causal LM (GPT-2 or Llama), built in ``__init__``."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+        self.model = hf_tiny(family)
 
     def ties(self) -> dict[str, bool]:
         if self.family != "gpt2":
@@ -199,7 +188,7 @@ def _stable_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-class MetaLlama(Recorded):
+class MetaLlama(TokenLM):
     """A transformers Llama built in ``configure_model`` (on the meta device under stage 3).
 
     Weights get an init that does not depend on the order modules are initialized in (each
@@ -217,7 +206,7 @@ class MetaLlama(Recorded):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = hf_llama()
+        self.model = hf_tiny("llama")
         if not any(p.is_meta for p in self.model.parameters()):  # ddp, zero1, zero2: init here
             for module in self.modules():
                 self.init_module(module)
@@ -241,13 +230,6 @@ class MetaLlama(Recorded):
                     param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
         return True
 
-    def loss(self, batch: Any) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def probe(self) -> torch.Tensor:
-        return self.model(input_ids=probe_ids()).logits
-
     def extra(self) -> dict[str, Any]:
         return {"inv_freq": self.model.model.rotary_emb.inv_freq.detach().clone()}
 
@@ -257,7 +239,7 @@ class T5(Recorded):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = hf_t5()
+        self.model = hf_tiny("t5")
 
     def loss(self, batch: Any) -> torch.Tensor:
         (ids,) = batch
@@ -323,12 +305,12 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
 
 
-class LoRALlama(Recorded):
+class LoRALlama(TokenLM):
     """Frozen transformers Llama base + LoRA on q/v projections, reentrant checkpointing per block."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = hf_llama()
+        self.model = hf_tiny("llama")
         self.model.requires_grad_(False)
         for layer in self.model.model.layers:
             layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
@@ -343,13 +325,6 @@ class LoRALlama(Recorded):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
             self.model.enable_input_require_grads()
 
-    def loss(self, batch: Any) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def probe(self) -> torch.Tensor:
-        return self.model(input_ids=probe_ids()).logits
-
     def extra(self) -> dict[str, Any]:
         return {"trainable": sorted(n for n, p in self.named_parameters() if p.requires_grad)}
 
@@ -362,7 +337,7 @@ class TeacherStudent(Recorded):
     def __init__(self) -> None:
         super().__init__()
         self.agreement: list[float] = []
-        self.student = hf_llama()
+        self.student = hf_tiny("llama")
         self.teacher = copy.deepcopy(self.student)
         self.teacher.requires_grad_(False)
         with torch.no_grad():  # a teacher that differs from the student
@@ -467,7 +442,18 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-class BlockMLP(Recorded):
+class VectorClassifier(Recorded):
+    """A classifier of 16-wide vectors into 8 classes (:func:`vector_data`): its loss and probe."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def probe(self) -> torch.Tensor:
+        return self(torch.randn(3, 16, generator=_gen(11)))
+
+
+class BlockMLP(VectorClassifier):
     """Input layer, blocks in an ``nn.ModuleList``, head: a model for optimizer cases."""
 
     def __init__(self, optimizer: str) -> None:
@@ -481,13 +467,6 @@ class BlockMLP(Recorded):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def probe(self) -> torch.Tensor:
-        return self(torch.randn(3, 16, generator=_gen(11)))
 
 
 def vector_data(dim_in: int = 16, classes: int = 8, samples: int = STEPS * BATCH * WORLD) -> TensorDataset:
@@ -512,7 +491,7 @@ class QuantLinear(nn.Module):
         return torch.tanh(x @ weight.t() + x @ self.lora_a.t().to(x.dtype) @ self.lora_b.t().to(x.dtype))
 
 
-class Int8Base(Recorded):
+class Int8Base(VectorClassifier):
     """Frozen int8 base layers (in a ModuleList) with adapters and a trainable head."""
 
     def __init__(self) -> None:
@@ -524,13 +503,6 @@ class Int8Base(Recorded):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def probe(self) -> torch.Tensor:
-        return self(torch.randn(3, 16, generator=_gen(11)))
 
     def extra(self) -> dict[str, Any]:
         # Frozen parameters are never cast (int8 stays int8, the fp32 scale stays fp32 under
@@ -815,13 +787,17 @@ def run_one(run: str) -> dict[str, Any]:
     counter, callbacks = CountSent(), case.callbacks()
     saver = SaveAtLastStep(run) if case.checkpoint and strategy != "ddp" else None
     callbacks += [saver] if saver is not None else []
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=make_strategy(case, strategy), precision=case.precision,
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[counter, *callbacks],
+    trainer = script_trainer(
+        devices=WORLD,
+        strategy=make_strategy(case, strategy),
+        precision=case.precision,
+        max_steps=STEPS,
+        callbacks=[counter, *callbacks],
         num_sanity_val_steps=2 if case.val else 0,  # Lightning's default: validation before training
-        limit_val_batches=2 if case.val else 0, val_check_interval=2 if case.val else 1.0, **case.trainer,
-    )  # fmt: skip
+        limit_val_batches=2 if case.val else 0,
+        val_check_interval=2 if case.val else 1.0,
+        **case.trainer,
+    )
     data = case.data()
     val = loader(case.data(seed=4, samples=2 * BATCH * WORLD)) if case.val else None
     trainer.fit(module, loader(data), val)
@@ -875,21 +851,17 @@ def _exit(code: int = 0) -> None:
     os._exit(code)
 
 
-def _watchdog(out: str, run: str, done: threading.Event) -> None:
-    if done.wait(RUN_TIMEOUT_S):
+def _watchdog(out: str, run: str, done: threading.Event, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Unless ``done`` is set within ``timeout_s``, record run ``run`` as a hang on this rank, with
+    every thread's stack, and exit (hang_cases.py watches its runs with it too)."""
+    if done.wait(timeout_s):
         return
     with tempfile.TemporaryFile("w+") as stacks:
         faulthandler.dump_traceback(stacks, all_threads=True)
         stacks.seek(0)
         dump = stacks.read()
-    _write(
-        out,
-        run,
-        {
-            "ok": False,
-            "error": f"hang: run {run} did not finish within {RUN_TIMEOUT_S:.0f}s on rank {_RANK[0]}\n{dump}",
-        },
-    )
+    error = f"hang: run {run} did not finish within {timeout_s:.0f}s on rank {_RANK[0]}\n{dump}"
+    _write(out, run, {"ok": False, "hang": True, "error": error})
     with open(_status(out, run, _RANK[0]), "w") as status:
         status.write("fail")
     _exit(3)

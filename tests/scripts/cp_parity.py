@@ -20,7 +20,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
-from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 
 SEQ = 2048
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
@@ -88,21 +88,10 @@ def run(name: str, devices: int, out_dir: str) -> None:
         synthetic_tokens=16 * SEQ + 1,
     )  # fmt: skip
     record = Record()
-    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=make_strategy(),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=name in SAVES,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[record, *checkpoints],
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
         **kwargs,
-    )
+    )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)  # (ZeRO-3 unshards at the end of fit)
     if mesh is not None and mesh["tp"].size() > 1:

@@ -72,6 +72,7 @@ from lightning_zero.checkpoint import publish as checkpoint_publish  # noqa: E40
 from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
 from lightning_zero.checkpoint.publish import CheckpointWriteError  # noqa: E402
 from lightning_zero.trainer.signals import SchedulerSignals  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 FAULT_RANK = 1
 MAX_STEPS = 6
@@ -380,12 +381,17 @@ def run_trainer(cell: Cell, root: Path, mode: str, fault: Fault, result: dict) -
         ]
     L.seed_everything(0, verbose=False)
     module = Module(fault)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["SLURM_NTASKS"]), strategy=_strategy(cell.strategy, cell),
-        max_steps=MAX_STEPS, accumulate_grad_batches=ACCUMULATE, default_root_dir=root, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=fitting, callbacks=callbacks,
-        val_check_interval=2 * ACCUMULATE, limit_val_batches=EVAL_BATCHES, num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=int(os.environ["SLURM_NTASKS"]),
+        strategy=_strategy(cell.strategy, cell),
+        max_steps=MAX_STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        default_root_dir=root,
+        enable_checkpointing=fitting,
+        callbacks=callbacks,
+        val_check_interval=2 * ACCUMULATE,
+        limit_val_batches=EVAL_BATCHES,
+    )
     result.update(resumed_from=None, losses=record.losses)
     if cell.strategy == "ddp":
         _ddp_save_hooks(trainer, fault)

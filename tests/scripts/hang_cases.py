@@ -45,7 +45,9 @@ import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conformance import _RANK, _peer_verdict, _status, _wait_for, _write  # noqa: F401
+from conformance import _RANK, _peer_verdict, _status, _wait_for, _watchdog, _write  # noqa: F401
+
+from tests.scripts.harness import script_trainer
 
 WORLD = 2
 STEPS = 4
@@ -137,12 +139,13 @@ def run_one(run: str) -> dict[str, Any]:
     L.seed_everything(42, verbose=False)
     module = HazardNet(hazard, reference=strategy == "ddp")
     uneven = hazard == "uneven_val"
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=make_strategy(hazard, strategy), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=None if uneven else 0,
+    trainer = script_trainer(
+        devices=WORLD,
+        strategy=make_strategy(hazard, strategy),
+        max_steps=STEPS,
+        limit_val_batches=None if uneven else 0,
         use_distributed_sampler=not uneven,
-    )  # fmt: skip
+    )
     train = data(STEPS * 2 * WORLD, seed=1)
     if uneven:  # this rank's own shards: the same train batches as ddp's sampler, uneven validation
         rank = _RANK[0]
@@ -156,24 +159,6 @@ def run_one(run: str) -> dict[str, Any]:
     return {"ok": True, "losses": module.train_losses, "val_losses": module.val_losses, "params": params}
 
 
-def _watchdog(out: str, run: str, done: threading.Event) -> None:
-    import faulthandler
-    import tempfile
-
-    if done.wait(RUN_TIMEOUT_S):
-        return
-    with tempfile.TemporaryFile("w+") as stacks:
-        faulthandler.dump_traceback(stacks, all_threads=True)
-        stacks.seek(0)
-        dump = stacks.read()
-    _write(out, run, {"ok": False, "hang": True,
-                      "error": f"hang: run {run} still going after {RUN_TIMEOUT_S:.0f}s on rank {_RANK[0]}\n{dump}"})  # fmt: skip
-    with open(_status(out, run, _RANK[0]), "w") as status:
-        status.write("fail")
-    sys.stdout.flush()
-    os._exit(3)
-
-
 def main(out: str, runs: list[str]) -> None:
     os.makedirs(os.path.join(out, ".status"), exist_ok=True)
     for run in runs:
@@ -181,7 +166,7 @@ def main(out: str, runs: list[str]) -> None:
             open(os.path.join(out, ".status", f"{run}.started"), "w").close()
         HAZARD_AT.clear()
         done = threading.Event()
-        threading.Thread(target=_watchdog, args=(out, run, done), daemon=True).start()
+        threading.Thread(target=_watchdog, args=(out, run, done, RUN_TIMEOUT_S), daemon=True).start()
         try:
             record = run_one(run)
         except BaseException:  # noqa: BLE001

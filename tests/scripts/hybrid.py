@@ -23,7 +23,7 @@ from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
 from tests.engine_state import state_beyond_formula  # noqa: E402
-from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 GLOBAL_BATCH = 8
@@ -101,23 +101,10 @@ def run(name: str, out_dir: str) -> None:
         source="synthetic", seq_len=16, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.2, seed=3
     )
     record = Record()
-    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
-    callbacks: list = [record, *checkpoints]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        num_nodes=2,
-        devices=2,
-        strategy=make_strategy(),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=name in SAVES,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        gradient_clip_val=0.05,
-        callbacks=callbacks,
-    )
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, num_nodes=2, devices=2, strategy=make_strategy(), max_steps=STEPS,
+        gradient_clip_val=0.05, callbacks=[record],
+    )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     result = {"losses": record.losses, "sent": record.sent}
     strategy = trainer.strategy
@@ -144,7 +131,7 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
 
     from lightning_zero.comm.mesh import ParallelDims, build_shard_groups
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
     dims = ParallelDims(world_size=world, devices_per_node=2, shard_size=shard_size, hierarchical_reduce=hierarchical)
     groups = build_shard_groups(dims)
@@ -154,7 +141,7 @@ def _engine_reduction(rank: int, world: int, stage: int, shard_size, hierarchica
     inputs = torch.randn(world, 5, 7)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = ZeroConfig(stage=stage, bucket_mb=0.0002, collective_timeout=timeout)
-    engine = ZeroEngine(model, [optimizer], config, shard_groups=groups, ranks_per_node=2)
+    engine = ZeroEngine(model, [optimizer], config, groups=EngineGroups(shard=groups, ranks_per_node=2))
     for _ in range(2):  # the second backward runs in the learned bucket order
         optimizer.zero_grad()
         engine.backward(model(inputs[rank]).pow(2).sum())

@@ -26,8 +26,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 from tests.scripts.precision_helpers import HFLlama, poison_grad  # noqa: E402
-from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 10
@@ -103,22 +103,11 @@ def run(name: str, out_dir: str) -> None:
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
     record = Record(poison=name.endswith("_inf"))
-    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES, step=5)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=make_strategy(name),
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        gradient_clip_val=1.0,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=name in SAVES,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[record, *checkpoints],
-    )
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, step=5, devices=2, strategy=make_strategy(name),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], gradient_clip_val=1.0, max_steps=STEPS,
+        callbacks=[record],
+    )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     torch.save(
         {

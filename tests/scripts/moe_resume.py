@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models.moe import MoELM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 CONFIG = dict(name="tiny_moe", n_experts=8, vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, expert_ffn_dim=16,
               max_seq_len=16, qk_norm=True)  # fmt: skip
@@ -68,12 +69,16 @@ def run(case: str, out: str) -> None:
     L.seed_everything(7, verbose=False)
     model = Recorder(across_tp=case.startswith("tp"))
     strategy = ZeroStrategy(stage=stage, ep=ep, bucket_mb=0.01, tensor_parallel_size=tp, sequence_parallel=tp > 1)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=4, max_steps=last, strategy=strategy,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=2, gradient_clip_val=0.5,
+    trainer = script_trainer(
+        devices=4,
+        max_steps=last,
+        strategy=strategy,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=True)],
-    )  # fmt: skip
+        limit_val_batches=1.0,
+        enable_checkpointing=True,
+    )
     ckpt_path = os.path.join(out, "ckpts", resume, f"epoch=0-step={first}.ckpt") if resume else None
     trainer.fit(model, datamodule=data(batch_size), ckpt_path=ckpt_path)
     params = {n: p.detach().float().clone() for n, p in model.model.named_parameters()}

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.models.moe import MoELM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 STEPS = 3
 WORLD = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown drops it
@@ -100,11 +101,14 @@ def run(case: str, out_dir: str) -> None:
     L.seed_everything(42, verbose=False)
     model = SteeredMoE(tp, BIAS_UPDATE_RATE if case.endswith("_bias") else 0.0)
     loader = DataLoader(tokens(world // tp), batch_size=2, shuffle=False)  # the same rows per dp rank as ddp's
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy(case), max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.05,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=world,
+        strategy=strategy(case),
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=0.05,
+        limit_val_batches=1.0,
+    )
     trainer.fit(model, loader)
     strategy_ = trainer.strategy
     counted = dict(strategy_.comm_counter.snapshot()["bytes"]) if isinstance(strategy_, ZeroStrategy) else {}

@@ -19,6 +19,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroMonitor, ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 CASES = {
@@ -73,18 +74,11 @@ def run(name: str, out_dir: str) -> None:
     model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=3)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     monitor, probe = ZeroMonitor(summary=False), EngineProbe(accumulate)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = script_trainer(
         devices=2,
         precision=precision,
         max_steps=3,
-        logger=False,
         strategy=ZeroStrategy(stage=stage, bucket_mb=0.004, overlap_comm=overlap),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         accumulate_grad_batches=accumulate,
         callbacks=[monitor, probe],
     )

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  (registers zero1/zero2/zero3)
 from lightning_zero import ZeroStrategy  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 
 class TinyLM(L.LightningModule):
@@ -229,19 +230,8 @@ def run_llama(name: str, out_dir: str) -> None:
     model = LlamaLM(config, lr=1e-2, warmup_steps=1, max_steps=4, activation_checkpointing=checkpointing)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=2, vocab_size=64, val_fraction=0.2, seed=3)
     record = RecordLosses()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=make_strategy(),
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=2,
-        callbacks=[record],
-        **kwargs,
+    trainer = script_trainer(
+        devices=2, strategy=make_strategy(), max_steps=4, limit_val_batches=2, callbacks=[record], **kwargs
     )
     trainer.fit(model, data)
     val = trainer.validate(model, data, verbose=False)[0]["val_loss"]
@@ -283,16 +273,11 @@ def run(name: str, out_dir: str) -> None:
     stats = EngineStats()
     kwargs = {"max_steps": 6, **(TWO_OPT if two_optimizers else {}), **kwargs}
     grad_dtypes = RecordGradDtypes()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = script_trainer(
         devices=2,
         strategy=make_strategy(),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=[stats, grad_dtypes, *([ema] if ema is not None else [])],
+        limit_val_batches=1.0,
         **kwargs,
     )
     trainer.fit(model, data(), *([data()] if two_optimizers else []))

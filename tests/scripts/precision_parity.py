@@ -19,8 +19,8 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 from tests.scripts.precision_helpers import HFLlama  # noqa: E402
-from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 4
@@ -125,21 +125,10 @@ def run(name: str, out_dir: str) -> None:
                            **where)  # fmt: skip
     record = Record()
     state_dicts = [StateDicts()] if precision == "bf16-mixed" else []
-    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=make_strategy(),
-        precision=precision,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=name in SAVES,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[record, *state_dicts, *checkpoints],
-    )
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, devices=2, strategy=make_strategy(), precision=precision, max_steps=STEPS,
+        callbacks=[record, *state_dicts],
+    )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)
     inner = model.model

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
+from tests.scripts.harness import script_trainer
 
 HAZARD_STEP = 3  # 1-based: the third training step
 FAILING_RANK = 1
@@ -162,12 +163,15 @@ def data(samples: int, seed: int) -> TensorDataset:
 def main(out: str, case: str) -> None:
     stage = int(case.rsplit("-", 1)[1][-1])
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, bucket_mb=0.002, monitor=False),
-        max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        val_check_interval=2, limit_val_batches=2,
+    trainer = script_trainer(
+        devices=2,
+        strategy=ZeroStrategy(stage=stage, bucket_mb=0.002, monitor=False),
+        max_steps=6,
+        val_check_interval=2,
+        limit_val_batches=2,
         callbacks=[Hazards(out, case), ModelCheckpoint(dirpath=os.path.join(out, case), save_on_exception=True)],
-    )  # fmt: skip
+        enable_checkpointing=True,
+    )
     net = (ManualNet if case.rsplit("-", 1)[0] in MANUAL else Net)(out, case)
     trainer.fit(net, DataLoader(data(64, 1), batch_size=4), DataLoader(data(16, 2), batch_size=4))
     print(f"[rank_failure] {case}: rank {trainer.global_rank} finished without an error", flush=True)

@@ -62,6 +62,7 @@ from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.checkpoint import save as checkpoint_save  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
 from lightning_zero.trainer.signals import SchedulerSignals  # noqa: E402
+from tests.scripts.harness import script_trainer  # noqa: E402
 
 MAX_STEPS = 6
 VAL_EVERY = 2
@@ -261,13 +262,16 @@ def run_trial(out: str, mode: str, trial: str, rank: int) -> tuple[dict, BaseExc
         callbacks.append(OnExceptionCheckpoint(dirpath=root, filename="on_sigterm"))
     L.seed_everything(0, verbose=False)
     model = TpNet(moments) if strategy.startswith("tp") else Net(moments)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["SLURM_NTASKS"]), strategy=_strategy(strategy, "async" in name),
-        max_steps=MAX_STEPS, default_root_dir=root,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks), callbacks=callbacks,
-        val_check_interval=VAL_EVERY, limit_val_batches=2, num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = script_trainer(
+        devices=int(os.environ["SLURM_NTASKS"]),
+        strategy=_strategy(strategy, "async" in name),
+        max_steps=MAX_STEPS,
+        default_root_dir=root,
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        callbacks=callbacks,
+        val_check_interval=VAL_EVERY,
+        limit_val_batches=2,
+    )
     ended: BaseException | None = None
     started = time.time()
     try:

@@ -19,7 +19,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
-from tests.scripts.step_checkpoints import step_checkpoints  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 CLIP = {"gradient_clip_val": 0.05}
@@ -73,22 +73,10 @@ def run(name: str, devices: int, out_dir: str) -> None:
     dp = {"single": 1, "tp2": 1, "tp2_sp": 1}.get(name, 2)
     data = TokenDataModule(source="synthetic", seq_len=16, batch_size=4 // dp, vocab_size=64, val_fraction=0.2, seed=3)
     record = Record()
-    checkpoints, ckpt_path = step_checkpoints(out_dir, name, SAVES, RESUMES)
-    callbacks: list = [record, *checkpoints]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=make_strategy(),
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=name in SAVES,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=callbacks,
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=4, callbacks=[record],
         **kwargs,
-    )
+    )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     mesh = getattr(trainer.strategy, "device_mesh", None)  # (ZeRO-3 unshards at the end of fit)
     if mesh is not None:

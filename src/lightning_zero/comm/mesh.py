@@ -131,14 +131,15 @@ class ParallelDims:
         ``devices_per_node`` each: its ``tensor_parallel_size``, ``shard_size``,
         ``hierarchical_reduce``, ``cp`` and ``ep``. The runtime (``runtime/setup.py``) and the
         planner (``planner/arithmetic.py`` ``plan``) build the layout through this one function."""
+        layout = config.layout  # a LayoutPolicy ([Note: policies] in config.py)
         return cls(
             world_size=world_size,
             devices_per_node=devices_per_node,
-            tp=config.tensor_parallel_size,
-            shard_size=config.shard_size,
-            hierarchical_reduce=config.hierarchical_reduce,
-            cp=config.cp,
-            ep=config.ep,
+            tp=layout.tensor_parallel_size,
+            shard_size=layout.shard_size,
+            hierarchical_reduce=layout.hierarchical_reduce,
+            cp=layout.cp,
+            ep=layout.ep,
         )
 
     def _check_cp_ep(self) -> None:

@@ -7,22 +7,15 @@ Lightning; ``LlamaLM`` imports Lightning when it is first taken.
 
 from __future__ import annotations
 
-from lightning_zero._lazy import lazy_attributes
+from lightning_zero._lazy import lazy_exports
 
-_LAZY = {
-    "Attention": "lightning_zero.models.llama.model",
-    "FeedForward": "lightning_zero.models.llama.model",
-    "Llama": "lightning_zero.models.llama.model",
-    "LlamaConfig": "lightning_zero.models.llama.config",
-    "LlamaLM": "lightning_zero.models.llama.lightning",
-    "RMSNorm": "lightning_zero.models.llama.model",
-    "TransformerBlock": "lightning_zero.models.llama.model",
-    "WarmupCosine": "lightning_zero.models.llama.lightning",
-    "cross_entropy_loss": "lightning_zero.models.llama.model",
-    "preset_names": "lightning_zero.models.llama.config",
-    "resolve_config": "lightning_zero.models.llama.config",
-}
-
-__all__ = sorted(_LAZY)
-
-__getattr__ = lazy_attributes(__name__, _LAZY)
+# Llama's public names, taken from its package (models/llama/__init__.py says which module defines each)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.models.llama": (
+            "Attention FeedForward Llama LlamaConfig LlamaLM RMSNorm TransformerBlock WarmupCosine"
+            " cross_entropy_loss preset_names resolve_config"
+        ),
+    },
+)

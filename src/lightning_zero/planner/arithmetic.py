@@ -5,7 +5,7 @@
 given the run whole: the knobs (``ZeroConfig``), the layout (``ParallelDims``), the run's shape
 (:class:`RunShape`) and the planner's options (:class:`PlanOptions`). It never builds the model, so
 a 70B plan takes milliseconds. :func:`plan_run` is the same plan from keywords (each put in the
-object holding it, :func:`plan_inputs`); :func:`stage_plans` / :func:`compare_stages` lay stages
+object holding it, :func:`plan_inputs`); :func:`compare_stages` lays stages
 0-3 side by side for one run.
 
 [Note: what a plan counts] Per rank, at the peak of one training step (the start of backward):
@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from lightning_zero.comm.mesh import ParallelDims
-from lightning_zero.config import ZeroConfig, resolve_bucket_mb
+from lightning_zero.config import POLICY_KNOBS, ZERO_DEFAULTS, LayoutPolicy, ZeroConfig, resolve_bucket_mb
 from lightning_zero.cp.layout import RingLayout, check_context_parallel, layout_notice
 from lightning_zero.models.checkpointing import checkpointing_mode
-from lightning_zero.planner.fit import suggest_fixes
+from lightning_zero.planner.fit import PlanInputs, suggest_fixes
 from lightning_zero.planner.hardware import Hardware, load_hardware
 from lightning_zero.planner.ledger import (
     ATTENTION_KERNELS,
+    ActivationBytes,
     DpTopology,
     dp_topology,
     grad_bytes_per_param,
@@ -45,8 +46,9 @@ from lightning_zero.planner.ledger import (
     model_state_bytes,
     precision_bytes,
 )
-from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan
-from lightning_zero.planner.timing import step_time
+from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
+from lightning_zero.planner.resolved import ResolvedRun, spans_nodes
+from lightning_zero.planner.timing import StepTime, step_time
 from lightning_zero.planner.traffic import traffic_per_rank
 from lightning_zero.planner.workload import engine_buckets, gathered_numel, is_moe, llama_workload, training_flops
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes, defer_grad_reduce_at, keeps_full_grads, pool_buffers
@@ -194,18 +196,9 @@ def ddp_layout(config: ZeroConfig, dims: ParallelDims) -> tuple[ZeroConfig, Para
     or expert parallelism, no hybrid sharding, nothing compressed, no deferred reduction), with the
     knobs DDP shares with ZeRO (``bucket_mb``, ``overlap_comm``, ``reduce_dtype``, the precision
     knobs) as ``config`` has them. What ``plan(..., ddp=True)`` plans."""
+    plain_layout = {name: getattr(ZERO_DEFAULTS, name) for name in POLICY_KNOBS[LayoutPolicy]}  # tp = cp = ep = 1
     plain = dataclasses.replace(
-        config,
-        stage=1,
-        tensor_parallel_size=1,
-        sequence_parallel=False,
-        cp=1,
-        ep=1,
-        shard_size=None,
-        hierarchical_reduce=False,
-        grad_comm_dtype=None,
-        param_comm_dtype=None,
-        defer_grad_reduce=False,
+        config, stage=1, defer_grad_reduce=False, grad_comm_dtype=None, param_comm_dtype=None, **plain_layout
     )
     return plain, ParallelDims.from_config(plain, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
 
@@ -248,10 +241,6 @@ def check_model_layout(model: Any, dims: ParallelDims, *, seq_len: Optional[int]
         )
 
 
-def _spans_nodes(dims: ParallelDims, ranks: list[int]) -> bool:
-    return len({rank // dims.devices_per_node for rank in ranks}) > 1
-
-
 def expert_topology(dims: ParallelDims) -> DpTopology:
     """The edp group as a ZeRO shard group (expert parameters are sharded and reduced over it,
     [Note: expert groups] in ``comm/mesh.py``): ``edp`` ranks, stride ``ep`` inside the dense group,
@@ -259,17 +248,6 @@ def expert_topology(dims: ParallelDims) -> DpTopology:
     ranks = dims.edp_ranks(0)
     nodes = len({rank // dims.devices_per_node for rank in ranks})
     return DpTopology(dp=dims.edp, dp_per_node=dims.edp // nodes, shard_size=dims.edp)
-
-
-def _expert_hops(experts: Optional[DpTopology], stage: int, dtype: Any, config: ZeroConfig) -> dict[str, Any]:
-    """``step_time``'s expert-domain arguments (none without an expert domain)."""
-    if experts is None:
-        return {}
-    return dict(
-        expert_shard=experts.shard_size,
-        expert_grad_hops=experts.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=config.grad_comm_dtype),
-        expert_gather_hops=experts.gather_hops(param_bytes=dtype.param, param_comm_dtype=config.param_comm_dtype),
-    )
 
 
 def plan(
@@ -297,6 +275,37 @@ def plan(
     heads do not split over ``tp * cp`` is planned with ring attention, as the engine runs it), and for a run the model cannot take
     (a ``seq_len`` above its ``max_seq_len``, sequence parallelism whose ``tp`` does not divide it).
     """
+    resolved = resolve_run(model_config, config, dims, run, options, ddp=ddp)
+    memory, acts = memory_per_rank(resolved)
+    model_flops = resolved.micro_batches * training_flops(
+        resolved.model, micro_batch=resolved.micro_batch, seq_len=resolved.seq_len, tp=resolved.tp, cp=dims.cp
+    )
+    simulated = None
+    fits = memory.total <= resolved.hw.memory_bytes - resolved.reserved_bytes
+    if options.simulate is True or (options.simulate == "if_fits" and fits):
+        simulated = step_time(
+            resolved.workload,
+            resolved.schedule(),
+            resolved.config.communication,
+            resolved.machine(),
+            micro_batches=resolved.micro_batches,
+            produced=resolved.produced(model_flops),
+        )
+    planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
+    if options.suggest and not planned.fits:
+        options = dataclasses.replace(options, hardware=resolved.hw)
+        fixes = suggest_fixes(
+            planned, PlanInputs(plan, resolved.model, resolved.config, resolved.dims, run, options, ddp)
+        )
+        planned = dataclasses.replace(planned, suggestions=tuple(fixes))
+    return planned
+
+
+def resolve_run(
+    model_config: Any, config: ZeroConfig, dims: ParallelDims, run: RunShape, options: PlanOptions, *, ddp: bool
+) -> ResolvedRun:
+    """:func:`plan`'s first step: check the layout and the run against the model, and resolve what
+    every later step reads (:class:`~lightning_zero.planner.resolved.ResolvedRun`)."""
     asked = ParallelDims.from_config(config, world_size=dims.world_size, devices_per_node=dims.devices_per_node)
     if asked != dims:
         raise ValueError(f"plan: {dims} is not the layout the ZeroConfig asks for on its ranks ({asked})")
@@ -304,13 +313,9 @@ def plan(
         config, dims = ddp_layout(config, dims)
     model = resolve_model(model_config)
     stage = 0 if ddp else config.stage
-    defer_grad_reduce = defer_grad_reduce_at(stage, config.defer_grad_reduce)  # stage 1 always defers
     seq_len = int(run.seq_len or model.max_seq_len)
     check_model_layout(model, dims, seq_len=seq_len)
-    tp, cp, dp, dense = int(dims.tp), dims.cp, dims.dp, dims.dp_cp  # dp: ranks with other samples; dense: ZeRO's
-    ep, edp = dims.ep, dims.edp  # experts split over ep ranks, their states sharded over edp
-    checkpointing = str(run.activation_checkpointing)
-    micro_batch, micro_batches = run.micro_batch, run.accumulate_grad_batches
+    tp, cp = int(dims.tp), dims.cp
     # the engine's rule: Ulysses where tp * cp divides the query heads, else ring attention
     cp_layout = (
         check_context_parallel(
@@ -331,64 +336,90 @@ def plan(
         )
     hw = load_hardware(options.hardware)
     mfu = options.mfu if options.mfu is not None else hw.mfu if hw.mfu is not None else DEFAULT_MFU
+    knobs = config.precision_knobs
     # The gradient bytes per element of the buffers and the reduce-scatter (reduce_dtype).
     dtype = dataclasses.replace(
-        precision_bytes(run.precision, config.master_weights, config.mixed_params),
-        grad=grad_bytes_per_param(run.precision, config.reduce_dtype, config.mixed_params),
+        precision_bytes(run.precision, knobs.master_weights, knobs.mixed_params),
+        grad=grad_bytes_per_param(run.precision, knobs.reduce_dtype, knobs.mixed_params),
     )
     peak = hw.peak_fp32_flops if str(run.precision).startswith("32") else hw.peak_bf16_flops
-    crosses_nodes = dims.world_size > dims.devices_per_node and dense > 1
-    cp_crosses_nodes = _spans_nodes(dims, dims.cp_ranks(0))
-    ep_crosses_nodes = _spans_nodes(dims, dims.ep_ranks(0))
     workload = llama_workload(
         model,
-        micro_batch=micro_batch,
+        micro_batch=run.micro_batch,
         seq_len=seq_len,
         tp=tp,
-        activation_checkpointing=checkpointing,
+        activation_checkpointing=str(run.activation_checkpointing),
         flops_per_s=peak * mfu,
         tp_link=hw.link(inter_node=False),
         act_bytes=dtype.activation,
         sequence_parallel=config.sequence_parallel,
         cp=cp,
-        cp_link=hw.link(inter_node=cp_crosses_nodes),
-        ep=ep,
-        ep_link=hw.link(inter_node=ep_crosses_nodes),
+        cp_link=hw.link(inter_node=spans_nodes(dims, dims.cp_ranks(0))),
+        ep=dims.ep,
+        ep_link=hw.link(inter_node=spans_nodes(dims, dims.ep_ranks(0))),
     )
-    local_params = workload.numel
     # with ep > 1 the expert parameters are a ZeRO domain of their own over edp ([Note: expert domain])
-    expert_params = workload.expert_numel if ep > 1 else 0
-    bucket_mb = resolve_bucket_mb(config.bucket_mb, local_params * dtype.grad)  # as the engine sizes it
+    expert_params = workload.expert_numel if dims.ep > 1 else 0
+    bucket_mb = resolve_bucket_mb(config.bucket_mb, workload.numel * dtype.grad)  # as the engine sizes it
     topology = dp_topology(
-        dp=dense,
+        dp=dims.dp_cp,
         devices_per_node=dims.devices_per_node,
         tp=tp,
         shard_size=dims.shard_size,
         hierarchical_reduce=dims.hierarchical_reduce,
     )
     shard_ranks = topology.shard_size
-    experts = expert_topology(dims) if ep > 1 else None
-    padded = math.ceil((local_params - expert_params) / shard_ranks) * shard_ranks  # dense, as the ledger pads
-    expert_padded = math.ceil(expert_params / edp) * edp
-    bucket_numel = bucket_numel_for_bytes(bucket_mb, dtype.grad)
+    return ResolvedRun(
+        model=model,
+        config=config,
+        dims=dims,
+        run=run,
+        tp=tp,
+        checkpointing=str(run.activation_checkpointing),
+        micro_batch=run.micro_batch,
+        micro_batches=run.accumulate_grad_batches,
+        stage=stage,
+        defer_grad_reduce=defer_grad_reduce_at(stage, config.defer_grad_reduce),  # stage 1 always defers
+        seq_len=seq_len,
+        dtype=dtype,
+        hw=hw,
+        mfu=float(mfu),
+        peak=peak,
+        workload=workload,
+        topology=topology,
+        experts=expert_topology(dims) if dims.ep > 1 else None,
+        padded=math.ceil((workload.numel - expert_params) / shard_ranks) * shard_ranks,  # dense, as the ledger pads
+        expert_padded=math.ceil(expert_params / dims.edp) * dims.edp,
+        bucket_mb=float(bucket_mb),
+        bucket_numel=bucket_numel_for_bytes(bucket_mb, dtype.grad),
+        cp_layout=cp_layout,
+        reserved_bytes=int(options.reserved_gib * GiB),
+    )
+
+
+def memory_per_rank(resolved: ResolvedRun) -> tuple[MemoryPerRank, ActivationBytes]:
+    """The bytes one rank holds at the peak of a step ([Note: what a plan counts]), and the
+    activation detail behind them."""
+    r, dtype, config = resolved, resolved.dtype, resolved.config
+    stage, dims, workload = r.stage, r.dims, r.workload
+    ep, edp, shard_ranks = dims.ep, dims.edp, r.topology.shard_size
     buckets = engine_buckets(
-        workload, stage=stage, bucket_numel=bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad,
+        workload, stage=stage, bucket_numel=r.bucket_numel, dp=shard_ranks, grad_bytes=dtype.grad,
         expert_dp=edp if ep > 1 else None,
     )  # fmt: skip
-
     states = model_state_bytes(
-        padded + ep * expert_padded,
+        r.padded + ep * r.expert_padded,
         stage=stage,
-        defer_grad_reduce=defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
+        defer_grad_reduce=r.defer_grad_reduce,  # [Note: deferred gradient reduction] in zero/bucketing.py
         dp=shard_ranks,
         param_bytes=dtype.param,
         grad_bytes=dtype.grad,
         optim_bytes_per_param=dtype.optimizer,
-        expert_params=ep * expert_padded,
+        expert_params=ep * r.expert_padded,
         ep=ep,
     )
-    optimizer_numel = padded // shard_ranks + expert_padded // edp if stage >= 1 else padded + expert_padded
-    pooled = not keeps_full_grads(stage, defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
+    optimizer_numel = r.padded // shard_ranks + r.expert_padded // edp if stage >= 1 else r.padded + r.expert_padded
+    pooled = not keeps_full_grads(stage, r.defer_grad_reduce)  # stages 2-3 reduce through the bucket pool
     bucket_buffers = (
         min(pool_buffers(config.max_buckets_in_flight), len(buckets)) * max(b.numel for b in buckets) * dtype.grad
         if pooled and buckets
@@ -397,11 +428,11 @@ def plan(
     # stage 3: the units in flight and the root ([Note: gathered working set] in zero/stage3/schedule.py)
     prefetch = gathered_numel(workload, config.prefetch_blocks) * dtype.param if stage == 3 else 0.0
     # stages 2-3: autograd's gradient of one parameter, until the hook copies it into its bucket
-    largest_param = workload.largest_numel
-    param_grad = largest_param * dtype.grad if pooled else 0.0
-
-    shape = dict(micro_batch=micro_batch, seq_len=seq_len, tp=tp, sequence_parallel=config.sequence_parallel, cp=cp)
-    acts = llama_activation_bytes(model, act_bytes=dtype.activation, attention=run.attention, ep=ep, **shape)
+    param_grad = workload.largest_numel * dtype.grad if pooled else 0.0
+    shape = dict(micro_batch=r.micro_batch, seq_len=r.seq_len, tp=r.tp, sequence_parallel=config.sequence_parallel)
+    acts = llama_activation_bytes(
+        r.model, act_bytes=dtype.activation, attention=r.run.attention, ep=ep, cp=dims.cp, **shape
+    )
     memory = MemoryPerRank(
         params=states.params,
         grads=states.grads,
@@ -410,120 +441,69 @@ def plan(
         bucket_buffers=float(bucket_buffers),
         prefetch_buffers=float(prefetch),
         param_grad=float(param_grad),
-        activations=acts.total(checkpointing) - acts.logits_and_loss,
+        activations=acts.total(r.checkpointing) - acts.logits_and_loss,
         logits_and_loss=acts.logits_and_loss,
         # bf16 gradient chunks are cast to an fp32 copy for the step; fp32 chunks are used as is
         step_grad_shard=float(optimizer_numel * 4) if stage >= 1 and dtype.master and dtype.grad != 4 else 0.0,
     )
-    tokens_per_step = micro_batch * seq_len * micro_batches * dp
-    model_flops = micro_batches * training_flops(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp)
-    simulated = None
-    fits = memory.total <= hw.memory_bytes - int(options.reserved_gib * GiB)
-    if options.simulate is True or (options.simulate == "if_fits" and fits):
-        simulated = step_time(
-            workload,
-            stage=stage,
-            dp=dense,
-            micro_batches=micro_batches,
-            dp_link=hw.link(inter_node=crosses_nodes),
-            grad_bytes=dtype.grad,
-            param_bytes=dtype.param,
-            bucket_numel=bucket_numel,
-            overlap_comm=config.overlap_comm,
-            defer_grad_reduce=defer_grad_reduce,
-            max_buckets_in_flight=config.max_buckets_in_flight,
-            prefetch_blocks=config.prefetch_blocks,
-            overlap_param_gather=config.overlap_param_gather,
-            efficiency=hw.overlap_efficiency,
-            optimizer_bytes_per_param=dtype.optimizer_step_bytes,
-            memory_bytes_per_s=hw.memory_bytes_per_s,
-            optimizer_bytes_per_s=hw.optimizer_bytes_per_s or hw.memory_bytes_per_s,
-            tokens_per_step=tokens_per_step,
-            model_flops_per_rank=model_flops,
-            peak_flops=peak,
-            world_size=dims.world_size,
-            grad_hops=topology.grad_hops(stage=stage, grad_bytes=dtype.grad, grad_comm_dtype=config.grad_comm_dtype),
-            gather_hops=topology.gather_hops(param_bytes=dtype.param, param_comm_dtype=config.param_comm_dtype),
-            links={"intra_node": hw.link(inter_node=False), "inter_node": hw.link(inter_node=True)},
-            shard_size=shard_ranks,
-            overhead_s=hw.step_overhead_s,
-            **_expert_hops(experts, stage, dtype, config),
-        )
-    traffic = traffic_per_rank(
-        model,
-        stage=stage,
-        dims=dims,
-        padded=padded,
-        dtype=dtype,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        micro_batches=micro_batches,
-        defer_grad_reduce=defer_grad_reduce,
-        activation_checkpointing=checkpointing,
-        sequence_parallel=config.sequence_parallel,
-        hw=hw,
-        workload=workload,
-        simulated=simulated,
-        topology=topology,
-        grad_comm_dtype=config.grad_comm_dtype,
-        param_comm_dtype=config.param_comm_dtype,
-        cp_link="inter_node" if cp_crosses_nodes else "intra_node",
-        expert_padded=expert_padded,
-        expert_topology=experts,
-        ep_link="inter_node" if ep_crosses_nodes else "intra_node",
-    )
-    planned = Plan(
-        model=model.name,
-        num_params=model.num_params(),
-        params_per_tp_rank=local_params,
-        padded_params_per_tp_rank=padded + expert_padded,
-        stage=stage,
+    return memory, acts
+
+
+def assemble_plan(
+    resolved: ResolvedRun,
+    memory: MemoryPerRank,
+    acts: ActivationBytes,
+    traffic: TrafficPerRank,
+    simulated: Optional[StepTime],
+) -> Plan:
+    """:func:`plan`'s last step: the :class:`Plan` of a resolved run and what its steps found."""
+    r, config, dims, run = resolved, resolved.config, resolved.dims, resolved.run
+    comm = config.communication
+    wire = {f.name: getattr(comm, f.name) for f in dataclasses.fields(comm) if f.name != "bucket_mb"}
+    return Plan(
+        model=r.model.name,
+        num_params=r.model.num_params(),
+        params_per_tp_rank=r.workload.numel,
+        padded_params_per_tp_rank=r.padded + r.expert_padded,
+        stage=r.stage,
         world_size=dims.world_size,
         num_nodes=max(1, dims.world_size // dims.devices_per_node),
         devices_per_node=dims.devices_per_node,
-        dp=dp,
-        tp=tp,
+        dp=dims.dp,
+        tp=r.tp,
         precision=str(run.precision),
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        accumulate_grad_batches=micro_batches,
-        tokens_per_step=tokens_per_step,
-        activation_checkpointing=checkpointing == "full",
-        checkpointing=checkpointing,
+        micro_batch=r.micro_batch,
+        seq_len=r.seq_len,
+        accumulate_grad_batches=r.micro_batches,
+        tokens_per_step=r.tokens_per_step,
+        activation_checkpointing=r.checkpointing == "full",
+        checkpointing=r.checkpointing,
         sequence_parallel=config.sequence_parallel,
         attention=run.attention,
-        bucket_mb=float(bucket_mb),
+        bucket_mb=r.bucket_mb,
         prefetch_blocks=config.prefetch_blocks,
-        defer_grad_reduce=defer_grad_reduce,
-        overlap_comm=config.overlap_comm,
-        max_buckets_in_flight=config.max_buckets_in_flight,
-        overlap_param_gather=config.overlap_param_gather,
-        shard_size=shard_ranks,
-        replicas=topology.replicas,
-        hierarchical_reduce=topology.hierarchical,
-        grad_comm_dtype=config.grad_comm_dtype,
-        param_comm_dtype=config.param_comm_dtype,
+        defer_grad_reduce=r.defer_grad_reduce,
+        **wire,  # the communication policy as planned (bucket_mb resolved above)
+        shard_size=r.topology.shard_size,
+        replicas=r.topology.replicas,
+        hierarchical_reduce=r.topology.hierarchical,
         reduce_dtype=str(config.reduce_dtype),
         mixed_params=str(config.mixed_params),
-        hardware=hw.name,
-        memory_bytes=hw.memory_bytes,
-        reserved_bytes=int(options.reserved_gib * GiB),
-        mfu=float(mfu),
+        hardware=r.hw.name,
+        memory_bytes=r.hw.memory_bytes,
+        reserved_bytes=r.reserved_bytes,
+        mfu=r.mfu,
         memory=memory,
         traffic=traffic,
         timing=simulated,
         activation_detail=acts,
-        notes=_notes(stage, dense, run.attention, micro_batches, defer_grad_reduce, ep),
-        cp=cp,
-        cp_attention=_attention_name(cp_layout),
-        cp_notice=layout_notice(cp_layout) or "",
-        ep=ep,
-        expert_params_per_rank=expert_params,
+        notes=_notes(r.stage, dims.dp_cp, run.attention, r.micro_batches, r.defer_grad_reduce, dims.ep),
+        cp=dims.cp,
+        cp_attention=_attention_name(r.cp_layout),
+        cp_notice=layout_notice(r.cp_layout) or "",
+        ep=dims.ep,
+        expert_params_per_rank=r.expert_params,
     )
-    if options.suggest and not planned.fits:
-        fixes = suggest_fixes(planned, plan, model, config, dims, run, dataclasses.replace(options, hardware=hw), ddp)
-        planned = dataclasses.replace(planned, suggestions=tuple(fixes))
-    return planned
 
 
 # --------------------------------------------------------------------------------------------
@@ -601,16 +581,11 @@ def plan_run(
     return plan(model_config, config, dims, run, options, ddp=ddp)
 
 
-def stage_plans(
-    model_config: Any,
-    config: ZeroConfig,
-    dims: ParallelDims,
-    run: RunShape = RunShape(),
-    options: PlanOptions = PlanOptions(),
-    stages: tuple[int, ...] = STAGES,
-) -> list[Plan]:
-    """:func:`plan` for each of ``stages`` with everything else equal (0: Lightning's DDP on the
-    same ranks, :func:`ddp_layout`); what the report's side-by-side columns show."""
+def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
+    """:func:`plan` for each of ``stages`` with everything else equal, from :func:`plan_run`'s
+    keywords (no ``stage``; 0: Lightning's DDP on the same ranks, :func:`ddp_layout`); what the
+    report's side-by-side columns show."""
+    config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
     plans = []
     for stage in stages:
         if stage == 0:
@@ -620,12 +595,6 @@ def stage_plans(
             staged = dataclasses.replace(config, stage=stage, defer_grad_reduce=defer)
             plans.append(plan(model_config, staged, dims, run, options))
     return plans
-
-
-def compare_stages(model_config: Any, stages: tuple[int, ...] = STAGES, **kwargs: Any) -> list[Plan]:
-    """:func:`stage_plans` from :func:`plan_run`'s keywords (no ``stage``)."""
-    config, dims, run, options, _ = plan_inputs(**{**kwargs, "stage": 1})
-    return stage_plans(model_config, config, dims, run, options, stages)
 
 
 def _attention_name(layout: Any) -> str:

@@ -13,6 +13,7 @@ sits below ``arithmetic``, which calls it), so the planner's imports keep flowin
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from lightning_zero.comm.mesh import ParallelDims
@@ -34,15 +35,23 @@ def plan_or_none(make: Callable[[], Plan]) -> Optional[Plan]:
         return None
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """A planned run whole, as ``planner`` (``arithmetic.plan``) takes it: the model, its
+    ``ZeroConfig``, ``ParallelDims``, ``RunShape``, ``PlanOptions`` and whether it is Lightning's DDP."""
+
+    planner: Planner
+    model: Any
+    config: Any
+    dims: ParallelDims
+    run: Any
+    options: Any
+    ddp: bool = False
+
+
 def changed_plan(
-    planner: Planner,
-    model: Any,
-    config: Any,
-    dims: ParallelDims,
-    run: Any,
-    options: Any,
+    inputs: PlanInputs,
     *,
-    ddp: bool = False,
     knobs: Optional[dict[str, Any]] = None,
     shape: Optional[dict[str, Any]] = None,
     world_size: Optional[int] = None,
@@ -50,6 +59,7 @@ def changed_plan(
     """The run with ``knobs`` changed in its ``ZeroConfig`` (``stage`` among them: ZeRO instead of
     ``ddp``), ``shape`` in its ``RunShape`` and optionally another ``world_size``, planned bytes-only
     (``None`` where that layout is invalid)."""
+    config, dims = inputs.config, inputs.dims
     knobs = dict(knobs or {})
     stage = knobs.get("stage", config.stage)
     knobs["defer_grad_reduce"] = defer_grad_reduce_at(stage, knobs.get("defer_grad_reduce", config.defer_grad_reduce))
@@ -59,9 +69,9 @@ def changed_plan(
         layout = ParallelDims.from_config(
             changed, world_size=world_size or dims.world_size, devices_per_node=dims.devices_per_node
         )
-        quick = dataclasses.replace(options, suggest=False, simulate=False)
-        return planner(model, changed, layout, dataclasses.replace(run, **(shape or {})), quick,
-                       ddp=ddp and "stage" not in knobs)  # fmt: skip
+        quick = dataclasses.replace(inputs.options, suggest=False, simulate=False)
+        return inputs.planner(inputs.model, changed, layout, dataclasses.replace(inputs.run, **(shape or {})), quick,
+                              ddp=inputs.ddp and "stage" not in knobs)  # fmt: skip
 
     return plan_or_none(make)
 
@@ -117,25 +127,14 @@ def _candidates(plan: Plan, n_experts: int = 0) -> list[tuple[str, dict[str, Any
     return out
 
 
-def suggest_fixes(
-    plan: Plan,
-    planner: Planner,
-    model: Any,
-    config: Any,
-    dims: ParallelDims,
-    run: Any,
-    options: Any,
-    ddp: bool = False,
-    limit: int = 4,
-) -> list[str]:
+def suggest_fixes(plan: Plan, inputs: PlanInputs, limit: int = 4) -> list[str]:
     """Up to ``limit`` single changes (then combinations) that would make ``plan`` (the plan of
-    ``model, config, dims, run, options, ddp``) fit, each with its memory, in the order
+    ``inputs``) fit, each with its memory, in the order
     :func:`_candidates` tries them; when none fits on this cluster, where it would
     (:func:`_no_single_fix`). What ``plan`` puts in ``Plan.suggestions``."""
     found: list[str] = []
-    where = (planner, model, config, dims, run, options)
-    for label, knobs, shape in _candidates(plan, getattr(model, "n_experts", 0)):
-        other = changed_plan(*where, ddp=ddp, knobs=knobs, shape=shape)
+    for label, knobs, shape in _candidates(plan, getattr(inputs.model, "n_experts", 0)):
+        other = changed_plan(inputs, knobs=knobs, shape=shape)
         if other is None:  # e.g. a tp that does not divide the heads
             continue
         if other.fits:
@@ -143,14 +142,11 @@ def suggest_fixes(
             if len(found) >= limit:
                 break
     if not found:
-        found.append(_no_single_fix(plan, *where))
+        found.append(_no_single_fix(plan, dataclasses.replace(inputs, ddp=False)))
     return found
 
 
-def _no_single_fix(
-    plan: Plan, planner: Planner, model: Any, config: Any, dims: ParallelDims, run: Any, options: Any,
-    max_nodes: int = 512,
-) -> str:  # fmt: skip
+def _no_single_fix(plan: Plan, inputs: PlanInputs, max_nodes: int = 512) -> str:
     """When no change on this cluster fits: the fewest nodes, or another GPU, where stage 3 with
     checkpointing at this layout would."""
     knobs, shape = {"stage": 3}, {"activation_checkpointing": "full"}
@@ -158,8 +154,7 @@ def _no_single_fix(
     found = [f"nothing on {nodes} node(s) of {plan.hardware} fits"]
     while nodes < max_nodes:
         nodes *= 2
-        bigger = changed_plan(planner, model, config, dims, run, options, knobs=knobs, shape=shape,
-                              world_size=nodes * plan.devices_per_node)  # fmt: skip
+        bigger = changed_plan(inputs, knobs=knobs, shape=shape, world_size=nodes * plan.devices_per_node)
         if bigger is not None and bigger.fits:
             found.append(
                 f"stage=3 + activation_checkpointing=true on {nodes} nodes ({bigger.memory.total / GiB:.1f} GiB)"
@@ -167,8 +162,8 @@ def _no_single_fix(
             break
     for name in available_hardware():
         if name != plan.hardware:
-            elsewhere = dataclasses.replace(options, hardware=name)
-            other = changed_plan(planner, model, config, dims, run, elsewhere, knobs=knobs, shape=shape)
+            elsewhere = dataclasses.replace(inputs, options=dataclasses.replace(inputs.options, hardware=name))
+            other = changed_plan(elsewhere, knobs=knobs, shape=shape)
             if other is not None and other.fits:
                 found.append(
                     f"stage=3 + activation_checkpointing=true on hardware={name} ({other.memory.total / GiB:.1f} GiB)"

@@ -33,6 +33,7 @@ from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, topology_defaults
 from lightning_zero.models.checkpointing import CHECKPOINTING_MODES, checkpointing_mode
 from lightning_zero.planner.arithmetic import PlanOptions, RunShape, _given_knobs, plan, resolve_model
 from lightning_zero.planner.fit import plan_or_none
+from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import precision_bytes
 from lightning_zero.planner.plan import GiB, Plan
 
@@ -249,59 +250,108 @@ def search_layouts(
             )
         fixed = ZeroConfig(**{name: getattr(zero_config, name) for name in FIXED_KNOBS})
     else:
-        fixed = ZeroConfig(
-            max_buckets_in_flight=max_buckets_in_flight,
-            overlap_param_gather=overlap_param_gather,
-            overlap_comm=overlap_comm,
-            reduce_dtype=reduce_dtype,
-            master_weights=master_weights,
-            mixed_params=mixed_params,
-        )
+        arguments = locals()
+        fixed = ZeroConfig(**{name: arguments[name] for name in FIXED_KNOBS})
     if not topology:
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
-    from lightning_zero.planner.hardware import load_hardware
+    space = SearchSpace(
+        stages, tp_sizes, cp_sizes, ep_sizes, micro_batches, bucket_mbs, prefetch, checkpointing, sequence_parallel,
+        shard_sizes, hierarchical, comm_dtypes, lossless,
+    )  # fmt: skip
+    run = RunShape(precision, seq_len=seq_len, attention=attention)
+    options = PlanOptions(hardware=hardware, mfu=mfu, reserved_gib=reserved_gib, suggest=False, simulate="if_fits")
+    return search(model_config, fixed, SearchCluster(world_size, devices_per_node, global_batch), space, run, options)
 
+
+@dataclass(frozen=True)
+class SearchCluster:
+    """The fixed frame of a search: the ranks, their nodes, and the samples per optimizer step."""
+
+    world_size: int
+    devices_per_node: int
+    global_batch: int
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values the search tries for each axis (``search_layouts``' keywords of the same names;
+    ``None``: the defaults for the model and cluster), and whether lossy wire formats are left out."""
+
+    stages: Sequence[int] = (0, 1, 2, 3)
+    tp_sizes: Optional[Sequence[int]] = None
+    cp_sizes: Optional[Sequence[int]] = None
+    ep_sizes: Optional[Sequence[int]] = None
+    micro_batches: Sequence[int] = MICRO_BATCHES
+    bucket_mbs: Sequence[float] = BUCKET_MBS
+    prefetch: Sequence[int] = PREFETCH
+    checkpointing: Sequence[str] = CHECKPOINTING_MODES
+    sequence_parallel: Sequence[bool] = (False, True)
+    shard_sizes: Sequence[Union[None, int, str]] = SHARD_SIZES
+    hierarchical: Sequence[bool] = HIERARCHICAL
+    comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS
+    lossless: bool = False
+
+
+def _layout_config(fixed: ZeroConfig, layout: Layout) -> ZeroConfig:
+    """``fixed``'s knobs with ``layout``'s (stage 0, Lightning's DDP, is planned from stage 1)."""
+    return dataclasses.replace(
+        fixed,
+        stage=max(layout.stage, 1),
+        tensor_parallel_size=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        cp=layout.cp,
+        ep=layout.ep,
+        bucket_mb=layout.bucket_mb,
+        prefetch_blocks=layout.prefetch_blocks,
+        defer_grad_reduce=layout.defer_grad_reduce,
+        shard_size=layout.shard_size,
+        hierarchical_reduce=layout.hierarchical_reduce,
+        grad_comm_dtype=layout.grad_comm_dtype,
+        param_comm_dtype=layout.param_comm_dtype,
+    )
+
+
+def search(
+    model_config: Any,
+    fixed: ZeroConfig,
+    cluster: SearchCluster,
+    space: SearchSpace,
+    run: RunShape,
+    options: PlanOptions,
+) -> SearchResult:
+    """:func:`search_layouts` on its objects: every layout of ``space`` on ``cluster``, each with
+    ``fixed``'s ``FIXED_KNOBS``, planned whole with ``run``'s precision, sequence and attention
+    (its batch is the layout's) and ``options``."""
     start = time.perf_counter()
     # the wire format that sends the tensors as they are (bf16 under bf16-mixed's bf16 parameters)
-    bf16_params = precision_bytes(precision, master_weights, mixed_params).param == 2
+    precision = run.precision
+    bf16_params = precision_bytes(precision, fixed.master_weights, fixed.mixed_params).param == 2
     native = "bf16" if str(precision) == "bf16-mixed" and bf16_params else "fp32"
     model = resolve_model(model_config)
-    hw = load_hardware(hardware)
-    options = PlanOptions(hardware=hw, mfu=mfu, reserved_gib=reserved_gib, suggest=False, simulate="if_fits")
+    options = dataclasses.replace(options, hardware=load_hardware(options.hardware))
+    world_size, devices_per_node, global_batch = cluster.world_size, cluster.devices_per_node, cluster.global_batch
 
     def planned(layout: Layout) -> Optional[Plan]:
         """``layout`` planned whole (``None`` where the model does not split that way)."""
 
         def make() -> Plan:
-            config = dataclasses.replace(
-                fixed,
-                stage=max(layout.stage, 1),
-                tensor_parallel_size=layout.tp,
-                sequence_parallel=layout.sequence_parallel,
-                cp=layout.cp,
-                ep=layout.ep,
-                bucket_mb=layout.bucket_mb,
-                prefetch_blocks=layout.prefetch_blocks,
-                defer_grad_reduce=layout.defer_grad_reduce,
-                shard_size=layout.shard_size,
-                hierarchical_reduce=layout.hierarchical_reduce,
-                grad_comm_dtype=layout.grad_comm_dtype,
-                param_comm_dtype=layout.param_comm_dtype,
-            )
+            config = _layout_config(fixed, layout)
             dims = ParallelDims.from_config(config, world_size=world_size, devices_per_node=devices_per_node)
-            run = RunShape(precision, layout.micro_batch, seq_len, layout.activation_checkpointing,
-                           layout.accumulate_grad_batches, attention)  # fmt: skip
-            return plan(model, config, dims, run, options, ddp=layout.stage == 0)
+            shape = dataclasses.replace(
+                run, micro_batch=layout.micro_batch, activation_checkpointing=layout.activation_checkpointing,
+                accumulate_grad_batches=layout.accumulate_grad_batches,
+            )  # fmt: skip
+            return plan(model, config, dims, shape, options, ddp=layout.stage == 0)
 
         return plan_or_none(make)
 
     ranked: list[Ranked] = []
     evaluated = rejected = 0
-    seq = seq_len or model.max_seq_len
+    seq = run.seq_len or model.max_seq_len
     layouts = product(
-        tp_sizes or _tp_sizes(devices_per_node),
-        cp_sizes or cp_sizes_for(seq, world_size),
-        ep_sizes or ep_sizes_for(model),
+        space.tp_sizes or _tp_sizes(devices_per_node),
+        space.cp_sizes or cp_sizes_for(seq, world_size),
+        space.ep_sizes or ep_sizes_for(model),
     )
     for tp, cp, ep in layouts:
         if world_size % (tp * cp) or (world_size // tp) % ep:
@@ -309,22 +359,20 @@ def search_layouts(
         dp = world_size // (tp * cp)  # ranks with other sequences
         if global_batch % dp:
             continue
-        for stage in stages:
+        for stage in space.stages:
             if stage == 0 and (tp > 1 or cp > 1 or ep > 1):
                 continue  # Lightning's DDP has no tensor, context or expert parallelism
             defers = (False, True) if stage == 2 else (False,)
-            prefetches = tuple(prefetch) if stage == 3 else (1,)
-            buckets = tuple(bucket_mbs) if stage > 0 else (25.0,)
-            topologies = _topologies(
-                stage, tp, world_size, devices_per_node, native, shard_sizes, hierarchical, comm_dtypes, ep
-            )
-            sequence_splits = [sp for sp in sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
-            for micro_batch in micro_batches:
+            prefetches = tuple(space.prefetch) if stage == 3 else (1,)
+            buckets = tuple(space.bucket_mbs) if stage > 0 else (25.0,)
+            topologies = _topologies(stage, tp, ep, cluster, space, native)
+            sequence_splits = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
+            for micro_batch in space.micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
                 for checkpoint, split, defer, bucket_mb, ahead in product(
-                    checkpointing, sequence_splits, defers, buckets, prefetches
+                    space.checkpointing, sequence_splits, defers, buckets, prefetches
                 ):
                     unfit: set = set()  # shard sizes whose memory does not fit
                     for topo in topologies:
@@ -350,7 +398,7 @@ def search_layouts(
                         candidate = planned(layout)
                         if candidate is None:  # a tp that does not divide the model's heads, ...
                             continue
-                        if lossless and not candidate.lossless:
+                        if space.lossless and not candidate.lossless:
                             continue  # not planned: lossy communication was ruled out
                         evaluated += 1
                         if not candidate.fits:
@@ -363,15 +411,7 @@ def search_layouts(
 
 
 def _topologies(
-    stage: int,
-    tp: int,
-    world_size: int,
-    devices_per_node: int,
-    native: str,
-    shard_sizes: Sequence[Union[None, int, str]],
-    hierarchical: Sequence[bool],
-    comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]],
-    ep: int = 1,
+    stage: int, tp: int, ep: int, cluster: SearchCluster, space: SearchSpace, native: str
 ) -> list[dict[str, Any]]:
     """The topology knobs worth planning for one layout: none for DDP or one node (nothing crosses
     nodes); ``"node"`` only when it differs from sharding over every dp rank; hierarchical only
@@ -382,10 +422,10 @@ def _topologies(
     from lightning_zero.planner.ledger import dp_topology
 
     plain = topology_defaults()
+    world_size, devices_per_node = cluster.world_size, cluster.devices_per_node
     if stage == 0 or world_size <= devices_per_node:
         return [plain]
-    if ep > 1:
-        shard_sizes, hierarchical = (None,), (False,)
+    shard_sizes, hierarchical = (space.shard_sizes, space.hierarchical) if ep == 1 else ((None,), (False,))
     dp = world_size // tp
     out: list[dict[str, Any]] = []
     for shard_size in shard_sizes:
@@ -398,7 +438,7 @@ def _topologies(
         for hier in hierarchical:
             if hier and not (topology.shard_spans_nodes and topology.dp_per_node > 1):
                 continue
-            for grad_dtype, param_dtype in comm_dtypes:
+            for grad_dtype, param_dtype in space.comm_dtypes:
                 if (grad_dtype, param_dtype) != (None, None) and native in (grad_dtype, param_dtype):
                     continue
                 out.append(

@@ -49,7 +49,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from lightning_zero.config import ZERO_DEFAULTS
+from lightning_zero.config import ZERO_DEFAULTS, CommPolicy
 from lightning_zero.planner.hardware import Link, collective_seconds
 from lightning_zero.planner.ledger import Hop
 from lightning_zero.planner.workload import PlannedBucket, Workload, engine_buckets, gathered_once_units
@@ -271,60 +271,104 @@ class StepTime:
         return values
 
 
+@dataclass(frozen=True)
+class DomainHops:
+    """How one ZeRO domain's buckets travel: the ranks it shards over and the hops that reduce its
+    gradients and gather its parameters, each on its own link class
+    (:meth:`~lightning_zero.planner.ledger.DpTopology.grad_hops`: hybrid sharding, hierarchical
+    reduction, compressed wire formats)."""
+
+    shard: int
+    grad_hops: Sequence[Hop]
+    gather_hops: Sequence[Hop]
+
+
+@dataclass(frozen=True)
+class ZeroSchedule:
+    """What the engine does with one step's gradients and parameters: ZeRO ``stage`` (0 =
+    Lightning DDP) over ``dp`` ranks, the wire bytes per element, the bucket size, the resolved
+    ``defer_grad_reduce`` and stage 3's ``prefetch_blocks``, the optimizer's bytes touched per
+    parameter it steps. ``dense``: the dense domain's hops (``None``: one ring over ``dp`` on the
+    machine's ``dp_link``); ``experts``: the expert domain's ([Note: expert domain] in
+    ``zero/domains.py``; ``None``: no expert domain)."""
+
+    stage: int
+    dp: int
+    grad_bytes: int
+    param_bytes: int
+    bucket_numel: int
+    defer_grad_reduce: bool = False
+    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks
+    optimizer_bytes_per_param: float = 28.0
+    dense: Optional[DomainHops] = None
+    experts: Optional[DomainHops] = None
+
+    def dense_hops(self) -> DomainHops:
+        """``dense``, or one ring over ``dp`` ranks on the ``"dp"`` link."""
+        if self.dense is not None:
+            return self.dense
+        if self.dp == 1:
+            return DomainHops(1, [], [])
+        kind = "all_reduce" if self.stage == 0 else "reduce_scatter"
+        grads = [Hop(kind, self.dp, 1.0, "dp", None, self.grad_bytes)]
+        return DomainHops(self.dp, grads, [Hop("all_gather", self.dp, 1.0, "dp", None, self.param_bytes)])
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """What the machine charges: ``dp_link`` (the ``"dp"`` link of a one-ring schedule), the link
+    classes the hops name, the overlap ``efficiency``, memory and optimizer bandwidth, the fixed
+    ``overhead_s`` once per step and the ``peak_flops`` MFU is measured against."""
+
+    dp_link: Link
+    links: Mapping[str, Link] = field(default_factory=dict)
+    efficiency: float = 1.0
+    memory_bytes_per_s: float = math.inf
+    optimizer_bytes_per_s: Optional[float] = None
+    overhead_s: float = 0.0
+    peak_flops: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """What a step produces, for tokens/s and MFU: tokens over all dp ranks, model FLOPs per rank."""
+
+    tokens_per_step: int = 0
+    model_flops_per_rank: float = 0.0
+    world_size: int = 1
+
+
 def step_time(
     workload: Workload,
+    schedule: ZeroSchedule,
+    comm: CommPolicy,
+    machine: MachineCosts,
     *,
-    stage: int,
-    dp: int,
     micro_batches: int,
-    dp_link: Link,
-    grad_bytes: int,
-    param_bytes: int,
-    bucket_numel: int,
-    overlap_comm: bool = True,
-    defer_grad_reduce: bool = False,
-    max_buckets_in_flight: int = 2,
-    prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
-    overlap_param_gather: bool = False,
-    efficiency: float = 1.0,
-    optimizer_bytes_per_param: float = 28.0,
-    memory_bytes_per_s: float = math.inf,
-    optimizer_bytes_per_s: Optional[float] = None,
-    tokens_per_step: int = 0,
-    model_flops_per_rank: float = 0.0,
-    peak_flops: float = 1.0,
-    world_size: int = 1,
-    grad_hops: Optional[Sequence[Hop]] = None,
-    gather_hops: Optional[Sequence[Hop]] = None,
-    links: Optional[Mapping[str, Link]] = None,
-    shard_size: Optional[int] = None,
-    overhead_s: float = 0.0,
-    expert_shard: Optional[int] = None,
-    expert_grad_hops: Optional[Sequence[Hop]] = None,
-    expert_gather_hops: Optional[Sequence[Hop]] = None,
+    produced: StepCount = StepCount(),
 ) -> StepTime:
-    """Simulate one optimizer step of ``workload`` under ZeRO ``stage`` (0 = Lightning DDP).
+    """Simulate one optimizer step of ``workload`` under ``schedule`` with ``comm``'s overlap
+    (``overlap_comm``, ``max_buckets_in_flight``, ``overlap_param_gather``: a
+    ``ZeroConfig.communication``) on ``machine``.
 
-    Without ``grad_hops`` / ``gather_hops`` every dp collective is one ring over ``dp`` ranks on
-    ``dp_link``. With them (:meth:`~lightning_zero.planner.ledger.DpTopology.grad_hops`: hybrid
-    sharding, hierarchical reduction, compressed wire formats) a bucket's reduction is its hops
-    run one after another, each on ``links[hop.link]``, and ZeRO shards over ``shard_size``
-    (default ``dp``) ranks. ``overhead_s`` is added once per optimizer step. Expert parallelism:
-    the expert domain's buckets ([Note: expert domain] in ``zero/domains.py``) are sharded over
-    ``expert_shard`` ranks (the edp group) and reduced / gathered by ``expert_grad_hops`` /
-    ``expert_gather_hops`` on their own links; ``None``: no expert domain.
+    Every bucket's reduction is its domain's hops run one after another, each on
+    ``machine.links[hop.link]``, and ZeRO shards each domain over its ``shard`` ranks.
+    ``machine.overhead_s`` is added once per optimizer step.
     """
-    shard = shard_size or dp
+    stage, grad_bytes = schedule.stage, schedule.grad_bytes
+    dense = schedule.dense_hops()
+    experts = schedule.experts or dense
+    shard, expert_shard = dense.shard, schedule.experts.shard if schedule.experts else None
+    grad_hops, gather_hops = dense.grad_hops, dense.gather_hops
+    prefetch_blocks, defer_grad_reduce = schedule.prefetch_blocks, schedule.defer_grad_reduce
+    overlap_comm, max_buckets_in_flight = comm.overlap_comm, comm.max_buckets_in_flight
+    efficiency, memory_bytes_per_s = machine.efficiency, machine.memory_bytes_per_s
     buckets = engine_buckets(
-        workload, stage=stage, bucket_numel=bucket_numel, dp=shard, grad_bytes=grad_bytes, expert_dp=expert_shard
-    )
-    if grad_hops is None:
-        kind = "all_reduce" if stage == 0 else "reduce_scatter"
-        grad_hops = [Hop(kind, dp, 1.0, "dp", None, grad_bytes)] if dp > 1 else []
-    if gather_hops is None:
-        gather_hops = [Hop("all_gather", dp, 1.0, "dp", None, param_bytes)] if dp > 1 else []
-    link_of = dict(links or {})
-    link_of.setdefault("dp", dp_link)
+        workload, stage=stage, bucket_numel=schedule.bucket_numel, dp=shard, grad_bytes=grad_bytes,
+        expert_dp=expert_shard,
+    )  # fmt: skip
+    link_of = dict(machine.links)
+    link_of.setdefault("dp", machine.dp_link)
     seconds: dict[tuple[int, int], tuple[float, dict[str, float]]] = {}  # buckets repeat their sizes
 
     def hops_seconds(hops: Sequence[Hop], numel: int) -> tuple[float, dict[str, float]]:
@@ -339,12 +383,12 @@ def step_time(
 
     by_link: dict[str, float] = {}
 
-    def tally(per_link: Mapping[str, float], count: float) -> None:
+    def tally(per_link: Mapping[str, float], times: float) -> None:
         for link, spent in per_link.items():
-            by_link[link] = by_link.get(link, 0.0) + count * spent
+            by_link[link] = by_link.get(link, 0.0) + times * spent
 
-    grads_of = {False: grad_hops, True: grad_hops if expert_grad_hops is None else expert_grad_hops}
-    gathers_of = {False: gather_hops, True: gather_hops if expert_gather_hops is None else expert_gather_hops}
+    grads_of = {False: grad_hops, True: experts.grad_hops}
+    gathers_of = {False: gather_hops, True: experts.gather_hops}
     bucket_s = [hops_seconds(grads_of[b.expert], b.numel)[0] for b in buckets]
     gather_s = None
     if stage == 3:
@@ -389,7 +433,7 @@ def step_time(
         for (numel, expert), count in sizes.items():
             tally(hops_seconds(gathers_of[expert], numel)[1], count)
         dp_comm += gather
-        hidden = efficiency * min(gather, forward.compute_s) if overlap_param_gather else 0.0
+        hidden = efficiency * min(gather, forward.compute_s) if comm.overlap_param_gather else 0.0
         post = gather - hidden
     local_numel = sum(t.numel for t in workload.tensors)
     expert_numel = sum(t.numel for t in workload.tensors if t.expert) if expert_shard else 0
@@ -399,7 +443,9 @@ def step_time(
         tp_s=micro_batches * workload.tp_s,
         dp_comm_s=dp_comm,
         exposed_comm_s=exposed,
-        optimizer_s=optimizer_bytes_per_param * stepped / (optimizer_bytes_per_s or memory_bytes_per_s),
+        optimizer_s=schedule.optimizer_bytes_per_param
+        * stepped
+        / (machine.optimizer_bytes_per_s or memory_bytes_per_s),
         grad_copy_s=gradient_path_bytes(
             stage,
             grad_bytes=grad_bytes,
@@ -410,13 +456,13 @@ def step_time(
         * local_numel
         / memory_bytes_per_s,
         post_step_gather_s=post,
-        tokens_per_step=tokens_per_step,
-        model_flops_per_rank=model_flops_per_rank,
-        peak_flops=peak_flops,
-        world_size=world_size,
+        tokens_per_step=produced.tokens_per_step,
+        model_flops_per_rank=produced.model_flops_per_rank,
+        peak_flops=machine.peak_flops,
+        world_size=produced.world_size,
         forward=forward,
         backward_sync=backward_sync,
         backward_no_sync=backward_no_sync,
         comm_s_by_link=tuple(sorted(by_link.items())),
-        overhead_s=float(overhead_s),
+        overhead_s=float(machine.overhead_s),
     )

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_zero.comm.mesh import ParallelDims
 from lightning_zero.comm.ring import ring_sent
 from lightning_zero.cp.layout import CP_RING_LABEL, RingLayout, attention_layout, ring_layout
 from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing_mode
-from lightning_zero.planner.hardware import Hardware
-from lightning_zero.planner.ledger import DpTopology, LinkBytes, PrecisionBytes, dp_link_bytes
+from lightning_zero.planner.ledger import LinkBytes, dp_link_bytes
 from lightning_zero.planner.moe import balanced_exchange_bytes
 from lightning_zero.planner.plan import TrafficPerRank
+from lightning_zero.planner.resolved import ResolvedRun
 from lightning_zero.planner.timing import StepTime
 from lightning_zero.planner.workload import (
-    Workload,
     cp_all_to_all_payloads,
     gathered_once_numel,
     head_dim,
@@ -27,63 +25,39 @@ from lightning_zero.planner.workload import (
 )
 
 
-def traffic_per_rank(
-    config: Any,
-    *,
-    stage: int,
-    dims: ParallelDims,
-    padded: int,
-    dtype: PrecisionBytes,
-    micro_batch: int,
-    seq_len: int,
-    micro_batches: int,
-    defer_grad_reduce: bool,
-    activation_checkpointing: str,
-    sequence_parallel: bool,
-    hw: Hardware,
-    workload: Workload,
-    simulated: Optional[StepTime],
-    topology: DpTopology,
-    grad_comm_dtype: Optional[str],
-    param_comm_dtype: Optional[str],
-    cp_link: str = "intra_node",
-    expert_padded: int = 0,
-    expert_topology: Optional[DpTopology] = None,
-    ep_link: str = "intra_node",
-) -> TrafficPerRank:
-    """The bytes one rank sends per step, by group, link and collective, with the seconds they take.
-    ``padded``: the dense parameters one rank holds (padded to its shard group); with expert
-    parallelism ``expert_padded`` expert parameters are reduced and gathered over
-    ``expert_topology`` (the edp group, [Note: expert domain] in ``zero/domains.py``) and the
-    tokens' all-to-alls run over the ep group on ``ep_link``."""
+def traffic_per_rank(resolved: ResolvedRun, simulated: Optional[StepTime]) -> TrafficPerRank:
+    """The bytes one rank sends per step, by group, link and collective, with the seconds they take
+    (``simulated``: the step-time model's, ``None``: bytes only). The dense parameters one rank
+    holds (``resolved.padded``) are reduced and gathered over its shard group; with expert
+    parallelism ``expert_padded`` expert parameters over the edp group (``resolved.experts``,
+    [Note: expert domain] in ``zero/domains.py``), and the tokens' all-to-alls run over the ep group."""
     # Ring bytes per hop x how often it runs (ledger.dp_link_bytes; docs/planner.md, docs/topology.md):
     # stage 0 all-reduces once; stage 1 (and stages 2-3 deferred) reduce-scatter once per step, stages
     # 2-3 otherwise every micro batch; stages 1-2 all-gather once after the step, stage 3 twice per micro batch
     # (once for the unit held from forward into backward, and for a tied embedding in the root).
+    r, dims, dtype, workload = resolved, resolved.dims, resolved.dtype, resolved.workload
+    config, stage, micro_batches, hw = resolved.model, resolved.stage, resolved.micro_batches, resolved.hw
+    comm = resolved.config.communication
+    activation_checkpointing = resolved.checkpointing
     tp = int(dims.tp)
+
+    # what each domain's collectives carry: the bytes per element and the communication policy's wire formats
+    wire = dict(grad_bytes=dtype.grad, param_bytes=dtype.param, grad_comm_dtype=comm.grad_comm_dtype,
+                param_comm_dtype=comm.param_comm_dtype)  # fmt: skip
 
     def domain_links(numel: int, domain_topology: Any, expert: bool) -> Any:
         """One ZeRO domain's ring bytes: the dense parameters, or the experts over their edp group."""
-        return dp_link_bytes(
-            numel,
-            stage=stage,
-            topology=domain_topology,
-            micro_batches=micro_batches,
-            defer_grad_reduce=defer_grad_reduce,
-            grad_bytes=dtype.grad,
-            param_bytes=dtype.param,
-            grad_comm_dtype=grad_comm_dtype,
-            param_comm_dtype=param_comm_dtype,
-            gathered_once_numel=gathered_once_numel(workload, expert=expert) if stage == 3 else 0,
-        )
+        once = gathered_once_numel(workload, expert=expert) if stage == 3 else 0
+        return dp_link_bytes(numel, stage=stage, topology=domain_topology, micro_batches=micro_batches,
+                             defer_grad_reduce=r.defer_grad_reduce, gathered_once_numel=once, **wire)  # fmt: skip
 
-    links = domain_links(padded, topology, expert=False)
-    if expert_topology is not None and expert_padded:
-        links = links.plus(domain_links(expert_padded, expert_topology, expert=True))
+    links = domain_links(r.padded, r.topology, expert=False)
+    if r.experts is not None and r.expert_padded:
+        links = links.plus(domain_links(r.expert_padded, r.experts, expert=True))
     reduce_scatter, all_gather = links.by_kind("reduce_scatter"), links.by_kind("all_gather")
     all_reduce = links.by_kind("all_reduce")  # DDP, and the replica all-reduce of hybrid sharding
-    tokens = micro_batch * seq_len
-    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel)
+    tokens = r.micro_batch * r.seq_len
+    mode = dict(activation_checkpointing=activation_checkpointing, sequence_parallel=r.config.sequence_parallel)
     tp_bytes = tp_bytes_by_kind(
         config, tokens=tokens, tp=tp, act_bytes=dtype.activation, micro_batches=micro_batches, ep=int(dims.ep), **mode
     )
@@ -99,8 +73,8 @@ def traffic_per_rank(
     )
     flops = micro_batches * training_flops(
         config,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
+        micro_batch=r.micro_batch,
+        seq_len=r.seq_len,
         tp=tp,
         activation_checkpointing=activation_checkpointing,
         cp=cp,
@@ -129,10 +103,10 @@ def traffic_per_rank(
         inter_node_s=simulated.link_s("inter_node") if simulated else 0.0,
         cp_all_to_all_bytes=cp_bytes.get("cp_all_to_all", 0.0),
         cp_bytes_by_kind=cp_bytes,
-        cp_link=cp_link,
+        cp_link=r.cp_link,
         cp_s=micro_batches * workload.cp_s,
         ep_bytes_by_kind=ep_bytes,
-        ep_link=ep_link,
+        ep_link=r.ep_link,
         ep_s=micro_batches * workload.ep_s,
     )
 

@@ -301,35 +301,41 @@ def _gathered_numel(workload: Workload, prefetch: int) -> int:
 _WORKLOADS: dict[tuple, "Workload"] = {}
 
 
-def llama_workload(config: Any, **kwargs: Any) -> Workload:
+@dataclass(frozen=True)
+class WorkloadShape:
+    """What one rank computes per micro batch, and on which links its blocking collectives run:
+    ``micro_batch`` samples of ``seq_len`` tokens, the ``tp`` / ``cp`` / ``ep`` splits (with
+    ``sequence_parallel``), the checkpointing mode, the FLOP rate, the activation bytes per
+    element; ``cp_link`` / ``ep_link`` default to ``tp_link``. Hashable: the memo key."""
+
+    micro_batch: int
+    seq_len: int
+    tp: int
+    activation_checkpointing: CheckpointingLike
+    flops_per_s: float
+    tp_link: Link
+    act_bytes: int
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_link: Optional[Link] = None
+    ep: int = 1
+    ep_link: Optional[Link] = None
+
+
+def llama_workload(config: Any, **shape: Any) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama on one tp rank
     (memoized on every input: the layout search asks for the same one many times). Keywords:
-    those of :func:`_llama_workload`."""
-    key = (repr(config), *sorted(kwargs.items()))
+    the fields of :class:`WorkloadShape`; :func:`_llama_workload` says what is counted."""
+    key = (repr(config), WorkloadShape(**shape))
     workload = _WORKLOADS.get(key)
     if workload is None:
         if len(_WORKLOADS) > 256:
             _WORKLOADS.clear()
-        workload = _WORKLOADS[key] = _llama_workload(config, **kwargs)
+        workload = _WORKLOADS[key] = _llama_workload(config, key[1])
     return workload
 
 
-def _llama_workload(
-    config: Any,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    activation_checkpointing: CheckpointingLike,
-    flops_per_s: float,
-    tp_link: Link,
-    act_bytes: int,
-    sequence_parallel: bool = False,
-    cp: int = 1,
-    cp_link: Optional[Link] = None,
-    ep: int = 1,
-    ep_link: Optional[Link] = None,
-) -> Workload:
+def _llama_workload(config: Any, shape: WorkloadShape) -> Workload:
     """Per-tensor backward time and per-unit forward time of the project's Llama (or mixture of
     experts, ``MoEConfig``: :func:`layer_tensors`) on one rank.
 
@@ -351,7 +357,10 @@ def _llama_workload(
     and combine forward, their mirrors backward, each an all-to-all of ``B T k`` rows of ``dim``
     on ``ep_link`` (``ep_exchange``, blocking), the forward pair again under full recompute
     ([Note: all-to-all bytes] in ``planner/moe.py``)."""
-    mode = checkpointing_mode(activation_checkpointing)
+    micro_batch, seq_len, tp, cp, ep = shape.micro_batch, shape.seq_len, shape.tp, shape.cp, shape.ep
+    flops_per_s, tp_link, act_bytes = shape.flops_per_s, shape.tp_link, shape.act_bytes
+    cp_link, ep_link, sequence_parallel = shape.cp_link, shape.ep_link, shape.sequence_parallel
+    mode = checkpointing_mode(shape.activation_checkpointing)
     tokens = micro_batch * seq_len // cp
     attention = attention_forward_flops(config, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp) / flops_per_s
     cp_exchange = cp_backward = 0.0  # one block's two all-to-alls (q/k/v there, the output back), or ring hops

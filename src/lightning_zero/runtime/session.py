@@ -156,30 +156,31 @@ class ZeroSession:
         """A fresh engine over ``module`` and ``optimizers`` (an earlier one is closed first), keeping
         each byte where ``precision`` says (precision.py)."""
         from lightning_zero.zero.domains import ExpertDomain
-        from lightning_zero.zero.engine import ZeroEngine
+        from lightning_zero.zero.engine import EngineGroups, ZeroEngine
 
         if self.engine is not None:
             self.engine.close()
         if optimizers:  # a new set of optimizers: the closed engine's runs belong to the old ones
             self._closed_shards = None
         groups = self.shard_groups
+        engine_groups = EngineGroups(
+            dp=self.dp_group if groups is None else None,
+            # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
+            norm=dist.group.WORLD if groups is None else groups.replica,
+            shard=groups,
+            expert=ExpertDomain.from_mesh(self.groups) if self.groups is not None else None,
+            ranks_per_node=ranks_per_node,
+        )
         self.engine = ZeroEngine(
             module,
             optimizers,
             self.config,  # whole: the engine's parts read config.<knob> where they use it
-            dp_group=self.dp_group if groups is None else None,
-            compute_dtype=precision.compute_dtype,
-            master_dtype=precision.master_dtype,
-            norms_in_fp32=precision.half_params_under_autocast,
-            # dp chunks differ, and so do tp shards; replicas of a hybrid layout hold the same ones
-            norm_group=dist.group.WORLD if groups is None else groups.replica,
+            groups=engine_groups,
+            precision=precision,
             device=device,
             wrap_policy=self.wrap_policy,
             counter=self.comm_counter,
-            shard_groups=groups,
-            ranks_per_node=ranks_per_node,
             failure=self.failure_channel,
-            expert_domain=ExpertDomain.from_mesh(self.groups) if self.groups is not None else None,
         )
         if self.dims is not None and self.dims.tp_enabled:
             weigh_tp_norm(self.engine, self.dims.tp)

@@ -14,7 +14,7 @@ compute dtype), every rank keeping full parameters; stage 3 cuts the module into
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.zero.bucketing import bucket_numel_for_bytes, grad_element_bytes
-from lightning_zero.zero.domains import ExpertDomain, split_by_domain
-from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, first_bucket_numel, fp32_parameter_ids
+from lightning_zero.zero.domains import split_by_domain
+from lightning_zero.zero.flat import FlatLayout, FlatParamGroup, FlatSpec, first_bucket_numel, fp32_parameter_ids
 from lightning_zero.zero.muon import MATRIX_OPTIMIZERS, WHOLE_MATRIX_OPTIMIZERS
 from lightning_zero.zero.param_side import ReplicatedParams, ShardedParams
 
@@ -130,31 +130,15 @@ class BuiltParams:
     init_peak_param_bytes: Optional[int] = None  # stage 3: the parameter bytes' high-water while sharding
 
 
-def build_replicated(
-    module: nn.Module,
-    optimizers: list[Optimizer],
-    config: ZeroConfig,
-    *,
-    names: dict[int, str],
-    order: dict[int, int],
-    device: torch.device,
-    bucket_mb: float,
-    dp_size: int,
-    dp_rank: int,
-    compute_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    param_comm_dtype: Any,
-    master_dtype: torch.dtype = torch.float32,
-    norms_in_fp32: bool = True,
-    expert: Optional[ExpertDomain] = None,
-) -> BuiltParams:
+def build_replicated(module: nn.Module, optimizers: list[Optimizer], config: ZeroConfig, spec: FlatSpec) -> BuiltParams:
     """Stages 1-2: one flat group per optimizer param group, compute dtype and domain (norm layers
     with running statistics stay fp32 under bf16-mixed; expert parameters are sharded over
     ``expert``'s group: [Note: expert domain]); parameters no optimizer steps stay as they are."""
+    compute_dtype, order, expert = spec.compute_dtype, spec.order, spec.expert
     groups: list[FlatParamGroup] = []
     per_optimizer: list[list[list[FlatParamGroup]]] = []
     managed: set[int] = set()
-    fp32_ids = fp32_parameter_ids(module) if compute_dtype != torch.float32 and norms_in_fp32 else set()
+    fp32_ids = fp32_parameter_ids(module) if compute_dtype != torch.float32 and spec.norms_in_fp32 else set()
     for optimizer in optimizers:
         per_param_group = []
         for param_group in optimizer.param_groups:
@@ -165,23 +149,23 @@ def build_replicated(
             for same_dtype, dtype in ((rest, compute_dtype), (kept_fp32, torch.float32)):
                 for members, domain in split_by_domain(same_dtype, expert):
                     # [Note: bucket_mb counts gradient bytes] in zero/bucketing.py
-                    grad_bytes = grad_element_bytes(dtype.itemsize, reduce_dtype == torch.float32)
-                    bucket_numel = bucket_numel_for_bytes(bucket_mb, grad_bytes)
+                    grad_bytes = grad_element_bytes(dtype.itemsize, spec.reduce_in_fp32)
+                    bucket_numel = bucket_numel_for_bytes(spec.bucket_mb, grad_bytes)
                     layout = FlatLayout(
                         members,
-                        [names[id(p)] for p in members],
-                        dp=dp_size if domain is None else domain.size,
+                        [spec.names[id(p)] for p in members],
+                        dp=spec.dp_size if domain is None else domain.size,
                         bucket_numel=bucket_numel,
                         first_bucket_numel=first_bucket_numel(bucket_numel, grad_bytes),
                     )
                     group = FlatParamGroup(
                         layout,
-                        dp_rank=dp_rank if domain is None else domain.rank,
+                        dp_rank=spec.dp_rank if domain is None else domain.rank,
                         compute_dtype=dtype,
-                        device=device,
-                        master_dtype=master_dtype if dtype == compute_dtype else torch.float32,
+                        device=spec.device,
+                        master_dtype=spec.master_dtype if dtype == compute_dtype else torch.float32,
                         offload=config.offload_optimizer,
-                        param_comm_dtype=param_comm_dtype,
+                        param_comm_dtype=spec.param_comm_dtype,
                     )
                     group.domain = domain
                     flat.append(group)
@@ -201,23 +185,12 @@ def build_sharded(
     module: nn.Module,
     optimizers: list[Optimizer],
     config: ZeroConfig,
+    spec: FlatSpec,
     *,
-    names: dict[int, str],
-    order: dict[int, int],
-    device: torch.device,
-    bucket_mb: float,
     dp_group: Optional[dist.ProcessGroup],
-    dp_size: int,
-    dp_rank: int,
-    compute_dtype: torch.dtype,
-    param_comm_dtype: Any,
-    reduce_dtype: torch.dtype,
-    master_dtype: torch.dtype = torch.float32,
-    norms_in_fp32: bool = True,
     wrap_policy: Optional[Callable[..., bool]],
     counter: CommCounter,
     waiter: Waiter,
-    expert: Optional[ExpertDomain] = None,
 ) -> BuiltParams:
     """Stage 3: the module cut into units, each rank keeping its shard of every unit, and the
     runtime that gathers them on demand over a clone of the dp group (expert parameters: of
@@ -227,22 +200,12 @@ def build_sharded(
     units, per_optimizer, init_peak, root_holders = build_units(
         module,
         optimizers,
-        names=names,
-        order=order,
+        spec,
         dp_group=dp_group,
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-        compute_dtype=compute_dtype,
-        master_dtype=master_dtype,
-        norms_in_fp32=norms_in_fp32,
-        device=device,
-        bucket_mb=bucket_mb,
-        reduce_in_fp32=reduce_dtype == torch.float32,
         policy=wrap_policy or default_wrap_policy,
         offload=config.offload_optimizer,
-        param_comm_dtype=param_comm_dtype,
-        expert=expert,
     )
+    expert = spec.expert
     groups = [group for unit in units for group in unit.groups]
     ag_group = clone_dp_group(dp_group)
     owned = [ag_group]

@@ -2,7 +2,7 @@
 
 Plain torch.distributed; usable without Lightning::
 
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2), dp_group=None)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2), groups=EngineGroups(dp=None))
     loss = model(x).sum(); loss.backward()   # buckets reduce-scatter during backward
     optimizer.step(); optimizer.zero_grad()  # steps the shards, all-gathers the parameters
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.comm.collectives import INTRA_NODE, CommCounter, local_only
 from lightning_zero.config import ZeroConfig, reduce_in_fp32, resolve_bucket_mb
+from lightning_zero.precision import PrecisionPolicy, precision_policy
 from lightning_zero.zero.agreements import StepChecks
 from lightning_zero.zero.bucketing import keeps_full_grads
 from lightning_zero.zero.build import (
@@ -44,7 +46,7 @@ from lightning_zero.zero.build import (
 )
 from lightning_zero.zero.cpu_heap import raise_glibc_thresholds
 from lightning_zero.zero.domains import ExpertDomain, shard_group
-from lightning_zero.zero.flat import OptimizerShards, OwnedRange, owned_ranges
+from lightning_zero.zero.flat import FlatSpec, OptimizerShards, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.matrix_optimizer import MatrixOwnerOptimizer
@@ -58,6 +60,34 @@ from lightning_zero.zero.waits import FailureChannel, Waiter
 if TYPE_CHECKING:
     from lightning_zero.comm.mesh import ShardGroups
     from lightning_zero.zero.agreements import MarkerRider
+
+
+@dataclass(frozen=True)
+class EngineGroups:
+    """Where one engine's collectives run (runtime objects, not knobs: the layout knobs of
+    ``ZeroConfig.layout`` reach the engine as these groups).
+
+    Attributes:
+        dp: the dense ZeRO group, dp x cp ranks of one tp rank (``None``: the default group).
+        norm: the group gradient norms are summed over (``None``: ``dp``).
+        shard: hybrid sharding / hierarchical reduction (``mesh.build_shard_groups``): ZeRO shards
+            over ``shard.shard`` (``dp`` must be ``None`` or that group), the reduced gradient chunk
+            is all-reduced over ``shard.replicate`` and, when the groups are hierarchical, the
+            shard-group reduce-scatter runs in two hops; see ``zero/hybrid.py``. ``None``: ZeRO
+            shards over all of ``dp``.
+        expert: expert parallelism (``ep > 1``): expert parameters (``param._lz_expert``) are
+            sharded, reduced and gathered over its EDP group instead of ``dp`` ([Note: expert
+            domain] in ``zero/domains.py``; ``ExpertDomain.from_mesh``). ``None``: every parameter
+            is dense (with ``ep == 1`` expert parameters are replicated like dense ones).
+        ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
+            in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
+    """
+
+    dp: Optional[dist.ProcessGroup] = None
+    norm: Optional[dist.ProcessGroup] = None
+    shard: Optional["ShardGroups"] = None
+    expert: Optional[ExpertDomain] = None
+    ranks_per_node: Optional[int] = None
 
 
 class ZeroEngine:
@@ -75,18 +105,16 @@ class ZeroEngine:
             The layout knobs (``tensor_parallel_size``, ``sequence_parallel``, ``shard_size``,
             ``hierarchical_reduce``) reach it as the process groups below; ``monitor`` is the
             strategy's. The other arguments are runtime objects, not knobs:
-        dp_group: data-parallel process group (``None``: the default group).
-        compute_dtype: dtype of parameters and gradients in forward/backward (``torch.float32``,
-            ``torch.bfloat16`` or ``torch.float16``, from the precision).
-        master_dtype: what the optimizers step, and so their state's dtype: ``torch.float32``
-            (default: fp32 master chunks beside half-precision compute parameters, or the fp32
-            parameters themselves), or ``compute_dtype`` (``bf16-true``: the half-precision
-            parameter chunks are stepped in place, no master copy; [Note: master_weights] in
-            ``precision.py``).
-        norms_in_fp32: norm layers with running statistics keep fp32 parameters when the compute
-            dtype is lower (the ``-mixed`` precisions, as under ddp's autocast); ``False`` under
-            the ``-true`` ones, where ddp converts the whole module.
-        norm_group: group to sum gradient norms over (default: ``dp_group``).
+        groups: where the engine's collectives run (:class:`EngineGroups`: the dp group, the norm
+            group, hybrid sharding's groups, the expert domain, ranks per node).
+        precision: where each byte lives (``lightning_zero.precision.PrecisionPolicy``): its
+            ``compute_dtype`` (parameters and gradients in forward/backward), its ``master_dtype``
+            (what the optimizers step, and so their state's dtype: fp32 master chunks beside
+            half-precision compute parameters, or the parameter chunks themselves under
+            ``bf16-true``; [Note: master_weights] in ``precision.py``) and
+            ``half_params_under_autocast`` (norm layers with running statistics keep fp32
+            parameters, as under ddp's autocast). ``None``: ``32-true``;
+            ``precision.engine_policy(compute_dtype, master_dtype)`` gives one from two dtypes.
         device: where parameters live (default: that of the module's first parameter; stage 3
             materializes meta parameters there, one unit at a time).
         wrap_policy: stage 3: ``(module, parent) -> bool`` picks the units (default:
@@ -96,18 +124,6 @@ class ZeroEngine:
         failure: the channel through which a failing rank tells the others why, so they stop
             instead of waiting for it ([Note: failure channel] in ``zero/waits.py``; the strategy
             passes its own). ``None``: the engine opens one on the default store and closes it.
-        shard_groups: hybrid sharding / hierarchical reduction (``mesh.build_shard_groups``):
-            ZeRO shards over ``shard_groups.shard`` (``dp_group`` must be ``None`` or that group),
-            the reduced gradient chunk is all-reduced over ``shard_groups.replicate`` and, when
-            the groups are hierarchical, the shard-group reduce-scatter runs in two hops; see
-            ``zero/hybrid.py``. ``None``: ZeRO shards over all of ``dp_group``.
-        ranks_per_node: ranks of one node, for counting bytes by link class ([Note: link classes]
-            in ``collectives.py``); ``None``: keep the counter's, else ``LOCAL_WORLD_SIZE`` if set.
-        expert_domain: expert parallelism (``ep > 1``): expert parameters (``param._lz_expert``)
-            are sharded, reduced and gathered over its EDP group instead of ``dp_group``
-            ([Note: expert domain] in ``zero/domains.py``; ``ExpertDomain.from_mesh``). ``None``:
-            every parameter is dense (with ``ep == 1`` expert parameters are replicated like
-            dense ones).
 
     Parameters no optimizer steps (frozen, any dtype, int8 included) are left exactly as they
     are: never cast, never in a gradient buffer or the optimizer state. Under bf16-mixed the
@@ -120,19 +136,17 @@ class ZeroEngine:
         optimizers: list[Optimizer],
         config: ZeroConfig,
         *,
-        dp_group: Optional[dist.ProcessGroup] = None,
-        compute_dtype: torch.dtype = torch.float32,
-        master_dtype: torch.dtype = torch.float32,
-        norms_in_fp32: bool = True,
-        norm_group: Optional[dist.ProcessGroup] = None,
+        groups: Optional["EngineGroups"] = None,
+        precision: Optional[PrecisionPolicy] = None,
         device: Optional[torch.device] = None,
-        wrap_policy=None,
+        wrap_policy: Optional[Callable[..., bool]] = None,
         counter: Optional[CommCounter] = None,
-        shard_groups: Optional["ShardGroups"] = None,
-        ranks_per_node: Optional[int] = None,
         failure: Optional[FailureChannel] = None,
-        expert_domain: Optional[ExpertDomain] = None,
     ) -> None:
+        groups = groups if groups is not None else EngineGroups()
+        precision = precision if precision is not None else precision_policy("32-true")
+        dp_group, shard_groups, expert_domain = groups.dp, groups.shard, groups.expert
+        compute_dtype = precision.compute_dtype
         if not isinstance(config, ZeroConfig):
             raise TypeError(
                 f"ZeroEngine(config={config!r}): pass a lightning_zero.config.ZeroConfig (e.g."
@@ -141,12 +155,12 @@ class ZeroEngine:
         if shard_groups is not None:
             if dp_group is not None and dp_group is not shard_groups.shard:
                 raise ValueError(
-                    "ZeroEngine: with shard_groups, ZeRO shards over shard_groups.shard; pass dp_group=None"
+                    "ZeroEngine: with EngineGroups(shard=...), ZeRO shards over shard.shard; pass EngineGroups(dp=None)"
                 )
             dp_group = shard_groups.shard
         if expert_domain is not None and shard_groups is not None:
             raise ValueError(
-                "ZeroEngine(expert_domain=..., shard_groups=...): hybrid sharding of expert parameters is not"
+                "ZeroEngine(groups=EngineGroups(expert=..., shard=...)): hybrid sharding of expert parameters is not"
                 " supported; with ep > 1 use shard_size=None and hierarchical_reduce=False"
             )
         if expert_domain is not None and expert_domain.grad_divisor != dist.get_world_size(dp_group):
@@ -162,8 +176,9 @@ class ZeroEngine:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.compute_dtype = compute_dtype
-        self.master_dtype = master_dtype
+        self.master_dtype = precision.master_dtype
         self.counter = counter if counter is not None else CommCounter()
+        ranks_per_node = groups.ranks_per_node
         if ranks_per_node is None and self.counter.ranks_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
             ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         if ranks_per_node is not None:
@@ -204,16 +219,17 @@ class ZeroEngine:
         self.waiter = Waiter(config.collective_timeout, poll=on_cpu, failure=self.failure)
         if on_cpu:
             raise_glibc_thresholds()  # [Note: glibc's thresholds on CPU]
-        where = dict(names=names, order=order, device=device, bucket_mb=bucket_mb, dp_size=self.dp_size)
-        where.update(dp_rank=self.dp_rank, compute_dtype=compute_dtype, param_comm_dtype=param_comm_dtype)
-        where.update(master_dtype=master_dtype, norms_in_fp32=norms_in_fp32, expert=expert_domain)
+        spec = FlatSpec(
+            names, order, device, bucket_mb, self.dp_size, self.dp_rank, compute_dtype, self.reduce_dtype,
+            param_comm_dtype, self.master_dtype, precision.half_params_under_autocast, expert_domain,
+        )  # fmt: skip
         if config.stage == 3:
             built = build_sharded(
-                module, optimizers, config, **where, dp_group=dp_group, wrap_policy=wrap_policy,
-                counter=self.counter, waiter=self.waiter, reduce_dtype=self.reduce_dtype,
+                module, optimizers, config, spec, dp_group=dp_group, wrap_policy=wrap_policy, counter=self.counter,
+                waiter=self.waiter,
             )  # fmt: skip
         else:
-            built = build_replicated(module, optimizers, config, **where, reduce_dtype=self.reduce_dtype)
+            built = build_replicated(module, optimizers, config, spec)
         self.groups = built.groups
         self.frozen_params = built.frozen_params  # parameters no optimizer steps, kept as they are
         self.init_peak_param_bytes = built.init_peak_param_bytes
@@ -232,7 +248,6 @@ class ZeroEngine:
             storage,
             config,
             dp_group=dp_group,
-            dp_size=self.dp_size,
             device=device,
             counter=self.counter,
             param_order=order,
@@ -249,7 +264,7 @@ class ZeroEngine:
                 dp_group=dp_group,
                 dp_size=self.dp_size,
                 counter=self.counter,
-                norm_group=norm_group,
+                norm_group=groups.norm,
                 gather_params=self.params.gather_after_step,
                 comm_device=device,
                 waiter=self.waiter,

@@ -88,6 +88,34 @@ class BucketLayout:
         return self.start + self.numel
 
 
+@dataclass(frozen=True)
+class FlatSpec:
+    """What every flat group of one engine is cut by, at every stage: the module's parameter
+    ``names`` and registration ``order`` (by id), the ``device``, the resolved ``bucket_mb``, this
+    rank's place in the dense ZeRO group (``dp_size``, ``dp_rank``) and the expert domain's
+    (``expert``, [Note: expert domain]; ``None``: every parameter dense), the dtypes (``compute``,
+    ``master``: what the optimizer steps, ``reduce``: gradient buffers and reduce-scatters;
+    ``norms_in_fp32``: norm layers with running statistics keep fp32 parameters under a lower
+    compute dtype) and what parameter all-gathers send (``param_comm_dtype``)."""
+
+    names: dict[int, str]
+    order: dict[int, int]
+    device: torch.device
+    bucket_mb: float
+    dp_size: int
+    dp_rank: int
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    param_comm_dtype: Optional[str] = None
+    master_dtype: torch.dtype = torch.float32
+    norms_in_fp32: bool = True
+    expert: Optional["ExpertDomain"] = None
+
+    @property
+    def reduce_in_fp32(self) -> bool:
+        return self.reduce_dtype == torch.float32
+
+
 class FlatLayout:
     """Offsets and buckets for one param group (see [Note: flat layout]); no storage."""
 

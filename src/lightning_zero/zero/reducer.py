@@ -176,7 +176,8 @@ class GradReducer:
             ``grad_comm_dtype`` (what the reduce-scatter sends, ``lightning_zero/comm/compression.py``;
             with ``hybrid`` only the hops that cross nodes, ``zero/hybrid.py``) and
             ``max_buckets_in_flight`` ([Note: collectives in flight]).
-        dp_group: the data-parallel process group (``None``: the default group).
+        dp_group: the data-parallel process group (``None``: the default group); the reducer
+            averages over its size (over every replica's with ``hybrid``).
         counter: logical bytes sent are added here.
         param_order: registration position per parameter id: the launch order of the first
             backward (see [Note: launch order]).
@@ -195,7 +196,6 @@ class GradReducer:
         config: "ZeroConfig",
         *,
         dp_group: Optional[dist.ProcessGroup],
-        dp_size: int,
         device: torch.device,
         counter: Optional[CommCounter] = None,
         param_order: Optional[dict[int, int]] = None,
@@ -208,7 +208,7 @@ class GradReducer:
         # [Note: no waits inside backward under expert parallelism]: the engine sets False
         self.waits_in_backward = True
         self.dp_group = dp_group
-        self.dp_size = dp_size
+        dp_size = self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.hybrid = hybrid
         # Reduced gradients average over every dp rank: all replicas when sharding is hybrid.
         self.grad_divisor = hybrid.divisor if hybrid is not None else dp_size

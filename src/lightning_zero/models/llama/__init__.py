@@ -11,29 +11,17 @@ Lightning, so the planner can read a ``LlamaConfig`` without either."""
 
 from __future__ import annotations
 
-from lightning_zero._lazy import lazy_attributes
+from lightning_zero._lazy import lazy_exports
 
-_LAZY = {
-    "Attention": "lightning_zero.models.llama.model",
-    "FeedForward": "lightning_zero.models.llama.model",
-    "Llama": "lightning_zero.models.llama.model",
-    "LlamaConfig": "lightning_zero.models.llama.config",
-    "LlamaLM": "lightning_zero.models.llama.lightning",
-    "PerplexityFromLoss": "lightning_zero.models.llama.lightning",
-    "RMSNorm": "lightning_zero.models.llama.model",
-    "SequenceParallelRMSNorm": "lightning_zero.models.llama.parallelize",
-    "TransformerBlock": "lightning_zero.models.llama.model",
-    "WarmupCosine": "lightning_zero.models.llama.lightning",
-    "apply_rope": "lightning_zero.models.llama.model",
-    "build_llama": "lightning_zero.models.llama.model",
-    "cross_entropy_loss": "lightning_zero.models.llama.model",
-    "parallelize_llama": "lightning_zero.models.llama.parallelize",
-    "preset_names": "lightning_zero.models.llama.config",
-    "resolve_config": "lightning_zero.models.llama.config",
-    "rope_tables": "lightning_zero.models.llama.rope",
-    "split_batch": "lightning_zero.models.llama.lightning",
-}
-
-__all__ = sorted(_LAZY)
-
-__getattr__ = lazy_attributes(__name__, _LAZY)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.models.llama.model": (
+            "Attention FeedForward Llama RMSNorm TransformerBlock apply_rope build_llama cross_entropy_loss"
+        ),
+        "lightning_zero.models.llama.config": "LlamaConfig preset_names resolve_config",
+        "lightning_zero.models.llama.lightning": "LlamaLM PerplexityFromLoss WarmupCosine split_batch",
+        "lightning_zero.models.llama.parallelize": "SequenceParallelRMSNorm parallelize_llama",
+        "lightning_zero.models.llama.rope": "rope_tables",
+    },
+)

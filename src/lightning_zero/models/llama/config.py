@@ -84,7 +84,22 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
-class LlamaConfig:
+class DecoderShape:
+    """The fields every decoder family here shares (``LlamaConfig`` documents them; ``MoEConfig``
+    adds its experts), declared once."""
+
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+
+
+@dataclass
+class LlamaConfig(DecoderShape):
     """Shape of a Llama decoder.
 
     Args:
@@ -114,14 +129,6 @@ class LlamaConfig:
             ``mistral``, ``qwen2`` or ``qwen3`` (config.json's ``model_type``).
     """
 
-    name: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    max_seq_len: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = None

@@ -9,21 +9,14 @@ Names are imported lazily: ``MoEConfig`` does not import torch (the planner read
 
 from __future__ import annotations
 
-from lightning_zero._lazy import lazy_attributes
+from lightning_zero._lazy import lazy_exports
 
-_LAZY = {
-    "MoE": "lightning_zero.models.moe.model",
-    "MoEBlock": "lightning_zero.models.moe.model",
-    "MoEConfig": "lightning_zero.models.moe.config",
-    "MoELM": "lightning_zero.models.moe.lightning",
-    "MoETransformer": "lightning_zero.models.moe.model",
-    "build_moe": "lightning_zero.models.moe.model",
-    "parallelize_experts": "lightning_zero.models.moe.parallelize",
-    "parallelize_moe_tp": "lightning_zero.models.moe.parallelize",
-    "moe_preset_names": "lightning_zero.models.moe.config",
-    "resolve_moe_config": "lightning_zero.models.moe.config",
-}
-
-__all__ = sorted(_LAZY)
-
-__getattr__ = lazy_attributes(__name__, _LAZY)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.models.moe.model": "MoE MoEBlock MoETransformer build_moe",
+        "lightning_zero.models.moe.config": "MoEConfig moe_preset_names resolve_moe_config",
+        "lightning_zero.models.moe.lightning": "MoELM",
+        "lightning_zero.models.moe.parallelize": "parallelize_experts parallelize_moe_tp",
+    },
+)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lightning_zero.models.llama.config import _check_fields, resolve_preset_config
+from lightning_zero.models.llama.config import DecoderShape, _check_fields, resolve_preset_config
 from lightning_zero.models.llama.rope_scaling import normalize_rope_scaling
 
 ROUTERS = ("softmax", "sigmoid")
@@ -50,7 +50,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(DecoderShape):
     """Shape of a decoder whose feed-forward layers are mixtures of experts.
 
     The attention, norms and rotary embedding are Llama's (``models/llama``); the fields they read
@@ -88,14 +88,6 @@ class MoEConfig:
             micro-batch, dropping the later tokens' assignments (they pass on the residual).
     """
 
-    name: str
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    max_seq_len: int
     n_experts: int
     top_k: int
     expert_ffn_dim: int

@@ -38,25 +38,18 @@ importing torch.
 
 from __future__ import annotations
 
-from lightning_zero._lazy import lazy_attributes
+from lightning_zero._lazy import lazy_exports
 
-_LAZY = {
-    "SINGLE_UNIT_WARN_NUMEL": "lightning_zero.zero.stage3.units",
-    "Schedule": "lightning_zero.zero.stage3.schedule",
-    "ShardedFlatParamGroup": "lightning_zero.zero.stage3.storage",
-    "Stage3Runtime": "lightning_zero.zero.stage3.runtime",
-    "Unit": "lightning_zero.zero.stage3.units",
-    "UnitReplicatedOptimizer": "lightning_zero.zero.stage3.replicated_step",
-    "WrapPolicy": "lightning_zero.zero.stage3.units",
-    "assign_params": "lightning_zero.zero.stage3.units",
-    "build_units": "lightning_zero.zero.stage3.init",
-    "clone_dp_group": "lightning_zero.zero.stage3.schedule",
-    "default_wrap_policy": "lightning_zero.zero.stage3.units",
-    "find_units": "lightning_zero.zero.stage3.units",
-    "is_block_container": "lightning_zero.zero.stage3.units",
-    "live_parameter_bytes": "lightning_zero.zero.stage3.init",
-}
-
-__all__ = sorted(_LAZY)
-
-__getattr__ = lazy_attributes(__name__, _LAZY)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "lightning_zero.zero.stage3.units": (
+            "SINGLE_UNIT_WARN_NUMEL Unit WrapPolicy assign_params default_wrap_policy find_units is_block_container"
+        ),
+        "lightning_zero.zero.stage3.schedule": "Schedule clone_dp_group",
+        "lightning_zero.zero.stage3.storage": "ShardedFlatParamGroup",
+        "lightning_zero.zero.stage3.runtime": "Stage3Runtime",
+        "lightning_zero.zero.stage3.replicated_step": "UnitReplicatedOptimizer",
+        "lightning_zero.zero.stage3.init": "build_units live_parameter_bytes",
+    },
+)

@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_zero.zero.bucketing import grad_bucket_numel
 from lightning_zero.zero.domains import ExpertDomain, is_expert_param
-from lightning_zero.zero.flat import FlatLayout, fp32_parameter_ids
+from lightning_zero.zero.flat import FlatLayout, FlatSpec, fp32_parameter_ids
 from lightning_zero.zero.stage3.deferred import fill_sentinel
 from lightning_zero.zero.stage3.storage import ShardedFlatParamGroup
 from lightning_zero.zero.stage3.units import (
@@ -215,22 +215,11 @@ def _broadcast(modules: list[nn.Module], group: Optional[dist.ProcessGroup], exp
 def build_units(
     module: nn.Module,
     optimizers: list[Any],
+    spec: FlatSpec,
     *,
-    names: dict[int, str],
-    order: dict[int, int],
     dp_group: Optional[dist.ProcessGroup],
-    dp_size: int,
-    dp_rank: int,
-    compute_dtype: torch.dtype,
-    device: torch.device,
-    bucket_mb: float,
-    reduce_in_fp32: bool = False,
-    master_dtype: torch.dtype = torch.float32,
-    norms_in_fp32: bool = True,
     policy: WrapPolicy = default_wrap_policy,
     offload: bool = False,
-    param_comm_dtype: Optional[str] = None,
-    expert: Optional[ExpertDomain] = None,
 ) -> tuple[list[Unit], list[list[list[ShardedFlatParamGroup]]], int, list[nn.Module]]:
     """Cut ``module`` into units and shard each one's parameters, one unit at a time.
 
@@ -244,6 +233,8 @@ def build_units(
     units (root last), per optimizer and param group the sharded groups the optimizer steps, the
     peak parameter bytes during init, and the root holders.
     """
+    names, order, device, expert = spec.names, spec.order, spec.device, spec.expert
+    compute_dtype, master_dtype, param_comm_dtype = spec.compute_dtype, spec.master_dtype, spec.param_comm_dtype
     found = find_units(module, policy)
     warn_if_single_unit(module, len(found), policy)
     owner, root_modules, root_holders = assign_params(module, found)
@@ -300,7 +291,9 @@ def build_units(
         unit = Unit(index=index, name=name, module=unit_module)
         by_key: dict[Any, list[nn.Parameter]] = {}
         keep_fp32 = (
-            fp32_parameter_ids(unit_module or module) if compute_dtype != torch.float32 and norms_in_fp32 else set()
+            fp32_parameter_ids(unit_module or module)
+            if compute_dtype != torch.float32 and spec.norms_in_fp32
+            else set()
         )
         for param in params:
             key = slot_of.get(id(param), ("frozen", param.dtype))
@@ -311,11 +304,11 @@ def build_units(
         for (in_expert_domain, key), members in by_key.items():
             members.sort(key=lambda p: order[id(p)])
             domain = expert if in_expert_domain else None
-            size, rank = (dp_size, dp_rank) if domain is None else (domain.size, domain.rank)
+            size, rank = (spec.dp_size, spec.dp_rank) if domain is None else (domain.size, domain.rank)
             managed = key[0] != "frozen"
             dtype = (key[2] if len(key) == 3 else compute_dtype) if managed else members[0].dtype
             # [Note: bucket_mb counts gradient bytes]: bytes of the gradient dtype (frozen: of their own)
-            bucket_numel = grad_bucket_numel(bucket_mb, dtype.itemsize, reduce_in_fp32 and managed)
+            bucket_numel = grad_bucket_numel(spec.bucket_mb, dtype.itemsize, spec.reduce_in_fp32 and managed)
             layout = FlatLayout(members, [names[id(p)] for p in members], dp=size, bucket_numel=bucket_numel)
             group = ShardedFlatParamGroup(
                 layout,
