@@ -156,6 +156,9 @@ def launched(saved, tmp_path_factory):
     mixtral.save_pretrained(out / "mixtral", max_shard_size=SHARD)
     cases.append(f"moe-mixtral={out / 'mixtral'}")  # ZeRO-2, ep=2: each rank holds 2 of 4 experts
     launch("hf_export_run.py", out, *cases, timeout_s=900, ranks=4)
+    # Lightning's ddp on 2 ranks: the same dp=2 data split, the reference of the TP=2 x ZeRO-2 runs
+    ddp = [f"{family}-ddp={saved['root'] / family}" for family in ("qwen3", "qwen2", "mistral")]
+    launch("hf_init.py", out, saved["root"] / "llama", *ddp, timeout_s=600, ranks=2)
     return out
 
 
@@ -194,6 +197,18 @@ def _dense_replay(saved, family: str, records: list[dict]) -> LlamaLM:
         schedule.step()
         optimizer.zero_grad()
     return dense
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
+def test_tp2_zero2_trains_like_lightning_ddp(launched, family):
+    """Each dp rank of TP=2 x ZeRO-2 (4 ranks) sees the batches of one ddp rank (2 ranks) and gets
+    its losses, step by step."""
+    ours = [torch.load(launched / f"{family}.rank{rank}.pt", weights_only=False) for rank in range(4)]
+    ddp = [torch.load(launched / f"{family}-ddp.rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for record in ours:
+        match = [ref for ref in ddp if all(torch.equal(a, b) for a, b in zip(ref["batches"], record["batches"]))]
+        assert len(match) == 1 and len(record["losses"]) == len(match[0]["losses"]) == 3
+        assert record["losses"] == pytest.approx(match[0]["losses"], abs=1e-5), family
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

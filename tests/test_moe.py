@@ -9,6 +9,7 @@ where some expert gets no token and one where a rank's experts get no token at a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -391,6 +392,47 @@ def test_planner_all_to_all_bytes_of_a_balanced_router_match_the_closed_form():
     per_rank = sum(all_to_all_bytes(balanced, rank=1, ep=ep, row_bytes=row).values())
     assert per_rank == balanced_all_to_all_bytes(tokens, top_k=top_k, ep=ep, moe_layers=layers, row_bytes=row)
     assert balanced_all_to_all_bytes(tokens, top_k=top_k, ep=1, moe_layers=layers, row_bytes=row) == 0
+
+
+def _forwarding_moe(**kw):
+    """A ``MoELM`` subclass as users write one: its own argument, the rest forwarded as ``**kw``."""
+    from lightning_zero.models.moe import MoELM
+
+    class MyMoE(MoELM):
+        def __init__(self, label: str = "mine", **kw) -> None:
+            super().__init__(**kw)
+
+    return MyMoE(**kw)
+
+
+def test_a_subclass_forwarding_kwargs_records_the_resolved_config_and_exports_as_hf(tmp_path):
+    """[Note: the recorded config]: a ``MoELM`` subclass passing ``config="tiny_moe"`` through ``**kw``
+    recorded the raw name, and ``export --format hf`` refused with a LlamaLM-only message. Now the
+    resolved config is recorded (its own argument kept), ``export --format hf`` writes the MoE, and a
+    checkpoint an older run wrote (the raw preset name) exports too; the Llama exporter handed a MoE
+    checkpoint names the family it found."""
+    from lightning_zero.checkpoint import RankPlacement, save_checkpoint
+    from lightning_zero.checkpoint.dcp import CheckpointError
+    from lightning_zero.cli import main
+    from lightning_zero.models.llama.hf import export_hf as export_llama_hf
+    from lightning_zero.models.moe.config import resolve_moe_config
+    from lightning_zero.models.moe.hf import config_from_hf
+
+    module = _forwarding_moe(config="tiny_moe", lr=1e-3)
+    expected = resolve_moe_config("tiny_moe")
+    assert module.hparams["config"] == dataclasses.asdict(expected) == module.hparams_initial["config"]
+    assert (module.hparams["label"], module.hparams["lr"]) == ("mine", 1e-3)
+    module.configure_model()
+    for name, hparams in [("new", dict(module.hparams)), ("old", {**module.hparams, "config": "tiny_moe"})]:
+        ckpt = tmp_path / f"{name}.ckpt"
+        save_checkpoint(ckpt, {"global_step": 0, "hyper_parameters": hparams}, module=module, engine=None,
+                        optimizers=[], layout=RankPlacement())  # fmt: skip
+        main(["export", str(ckpt), str(tmp_path / name), "--format", "hf"])
+        written = config_from_hf(tmp_path / name)
+        shape = (written.n_experts, written.n_layers, written.dim)
+        assert shape == (expected.n_experts, expected.n_layers, expected.dim)
+    with pytest.raises(CheckpointError, match="record a MoELM config \\(a mixture of experts: 4 experts"):
+        export_llama_hf(tmp_path / "new.ckpt", tmp_path / "llama_out")
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])

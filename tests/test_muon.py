@@ -116,6 +116,7 @@ class _Net(nn.Module):
         self.mid = nn.Linear(40, 40)
         self.down = nn.Linear(40, 12, bias=False)
         self.norm = nn.LayerNorm(12)
+        self.unused = nn.Linear(8, 8, bias=False)  # no rank's forward reaches it: torch skips it (no decay)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -158,27 +159,28 @@ def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
                 opt.step()
             for opt in opts:
                 opt.zero_grad()
-        # bytes counted per step = the plan's (every matrix stepped each of the 3 steps)
-        planned = engine.sharded_optimizer(opts[0]).planned_bytes()
+        # bytes counted per step = the plan's (every used matrix stepped each of the 3 steps)
+        muon = engine.sharded_optimizer(opts[0])
+        used = [p for p in muon._module_params[0] if p is not model.unused.weight]
+        planned = muon.planned_bytes(stepped=used)  # torch skips a parameter without gradient
         for label, per_step in planned.items():
             assert engine.counter.bytes.get(label, 0) == 3 * per_step, (label, engine.counter.bytes, planned)
         assert planned["muon_to_owner"] + planned["muon_from_owner"] > 0
+        from lightning_zero.planner.muon import muon_cost, owner_exchange_bytes
+
+        shapes = [tuple(p.shape) for p in muon._module_params[0]]
         if stage in (1, 2):  # the planner's own count from the shapes and the bucket rule
-            from lightning_zero.planner.muon import owner_exchange_bytes
             from lightning_zero.zero.bucketing import bucket_numel_for_bytes, first_bucket_numel
 
             bucket_numel = bucket_numel_for_bytes(0.0005, 4)
-            shapes = [tuple(p.shape) for p in engine.sharded_optimizer(opts[0])._module_params[0]]
             first = first_bucket_numel(bucket_numel, 4)
-            assert owner_exchange_bytes(shapes, world, bucket_numel=bucket_numel, first_bucket_numel=first)[rank] == {
-                label: planned[label] for label in ("muon_to_owner", "muon_from_owner")
-            }
-        # the momentum lives whole on its owner: this rank holds exactly the planner's bytes
-        from lightning_zero.planner.muon import muon_cost
-
-        muon = engine.sharded_optimizer(opts[0])
-        shapes = [tuple(p.shape) for p in muon._module_params[0]]
-        assert muon.state_bytes() == muon_cost(shapes, world).state_bytes[rank]
+            ours = owner_exchange_bytes(shapes, world, bucket_numel=bucket_numel, first_bucket_numel=first)[rank]
+            assert ours == muon.planned_bytes()
+        # the momentum lives whole on its owner: this rank holds the planner's bytes (the owners it
+        # assigns), less the unused matrix's if it owns that one (torch keeps no state for it)
+        matrices, _ = muon.plan()
+        unused = [4 * (m.hi - m.lo) for m in matrices if m.param is model.unused.weight and m.owner == rank]
+        assert muon.state_bytes() == muon_cost(shapes, world).state_bytes[rank] - sum(unused)
         assert sum(muon_cost(shapes, world).state_bytes) == 4 * sum(a * b for a, b in shapes)
         engine.release_module()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):

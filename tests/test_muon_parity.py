@@ -35,7 +35,7 @@ from tests.ulps import ulp
 
 STEPS = 10
 CASES_2 = [
-    "ddp_exact", "zero1_exact", "zero2_exact", "zero3_exact", "fabric_ddp_exact", "fabric_zero2_exact",
+    "ddp_exact", "zero1_exact", "zero2_exact", "zero3_exact", "zero3_offload_exact", "fabric_ddp_exact", "fabric_zero2_exact",
     "fabric_zero3_exact", "ddp", "zero2", "fabric_ddp", "fabric_zero3", "ddp_bf16", "zero3_bf16",
     "save_zero2", "resume_zero2_from_save_zero2", "resume_zero3_from_save_zero2", "fabric_ddp_exact_reload",
     "fabric_zero3_exact_reload",
@@ -91,6 +91,7 @@ def _expected(ref: dict, got: dict, name: str) -> torch.Tensor:
 @pytest.mark.parametrize(
     "case, reference",
     [("zero1_exact", "ddp_exact"), ("zero2_exact", "ddp_exact"), ("zero3_exact", "ddp_exact"),
+     ("zero3_offload_exact", "ddp_exact"),
      ("fabric_zero2_exact", "fabric_ddp_exact"), ("fabric_zero3_exact", "fabric_ddp_exact")],
 )  # fmt: skip
 def test_muon_equals_ddp_bit_for_bit_where_the_gradients_do(runs, case, reference):

@@ -6,7 +6,8 @@ Usage: python tests/scripts/fabric_contracts.py OUT_DIR MODE:STRATEGY [MODE:STRA
 - ``lora``: LitGPT's LoRA setup order (``init_module(empty_init=True)``, ``mark_only_lora_as_trainable``,
   ``setup_module``, the optimizer, ``litgpt.utils.load_checkpoint(strict=False)`` of a base checkpoint
   read lazily, whose keys need LoRA's ``_load_from_state_dict`` remap), ``model.state_dict()``, 3 steps,
-  then ``fabric.save(filter={"model": lora_filter})`` and LitGPT's own ``save_lora_checkpoint``.
+  then ``fabric.save(filter={"model": lora_filter})`` (one file under every strategy, read back with
+  LitGPT's ``lazy_load``) and LitGPT's own ``save_lora_checkpoint``.
 - ``torchload``: ``load_state_dict`` on a module with a ``_load_from_state_dict`` remap and a load pre-hook,
   strict True and False, ``assign=True``: the results and error texts, beside plain torch's.
 - ``refuse``: a save of a state without the model, one with a filter naming no state entry, one with
@@ -158,16 +159,19 @@ def lora(out: Path, strategy_name: str) -> dict:
     fabric.barrier()
     result = {"loaded": loaded, "losses": losses, "trained": trained}
     if fabric.global_rank == 0:
+        from litgpt.utils import lazy_load
+
         plain = GPT(gpt_config(**LORA))
         for name, path in (("filtered", filtered), ("saved", saved)):
-            if path.is_file():
-                checkpoint = torch.load(path, weights_only=True)
-                incompatible = plain.load_state_dict(checkpoint["model"], strict=False)
-                result[name] = {"keys": sorted(checkpoint["model"]), "unexpected": incompatible.unexpected_keys,
-                                "values": floats(checkpoint["model"]), "bytes": path.stat().st_size}  # fmt: skip
+            if path.is_file():  # read by LitGPT's own loader, as merge_lora and load_checkpoint read it
+                checkpoint = lazy_load(path)["model"]
+                incompatible = plain.load_state_dict(checkpoint, strict=False)
+                values = {key: value for key, value in plain.state_dict().items() if key in checkpoint}
+                result[name] = {"keys": sorted(checkpoint), "unexpected": incompatible.unexpected_keys,
+                                "values": floats(values), "bytes": path.stat().st_size}  # fmt: skip
             else:
                 result[name] = {"directory": sorted(p.name for p in path.iterdir())}
-    if strategy_name != "ddp" and not filtered.is_file():  # sharded: it loads back into the set-up model
+    if strategy_name != "ddp":  # the filtered file loads back into the set-up model
         fabric.load(filtered, {"model": model}, strict=False)
         result["filtered_reloaded"] = floats(model.state_dict())
     return result

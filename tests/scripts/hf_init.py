@@ -14,6 +14,9 @@ Launched by tests/test_hf.py (Lightning's launcher re-runs it for rank 1). Cases
                fine-tune HF_DIR (a tied Llama 3.2-style checkpoint: pass tied-...=DIR) for 3 steps
                under Lightning's ddp or that layout: losses and batches per step, whether the head is
                still the embedding Parameter; tied-zero3 saves OUT_DIR/tied-zero3/last.ckpt
+  qwen3-ddp / qwen2-ddp / mistral-ddp
+               fine-tune DIR (pass qwen3-ddp=DIR) for 3 steps under Lightning's ddp: losses and batches
+               per step (tests/test_hf_families.py compares them with TP=2 x ZeRO-2 on 4 ranks)
   deep-zero2   a random 2-layer model, 1 step, save OUT_DIR/deep/last.ckpt
   shallow-zero2
                a 1-layer model resuming from deep/last.ckpt: must fail strictly on every rank;
@@ -39,6 +42,7 @@ from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models.llama import LlamaLM  # noqa: E402
 from tests.scripts.harness import script_trainer  # noqa: E402
 
+FAMILIES = ("qwen3", "qwen2", "mistral")  # <family>-ddp=DIR: tests/test_hf_families.py's ddp reference
 RANDOM = dict(name="strict", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
@@ -137,7 +141,7 @@ def run(case: str, out: str, hf_dir: str) -> None:
     L.seed_everything(7, verbose=False)
     kwargs = dict(lr=1e-3, warmup_steps=1, max_steps=4)
     callbacks, ckpt_path, max_steps = [], None, 1
-    if kind in ("first", "mem", "tune", "tied"):
+    if kind in ("first", "mem", "tune", "tied") + FAMILIES:
         model = Recorder(init_from=hf_dir, **kwargs)
     elif kind == "memrandom":  # the same shape, random init: the baseline of the load's cost
         from lightning_zero.models import LlamaConfig
@@ -149,7 +153,7 @@ def run(case: str, out: str, hf_dir: str) -> None:
     if kind in ("mem", "memrandom"):
         callbacks.append(LoadMemory(model.record))
     checkpointing = kind in ("tune", "deep", "shallow") or case == "tied-zero3"
-    if kind in ("tune", "deep", "tied"):
+    if kind in ("tune", "deep", "tied") + FAMILIES:
         max_steps = 1 if kind == "deep" else 3
     if kind in ("tune", "deep") or case == "tied-zero3":
         dirpath = os.path.join(out, case if kind == "tied" else kind)

@@ -6,7 +6,7 @@ stacks GroupedMuon steps one matrix at a time) for STEPS optimizer steps in fp32
 accumulation 2 and clipping per optimizer, as a user writes it: two optimizers need manual
 optimization in Lightning (Muon for the hidden matrices, AdamW for embeddings, head, norms and
 routers). Case names: ``ddp`` or ``zero<stage>``, then ``_tp2`` / ``_ep2`` / ``_moe`` / ``_bf16``
-(bf16-mixed); ``_exact``: no accumulation, no clipping; ``_1step``: one step; ``_dp4``: only a
+(bf16-mixed), ``_offload`` (``offload_optimizer``); ``_exact``: no accumulation, no clipping; ``_1step``: one step; ``_dp4``: only a
 name for the 4-rank launch; ``fabric_`` first: the Fabric door (``setup`` then
 ``setup_optimizers``). Every dp size trains on the same global batches. Each rank writes
 OUT_DIR/<case>.rank<r>.pt: the per-micro-batch losses, the dense parameters (TP-gathered; an EP
@@ -110,6 +110,8 @@ def layout(case: str) -> dict:
             knobs["tensor_parallel_size"] = int(part[2:])
         if part.startswith("ep"):
             knobs["ep"] = int(part[2:])
+        if part == "offload":
+            knobs["offload_optimizer"] = True
     return knobs
 
 

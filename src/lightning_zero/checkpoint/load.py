@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -81,7 +82,8 @@ class OpenedCheckpoint:
         """What Lightning expects back from ``Strategy.load_checkpoint`` (tensors stay on disk)."""
         out = dict(self.state)
         out["state_dict"] = {}
-        if self.meta["optimizers"]:
+        # every save but a weights-only one holds the optimizers' list, empty with no optimizer (as ddp's)
+        if self.meta["optimizers"] or self.meta.get("with_optimizer"):
             out["optimizer_states"] = [{} for _ in self.meta["optimizers"]]
         return out
 
@@ -101,15 +103,19 @@ def _verify_file(root: Path, name: str, info: dict[str, Any], with_hash: bool) -
 def open_checkpoint(
     path: PathLike, layout: Optional[RankPlacement] = None, storage: StoragePolicy = DEFAULT_POLICY
 ) -> OpenedCheckpoint:
-    """Read and verify the checkpoint directory ``path``; a collective when a process group exists.
+    """Read and verify the checkpoint directory ``path``.
 
-    Every file's size is checked on every rank; the sha256 checks are split over the ranks.
-    Raises :class:`CheckpointError` naming the first bad file; nothing is loaded anywhere. A URL
-    is read through its commit object (:func:`_open_url`).
+    With ``layout`` (a load into a running job) a collective over the default process group: every
+    file's size is checked on every rank, the sha256 checks are split over the ranks and the
+    verdict is agreed. Without it (``export``, one process reading a finished checkpoint on its
+    own, inside a job or not: ``if trainer.is_global_zero: export(...)``) every check runs here
+    and no other rank is asked. Raises :class:`CheckpointError` naming the first bad file; nothing
+    is loaded anywhere. A URL is read through its commit object (:func:`_open_url`).
     """
+    alone = layout is None
     layout = layout or RankPlacement()
     if is_url(path):
-        return _open_url(str(path).rstrip("/"), layout, storage)
+        return _open_url(str(path).rstrip("/"), layout, storage, alone=alone)
     root = Path(path)
     with labelled("ckpt_open"):
         error = None
@@ -126,7 +132,7 @@ def open_checkpoint(
             read_dcp_metadata(str(root / DCP_METADATA_FILE))
         except CheckpointError as exc:
             error = str(exc)
-        raise_any(all_gather_object(error, "ckpt_verify"), CheckpointError)
+        raise_any([error] if alone else all_gather_object(error, "ckpt_verify"), CheckpointError)
         rank_file = root / f"rank{layout.rank}.json"
         rank_state = None
         if meta["layout"]["world_size"] == layout.world_size and rank_file.is_file():
@@ -134,7 +140,7 @@ def open_checkpoint(
         return OpenedCheckpoint(root, meta, decode(meta["trainer_state"]), rank_state)
 
 
-def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy) -> OpenedCheckpoint:
+def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy, *, alone: bool) -> OpenedCheckpoint:
     """[Note: commit objects]: the commit resolved, every object's size checked against it (one
     listing), ``meta.json``, ``.metadata`` and this rank's rank file checked by sha256 as they are
     read; the shards are read later, by range."""
@@ -174,7 +180,7 @@ def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy) -> Ope
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - no credentials, no bucket, a stalled read
             error = f"{target}: cannot read ({type(exc).__name__}: {exc})"
-        raise_any(all_gather_object(error, "ckpt_verify"), CheckpointError)
+        raise_any([error] if alone else all_gather_object(error, "ckpt_verify"), CheckpointError)
         rank_state = decode(json.loads(rank_text)) if rank_text is not None else None
         return OpenedCheckpoint(data, meta, decode(meta["trainer_state"]), rank_state, storage, reads)
 
@@ -319,10 +325,19 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
 
 
 def apply_optimizer_state(
-    opened: OpenedCheckpoint, optimizers: list[Optimizer], states: list[dict[int, dict[str, torch.Tensor]]]
+    opened: OpenedCheckpoint,
+    optimizers: list[Optimizer],
+    states: list[dict[int, dict[str, torch.Tensor]]],
+    *,
+    rank: int = 0,
 ) -> None:
-    """Install loaded optimizer state and the saved param-group hyperparameters (lr, betas, ...)."""
+    """Install loaded optimizer state and the saved param-group hyperparameters (lr, betas, ...).
+    An optimizer the checkpoint holds no state for, where it should, is named in a warning (global
+    ``rank`` 0): :func:`missing_optimizer_state`."""
     saved = opened.meta["optimizers"]
+    if rank == 0:
+        for line in missing_optimizer_state(opened, optimizers):
+            warnings.warn(line, stacklevel=2)
     if not saved:
         return
     for index, (optimizer, opt_meta) in enumerate(zip(optimizers, saved)):
@@ -337,6 +352,33 @@ def apply_optimizer_state(
         stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
         for tensor_id, state in (states[index] if index < len(states) else {}).items():
             optimizer.state[stepped[tensor_id]] = state
+
+
+def missing_optimizer_state(opened: OpenedCheckpoint, optimizers: list[Optimizer]) -> list[str]:
+    """What a load into ``optimizers`` would otherwise restore silently without any state: one line
+    per optimizer that the checkpoint lists no state for although it had some when saved (or, from a
+    writer before ``had_state`` was recorded, that may have had some), or that the checkpoint does
+    not list at all (a save after validate, test or predict without fit holds no optimizer, as
+    ddp's). The optimizer then starts from zero state: Adam's moments restart, and the resumed run
+    drifts from an uninterrupted one ([Note: optimizer state after the loop] in zero/flat.py)."""
+    saved = opened.meta["optimizers"]
+    lines = []
+    for index, optimizer in enumerate(optimizers):
+        name = type(optimizer).__name__
+        if index >= len(saved):
+            lines.append(
+                f"{opened.path}: holds no state for optimizer {index} ({name}): it was saved with {len(saved)}"
+                " optimizer(s) (a save after validate, test or predict without a fit holds none); the optimizer"
+                " starts from zero state. Resume from a checkpoint saved during or after fit to continue exactly."
+            )
+        elif not saved[index]["state"] and saved[index].get("had_state", True):
+            lines.append(
+                f"{opened.path}: holds no state for optimizer {index} ({saved[index]['type']}) although it had"
+                " some when saved (trainer.save_checkpoint after fit lost it before issue 61 was fixed); the"
+                " optimizer starts from zero state, so the run drifts from an uninterrupted one. Resume from a"
+                " checkpoint saved during fit (ModelCheckpoint) to continue exactly."
+            )
+    return lines
 
 
 def restore_rng(opened: OpenedCheckpoint) -> bool:

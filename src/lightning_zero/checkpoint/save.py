@@ -30,8 +30,8 @@ from lightning_zero.checkpoint.targets import (
     engine_entries,
     managed_names,
     module_entries,
-    param_of_key,
     split_info,
+    state_entries,
 )
 
 # Test hook: called with a stage name ("shards_written") on every rank; fault tests kill a rank here.
@@ -53,6 +53,7 @@ class Snapshot:
     kinds: list[dict]
     optimizer_groups: list[tuple[str, Any]]  # (type name, encoded param groups) per optimizer
     with_optimizer: bool
+    had_state: list[bool]  # per optimizer: whether it held any state on this rank
     has_inner_model: bool
 
 
@@ -65,20 +66,31 @@ def snapshot(
     optimizers: list[Optimizer],
     layout: RankPlacement,
     keep_device: bool = False,
-    keep: Optional[Callable[[str], bool]] = None,
+    optimizer_shards: Any = None,
 ) -> Snapshot:
     """The first half of :func:`save_checkpoint`: no file and no collective, only reads (but for
     a matrix optimizer's state, sent from its owners first: [Note: Muon state in checkpoints]).
 
     ``keep_device``: the snapshot's tensors stay views of the live (device) tensors, for a caller
     that copies them itself (:func:`~lightning_zero.checkpoint.background.host_copy`); else every
-    device tensor is copied to the host here. ``keep(name)``: only the module entries (and their
-    optimizer state) it accepts (Fabric's ``filter``); everything when None."""
+    device tensor is copied to the host here. ``optimizer_shards``:
+    where the optimizers' state lives when the engine that stepped them is closed ([Note:
+    optimizer state after the loop] in ``zero/flat.py``); None: the engine's own."""
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     encoded_state = encode(trainer_state, "checkpoint")  # fails early, before any file exists
     targets = Targets(keep_device=keep_device)
     with_optimizer = "optimizer_states" in checkpoint
-    if with_optimizer and engine is not None and getattr(engine, "has_replicated_optimizers", lambda: False)():
+    replicated = getattr(engine, "has_replicated_optimizers", lambda: False)() if engine is not None else False
+    if optimizer_shards is not None:
+        replicated = optimizer_shards.replicated
+        if with_optimizer and optimizer_shards.whole_matrices:  # [Note: optimizer state after the loop]
+            raise ValueError(
+                "lightning_zero checkpoint: a matrix optimizer (Muon) keeps each momentum whole on its owner, and"
+                " the engine that would spread it over the ranks for a save is closed (after fit, or the Fabric"
+                " strategy's teardown); save inside the run (ModelCheckpoint, fabric.save before the teardown), or"
+                " the weights only (trainer.save_checkpoint(path, weights_only=True))."
+            )
+    if with_optimizer and replicated:
         names = sorted({type(opt).__name__ for opt in optimizers if type(opt).__name__ in ("Adafactor",)})
         raise ValueError(
             f"lightning_zero checkpoint: {', '.join(names) or 'an optimizer'} steps replicated full masters"
@@ -94,15 +106,11 @@ def snapshot(
         sharded.stage_range_state()
     try:
         params = save_entries(targets, kinds, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                              with_optimizer=with_optimizer)  # fmt: skip
+                              with_optimizer=with_optimizer, optimizer_shards=optimizer_shards)  # fmt: skip
     finally:
         for sharded in staged:
             sharded.drop_range_state()
     managed = _managed_info(engine, layout) if engine is not None else {}
-    if keep is not None:
-        targets.tensors = {k: v for k, v in targets.tensors.items() if keep(param_of_key(k))}
-        params = {name: info for name, info in params.items() if keep(name)}
-        managed = {name: info for name, info in managed.items() if keep(name)}
     groups = [
         (type(opt).__name__, encode([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                                     f"optimizer {index}"))
@@ -113,6 +121,7 @@ def snapshot(
         target=location(path), encoded_state=encoded_state, rng_file=rank_file_text(), tensors=targets.tensors,
         params=params, managed=managed, kinds=kinds,
         optimizer_groups=groups, with_optimizer=with_optimizer, has_inner_model=isinstance(inner, nn.Module),
+        had_state=[bool(opt.state) for opt in optimizers],
     )  # fmt: skip
 
 
@@ -125,13 +134,18 @@ def save_entries(
     optimizers: list[Optimizer],
     layout: RankPlacement,
     with_optimizer: bool,
+    optimizer_shards: Any = None,
 ) -> dict[str, Any]:
     """The tensors a save writes into ``targets`` (the live ones: reads only), the optimizer state
-    kinds into ``kinds``; returns the module entries' shapes for ``meta.json``."""
+    kinds into ``kinds``; returns the module entries' shapes for ``meta.json``. The optimizers'
+    state comes from ``optimizer_shards`` when given, else from ``engine``."""
     skip: set[str] = set()
     if engine is not None:
-        engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds, with_state=with_optimizer)
+        engine_entries(engine, optimizers, layout, targets, load=False, state_kinds=kinds,
+                       with_state=with_optimizer and optimizer_shards is None)  # fmt: skip
         skip = managed_names(engine)
+    if with_optimizer and optimizer_shards is not None:
+        state_entries(optimizer_shards, optimizers, layout, targets, load=False, state_kinds=kinds)
     return module_entries(module, skip, layout, targets, load=False)
 
 
@@ -143,7 +157,6 @@ def save_checkpoint(
     engine: Any,
     optimizers: list[Optimizer],
     layout: RankPlacement,
-    keep: Optional[Callable[[str], bool]] = None,
     storage: StoragePolicy = DEFAULT_POLICY,
 ) -> Location:
     """Write a sharded checkpoint of ``module`` (and ``engine``'s shards) to the directory ``path``.
@@ -157,8 +170,7 @@ def save_checkpoint(
     (``checkpoint/background.py`` runs the second half in a thread).
     """
     with labelled("ckpt_save"):
-        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep=keep)  # fmt: skip
+        taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout)
         return write_snapshot(taken, layout, storage=storage)
 
 
@@ -200,7 +212,7 @@ def write_snapshot(
     files = where.files()
     try:
         all_files = all_gather_object(files, "ckpt_manifest", group)
-        all_kinds = all_gather_object(taken.kinds, "ckpt_state_kinds", group)
+        all_kinds = all_gather_object((taken.kinds, taken.had_state), "ckpt_state_kinds", group)
         all_params = all_gather_object(taken.managed, "ckpt_params", group)
     except RuntimeError as exc:  # a peer died or timed out mid-write (gloo/NCCL errors are RuntimeErrors)
         raise CheckpointWriteError(
@@ -220,11 +232,14 @@ def write_snapshot(
                 "layout": asdict(layout),
                 "params": params,
                 "optimizers": _optimizer_meta(taken.optimizer_groups, all_kinds) if taken.with_optimizer else [],
+                "with_optimizer": taken.with_optimizer,
                 "export_prefix": "model." if taken.has_inner_model and _all_under_model(params) else "",
                 "trainer_state": taken.encoded_state,
                 "files": {name: info for rank_files in all_files for name, info in rank_files.items()},
             }
             where.publish(meta)
+        except CheckpointWriteError as exc:  # an optimizer's state found nowhere: raised on every rank below
+            error = str(exc)
         except Exception as exc:  # noqa: BLE001 - OSError locally; any fsspec error at a URL: raised on every rank
             error = f"publishing {str(target)!r} failed: {type(exc).__name__}: {exc}"
     raise_any([broadcast_object(error, "ckpt_publish", group)], CheckpointWriteError)
@@ -267,13 +282,21 @@ def _managed_info(engine: Any, layout: RankPlacement) -> dict[str, Any]:
     return info
 
 
-def _optimizer_meta(groups: list[tuple[str, Any]], all_kinds: list[list[dict]]) -> list[dict[str, Any]]:
+def _optimizer_meta(groups: list[tuple[str, Any]], all_kinds: list[tuple[list[dict], list[bool]]]) -> list[dict]:
+    """Per optimizer: its type, param groups, state kinds and ``had_state`` (it held state on some
+    rank: a load that finds no state kinds then says so, [Note: optimizer state after the loop])."""
     meta = []
     for index, (type_name, param_groups) in enumerate(groups):
         kinds: dict[str, Any] = {}
-        for rank_kinds in all_kinds:
+        for rank_kinds, _ in all_kinds:
             kinds.update(rank_kinds[index])
-        meta.append({"type": type_name, "param_groups": param_groups, "state": kinds})
+        had_state = any(rank_had[index] for _, rank_had in all_kinds)
+        if had_state and not kinds:  # the state is somewhere no save reads: never publish it as empty
+            raise CheckpointWriteError(
+                f"lightning_zero checkpoint: optimizer {index} ({type_name}) holds state that this save found no"
+                " element range for; nothing was published (please report this)"
+            )
+        meta.append({"type": type_name, "param_groups": param_groups, "state": kinds, "had_state": had_state})
     return meta
 
 

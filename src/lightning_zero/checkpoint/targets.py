@@ -180,12 +180,8 @@ def engine_entries(
     ``state_kinds[i]``: ``{key: "chunk" | "scalar"}`` of optimizer ``i`` (when loading, from the
     checkpoint; when saving, filled in from the live state).
     """
-    which = optimizer_index(optimizers)
-    targets.optimizer_states = [{} for _ in optimizers]
     for owned in engine.owned_ranges():
-        split_dim, split_rank, split_size = split_of(owned.param, layout)
-        size = storage_shape(dense_shape(owned.shape, split_dim, split_size))
-        pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=split_dim, tp_rank=split_rank)
+        size, pieces = _dense_pieces(owned, layout)
         lo, hi = owned.chunk_lo, owned.chunk_hi
         master = owned.master.detach()
         if load:
@@ -194,13 +190,36 @@ def engine_entries(
             add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(staged, pieces))
         else:
             add_chunks(targets.tensors, f"model.{owned.name}", size, pieces_over(targets.saved(master[lo:hi]), pieces))
+    if load or with_state:
+        state_entries(engine.optimizer_shards(), optimizers, layout, targets, load=load, state_kinds=state_kinds)
+    else:
+        targets.optimizer_states = [{} for _ in optimizers]
+
+
+def _dense_pieces(owned: Any, layout: RankPlacement) -> tuple[tuple[int, ...], list]:
+    """The dense tensor's size and where ``owned``'s elements sit in it."""
+    split_dim, split_rank, split_size = split_of(owned.param, layout)
+    size = storage_shape(dense_shape(owned.shape, split_dim, split_size))
+    pieces = range_pieces(owned.shape, owned.param_lo, owned.param_hi, tp_dim=split_dim, tp_rank=split_rank)
+    return size, pieces
+
+
+def state_entries(
+    shards: Any, optimizers: list[Optimizer], layout: RankPlacement, targets: Targets, *, load: bool, state_kinds: list
+) -> None:
+    """``optim.<i>.<name>.<key>`` for the runs of ``shards`` (``zero/flat.py``'s ``OptimizerShards``:
+    the running engine's, or those a closed engine left, [Note: optimizer state after the loop])."""
+    which = optimizer_index(optimizers)
+    targets.optimizer_states = [{} for _ in optimizers]
+    for owned, stepped in shards.runs:
         # The optimizer's state is keyed by what it steps: a view of the owned run (its state
         # tensors are the run's own) or, for a frozen stage-3 shard, the master chunk.
-        stepped = engine.optimizer_tensor(owned)
         own_run = stepped is not owned.master  # its state tensors hold just this run
         index = which.get(id(stepped))
         if index is None:  # stage 3: a frozen parameter's shard (no optimizer steps it)
             continue
+        size, pieces = _dense_pieces(owned, layout)
+        lo, hi = owned.chunk_lo, owned.chunk_hi
         if load:
             state = targets.optimizer_states[index].setdefault(id(stepped), {})
             for key, (kind, dtype) in state_kinds[index].items():
@@ -214,8 +233,7 @@ def engine_entries(
                 else:
                     targets.tensors[f"optim.{index}.{owned.name}.{key}"] = state[key]
             continue
-        live = optimizers[index].state.get(stepped, {}) if with_state else {}
-        for key, value in live.items():
+        for key, value in optimizers[index].state.get(stepped, {}).items():
             if not torch.is_tensor(value):
                 raise TypeError(
                     f"lightning_zero checkpoint: optimizer {index} state {key!r} is a {type(value).__name__};"

@@ -8,6 +8,14 @@ written as every rank's shards (any dp size or stage reads them back), stateful 
 of which key was the model and which the optimizers. ``state_dict_type="full"`` writes one
 ``torch.save`` file instead (global rank 0, atomically), and a single file -- that one, or any
 plain state dict -- loads into the sharded model through ``checkpoint/full.py``.
+
+[Note: filtered saves are one file] ``fabric.save(path, state, filter={"model": lora_filter})`` is
+how LitGPT writes its adapters and LoRA weights (``lit_model.pth.lora``), and its tools read the
+result with ``torch.load`` / ``lazy_load``: a file. A filter picks a small set (the adapter
+tensors), so a filtered save is written as Fabric's ``ddp`` writes it whatever
+``state_dict_type`` says: one ``torch.save`` file of the filtered entries, full values gathered
+from the shards, written by global rank 0 (before, the default sharded type wrote a directory,
+and LitGPT's ``merge_lora`` failed on it with ``IsADirectoryError``, far from the cause).
 """
 
 from __future__ import annotations
@@ -49,14 +57,18 @@ class FabricState:
 
     ``param_names``: per optimizer, per param group, its parameters' names in the user's order
     ([Note: full optimizer state] in ``checkpoint/full_optimizer.py``); ``value_dtype``: the dtype
-    ddp holds a parameter in ([Note: full state dicts] in ``checkpoint/full.py``)."""
+    ddp holds a parameter in ([Note: full state dicts] in ``checkpoint/full.py``). After the
+    strategy's teardown ``engine`` is ``None``: the module holds its full parameters and
+    ``optimizer_shards`` the optimizers' state ([Note: optimizer state after the loop] in
+    ``zero/flat.py``); only sharded saves are possible then."""
 
     module: nn.Module
     optimizers: list[Optimizer]
-    engine: "ZeroEngine"
+    engine: Optional["ZeroEngine"]
     layout: "RankPlacement"
     param_names: list[list[list[str]]] = field(default_factory=list)
     value_dtype: Optional[Callable[[nn.Parameter], torch.dtype]] = None
+    optimizer_shards: Any = None
     storage: Any = None  # a StoragePolicy: how a path that is a URL is reached (None: the defaults)
 
     def split(self, state: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
@@ -81,6 +93,13 @@ class FabricState:
     def check_save(self, state: dict[str, Any], filter: Filter, full: bool) -> None:
         """Refuse a bad ``state`` or ``filter`` before any collective (no rank is marked failed)."""
         module_key, optimizer_keys, _ = self.split(state)
+        if full and self.engine is None:
+            raise ValueError(
+                "ZeroFabricStrategy: fabric.save after strategy.teardown() cannot gather a full file"
+                " (state_dict_type='full', or a save with a filter: [Note: filtered saves are one file]); the engine"
+                " that held the shards is closed. Save it before the teardown, or save the sharded checkpoint"
+                " (state_dict_type='sharded', no filter), which holds everything after it too."
+            )
         if full and getattr(self.engine, "expert_domain", None) is not None:
             from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
 
@@ -107,12 +126,6 @@ class FabricState:
                 raise TypeError(
                     f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter is a callable (key, value) -> bool."
                 )
-            if key in optimizer_keys and not full:
-                raise ValueError(
-                    f"ZeroFabricStrategy.save(filter={{{key!r}: ...}}): a filter on an optimizer entry selects keys of its"
-                    " state dict, which a sharded checkpoint does not hold; save without it, or with"
-                    " ZeroFabricStrategy(state_dict_type='full') (torch's format)."
-                )
 
     def _check_module(self, module: nn.Module, key: Any = "model") -> nn.Module:
         if module is not self.module:
@@ -127,26 +140,22 @@ class FabricState:
 
     # -- save ------------------------------------------------------------------------------------
     def save_sharded(
-        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int, filter: Filter = None,
+        self, path: Any, state: dict[str, Any], lifecycle: "CheckpointLifecycle", *, step: int,
         storage_options: Optional[dict[str, Any]] = None,
     ) -> None:  # fmt: skip
         """Through ``lifecycle`` ([Note: checkpoint lifecycle]): in the background under
-        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step."""
+        ``async_checkpoint``; ``step`` (optimizer steps, the same on every rank) is the agreed step.
+        A save with a ``filter`` is a full file instead ([Note: filtered saves are one file])."""
         module_key, optimizer_keys, others = self.split(state)
-        filter = filter or {}
-        others = {key: _filtered(key, value, filter) for key, value in others.items()}
-        others = {key: value for key, value in others.items() if value is not _DROPPED}
         optimizers = [state[key] for key in optimizer_keys]
-        self.engine.wait_param_gathers()
+        if self.engine is not None:
+            self.engine.wait_param_gathers()
         checkpoint: dict[str, Any] = {"state": others, FABRIC_KEYS: {"model": module_key, "optimizers": optimizer_keys}}
         if optimizers:
             checkpoint["optimizer_states"] = []  # the optimizers' shards are written too
-        keep = None
-        if module_key in filter:
-            tensors = self.module.state_dict(keep_vars=True)
-            keep = lambda name: name in tensors and bool(filter[module_key](name, tensors[name]))  # noqa: E731
+        shards = self.optimizer_shards if optimizers and self.optimizer_shards is not None else None
         lifecycle.save(path, checkpoint, step=step, module=self.module, engine=self.engine, optimizers=optimizers,
-                       layout=self.layout, keep=keep, storage_options=storage_options)  # fmt: skip
+                       layout=self.layout, optimizer_shards=shards, storage_options=storage_options)  # fmt: skip
 
     def full_payload(self, state: dict[str, Any], filter: Filter = None) -> dict[str, Any]:
         """What Fabric's ``ddp`` would ``torch.save`` for ``state``: the model's full state dict, each
@@ -263,7 +272,7 @@ class FabricState:
                 opened.meta["optimizers"] = []
             states = load_model(opened, module, engine=self.engine, optimizers=optimizers, layout=self.layout,
                                 strict=strict)  # fmt: skip
-            apply_optimizer_state(opened, optimizers, states)
+            apply_optimizer_state(opened, optimizers, states, rank=self.layout.rank)
         for key, value in list(state.items()):
             if key not in saved or isinstance(value, (nn.Module, Optimizer)):
                 continue

@@ -173,9 +173,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             ``ZeroStrategy(...).zero_config``), or ``None`` to build one from ``knobs``.
         state_dict_type: ``"sharded"`` (default): ``fabric.save`` writes a sharded checkpoint
             directory (every rank its shards; resumes on any dp size or stage); ``"full"``: one
-            file, ``torch.save`` of the state with the model's full state dict (fp32 masters), as
-            FSDP's ``state_dict_type="full"`` writes it for LitGPT's tools; written by global rank
-            0, without optimizer state.
+            file, ``torch.save`` of the state with the model's full state dict (fp32 masters) and
+            the optimizers' state in torch's format, as Fabric's ddp writes it for LitGPT's tools;
+            written by global rank 0. A save with a ``filter`` is such a file under either type
+            ([Note: filtered saves are one file] in ``fabric/checkpoint.py``).
         wrap_policy: stage 3's unit policy (see ``ZeroStrategy``).
         model_config, seq_len: with ``cp > 1``, the model's config (``n_heads``, ``n_kv_heads``)
             and the sequence length the loop will feed, checked here against ``cp`` before any
@@ -273,6 +274,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         # [Note: the monitor] in runtime/monitor.py: measured at the forward pre-hook and the step hook
         self.step_monitor: Optional[Monitor] = Monitor() if self.zero_config.monitor else None
         self._report: Any = None  # the Fabric whose log_dict gets the monitor's metrics (report_to)
+        self._torn_down = False
 
     # -- precision (fabric/precision.py) --------------------------------------------------------
     @property
@@ -785,10 +787,15 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     def _state_io(self) -> "FabricState":
         from lightning_zero.fabric.checkpoint import FabricState
 
-        engine = self._ensure_engine()
+        if self._torn_down:  # the module holds its full parameters, the optimizers' state stays sharded
+            shards = self.session.optimizer_shards(self._optimizers)  # [Note: optimizer state after the loop]
+            engine = None
+        else:
+            shards, engine = None, self._ensure_engine()
         assert self._module is not None
         return FabricState(self._module, self._optimizers, engine, self._layout(), param_names=self._param_names,
-                           value_dtype=self._value_dtype, storage=self.checkpoints.storage)  # fmt: skip
+                           value_dtype=self._value_dtype, optimizer_shards=shards,
+                           storage=self.checkpoints.storage)  # fmt: skip
 
     def _refuse_when_failed(self, what: str) -> None:
         """[Note: failure path]: a save or load that needs every rank raises, naming the failure."""
@@ -811,8 +818,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
-        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it.
-        A bad argument raises here and leaves the strategy usable; a save that cannot write raises."""
+        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it, and
+        a save with a filter is one file whatever the type ([Note: filtered saves are one file] in
+        ``fabric/checkpoint.py``). A bad argument raises here and leaves the strategy usable; a save
+        that cannot write raises."""
         if storage_options is not None and not is_url(path):
             raise TypeError(
                 f"ZeroFabricStrategy.save(storage_options={storage_options!r}): options for object storage, and"
@@ -820,14 +829,14 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             )
         self._refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
         state_io = self._state_io()
-        full = self.state_dict_type == "full"
+        full = self.state_dict_type == "full" or bool(filter)  # [Note: filtered saves are one file]
         state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
         with self._noting_failures():
             self.checkpoints.clean_once(parent_of(location(path)), self.barrier)  # what killed saves left there
             if full:
                 state_io.save_full(location(path), state, self.checkpoints, filter, storage_options)
             else:
-                state_io.save_sharded(path, state, self.checkpoints, step=self._steps, filter=filter,
+                state_io.save_sharded(path, state, self.checkpoints, step=self._steps,
                                       storage_options=storage_options)  # fmt: skip
 
     def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
@@ -854,6 +863,11 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         self._refuse_when_failed(f"{str(path)!r} was not loaded")
+        if self._torn_down:
+            raise RuntimeError(
+                f"ZeroFabricStrategy: fabric.load({str(path)!r}) after strategy.teardown(): the engine that held the"
+                " shards is closed. Load into a new Fabric's set-up model and optimizers (as a resumed script does)."
+            )
         state_io = self._state_io()
         with self._noting_failures():
             # the save in flight published; a checkpoint a killed publish moved aside back before it is read
@@ -890,6 +904,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             unroute_load_state_dict(self._module)
         save_error = self.checkpoints.close()  # the save in flight published (abandoned on the failure path)
         self.session.close_engine(self.global_rank)
+        self._torn_down = True  # later saves: the full module and the closed engine's optimizer shards
         self.session.close()
         self.signals.forget_engine()
         # a SIGTERM after the last boundary is raised again, not swallowed ([Note: signal boundaries])

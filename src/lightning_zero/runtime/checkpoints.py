@@ -250,11 +250,11 @@ class CheckpointLifecycle:
         engine: Any,
         optimizers: list,
         layout: Any,
-        keep: Optional[Callable[[str], bool]] = None,
+        optimizer_shards: Any = None,
         storage_options: Optional[Mapping[str, Any]] = None,
     ) -> Optional[SaveRecord]:
         """Save ``checkpoint`` (Lightning's dict: the non-tensor state; tensors come from
-        ``module`` / ``engine`` / ``optimizers``; ``keep(name)``: only those module entries, as
+        ``module`` / ``engine`` / ``optimizers``; ``optimizer_shards`` as
         ``save.snapshot`` takes it) to ``path`` for the agreed ``step``; every rank calls it.
         ``storage_options`` (a door's per-save ones: ``trainer.save_checkpoint(storage_options=)``)
         are added to the run's for this save of a URL.
@@ -272,7 +272,7 @@ class CheckpointLifecycle:
         if not background:
             self.wait()  # a save in flight (same process, earlier run) is published first
             taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                             keep=keep)  # fmt: skip
+                             optimizer_shards=optimizer_shards)  # fmt: skip
             try:
                 write_snapshot(taken, layout, on_state=record.advance, storage=storage)
             except BaseException:
@@ -280,7 +280,7 @@ class CheckpointLifecycle:
                 raise
             return record
         taken = snapshot(path, checkpoint, module=module, engine=engine, optimizers=optimizers, layout=layout,
-                         keep_device=True, keep=keep)  # fmt: skip
+                         keep_device=True, optimizer_shards=optimizer_shards)  # fmt: skip
         writer = self._writer()
         if not writer.start(taken, layout, started, record):
             record.advance(SaveState.ABANDONED)

@@ -29,6 +29,7 @@ class CheckpointRestore:
 
     def __init__(self, path: Any, layout: RankPlacement, storage: StoragePolicy = DEFAULT_POLICY) -> None:
         self.opened = open_checkpoint(path, layout, storage)  # files verified before anything is read
+        self.rank = layout.rank
         self.optimizer_states: list = []
 
     def lightning_dict(self) -> dict[str, Any]:
@@ -43,5 +44,5 @@ class CheckpointRestore:
         )
 
     def load_optimizers(self, optimizers: list) -> None:
-        apply_optimizer_state(self.opened, optimizers, self.optimizer_states)
+        apply_optimizer_state(self.opened, optimizers, self.optimizer_states, rank=self.rank)
         restore_rng(self.opened)  # last restore step before the loop runs

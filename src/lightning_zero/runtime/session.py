@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.runtime.parallelize import ParallelPlan
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.flat import OptimizerShards
     from lightning_zero.zero.waits import FailureChannel
 
 
@@ -68,6 +69,9 @@ class ZeroSession:
         self.groups: Optional["MeshGroups"] = None  # the layout's process groups, from start()
         self.failure_channel: Optional["FailureChannel"] = None
         self.engine: Optional["ZeroEngine"] = None
+        # what the last engine with optimizers left at close ([Note: optimizer state after the loop])
+        self._closed_shards: Optional["OptimizerShards"] = None
+        self._state_dict_calls = 0  # full state dicts agreed so far ([Note: one rank's state_dict])
         # Logical bytes sent by the engine (dp) and by tensor-parallel layers (tp), per kind.
         self.comm_counter = CommCounter()
 
@@ -156,6 +160,8 @@ class ZeroSession:
 
         if self.engine is not None:
             self.engine.close()
+        if optimizers:  # a new set of optimizers: the closed engine's runs belong to the old ones
+            self._closed_shards = None
         groups = self.shard_groups
         engine_groups = EngineGroups(
             dp=self.dp_group if groups is None else None,
@@ -195,11 +201,35 @@ class ZeroSession:
         engine (before setup, after :meth:`close_engine`) the module's own values. Both doors call
         it once per set-up module and remove the handles at teardown."""
         hook = functools.partial(_fill_full_values, self, value_dtype)  # a partial: torch marks the hook object
-        return [
+        agree = functools.partial(_agree_full_values, self, value_dtype)  # [Note: one rank's state_dict]
+        handles = [child.register_state_dict_pre_hook(agree) for child in module.modules()]
+        return handles + [
             child.register_state_dict_post_hook(hook)
             for child in module.modules()
             if any(param is not None for param in child._parameters.values())
         ]
+
+    def agree_full_state_dict(self) -> None:
+        """[Note: one rank's state_dict]: every rank is in this ``state_dict()`` call within
+        :data:`STATE_DICT_AGREEMENT_S` seconds, or this rank raises (posted on the failure channel,
+        so the ranks that went on end too)."""
+        channel = self.failure_channel
+        if channel is None or channel.world_size == 1:
+            return
+        self._state_dict_calls += 1
+        if channel.all_ranks_reach(f"state_dict/{self._state_dict_calls}", STATE_DICT_AGREEMENT_S):
+            return
+        error = RuntimeError(
+            f"lightning_zero (global rank {channel.rank}): model.state_dict() gathers every parameter from the"
+            f" shards (stage {self.config.stage}, or a precision whose parameters are not in ddp's dtype), a"
+            f" collective, but not every rank called it within {STATE_DICT_AGREEMENT_S:.0f} s: the others went on"
+            " and would wait for this rank until collective_timeout. Call model.state_dict() on every rank (each"
+            " gets the full state dict; keep or save it on rank 0), or save with trainer.save_checkpoint /"
+            " fabric.save on every rank; after fit (or the Fabric strategy's teardown) the module is whole and"
+            " state_dict() is local."
+        )
+        note_failure(channel, error, "model.state_dict()")
+        raise error
 
     def checkpoint_layout(self, *, world_size: int, global_rank: int, precision: str) -> "RankPlacement":
         """Where this rank sits, as a checkpoint records it (and a load reads into)."""
@@ -231,6 +261,8 @@ class ZeroSession:
         that needs the peers."""
         if self.engine is None:
             return
+        if self.engine.optimizers:  # [Note: optimizer state after the loop] in zero/flat.py
+            self._closed_shards = self.engine.optimizer_shards()
         if self.failed:  # [Note: failure path]: nothing that needs the peers
             what = ("teardown left the module as it is (stage 3: this rank's shards only; stages 1-2 under"
                     " bf16-mixed: bf16 parameters) and skipped the collectives that need every rank (gathers,"
@@ -242,10 +274,51 @@ class ZeroSession:
             self.engine.close()
         self.engine = None
 
+    def optimizer_shards(self, optimizers: list) -> Optional["OptimizerShards"]:
+        """Where the state of ``optimizers`` lives when no running engine steps them: the runs the
+        engine that did left at its close ([Note: optimizer state after the loop] in
+        ``zero/flat.py``), for a save after the loop; ``None`` while an engine steps them (saves
+        read the engine) or when they are not the closed engine's."""
+        if self.engine is not None and self.engine.optimizers:
+            return None
+        shards = self._closed_shards
+        return shards if shards is not None and optimizers and shards.serves(optimizers) else None
+
     def close(self) -> None:
         """The failure channel's watcher stops (after :meth:`close_engine`)."""
         if self.failure_channel is not None:
             self.failure_channel.close()
+
+
+STATE_DICT_AGREEMENT_S = 5.0  # [Note: one rank's state_dict]: how far apart the ranks may call it
+
+
+def _agree_full_values(
+    session: ZeroSession,
+    value_dtype: Callable[[nn.Parameter], torch.dtype],
+    module: nn.Module,
+    prefix: str,
+    keep_vars: bool,
+) -> None:
+    """The state-dict pre-hook of :meth:`ZeroSession.serve_full_state_dicts` on every module.
+
+    [Note: one rank's state_dict] A full state dict gathers each parameter from the shards over the
+    dp group ([Note: full state dicts] in ``checkpoint/full.py``), so every rank must call it: a
+    ``model.state_dict()`` under ``if trainer.is_global_zero:`` (or ``fabric.global_rank == 0``)
+    left rank 0 in the first gather while the others went on to their next step, and every rank
+    waited ``collective_timeout`` (300 s). So the outermost ``state_dict()`` call that will gather
+    (``prefix == ""``: the module the user called it on; ``keep_vars=True`` hands out the
+    parameters and gathers nothing) first counts itself in through the store and waits for every
+    rank, at most :data:`STATE_DICT_AGREEMENT_S` seconds (one store request per poll; ranks called
+    at the same point of the loop arrive within milliseconds); a rank that waited in vain raises a
+    named error and posts it, so the ranks that went on raise within one poll of their failure
+    channel and every rank exits."""
+    engine = session.engine
+    if prefix or keep_vars or engine is None:
+        return
+    if engine.stage != 3 and all(param.dtype == value_dtype(param) for param in module.parameters()):
+        return  # nothing to gather: the parameters are ddp's values already
+    session.agree_full_state_dict()
 
 
 def _fill_full_values(

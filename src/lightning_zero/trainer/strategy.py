@@ -480,9 +480,12 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             self.session.warn_failed(self.global_rank, what)
             return
         self._wait_param_gathers()
+        # after fit, validate, test or predict the optimizers' state is where fit's engine left it
+        # ([Note: optimizer state after the loop] in zero/flat.py): such a save holds what ddp's holds
         self.checkpoints.save(filepath, checkpoint, step=(checkpoint.get("epoch"), checkpoint.get("global_step")),
                               module=self.lightning_module, engine=self.engine, optimizers=self.optimizers,
-                              layout=self._checkpoint_layout(), storage_options=storage_options)  # fmt: skip
+                              layout=self._checkpoint_layout(), storage_options=storage_options,
+                              optimizer_shards=self.session.optimizer_shards(self.optimizers))  # fmt: skip
 
     def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
         """Write the model as a Hugging Face directory at ``path`` with no gather: every rank writes

@@ -46,7 +46,7 @@ from lightning_zero.zero.build import (
 )
 from lightning_zero.zero.cpu_heap import raise_glibc_thresholds
 from lightning_zero.zero.domains import ExpertDomain, shard_group
-from lightning_zero.zero.flat import FlatSpec, OwnedRange, owned_ranges
+from lightning_zero.zero.flat import FlatSpec, OptimizerShards, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import FullGradStorage, ShardedGradStorage
 from lightning_zero.zero.hybrid import HybridGradReduce
 from lightning_zero.zero.matrix_optimizer import MatrixOwnerOptimizer
@@ -497,6 +497,13 @@ class ZeroEngine:
             if tensor is not None:
                 return tensor
         return owned.master
+
+    def optimizer_shards(self) -> OptimizerShards:
+        """This rank's runs and what steps each ([Note: optimizer state after the loop] in flat.py)."""
+        runs = tuple((owned, self.optimizer_tensor(owned)) for owned in self.owned_ranges())
+        whole = any(hasattr(sharded, "stage_range_state") for sharded in self.optimizers)
+        return OptimizerShards(runs, tuple(s.optimizer for s in self.optimizers), self.has_replicated_optimizers(),
+                               whole)  # fmt: skip
 
     def num_params(self) -> int:
         """Unpadded parameter count managed by the engine (one dp replica)."""

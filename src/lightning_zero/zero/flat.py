@@ -380,6 +380,31 @@ class OwnedRange:
     chunk_hi: int
 
 
+@dataclass(frozen=True)
+class OptimizerShards:
+    """Where this rank's share of the optimizers' state lives: each owned run with the tensor its
+    optimizer steps and keys the state by (``ZeroEngine.optimizer_tensor``: the master chunk itself
+    where no optimizer steps a view of the run); ``optimizers``: the user's optimizer objects.
+
+    [Note: optimizer state after the loop] The engine closes when a door's loop ends (the Trainer's
+    teardown after ``fit``, ``validate``, ...; Fabric's ``strategy.teardown()``): the module gets its
+    full parameters back, but the optimizers keep stepping views of the master runs, and their
+    state stays sharded, as it was. The engine leaves these runs behind (:meth:`ZeroEngine.close`'s
+    caller keeps them: ``ZeroSession.optimizer_shards``), so a save after the loop (most scripts end
+    with ``trainer.save_checkpoint``) writes the optimizer state by element range, as a save inside
+    the loop does, and a resume continues exactly where ddp's would.
+    """
+
+    runs: tuple[tuple[OwnedRange, torch.Tensor], ...]
+    optimizers: tuple  # the user's torch optimizers, in the engine's order
+    replicated: bool  # some optimizer steps replicated full masters (its state is not range-saved)
+    whole_matrices: bool = False  # some optimizer keeps each state matrix whole on its owner (Muon)
+
+    def serves(self, optimizers: list) -> bool:
+        """Whether every one of ``optimizers`` (at least one) is an optimizer these runs belong to."""
+        return bool(optimizers) and all(any(opt is mine for mine in self.optimizers) for opt in optimizers)
+
+
 def owned_ranges(groups: list[FlatParamGroup]) -> Iterator[OwnedRange]:
     """Every (parameter, element range) whose master this rank owns, in layout order."""
     for group in groups:

@@ -166,11 +166,14 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
                 matrix.owner = owner
         return matrices, domains
 
-    def planned_bytes(self) -> dict[str, int]:
-        """Bytes this rank sends per step when every matrix steps, by label (the counter's kinds):
-        its runs of others' matrices in the master dtype, the runs others hold of its own in bf16,
-        and, under tp, its owned tp-split shards to the ``tp - 1`` peers."""
+    def planned_bytes(self, stepped: Optional[list[nn.Parameter]] = None) -> dict[str, int]:
+        """Bytes this rank sends per step when every matrix (of ``stepped`` parameters: those
+        with a gradient) steps, by label (the counter's kinds): its runs of others' matrices in the
+        master dtype, the runs others hold of its own in bf16, and, under tp, its owned tp-split
+        shards to the ``tp - 1`` peers."""
         matrices, domains = self.plan()
+        if stepped is not None:
+            matrices = [m for m in matrices if any(m.param is p for p in stepped)]
         itemsize = self._value_dtype().itemsize
         out = {"muon_to_owner": 0, "muon_from_owner": 0}
         for matrix in matrices:

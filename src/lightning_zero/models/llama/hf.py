@@ -362,6 +362,24 @@ def write_hf_export(
     return out
 
 
+def describe_recorded_model(hparams: Any) -> str:
+    """What a checkpoint's ``hyper_parameters`` say about its model, for an exporter's error: the
+    family of the recorded ``config`` ([Note: the recorded config] in ``models/llama/lightning.py``)."""
+    config = hparams.get("config") if isinstance(hparams, dict) else None
+    if isinstance(config, dict) and "n_experts" in config:
+        return (f"its hyper_parameters record a MoELM config (a mixture of experts: {config['n_experts']} experts,"
+                f" {config.get('n_layers')} layers)")  # fmt: skip
+    if isinstance(config, dict):
+        return (
+            f"its hyper_parameters record a LlamaLM config ({config.get('n_layers')} layers, dim {config.get('dim')})"
+        )
+    if isinstance(config, str):
+        return f"its hyper_parameters record config {config!r}, a name that is no Llama preset ({', '.join(preset_names())})"
+    keys = sorted(hparams) if isinstance(hparams, dict) else []
+    return (f"its hyper_parameters record no model config (keys {keys}): a LightningModule other than LlamaLM or"
+            " MoELM wrote it")  # fmt: skip
+
+
 def export_hf(
     ckpt: Union[str, os.PathLike],
     out: Union[str, os.PathLike],
@@ -383,9 +401,13 @@ def export_hf(
     opened = open_checkpoint(ckpt)
     hparams = opened.state.get("hyper_parameters")
     config_values = hparams.get("config") if isinstance(hparams, dict) else None
-    if not isinstance(config_values, dict):
+    if isinstance(config_values, str) and config_values.lower() in preset_names():
+        config_values = dataclasses.asdict(resolve_config(config_values))  # a subclass's preset name (issue 61)
+    if not isinstance(config_values, dict) or "n_experts" in config_values:
         raise CheckpointError(
-            f"{opened.path}: records no LlamaLM config in its hyper_parameters; --format hf exports LlamaLM checkpoints"
+            f"{opened.path}: {describe_recorded_model(hparams)}, not a LlamaLM's; this writes LlamaLM checkpoints"
+            " as Hugging Face Llama directories (`lightning-zero export CKPT OUT --format hf` picks the exporter"
+            " of a MoELM checkpoint itself; `--format plain` writes any model's weights as one state dict)"
         )
     config = resolve_config(config_values)
     base: Optional[dict[str, Any]] = None

@@ -138,6 +138,13 @@ class LlamaLM(L.LightningModule):
         # checkpoints, loggers' hparams and load_from_checkpoint see a dict and a list.
         config, betas = dataclasses.asdict(self.config), list(betas)
         self.save_hyperparameters()
+        # [Note: the recorded config] Lightning collects every __init__ frame's arguments, a
+        # subclass's last: one that forwards **kw records the config it was given (a preset name,
+        # a partial mapping) over the one resolved here. Record the resolved one whatever the
+        # subclass passed (a second call updates those entries and the frozen hparams_initial), so
+        # load_from_checkpoint and `export --format hf` read the model's whole shape.
+        if self.hparams.get("config") != config or self.hparams.get("betas") != betas:
+            self.save_hyperparameters({"config": config, "betas": betas})
         self.model: Optional[Llama] = None
         self._parallel_plan: Optional[Any] = None  # handed over by the strategy (receive_parallel_plan)
         self.eval_metrics = nn.ModuleDict(

@@ -56,12 +56,13 @@ from lightning_zero.models.llama.hf import (
     _rope_rows,
     _rows,
     check_export_dtype,
+    describe_recorded_model,
     hf_decoder_fields,
     hf_rope_fields,
     write_hf_export,
 )
 from lightning_zero.models.llama.hf_config import CONFIG_FILE, PathLike
-from lightning_zero.models.moe.config import MoEConfig, resolve_moe_config
+from lightning_zero.models.moe.config import MoEConfig, moe_preset_names, resolve_moe_config
 from lightning_zero.models.moe.experts import GroupedExperts
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -267,6 +268,16 @@ def pretrained_config(requested: Any, path: PathLike) -> MoEConfig:
 # --------------------------------------------------------------------------------------------
 
 
+def _recorded_moe_config(hparams: Any) -> Optional[dict[str, Any]]:
+    """The ``MoEConfig`` fields a checkpoint's ``hyper_parameters`` record: the resolved config, or a
+    MoE preset's name (what a subclass forwarding ``**kw`` recorded before [Note: the recorded
+    config] in ``models/llama/lightning.py``); ``None`` for any other model."""
+    config = hparams.get("config") if isinstance(hparams, dict) else None
+    if isinstance(config, str) and config.lower() in moe_preset_names():
+        return dataclasses.asdict(resolve_moe_config(config))
+    return config if isinstance(config, dict) and "n_experts" in config else None
+
+
 def hf_export(config: MoEConfig, prefix: str = "") -> Any:
     """What the no-gather export writes for a ``MoETransformer`` of ``config`` whose parameters are
     named ``prefix + name`` (``checkpoint.hf_write``): each stacked expert tensor feeds one Hugging
@@ -286,9 +297,7 @@ def hf_export(config: MoEConfig, prefix: str = "") -> Any:
 
 def is_moe_checkpoint(ckpt: Union[str, os.PathLike]) -> bool:
     """Whether ``ckpt`` was saved by an ``MoELM`` (its recorded config has experts)."""
-    hparams = open_checkpoint(ckpt).state.get("hyper_parameters")
-    config = hparams.get("config") if isinstance(hparams, dict) else None
-    return isinstance(config, dict) and "n_experts" in config
+    return _recorded_moe_config(open_checkpoint(ckpt).state.get("hyper_parameters")) is not None
 
 
 def export_hf(
@@ -304,9 +313,13 @@ def export_hf(
     check_export_dtype(dtype)
     opened = open_checkpoint(ckpt)
     hparams = opened.state.get("hyper_parameters")
-    config_values = hparams.get("config") if isinstance(hparams, dict) else None
-    if not isinstance(config_values, dict):
-        raise CheckpointError(f"{opened.path}: records no MoELM config in its hyper_parameters")
+    config_values = _recorded_moe_config(hparams)
+    if config_values is None:
+        raise CheckpointError(
+            f"{opened.path}: {describe_recorded_model(hparams)}, not a MoELM's; this writes MoELM checkpoints as"
+            " Hugging Face Mixtral or Qwen3-MoE directories (`lightning-zero export CKPT OUT --format hf` picks the"
+            " Llama exporter for a LlamaLM checkpoint itself)"
+        )
     config = resolve_moe_config(config_values)
     family = family_for(config)
     prefix = opened.meta.get("export_prefix", "")
