@@ -46,7 +46,7 @@ def _snapshot(path: Path, values: dict[str, torch.Tensor]):
     from lightning_zero.checkpoint.state import encode
 
     return Snapshot(target=path, encoded_state=encode({"global_step": 1}, "checkpoint"), rng_file="{}",
-                    tensors=dict(values), params={}, managed={}, kinds=[], optimizer_groups=[], with_optimizer=False,
+                    tensors=dict(values), params={}, managed={}, kinds=[], optimizer_groups=[], with_optimizer=False, had_state=[],
                     has_inner_model=False)  # fmt: skip
 
 
