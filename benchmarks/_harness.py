@@ -189,6 +189,23 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
 PEER_GRACE_S = 60.0  # after one rank failed, how long the other may take to fail too
 
 
+def run_pair_json(script: Path, argv: list[str], env: dict, timeout_s: float) -> Optional[list[dict]]:
+    """Run ``script --worker-dir DIR`` as a pair (:func:`run_pair`) in a fresh directory and return
+    each rank's ``rank{N}.json``; on a failed pair print both logs' tails and return ``None``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work_dir:
+        logs = [Path(work_dir) / f"rank{rank}.log" for rank in (0, 1)]
+        command = [sys.executable, str(script), *argv, "--worker-dir", work_dir]
+        code = run_pair(command, env, logs, timeout_s)
+        if code != 0:
+            for log in logs:
+                print(f"--- {log.name} ---\n{log.read_text()[-3000:]}", file=sys.stderr)
+            print(f"{script.name}: the pair failed (exit {code})", file=sys.stderr)
+            return None
+        return [json.loads((Path(work_dir) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
 def run_pair(command: list[str], env: dict, logs: list[Path], timeout_s: float) -> int:
     """Start both ranks of ``command`` at once, as torchrun starts them (Lightning then starts no
     process of its own), each in its own session with its own log; return 0 if both exited 0, the

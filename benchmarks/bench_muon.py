@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,18 +96,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> int:
-    from _harness import run_pair
+    from _harness import run_pair_json
 
-    with tempfile.TemporaryDirectory() as work_dir:
-        logs = [Path(work_dir) / f"rank{rank}.log" for rank in (0, 1)]
-        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-dir", work_dir]
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        code = run_pair(command, env, logs, args.timeout)
-        if code != 0:
-            for log in logs:
-                print(f"--- {log.name} ---\n{log.read_text()[-3000:]}", file=sys.stderr)
-            return 1
-        ranks = [json.loads((Path(work_dir) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ranks = run_pair_json(Path(__file__).resolve(), argv, env, args.timeout)
+    if ranks is None:
+        return 1
     print(
         f"Muon (B) vs AdamW (A) optimizer step, stage {args.stage}, dim {args.dim} x {args.layers} layers,"
         f" ffn {args.ffn}; {args.pairs} pairs of {args.block}-step blocks, 2 gloo ranks"

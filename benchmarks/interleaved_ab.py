@@ -33,7 +33,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -134,18 +133,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> int:
-    from _harness import run_pair
+    from _harness import run_pair_json
 
-    with tempfile.TemporaryDirectory() as work_dir:
-        logs = [Path(work_dir) / f"rank{rank}.log" for rank in (0, 1)]
-        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-dir", work_dir]
-        code = run_pair(command, dict(os.environ), logs, args.timeout)
-        if code != 0:
-            for log in logs:
-                print(f"--- {log.name} ---\n{log.read_text()[-3000:]}", file=sys.stderr)
-            print(f"interleaved_ab: the pair failed (exit {code})", file=sys.stderr)
-            return 1
-        ranks = [json.loads((Path(work_dir) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    ranks = run_pair_json(Path(__file__).resolve(), argv, dict(os.environ), args.timeout)
+    if ranks is None:
+        return 1
     print(
         f"switch {args.switch} (B) against main (A): stage {args.stage}, model {args.models}"
         f"{' (quick)' if args.quick else ''}, batch {args.batch} x"
