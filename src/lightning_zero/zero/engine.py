@@ -401,6 +401,33 @@ class ZeroEngine:
         loss.backward(**kwargs)
         self.post_backward()
 
+    @contextmanager
+    def gradients_by_hand(self) -> Iterator[None]:
+        """[Note: gradients handed in] A caller that runs its backwards outside the engine's view (a
+        pipeline schedule: torch's zero-bubble schedules compute weight gradients with
+        ``torch.autograd.grad`` and add them to ``.grad`` themselves, so no accumulate-grad hook
+        fires, and every schedule divides ``.grad`` by the micro-batch count at its end) gets the
+        parameters to itself inside: the reducer's hooks are off and every ``.grad`` starts at
+        ``None`` (what earlier micro batches accumulated stays in the engine's buffers). On the
+        way out the gradients the schedule left are handed in as one backward of this step
+        (:meth:`GradReducer.take_grads`): added to the buckets and, outside ``no_sync``, reduced
+        once, as Lightning's own backward would have. Stages 1-2 (stage 3's parameters are
+        gathered by its own hooks)."""
+        if self.stage == 3:
+            raise RuntimeError("lightning_zero: gradients_by_hand runs under ZeRO stages 1-2 only")
+        self.wait_param_gathers()
+        managed = [slot.param for group in self.groups for slot in group.layout.slots]
+        for param in managed:
+            param.grad = None
+        self.reducer.remove_hooks()
+        try:
+            yield
+        finally:
+            self.reducer.add_hooks()
+        self.pre_backward()
+        self.reducer.take_grads()
+        self.post_backward()
+
     def ride_phase_markers(self, rider: "MarkerRider") -> None:
         """Carry ``rider``'s values on every phase marker ([Note: marker riders] in agreements.py):
         agreed over every dp rank of every replica (the world when ``tp == 1``) at each backward
