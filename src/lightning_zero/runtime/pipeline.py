@@ -10,11 +10,12 @@ micro-batches (``pp_microbatches`` equal slices of dim 0) and returns the batch'
 broadcast from the rank holding the last stage over the pp group. So the step logs and returns
 what ddp's would (the mean of equal micro-batches' means is the batch mean), on every rank. In
 training the schedule's backwards run inside the engine's ``gradients_by_hand`` ([Note: gradients
-handed in] in ``zero/engine.py``): ZeRO (stages 1-2) reduces once per optimizer step over the
-stage's dp group, under Lightning's own ``no_sync`` on accumulating batches; each micro-batch's
-loss is divided by ``accumulate_grad_batches`` as Lightning divides ddp's, and torch divides the
-gradients by the micro-batch count (``scale_grads``). The loss Lightning then backwards is a
-value only: the strategy's ``backward`` skips it. Gradient clipping needs nothing more: the
+handed in] in ``zero/engine.py``), which keeps their gradients aside; the strategy's ``backward``
+(the loss Lightning backwards is a value only) hands them in, where ddp's backward would run:
+after Lightning's ``zero_grad`` (which comes after the training step), under its ``no_sync`` on
+accumulating batches, so ZeRO (stages 1-2) reduces once per optimizer step over the stage's dp
+group. Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
+ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
 global norm covers every stage and shard. Evaluation runs the same schedule forward only
 (``schedule.eval``). A batch of another shape (the last, smaller one) or the switch between
@@ -23,7 +24,8 @@ training and evaluation gets its own schedule (torch infers the stages' shapes o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,6 +130,7 @@ class PipelineRun:
         self.grad_divisor = 1  # Lightning's accumulate_grad_batches, set per step by the door
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
+        self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
 
     def attach(self, module: nn.Module, engine: Optional["ZeroEngine"]) -> None:
         """``module``'s cut decoder (the one with ``pipeline_stages``) and the engine over its stages."""
@@ -140,6 +143,33 @@ class PipelineRun:
                 " stages; its configure_model must apply the strategy's plan (receive_parallel_plan), as LlamaLM does"
             )
         self.decoder, self.engine = cut[0], engine
+
+    @contextmanager
+    def stepping(self, module: nn.Module, accumulate: int = 1) -> Iterator[None]:
+        """While ``module``'s step runs, its cut decoder is a :class:`PipelinedModel`; each
+        micro-batch's training loss is divided by ``accumulate`` (Lightning's
+        ``accumulate_grad_batches``, as it divides ddp's loss)."""
+        owner, attribute = next(
+            (parent, name)
+            for parent in module.modules()
+            for name, child in parent._modules.items()
+            if child is self.decoder
+        )
+        self.grad_divisor = accumulate
+        owner._modules[attribute] = PipelinedModel(self)
+        try:
+            yield
+        finally:
+            owner._modules[attribute] = self.decoder
+
+    def hand_in_grads(self) -> None:
+        """Where Lightning's backward would run (after its ``zero_grad``): the gradients of the last
+        training step's schedule reach the engine ([Note: gradients handed in])."""
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("lightning_zero: a pipelined backward without a training step before it")
+        assert self.engine is not None
+        self.engine.hand_in_grads(held)
 
     def _schedule(self, inputs: torch.Tensor, training: bool) -> Any:
         key = (tuple(inputs.shape), inputs.dtype, training)
@@ -180,11 +210,13 @@ class PipelineRun:
         with record_function("lightning_zero::pp_schedule_step"):
             if training:
                 assert self.engine is not None
-                with self.engine.gradients_by_hand():
+                with self.engine.gradients_by_hand() as held:
                     schedule.step(*args, **kwargs)
+                self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
             else:
                 schedule.eval(*args, **kwargs)
-        loss = torch.stack(self._losses).mean() if last else torch.zeros((), device=self.device)
+        # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
+        loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
         source = self.groups.dims.pp_ranks(self.groups.rank)[layout.stage_rank(layout.num_stages - 1)]
         with record_function("lightning_zero::pp_loss_broadcast"):
             dist.broadcast(loss, src=source, group=self.groups.pp)

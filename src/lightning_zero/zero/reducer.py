@@ -647,13 +647,21 @@ class GradReducer:
             handle.remove()
         self._handles.clear()
 
-    def take_grads(self) -> None:
-        """One backward whose gradients are the parameters' ``.grad`` as they stand ([Note: gradients
-        handed in] in ``zero/engine.py``): each present gradient enters its bucket as the hook
-        would have taken it, then the backward ends (and syncs if this backward syncs)."""
+    def take_grads(self, held: dict[Any, torch.Tensor]) -> None:
+        """One backward whose gradients are ``held`` (parameter -> gradient; [Note: gradients handed
+        in] in ``zero/engine.py``): each enters its bucket as the hook would have taken it (added to
+        an installed view, else set as ``.grad``), then the backward ends, syncing if it syncs."""
+        self._callback_armed = True  # no autograd graph task to end: finish_backward below ends it
         with torch.no_grad():
             for bucket in self.buckets:
                 for slot in bucket.layout.slots:
-                    if slot.param.grad is not None:
-                        self._on_grad_ready(slot.param)
+                    grad = held.get(slot.param)
+                    if grad is None:
+                        continue
+                    if slot.param.grad is None:
+                        slot.param.grad = grad
+                    else:
+                        slot.param.grad.add_(grad)
+                    self._on_grad_ready(slot.param)
+        self._callback_armed = False
         self.finish_backward()
