@@ -25,7 +25,9 @@ from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 
 SEQ = 16
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
-TRAINER = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, **eval(os.environ.get("PPDBG", "{}"))}
+# validation (forward through the stages) once before training, after step 2 and at the end
+TRAINER = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, "num_sanity_val_steps": 1, "limit_val_batches": 1,
+           "val_check_interval": 4}  # fmt: skip
 STEPS = 4
 GLOBAL_BATCH = 4
 
@@ -46,7 +48,8 @@ CASES = {"ddp": (lambda: "ddp", 2), "resume_pp2_ckpt_pp1": (zero(2), 2)}
 for _stage in (1, 2):
     for _name, _knobs in SCHEDULES.items():
         CASES[f"pp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 1)
-        CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 2)
+        # 2 sequences per dp rank: 2 micro-batches of one (zbv needs 2 pp = 4)
+        CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
 
@@ -56,11 +59,13 @@ class Record(L.Callback):
         self.losses: list[float] = []
         self.rows: list[list[int]] = []  # each batch's rows, as one number each (the test compares sets)
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.init = {k: v.clone() for k, v in pl_module.model.state_dict().items()}
+        self.val_losses: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.rows.append([int((row * torch.arange(1, row.numel() + 1)).sum()) for row in batch])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -71,7 +76,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
     L.seed_everything(42, verbose=False)
     model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     data = TokenDataModule(
-        source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.0, seed=3,
+        source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.25, seed=3,
         synthetic_tokens=64 * SEQ + 1,
     )  # fmt: skip
     record = Record()
@@ -81,7 +86,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
     )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     torch.save(
-        {"init": record.init, "losses": record.losses, "rows": record.rows, "params": {k: v.float() for k, v in model.model.state_dict().items()}},
+        {"losses": record.losses, "val_losses": record.val_losses, "rows": record.rows, "params": {k: v.float() for k, v in model.model.state_dict().items()}},
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

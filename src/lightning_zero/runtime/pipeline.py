@@ -17,9 +17,12 @@ accumulating batches, so ZeRO (stages 1-2) reduces once per optimizer step over 
 group. Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
 ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
-global norm covers every stage and shard. Evaluation runs the same schedule forward only
-(``schedule.eval``). A batch of another shape (the last, smaller one) or the switch between
-training and evaluation gets its own schedule (torch infers the stages' shapes once per schedule).
+global norm covers every stage and shard. A training batch of another shape (the last, smaller
+one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
+(``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
+activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
+fails (its V's local hand-over asks for a backward), and a forward needs no micro-batches, so the
+loss is the whole batch's cross entropy, as ddp's.
 """
 
 from __future__ import annotations
@@ -171,8 +174,8 @@ class PipelineRun:
         assert self.engine is not None
         self.engine.hand_in_grads(held)
 
-    def _schedule(self, inputs: torch.Tensor, training: bool) -> Any:
-        key = (tuple(inputs.shape), inputs.dtype, training)
+    def _schedule(self, inputs: torch.Tensor) -> Any:
+        key = (tuple(inputs.shape), inputs.dtype)
         if key not in self._schedules:
             from lightning_zero.pp.schedule import build_schedule
 
@@ -185,7 +188,7 @@ class PipelineRun:
         assert self.decoder is not None
         loss = self.decoder.loss_fn(output, target)
         self._losses.append(loss.detach())
-        return loss / self.grad_divisor if torch.is_grad_enabled() else loss
+        return loss / self.grad_divisor
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step of the schedule over ``inputs`` (training when grad is enabled, else forward
@@ -195,28 +198,60 @@ class PipelineRun:
         from lightning_zero.pp.schedule import holds_first_stage, holds_last_stage
 
         layout, m = self.layout, self.layout.microbatches
+        if not torch.is_grad_enabled():
+            return self._evaluate(inputs, targets)
         if inputs.size(0) % m != 0:
             raise ValueError(
                 f"ZeroStrategy(pp_microbatches={m}): a batch of {inputs.size(0)} samples does not split into {m} equal"
                 f" micro-batches; use a batch size that is a multiple of {m}, or set pp_microbatches to a divisor of"
                 f" {inputs.size(0)}"
             )
-        training = torch.is_grad_enabled()
-        schedule = self._schedule(inputs, training)
+        schedule = self._schedule(inputs)
         args = (inputs,) if holds_first_stage(layout, self.pp_rank) else ()
         last = holds_last_stage(layout, self.pp_rank)
         kwargs = {"target": targets} if last else {}
         self._losses = []
-        with record_function("lightning_zero::pp_schedule_step"):
-            if training:
-                assert self.engine is not None
-                with self.engine.gradients_by_hand() as held:
-                    schedule.step(*args, **kwargs)
-                self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
-            else:
-                schedule.eval(*args, **kwargs)
+        assert self.engine is not None
+        with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
+            schedule.step(*args, **kwargs)
+        self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
+        return self._share(loss)
+
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, the whole batch through the stages in order, each activation sent to the
+        next stage's rank ([Note: the pipelined step]: torch's ``eval`` of ``zbv`` fails, and an
+        evaluation needs no micro-batches)."""
+        from torch.profiler import record_function
+
+        assert self.decoder is not None
+        layout, stages = self.layout, self.decoder.pipeline_stages
+        peers = self.groups.dims.pp_ranks(self.groups.rank)
+        hidden: Any = inputs
+        for index in range(layout.num_stages):
+            owner = layout.stage_rank(index)
+            if owner != self.pp_rank:
+                continue
+            stage = stages[index]
+            if index > 0 and layout.stage_rank(index - 1) != owner:
+                dtype = next(stage.parameters()).dtype
+                hidden = torch.empty((*inputs.shape, stage.config.dim), dtype=dtype, device=self.device)
+                with record_function("lightning_zero::pp_eval_recv"):
+                    dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
+            hidden = stage(hidden)
+            if index < layout.num_stages - 1 and layout.stage_rank(index + 1) != owner:
+                with record_function("lightning_zero::pp_eval_send"):
+                    dist.send(hidden.contiguous(), dst=peers[layout.stage_rank(index + 1)], group=self.groups.pp)
+        last = layout.stage_rank(layout.num_stages - 1) == self.pp_rank
+        loss = self.decoder.loss_fn(hidden, targets) if last else torch.zeros((), device=self.device)
+        return self._share(loss)
+
+    def _share(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss on every rank of the pp group."""
+        from torch.profiler import record_function
+
+        layout = self.layout
         source = self.groups.dims.pp_ranks(self.groups.rank)[layout.stage_rank(layout.num_stages - 1)]
         with record_function("lightning_zero::pp_loss_broadcast"):
             dist.broadcast(loss, src=source, group=self.groups.pp)
