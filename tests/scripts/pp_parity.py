@@ -86,7 +86,12 @@ def run(name: str, devices: int, out_dir: str) -> None:
     )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
     torch.save(
-        {"losses": record.losses, "val_losses": record.val_losses, "rows": record.rows, "params": {k: v.float() for k, v in model.model.state_dict().items()}},
+        {
+            "losses": record.losses,
+            "val_losses": record.val_losses,
+            "rows": record.rows,
+            "params": {k: v.float() for k, v in model.model.state_dict().items()},
+        },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )
 

@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
     from lightning_zero.pp.layout import PipelineLayout
     from lightning_zero.precision import PrecisionPolicy
-    from lightning_zero.runtime.pipeline import PipelineRun
     from lightning_zero.runtime.parallelize import ParallelPlan
+    from lightning_zero.runtime.pipeline import PipelineRun
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.flat import OptimizerShards
     from lightning_zero.zero.waits import FailureChannel
