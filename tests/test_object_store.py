@@ -203,6 +203,122 @@ def test_commit_objects_publish_link_and_clean_on_memory_urls():
     assert not is_checkpoint(f"{root}/a.ckpt") and not fs.exists(f"{root}/a.ckpt")
 
 
+def test_a_corrupted_shard_at_a_url_is_named_on_load():
+    """[Note: shard hashes on URL loads]: a shard replaced by bytes of the same size passes the
+    size check; its sha256 is re-hashed on load, by the reader (a job's load) and at open
+    (``export``), and the object is named."""
+    import fsspec
+
+    from lightning_zero.checkpoint import CheckpointError, RankPlacement, load_model, objstore, open_checkpoint
+
+    root = f"memory://lz-{os.getpid()}-{time.monotonic_ns()}"
+    _linear_save(f"{root}/a.ckpt", 1.0)
+    opened = open_checkpoint(f"{root}/a.ckpt", RankPlacement())
+    load_model(opened, torch.nn.Linear(4, 3))  # an intact one loads
+    assert opened.reads.bytes >= sum(info["size"] for info in opened.files.values())  # every object hashed
+    fs = fsspec.filesystem("memory")
+    data = objstore.resolve(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)[0]
+    shard = f"{data}/__0_0.distcp"
+    corrupted = bytearray(fs.cat_file(shard))
+    corrupted[-20] ^= 0xFF
+    fs.pipe_file(shard, bytes(corrupted))
+    module = torch.nn.Linear(4, 3)
+    before = module.weight.detach().clone()
+    opened = open_checkpoint(f"{root}/a.ckpt", RankPlacement())  # sizes match: opens
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 does not match"):
+        load_model(opened, module)
+    assert torch.equal(module.weight.detach(), before)  # nothing copied
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 does not match"):
+        open_checkpoint(f"{root}/a.ckpt")  # export's open (no process group) hashes every object
+
+
+class _Gate:
+    """``gated://`` is ``memory://`` (the same store) but for the first upload whose path ends with
+    ``suffix`` once armed: it reaches ``blocked`` at its close and waits there for ``release``."""
+
+    suffix = None
+    blocked = threading.Event()
+    release = threading.Event()
+
+
+def _gated_fs():
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class GatedFile:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, data):
+            return self.handle.write(data)
+
+        def close(self):
+            _Gate.blocked.set()
+            assert _Gate.release.wait(30), "never released"
+            self.handle.close()
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    class GatedMemory(MemoryFileSystem):
+        protocol = "gated"
+
+        def _open(self, path, mode="rb", **kwargs):
+            handle = super()._open(path, mode, **kwargs)
+            if "w" in mode and _Gate.suffix and path.endswith(_Gate.suffix):
+                _Gate.suffix = None
+                return GatedFile(handle)
+            return handle
+
+    fsspec.register_implementation("gated", GatedMemory, clobber=True)
+
+
+def test_two_jobs_saving_one_url_name_keep_each_others_saves_in_flight(monkeypatch):
+    """[Note: two jobs, one name]: job B saves and commits the name while job A's save is in flight
+    (its rank file uploaded, a shard stuck): B's cleanups leave A's prefix alone, A then commits,
+    and the name loads A's save (the last commit) intact."""
+    from lightning_zero.checkpoint import objstore
+
+    _gated_fs()
+    jobs = threading.local()
+    monkeypatch.setattr(objstore, "job_token", lambda: getattr(jobs, "token", "aaaaaaaa"))
+    root = f"gated://lz-{os.getpid()}-{time.monotonic_ns()}"
+    _linear_save(f"{root}/a.ckpt", 1.0)  # job A's earlier save
+    _Gate.blocked.clear(), _Gate.release.clear()
+    _Gate.suffix = "__0_0.distcp"
+    failures = []
+
+    def job_a():
+        try:
+            _linear_save(f"{root}/a.ckpt", 2.0)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            failures.append(exc)
+
+    saver = threading.Thread(target=job_a)
+    saver.start()
+    assert _Gate.blocked.wait(30)
+    in_flight = [p for p in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt"))
+                 if p != objstore.read_commit(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)["data"]]  # fmt: skip
+    assert len(in_flight) == 1 and in_flight[0].startswith("save-aaaaaaaa-"), in_flight
+    jobs.token = "bbbbbbbb"
+    _linear_save(f"{root}/a.ckpt", 3.0)  # job B: begins (cleanup), writes, commits (cleanup)
+    assert _linear_load(f"{root}/a.ckpt")[1] == 3.0
+    assert in_flight[0] in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt"))
+    _Gate.release.set()
+    saver.join(30)
+    assert not failures, failures
+    assert _linear_load(f"{root}/a.ckpt")[1] == 2.0  # A committed last: its save, whole (sha256 re-hashed)
+    # B's replaced prefix is another job's for A: A's cleanups leave it (young); B's next save
+    # removes it, and leaves A's (replaced now, young, another job's for B)
+    (b_first,) = [n for n in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt")) if "-bbbbbbbb-" in n]
+    jobs.token = "aaaaaaaa"
+    assert objstore.removable(b_first, now=time.time() + 2 * 86400) and not objstore.removable(b_first)
+    jobs.token = "bbbbbbbb"
+    _linear_save(f"{root}/a.ckpt", 4.0)
+    b_now = objstore.read_commit(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)["data"]
+    assert objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt")) == sorted([in_flight[0], b_now])
+
+
 # --------------------------------------------------------------------------------------------
 # The fault matrix: every write phase, an upload that fails or stalls after N bytes (2 ranks)
 # --------------------------------------------------------------------------------------------
