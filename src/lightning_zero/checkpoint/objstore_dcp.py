@@ -215,12 +215,18 @@ class ObjectReader(SafeFileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         fs, root = filesystem(str(self.path), self.policy)
         items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        rank, world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
         whole = sorted(name for name in self.files if verifier_rank(name, world) == rank)
         # one fetch per part of an object re-hashed here, one per range of the other objects
-        spans = [(name, start, end) for name in whole for start, end in part_ranges(self.files[name]["size"], self.policy)]
+        spans = [
+            (name, start, end) for name in whole for start, end in part_ranges(self.files[name]["size"], self.policy)
+        ]
         ranged = [index for index, (_, info) in enumerate(items) if info.relative_path not in whole]
-        spans += [(items[i][1].relative_path, items[i][1].offset, items[i][1].offset + items[i][1].length) for i in ranged]
+        spans += [
+            (items[i][1].relative_path, items[i][1].offset, items[i][1].offset + items[i][1].length) for i in ranged
+        ]
 
         def fetch(span: tuple[str, int, int]) -> bytes:
             data = fs.cat_file(f"{root.rstrip('/')}/{span[0]}", start=span[1], end=span[2])
