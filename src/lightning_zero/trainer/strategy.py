@@ -516,7 +516,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             raise RuntimeError(f"ZeroStrategy.save_hf_pretrained({str(path)!r}): a rank failed; not written")
         self._wait_param_gathers()
         return save_hf_pretrained(path, module=self.lightning_module, engine=self.engine,
-                                  layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size)  # fmt: skip
+                                  layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size,
+                                  storage=self.checkpoints.storage)  # fmt: skip
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
