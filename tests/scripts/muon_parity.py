@@ -106,7 +106,9 @@ class MuonMoE(MuonTraining, MoELM):
 def layout(case: str) -> dict:
     """``zero2_tp2`` -> stage 2, tp 2; ``zero3_ep2_moe`` -> stage 3, ep 2; ``ddp...`` -> {}."""
     parts = case.removeprefix("resume_").removeprefix("save_").split("_from_")[0].split("_")
-    parts = [part for part in parts if part not in ("exact", "dp4", "1step", "acconly", "cliponly", "syncall")]  # dp4: a name for the 4-rank launch
+    parts = [
+        part for part in parts if part not in ("exact", "dp4", "1step", "acconly", "cliponly", "syncall")
+    ]  # dp4: a name for the 4-rank launch
     if parts[0].startswith("ddp"):
         return {}
     knobs = {"stage": int(parts[0].removeprefix("zero")), "bucket_mb": 0.01}
