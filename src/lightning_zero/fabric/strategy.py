@@ -857,7 +857,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         engine.wait_param_gathers()
         with self._noting_failures():
             return save_hf_pretrained(path, module=self._module, engine=engine, layout=self._layout(), dtype=dtype,
-                                      max_shard_size=max_shard_size)  # fmt: skip
+                                      max_shard_size=max_shard_size, storage=self.checkpoints.storage)  # fmt: skip
 
     @override
     def load_checkpoint(
