@@ -94,6 +94,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
         offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,
         defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+        exact_grad_norm: bool = ZERO_DEFAULTS.exact_grad_norm,
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,

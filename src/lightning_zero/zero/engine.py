@@ -278,6 +278,7 @@ class ZeroEngine:
             self.optimizers, self.reducer, dp_group=dp_group, counter=self.counter, waiter=self.waiter
         )  # fmt: skip
         for sharded in self.optimizers:
+            sharded.exact_grad_norm = config.exact_grad_norm  # [Note: exact gradient norm]
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
             sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
