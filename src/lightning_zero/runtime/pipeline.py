@@ -224,7 +224,15 @@ class PipelineRun:
         self._losses = []
         assert self.engine is not None
         with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
-            schedule.step(*args, **kwargs)
+            try:
+                schedule.step(*args, **kwargs)
+            except RuntimeError as error:
+                # torch's stage wraps a forward's or backward's own exception ("[Stage 1] failed to run
+                # forward"): raise the model's own, which the failure path posts for the other ranks
+                cause = error.__cause__
+                if cause is not None and "failed to run" in str(error):
+                    raise cause from None
+                raise
         self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
