@@ -255,6 +255,7 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 PIPELINE_REFUSALS = [
     (dict(stage=3), {}, "use stage=1 or stage=2"),
     (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
     (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
     (dict(pp_schedule="interleaved_1f1b"), {}, "pp_virtual_stages >= 2"),

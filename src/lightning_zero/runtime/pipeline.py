@@ -56,6 +56,12 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
             f" (docs/pipeline.md); use {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
         )
+    if config.shard_size is not None or config.hierarchical_reduce:
+        raise ValueError(
+            f"{asked} with shard_size={config.shard_size!r}, hierarchical_reduce={config.hierarchical_reduce}: hybrid"
+            " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
+            " shard_size=None and hierarchical_reduce=False with pp > 1"
+        )
     if config.stage == 3:
         raise ValueError(
             f"{asked}, stage=3: ZeRO-3 within a pipeline stage is not run yet (its parameters would be gathered per"
