@@ -346,3 +346,25 @@ def test_a_pp_rank_failing_mid_schedule_ends_every_rank():
         assert "ValueError: a bad micro-batch on pp rank 1" in logs["raise", 1]
         survivor = logs["raise", 0]
         assert "stops because another rank failed (global rank 1)" in survivor and "training step 3" in survivor
+
+
+FABRIC_CASES = ["1f1b-zero2", "interleaved_1f1b-zero1", "zbv-zero1"]
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_step_in_a_hand_loop_equals_one_process(tmp_path):
+    """tests/scripts/fabric_pp.py: ``fabric.strategy.pipeline_step`` + ``fabric.backward`` under
+    ``no_backward_sync`` (accumulation 2) + ``fabric.clip_gradients`` + ``optimizer.step`` on 2
+    ranks equal the same loop on the whole model in one process: losses, every trained parameter
+    (each on the rank holding it) and a forward-only evaluation to 1e-5."""
+    from tests.distributed import launch
+
+    launch("fabric_pp.py", tmp_path, 2, *FABRIC_CASES, timeout_s=300, ranks=2)
+    for case in FABRIC_CASES:
+        ranks = [rank_result(tmp_path, case, rank) for rank in range(2)]
+        names = [name for result in ranks for name in result["gaps"]]
+        assert len(names) == len(set(names)) == 39, case  # every parameter of the 4-block model, once
+        for result in ranks:
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["want"]), rtol=0, atol=1e-5)
+            assert max(result["gaps"].values()) < 1e-5, (case, result["gaps"])
+            assert abs(result["eval"][0] - result["eval"][1]) < 1e-5, case
