@@ -1,13 +1,15 @@
-"""Pipeline parallelism's engine level: the layout's checks (no process group), the schedule played
-on paper against torch's own order, and torch's schedules over our Llama stages on 2 gloo ranks
-against one process running the whole model."""
+"""Pipeline parallelism: the layout's checks (no process group), the schedule played on paper
+against torch's own order, torch's schedules over our Llama stages on 2 gloo ranks against one
+process running the whole model, and ``LlamaLM`` under ``ZeroStrategy(pp=2)`` through the Trainer
+against Lightning's ddp (every schedule; ZeRO stages 1 and 2 within each stage's dp group; a
+checkpoint saved at pp=2 resumed at pp=1)."""
 
 import pytest
 import torch
 
 from lightning_zero.pp.layout import SCHEDULES, PipelineLayout, balanced_split
 from lightning_zero.pp.simulate import StageCosts, schedule_order, trace_schedule
-from tests.distributed import run_ranks
+from tests.distributed import launch_each, rank_result, run_ranks
 
 BAD_LAYOUTS = [
     (dict(pp=2, schedule="pipedream", n_layers=4, microbatches=4), "is not a schedule"),
@@ -192,3 +194,177 @@ def test_torchs_schedules_over_llama_stages_equal_one_process_and_move_the_plann
     targets = torch.randint(0, CONFIG["vocab_size"], (4, 8))
     loss, grads = _reference(batch, targets)
     run_ranks(_pipeline_cases, 2, args=(PIPELINE_CASES, batch, targets, loss, grads), timeout_s=120)
+
+
+# tests/scripts/pp_parity.py: fp32, accumulate_grad_batches=2, norm clipping, validation before,
+# during and after training; the same global batch of 4 sequences a step in every case
+LAUNCHES = [
+    (
+        2,
+        ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
+         "resume_pp2_ckpt_pp1"],
+    ),
+    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2"]),
+]  # fmt: skip
+RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
+PP_CASES = [case for case in RANKS if case.startswith("pp2")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return launch_each("pp_parity.py", tmp_path_factory.mktemp("pp"), LAUNCHES, timeout_s=400)
+
+
+def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-step losses and validation losses (the mean over the run's ranks: every rank of a pp
+    group reports its dp rank's batch), and every parameter (each pp rank holds its stages')."""
+    ranks = [rank_result(results, case, rank) for rank in range(RANKS[case])]
+    params: dict = {}
+    for result in ranks:
+        params.update(result["params"])
+    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
+    val_losses = torch.tensor([result["val_losses"] for result in ranks]).mean(0)
+    return losses, val_losses, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PP_CASES)
+def test_pipeline_under_the_trainer_matches_ddp(trained, case):
+    losses, val_losses, params = _joined(trained, case)
+    want_losses, want_val, want_params = _joined(trained, "ddp")
+    assert losses.shape == want_losses.shape == (8,) and val_losses.shape == want_val.shape == (3,)
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(val_losses, want_val, rtol=0, atol=1e-5)
+    assert set(params) == set(want_params)  # every stage's parameters, under the full model's names
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+    if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
+        rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
+        assert rows[0] == rows[1]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
+    losses, _, params = _joined(trained, "resume_pp2_ckpt_pp1")
+    want_losses, _, want_params = _joined(trained, "ddp")
+    torch.testing.assert_close(losses, want_losses[4:], rtol=0, atol=1e-5)  # steps 3-4 (batches 5-8)
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+PIPELINE_REFUSALS = [
+    (dict(stage=3), {}, "use stage=1 or stage=2"),
+    (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(pp_layers=[1, 2]), {}, "sums to 3"),
+    (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
+    (dict(pp_schedule="interleaved_1f1b"), {}, "pp_virtual_stages >= 2"),
+    (dict(pp_schedule="interleaved_1f1b", pp_virtual_stages=4), {}, "every stage needs at least one"),
+    ({}, dict(tie_embeddings=True), "ties its embedding to its head"),
+]
+
+
+@pytest.mark.parametrize("knobs, model, message", PIPELINE_REFUSALS)
+def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(knobs, model, message):
+    """What ``ZeroStrategy.setup_environment`` checks (``ZeroSession.plan_layout``) before it starts
+    the process group: the layout against the model, each refusal naming the fix."""
+    import torch.distributed as dist
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.session import ZeroSession
+
+    session = ZeroSession(ZeroConfig(**{"stage": 2, "pp": 2, **knobs}))
+    module = LlamaLM({**CONFIG, "name": "tiny", **model})
+    with pytest.raises(ValueError, match=message):
+        session.plan_layout(num_nodes=1, num_processes=4, module=module)
+    assert not dist.is_initialized()
+
+
+def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.session import ZeroSession
+
+    session = ZeroSession(ZeroConfig(stage=1, pp=2, pp_schedule="zbv"))
+    dims = session.plan_layout(num_nodes=1, num_processes=4, module=LlamaLM({**CONFIG, "name": "tiny"}))
+    assert (dims.pp, dims.dp, dims.pp_ranks(1)) == (2, 2, [1, 3])
+    layout = session.pipeline_layout
+    assert (layout.schedule, layout.microbatches, layout.rank_stages(0)) == ("zbv", 4, (0, 3))
+
+
+@pytest.mark.slow
+def test_a_pp_rank_failing_mid_schedule_ends_every_rank():
+    """tests/scripts/pp_failure.py: at step 3 rank 1 (the last stage) raises, or SIGKILLs itself,
+    inside its first block's forward while rank 0 waits in the schedule's receive; both ranks exit
+    non-zero within 10 s (the process group's timeout is 30 minutes, ``collective_timeout`` 300 s),
+    and after a raise rank 0's error names rank 1 and the step ([Note: failure path])."""
+    import signal
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from tests.distributed import free_port, script_env, start_process, torchrun_env
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        running = {}
+        for case in ("raise", "kill"):
+            port = free_port()
+            argv = [sys.executable, str(root / "tests" / "scripts" / "pp_failure.py"), str(out), case]
+            running[case] = [
+                start_process(
+                    argv,
+                    cwd=out,
+                    env=torchrun_env(script_env(root), rank, 2, port),
+                    log_path=out / f"{case}.rank{rank}.log",
+                )  # fmt: skip
+                for rank in range(2)
+            ]
+        ends: dict = {case: [None, None] for case in running}
+        started = time.monotonic()
+        while any(None in value for value in ends.values()) and time.monotonic() - started < 150:
+            for case, procs in running.items():
+                for rank, proc in enumerate(procs):
+                    if ends[case][rank] is None and proc.poll() is not None:
+                        ends[case][rank] = (proc.returncode, time.time())
+            time.sleep(0.05)
+        for procs in running.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        logs = {(case, rank): (out / f"{case}.rank{rank}.log").read_text(errors="replace") for case in running
+                for rank in range(2)}  # fmt: skip
+        for case in running:
+            tails = "\n".join(logs[case, rank][-3000:] for rank in range(2))
+            hazard_at = float((out / f"{case}.hazard").read_text())
+            for rank, end in enumerate(ends[case]):
+                assert end is not None and end[0] != 0, (case, rank, end, tails)
+                assert end[1] - hazard_at < 10.0, (case, rank, end[1] - hazard_at, tails)
+        assert ends["kill"][1][0] == -signal.SIGKILL
+        assert "ValueError: a bad micro-batch on pp rank 1" in logs["raise", 1]
+        survivor = logs["raise", 0]
+        assert "stops because another rank failed (global rank 1)" in survivor and "training step 3" in survivor
+
+
+FABRIC_CASES = ["1f1b-zero2", "interleaved_1f1b-zero1", "zbv-zero1"]
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_step_in_a_hand_loop_equals_one_process(tmp_path):
+    """tests/scripts/fabric_pp.py: ``fabric.strategy.pipeline_step`` + ``fabric.backward`` under
+    ``no_backward_sync`` (accumulation 2) + ``fabric.clip_gradients`` + ``optimizer.step`` on 2
+    ranks equal the same loop on the whole model in one process: losses, every trained parameter
+    (each on the rank holding it) and a forward-only evaluation to 1e-5."""
+    from tests.distributed import launch
+
+    launch("fabric_pp.py", tmp_path, 2, *FABRIC_CASES, timeout_s=300, ranks=2)
+    for case in FABRIC_CASES:
+        ranks = [rank_result(tmp_path, case, rank) for rank in range(2)]
+        names = [name for result in ranks for name in result["gaps"]]
+        assert len(names) == len(set(names)) == 39, case  # every parameter of the 4-block model, once
+        for result in ranks:
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["want"]), rtol=0, atol=1e-5)
+            assert max(result["gaps"].values()) < 1e-5, (case, result["gaps"])
+            assert abs(result["eval"][0] - result["eval"][1]) < 1e-5, case
