@@ -46,6 +46,7 @@ from lightning_zero.planner.ledger import (
     model_state_bytes,
     precision_bytes,
 )
+from lightning_zero.planner.muon import PLANNED_OPTIMIZERS, with_muon
 from lightning_zero.planner.pipeline import (
     LOSS_TOTAL_WEIGHT_BYTES,
     PipelinePlan,
@@ -148,6 +149,9 @@ class RunShape:
             Held as the mode's name.
         accumulate_grad_batches: micro batches per optimizer step.
         attention: ``"fused"`` (SDPA flash kernels, what the model runs) or ``"math"``.
+        optimizer: ``"adamw"`` or ``"muon"`` (``torch.optim.Muon`` for a Llama's hidden matrices,
+            AdamW for the rest: the owners' Newton-Schulz, their exchange and the momenta by
+            ownership, ``planner/muon.py``; docs/optimizers.md).
     """
 
     precision: str = "bf16-mixed"
@@ -156,6 +160,7 @@ class RunShape:
     activation_checkpointing: Union[bool, str] = False
     accumulate_grad_batches: int = 1
     attention: str = "fused"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         _check_positive("RunShape", micro_batch=self.micro_batch, accumulate_grad_batches=self.accumulate_grad_batches)
@@ -164,6 +169,10 @@ class RunShape:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(
                 f"RunShape: attention must be one of {ATTENTION_KERNELS}, got attention={self.attention!r}"
+            )
+        if self.optimizer not in PLANNED_OPTIMIZERS:
+            raise ValueError(
+                f"RunShape: optimizer must be one of {PLANNED_OPTIMIZERS}, got optimizer={self.optimizer!r}"
             )
         mode = checkpointing_mode(self.activation_checkpointing, "RunShape: activation_checkpointing")
         object.__setattr__(self, "activation_checkpointing", mode)
@@ -318,6 +327,8 @@ def plan(
         planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
     else:
         planned = pipelined.assemble(simulated, run.accumulate_grad_batches)
+    if run.optimizer == "muon":
+        planned = with_muon(planned, resolved)  # planner/muon.py
     if options.suggest and not planned.fits:
         options = dataclasses.replace(options, hardware=resolved.hw)
         fixes = suggest_fixes(
@@ -634,6 +645,7 @@ def assemble_plan(
         pp=dims.pp,
         pp_schedule=config.pp_schedule,
         pp_virtual_stages=config.pp_virtual_stages,
+        optimizer=run.optimizer,
     )
 
 
