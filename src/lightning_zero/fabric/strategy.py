@@ -75,6 +75,10 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "tensor parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
         " ZeroStrategy (its LightningModule's configure_model applies the TP transform).",
     ),
+    "pp": (
+        lambda value: value != 1,
+        "the Fabric door has no pipeline step yet; use pp=1 (the engine level is pp/schedule.py).",
+    ),
     "sequence_parallel": (
         lambda value: bool(value),
         "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
@@ -87,6 +91,7 @@ FABRIC_HONOURS = frozenset(
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
+        "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # no effect at pp=1, the only pp here
     }
 )  # fmt: skip
 
