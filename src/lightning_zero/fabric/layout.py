@@ -4,7 +4,8 @@ The layout itself (``ParallelDims``, the groups, the parallelize step) is the ru
 (``runtime/run.py``, ``runtime/parallelize.py``); a Fabric loop holds whole batches and builds its
 own model, so this module holds what that loop needs from the door: the construction-time check of
 what is known before launch (:func:`check_before_launch`), the cut of a batch
-(:func:`context_slice`) and the dp split of a litdata dataset (:func:`split_dataloader`).
+(:func:`context_slice`) and the dp split of a litdata dataset (:func:`split_dataloader`), and the
+strategy's methods over them (:class:`FabricLayout`).
 
 [Note: context parallelism under Fabric] With ``cp=C`` a Fabric loop, which holds whole batches,
 changes one line:
@@ -51,6 +52,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from typing_extensions import override
 
 from lightning_zero.cp.layout import check_context_parallel, layout_notice
 
@@ -90,3 +92,42 @@ def split_dataloader(run: "ZeroRun", dataloader: Any, *, world_size: int, dp_ran
     dims = run.dims
     if dims is not None and dims.dp != world_size:
         split_streaming_over_dp(dataloader, dp_size=dims.dp, dp_rank=dp_rank, num_nodes=num_nodes)
+
+
+class FabricLayout:
+    """``ZeroFabricStrategy``'s layout methods: the dp split of a dataloader, this rank's cp index
+    and size, and the cut of a batch ([Note: context parallelism under Fabric])."""
+
+    run: "ZeroRun"
+    zero_config: Any
+    world_size: int
+    global_rank: int
+    dp_rank: int
+    num_nodes: int
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """[Note: litdata's ranks]: a litdata dataset reads the dp rank's items."""
+        split_dataloader(self.run, dataloader, world_size=self.world_size, dp_rank=self.dp_rank,
+                                num_nodes=self.num_nodes)  # fmt: skip
+        return super().process_dataloader(dataloader)  # type: ignore[misc]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its cp group (0 without context parallelism)."""
+        return cp_rank(self.run, self.global_rank)
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks that hold slices of the same sequences (the ``cp`` knob)."""
+        return self.zero_config.cp
+
+    def context_slice(self, *tensors: torch.Tensor, dim: int = 1) -> Any:
+        """This rank's slice of a whole batch under context parallelism ([Note: context parallelism
+        under Fabric]): each tensor (input ids, labels already shifted by one, a loss mask: all
+        ``T`` long along ``dim``) cut at ``[c T/cp, (c+1) T/cp)`` for cp rank ``c``, as views
+        ([Note: slicing a whole batch] in ``cp/batch.py``). One tensor in, one out; several in, a
+        tuple. Without cp (``cp=1``) the tensors come back unchanged, so one loop serves both.
+        A ``T`` that ``cp`` does not divide raises ``ValueError`` naming the fix (on every rank,
+        before the step's first collective)."""
+        return context_slice(self.run, self.global_rank, tensors, dim)

@@ -50,7 +50,7 @@ from lightning_zero.fabric._compat import (
     unroute_load_state_dict,
 )
 from lightning_zero.fabric.checkpoint import FabricCheckpoints
-from lightning_zero.fabric.layout import check_before_launch, context_slice, cp_rank, split_dataloader
+from lightning_zero.fabric.layout import FabricLayout, check_before_launch
 from lightning_zero.fabric.precision import FabricPrecisionSlot
 from lightning_zero.runtime.forward_steps import ForwardSteps
 from lightning_zero.runtime.run import RunViews, ZeroRun
@@ -105,7 +105,7 @@ def refuse_knobs(config: ZeroConfig) -> None:
 
 
 @knob_views  # ``strategy.stage``, ``strategy.bucket_mb``, ...: read-only views of the one config object
-class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, DDPStrategy):
+class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, FabricLayout, DDPStrategy):
     """ZeRO data parallelism (stages 1-3) as a Lightning Fabric strategy.
 
     Args:
@@ -257,34 +257,6 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, DDPSt
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return self.loop.add_optimizer(optimizer)
-
-    # -- the layout in the loop (fabric/layout.py) ------------------------------------------------
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """[Note: litdata's ranks]: a litdata dataset reads the dp rank's items."""
-        split_dataloader(self.run, dataloader, world_size=self.world_size, dp_rank=self.dp_rank,
-                                num_nodes=self.num_nodes)  # fmt: skip
-        return super().process_dataloader(dataloader)
-
-    @property
-    def cp_rank(self) -> int:
-        """This rank's index in its cp group (0 without context parallelism)."""
-        return cp_rank(self.run, self.global_rank)
-
-    @property
-    def cp_size(self) -> int:
-        """Ranks that hold slices of the same sequences (the ``cp`` knob)."""
-        return self.zero_config.cp
-
-    def context_slice(self, *tensors: torch.Tensor, dim: int = 1) -> Any:
-        """This rank's slice of a whole batch under context parallelism ([Note: context parallelism
-        under Fabric]): each tensor (input ids, labels already shifted by one, a loss mask: all
-        ``T`` long along ``dim``) cut at ``[c T/cp, (c+1) T/cp)`` for cp rank ``c``, as views
-        ([Note: slicing a whole batch] in ``cp/batch.py``). One tensor in, one out; several in, a
-        tuple. Without cp (``cp=1``) the tensors come back unchanged, so one loop serves both.
-        A ``T`` that ``cp`` does not divide raises ``ValueError`` naming the fix (on every rank,
-        before the step's first collective)."""
-        return context_slice(self.run, self.global_rank, tensors, dim)
 
     # -- the monitor ([Note: the monitor] in runtime/monitor.py) --------------------------------
     def report_to(self, fabric: Any) -> None:
