@@ -88,7 +88,7 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
-        "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
+        "exact_grad_norm", "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
         "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # no effect at pp=1, the only pp here

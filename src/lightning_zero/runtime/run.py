@@ -186,6 +186,20 @@ class ZeroRun:
         return [optimizer for optimizer in optimizers if id(optimizer) not in kept]
 
     # -- steps ------------------------------------------------------------------------------------
+    def start_pipeline(self, module: nn.Module) -> None:
+        """``pp > 1``: torch's schedules over this rank's stages ([Note: the pipelined step] in runtime/pipeline.py)."""
+        self.session.start_pipeline(module, self.device)
+
+    def pipelined_backward(self) -> bool:
+        """``pp > 1``: the gradients the step's schedule kept aside handed to the engine (``False``:
+        not pipelined, the door runs its own backward)."""
+        return self.session.pipelined_backward()
+
+    def stepping(self, module: nn.Module, accumulate: int = 1) -> ContextManager:
+        """Around a module's own step: under ``pp > 1`` its model runs as a pipeline ([Note: the
+        pipelined step]); otherwise nothing."""
+        return self.session.stepping(module, accumulate)
+
     @contextmanager
     def train_step(self) -> Generator[Optional["ZeroEngine"], None, None]:
         """One training step call ([Note: phases] in zero/stage3/runtime.py); its backward may still
@@ -204,15 +218,18 @@ class ZeroRun:
             engine.end_step_call()
 
     @contextmanager
-    def eval_step(self) -> Generator[None, None, None]:
-        """One evaluation step; after a failure no ``end_eval_step`` (it gathers what the schedule expects)."""
+    def eval_step(self, module: nn.Module) -> Generator[None, None, None]:
+        """One evaluation step of ``module``; after a failure no ``end_eval_step`` (it gathers what
+        the schedule expects). Under ``pp > 1`` the model runs as a pipeline while it is open."""
         engine = self.engine
         if engine is None:
-            yield
+            with self.session.stepping(module):
+                yield
             return
         engine.begin_step("eval")
         try:
-            yield
+            with self.session.stepping(module):
+                yield
         except BaseException as exception:
             self.note_failure(exception)
             raise
@@ -334,7 +351,8 @@ class ZeroRun:
 
         self.wait_param_gathers()
         with self.noting_failures():
-            return save_hf_pretrained(path, module=module, engine=self.engine, layout=self.layout(precision), **options)
+            return save_hf_pretrained(path, module=module, engine=self.engine, layout=self.layout(precision),
+                                      storage=self.checkpoints.storage, **options)  # fmt: skip
 
     def before_load(self, path: Any, barrier: Callable[[], None]) -> None:
         """The save in flight published; a checkpoint a killed publish moved aside back before it is read."""

@@ -81,6 +81,7 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
         prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
         offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,
         defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+        exact_grad_norm: bool = ZERO_DEFAULTS.exact_grad_norm,
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
@@ -116,11 +117,6 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
         self.zero_config = ZeroConfig(**knobs)
-        if self.zero_config.pp > 1:
-            raise ValueError(
-                f"ZeroStrategy(pp={pp}): the Trainer door does not run pipeline stages yet (issue 63; the"
-                " engine level is pp/schedule.py); use pp=1, or plan the layout with `lightning-zero plan`."
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -203,6 +199,7 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
             self.precision_plugin.engine = self.run.build_engine(  # type: ignore[attr-defined]
                 self.lightning_module, self.optimizers if fitting else [], self.precision_policy
             )
+        self.run.start_pipeline(self.lightning_module)  # pp > 1 ([Note: the pipelined step] in runtime/pipeline.py)
         # [Note: full state dicts] in checkpoint/full.py: self.state_dict() while the engine runs hands
         # out ddp's values (stage 3: gathered; bf16-mixed: the fp32 masters), as the Fabric door does
         self.run.serve_state_dicts(self.lightning_module, self.precision_policy.ddp_dtype)
@@ -233,6 +230,12 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
         with self.run.no_sync():
             yield None
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.run.pipelined_backward():  # the schedule ran it ([Note: the pipelined step])
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     # -- gradient sync: always finished after a backward ([Note: end of backward], reducer.py) --
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -247,17 +250,19 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
     # -- the phase of every step (stage 3 gathers by it: [Note: phases] in zero/stage3/runtime.py)
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
         with self.run.train_step() as engine:  # a failure is posted; the step's backward may still follow
-            output = super().training_step(*args, **kwargs)
-            if engine is not None:
-                module = self.lightning_module
-                check_step_output(output, module, world_size=self.world_size, global_rank=self.global_rank)
-                if module is not None and not module.automatic_optimization:
-                    engine.check_manual_train_step()
+            if engine is None:
+                return super().training_step(*args, **kwargs)
+            with self.run.stepping(module, module.trainer.accumulate_grad_batches):  # pp > 1: a pipeline
+                output = super().training_step(*args, **kwargs)
+            check_step_output(output, module, world_size=self.world_size, global_rank=self.global_rank)
+            if module is not None and not module.automatic_optimization:
+                engine.check_manual_train_step()
         return output
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        with self.run.eval_step():  # after a failure no end_eval_step: it gathers what the schedule expects
+        with self.run.eval_step(self.lightning_module):  # after a failure no end_eval_step
             return step(*args, **kwargs)
 
     @override
