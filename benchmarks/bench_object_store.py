@@ -258,6 +258,7 @@ def run_async(args: argparse.Namespace, url_of: Any, mb: int, label: str, result
         module.register_parameter(name.replace(".", "_"), torch.nn.Parameter(tensor))
     policy = StoragePolicy(storage_options={"config_kwargs": {"read_timeout": 600}}, upload_threads=args.threads)
     sides = {"before": background.BackgroundSaves(storage=policy), "after": background.BackgroundSaves(storage=policy)}
+    sides["after"].overlap_local = True  # a local target copies first unless told (the Note says why)
     times: dict[str, dict[str, list]] = {side: {"resume_s": [], "published_s": []} for side in sides}
     order = [("before", "after"), ("after", "before")] * args.async_rounds
     for index, pair in enumerate(order[: args.async_rounds]):

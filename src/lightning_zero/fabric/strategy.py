@@ -75,10 +75,6 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "tensor parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
         " ZeroStrategy (its LightningModule's configure_model applies the TP transform).",
     ),
-    "pp": (
-        lambda value: value != 1,
-        "the Fabric door has no pipeline step yet; use pp=1 (the engine level is pp/schedule.py).",
-    ),
     "sequence_parallel": (
         lambda value: bool(value),
         "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
@@ -91,7 +87,7 @@ FABRIC_HONOURS = frozenset(
         "exact_grad_norm", "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
-        "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # no effect at pp=1, the only pp here
+        "pp", "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # pipeline_step
     }
 )  # fmt: skip
 
@@ -244,7 +240,9 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
         # optimizers first: the engine is built once, over all of them (stage 3 from the meta model)
         optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
         module = self.setup_module(module)
+        self.run.keep_stage_params(optimizers, module)  # pp > 1: cut to this rank's stages
         self.loop.ensure_engine()
+        self.run.start_pipeline(module)  # [Note: the pipelined step] in runtime/pipeline.py
         return module, optimizers, scheduler
 
     @override
@@ -299,8 +297,21 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
         return self.run.requeue()
 
     # -- backward --------------------------------------------------------------------------------
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
+        """``pp > 1``, a hand loop's forward and backward of one batch through the pipeline: the
+        schedule over ``inputs``' micro-batches (``pp_microbatches`` equal slices of dim 0) and the
+        model's ``loss_fn`` against ``targets``; returns the batch's mean loss on every rank. Pass it
+        to ``fabric.backward`` (which hands the schedule's gradients to the engine: once per step,
+        or under ``fabric.no_backward_sync`` while accumulating), then step the optimizer. The
+        gradients are those of ``loss / accumulate`` (dividing the returned loss changes nothing:
+        the backward already ran). Under ``torch.no_grad()``: the forward only, for evaluation
+        ([Note: the pipelined step])."""
+        return self.loop.pipeline_step(inputs, targets, accumulate)
+
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self.loop.pipelined_backward():  # the schedule ran it ([Note: the pipelined step])
+            return
         with self.loop.backward():  # the gradient sync ends here, whatever the loss reached
             super().backward(tensor, module, *args, **kwargs)
 

@@ -196,6 +196,29 @@ class ForwardSteps:
             self.run.post_backward()
         self.train_step_open = False
 
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: int) -> torch.Tensor:
+        """``pp > 1``: one batch through the schedule ([Note: the pipelined step] in runtime/pipeline.py);
+        with grad enabled it opens the training step its backward closes."""
+        pipeline = self.run.session.pipeline
+        if pipeline is None:
+            raise RuntimeError("ZeroFabricStrategy.pipeline_step: set pp > 1 and fabric.setup(model, optimizer) first")
+        with self.run.noting_failures():
+            if torch.is_grad_enabled() and self.run.engine is not None:
+                self.run.engine.begin_step("train")
+                self.train_step_open = True
+            pipeline.grad_divisor = accumulate
+            return pipeline.loss(inputs, targets)
+
+    def pipelined_backward(self) -> bool:
+        """``pp > 1``: the schedule's gradients handed to the engine in place of a backward, closing
+        the training step; ``False`` (nothing done) when the loop is not pipelined."""
+        if self.run.engine is None or self.run.session.pipeline is None:
+            return False
+        with self.run.noting_failures():
+            self.run.session.pipelined_backward()
+        self.train_step_open = False
+        return True
+
     def no_sync(self, module: nn.Module) -> AbstractContextManager:
         """Gradients kept local (stage 1; stage 2 with ``defer_grad_reduce``; stage 2 otherwise
         reduce-scatters every micro batch, its memory promise)."""

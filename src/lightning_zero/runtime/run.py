@@ -149,8 +149,10 @@ class ZeroRun:
         if dims is None or groups is None:
             return
         from lightning_zero.runtime.parallelize import check_layout
+        from lightning_zero.runtime.pipeline import pipeline_layout
 
         check_layout(dims, module)
+        self.session.pipeline_layout = pipeline_layout(self.config, dims, module)  # pp > 1: the checked split
         self.session.parallel_plan().apply(module)
 
     def model_build(self) -> ContextManager:
@@ -189,6 +191,14 @@ class ZeroRun:
     def start_pipeline(self, module: nn.Module) -> None:
         """``pp > 1``: torch's schedules over this rank's stages ([Note: the pipelined step] in runtime/pipeline.py)."""
         self.session.start_pipeline(module, self.device)
+
+    def keep_stage_params(self, optimizers: list, module: nn.Module) -> None:
+        """``pp > 1`` under Fabric: optimizers built over the whole model before it was cut keep only
+        the parameters this rank's stages hold."""
+        if self.session.pipeline_layout is not None:
+            from lightning_zero.runtime.pipeline import keep_stage_params
+
+            keep_stage_params(optimizers, module)
 
     def pipelined_backward(self) -> bool:
         """``pp > 1``: the gradients the step's schedule kept aside handed to the engine (``False``:
