@@ -179,6 +179,10 @@ def test_muon_bytes_counted_equal_planned_and_state_spread_by_ownership(runs, ca
     assert sum(r["planned"]["muon_to_owner"] + r["planned"]["muon_from_owner"] for r in results) > 0
     if "tp2" in case:
         assert all(r["planned"]["muon_tp_gather"] > 0 for r in results)
+    # exact_grad_norm: AdamW's cut parameters travel to their norm owners once per clip (one a step)
+    assert [r["counted"].get("grad_norm_to_owner", 0) for r in results] == [STEPS * r["norm"] for r in results]
+    if "xnorm" in case and "ep2" not in case:
+        assert sum(r["norm"] for r in results) > 0, "no AdamW parameter cut between chunks"
 
 
 def test_muon_resume_in_the_same_layout_is_exact(runs):
