@@ -238,6 +238,11 @@ def test_pipeline_under_the_trainer_matches_ddp(trained, case):
     assert set(params) == set(want_params)  # every stage's parameters, under the full model's names
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+    # predict after fit: ddp's dp rank r predicted row r; each pp rank returns its dp rank's rows
+    want = torch.cat([rank_result(trained, "ddp", rank)["predicted"] for rank in range(2)])
+    for rank in range(RANKS[case]):
+        got = rank_result(trained, case, rank)["predicted"]
+        torch.testing.assert_close(got, want if RANKS[case] == 2 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
     if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
         rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
         assert rows[0] == rows[1]

@@ -85,8 +85,12 @@ def run(name: str, devices: int, out_dir: str) -> None:
         **TRAINER,
     )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
+    # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
+    rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=2 // dp)))
     torch.save(
         {
+            "predicted": predicted,
             "losses": record.losses,
             "val_losses": record.val_losses,
             "rows": record.rows,

@@ -22,7 +22,8 @@ one) gets its own schedule (torch infers the stages' shapes once per schedule). 
 (``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
 activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
 fails (its V's local hand-over asks for a backward), and a forward needs no micro-batches, so the
-loss is the whole batch's cross entropy, as ddp's.
+loss is the whole batch's cross entropy, as ddp's. Under the Trainer's ``predict`` the model's
+forward returns the logits themselves, the same forward's output broadcast from the last stage.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def keep_stage_params(optimizers: list, module: nn.Module) -> None:
             group["params"] = [param for param in group["params"] if id(param) in kept]
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what logits may come in
+
+
 class _Pending:
     """The inputs :meth:`PipelinedModel.forward` was given, waiting for their targets."""
 
@@ -121,7 +125,9 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.run = run
 
-    def forward(self, inputs: torch.Tensor) -> _Pending:
+    def forward(self, inputs: torch.Tensor) -> Any:
+        if self.run.predicting:  # predict uses the output itself: the logits, on every rank
+            return self.run.logits(inputs)
         return _Pending(inputs)
 
     def loss_fn(self, pending: _Pending, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -148,6 +154,7 @@ class PipelineRun:
         self.engine: Optional["ZeroEngine"] = None
         self.decoder: Optional[nn.Module] = None
         self.grad_divisor = 1  # Lightning's accumulate_grad_batches, set per step by the door
+        self.predicting = False  # the Trainer's predict: the model's output is wanted, not a loss
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
@@ -176,6 +183,7 @@ class PipelineRun:
             if child is self.decoder
         )
         self.grad_divisor = accumulate
+        self.predicting = bool(getattr(getattr(module, "_trainer", None), "predicting", False))
         owner._modules[attribute] = PipelinedModel(self)
         try:
             yield
@@ -245,9 +253,35 @@ class PipelineRun:
         return self._share(loss)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only, the whole batch through the stages in order, each activation sent to the
-        next stage's rank ([Note: the pipelined step]: torch's ``eval`` of ``zbv`` fails, and an
-        evaluation needs no micro-batches)."""
+        """Forward only: the batch's loss on every rank of the pp group."""
+        assert self.decoder is not None
+        hidden = self._forward_stages(inputs)
+        loss = self.decoder.loss_fn(hidden, targets) if hidden is not None else torch.zeros((), device=self.device)
+        return self._share(loss)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Forward only: the model's output (``(B, T, vocab)`` logits) on every rank of the pp group,
+        what ``predict`` returns ([Note: the pipelined step])."""
+        from torch.profiler import record_function
+
+        hidden = self._forward_stages(inputs)
+        source = self.groups.dims.pp_ranks(self.groups.rank)[self.layout.stage_rank(self.layout.num_stages - 1)]
+        meta = torch.zeros(4, dtype=torch.int64, device=self.device)  # the logits' dtype and width
+        if hidden is not None:
+            meta[0], meta[1] = _DTYPES.index(hidden.dtype), hidden.size(-1)
+        with record_function("lightning_zero::pp_logits_broadcast"):
+            dist.broadcast(meta, src=source, group=self.groups.pp)
+            if hidden is None:
+                shape = (*inputs.shape, int(meta[1]))
+                hidden = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
+            hidden = hidden.contiguous()
+            dist.broadcast(hidden, src=source, group=self.groups.pp)
+        return hidden
+
+    def _forward_stages(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole batch through the stages in order, each activation sent to the next stage's
+        rank (torch's ``eval`` of ``zbv`` fails, and a forward needs no micro-batches); the last
+        stage's output on the rank holding it, ``None`` elsewhere."""
         from torch.profiler import record_function
 
         assert self.decoder is not None
@@ -268,9 +302,7 @@ class PipelineRun:
             if index < layout.num_stages - 1 and layout.stage_rank(index + 1) != owner:
                 with record_function("lightning_zero::pp_eval_send"):
                     dist.send(hidden.contiguous(), dst=peers[layout.stage_rank(index + 1)], group=self.groups.pp)
-        last = layout.stage_rank(layout.num_stages - 1) == self.pp_rank
-        loss = self.decoder.loss_fn(hidden, targets) if last else torch.zeros((), device=self.device)
-        return self._share(loss)
+        return hidden if layout.stage_rank(layout.num_stages - 1) == self.pp_rank else None
 
     def _share(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank of the pp group."""

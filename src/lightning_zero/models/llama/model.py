@@ -378,7 +378,8 @@ class Llama(nn.Module):
     def activation_checkpointing(self, value: CheckpointingLike) -> None:
         self._checkpointing = checkpointing_mode(value, "Llama.activation_checkpointing")
         for layer in self.layers:
-            layer.attention.recompute_core = self._checkpointing == "selective"
+            if hasattr(layer, "attention"):  # a block another pp rank holds has none (models/llama/pipeline.py)
+                layer.attention.recompute_core = self._checkpointing == "selective"
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make ``output.weight`` the ``tok_embeddings.weight`` Parameter
