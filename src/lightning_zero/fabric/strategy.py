@@ -130,24 +130,15 @@ if TYPE_CHECKING:
 # both doors because the session builds the same engine; ``monitor`` reports through the runtime's
 # monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
 # and why are below (tests/test_knobs.py checks that the two sets cover every field).
-FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tensor_parallel_size": (
-        lambda value: value != 1,
-        "tensor parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
-        " ZeroStrategy (its LightningModule's configure_model applies the TP transform).",
-    ),
-    "sequence_parallel": (
-        lambda value: bool(value),
-        "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
-        " Trainer's ZeroStrategy.",
-    ),
-}
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}  # none today: tp and sequence_parallel
+# reach the model through its family's step ([Note: the parallelize registry]), which refuses a model it cannot split
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
+        "tensor_parallel_size", "sequence_parallel",
     }
 )  # fmt: skip
 
@@ -193,8 +184,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
     accepts only ``lightning.fabric`` ones, so the Fabric door is a twin class; what makes them
     the same is the one ``ZeroConfig`` both take (``ZeroFabricStrategy(config=trainer_strategy.
     zero_config)`` is the Trainer strategy's configuration) and the one runtime both call.
-    Tensor parallelism (``tensor_parallel_size > 1``) stays with the Trainer door for now: its
-    model transform runs in the LightningModule's ``configure_model``.
+    Tensor parallelism (``tensor_parallel_size > 1``, with ``sequence_parallel``) is applied to the
+    model given to ``fabric.setup`` by its family's step (LitGPT's ``GPT``: [Note: LitGPT under
+    tensor parallelism] in ``models/litgpt/tensor_parallel.py``).
     """
 
     strategy_name = "zero_fabric"
@@ -426,9 +418,9 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
             )
             # [Note: full state dicts]: load_state_dict on the set-up model writes through to the shards
             route_load_state_dict(module, self._load_module_state_dict)
-            # stage 3 (and compute copies under -mixed): model.state_dict() hands out ddp's full values,
-            # gathered one parameter at a time (the Trainer door does the same)
-            self._hooks.extend(self.session.serve_full_state_dicts(module, self._value_dtype))
+            # stage 3 (and compute copies under -mixed, and tp-split parameters): model.state_dict() hands out
+            # ddp's full values, gathered one parameter at a time (the Trainer door does the same, tp parts aside)
+            self._hooks.extend(self.session.serve_full_state_dicts(module, self._value_dtype, dense=True))
             if not self._optimizers:
                 self._stand_in_for_meta_parameters(module)
         return module
