@@ -63,7 +63,9 @@ def _litgpt_layout_refusals_name_the_fix() -> None:
     check_layout(dims, nn.ModuleDict({"gpt": GPT(Config(**CONFIG))}))  # found inside a wrapper
     check_layout(ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**CONFIG)))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*n_query_groups\(1\); pick tp"):
-        check_layout(ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**{**CONFIG, "n_query_groups": 1})))
+        check_layout(
+            ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**{**CONFIG, "n_query_groups": 1}))
+        )
     with pytest.raises(ValueError, match=r"cp=2.*sliding_window_size=4.*use cp=1"):
         check_layout(dims, GPT(Config(**CONFIG, sliding_window_size=4)))
     with pytest.raises(ValueError, match=r"cp=2.*adapter.*use cp=1"):

@@ -188,7 +188,7 @@ def gather_full_state_dict(
                 full[id(param)] = gather_param(param, owned.get(name, []), engine, group, value_dtype(param),
                                                dense=dense)  # fmt: skip
     with torch.no_grad():  # outside the engine (LoRA's frozen weights): whole over dp; dense: gathered over tp
-        for key, tensor in entries.items():
+        for tensor in entries.values():
             if id(tensor) not in full:
                 local = tensor.detach()
                 full[id(tensor)] = (dense_tp(local, tensor, engine) if dense else local).cpu().clone()

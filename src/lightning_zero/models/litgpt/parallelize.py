@@ -50,12 +50,12 @@ from torch import nn
 
 from lightning_zero.comm.collectives import CommCounter
 from lightning_zero.cp.layout import RingLayout, attention_layout, layout_notice
-from lightning_zero.models.litgpt.tensor_parallel import check_tensor_parallel, parallelize_tensor
 from lightning_zero.models.litgpt.cp_attention import (
     ContextParallelSelfAttention,
     RopeTables,
     context_parallel_attention,
 )
+from lightning_zero.models.litgpt.tensor_parallel import check_tensor_parallel, parallelize_tensor
 from lightning_zero.tp.layers import gather_from_sequence_region
 
 if TYPE_CHECKING:

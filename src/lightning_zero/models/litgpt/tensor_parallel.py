@@ -195,7 +195,9 @@ def tensor_parallel_module(
     return parallel
 
 
-def split_parameter(param: nn.Parameter, dim: int, rank: int, size: int, segments: Optional[Sequence[int]] = None) -> None:
+def split_parameter(
+    param: nn.Parameter, dim: int, rank: int, size: int, segments: Optional[Sequence[int]] = None
+) -> None:
     """``param`` (the same object: optimizers and ties keep it) holds rank ``rank``'s part of its
     dense value along ``dim`` (per segment: [Note: segmented TP split]), marked for the gradient
     norm and the checkpoints. A meta tensor of a deferred init records the cut ([Note: deferred init])."""
@@ -280,10 +282,14 @@ def check_tensor_parallel(config: Any, model: nn.Module, tp: int) -> None:
                 " GemmaMLP (LoRA's too); use tp=1"
             )
         if name.endswith(".attn") and not isinstance(module, CausalSelfAttention):
-            raise ValueError(f"{where}: {name} is a {type(module).__name__}; LitGPT's TP step splits CausalSelfAttention")
+            raise ValueError(
+                f"{where}: {name} is a {type(module).__name__}; LitGPT's TP step splits CausalSelfAttention"
+            )
 
 
-def parallelize_tensor(model: nn.Module, group: dist.ProcessGroup, counter: CommCounter, sequence_parallel: bool) -> None:
+def parallelize_tensor(
+    model: nn.Module, group: dist.ProcessGroup, counter: CommCounter, sequence_parallel: bool
+) -> None:
     """Apply [Note: LitGPT under tensor parallelism] to ``model`` (a LitGPT ``GPT``) over ``group``."""
     if getattr(model, "tp_regions", None) is not None:
         raise ValueError("parallelize_litgpt: the model is already tensor-parallel; call it once per model")
@@ -293,7 +299,9 @@ def parallelize_tensor(model: nn.Module, group: dist.ProcessGroup, counter: Comm
     config = model.config
     local_config = dataclasses.replace(config, n_head=config.n_head // size,
                                        n_query_groups=config.n_query_groups // size)  # fmt: skip
-    qkv_rows = tuple(size_ * config.head_size for size_ in (config.n_head, config.n_query_groups, config.n_query_groups))
+    qkv_rows = tuple(
+        size_ * config.head_size for size_ in (config.n_head, config.n_query_groups, config.n_query_groups)
+    )
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
         attn.qkv = _column(attn.qkv, regions, rank, qkv_rows)
