@@ -171,7 +171,7 @@ def test_every_knob_is_in_exactly_one_policy_and_the_policies_are_views():
     held = [name for policy in POLICIES for name in POLICY_KNOBS[policy]]
     assert sorted(held) == sorted(ZERO_DEFAULTS.as_dict()) and len(held) == len(set(held))
     config = ZeroConfig(stage=3, cp=2, bucket_mb=4, grad_comm_dtype="int8", reduce_dtype="fp32", monitor=False)
-    assert config.layout == LayoutPolicy(1, False, 2, 1, None, False)
+    assert config.layout == LayoutPolicy(1, False, 2, 1, None, False, 1, "1f1b", 1, None, None)
     assert config.communication == CommPolicy(4.0, True, 2, True, "int8", None)
     assert (config.sharding.stage, config.precision_knobs.reduce_dtype, config.runtime.monitor) == (3, "fp32", False)
     assert config.checkpointing.upload_threads == ZERO_DEFAULTS.upload_threads

@@ -80,6 +80,7 @@ def test_planner_reads_the_same_defaults():
         "storage_options",
         "upload_threads",
         "upload_stall_s",
+        *("pp", "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches"),
     } == set(KNOBS)
     search = inspect.signature(search_layouts).parameters
     for name in FIXED_KNOBS:
@@ -182,3 +183,24 @@ def test_engine_takes_the_config_whole():
     assert set(parameters) & set(KNOBS) == set(), "knobs reach the engine in the config only"
     with pytest.raises(TypeError, match="ZeroConfig"):
         ZeroEngine(None, [], {"stage": 2})
+
+
+@pytest.mark.parametrize(
+    "knobs, match",
+    [
+        (dict(pp=0), r"ZeroStrategy\(pp=0\).*int >= 1"),
+        (dict(pp_schedule="dualpipe"), r"pp_schedule='dualpipe'.*pick one of"),
+        (dict(pp_virtual_stages=0), r"pp_virtual_stages=0.*>= 1"),
+        (dict(pp_layers=[2, 0]), r"pp_layers=\[2, 0\].*positive block counts"),
+        (dict(pp_microbatches=0), r"pp_microbatches=0.*int >= 1"),
+    ],
+)
+def test_pipeline_knobs_are_checked_by_the_config(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**knobs)
+
+
+def test_trainer_door_refuses_pp_until_it_runs_stages():
+    assert ZeroConfig(pp=2, pp_layers=(3, 5)).pp_layers == [3, 5]  # the split travels as a list (Hydra)
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(pp=2\).*use pp=1"):
+        ZeroStrategy(pp=2)

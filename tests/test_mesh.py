@@ -35,6 +35,22 @@ def test_rank_layout_without_process_group():
     assert dims.dp_ranks(13) == list(range(1, 64, 2))
 
 
+def test_pp_is_the_outermost_dimension():
+    # [Note: pipeline ranks]: world 8 = pp 2 x dp 2 x tp 2; every inner group stays in one pp block
+    dims = ParallelDims(world_size=8, devices_per_node=4, tp=2, pp=2)
+    assert (dims.pp, dims.stage_world, dims.dp, dims.dp_cp) == (2, 4, 2, 2)
+    assert dims.rank_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.rank_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.rank_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.rank_groups("replicate") == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    cp = ParallelDims(world_size=16, devices_per_node=8, cp=2, ep=2, pp=2)
+    assert cp.rank_groups("cp")[:2] == [[0, 1], [2, 3]] and cp.rank_groups("edp")[0] == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match=r"pp\(3\) does not divide world_size\(8\).*pick pp from"):
+        ParallelDims(world_size=8, devices_per_node=8, pp=3)
+    with pytest.raises(ValueError, match=r"tp\(4\) does not divide world_size\(8\) / pp\(4\) = 2"):
+        ParallelDims(world_size=8, devices_per_node=8, tp=4, pp=4)
+
+
 def test_validates_llama70b_layout_in_one_process():
     cfg70b = _config(n_heads=64, n_kv_heads=8, vocab_size=32000, ffn_dim=28672)
     assert ParallelDims(world_size=64, devices_per_node=8, tp=8).validate(cfg70b).dp == 8

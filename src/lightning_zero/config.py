@@ -196,6 +196,24 @@ class ZeroConfig:
             all-to-all). Must divide ``dp * cp``; expert parameters are sharded (stages 1-3) over the
             ``dp * cp / ep`` ranks holding the same experts. Needs a model with expert layers (its
             ``check_parallel_dims``). See docs/topology.md.
+        pp: pipeline-parallel size: ranks that each hold a run of consecutive decoder blocks (a
+            stage; the embeddings on the first, the norm, head and loss on the last) and pass
+            activations forward and gradients back point to point. ``world_size = pp * dp * cp *
+            tp`` with pp outermost (stages cross nodes, TP stays inside one); every other group
+            lives inside one pp rank's ``world_size / pp`` ranks. See docs/pipeline.md.
+        pp_schedule: the pipeline schedule, one of torch's (``pp/layout.py`` ``SCHEDULES``):
+            ``"gpipe"`` (every micro-batch's forward, then every backward: all ``m`` in flight),
+            ``"1f1b"`` (at most ``pp`` micro-batches in flight, on the first stage),
+            ``"interleaved_1f1b"`` and ``"interleaved_zb"`` (``pp_virtual_stages`` stages per rank,
+            a smaller bubble), ``"zbv"`` (two stages per rank in a V, backward split into input and
+            weight gradients). Its bubble and in-flight micro-batches: ``lightning-zero plan``.
+        pp_virtual_stages: stages each pp rank runs under the interleaved schedules (``>= 2``;
+            ``num_stages = pp * pp_virtual_stages``); 1 for ``gpipe`` and ``1f1b``; ``zbv`` runs 2.
+        pp_layers: decoder blocks per stage, by hand (one positive count per stage, summing to the
+            model's blocks), or ``None``: the planner's split, even across the middle stages.
+        pp_microbatches: micro-batches one step's batch is cut into (each a forward and a backward
+            through every stage; more of them shrink the bubble, ``(pp-1)/(m+pp-1)`` under 1F1B).
+            ``None``: one per stage (``pp * stages per rank``), the fewest every schedule accepts.
     """
 
     stage: int = 2
@@ -223,6 +241,11 @@ class ZeroConfig:
     upload_stall_s: float = 60.0
     cp: int = 1
     ep: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_layers: Optional[list[int]] = None
+    pp_microbatches: Optional[int] = None
 
     def __post_init__(self) -> None:
         def fail(name: str, fix: str) -> None:
@@ -248,6 +271,7 @@ class ZeroConfig:
             fail("cp", "the context-parallel size must be an int >= 1 (1: every rank holds whole sequences).")
         if not _is_int(self.ep) or self.ep < 1:
             fail("ep", "the expert-parallel size must be an int >= 1 (1: every rank holds every expert).")
+        self._check_pp(fail)
         if self.ep > 1 and (self.shard_size is not None or self.hierarchical_reduce):
             raise ValueError(
                 f"ZeroStrategy(ep={self.ep}, shard_size={self.shard_size!r}, hierarchical_reduce="
@@ -318,6 +342,24 @@ class ZeroConfig:
         if timeout is not None:
             object.__setattr__(self, "collective_timeout", float(timeout))
 
+    def _check_pp(self, fail: Any) -> None:
+        """The pipeline knobs' types; the split against the model is ``pp/layout.py``'s
+        ``PipelineLayout`` (it needs the model's block count)."""
+        if not _is_int(self.pp) or self.pp < 1:
+            fail("pp", "the pipeline-parallel size must be an int >= 1 (1: every rank holds every block).")
+        if self.pp_schedule not in PP_SCHEDULES:
+            fail("pp_schedule", f"pick one of {PP_SCHEDULES} (docs/pipeline.md).")
+        if not _is_int(self.pp_virtual_stages) or self.pp_virtual_stages < 1:
+            fail("pp_virtual_stages", "give an int >= 1 (stages per pp rank; >= 2 for the interleaved schedules).")
+        layers = self.pp_layers
+        if layers is not None and (isinstance(layers, (str, bytes)) or not all(_is_int(n) and n >= 1 for n in layers)):
+            fail("pp_layers", "give None (the planner's split) or a list of positive block counts, one per stage.")
+        if layers is not None:
+            object.__setattr__(self, "pp_layers", [int(n) for n in layers])
+        m = self.pp_microbatches
+        if m is not None and (not _is_int(m) or m < 1):
+            fail("pp_microbatches", "give None (one per stage) or an int >= 1.")
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -346,8 +388,9 @@ def _policy(name: str, doc: str, knobs: tuple[str, ...]) -> type:
 LayoutPolicy = _policy(
     "LayoutPolicy",
     "The parallel sizes a config asks for: what ``comm.mesh.ParallelDims`` is built from.",
-    ("tensor_parallel_size", "sequence_parallel", "cp", "ep", "shard_size", "hierarchical_reduce"),
-)
+    ("tensor_parallel_size", "sequence_parallel", "cp", "ep", "shard_size", "hierarchical_reduce", "pp",
+     "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches"),
+)  # fmt: skip
 ShardingPolicy = _policy(
     "ShardingPolicy",
     "What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch, where"
@@ -383,6 +426,7 @@ POLICY_KNOBS = {policy: tuple(f.name for f in dataclasses.fields(policy)) for po
 
 AUTO_BUCKET_MB = (1.0, 25.0)  # bounds of bucket_mb="auto", MiB
 REDUCE_DTYPES = ("compute", "bf16", "fp32")  # values of ZeroConfig.reduce_dtype
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # pp/layout.py SCHEDULES
 
 
 def reduce_in_fp32(reduce_dtype: str) -> bool:

@@ -1,4 +1,4 @@
-"""The parallel layout (dp, cp, ep, tp), its validation, and the process groups built from it.
+"""The parallel layout (pp, dp, cp, ep, tp), its validation, and the process groups built from it.
 
 [Note: mesh layout] Global ranks are laid out row-major on a ``(dp, cp, tp)`` grid::
 
@@ -20,6 +20,14 @@ experts); an EDP group (expert data parallel) the ``dp * cp / ep`` members holdi
 (stride ``ep`` inside dp_cp): ZeRO shards expert parameters over it. With ``world_size=8, tp=2,
 ep=2`` (dp_cp = 4): dp_cp ``[0,2,4,6] [1,3,5,7]``; EP ``[0,2] [4,6] [1,3] [5,7]``; EDP ``[0,4]
 [2,6] [1,5] [3,7]``.
+
+[Note: pipeline ranks] Pipeline parallelism is the outermost dimension: ``world_size = pp *
+stage_world`` and pp rank ``i`` owns the ``stage_world`` consecutive global ranks ``[i *
+stage_world, (i + 1) * stage_world)``, laid out inside as above (every dp, cp, ep, tp and shard
+group lives inside one pp rank's block). A pp group is the ``pp`` ranks with the same position in
+their blocks (stride ``stage_world``), so stages cross nodes and TP stays inside one. With
+``world_size=8, pp=2, tp=2``: pp blocks ``[0..3] [4..7]``, TP ``[0,1] [2,3] [4,5] [6,7]``, DP ``[0,2]
+[1,3] [4,6] [5,7]``, PP ``[0,4] [1,5] [2,6] [3,7]``.
 
 [Note: gradient averaging over dp_cp] A dense gradient is summed over the dp_cp group; an expert's
 gradient is a sum over the tokens routed to it from every dp_cp rank (the all-to-all brings them to
@@ -59,7 +67,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp", "tp")
-GROUP_KINDS = ("tp", "dp", "cp", "dp_cp", "ep", "edp", "shard", "replicate", "replica", "shard_intra", "shard_inter")
+GROUP_KINDS = ("pp", "tp", "dp", "cp", "dp_cp", "ep", "edp", "shard", "replicate", "replica", "shard_intra",
+               "shard_inter")  # fmt: skip
 """What :meth:`ParallelDims.rank_groups` takes."""
 
 
@@ -81,8 +90,10 @@ class ParallelDims:
         cp: context-parallel size: ranks holding contiguous slices of the same sequences.
         ep: expert-parallel size: consecutive members of the dp_cp group that split the experts
             (each holds ``num_experts / ep``); must divide ``dp * cp``.
+        pp: pipeline-parallel size, the outermost dimension ([Note: pipeline ranks]): each pp rank
+            owns ``stage_world = world_size // pp`` consecutive ranks, where the groups above live.
 
-    ``dp_cp = world_size // tp`` ranks hold the same TP shard (the dense group: under ZeRO they
+    ``dp_cp = stage_world // tp`` ranks hold the same TP shard (the dense group: under ZeRO they
     split its optimizer state / gradients / parameters, over groups of ``shard`` of them);
     ``dp = dp_cp // cp`` of them take different samples. See [Note: mesh layout].
     """
@@ -94,6 +105,7 @@ class ParallelDims:
     hierarchical_reduce: bool = False
     cp: int = 1
     ep: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         for name in ("world_size", "devices_per_node"):
@@ -111,6 +123,18 @@ class ParallelDims:
                 f"tp({self.tp}) does not divide devices_per_node({self.devices_per_node}): tensor "
                 f"parallelism stays inside one node; pick tp from the divisors of "
                 f"{self.devices_per_node} {_divisors(self.devices_per_node)}"
+            )
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"ParallelDims: pp must be a positive int, got {self.pp!r}")
+        if self.world_size % self.pp != 0:
+            raise ValueError(
+                f"pp({self.pp}) does not divide world_size({self.world_size}): pp * dp * cp * tp must equal"
+                f" world_size; pick pp from {_divisors(self.world_size)}"
+            )
+        if self.stage_world % self.tp != 0:
+            raise ValueError(
+                f"tp({self.tp}) does not divide world_size({self.world_size}) / pp({self.pp}) = {self.stage_world}:"
+                f" pp * dp * tp must equal world_size; pick tp from {_divisors(self.stage_world)}"
             )
         if self.world_size % self.tp != 0:
             raise ValueError(
@@ -136,6 +160,7 @@ class ParallelDims:
             world_size=world_size,
             devices_per_node=devices_per_node,
             tp=layout.tensor_parallel_size,
+            pp=layout.pp,
             shard_size=layout.shard_size,
             hierarchical_reduce=layout.hierarchical_reduce,
             cp=layout.cp,
@@ -167,9 +192,10 @@ class ParallelDims:
 
     def _dense_size(self) -> str:
         """``dp_cp`` spelled out with where it comes from, for error messages."""
+        world = f"world_size({self.world_size})" + (f" / pp({self.pp})" if self.pp > 1 else "")
         if self.cp == 1:
-            return f"dp({self.dp_cp}) = world_size({self.world_size}) / tp({self.tp})"
-        return f"dp*cp({self.dp_cp}) = world_size({self.world_size}) / tp({self.tp}), cp({self.cp})"
+            return f"dp({self.dp_cp}) = {world} / tp({self.tp})"
+        return f"dp*cp({self.dp_cp}) = {world} / tp({self.tp}), cp({self.cp})"
 
     def _check_shard_size(self) -> None:
         shard, dp, local = self.shard_size, self.dp_cp, self.dp_per_node
@@ -234,8 +260,8 @@ class ParallelDims:
 
     def replicate_ranks(self, rank: int) -> list[int]:
         """Global ranks holding the same chunk as ``rank`` (one per shard group)."""
-        stride = self.shard * self.tp  # type: ignore[operator]
-        return list(range(rank % stride, self.world_size, stride))
+        stride, start = self.shard * self.tp, self._block_start(rank)  # type: ignore[operator]
+        return list(range(start + rank % stride, start + self.stage_world, stride))
 
     def replica_ranks(self, rank: int) -> list[int]:
         """Global ranks of ``rank``'s replica (its shard group times tp): together they hold every
@@ -269,10 +295,23 @@ class ParallelDims:
         return groups
 
     @property
+    def stage_world(self) -> int:
+        """Ranks of one pp rank (``world_size // pp``; [Note: pipeline ranks])."""
+        return self.world_size // self.pp
+
+    def _block_start(self, rank: int) -> int:
+        """The first global rank of ``rank``'s pp block."""
+        return (rank // self.stage_world) * self.stage_world
+
+    def pp_ranks(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s pipeline group: one per pp rank, same place in each block."""
+        return list(range(rank % self.stage_world, self.world_size, self.stage_world))
+
+    @property
     def dp_cp(self) -> int:
-        """The dense group's size (``dp * cp``): ranks that hold the same TP shard; ZeRO shards dense
-        parameters over them and averages dense gradients over them."""
-        return self.world_size // self.tp  # type: ignore[operator]
+        """The dense group's size (``dp * cp``): ranks of one pp rank that hold the same TP shard;
+        ZeRO shards dense parameters over them and averages dense gradients over them."""
+        return self.stage_world // self.tp  # type: ignore[operator]
 
     @property
     def dp(self) -> int:
@@ -293,7 +332,8 @@ class ParallelDims:
 
     def dp_cp_ranks(self, rank: int) -> list[int]:
         """Global ranks of ``rank``'s dense group: every rank of its tp rank, in dp_cp-rank order."""
-        return list(range(rank % self.tp, self.world_size, self.tp))  # type: ignore[operator, arg-type]
+        start = self._block_start(rank) + rank % self.tp  # type: ignore[operator]
+        return list(range(start, self._block_start(rank) + self.stage_world, self.tp))  # type: ignore[arg-type]
 
     def cp_ranks(self, rank: int) -> list[int]:
         """Global ranks holding slices of the same samples as ``rank`` (same dp index, same tp rank)."""
@@ -346,6 +386,7 @@ class ParallelDims:
         return (
             f"ParallelDims(world_size={self.world_size}, devices_per_node={self.devices_per_node}, "
             f"dp={self.dp}, tp={self.tp}"
+            + (f", pp={self.pp}" if self.pp > 1 else "")
             + (f", cp={self.cp}" if self.cp > 1 else "")
             + (f", ep={self.ep}" if self.ep > 1 else "")
             + (f", replicate={self.replicate}, shard={self.shard}" if self.shard_size is not None else "")

@@ -130,8 +130,12 @@ if TYPE_CHECKING:
 # both doors because the session builds the same engine; ``monitor`` reports through the runtime's
 # monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
 # and why are below (tests/test_knobs.py checks that the two sets cover every field).
-FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}  # none today: tp and sequence_parallel
-# reach the model through its family's step ([Note: the parallelize registry]), which refuses a model it cannot split
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "pp": (
+        lambda value: value != 1,
+        "the Fabric door has no pipeline step yet; use pp=1 (the engine level is pp/schedule.py).",
+    ),
+}  # tp and sequence_parallel reach the model through its family's step ([Note: the parallelize registry])
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
@@ -139,6 +143,7 @@ FABRIC_HONOURS = frozenset(
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
         "tensor_parallel_size", "sequence_parallel",
+        "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # no effect at pp=1, the only pp here
     }
 )  # fmt: skip
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+from lightning_zero.config import PP_SCHEDULES
+
+SCHEDULES = PP_SCHEDULES
 """Every schedule name ``pp_schedule`` accepts (each is one of torch's: :data:`TORCH_SCHEDULES`)."""
 
 TORCH_SCHEDULES = {

@@ -29,17 +29,17 @@ def build_schedule(
     group: Optional[dist.ProcessGroup],
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stage_class: Optional[type] = None,
 ) -> Any:
-    """torch's schedule for ``layout`` over this rank's ``stage_modules`` (stage index -> module)."""
+    """torch's schedule for ``layout`` over this rank's ``stage_modules`` (stage index -> module);
+    ``stage_class``: a subclass of torch's ``PipelineStage`` instead of it (``pp/measure.py``'s)."""
     import torch.distributed.pipelining as pipelining
 
     expected = layout.rank_stages(dist.get_rank(group))
     if sorted(stage_modules) != sorted(expected):
         raise ValueError(f"this pp rank runs stages {expected}, got modules for {sorted(stage_modules)}")
-    stages = [
-        pipelining.PipelineStage(stage_modules[index], index, layout.num_stages, device, group=group)
-        for index in expected
-    ]
+    stage_class = stage_class or pipelining.PipelineStage
+    stages = [stage_class(stage_modules[index], index, layout.num_stages, device, group=group) for index in expected]
     schedule_class = getattr(pipelining, TORCH_SCHEDULES[layout.schedule])
     if layout.schedule in MULTI_STAGE:
         return schedule_class(stages, layout.microbatches, loss_fn=loss_fn)

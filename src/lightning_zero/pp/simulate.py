@@ -98,6 +98,9 @@ class ScheduleTrace:
     spans: tuple[tuple[tuple[float, float, Action], ...], ...]
     in_flight: tuple[int, ...]
     """Per rank, the most micro-batches whose activations it held at once."""
+    peak_held: tuple[float, ...] = ()
+    """Per rank, the most held weight at once, a micro-batch on stage ``s`` weighing ``weights[s]``
+    (:func:`play`; the count of ``in_flight`` when every weight is 1)."""
 
     @property
     def makespan(self) -> float:
@@ -114,11 +117,19 @@ class ScheduleTrace:
 
 
 def play(
-    order: Sequence[Sequence[Action]], costs: StageCosts, num_stages: int, p2p_seconds: float = 0.0
+    order: Sequence[Sequence[Action]],
+    costs: StageCosts,
+    num_stages: int,
+    p2p_seconds: float = 0.0,
+    weights: Optional[Sequence[float]] = None,
 ) -> ScheduleTrace:
     """Times of every action in ``order`` (per rank, run in that order) from the dependencies of
     [Note: the schedule's own order]; ``p2p_seconds`` is added between ranks (activation or
-    gradient transfer). Raises ``ValueError`` on an order that cannot run (a deadlock)."""
+    gradient transfer); ``weights[s]`` is what one micro-batch in flight on stage ``s`` holds
+    (default 1). Raises ``ValueError`` on an order that cannot run (a deadlock)."""
+    weight = list(weights) if weights is not None else [1.0] * num_stages
+    held = [0.0] * len(order)
+    peak_held = [0.0] * len(order)
     done: dict[Action, float] = {}
     where: dict[Action, int] = {action: rank for rank, actions in enumerate(order) for action in actions}
     position = [0] * len(order)
@@ -166,19 +177,25 @@ def play(
                 if action[1] == "F":
                     live[rank] += 1
                     peak[rank] = max(peak[rank], live[rank])
+                    held[rank] += weight[action[0]]
+                    peak_held[rank] = max(peak_held[rank], held[rank])
                 elif action[1] == "W" or (action[1] == "B"):
                     live[rank] -= 1
+                    held[rank] -= weight[action[0]]
         if not progressed:
             stuck = {
                 rank: actions[position[rank]] for rank, actions in enumerate(order) if position[rank] < len(actions)
             }
             raise ValueError(f"the schedule cannot run: every rank waits ({stuck})")
-    return ScheduleTrace(tuple(tuple(s) for s in spans), tuple(peak))
+    return ScheduleTrace(tuple(tuple(s) for s in spans), tuple(peak), tuple(peak_held))
 
 
 def trace_schedule(
-    layout: PipelineLayout, costs: Optional[StageCosts] = None, p2p_seconds: float = 0.0
+    layout: PipelineLayout,
+    costs: Optional[StageCosts] = None,
+    p2p_seconds: float = 0.0,
+    weights: Optional[Sequence[float]] = None,
 ) -> ScheduleTrace:
     """:func:`play` of ``layout``'s schedule; ``costs`` default to forward 1, backward 2 (1 + 1) per stage."""
     costs = costs or StageCosts.uniform(layout.num_stages)
-    return play(schedule_order(layout), costs, layout.num_stages, p2p_seconds)
+    return play(schedule_order(layout), costs, layout.num_stages, p2p_seconds, weights)

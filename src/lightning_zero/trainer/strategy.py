@@ -120,10 +120,20 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         upload_stall_s: float = ZERO_DEFAULTS.upload_stall_s,
         cp: int = ZERO_DEFAULTS.cp,
         ep: int = ZERO_DEFAULTS.ep,
+        pp: int = ZERO_DEFAULTS.pp,
+        pp_schedule: str = ZERO_DEFAULTS.pp_schedule,
+        pp_virtual_stages: int = ZERO_DEFAULTS.pp_virtual_stages,
+        pp_layers: Optional[list[int]] = ZERO_DEFAULTS.pp_layers,
+        pp_microbatches: Optional[int] = ZERO_DEFAULTS.pp_microbatches,
     ) -> None:
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
         self.zero_config = ZeroConfig(**knobs)
+        if self.zero_config.pp > 1:
+            raise ValueError(
+                f"ZeroStrategy(pp={pp}): the Trainer door does not run pipeline stages yet (issue 63; the"
+                " engine level is pp/schedule.py); use pp=1, or plan the layout with `lightning-zero plan`."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1,0 +1,171 @@
+"""The planner's pipeline parallelism: per pp rank, the stage's model states, the activations its
+schedule keeps in flight, the point-to-point bytes of a step and the bubble (issue 63 item 7).
+
+The rules are ``pp/cost.py``'s (bytes crossing a stage boundary, the in-flight peak played out
+in torch's own order by ``pp/simulate.py``) and the ledger's (``llama_activation_bytes``: what one
+block keeps); this module adds what one micro-batch of a stage saves, and puts them together.
+tests/test_pipeline.py measures each number on 2 gloo ranks (``pp/measure.py``) and holds it equal.
+
+[Note: what a stage saves] One micro-batch on stage ``s`` saves its blocks' kept tensors
+(``blocks * kept_per_layer``), plus on the first stage the token ids the embedding keeps for its
+backward (int64, ``B x T``), plus on the last stage the final norm's and the head's (``head``), the
+loss's log-probabilities and targets (``loss_saved``) and the 4-byte fp32 total weight of the mean
+cross entropy. The whole model's count (``saved_after_forward``) leaves the ids and the scalar out:
+there they were made before forward began (docs/planner.md).
+
+[Note: zero-bubble schedules hold more] The plan counts a micro-batch's saved bytes from its
+forward until its last backward action on the rank (``W`` when the backward is split), which is
+what GPipe, 1F1B and Interleaved 1F1B measure exactly. torch's zero-bubble schedules
+(``interleaved_zb``, ``zbv``) run the input-gradient pass with ``retain_graph=True``
+(``_backward.stage_backward_input``), so the tensors only that pass needed stay with the graph
+after ``W`` until the stage's caches drop the micro-batch's output (the next step): measured peaks
+run above the plan (tests/test_pipeline.py asserts ``>=``; the numbers are in docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+from lightning_zero.planner.ledger import ActivationBytes
+from lightning_zero.planner.workload import model_layers
+from lightning_zero.pp.cost import boundary_bytes, p2p_bytes_per_step, stage_holds
+from lightning_zero.pp.layout import PipelineLayout
+from lightning_zero.pp.simulate import StageCosts, trace_schedule
+
+TOKEN_ID_BYTES = 8  # int64 token ids the embedding saves
+LOSS_TOTAL_WEIGHT_BYTES = 4  # the fp32 scalar cross entropy's mean saves beside its log-probabilities
+
+
+def stage_saved_bytes(acts: ActivationBytes, layout: PipelineLayout, stage: int, mode: str, tokens: int) -> float:
+    """[Note: what a stage saves]: bytes one micro-batch of ``tokens`` tokens keeps on ``stage``."""
+    blocks, first, last = stage_holds(layout, stage)
+    saved = len(blocks) * acts.kept_per_layer(mode)
+    if first:
+        saved += tokens * TOKEN_ID_BYTES
+    if last:
+        saved += acts.head + acts.loss_saved + LOSS_TOTAL_WEIGHT_BYTES
+    return saved
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pp rank of a pipeline: what it holds, keeps and moves in a step."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    blocks: int  # decoder blocks over its stages
+    embeddings: bool
+    head: bool
+    params: int  # parameter elements it holds (of one tp rank)
+    saved_per_microbatch: tuple[float, ...]  # per stage of ``stages``, bytes one micro-batch keeps
+    in_flight: int  # most micro-batches (stage passes) it holds at once
+    in_flight_bytes: float  # most activation bytes it holds at once
+    p2p_sent: int  # bytes per step
+    p2p_received: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline layout planned: per pp rank (:class:`StagePlan`) and the step's bubble."""
+
+    schedule: str
+    pp: int
+    virtual_stages: int
+    microbatches: int
+    layers_per_stage: tuple[int, ...]
+    boundary_bytes: int  # one micro-batch's hidden states at a stage boundary, one rank
+    bubble_fraction: float
+    ranks: tuple[StagePlan, ...]
+
+    def heaviest(self, key: Any) -> StagePlan:
+        return max(self.ranks, key=key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unit_param_counts(config: Any, *, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
+    """Parameter elements one tp (and ep) rank holds per unit, in forward order: the embeddings,
+    each decoder block (its own count: a mixture of experts' dense and MoE layers differ), the final
+    norm, the head (0 when tied): ``workload.model_layers``' tensors."""
+    blocks = tuple(sum(t.numel for t in layer) for layer in model_layers(config, tp=tp, ep=ep))
+    head = 0 if getattr(config, "tie_embeddings", False) else config.dim * config.vocab_size // tp
+    return (config.vocab_size * config.dim // tp, *blocks, config.dim, head)
+
+
+def stage_params(layout: PipelineLayout, stage: int, units: Sequence[int]) -> int:
+    """Parameter elements of ``stage`` from :func:`unit_param_counts`: its blocks, the embeddings
+    on the first stage, the final norm and head on the last."""
+    blocks, first, last = stage_holds(layout, stage)
+    held = sum(units[1 + block] for block in blocks)
+    return held + (units[0] if first else 0) + (units[-2] + units[-1] if last else 0)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one micro-batch is on one rank: tokens, hidden width, the activation dtype's bytes and
+    how the residual stream is split (``tp`` under sequence parallelism, ``cp``)."""
+
+    micro_batch: int
+    seq_len: int
+    dim: int
+    act_bytes: int
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def boundary(self) -> int:
+        return boundary_bytes(
+            micro_batch=self.micro_batch, seq_len=self.seq_len, dim=self.dim, act_bytes=self.act_bytes,
+            tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
+
+
+def plan_pipeline(
+    layout: PipelineLayout,
+    acts: ActivationBytes,
+    shape: StageShape,
+    units: Sequence[int],
+    mode: str = "none",
+    costs: Optional[StageCosts] = None,
+) -> PipelinePlan:
+    """Every pp rank of ``layout``: ``acts`` is one micro-batch's per-block ledger, ``units`` the
+    parameter elements per unit (:func:`unit_param_counts`), ``costs`` each
+    stage's seconds (``None``: equal stages, backward two forwards)."""
+    saved = [stage_saved_bytes(acts, layout, s, mode, shape.tokens) for s in range(layout.num_stages)]
+    trace = trace_schedule(layout, costs, weights=saved)  # in flight: 1F1B at most pp on the first stage, GPipe m
+    ranks = []
+    for rank in range(layout.pp):
+        stages = layout.rank_stages(rank)
+        p2p = p2p_bytes_per_step(layout, rank, shape.boundary)
+        ranks.append(
+            StagePlan(
+                pp_rank=rank,
+                stages=stages,
+                blocks=sum(len(layout.stage_blocks(s)) for s in stages),
+                embeddings=0 in stages,
+                head=layout.num_stages - 1 in stages,
+                params=sum(stage_params(layout, s, units) for s in stages),
+                saved_per_microbatch=tuple(saved[s] for s in stages),
+                in_flight=trace.in_flight[rank],
+                in_flight_bytes=trace.peak_held[rank],
+                p2p_sent=p2p.sent,
+                p2p_received=p2p.received,
+            )
+        )
+    return PipelinePlan(
+        schedule=layout.schedule,
+        pp=layout.pp,
+        virtual_stages=layout.local_stages,
+        microbatches=layout.microbatches,
+        layers_per_stage=layout.layers_per_stage,
+        boundary_bytes=shape.boundary,
+        bubble_fraction=trace.bubble_fraction,
+        ranks=tuple(ranks),
+    )
