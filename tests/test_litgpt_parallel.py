@@ -205,6 +205,13 @@ def test_qkv_rows_permute_to_whole_heads_per_rank_and_back():
             assert torch.equal(k, keys[groups].reshape(-1, 2)) and torch.equal(v, values[groups].reshape(-1, 2))
     with pytest.raises(ValueError, match=r"tp\(2\) does not divide a segment of \(12, 3, 3\)"):
         local_part(torch.zeros(18, 2), 0, (12, 3, 3), 0, 2)
+    # a sharded checkpoint places parts as rectangles of the dense tensor: per-segment ones are refused
+    from lightning_zero.checkpoint.targets import RankPlacement, split_of
+
+    qkv = torch.nn.Parameter(torch.zeros(18, 2))
+    qkv._tp_shard_dim, qkv._tp_segments = 0, (12, 3, 3)
+    with pytest.raises(ValueError, match=r"split over TP per segment .*state_dict_type='full'"):
+        split_of(qkv, RankPlacement(world_size=2, tp_size=2, tp_rank=1))
 
 
 @needs_litgpt
