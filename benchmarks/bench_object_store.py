@@ -24,6 +24,17 @@ ranks would write), by one process with the same planner for both writers:
 
 Loads: every tensor whole ("full"), then the first half of every tensor ("share": what dp rank 0
 of 2 holds). Prints a table and writes benchmarks/results/object_store.json.
+
+Background saves (``--async-rounds``, [Note: uploads overlap the host copy] in
+``checkpoint/background.py``): the same tensors as a module's parameters, saved through
+``BackgroundSaves`` to the shaped server, then ``--async-local-mb`` MiB to a local directory (a
+fast sink, where the copy is a larger part of the save). "before": the host copy taken whole
+before the writer starts (the previous behaviour, a ``HostCopy`` that copies when made); "after":
+the writer started first, each tensor written once copied. Per save: seconds until training may
+resume (``start`` returned) and until published (``wait`` returned). The sides alternate in one
+process (ABAB, then BABA; each side keeps its buffers from save to save, as a run does), and the
+report is each side's median with a bootstrap 95% interval of the ratio after / before
+(``interleaved_ab.ratio_interval``).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,11 +219,87 @@ def run(args: argparse.Namespace) -> dict:
         timed("stock_load_share", load(lambda: FsspecReader("s3://bench/stock", **options), (0,)))
         timed("ours_load_share", load(lambda: ObjectReader(data, policy), (0,)))
         results["checkpoint_bytes"], results["share_bytes"] = nbytes, share_bytes
+        if args.async_rounds:
+            import tempfile
+
+            run_async(args, lambda name: f"s3://bench/{name}", args.mb, "s3", results)
+            with tempfile.TemporaryDirectory() as local:
+                run_async(args, lambda name: str(Path(local, name)), args.async_local_mb, "local", results)
         return results
     finally:
         server.kill()
         server.wait()
         port_file.unlink(missing_ok=True)
+
+
+def run_async(args: argparse.Namespace, url_of: Any, mb: int, label: str, results: dict) -> None:
+    """Interleaved background saves, before vs after (the module's docstring)."""
+    import types
+
+    import torch
+
+    from lightning_zero.checkpoint import background
+    from lightning_zero.checkpoint.objstore import StoragePolicy
+    from lightning_zero.checkpoint.save import snapshot
+    from lightning_zero.checkpoint.targets import RankPlacement
+
+    original = background.HostCopy
+
+    class CopyFirst(original):  # "before": the whole copy, then the writer
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            original.run(self)
+
+        def run(self) -> None:
+            return None
+
+    module = torch.nn.Module()
+    for name, tensor in _tensors(mb).items():
+        module.register_parameter(name.replace(".", "_"), torch.nn.Parameter(tensor))
+    policy = StoragePolicy(storage_options={"config_kwargs": {"read_timeout": 600}}, upload_threads=args.threads)
+    sides = {"before": background.BackgroundSaves(storage=policy), "after": background.BackgroundSaves(storage=policy)}
+    times: dict[str, dict[str, list]] = {side: {"resume_s": [], "published_s": []} for side in sides}
+    order = [("before", "after"), ("after", "before")] * args.async_rounds
+    for index, pair in enumerate(order[: args.async_rounds]):
+        for side in pair:
+            background.HostCopy = CopyFirst if side == "before" else original
+            try:
+                url = url_of(f"{label}-{side}-{index}")
+                taken = snapshot(url, {"global_step": index}, module=module, engine=None, optimizers=[],
+                                 layout=RankPlacement(), keep_device=True)  # fmt: skip
+                record = types.SimpleNamespace(step=index, advance=lambda state: None, storage=policy)
+                started = time.perf_counter()
+                sides[side].start(taken, RankPlacement(), started, record)
+                resumed = time.perf_counter()
+                sides[side].wait()
+                published = time.perf_counter()
+            finally:
+                background.HostCopy = original
+            times[side]["resume_s"].append(resumed - started)
+            times[side]["published_s"].append(published - started)
+    from interleaved_ab import ratio_interval
+
+    out = {"mb": mb, "saves_per_side": len(times["after"]["resume_s"]), **times}
+    for key in ("resume_s", "published_s"):
+        out[f"{key}_ratio"] = ratio_interval(times["before"][key], times["after"][key])
+    results[f"async_{label}"] = out
+
+
+def report_async(results: dict) -> list[str]:
+    import statistics
+
+    lines = []
+    for label in ("s3", "local"):
+        row = results.get(f"async_{label}")
+        if row is None:
+            continue
+        lines.append(f"background save, {label} ({row['mb']} MiB, {row['saves_per_side']} saves a side, interleaved):")
+        for key, what in (("resume_s", "training may resume"), ("published_s", "published")):
+            before, after = statistics.median(row["before"][key]), statistics.median(row["after"][key])
+            ratio, lo, hi = row[f"{key}_ratio"]
+            lines.append(f"  {what:20} before {before:7.3f} s   after {after:7.3f} s   after/before {ratio:.3f}"
+                         f" [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+    return lines
 
 
 def report(results: dict) -> str:
@@ -232,7 +320,7 @@ def report(results: dict) -> str:
         lines.append(f"{what + ' fetched':18}{stock['bytes_fetched'] / wanted:>19.2f}x{ours['bytes_fetched'] / wanted:>17.2f}x"
                      f"   (of the {wanted / 2**20:.0f} MiB asked for)")  # fmt: skip
     lines.append(f"{'save requests':18}{results['stock_save']['requests']:>20}{results['ours_save']['requests']:>18}")
-    return "\n".join(lines)
+    return "\n".join(lines + report_async(results))
 
 
 def main() -> None:
@@ -241,6 +329,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to every request")
     parser.add_argument("--mb-per-s", type=float, default=1.0, help="MB/s of one request's body or response")
     parser.add_argument("--threads", type=int, default=8, help="upload_threads of ours")
+    parser.add_argument("--async-rounds", type=int, default=4, help="background saves per side (0: none)")
+    parser.add_argument("--async-local-mb", type=int, default=256, help="MiB of the local-directory background saves")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "object_store.json"), help="JSON")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -188,10 +188,10 @@ def test_sharing_a_host_copy_is_decided_by_the_requests_not_by_the_writer_thread
     from lightning_zero.checkpoint import background
 
     copies = []
-    host_copy = background.host_copy
+    run_copy = background.HostCopy.run
     for slow in (False, True):
         calls: list[int] = []
-        monkeypatch.setattr(background, "host_copy", lambda *args, calls=calls: calls.append(1) or host_copy(*args))
+        monkeypatch.setattr(background.HostCopy, "run", lambda self, calls=calls: calls.append(1) or run_copy(self))
         release = threading.Event()
         if slow:
             _SlowWrites(monkeypatch, release=release)

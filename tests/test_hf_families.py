@@ -149,13 +149,22 @@ def test_import_reads_byte_ranges_within_the_largest_tensor(tmp_path):
 
 @pytest.fixture(scope="module")
 def launched(saved, tmp_path_factory):
+    import importlib.util
+
     out = tmp_path_factory.mktemp("hf_export_runs")
     cases = [f"{family}={saved['root'] / family}" for family in FAMILIES]
     cases.append(f"fabric-qwen2={saved['root'] / 'qwen2'}")  # ZeRO-3 over 4 ranks, tied, biases
     mixtral = _mixtral()
     mixtral.save_pretrained(out / "mixtral", max_shard_size=SHARD)
     cases.append(f"moe-mixtral={out / 'mixtral'}")  # ZeRO-2, ep=2: each rank holds 2 of 4 experts
-    launch("hf_export_run.py", out, *cases, timeout_s=900, ranks=4)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if importlib.util.find_spec("s3fs") and importlib.util.find_spec("moto"):  # the llama run also to s3://
+            from tests.s3_server import new_bucket
+
+            bucket = new_bucket(monkeypatch)
+            monkeypatch.setenv("LZ_HF_URL", bucket.url)
+            (out / "hf_url.json").write_text(json.dumps({"url": bucket.url, "options": bucket.storage_options()}))
+        launch("hf_export_run.py", out, *cases, timeout_s=900, ranks=4)
     # Lightning's ddp on 2 ranks: the same dp=2 data split, the reference of the TP=2 x ZeRO-2 runs
     ddp = [f"{family}-ddp={saved['root'] / family}" for family in ("qwen3", "qwen2", "mistral")]
     launch("hf_init.py", out, saved["root"] / "llama", *ddp, timeout_s=600, ranks=2)
@@ -246,8 +255,39 @@ def test_tp2_zero2_trains_like_one_dense_process_and_exports_without_gather(save
         )
         for file in offline.iterdir():
             assert fs.cat_file(f"/hf-export/llama/{file.name}") == file.read_bytes()
-        with pytest.raises(ValueError, match="object store has none"):
-            save_hf_pretrained("memory://hf-export/live", module=dense.model, engine=None, layout=RankPlacement())
+        # a live export to a URL without multipart uploads: streamed in order through rank 0, the same bytes
+        save_hf_pretrained("memory://hf-export/live", module=dense.model, engine=None, layout=RankPlacement())
+        save_hf_pretrained(tmp_path / "live", module=dense.model, engine=None, layout=RankPlacement())
+        for file in (tmp_path / "live").iterdir():
+            assert fs.cat_file(f"/hf-export/live/{file.name}") == file.read_bytes()
+
+
+def test_tp2_zero2_no_gather_export_to_s3_loads_strictly_in_transformers(saved, launched, tmp_path):
+    """[Note: no-gather Hugging Face export to a URL]: the TP=2 x ZeRO-2 llama run (4 ranks) also
+    exported to s3:// (moto): each file a multipart upload whose parts the ranks uploaded. Downloaded,
+    it loads strictly in transformers with the dense replay's logits, its index is save_pretrained's,
+    and every file is the local export's byte for byte."""
+    if not (launched / "hf_url.json").exists():
+        pytest.skip("s3fs / moto not installed (pip install lightning-zero[test])")
+    import fsspec
+
+    where = json.loads((launched / "hf_url.json").read_text())
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **where["options"])
+    fs.get(f"{where['url']}/llama-hf/", str(tmp_path / "from-s3"), recursive=True)
+    got, local = tmp_path / "from-s3", launched / "llama-hf"
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in local.iterdir())
+    for file in local.iterdir():
+        assert (got / file.name).read_bytes() == file.read_bytes(), file.name
+    records = [torch.load(launched / f"llama.rank{rank}.pt", weights_only=False) for rank in range(4)]
+    dense = _dense_replay(saved, "llama", records)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(got, output_loading_info=True)
+    assert not any(info.values()), info
+    diff = _max_diff(dense.model, theirs.eval(), _tokens())
+    print(f"\nllama: TP=2 x ZeRO-2 export to s3:// (moto), max |logits - transformers| = {diff:.3g};"
+          f" export {max(r['url_export_s'] for r in records):.2f} s")  # fmt: skip
+    assert diff <= 1e-5
+    theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
+    assert _index(got) == _index(tmp_path / "ref")
 
 
 def test_fabric_zero3_no_gather_export_loads_strictly(saved, launched, tmp_path):

@@ -7,7 +7,12 @@ Two launches of ``tests/scripts/muon_parity.py`` (10 steps). What is compared, a
 - ``exact`` cases (no accumulation, no clipping), dp=2: ZeRO's averaged gradients are ddp's bit
   for bit, so 10 Muon steps at stages 1-3 and through the Fabric door end on ddp's losses and
   weights exactly: the owner step is torch's step;
-- accumulation 2 and clipping (dp 2 and 4, tp=2 x dp=2): the losses agree to 1e-4 and the weights
+- accumulation 2 (micro batches before the last under no_sync, as ddp runs them) and clipping at
+  dp=2: with ``exact_grad_norm`` (clipping's per-parameter norms whole, in torch's order) and, at
+  stages 2-3, ``defer_grad_reduce`` (micro batches summed locally, reduced once, as ddp does),
+  every gradient is ddp's bit for bit, so 10 steps end on ddp's losses and weights exactly, at
+  stages 1-3 and through the Fabric door (``_xnorm`` cases);
+- without them (dp 2 and 4, tp=2 x dp=2): the losses agree to 1e-4 and the weights
   to 2e-2. ZeRO sums and clips in another order than ddp, so gradients differ in their last fp32
   bit; Muon's bf16 Newton-Schulz can round that to the neighbouring bf16 value, and the weight
   moves by ``lr`` times one bf16 ulp of the update. Two ddp runs at dp 2 and dp 4 differ as much
@@ -36,12 +41,13 @@ from tests.ulps import ulp
 STEPS = 10
 CASES_2 = [
     "ddp_exact", "zero1_exact", "zero2_exact", "zero3_exact", "zero3_offload_exact", "fabric_ddp_exact", "fabric_zero2_exact",
-    "fabric_zero3_exact", "ddp", "zero2", "fabric_ddp", "fabric_zero3", "ddp_bf16", "zero3_bf16",
+    "fabric_zero3_exact", "ddp", "zero2", "zero1_xnorm", "zero2_defer_xnorm", "zero3_defer_xnorm", "fabric_ddp",
+    "fabric_zero3", "fabric_zero3_defer_xnorm", "ddp_bf16", "zero3_bf16",
     "save_zero2", "resume_zero2_from_save_zero2", "resume_zero3_from_save_zero2", "fabric_ddp_exact_reload",
     "fabric_zero3_exact_reload",
 ]  # fmt: skip
 CASES_4 = [
-    "ddp_dp4", "zero2_dp4", "zero2_tp2", "ddp_moe", "zero2_ep2_moe", "ddp_moe_exact_1step",
+    "ddp_dp4", "zero2_dp4", "zero2_tp2", "ddp_moe", "zero2_defer_xnorm_ep2_moe", "ddp_moe_exact_1step",
     "zero2_ep2_moe_exact_1step", "resume_zero1_tp2_from_save_zero2", "resume_zero3_dp4_from_save_zero2",
 ]  # fmt: skip
 
@@ -100,6 +106,16 @@ def test_muon_equals_ddp_bit_for_bit_where_the_gradients_do(runs, case, referenc
 
 @pytest.mark.parametrize(
     "case, reference",
+    [("zero1_xnorm", "ddp"), ("zero2_defer_xnorm", "ddp"), ("zero3_defer_xnorm", "ddp"),
+     ("fabric_zero3_defer_xnorm", "fabric_ddp")],
+)  # fmt: skip
+def test_muon_with_accumulation_and_clipping_equals_ddp_bit_for_bit_in_ddps_order(runs, case, reference):
+    # [Note: exact gradient norm] and [Note: deferred gradient reduction]: ddp's sums, ddp's norm
+    assert _gaps(runs(reference), runs(case)) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "case, reference",
     [("zero2", "ddp"), ("fabric_zero3", "fabric_ddp"), ("zero2_dp4", "ddp_dp4"), ("zero2_tp2", "ddp"),
      ("ddp_dp4", "ddp")],
 )  # fmt: skip
@@ -130,12 +146,14 @@ def test_muon_experts_stepped_per_matrix_within_the_edp_group(runs):
         for name in stacks:
             gap = (got["params"][name] - _expected(ref, got, name)).abs().max().item()
             assert gap < 1e-3, (name, gap)
-    loss, weight = _gaps(runs("ddp_moe"), runs("zero2_ep2_moe"))
-    print(f"muon zero2_ep2_moe vs ddp_moe: max|loss - ddp| {loss:.3g}, max|w - ddp| {weight:.3g}")
+    loss, weight = _gaps(runs("ddp_moe"), runs("zero2_defer_xnorm_ep2_moe"))
+    print(f"muon zero2_defer_xnorm_ep2_moe vs ddp_moe: max|loss - ddp| {loss:.3g}, max|w - ddp| {weight:.3g}")
     assert loss < 1e-3 and weight < 5e-2, (loss, weight)
 
 
-@pytest.mark.parametrize("case", ["zero2", "zero2_dp4", "zero2_tp2", "zero2_ep2_moe", "zero3_bf16"])
+@pytest.mark.parametrize(
+    "case", ["zero2", "zero2_defer_xnorm", "zero2_dp4", "zero2_tp2", "zero2_defer_xnorm_ep2_moe", "zero3_bf16"]
+)
 def test_muon_bytes_counted_equal_planned_and_state_spread_by_ownership(runs, case):
     results = runs(case)
     for result in results:

@@ -167,14 +167,45 @@ def _linear_load(path):
     return opened, float(module.weight.detach()[0, 0])
 
 
-def test_commit_objects_publish_link_and_clean_on_memory_urls():
+def _gcs_like(monkeypatch) -> None:
+    """``gs://`` in this test is ``memory://`` (the same store) with the Google Cloud Storage rules
+    our code must keep, as gcsfs applies them: writes go as a resumable upload whose chunks are
+    multiples of 256 KiB (``block_size``), there is no multipart API (``call_s3``: uploads come in
+    order from one writer), ``ls`` takes ``refresh``. What it does not test: gcsfs itself, GCS
+    credentials, the resumable-upload protocol on the wire (docs/checkpoints.md says so)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class GCSLikeMemory(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            if isinstance(path, str):
+                path = path.removeprefix("gs://").removeprefix("gcs://")
+            return MemoryFileSystem._strip_protocol(path)
+
+        def _open(self, path, mode="rb", block_size=None, **kwargs):
+            if "w" in mode and block_size not in (None, "default"):
+                assert block_size % (256 << 10) == 0, f"GCS chunks are multiples of 256 KiB, not {block_size}"
+            return super()._open(path, mode, block_size=block_size, **kwargs)
+
+        def ls(self, path, detail=True, refresh=False, **kwargs):
+            return super().ls(path, detail=detail, **kwargs)
+
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", GCSLikeMemory)
+
+
+@pytest.mark.parametrize("protocol", ["memory", "gs"])
+def test_commit_objects_publish_link_and_clean_on_memory_urls(protocol, monkeypatch):
     import fsspec
 
     from lightning_zero.checkpoint import is_checkpoint, objstore
     from lightning_zero.runtime.checkpoints import CheckpointLifecycle
 
-    root = f"memory://lz-{os.getpid()}-{time.monotonic_ns()}"
-    fs = fsspec.filesystem("memory")
+    if protocol == "gs":
+        _gcs_like(monkeypatch)
+    root = f"{protocol}://lz-{os.getpid()}-{time.monotonic_ns()}"
+    fs = fsspec.filesystem(protocol)
     _linear_save(f"{root}/a.ckpt", 1.0)
     first = objstore.read_commit(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)["data"]
     _linear_save(f"{root}/a.ckpt", 2.0)  # the same name again: a new prefix, the old one removed after the commit
@@ -201,6 +232,259 @@ def test_commit_objects_publish_link_and_clean_on_memory_urls():
     assert is_checkpoint(f"{root}/last.ckpt") and not is_checkpoint(f"{root}/missing.ckpt")
     lifecycle.remove(f"{root}/a.ckpt")
     assert not is_checkpoint(f"{root}/a.ckpt") and not fs.exists(f"{root}/a.ckpt")
+
+
+@pytest.mark.parametrize("protocol", ["memory", "gs"])
+def test_a_corrupted_shard_at_a_url_is_named_on_load(protocol, monkeypatch):
+    """[Note: shard hashes on URL loads]: a shard replaced by bytes of the same size passes the
+    size check; its sha256 is re-hashed on load, by the reader (a job's load) and at open
+    (``export``), and the object is named."""
+    import fsspec
+
+    from lightning_zero.checkpoint import CheckpointError, RankPlacement, load_model, objstore, open_checkpoint
+
+    if protocol == "gs":
+        _gcs_like(monkeypatch)
+    root = f"{protocol}://lz-{os.getpid()}-{time.monotonic_ns()}"
+    _linear_save(f"{root}/a.ckpt", 1.0)
+    opened = open_checkpoint(f"{root}/a.ckpt", RankPlacement())
+    load_model(opened, torch.nn.Linear(4, 3))  # an intact one loads
+    assert opened.reads.bytes >= sum(info["size"] for info in opened.files.values())  # every object hashed
+    fs = fsspec.filesystem(protocol)
+    data = objstore.resolve(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)[0]
+    shard = f"{data}/__0_0.distcp"
+    corrupted = bytearray(fs.cat_file(shard))
+    corrupted[-20] ^= 0xFF
+    fs.pipe_file(shard, bytes(corrupted))
+    module = torch.nn.Linear(4, 3)
+    before = module.weight.detach().clone()
+    opened = open_checkpoint(f"{root}/a.ckpt", RankPlacement())  # sizes match: opens
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 does not match"):
+        load_model(opened, module)
+    assert torch.equal(module.weight.detach(), before)  # nothing copied
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 does not match"):
+        open_checkpoint(f"{root}/a.ckpt")  # export's open (no process group) hashes every object
+
+
+class _Gate:
+    """``gated://`` is ``memory://`` (the same store) but for the first upload whose path ends with
+    ``suffix`` once armed: it reaches ``blocked`` at its close and waits there for ``release``.
+    ``wrote`` is set at the first write to any ``.distcp`` object."""
+
+    suffix = None
+    blocked = threading.Event()
+    release = threading.Event()
+    wrote = threading.Event()
+
+
+def _gated_fs():
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class GatedFile:
+        def __init__(self, handle, block):
+            self.handle, self.block = handle, block
+
+        def write(self, data):
+            _Gate.wrote.set()
+            return self.handle.write(data)
+
+        def close(self):
+            if self.block:
+                _Gate.blocked.set()
+                assert _Gate.release.wait(30), "never released"
+            self.handle.close()
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    class GatedMemory(MemoryFileSystem):
+        protocol = "gated"
+
+        def _open(self, path, mode="rb", **kwargs):
+            handle = super()._open(path, mode, **kwargs)
+            if "w" in mode and path.endswith(".distcp"):
+                block = bool(_Gate.suffix) and path.endswith(_Gate.suffix)
+                if block:
+                    _Gate.suffix = None
+                return GatedFile(handle, block)
+            return handle
+
+    fsspec.register_implementation("gated", GatedMemory, clobber=True)
+
+
+def test_an_async_save_uploads_while_its_host_copy_runs(monkeypatch):
+    """[Note: uploads overlap the host copy]: the copy of the last (smallest) tensor of a
+    background save waits until a shard's bytes reached the store; it gets there only when the
+    writer takes each tensor as soon as its copy is done. Then the save is published intact."""
+    import types
+
+    from lightning_zero.checkpoint import RankPlacement, background, objstore
+    from lightning_zero.checkpoint.save import snapshot
+
+    _gated_fs()
+    _Gate.wrote.clear()
+    url = f"gated://lz-{os.getpid()}-{time.monotonic_ns()}/a.ckpt"
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    for index, rows in enumerate((2048, 1792, 1536)):  # 8, 7 and 6 MiB: written and copied largest first
+        module.register_parameter(f"w{index}", torch.nn.Parameter(torch.randn(rows, 1024)))
+    seen = []
+    copy = background.HostCopy._copy
+
+    def gated_copy(self, live, host, on_device):
+        if live.shape[0] == 1536:
+            seen.append(_Gate.wrote.wait(10))
+        copy(self, live, host, on_device)
+
+    monkeypatch.setattr(background.HostCopy, "_copy", gated_copy)
+    policy = objstore.StoragePolicy(upload_threads=1, part_mb=5)
+    saves = background.BackgroundSaves(storage=policy)
+    taken = snapshot(url, {"global_step": 1}, module=module, engine=None, optimizers=[], layout=RankPlacement(),
+                     keep_device=True)  # fmt: skip
+    record = types.SimpleNamespace(step=1, advance=lambda state: None, storage=policy)
+    assert saves.start(taken, RankPlacement(), time.perf_counter(), record)
+    saves.wait()
+    assert seen == [True]  # a shard was uploading before the host copy ended
+    from lightning_zero.checkpoint import load_model, open_checkpoint
+
+    loaded = torch.nn.Module()
+    for index, rows in enumerate((2048, 1792, 1536)):
+        loaded.register_parameter(f"w{index}", torch.nn.Parameter(torch.zeros(rows, 1024)))
+    load_model(open_checkpoint(url, RankPlacement()), loaded)
+    assert all(torch.equal(getattr(loaded, f"w{i}"), getattr(module, f"w{i}")) for i in range(3))
+
+
+def test_two_jobs_saving_one_url_name_keep_each_others_saves_in_flight(monkeypatch):
+    """[Note: two jobs, one name]: job B saves and commits the name while job A's save is in flight
+    (its rank file uploaded, a shard stuck): B's cleanups leave A's prefix alone, A then commits,
+    and the name loads A's save (the last commit) intact."""
+    from lightning_zero.checkpoint import objstore
+
+    _gated_fs()
+    jobs = threading.local()
+    monkeypatch.setattr(objstore, "job_token", lambda: getattr(jobs, "token", "aaaaaaaa"))
+    root = f"gated://lz-{os.getpid()}-{time.monotonic_ns()}"
+    _linear_save(f"{root}/a.ckpt", 1.0)  # job A's earlier save
+    _Gate.blocked.clear(), _Gate.release.clear()
+    _Gate.suffix = "__0_0.distcp"
+    failures = []
+
+    def job_a():
+        try:
+            _linear_save(f"{root}/a.ckpt", 2.0)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            failures.append(exc)
+
+    saver = threading.Thread(target=job_a)
+    saver.start()
+    assert _Gate.blocked.wait(30)
+    in_flight = [p for p in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt"))
+                 if p != objstore.read_commit(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)["data"]]  # fmt: skip
+    assert len(in_flight) == 1 and in_flight[0].startswith("save-aaaaaaaa-"), in_flight
+    jobs.token = "bbbbbbbb"
+    _linear_save(f"{root}/a.ckpt", 3.0)  # job B: begins (cleanup), writes, commits (cleanup)
+    assert _linear_load(f"{root}/a.ckpt")[1] == 3.0
+    assert in_flight[0] in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt"))
+    _Gate.release.set()
+    saver.join(30)
+    assert not failures, failures
+    assert _linear_load(f"{root}/a.ckpt")[1] == 2.0  # A committed last: its save, whole (sha256 re-hashed)
+    # B's replaced prefix is another job's for A: A's cleanups leave it (young); B's next save
+    # removes it, and leaves A's (replaced now, young, another job's for B)
+    (b_first,) = [n for n in objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt")) if "-bbbbbbbb-" in n]
+    jobs.token = "aaaaaaaa"
+    assert objstore.removable(b_first, now=time.time() + 2 * 86400) and not objstore.removable(b_first)
+    jobs.token = "bbbbbbbb"
+    _linear_save(f"{root}/a.ckpt", 4.0)
+    b_now = objstore.read_commit(f"{root}/a.ckpt", objstore.DEFAULT_POLICY)["data"]
+    assert objstore._save_prefixes(*objstore.filesystem(f"{root}/a.ckpt")) == sorted([in_flight[0], b_now])
+
+
+class _MultipartMemory:
+    """``mpu://``: ``memory://`` with S3's multipart calls (s3fs's ``call_s3``), refusing a part
+    under 5 MiB that is not the last, as S3 does; ``calls`` counts them by name."""
+
+    calls: dict = {}
+
+    @staticmethod
+    def register():
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        class MultipartMemory(MemoryFileSystem):
+            protocol = "mpu"
+            uploads: dict = {}
+
+            @classmethod
+            def _strip_protocol(cls, path):
+                return MemoryFileSystem._strip_protocol(path.removeprefix("mpu://"))
+
+            def split_path(self, path):
+                bucket, _, key = self._strip_protocol(path).lstrip("/").partition("/")
+                return bucket, key, None
+
+            def call_s3(self, method, **kw):
+                _MultipartMemory.calls[method] = _MultipartMemory.calls.get(method, 0) + 1
+                if method == "create_multipart_upload":
+                    upload = f"u{len(self.uploads)}"
+                    self.uploads[upload] = {}
+                    return {"UploadId": upload}
+                if method == "upload_part":
+                    self.uploads[kw["UploadId"]][kw["PartNumber"]] = bytes(kw["Body"])
+                    return {"ETag": f"e{kw['PartNumber']}"}
+                if method == "abort_multipart_upload":
+                    self.uploads.pop(kw["UploadId"])
+                    return {}
+                assert method == "complete_multipart_upload", method
+                stored = self.uploads.pop(kw["UploadId"])
+                numbers = [p["PartNumber"] for p in kw["MultipartUpload"]["Parts"]]
+                assert numbers == sorted(stored) == list(range(1, len(stored) + 1)), numbers
+                assert all(len(stored[n]) >= 5 << 20 for n in numbers[:-1]), "EntityTooSmall"
+                self.pipe_file(f"/{kw['Bucket']}/{kw['Key']}", b"".join(stored[n] for n in numbers))
+                return {}
+
+        fsspec.register_implementation("mpu", MultipartMemory, clobber=True)
+
+
+@pytest.mark.parametrize("protocol", ["mpu", "memory", "gs"])
+def test_no_gather_hf_export_to_a_url_is_the_local_export_byte_for_byte(protocol, tmp_path, monkeypatch):
+    """[Note: no-gather Hugging Face export to a URL] in one process: files of several 8 MiB parts
+    (multipart: one upload per file, its parts assembled from the runs and the header) or streamed
+    in order (``memory://``, no multipart); the same bytes as the local export, the index last."""
+    import fsspec
+
+    from lightning_zero.checkpoint.dcp import DenseChunks
+    from lightning_zero.checkpoint.hf import Source
+    from lightning_zero.checkpoint.hf_write import HFExport, save_hf_sharded
+
+    _MultipartMemory.register()
+    _MultipartMemory.calls.clear()
+    if protocol == "gs":
+        _gcs_like(monkeypatch)
+    torch.manual_seed(0)
+    shapes = {"embed": (3000, 1024), "norm": (1024,), "head": (2000, 1024), "odd": (7, 5)}
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    # rectangles as ZeRO / TP would hold them: row blocks, one split mid-row into a flat range's pieces
+    held = {name: DenseChunks(t.shape, [((0,) * t.dim(), t)]) for name, t in tensors.items()}
+    held["embed"] = DenseChunks((3000, 1024), [((0, 0), tensors["embed"][:1234]), ((1234, 0), tensors["embed"][1234:])])
+    export = HFExport(sources={name: Source(f"model.{name}.weight", shape) for name, shape in shapes.items()},
+                      config=lambda dtype: {"torch_dtype": str(dtype)})  # fmt: skip
+    local = save_hf_sharded(tmp_path / "local", export, held, max_shard_size="16MB")
+    url = f"{protocol}://bucket-{os.getpid()}/hf"
+    fs = fsspec.filesystem(protocol)
+    fs.pipe_file(f"{url}/model.safetensors.index.json", b"stale")  # an earlier export's, removed first
+    fs.pipe_file(f"{url}/model-00009-of-00009.safetensors", b"stale")
+    remote = save_hf_sharded(url, export, held, max_shard_size="16MB")
+    assert remote == local and len(local.files) == 2
+    for path in sorted((tmp_path / "local").iterdir()):
+        assert fs.cat_file(f"{url}/{path.name}") == path.read_bytes(), path.name
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False)) == sorted(
+        p.name for p in (tmp_path / "local").iterdir()
+    )
+    if protocol == "mpu":  # files of 12.3 and 8.2 MB in 8 MiB parts (upload_part_mb): 2 + 1 parts
+        assert _MultipartMemory.calls == {"create_multipart_upload": 2, "upload_part": 3,
+                                          "complete_multipart_upload": 2}, _MultipartMemory.calls  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

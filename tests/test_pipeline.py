@@ -1,13 +1,15 @@
-"""Pipeline parallelism's engine level: the layout's checks (no process group), the schedule played
-on paper against torch's own order, and torch's schedules over our Llama stages on 2 gloo ranks
-against one process running the whole model."""
+"""Pipeline parallelism: the layout's checks (no process group), the schedule played on paper
+against torch's own order, torch's schedules over our Llama stages on 2 gloo ranks against one
+process running the whole model, and ``LlamaLM`` under ``ZeroStrategy(pp=2)`` through the Trainer
+against Lightning's ddp (every schedule; ZeRO stages 1 and 2 within each stage's dp group; a
+checkpoint saved at pp=2 resumed at pp=1)."""
 
 import pytest
 import torch
 
 from lightning_zero.pp.layout import SCHEDULES, PipelineLayout, balanced_split
 from lightning_zero.pp.simulate import StageCosts, schedule_order, trace_schedule
-from tests.distributed import run_ranks
+from tests.distributed import launch_each, rank_result, run_ranks
 
 BAD_LAYOUTS = [
     (dict(pp=2, schedule="pipedream", n_layers=4, microbatches=4), "is not a schedule"),
@@ -192,3 +194,99 @@ def test_torchs_schedules_over_llama_stages_equal_one_process_and_move_the_plann
     targets = torch.randint(0, CONFIG["vocab_size"], (4, 8))
     loss, grads = _reference(batch, targets)
     run_ranks(_pipeline_cases, 2, args=(PIPELINE_CASES, batch, targets, loss, grads), timeout_s=120)
+
+
+# tests/scripts/pp_parity.py: fp32, accumulate_grad_batches=2, norm clipping, validation before,
+# during and after training; the same global batch of 4 sequences a step in every case
+LAUNCHES = [
+    (
+        2,
+        ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
+         "resume_pp2_ckpt_pp1"],
+    ),
+    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2"]),
+]  # fmt: skip
+RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
+PP_CASES = [case for case in RANKS if case.startswith("pp2")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return launch_each("pp_parity.py", tmp_path_factory.mktemp("pp"), LAUNCHES, timeout_s=400)
+
+
+def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-step losses and validation losses (the mean over the run's ranks: every rank of a pp
+    group reports its dp rank's batch), and every parameter (each pp rank holds its stages')."""
+    ranks = [rank_result(results, case, rank) for rank in range(RANKS[case])]
+    params: dict = {}
+    for result in ranks:
+        params.update(result["params"])
+    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
+    val_losses = torch.tensor([result["val_losses"] for result in ranks]).mean(0)
+    return losses, val_losses, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PP_CASES)
+def test_pipeline_under_the_trainer_matches_ddp(trained, case):
+    losses, val_losses, params = _joined(trained, case)
+    want_losses, want_val, want_params = _joined(trained, "ddp")
+    assert losses.shape == want_losses.shape == (8,) and val_losses.shape == want_val.shape == (3,)
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(val_losses, want_val, rtol=0, atol=1e-5)
+    assert set(params) == set(want_params)  # every stage's parameters, under the full model's names
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+    if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
+        rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
+        assert rows[0] == rows[1]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
+    losses, _, params = _joined(trained, "resume_pp2_ckpt_pp1")
+    want_losses, _, want_params = _joined(trained, "ddp")
+    torch.testing.assert_close(losses, want_losses[4:], rtol=0, atol=1e-5)  # steps 3-4 (batches 5-8)
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+PIPELINE_REFUSALS = [
+    (dict(stage=3), {}, "use stage=1 or stage=2"),
+    (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(pp_layers=[1, 2]), {}, "sums to 3"),
+    (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
+    (dict(pp_schedule="interleaved_1f1b"), {}, "pp_virtual_stages >= 2"),
+    (dict(pp_schedule="interleaved_1f1b", pp_virtual_stages=4), {}, "every stage needs at least one"),
+    ({}, dict(tie_embeddings=True), "ties its embedding to its head"),
+]
+
+
+@pytest.mark.parametrize("knobs, model, message", PIPELINE_REFUSALS)
+def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(knobs, model, message):
+    """What ``ZeroStrategy.setup_environment`` checks (``ZeroSession.plan_layout``) before it starts
+    the process group: the layout against the model, each refusal naming the fix."""
+    import torch.distributed as dist
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.session import ZeroSession
+
+    session = ZeroSession(ZeroConfig(**{"stage": 2, "pp": 2, **knobs}))
+    module = LlamaLM({**CONFIG, "name": "tiny", **model})
+    with pytest.raises(ValueError, match=message):
+        session.plan_layout(num_nodes=1, num_processes=4, module=module)
+    assert not dist.is_initialized()
+
+
+def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.session import ZeroSession
+
+    session = ZeroSession(ZeroConfig(stage=1, pp=2, pp_schedule="zbv"))
+    dims = session.plan_layout(num_nodes=1, num_processes=4, module=LlamaLM({**CONFIG, "name": "tiny"}))
+    assert (dims.pp, dims.dp, dims.pp_ranks(1)) == (2, 2, [1, 3])
+    layout = session.pipeline_layout
+    assert (layout.schedule, layout.microbatches, layout.rank_stages(0)) == ("zbv", 4, (0, 3))

@@ -98,6 +98,12 @@ class ZeroConfig:
             stage 3 the parameters stay sharded), as FSDP2's ``set_requires_gradient_sync(False)``.
             Under ``bf16-true`` this is what equals ddp bit for bit (docs/precision.md). Stage 1
             always defers ([Note: deferred gradient reduction] in ``zero/bucketing.py``).
+        exact_grad_norm: gradient clipping by norm computes each parameter's norm over its whole
+            gradient on one rank and stacks the norms in torch's order, so the clip coefficient is
+            ``clip_grad_norm_``'s under ddp bit for bit; the runs of parameters cut between ranks'
+            chunks travel to one rank once per clip (up to ``(n-1)/n`` of their gradient bytes).
+            Muon's matrices always do (they go to their owners anyway): [Note: exact gradient
+            norm] in ``zero/owner_exchange.py``, docs/optimizers.md.
         max_buckets_in_flight: gradient reduce-scatters in flight at once, every stage (a launch
             first waits for the oldest); stage 2/3: the pool of full-size bucket buffers holds one
             more (those in flight and the one filling: gradient memory is the shard plus
@@ -224,6 +230,7 @@ class ZeroConfig:
     prefetch_blocks: int = 1
     offload_optimizer: bool = False
     defer_grad_reduce: bool = False
+    exact_grad_norm: bool = False
     max_buckets_in_flight: int = 2
     monitor: bool = True
     collective_timeout: Optional[float] = 300.0
@@ -283,6 +290,7 @@ class ZeroConfig:
             "overlap_comm",
             "offload_optimizer",
             "defer_grad_reduce",
+            "exact_grad_norm",
             "monitor",
             "overlap_param_gather",
             "async_checkpoint",
@@ -394,8 +402,8 @@ LayoutPolicy = _policy(
 ShardingPolicy = _policy(
     "ShardingPolicy",
     "What ZeRO keeps on each rank: the stage, when gradients are reduced, stage 3's prefetch, where"
-    " the optimizer state lives.",
-    ("stage", "defer_grad_reduce", "prefetch_blocks", "offload_optimizer"),
+    " the optimizer state lives, where clipping's per-parameter norms are computed.",
+    ("stage", "defer_grad_reduce", "prefetch_blocks", "offload_optimizer", "exact_grad_norm"),
 )
 CommPolicy = _policy(
     "CommPolicy",

@@ -6,7 +6,9 @@ qwen3, qwen2, mistral) LlamaLM(init_from=HF_DIR) fine-tunes 3 steps under ZeroSt
 tensor_parallel_size=2) (dp=2), saves OUT_DIR/NAME.ckpt, then every rank calls
 ``strategy.save_hf_pretrained`` into OUT_DIR/NAME-hf (small shards, so the files split tensors
 between ranks' pieces). Each rank writes
-OUT_DIR/NAME.rank<r>.pt: losses, batches and the export's wall time. ``fabric-NAME=HF_DIR``:
+OUT_DIR/NAME.rank<r>.pt: losses, batches and the export's wall time. With ``LZ_HF_URL`` set (an
+``s3://`` bucket on the tests' moto server, reached through the ``AWS_*`` environment) the llama
+run also exports to ``LZ_HF_URL/llama-hf`` (multipart uploads, each part by its owner rank). ``fabric-NAME=HF_DIR``:
 through the Fabric door instead, ZeRO-3 over dp=4 (Fabric has no TP yet): Llama.from_pretrained,
 fabric.setup, then fabric.strategy.save_hf_pretrained into OUT_DIR/fabric-NAME-hf, no step.
 ``moe-NAME=HF_DIR``: MoELM(init_from=HF_DIR) (Mixtral / Qwen3-MoE) under ZeRO-2 with ep=2 (each
@@ -50,6 +52,11 @@ class Recorder(LlamaLM):
         start = time.perf_counter()
         self.trainer.strategy.save_hf_pretrained(self.export_dir, max_shard_size=SHARD)
         self.record["export_s"] = time.perf_counter() - start
+        url = os.environ.get("LZ_HF_URL")
+        if url and os.path.basename(self.export_dir) == "llama-hf":
+            start = time.perf_counter()
+            self.trainer.strategy.save_hf_pretrained(f"{url}/llama-hf", max_shard_size=SHARD)
+            self.record["url_export_s"] = time.perf_counter() - start
 
 
 def moe_recorder(out: str, name: str, **kwargs):

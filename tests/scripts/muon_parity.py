@@ -18,6 +18,7 @@ any layout and trains on to STEPS.
 
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -72,8 +73,12 @@ class MuonTraining:
         self.micro += 1
         optimizers = self.optimizers()
         loss, _ = self._loss(batch)
-        self.manual_backward(loss / self.accumulate)
-        if self.micro % self.accumulate == 0:
+        last = self.micro % self.accumulate == 0
+        # ddp's order: micro batches before the last under no_sync (as Lightning's automatic
+        # optimization and Fabric's no_backward_sync run them); ``_syncall``: every one synced
+        with self.trainer.strategy.block_backward_sync() if not (last or self.sync_all) else nullcontext():
+            self.manual_backward(loss / self.accumulate)
+        if last:
             for optimizer in optimizers if self.clip else []:
                 self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
             for optimizer in optimizers:
@@ -101,7 +106,9 @@ class MuonMoE(MuonTraining, MoELM):
 def layout(case: str) -> dict:
     """``zero2_tp2`` -> stage 2, tp 2; ``zero3_ep2_moe`` -> stage 3, ep 2; ``ddp...`` -> {}."""
     parts = case.removeprefix("resume_").removeprefix("save_").split("_from_")[0].split("_")
-    parts = [part for part in parts if part not in ("exact", "dp4", "1step")]  # dp4: a name for the 4-rank launch
+    parts = [
+        part for part in parts if part not in ("exact", "dp4", "1step", "acconly", "cliponly", "syncall")
+    ]  # dp4: a name for the 4-rank launch
     if parts[0].startswith("ddp"):
         return {}
     knobs = {"stage": int(parts[0].removeprefix("zero")), "bucket_mb": 0.01}
@@ -112,6 +119,10 @@ def layout(case: str) -> dict:
             knobs["ep"] = int(part[2:])
         if part == "offload":
             knobs["offload_optimizer"] = True
+        if part == "defer":
+            knobs["defer_grad_reduce"] = True
+        if part == "xnorm":
+            knobs["exact_grad_norm"] = True
     return knobs
 
 
@@ -169,7 +180,9 @@ def run(case: str, out_dir: str) -> None:
     model = MuonMoE() if "moe" in case else MuonLlama()
     # ``exact`` cases: no accumulation, no clipping, where ZeRO's gradients are ddp's bit for bit
     exact = "exact" in case
-    model.tp, model.accumulate, model.clip = tp, 1 if exact else ACCUMULATE, not exact
+    accumulate = 1 if exact or "cliponly" in case else ACCUMULATE
+    model.tp, model.accumulate, model.clip = tp, accumulate, not (exact or "acconly" in case)
+    model.sync_all = "syncall" in case
     global TOKENS
     TOKENS = tokens(WORLD // tp, model.accumulate)  # STEPS' worth: a 1-step case uses the first
     strategy = ZeroStrategy(**knobs) if knobs else "ddp"

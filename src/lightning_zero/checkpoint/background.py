@@ -49,16 +49,13 @@ from lightning_zero.checkpoint.save import Snapshot, save_entries, write_snapsho
 from lightning_zero.checkpoint.targets import RankPlacement, Targets
 
 
-def _to_host(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
-    """``tensor`` copied into host memory: into ``into`` (the previous save's buffer) when it fits."""
-    tensor = tensor.detach()
+def _host_buffer(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+    """Where ``tensor``'s host copy goes: ``into`` (the previous save's buffer) when it fits, else a
+    new one (pinned on a device)."""
     if into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype:
-        return into.copy_(tensor, non_blocking=tensor.device.type != "cpu")
-    if tensor.device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    host.copy_(tensor, non_blocking=True)
-    return host
+        return into
+    pinned = tensor.device.type != "cpu" and torch.cuda.is_available()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
 
 
 def live_tensors(*, module: Any, engine: Any, optimizers: list, layout: RankPlacement, with_optimizer: bool) -> dict:
@@ -93,31 +90,102 @@ def _touched(spec: torch.Tensor) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=spec.dtype, pin_memory=torch.cuda.is_available()).zero_()
 
 
+class HostCopy:
+    """[Note: uploads overlap the host copy] The host copy of a background save, taken tensor by
+    tensor on the training thread (:meth:`run`) while the writer thread already writes: the writer
+    asks :meth:`wait_for` before it reads a tensor's bytes, and gets them as soon as that tensor's
+    copy is done, not after the whole copy. So a save's first uploads (its rank file, then its
+    shards' parts) overlap the copy of the rest, and the save is published earlier by up to the
+    copy's duration; the training loop still waits for the whole copy (it may write the live
+    tensors again right after), no longer.
+
+    The buffers are allocated (or taken from the previous copy: ``reuse``) before the writer
+    starts, so DCP plans from their shapes; the copy then goes largest tensor first, the order in
+    which DCP's writer threads take them (each of ``upload_threads`` objects is filled largest item
+    first). No extra memory: the copy is the one a background save always kept. A copy that fails
+    (out of memory) releases the writer with the error, so the save fails on every rank, as any
+    write error does; the training thread raises it too."""
+
+    def __init__(self, tensors: dict[str, Any], reuse: Optional[dict[str, Any]] = None) -> None:
+        reuse = reuse or {}  # [Note: host buffers before the first save]
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its host buffer)
+        self.tensors: dict[str, Any] = {}
+        for name, value in tensors.items():
+            old = reuse.get(name)
+            if isinstance(value, DenseChunks):
+                olds = old.pieces if isinstance(old, DenseChunks) and len(old.pieces) == len(value.pieces) else None
+                pieces = []
+                for index, (offsets, piece) in enumerate(value.pieces):
+                    into = olds[index][1] if olds and olds[index][0] == offsets else None
+                    pieces.append((offsets, self._buffer(piece, into)))
+                self.tensors[name] = DenseChunks(value.global_size, pieces)
+            elif isinstance(value, torch.Tensor):
+                self.tensors[name] = self._buffer(value, old if isinstance(old, torch.Tensor) else None)
+            else:
+                self.tensors[name] = value
+        self.nbytes = sum(host.numel() * host.element_size() for _, host in self.pairs)
+        self._done: dict[int, Any] = {}  # data_ptr -> None (copied) or the device event that copies it
+        self._all_done = False
+        self._error: Optional[BaseException] = None
+        self._changed = threading.Condition()
+
+    def _buffer(self, live: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+        host = _host_buffer(live.detach(), into)
+        self.pairs.append((live.detach(), host))
+        return host
+
+    def run(self) -> None:
+        """Copy every tensor (the training thread), largest first, each released to the writer when done."""
+        try:
+            for live, host in sorted(self.pairs, key=lambda pair: -pair[1].numel() * pair[1].element_size()):
+                on_device = live.device.type != "cpu"
+                self._copy(live, host, on_device)
+                event = None
+                if on_device and torch.cuda.is_available():
+                    event = torch.cuda.Event()
+                    event.record()
+                with self._changed:
+                    self._done[host.data_ptr()] = event
+                    self._changed.notify_all()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking copies are done before training writes again
+        except BaseException as exc:
+            with self._changed:
+                self._error = exc
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            self._all_done = True
+            self._changed.notify_all()
+
+    def _copy(self, live: torch.Tensor, host: torch.Tensor, on_device: bool) -> None:
+        host.copy_(live, non_blocking=on_device)
+
+    def wait_for(self, tensor: torch.Tensor) -> None:
+        """The writer: until ``tensor`` (a host buffer of this copy, or a view of one) holds its copy."""
+        if tensor.numel() == 0:
+            return
+        key = tensor.data_ptr()
+        with self._changed:
+            while not self._all_done and key not in self._done and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise CheckpointWriteError(
+                    f"the host copy of the save failed: {type(self._error).__name__}: {self._error}"
+                )
+            event = self._done.get(key)
+        if event is not None:
+            event.synchronize()
+
+
 def host_copy(tensors: dict[str, Any], reuse: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], int]:
     """Copies of every tensor (and :class:`DenseChunks` rectangle) in host memory, written into
     ``reuse`` (a previous copy of the same entries, no longer read, or the buffers
-    :meth:`BackgroundSaves.prepare` filled) where shapes match. Returns the copies and their bytes."""
-    reuse = reuse or {}  # [Note: host buffers before the first save]
-    copied: dict[str, Any] = {}
-    total = 0
-    for name, value in tensors.items():
-        old = reuse.get(name)
-        if isinstance(value, DenseChunks):
-            olds = old.pieces if isinstance(old, DenseChunks) and len(old.pieces) == len(value.pieces) else None
-            pieces = [
-                (offsets, _to_host(piece, olds[index][1] if olds and olds[index][0] == offsets else None))
-                for index, (offsets, piece) in enumerate(value.pieces)
-            ]
-            total += sum(piece.numel() * piece.element_size() for _, piece in pieces)
-            copied[name] = DenseChunks(value.global_size, pieces)
-        elif isinstance(value, torch.Tensor):
-            copied[name] = _to_host(value, old if isinstance(old, torch.Tensor) else None)
-            total += value.numel() * value.element_size()
-        else:
-            copied[name] = value
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking copies are done before training writes again
-    return copied, total
+    :meth:`BackgroundSaves.prepare` filled) where shapes match; all at once (:class:`HostCopy`).
+    Returns the copies and their bytes."""
+    copy = HostCopy(tensors, reuse)
+    copy.run()
+    return copy.tensors, copy.nbytes
 
 
 class BackgroundSaves:
@@ -219,7 +287,7 @@ class BackgroundSaves:
             )
         if record.step is not None and host is not None and host[0] == record.step:
             if host[1].keys() == taken.tensors.keys():
-                taken.tensors = host[1]
+                taken.tensors, taken.ready = host[1], None  # copied whole before the first save's start returned
                 with self._lock:
                     if self._error is not None:  # that save failed (on every rank): this one is not written
                         return False
@@ -235,7 +303,8 @@ class BackgroundSaves:
             self.progress = WriteProgress(store, f"lightning_zero/ckpt_progress/{self.group.group_name}")
         self._take_prepared()
         reused = {t.data_ptr() for t in _tensors_of(self._buffers)}
-        taken.tensors, self.last_host_bytes = host_copy(taken.tensors, self._buffers)
+        copy = HostCopy(taken.tensors, self._buffers)  # [Note: uploads overlap the host copy]
+        taken.tensors, taken.ready, self.last_host_bytes = copy.tensors, copy.wait_for, copy.nbytes
         self.copies += 1
         self.fresh_bytes += sum(t.numel() * t.element_size() for t in _tensors_of(taken.tensors)
                                 if t.data_ptr() not in reused)  # fmt: skip
@@ -243,7 +312,8 @@ class BackgroundSaves:
         self._host = (record.step, taken.tensors)
         with self._lock:
             self._queue = [(taken, layout, record)]
-            self._launch()
+            self._launch()  # writes each tensor as soon as its copy is done
+        copy.run()
         self.last_stall_s = time.perf_counter() - started
         return True
 

@@ -28,7 +28,7 @@ import io
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
@@ -178,13 +178,22 @@ def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
-    """DCP's default planner, for flat state dicts of tensors and :class:`DenseChunks`."""
+    """DCP's default planner, for flat state dicts of tensors and :class:`DenseChunks`.
+    ``ready(tensor)``: called by the writer before a tensor's bytes are read, to wait until they
+    are there ([Note: uploads overlap the host copy] in ``background.py``); ``None``: they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.ready = ready
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return _lookup(self.state_dict, index)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if self.ready is not None and isinstance(data, torch.Tensor):
+            self.ready(data)
+        return data
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):

@@ -28,7 +28,7 @@ from lightning_zero.checkpoint.dcp import (
 )
 from lightning_zero.checkpoint.destinations import Location
 from lightning_zero.checkpoint.objstore import DEFAULT_POLICY, Counter, StoragePolicy, is_url
-from lightning_zero.checkpoint.objstore_dcp import ObjectReader
+from lightning_zero.checkpoint.objstore_dcp import ObjectReader, verify_objects
 from lightning_zero.checkpoint.publish import DCP_METADATA_FILE, FORMAT, META_FILE, PathLike, sha256_of
 from lightning_zero.checkpoint.ranks import all_gather_object, labelled, raise_any
 from lightning_zero.checkpoint.state import decode, set_rng_state
@@ -77,6 +77,7 @@ class OpenedCheckpoint:
     rank_state: Optional[dict[str, Any]]
     storage: StoragePolicy = DEFAULT_POLICY
     reads: Counter = field(default_factory=Counter)  # bytes read from object storage (ranges and whole objects)
+    files: dict[str, Any] = field(default_factory=dict)  # a URL checkpoint's commit: {object: {size, sha256}}
 
     def lightning_dict(self) -> dict[str, Any]:
         """What Lightning expects back from ``Strategy.load_checkpoint`` (tensors stay on disk)."""
@@ -143,7 +144,8 @@ def open_checkpoint(
 def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy, *, alone: bool) -> OpenedCheckpoint:
     """[Note: commit objects]: the commit resolved, every object's size checked against it (one
     listing), ``meta.json``, ``.metadata`` and this rank's rank file checked by sha256 as they are
-    read; the shards are read later, by range."""
+    read; the shards are re-hashed as they are read ([Note: shard hashes on URL loads] in
+    ``objstore_dcp.py``), or here, every object, without a process group (``alone``)."""
     reads = Counter()
     with labelled("ckpt_open"):
         error, meta, rank_text = None, {}, None
@@ -176,13 +178,15 @@ def _open_url(target: str, layout: RankPlacement, storage: StoragePolicy, *, alo
             rank_name = f"rank{layout.rank}.json"
             if meta["layout"]["world_size"] == layout.world_size and rank_name in commit["files"]:
                 rank_text = checked(rank_name).decode()
+            if alone:
+                verify_objects(data, commit["files"], storage, reads)
         except CheckpointError as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - no credentials, no bucket, a stalled read
             error = f"{target}: cannot read ({type(exc).__name__}: {exc})"
         raise_any([error] if alone else all_gather_object(error, "ckpt_verify"), CheckpointError)
         rank_state = decode(json.loads(rank_text)) if rank_text is not None else None
-        return OpenedCheckpoint(data, meta, decode(meta["trainer_state"]), rank_state, storage, reads)
+        return OpenedCheckpoint(data, meta, decode(meta["trainer_state"]), rank_state, storage, reads, commit["files"])
 
 
 def _read_meta(root: Path) -> dict[str, Any]:
@@ -217,7 +221,7 @@ def _parse_meta(text: str, meta_path: Any) -> dict[str, Any]:
 def _dcp_load(opened: OpenedCheckpoint, tensors: dict[str, Any]) -> None:
     try:
         with labelled("ckpt_dcp_load"):
-            reader = (ObjectReader(opened.path, opened.storage, opened.reads) if isinstance(opened.path, str)
+            reader = (ObjectReader(opened.path, opened.storage, opened.reads, opened.files) if isinstance(opened.path, str)
                       else SafeFileSystemReader(str(opened.path)))  # fmt: skip
             dcp.load(tensors, storage_reader=reader, planner=ChunkLoadPlanner())
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

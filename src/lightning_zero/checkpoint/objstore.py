@@ -18,9 +18,21 @@ directly (in parallel, :class:`UploadStream`), hashing as it uploads; when every
 new one, never a half) listing each object of the save with its size and sha256, then deletes the
 previous save's prefix. A reader resolves a checkpoint through its commit only
 (:func:`resolve`); a prefix no commit names is a dead save's leftover, removed by the next save of
-that name (:func:`remove_leftovers`) or at the next start. A ``last`` link is a commit object too,
+that name (:func:`remove_leftovers`) or at the next start, under the rule of [Note: two jobs, one
+name]. A ``last`` link is a commit object too,
 ``{"link": "<name of the target>"}``: it follows the target's current commit, as a symlink follows
 a name, and is rewritten in one PUT.
+
+[Note: two jobs, one name] Object storage has no lock a crashed job would release, so two jobs
+may save to the same checkpoint name at once (a requeued job beside its predecessor, or two runs
+given one ``dirpath``). Each save id carries its job's token (drawn once per process on rank 0)
+and its start time, ``save-<job>-<started>-<random>``, and a cleanup removes an uncommitted prefix
+only when it is this job's (a job's saves run one at a time, so its own uncommitted prefix is a
+dead or replaced save), or another job's started more than :data:`FOREIGN_LEFTOVER_S` (a day) ago:
+no save runs for a day, so such a prefix is dead. Another job's save in flight is never removed;
+whichever job writes ``commit.json`` last is the checkpoint the name selects (one PUT either way,
+never a mix), and the prefix it replaced is removed by its own job's next save or after a day.
+The prefix a commit names is never removed by a cleanup.
 
 [Note: bounded uploads] Each object is uploaded by a thread of its own that writes parts of
 ``part_mb`` (a multipart upload on S3); the thread producing the bytes hands parts over through a
@@ -32,9 +44,8 @@ waited for; a dead one is an error within ``stall_s``. Ranged reads on load are 
 way.
 
 Loading verifies the commit: the size of every object (one listing), the sha256 of every object it
-reads whole (``meta.json``, ``.metadata``, the rank files). Shards are read by byte range, only the
-items this rank's layout needs (DCP's storage index), so their sha256 (recorded in the commit and
-``meta.json``) is not recomputed on load: that would read every byte again.
+reads whole (``meta.json``, ``.metadata``, the rank files), and the sha256 of every shard, split
+over the ranks as on a POSIX disk ([Note: shard hashes on URL loads] in ``objstore_dcp.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +64,10 @@ from typing import Any, Callable, Mapping, Optional
 COMMIT_FILE = "commit.json"
 COMMIT_FORMAT = "lightning_zero.commit/1"
 SAVE_PREFIX = "save-"
-_SAVE_ID = re.compile(r"^save-[0-9a-f]{12}$")
+# save-<job>-<started, unix seconds>-<random> ([Note: two jobs, one name]); save-<12 hex>: before it
+_SAVE_ID = re.compile(r"^save-(?:[0-9a-f]{12}|(?P<job>[0-9a-f]{8})-(?P<started>[0-9a-f]{8})-[0-9a-f]{6})$")
+FOREIGN_LEFTOVER_S = 24 * 3600  # another job's uncommitted prefix is removed only once this old
+_JOB = uuid.uuid4().hex[:8]  # this process's job token (rank 0 draws every save id)
 _LINK_DEPTH = 8
 
 
@@ -355,8 +369,25 @@ def bounded_map(
 # --------------------------------------------------------------------------------------------
 
 
+def job_token() -> str:
+    """This job's token in its save ids ([Note: two jobs, one name]): rank 0's process's."""
+    return _JOB
+
+
 def new_save_id() -> str:
-    return f"{SAVE_PREFIX}{uuid.uuid4().hex[:12]}"
+    return f"{SAVE_PREFIX}{job_token()}-{int(time.time()):08x}-{uuid.uuid4().hex[:6]}"
+
+
+def removable(name: str, now: Optional[float] = None) -> bool:
+    """Whether a cleanup may remove the uncommitted save prefix ``name`` ([Note: two jobs, one
+    name]): this job's, an id from before job tokens, or another job's started
+    :data:`FOREIGN_LEFTOVER_S` ago."""
+    match = _SAVE_ID.match(name)
+    if match is None:
+        return False
+    if match.group("job") is None or match.group("job") == job_token():
+        return True
+    return (now if now is not None else time.time()) - int(match.group("started"), 16) > FOREIGN_LEFTOVER_S
 
 
 def put_small(url: str, data: bytes, policy: StoragePolicy, rank: int = 0) -> dict[str, Any]:
@@ -457,15 +488,14 @@ def _has_refresh(fs: Any) -> bool:
 
 
 def remove_leftovers(target: str, policy: StoragePolicy, keep: Optional[str] = None) -> list[str]:
-    """Delete every ``save-*`` prefix of ``target`` except ``keep`` (default: the one its commit
-    names). One line per prefix removed."""
+    """Delete the ``save-*`` prefixes of ``target`` that neither its commit nor ``keep`` names and
+    that :func:`removable` allows ([Note: two jobs, one name]). One line per prefix removed."""
     fs, path = filesystem(target, policy)
-    if keep is None:
-        found = read_commit(target, policy)
-        keep = found.get("data") if found else None
+    found = read_commit(target, policy)  # read now: another job may have committed since ours
+    kept = {keep, found.get("data") if found else None}
     done = []
     for name in _save_prefixes(fs, path):
-        if name != keep:
+        if name not in kept and removable(name):
             fs.rm(posixpath.join(path, name), recursive=True)
             done.append(f"removed {join(target, name)!r}: the objects of a save no commit names (a save that"
                         " died, or one a newer save replaced)")  # fmt: skip

@@ -10,16 +10,30 @@ would only print it and let the save go on without their items).
 
 The reader fetches, in parallel, exactly the byte ranges of the items this rank's load plan names
 (DCP's ``_StorageInfo`` offsets), then deserializes them as DCP's reader does.
+
+[Note: shard hashes on URL loads] A POSIX load re-hashes every file, split over the ranks
+(``load.open_checkpoint``); a URL load does the same without reading a byte twice where it can:
+object ``__<r>_<k>.distcp`` (and ``rank<r>.json``) is re-hashed by rank ``r % world``
+(:func:`verifier_rank`), which fetches it whole, in ``part_mb`` ranged parts in parallel, and takes
+the ranges its own load needs from those bytes. In a same-layout resume rank ``r`` needs all of its
+own objects anyway, so the check costs no extra byte; at another layout a rank fetches at most its
+``1 / world`` of the checkpoint beyond its ranges. A mismatch raises :class:`CheckpointError` naming
+the object before any tensor is copied (DCP agrees the failure on every rank, and ``load_model``
+copies into the module only after the whole read succeeded). A load with no process group
+(``export``) hashes every object at open (``load._open_url``), one object in memory at a time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
+import re
 import threading
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemBase, _FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -27,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from lightning_zero.checkpoint.dcp import SafeFileSystemReader, unpickle_dcp_metadata
+from lightning_zero.checkpoint.dcp import CheckpointError, SafeFileSystemReader, unpickle_dcp_metadata
 from lightning_zero.checkpoint.objstore import (
     Counter,
     StoragePolicy,
@@ -39,6 +53,43 @@ from lightning_zero.checkpoint.objstore import (
 )
 
 DCP_METADATA_FILE = ".metadata"
+_WRITTEN_BY = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank(\d+)\.json)$")
+
+
+def verifier_rank(name: str, world: int) -> Optional[int]:
+    """The rank of ``world`` that re-hashes object ``name`` on a load ([Note: shard hashes on URL
+    loads]): its writer's rank modulo ``world``; None for an object every rank hashes at open."""
+    match = _WRITTEN_BY.match(name)
+    if match is None:
+        return None
+    return int(match.group(1) or match.group(2)) % world
+
+
+def part_ranges(size: int, policy: StoragePolicy) -> list[tuple[int, int]]:
+    """``[start, end)`` of each ``part_mb`` part of an object of ``size`` bytes."""
+    return [(start, min(size, start + policy.part_bytes)) for start in range(0, size, policy.part_bytes)]
+
+
+def check_sha256(url: str, data: Any, info: dict[str, Any]) -> None:
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise CheckpointError(f"{url}: sha256 does not match the commit (corrupted or replaced)")
+
+
+def verify_objects(data: str, files: dict[str, dict[str, Any]], policy: StoragePolicy, counter: Counter) -> None:
+    """Re-hash every object of ``files`` under the prefix ``data`` (``export``, no process group):
+    one object in memory at a time, its parts fetched in parallel."""
+    fs, root = filesystem(data, policy)
+    for name in sorted(n for n in files if verifier_rank(n, 1) is not None):
+        url = join(data, name)
+
+        def fetch(span: tuple[int, int], name: str = name) -> bytes:
+            got = fs.cat_file(f"{root.rstrip('/')}/{name}", start=span[0], end=span[1])
+            counter.add(len(got))
+            return got
+
+        parts = bounded_map(fetch, part_ranges(files[name]["size"], policy), policy.upload_threads, policy.stall_s,
+                            lambda span, url=url: f"reading {url!r} at {span[0]}")  # fmt: skip
+        check_sha256(url, b"".join(parts), files[name])
 
 
 class UploadFileSystem(FileSystemBase):
@@ -135,13 +186,17 @@ class ObjectWriter(_FileSystemWriter):
 
 class ObjectReader(SafeFileSystemReader):
     """DCP's reader of the save prefix ``url``: the ranges this rank needs, fetched in parallel;
-    ``counter`` adds the bytes fetched."""
+    ``counter`` adds the bytes fetched. ``files`` (the commit's ``{name: {size, sha256}}``): the
+    objects this rank re-hashes are fetched whole and checked ([Note: shard hashes on URL loads])."""
 
-    def __init__(self, url: str, policy: StoragePolicy, counter: Optional[Counter] = None) -> None:
+    def __init__(
+        self, url: str, policy: StoragePolicy, counter: Optional[Counter] = None, files: Optional[dict] = None
+    ) -> None:
         super().__init__("/")
         self.path = url  # type: ignore[assignment]
         self.policy = policy
         self.counter = counter or Counter()
+        self.files = files or {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -160,18 +215,38 @@ class ObjectReader(SafeFileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         fs, root = filesystem(str(self.path), self.policy)
         items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
+        rank, world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
+        whole = sorted(name for name in self.files if verifier_rank(name, world) == rank)
+        # one fetch per part of an object re-hashed here, one per range of the other objects
+        spans = [
+            (name, start, end) for name in whole for start, end in part_ranges(self.files[name]["size"], self.policy)
+        ]
+        ranged = [index for index, (_, info) in enumerate(items) if info.relative_path not in whole]
+        spans += [
+            (items[i][1].relative_path, items[i][1].offset, items[i][1].offset + items[i][1].length) for i in ranged
+        ]
 
-        def fetch(pair: tuple[Any, Any]) -> bytes:
-            info = pair[1]
-            data = fs.cat_file(f"{root.rstrip('/')}/{info.relative_path}", start=info.offset,
-                               end=info.offset + info.length)  # fmt: skip
+        def fetch(span: tuple[str, int, int]) -> bytes:
+            data = fs.cat_file(f"{root.rstrip('/')}/{span[0]}", start=span[1], end=span[2])
             self.counter.add(len(data))
             return data
 
-        def what(pair: tuple[Any, Any]) -> str:
-            return f"reading {join(str(self.path), pair[1].relative_path)!r} at {pair[1].offset}"
+        def what(span: tuple[str, int, int]) -> str:
+            return f"reading {join(str(self.path), span[0])!r} at {span[1]}"
 
-        payloads = bounded_map(fetch, items, self.policy.upload_threads, self.policy.stall_s, what)
+        fetched = bounded_map(fetch, spans, self.policy.upload_threads, self.policy.stall_s, what)
+        objects: dict[str, bytes] = {}
+        for name in whole:  # checked before any tensor is copied
+            objects[name] = b"".join(data for (of, _, _), data in zip(spans, fetched) if of == name)
+            check_sha256(join(str(self.path), name), objects[name], self.files[name])
+        payloads: list[Any] = [None] * len(items)
+        for index, data in zip(ranged, fetched[len(fetched) - len(ranged) :]):
+            payloads[index] = data
+        for index, (_, info) in enumerate(items):
+            if payloads[index] is None:
+                payloads[index] = memoryview(objects[info.relative_path])[info.offset : info.offset + info.length]
         for (req, info), data in zip(items, payloads):
             view = _create_file_view(io.BytesIO(data), 0, len(data))
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), view)

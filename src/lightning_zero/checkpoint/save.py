@@ -55,6 +55,9 @@ class Snapshot:
     with_optimizer: bool
     had_state: list[bool]  # per optimizer: whether it held any state on this rank
     has_inner_model: bool
+    # the writer waits on it before reading a tensor still being copied ([Note: uploads overlap the
+    # host copy] in background.py); None: every tensor is there
+    ready: Optional[Callable[[Any], None]] = None
 
 
 def snapshot(
@@ -202,7 +205,7 @@ def write_snapshot(
               CheckpointWriteError)  # fmt: skip
     try:
         with labelled("ckpt_dcp_save"):
-            dcp.save(taken.tensors, storage_writer=where.storage_writer(), planner=ChunkSavePlanner(),
+            dcp.save(taken.tensors, storage_writer=where.storage_writer(), planner=ChunkSavePlanner(taken.ready),
                      process_group=group)  # fmt: skip
     except (Exception, CheckpointException) as exc:
         raise CheckpointWriteError(_shards_failed(target, exc, where.errors, layout.rank, group)) from exc

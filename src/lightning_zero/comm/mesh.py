@@ -492,8 +492,8 @@ class MeshGroups:
     """This rank's process groups for ``dims`` (:func:`build_groups`: built once per run, passed
     whole to the engine, the model's parallelize functions and the checkpoints).
 
-    ``None`` for a group means: ``dp_cp``, the default group (``tp == 1``: every rank); ``tp``,
-    ``cp``, ``ep``, no such group (size 1). ``edp`` is the ``dp_cp`` object itself when ``ep == 1``.
+    ``None`` for a group means: ``dp_cp``, the default group (``tp == pp == 1``: every rank); ``tp``,
+    ``cp``, ``ep``, ``pp``, no such group (size 1). ``edp`` is the ``dp_cp`` object itself when ``ep == 1``.
     ``device_mesh`` is :func:`build_mesh`'s, when ``tp > 1`` or ``cp > 1`` (else ``None``);
     ``shard`` the hybrid layout's groups (:func:`build_shard_groups`) when ZeRO shards over less
     than the dense group or reduces hierarchically (else ``None``). Sizes and this rank's
@@ -509,6 +509,7 @@ class MeshGroups:
     ep: Optional[dist.ProcessGroup] = None
     edp: Optional[dist.ProcessGroup] = None
     shard: Optional[ShardGroups] = None
+    pp: Optional[dist.ProcessGroup] = None  # the pipeline group ([Note: pipeline ranks])
 
     def rank_in(self, kind: str) -> int:
         """This rank's index in its group of ``kind`` (``"dp"``, ``"cp"``, ``"ep"``, ``"edp"``, ...)."""
@@ -523,7 +524,7 @@ class MeshGroups:
         groups: list[dist.ProcessGroup] = []
         if self.device_mesh is not None:
             groups += [self.device_mesh.get_group(name) for name in self.device_mesh.mesh_dim_names or ()]
-        groups += [self.tp, self.dp_cp, self.cp, self.ep, self.edp]
+        groups += [self.tp, self.dp_cp, self.cp, self.ep, self.edp, self.pp]
         if self.shard is not None:
             groups += self.shard.all()
         unique: list[dist.ProcessGroup] = []
@@ -551,6 +552,10 @@ def build_groups(dims: ParallelDims, device_type: str = "cpu") -> MeshGroups:
         return group
 
     groups = MeshGroups(dims, rank)
+    if dims.pp > 1:  # the dense group is one pp block's, not every rank ([Note: pipeline ranks])
+        if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
+            raise ValueError(f"{dims}: pp > 1 runs with tp = cp = 1 so far (docs/pipeline.md)")
+        groups.pp, groups.dp_cp = mine("pp"), mine("dp_cp")
     if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
         mesh = groups.device_mesh = build_mesh(dims, device_type)
         groups.tp = mesh.get_group("tp") if dims.tp > 1 else None  # type: ignore[operator]

@@ -139,7 +139,7 @@ FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
-        "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
+        "exact_grad_norm", "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
         "tensor_parallel_size", "sequence_parallel",
@@ -849,7 +849,7 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         engine.wait_param_gathers()
         with self._noting_failures():
             return save_hf_pretrained(path, module=self._module, engine=engine, layout=self._layout(), dtype=dtype,
-                                      max_shard_size=max_shard_size)  # fmt: skip
+                                      max_shard_size=max_shard_size, storage=self.checkpoints.storage)  # fmt: skip
 
     @override
     def load_checkpoint(

@@ -5,11 +5,27 @@ forwards and backwards, the point-to-point sends and receives, the shape inferen
 step, the micro-batch split of the batch (``TensorChunkSpec`` on dim 0) and the loss per
 micro-batch on the last stage; with ``scale_grads=True`` it divides the accumulated gradients by the
 micro-batch count, so equal micro-batches give the batch-mean gradient ddp computes. What it
-cannot do for us, and so we do: choose the split and check it before any process group
-(``pp/layout.py``), run ZeRO or clipping across stages (each stage's engine over its own dp group;
-the global norm needs every stage), report one loss per step on every rank (only the last stage
-computes it: it is broadcast), and end every rank when one fails (its receives have no timeout of
-their own beyond the process group's).
+cannot do for us, and so we do (the doors: [Note: the pipelined step] in ``runtime/pipeline.py``):
+
+- choose the split and check it before any process group (``pp/layout.py``);
+- drive a data-parallel engine of its own kind: the stage knows ``DistributedDataParallel`` and
+  ``FSDPModule`` by name (``backward_maybe_with_nosync``, ``perform_reduce_grad``) and nothing
+  else, so our ZeRO engine is driven from outside, once per step;
+- keep gradients where a hook-driven reducer sees them: the zero-bubble schedules compute weight
+  gradients with ``torch.autograd.grad`` and add them to ``.grad`` by hand, so no accumulate-grad
+  hook fires; the engine's hooks are paused for the step and its gradients handed in as one
+  backward ([Note: gradients handed in] in ``zero/engine.py``);
+- accumulate across steps: ``scale_grads`` divides every ``.grad`` of the stage in place at the end
+  of ``step``, whatever earlier steps left there, so each step's gradients start at ``None``;
+- report one loss per step on every rank (only the last stage computes it: it is broadcast); the
+  first ``step`` of a schedule also calls the loss on uninitialized outputs while it infers shapes,
+  so only the last ``m`` losses are the micro-batches';
+- run a batch of another shape: shapes are inferred once per schedule object (one per shape);
+- evaluate under ``zbv``: its ``eval`` asserts on the V's local hand-over ("can't steal_bwd_input
+  if this stage doesn't have backward"), so evaluation runs the stages forward by hand;
+- clip over every stage (the engine's norm group spans every rank);
+- end every rank when one fails: its receives have no timeout of their own beyond the process
+  group's (not built yet).
 """
 
 from __future__ import annotations

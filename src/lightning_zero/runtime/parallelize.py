@@ -3,8 +3,10 @@
 [Note: the parallelize registry] (torchtitan's ``models/*/parallelize.py``) A layout with
 ``tp``, ``ep`` or ``cp`` above 1 changes what a model computes, so each model family has one
 function that applies the layout to it, in a fixed order: tensor parallelism, then expert
-parallelism, then context parallelism (pipeline stages would come last). The runtime calls it; the
-model never reaches up into its strategy for a group. :data:`FAMILIES` maps each family to
+parallelism, then context parallelism, then pipeline stages (``pp``: the model is cut down to this
+rank's stages, ``models/llama/pipeline.cut_llama``; [Note: the pipelined step] in
+``runtime/pipeline.py``). The runtime calls it; the model never reaches up into its strategy for a
+group. :data:`FAMILIES` maps each family to
 
 - ``check(model, dims)``: the layout's one check against the model (heads, experts, the attention
   it can exchange), raising ``ValueError`` naming the fix; the doors call :func:`check_layout`
@@ -33,6 +35,7 @@ from torch import nn
 if TYPE_CHECKING:
     from lightning_zero.comm.collectives import CommCounter
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims
+    from lightning_zero.pp.layout import PipelineLayout
 
 
 def _instance_of(module_name: str, class_name: str) -> Callable[[Any], bool]:
@@ -62,7 +65,13 @@ def _check_declared(model: nn.Module, dims: "ParallelDims") -> None:
 def _apply_llama(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
     from lightning_zero.models.llama.parallelize import apply_layout
 
-    return apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
+    apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
+    if "pp" in kwargs.get("dims", DIMENSIONS) and plan.pipeline is not None and plan.pipeline.pp > 1:
+        if getattr(model, "pipeline_stages", None) is None:  # once
+            from lightning_zero.models.llama.pipeline import cut_llama
+
+            cut_llama(model, plan.pipeline, plan.groups.rank_in("pp"))
+    return model
 
 
 def _apply_moe(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
@@ -161,7 +170,7 @@ def check_layout(dims: "ParallelDims", module: Any, *, door: str = "ZeroStrategy
         family.check(decoder, dims)
 
 
-DIMENSIONS = ("tp", "ep", "cp")  # the fixed order of every family's step; pipeline stages would come last
+DIMENSIONS = ("tp", "ep", "cp", "pp")  # the fixed order of every family's step
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,7 @@ class ParallelPlan:
 
     groups: "MeshGroups"
     sequence_parallel: bool = False
+    pipeline: Optional["PipelineLayout"] = None  # pp > 1: the checked split ([Note: pipeline stages])
 
     @property
     def dims(self) -> "ParallelDims":

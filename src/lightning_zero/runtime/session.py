@@ -22,7 +22,8 @@ are thin layers that decide *when*; the session does the same things in the same
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,10 @@ if TYPE_CHECKING:
 
     from lightning_zero.checkpoint import RankPlacement
     from lightning_zero.comm.mesh import MeshGroups, ParallelDims, ShardGroups
+    from lightning_zero.pp.layout import PipelineLayout
     from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.runtime.parallelize import ParallelPlan
+    from lightning_zero.runtime.pipeline import PipelineRun
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.flat import OptimizerShards
     from lightning_zero.zero.waits import FailureChannel
@@ -66,6 +69,8 @@ class ZeroSession:
         self.config = config
         self.wrap_policy = wrap_policy
         self.dims: Optional["ParallelDims"] = None
+        self.pipeline_layout: Optional["PipelineLayout"] = None  # pp > 1: the checked split
+        self.pipeline: Optional["PipelineRun"] = None  # pp > 1: this rank's schedules, from start_pipeline
         self.groups: Optional["MeshGroups"] = None  # the layout's process groups, from start()
         self.failure_channel: Optional["FailureChannel"] = None
         self.engine: Optional["ZeroEngine"] = None
@@ -80,6 +85,9 @@ class ZeroSession:
         """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one."""
         self.dims = parallel_dims(self.config, num_nodes=num_nodes, num_processes=num_processes,
                                   lightning_module=module)  # fmt: skip
+        from lightning_zero.runtime.pipeline import pipeline_layout
+
+        self.pipeline_layout = pipeline_layout(self.config, self.dims, module)
         return self.dims
 
     # -- 2. once the default process group is up ------------------------------------------------
@@ -102,7 +110,8 @@ class ZeroSession:
             raise RuntimeError(
                 "ZeroSession.parallel_plan: call start first (the groups exist once the process group is up)"
             )
-        return ParallelPlan(self.groups, sequence_parallel=self.config.sequence_parallel)
+        return ParallelPlan(self.groups, sequence_parallel=self.config.sequence_parallel,
+                            pipeline=self.pipeline_layout)  # fmt: skip
 
     @property
     def device_mesh(self) -> Optional["DeviceMesh"]:
@@ -186,6 +195,36 @@ class ZeroSession:
             weigh_tp_norm(self.engine, self.dims.tp)
             self.engine.attach_tensor_parallel(self.groups.tp)  # [Note: owner step]
         return self.engine
+
+    def start_pipeline(self, module: nn.Module, device: torch.device) -> None:
+        """``pp > 1``: torch's schedules over the stages ``module``'s decoder was cut into, with
+        this session's engine ([Note: the pipelined step] in ``runtime/pipeline.py``)."""
+        if self.pipeline_layout is None:
+            return
+        from lightning_zero.runtime.pipeline import PipelineRun
+
+        assert self.groups is not None
+        self.pipeline = PipelineRun(self.pipeline_layout, self.groups, device)
+        self.pipeline.attach(module, self.engine)
+
+    @contextmanager
+    def stepping(self, module: nn.Module, accumulate: int = 1) -> Iterator[None]:
+        """Around a LightningModule's step: under ``pp > 1`` its model runs as a pipeline
+        ([Note: the pipelined step]); otherwise nothing."""
+        if self.pipeline is None:
+            yield
+            return
+        with self.pipeline.stepping(module, accumulate):
+            yield
+
+    def pipelined_backward(self) -> bool:
+        """``pp > 1``: the backward of the training step that just ran (its schedule kept the
+        gradients aside: [Note: the pipelined step]) hands them to the engine; returns whether it
+        did (otherwise the door runs its own backward)."""
+        if self.pipeline is None:
+            return False
+        self.pipeline.hand_in_grads()
+        return True
 
     # -- 5. state dicts, checkpoints, failures, teardown ------------------------------------------
     def serve_full_state_dicts(

@@ -94,6 +94,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         prefetch_blocks: int = ZERO_DEFAULTS.prefetch_blocks,
         offload_optimizer: bool = ZERO_DEFAULTS.offload_optimizer,
         defer_grad_reduce: bool = ZERO_DEFAULTS.defer_grad_reduce,
+        exact_grad_norm: bool = ZERO_DEFAULTS.exact_grad_norm,
         max_buckets_in_flight: int = ZERO_DEFAULTS.max_buckets_in_flight,
         monitor: bool = ZERO_DEFAULTS.monitor,
         collective_timeout: Optional[float] = ZERO_DEFAULTS.collective_timeout,
@@ -129,11 +130,6 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         # Validates every knob (the one validator, shared with the Hydra schema and the planner).
         knobs = {name: value for name, value in locals().items() if name in ZERO_DEFAULTS.as_dict()}
         self.zero_config = ZeroConfig(**knobs)
-        if self.zero_config.pp > 1:
-            raise ValueError(
-                f"ZeroStrategy(pp={pp}): the Trainer door does not run pipeline stages yet (issue 63; the"
-                " engine level is pp/schedule.py); use pp=1, or plan the layout with `lightning-zero plan`."
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -263,6 +259,7 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             self.setup_optimizers(trainer)
         if fitting or self.zero_config.stage == 3:
             self._build_engine(self.optimizers if fitting else [])
+        self.session.start_pipeline(self.lightning_module, self.root_device)  # pp > 1 ([Note: the pipelined step])
         # [Note: full state dicts] in checkpoint/full.py: self.state_dict() while the engine runs hands
         # out ddp's values (stage 3: gathered; bf16-mixed: the fp32 masters), as the Fabric door does
         self._remove_state_dict_hooks()
@@ -334,6 +331,12 @@ class ZeroStrategy(SessionViews, DDPStrategy):
         with self.engine.no_sync():
             yield None
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.session.pipelined_backward():  # the schedule ran it ([Note: the pipelined step])
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     # -- gradient sync: always finished after a backward ([Note: end of backward], reducer.py) --
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -354,7 +357,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             return super().training_step(*args, **kwargs)
         self.engine.begin_step("train")
         try:
-            output = super().training_step(*args, **kwargs)
+            with self.session.stepping(self.lightning_module, self.lightning_module.trainer.accumulate_grad_batches):
+                output = super().training_step(*args, **kwargs)
             check_step_output(output, self.lightning_module, world_size=self.world_size, global_rank=self.global_rank)
             module = self.lightning_module
             if module is not None and not module.automatic_optimization:
@@ -368,10 +372,12 @@ class ZeroStrategy(SessionViews, DDPStrategy):
 
     def _eval_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
-            return step(*args, **kwargs)
+            with self.session.stepping(self.lightning_module):
+                return step(*args, **kwargs)
         self.engine.begin_step("eval")
         try:
-            output = step(*args, **kwargs)
+            with self.session.stepping(self.lightning_module):
+                output = step(*args, **kwargs)
         except BaseException as exception:
             self._note_failure(exception)  # and no end_eval_step: it gathers what the schedule still expects
             raise
@@ -511,7 +517,8 @@ class ZeroStrategy(SessionViews, DDPStrategy):
             raise RuntimeError(f"ZeroStrategy.save_hf_pretrained({str(path)!r}): a rank failed; not written")
         self._wait_param_gathers()
         return save_hf_pretrained(path, module=self.lightning_module, engine=self.engine,
-                                  layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size)  # fmt: skip
+                                  layout=self._checkpoint_layout(), dtype=dtype, max_shard_size=max_shard_size,
+                                  storage=self.checkpoints.storage)  # fmt: skip
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:

@@ -279,6 +279,7 @@ class ZeroEngine:
             self.optimizers, self.reducer, dp_group=dp_group, counter=self.counter, waiter=self.waiter
         )  # fmt: skip
         for sharded in self.optimizers:
+            sharded.exact_grad_norm = config.exact_grad_norm  # [Note: exact gradient norm]
             self.reducer.on_grads_reduced.append(lambda s=sharded: s.prepare_master_grads(self.reducer.buckets))
             sharded.reducer = self.reducer  # unused parameters, phase markers (reducer.py)
         self.reducer.on_backward_begin.append(self._zero_grads_zeroed_by_optimizers)
@@ -402,6 +403,43 @@ class ZeroEngine:
         """``loss.backward(**kwargs)`` with the gradient sync always finished afterwards."""
         self.pre_backward()
         loss.backward(**kwargs)
+        self.post_backward()
+
+    @contextmanager
+    def gradients_by_hand(self) -> Iterator[dict[nn.Parameter, torch.Tensor]]:
+        """[Note: gradients handed in] A caller that runs its backwards outside the engine's view (a
+        pipeline schedule: torch's zero-bubble schedules compute weight gradients with
+        ``torch.autograd.grad`` and add them to ``.grad`` themselves, so no accumulate-grad hook
+        fires, and every schedule divides ``.grad`` by the micro-batch count at its end) gets the
+        parameters to itself inside: the reducer's hooks are off and every ``.grad`` starts at
+        ``None``. On the way out the gradients the block left are moved into the yielded dict and
+        each ``.grad`` is what it was before (the engine's own state untouched); the caller hands
+        them in with :meth:`hand_in_grads` where its backward belongs (the Trainer door: in
+        ``backward``, after Lightning's ``zero_grad``, which comes after the training step).
+        Stages 1-2 (stage 3's parameters are gathered by its own hooks)."""
+        if self.stage == 3:
+            raise RuntimeError("lightning_zero: gradients_by_hand runs under ZeRO stages 1-2 only")
+        self.wait_param_gathers()
+        managed = [slot.param for group in self.groups for slot in group.layout.slots]
+        saved = {param: param.grad for param in managed}
+        for param in managed:
+            param.grad = None
+        held: dict[nn.Parameter, torch.Tensor] = {}
+        self.reducer.remove_hooks()
+        try:
+            yield held
+        finally:
+            self.reducer.add_hooks()
+            for param in managed:
+                if param.grad is not None:
+                    held[param] = param.grad
+                param.grad = saved[param]
+
+    def hand_in_grads(self, held: dict[nn.Parameter, torch.Tensor]) -> None:
+        """One backward whose gradients are ``held`` (:meth:`gradients_by_hand`): added to the
+        buckets and, outside :meth:`no_sync`, reduced, as a backward of this step would have."""
+        self.pre_backward()
+        self.reducer.take_grads(held)
         self.post_backward()
 
     def ride_phase_markers(self, rider: "MarkerRider") -> None:

@@ -35,7 +35,7 @@ the momentum a run resumes with is the one it saved, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,12 +43,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.comm.collectives import all_gather, all_to_all_v
+from lightning_zero.comm.collectives import all_gather
 from lightning_zero.zero.domains import domain_of
 from lightning_zero.zero.hidden_step import HiddenFromOwnStep
 from lightning_zero.zero.matrix_owners import assign_owners, ns_flops
 from lightning_zero.zero.muon import adjusted_lr, apply_update, momentum_update, newton_schulz, scalar_lr
 from lightning_zero.zero.optimizer import ShardedOptimizer
+from lightning_zero.zero.owner_exchange import Domain, param_runs, run_len
 
 MOMENTUM = "momentum_buffer"
 
@@ -71,25 +72,15 @@ class Matrix:
     owner: int = 0
 
 
-@dataclass
-class Domain:
-    """A group matrices are sharded over (dp, or an EDP group), with this rank's place in it."""
-
-    group: Optional[dist.ProcessGroup]
-    size: int
-    rank: int
-
-
 class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
     """Steps ``torch.optim.Muon`` (or :class:`~lightning_zero.zero.muon.GroupedMuon`) over ZeRO
     shards, each matrix whole on its owner rank ([Note: owner step]). Same constructor and surface
     as :class:`ShardedOptimizer`; ``attach_tensor_parallel`` tells it the tp group (tp > 1)."""
 
     def _point_optimizer_at_masters(self, eager_state: dict) -> None:
-        self._module_params = [list(group["params"]) for group in self.optimizer.param_groups]
         super()._point_optimizer_at_masters(eager_state)
         self._params_per_group = [list(group["params"]) for group in self.optimizer.param_groups]
-        self._segment_of = {id(owned.param): (owned, tensor) for owned, tensor in self._segments}
+        self._owner_grads: Optional[tuple[dict[int, torch.Tensor], int]] = None  # made by clipping
         self.matrix_state: dict[int, dict[str, torch.Tensor]] = {}  # matrix index -> its whole state (owner)
         self.tp_group: Optional[dist.ProcessGroup] = None
         self._plan: Optional[tuple[list[Matrix], list[Domain]]] = None
@@ -101,6 +92,7 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
         """TP-split matrices are orthogonalized whole over ``tp_group`` ([Note: owner step])."""
         self.tp_group = tp_group
         self._plan = None
+        self._norm_plan = False
 
     # -- the plan: matrices, their runs on every rank, their owners -----------------------------------
     def plan(self) -> tuple[list[Matrix], list[Domain]]:
@@ -133,13 +125,7 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
                     domain_index[key] = len(domains)
                     group = self.dp_group if domain is None else domain.group
                     domains.append(Domain(group, flat_group.layout.dp, flat_group.dp_rank))
-                bucket = flat_group.layout.buckets[slot.bucket_index]
-                owned = []
-                for rank in range(flat_group.layout.dp):
-                    start = bucket.shard_start(rank)
-                    owned.append(
-                        (max(start, slot.offset) - slot.offset, min(start + bucket.shard_numel, slot.end) - slot.offset)
-                    )
+                owned = param_runs(flat_group, slot)
                 tp_dim = tp_shard_dim(param) if tp > 1 else None
                 if tp_dim is not None and param.ndim != 2:
                     raise ValueError(
@@ -179,9 +165,9 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
         for matrix in matrices:
             me = domains[matrix.domain].rank
             if matrix.owner != me:
-                out["muon_to_owner"] += _len(matrix.runs[me]) * itemsize
+                out["muon_to_owner"] += run_len(matrix.runs[me]) * itemsize
             else:
-                others = sum(_len(run) for rank, run in enumerate(matrix.runs) if rank != me)
+                others = sum(run_len(run) for rank, run in enumerate(matrix.runs) if rank != me)
                 out["muon_from_owner"] += others * torch.bfloat16.itemsize
         split = [m for m in matrices if m.tp_dim is not None and m.owner == domains[m.domain].rank]
         if split and self.tp_group is not None:
@@ -216,12 +202,52 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
                         self._step_domain(domain, members)
                         self.has_state = True
         finally:
+            self._owner_grads = None
             self._show_params()
         super()._after_step(optimizer, args, kwargs)
 
+    def _grad_run(self, matrix: Matrix, a: int, b: int) -> torch.Tensor:
+        return self._run(matrix, a, b, grad=True)
+
+    # -- clipping: each matrix's norm on its owner ([Note: exact gradient norm] in owner_exchange.py) --
+    def _exact_norm_applies(self) -> bool:
+        return self._norm_pieces() is not None  # always: the matrices go to their owners anyway
+
+    def _make_norm_pieces(self) -> Optional[tuple[Domain, list[Matrix]]]:  # type: ignore[override]
+        matrices, domains = self.plan()
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        if tp > 1 or len(domains) != 1 or domains[0].size != self.dp_size or self.replicated_weight:
+            return None
+        if any(m.param.ndim != 2 for m in matrices) or dist.get_world_size(self.norm_group) != self.dp_size:
+            return None  # expert stacks: one parameter, several owners
+        return domains[0], matrices
+
+    def _whole_grads_for_norm(self, domain: Domain, pieces: list) -> dict[int, torch.Tensor]:
+        """The step's own exchange to the owners, made now: the step reuses it ([Note: owner step])."""
+        grads = self._to_owners(domain, pieces, self._grad_run, "muon_to_owner")
+        self._owner_grads = (grads, self._backwards_so_far())
+        return grads
+
+    def _scale_owned_grads(self, clip_coef: torch.Tensor) -> None:
+        for grad in self._owner_grads[0].values() if self._owner_grads is not None else ():
+            grad.mul_(clip_coef.to(grad.dtype))  # element-wise: the bits of the clipped runs
+
+    def _backwards_so_far(self) -> int:
+        return self.reducer.finished_backwards if self.reducer is not None else 0
+
+    def _clipped_owner_grads(self) -> Optional[dict[int, torch.Tensor]]:
+        """The owners' whole gradients clipping made, if no backward ran since (the same answer on
+        every rank: a rank-local test, such as a gradient's version, could split the collectives).
+        A gradient changed in place between the clip and the step is the clip's for Muon."""
+        if self._owner_grads is None or self._owner_grads[1] != self._backwards_so_far():
+            return None
+        return self._owner_grads[0]
+
     def _step_domain(self, domain: Domain, members: list[Matrix]) -> None:
         owned = [m for m in members if m.owner == domain.rank]
-        grads = self._to_owners(domain, members, lambda m, a, b: self._run(m, a, b, grad=True), "muon_to_owner")
+        grads = self._clipped_owner_grads()
+        if grads is None:
+            grads = self._to_owners(domain, members, self._grad_run, "muon_to_owner")
         updates = {}
         for matrix in owned:
             group = self.optimizer.param_groups[matrix.param_group]
@@ -248,94 +274,7 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
             matrix_lr = adjusted_lr(lr, group["adjust_lr_fn"], matrix.full_shape)
             apply_update(master, received[id(matrix)].to(master.device), lr, group["weight_decay"], matrix_lr)
 
-    def _run(self, matrix: Matrix, a: int, b: int, *, grad: bool) -> torch.Tensor:
-        """This rank's master run ``[a, b)`` of ``matrix.param`` (or its gradient: zeros if none)."""
-        owned, tensor = self._segment_of[id(matrix.param)]
-        values = tensor.detach() if not grad else tensor.grad
-        if values is None:
-            return torch.zeros(b - a, dtype=tensor.dtype, device=tensor.device)
-        return values[a - owned.param_lo : b - owned.param_lo]
-
-    # -- the exchanges ------------------------------------------------------------------------------------
-    def _device(self) -> torch.device:
-        if self.comm_device is not None:
-            return torch.device(self.comm_device)
-        return self._segments[0][1].device if self._segments else torch.device("cpu")
-
-    def _value_dtype(self) -> torch.dtype:
-        return self._segments[0][1].dtype if self._segments else torch.float32
-
-    def _to_owners(
-        self,
-        domain: Domain,
-        members: list[Matrix],
-        run_of: Callable[[Matrix, int, int], torch.Tensor],
-        label: str,
-    ) -> dict[int, torch.Tensor]:
-        """Each owner gets its matrices whole (flat, this tp rank's shard), assembled from every
-        rank's ``run_of(matrix, a, b)``; one uneven all-to-all over the domain."""
-        me, device, dtype = domain.rank, self._device(), self._value_dtype()
-        sends = [[m for m in members if m.owner == rank] for rank in range(domain.size)]
-        pieces = [
-            run_of(m, *m.runs[me]).to(device) for rank in range(domain.size) for m in sends[rank] if _len(m.runs[me])
-        ]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        input_splits = [sum(_len(m.runs[me]) for m in sends[rank]) for rank in range(domain.size)]
-        mine = sends[me]
-        output_splits = [sum(_len(m.runs[rank]) for m in mine) for rank in range(domain.size)]
-        received = torch.empty(sum(output_splits), dtype=send.dtype, device=device)
-        self._exchange(received, send, output_splits, input_splits, domain, label)
-        whole = {id(m): torch.empty(m.hi - m.lo, dtype=send.dtype, device=device) for m in mine}
-        offset = 0
-        for rank in range(domain.size):
-            for matrix in mine:
-                a, b = matrix.runs[rank]
-                whole[id(matrix)][a - matrix.lo : b - matrix.lo].copy_(received[offset : offset + b - a])
-                offset += b - a
-        return whole
-
-    def _from_owners(
-        self, domain: Domain, members: list[Matrix], whole: dict[int, torch.Tensor], label: str, dtype: torch.dtype
-    ) -> dict[int, torch.Tensor]:
-        """Every rank gets its runs of each matrix from the owner's ``whole[id(matrix)]`` (flat)."""
-        me, device = domain.rank, self._device()
-        mine = [m for m in members if m.owner == me]
-        pieces = [
-            whole[id(m)][m.runs[rank][0] - m.lo : m.runs[rank][1] - m.lo].to(dtype)
-            for rank in range(domain.size)
-            for m in mine
-            if _len(m.runs[rank])
-        ]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        input_splits = [sum(_len(m.runs[rank]) for m in mine) for rank in range(domain.size)]
-        froms = [[m for m in members if m.owner == rank] for rank in range(domain.size)]
-        output_splits = [sum(_len(m.runs[me]) for m in froms[rank]) for rank in range(domain.size)]
-        received = torch.empty(sum(output_splits), dtype=send.dtype, device=device)
-        self._exchange(received, send, output_splits, input_splits, domain, label)
-        out, offset = {}, 0
-        for rank in range(domain.size):
-            for matrix in froms[rank]:
-                length = _len(matrix.runs[me])
-                out[id(matrix)] = received[offset : offset + length]
-                offset += length
-        return out
-
-    def _exchange(
-        self,
-        received: torch.Tensor,
-        send: torch.Tensor,
-        output_splits: list,
-        input_splits: list,
-        domain: Domain,
-        label: str,
-    ) -> None:
-        work = all_to_all_v(
-            received, send, output_splits, input_splits, domain.group, async_op=True, counter=self.counter, label=label
-        )
-        if work is not None:
-            name = type(self.optimizer).__name__
-            self.waiter.wait(work, lambda: f"the {label} all-to-all of {name}.step() (matrix owners)")
-
+    # -- the exchanges (``owner_exchange.py``) ----------------------------------------------------------
     def _whole_over_tp(self, split: list[Matrix], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The whole matrices of the tp-split ``split`` (every tp rank owns the same ones, in the
         same order): one all-gather over tp of their shards' updates."""
@@ -422,7 +361,3 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self._remove_hiding()
-
-
-def _len(run: tuple[int, int]) -> int:
-    return run[1] - run[0]

@@ -53,13 +53,22 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import CommCounter, all_reduce
-from lightning_zero.zero.domains import shard_group
+from lightning_zero.zero.domains import domain_of, shard_group
 from lightning_zero.zero.flat import FlatParamGroup, OwnedRange, owned_ranges
 from lightning_zero.zero.grad_storage import Bucket
+from lightning_zero.zero.owner_exchange import (
+    Domain,
+    OwnerExchange,
+    WholeParam,
+    longest_run_owner,
+    param_norm,
+    param_runs,
+    run_len,
+)
 from lightning_zero.zero.waits import Waiter
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(OwnerExchange):
     """Rewires ``optimizer`` to step fp32 master chunks and keeps the compute parameters in sync.
 
     Args:
@@ -70,6 +79,8 @@ class ShardedOptimizer:
         norm_groups: process groups whose ranks hold *different* gradient chunks (dp, plus tp
             under tensor parallelism): the gradient norm is summed over them.
     """
+
+    exact_grad_norm = False  # the engine sets config.exact_grad_norm ([Note: exact gradient norm])
 
     def __init__(
         self,
@@ -117,6 +128,7 @@ class ShardedOptimizer:
     def _point_optimizer_at_masters(self, eager_state: dict) -> None:
         """Each param group steps this rank's owned run of each of its parameters: a view of the
         master chunk it lies in ([Note: parameters nobody used])."""
+        self._module_params = [list(group["params"]) for group in self.optimizer.param_groups]
         for param_group, groups in zip(self.optimizer.param_groups, self.flat_groups):
             tensors = []
             for owned in owned_ranges(groups):
@@ -344,6 +356,8 @@ class ShardedOptimizer:
         """The global gradient norm over every rank's chunks (one all-reduce of a scalar)."""
         self.flush_offloaded_grads()
         grads = self._norm_terms()
+        if norm_type != math.inf and self._exact_norm_applies():
+            return self._exact_grad_norm(float(norm_type))  # [Note: exact gradient norm]
         device = grads[0][0].device if grads else torch.device("cpu")
         if norm_type == math.inf:
             local = torch.zeros((), dtype=torch.float32, device=device)
@@ -355,6 +369,60 @@ class ShardedOptimizer:
             values = grad.detach().float().abs().pow(norm_type)
             local += (values * weight).sum() if weight is not None else values.sum()
         return self._all_reduce_scalar(local, dist.ReduceOp.SUM).pow(1.0 / norm_type)
+
+    # -- [Note: exact gradient norm] in owner_exchange.py ----------------------------------------
+    def _exact_norm_applies(self) -> bool:
+        return self.exact_grad_norm and self._norm_pieces() is not None
+
+    def _norm_pieces(self) -> Optional[tuple[Domain, list[WholeParam]]]:
+        """Every trainable parameter of this optimizer (in its order) with the rank that gets its
+        whole gradient; None where per-parameter norms cannot be ddp's (experts, tp, replicas)."""
+        if getattr(self, "_norm_plan", False) is False:
+            self._norm_plan = self._make_norm_pieces()
+        return self._norm_plan
+
+    def _make_norm_pieces(self) -> Optional[tuple[Domain, list[WholeParam]]]:
+        groups = [group for groups in self.flat_groups for group in groups]
+        norm_ranks = dist.get_world_size(self.norm_group) if dist.is_initialized() else 1
+        if not groups or self.replicated_weight or norm_ranks != self.dp_size:
+            return None
+        if any(domain_of(group) is not None or group.layout.dp != self.dp_size for group in groups):
+            return None
+        slot_of = {id(slot.param): (group, slot) for group in groups for slot in group.layout.slots}
+        pieces = []
+        for params in self._module_params:
+            for param in params:
+                if id(param) in slot_of:
+                    runs = param_runs(*slot_of[id(param)])
+                    pieces.append(WholeParam(param, 0, param.numel(), runs, longest_run_owner(runs)))
+        return Domain(self.dp_group, self.dp_size, groups[0].dp_rank), pieces
+
+    def _whole_grads_for_norm(self, domain: Domain, pieces: list[WholeParam]) -> dict[int, torch.Tensor]:
+        """Each piece this rank owns, its whole gradient (flat): the runs of cut parameters travel."""
+        if all(sum(1 for run in piece.runs if run_len(run)) <= 1 for piece in pieces):  # none cut: no exchange
+            mine = [piece for piece in pieces if piece.owner == domain.rank]
+            return {id(p): self._run(p, *p.runs[domain.rank], grad=True) for p in mine}
+
+        def run_of(piece: WholeParam, a: int, b: int) -> torch.Tensor:
+            return self._run(piece, a, b, grad=True)
+
+        return self._to_owners(domain, pieces, run_of, "grad_norm_to_owner")
+
+    def _exact_grad_norm(self, norm_type: float) -> torch.Tensor:
+        """Per-parameter norms of whole gradients, stacked in torch's order ([Note: exact gradient norm])."""
+        plan = self._norm_pieces()
+        assert plan is not None
+        domain, pieces = plan
+        whole = self._whole_grads_for_norm(domain, pieces)
+        norms = torch.zeros(len(pieces), dtype=self._value_dtype(), device=self._device())
+        for index, piece in enumerate(pieces):
+            if piece.owner == domain.rank:
+                norms[index] = param_norm(whole[id(piece)].view(piece.param.shape), norm_type)
+        norms = self._all_reduce_scalar(norms, dist.ReduceOp.SUM)  # one owner fills each entry: exact
+        return torch.linalg.vector_norm(norms, norm_type)
+
+    def _scale_owned_grads(self, clip_coef: torch.Tensor) -> None:
+        """Clipping scaled the gradient runs: scale any whole copies made for the norm the same way."""
 
     def _all_reduce_scalar(self, local: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         device = self.comm_device or local.device
@@ -373,6 +441,7 @@ class ShardedOptimizer:
             for tensor in self._scaled_by_clipping:
                 if tensor.grad is not None:
                     tensor.grad.detach().mul_(clip_coef.to(tensor.grad.dtype))
+            self._scale_owned_grads(clip_coef)
             self._remember_grads()
             return total
 

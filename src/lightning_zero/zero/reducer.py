@@ -283,11 +283,8 @@ class GradReducer:
         storage.bind(self.buckets, device)
         if isinstance(storage, ShardedGradStorage):
             storage.reducer = self
-        self._handles = [
-            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
-            for bucket in self.buckets
-            for slot in bucket.layout.slots
-        ]
+        self._handles: list[Any] = []
+        self.add_hooks()
 
     # -- backward -------------------------------------------------------------------------------
     def _syncing(self) -> bool:
@@ -637,7 +634,34 @@ class GradReducer:
             parts.append(f"{bucket.ready}/{len(bucket.layout.slots)} params ready in bucket {i} ({state})")
         return ", ".join(parts)
 
+    def add_hooks(self) -> None:
+        """Every parameter's gradient reaches the reducer when autograd accumulates it."""
+        self._handles = [
+            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for bucket in self.buckets
+            for slot in bucket.layout.slots
+        ]
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def take_grads(self, held: dict[Any, torch.Tensor]) -> None:
+        """One backward whose gradients are ``held`` (parameter -> gradient; [Note: gradients handed
+        in] in ``zero/engine.py``): each enters its bucket as the hook would have taken it (added to
+        an installed view, else set as ``.grad``), then the backward ends, syncing if it syncs."""
+        self._callback_armed = True  # no autograd graph task to end: finish_backward below ends it
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for slot in bucket.layout.slots:
+                    grad = held.get(slot.param)
+                    if grad is None:
+                        continue
+                    if slot.param.grad is None:
+                        slot.param.grad = grad
+                    else:
+                        slot.param.grad.add_(grad)
+                    self._on_grad_ready(slot.param)
+        self._callback_armed = False
+        self.finish_backward()

@@ -66,3 +66,38 @@ def llama_stages(model: Llama, layout: Any, pp_rank: int) -> dict[int, LlamaStag
         stage: LlamaStage(model, layout.stage_blocks(stage), first=stage == 0, last=stage == last)
         for stage in layout.rank_stages(pp_rank)
     }
+
+
+class HeldElsewhere(nn.Module):
+    """What stands in a pipelined :class:`Llama` for a block another pp rank holds (no parameters,
+    so this rank's ``named_parameters()`` are its stages' own, under the full model's names)."""
+
+    def __init__(self, pp_rank: int) -> None:
+        super().__init__()
+        self.pp_rank = pp_rank
+
+    def extra_repr(self) -> str:
+        return f"held by pp rank {self.pp_rank}"
+
+
+def cut_llama(model: Llama, layout: Any, pp_rank: int) -> dict[int, LlamaStage]:
+    """The registry's pp step ([Note: the parallelize registry] in ``runtime/parallelize.py``): keep
+    only what ``pp_rank``'s stages hold in ``model`` (the others' blocks become
+    :class:`HeldElsewhere`, the embeddings, final norm and head ``None`` where no stage of this
+    rank holds them) and return the stages, by index, also kept as ``model.pipeline_stages``.
+    Parameter names stay the full model's (dense coordinates: a checkpoint resumes on any split)."""
+    stages = llama_stages(model, layout, pp_rank)
+    held = {block for stage in stages.values() for block in map(int, stage.layers)}
+    for index in range(len(model.layers)):
+        if index not in held:
+            model.layers[index] = HeldElsewhere(next(r for r in range(layout.pp) if _holds(layout, r, index)))
+    if not any(stage.first for stage in stages.values()):
+        model.tok_embeddings = None
+    if not any(stage.last for stage in stages.values()):
+        model.norm = model.output = None
+    model.pipeline_stages = stages  # a plain dict: the stages' modules stay registered once, in model
+    return stages
+
+
+def _holds(layout: Any, pp_rank: int, block: int) -> bool:
+    return any(block in layout.stage_blocks(stage) for stage in layout.rank_stages(pp_rank))

@@ -1,0 +1,258 @@
+"""Pipeline parallelism at the doors: the split checked before launch, and a LightningModule's own
+step run through torch's schedule over this rank's stages.
+
+[Note: the pipelined step] Under ``pp > 1`` every rank holds only its stages of the model (the
+registry's pp step, ``runtime/parallelize.py``, cut it in ``configure_model``), so no rank can run
+the module's ``forward``. The module's ``training_step`` still runs unchanged, on every rank: while
+it runs, its model is a :class:`PipelinedModel`, whose ``forward(inputs)`` only records the
+inputs and whose ``loss_fn(pending, targets)`` runs one step of torch's schedule over the batch's
+micro-batches (``pp_microbatches`` equal slices of dim 0) and returns the batch's mean loss,
+broadcast from the rank holding the last stage over the pp group. So the step logs and returns
+what ddp's would (the mean of equal micro-batches' means is the batch mean), on every rank. In
+training the schedule's backwards run inside the engine's ``gradients_by_hand`` ([Note: gradients
+handed in] in ``zero/engine.py``), which keeps their gradients aside; the strategy's ``backward``
+(the loss Lightning backwards is a value only) hands them in, where ddp's backward would run:
+after Lightning's ``zero_grad`` (which comes after the training step), under its ``no_sync`` on
+accumulating batches, so ZeRO (stages 1-2) reduces once per optimizer step over the stage's dp
+group. Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
+ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
+engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
+global norm covers every stage and shard. A training batch of another shape (the last, smaller
+one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
+(``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
+activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
+fails (its V's local hand-over asks for a backward), and a forward needs no micro-batches, so the
+loss is the whole batch's cross entropy, as ddp's.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_zero.comm.mesh import MeshGroups, ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.pp.layout import PipelineLayout
+    from lightning_zero.zero.engine import ZeroEngine
+
+
+def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> Optional["PipelineLayout"]:
+    """Before any process group starts: the checked split of ``module``'s decoder (``None`` when
+    ``pp == 1``); raises ``ValueError`` naming the fix for a layout the doors cannot run yet or a
+    split that cannot work (``pp/layout.py``)."""
+    if dims.pp == 1:
+        return None
+    from lightning_zero.pp.layout import PipelineLayout
+
+    asked = f"ZeroStrategy(pp={dims.pp})"
+    others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
+    if others:
+        raise ValueError(
+            f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
+            f" (docs/pipeline.md); use {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
+        )
+    if config.stage == 3:
+        raise ValueError(
+            f"{asked}, stage=3: ZeRO-3 within a pipeline stage is not run yet (its parameters would be gathered per"
+            " micro-batch); use stage=1 or stage=2 with pp > 1 (docs/pipeline.md)"
+        )
+    model_config = getattr(module, "config", None)
+    if getattr(module, "model_class", None) is None or not hasattr(model_config, "n_layers"):
+        raise ValueError(
+            f"{asked}: {type(module).__name__} is no LightningModule whose model the runtime cuts into stages;"
+            " pipeline stages run lightning_zero.models.LlamaLM's Llama so far (docs/pipeline.md); use pp=1"
+        )
+    from lightning_zero.models.llama.model import Llama
+
+    if module.model_class is not Llama:
+        raise ValueError(
+            f"{asked}: {type(module).__name__} trains a {module.model_class.__name__}, whose blocks are not cut into"
+            " pipeline stages yet (only Llama's are); use pp=1 (docs/pipeline.md)"
+        )
+    if getattr(model_config, "tie_embeddings", False):
+        raise ValueError(
+            f"{asked}: {model_config.name!r} ties its embedding to its head (tie_embeddings=True), and pipeline stages"
+            " put them on different ranks: train it with pp=1, or untie the head"
+        )
+    local = 2 if config.pp_schedule == "zbv" else config.pp_virtual_stages
+    return PipelineLayout(
+        pp=dims.pp,
+        schedule=config.pp_schedule,
+        n_layers=model_config.n_layers,
+        microbatches=config.pp_microbatches or dims.pp * local,
+        virtual_stages=config.pp_virtual_stages,
+        pp_layers=tuple(config.pp_layers) if config.pp_layers is not None else None,
+    )
+
+
+class _Pending:
+    """The inputs :meth:`PipelinedModel.forward` was given, waiting for their targets."""
+
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs
+
+
+class PipelinedModel(nn.Module):
+    """What a LightningModule's step sees as its model under ``pp > 1`` ([Note: the pipelined step])."""
+
+    def __init__(self, run: "PipelineRun") -> None:
+        super().__init__()
+        self.run = run
+
+    def forward(self, inputs: torch.Tensor) -> _Pending:
+        return _Pending(inputs)
+
+    def loss_fn(self, pending: _Pending, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        if not isinstance(pending, _Pending) or reduction != "mean":
+            raise RuntimeError(
+                "lightning_zero: under pp > 1 the step's model is a pipeline: compute the loss as"
+                " model.loss_fn(model(inputs), targets) (the mean), as LlamaLM does (docs/pipeline.md)"
+            )
+        return self.run.loss(pending.inputs, targets)
+
+
+class PipelineRun:
+    """This rank's schedules over its stages, for the doors ([Note: the pipelined step]).
+
+    Args:
+        layout: the checked split (:func:`pipeline_layout`).
+        groups: the layout's groups (``groups.pp``: this rank's pipeline group).
+        device: where the stages run.
+    """
+
+    def __init__(self, layout: "PipelineLayout", groups: "MeshGroups", device: torch.device) -> None:
+        self.layout, self.groups, self.device = layout, groups, device
+        self.pp_rank = groups.rank_in("pp")
+        self.engine: Optional["ZeroEngine"] = None
+        self.decoder: Optional[nn.Module] = None
+        self.grad_divisor = 1  # Lightning's accumulate_grad_batches, set per step by the door
+        self._schedules: dict[tuple, Any] = {}
+        self._losses: list[torch.Tensor] = []
+        self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
+
+    def attach(self, module: nn.Module, engine: Optional["ZeroEngine"]) -> None:
+        """``module``'s cut decoder (the one with ``pipeline_stages``) and the engine over its stages."""
+        from lightning_zero.runtime.parallelize import find_decoders
+
+        cut = [decoder for decoder, _ in find_decoders(module) if getattr(decoder, "pipeline_stages", None)]
+        if len(cut) != 1:
+            raise RuntimeError(
+                f"lightning_zero: pp={self.layout.pp} but {type(module).__name__} holds {len(cut)} decoders cut into"
+                " stages; its configure_model must apply the strategy's plan (receive_parallel_plan), as LlamaLM does"
+            )
+        self.decoder, self.engine = cut[0], engine
+
+    @contextmanager
+    def stepping(self, module: nn.Module, accumulate: int = 1) -> Iterator[None]:
+        """While ``module``'s step runs, its cut decoder is a :class:`PipelinedModel`; each
+        micro-batch's training loss is divided by ``accumulate`` (Lightning's
+        ``accumulate_grad_batches``, as it divides ddp's loss)."""
+        owner, attribute = next(
+            (parent, name)
+            for parent in module.modules()
+            for name, child in parent._modules.items()
+            if child is self.decoder
+        )
+        self.grad_divisor = accumulate
+        owner._modules[attribute] = PipelinedModel(self)
+        try:
+            yield
+        finally:
+            owner._modules[attribute] = self.decoder
+
+    def hand_in_grads(self) -> None:
+        """Where Lightning's backward would run (after its ``zero_grad``): the gradients of the last
+        training step's schedule reach the engine ([Note: gradients handed in])."""
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("lightning_zero: a pipelined backward without a training step before it")
+        assert self.engine is not None
+        self.engine.hand_in_grads(held)
+
+    def _schedule(self, inputs: torch.Tensor) -> Any:
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key not in self._schedules:
+            from lightning_zero.pp.schedule import build_schedule
+
+            assert self.decoder is not None
+            self._schedules[key] = build_schedule(self.layout, self.decoder.pipeline_stages, self.groups.pp,
+                                                  self.device, self._loss_of_microbatch)  # fmt: skip
+        return self._schedules[key]
+
+    def _loss_of_microbatch(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.decoder is not None
+        loss = self.decoder.loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return loss / self.grad_divisor
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step of the schedule over ``inputs`` (training when grad is enabled, else forward
+        only); the batch's mean loss on every rank of the pp group."""
+        from torch.profiler import record_function
+
+        from lightning_zero.pp.schedule import holds_first_stage, holds_last_stage
+
+        layout, m = self.layout, self.layout.microbatches
+        if not torch.is_grad_enabled():
+            return self._evaluate(inputs, targets)
+        if inputs.size(0) % m != 0:
+            raise ValueError(
+                f"ZeroStrategy(pp_microbatches={m}): a batch of {inputs.size(0)} samples does not split into {m} equal"
+                f" micro-batches; use a batch size that is a multiple of {m}, or set pp_microbatches to a divisor of"
+                f" {inputs.size(0)}"
+            )
+        schedule = self._schedule(inputs)
+        args = (inputs,) if holds_first_stage(layout, self.pp_rank) else ()
+        last = holds_last_stage(layout, self.pp_rank)
+        kwargs = {"target": targets} if last else {}
+        self._losses = []
+        assert self.engine is not None
+        with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
+            schedule.step(*args, **kwargs)
+        self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
+        # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
+        loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
+        return self._share(loss)
+
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, the whole batch through the stages in order, each activation sent to the
+        next stage's rank ([Note: the pipelined step]: torch's ``eval`` of ``zbv`` fails, and an
+        evaluation needs no micro-batches)."""
+        from torch.profiler import record_function
+
+        assert self.decoder is not None
+        layout, stages = self.layout, self.decoder.pipeline_stages
+        peers = self.groups.dims.pp_ranks(self.groups.rank)
+        hidden: Any = inputs
+        for index in range(layout.num_stages):
+            owner = layout.stage_rank(index)
+            if owner != self.pp_rank:
+                continue
+            stage = stages[index]
+            if index > 0 and layout.stage_rank(index - 1) != owner:
+                dtype = next(stage.parameters()).dtype
+                hidden = torch.empty((*inputs.shape, stage.config.dim), dtype=dtype, device=self.device)
+                with record_function("lightning_zero::pp_eval_recv"):
+                    dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
+            hidden = stage(hidden)
+            if index < layout.num_stages - 1 and layout.stage_rank(index + 1) != owner:
+                with record_function("lightning_zero::pp_eval_send"):
+                    dist.send(hidden.contiguous(), dst=peers[layout.stage_rank(index + 1)], group=self.groups.pp)
+        last = layout.stage_rank(layout.num_stages - 1) == self.pp_rank
+        loss = self.decoder.loss_fn(hidden, targets) if last else torch.zeros((), device=self.device)
+        return self._share(loss)
+
+    def _share(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss on every rank of the pp group."""
+        from torch.profiler import record_function
+
+        layout = self.layout
+        source = self.groups.dims.pp_ranks(self.groups.rank)[layout.stage_rank(layout.num_stages - 1)]
+        with record_function("lightning_zero::pp_loss_broadcast"):
+            dist.broadcast(loss, src=source, group=self.groups.pp)
+        return loss

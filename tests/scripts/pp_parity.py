@@ -1,0 +1,102 @@
+"""Pipeline parallelism x ZeRO through ZeroStrategy(pp=P), for tests/test_pipeline.py.
+
+Usage: python tests/scripts/pp_parity.py OUT_DIR DEVICES CASE [CASE ...]
+Every rank writes OUT_DIR/<case>.rank<r>.pt: per-step losses and the parameters it holds (its
+stages' under pp: the test joins the pp ranks'). Every case trains the same tiny Llama (4 blocks)
+on the same global batch (4 sequences a step), accumulating 2 batches per optimizer step, with norm
+clipping: ddp on 2 ranks (2 sequences each), pp=2 on 2 ranks (the 4 sequences cut into
+micro-batches), pp=2 x dp=2 on 4 ranks (2 sequences per dp rank). The case in SAVES writes a
+checkpoint at step 2 that the one in RESUMES continues to step 4 without pp.
+"""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero.data import TokenDataModule  # noqa: E402
+from lightning_zero.models import LlamaLM  # noqa: E402
+from tests.scripts.harness import checkpointed_trainer  # noqa: E402
+
+SEQ = 16
+CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
+# validation (forward through the stages) once before training, after step 2 and at the end
+TRAINER = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2, "num_sanity_val_steps": 1, "limit_val_batches": 1,
+           "val_check_interval": 4}  # fmt: skip
+STEPS = 4
+GLOBAL_BATCH = 4
+
+
+def zero(stage: int, **knobs):
+    return lambda: ZeroStrategy(stage=stage, bucket_mb=0.01, **knobs)
+
+
+SCHEDULES = {
+    "gpipe": dict(pp_schedule="gpipe"),
+    "1f1b": dict(pp_schedule="1f1b"),
+    "interleaved": dict(pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
+    "zb": dict(pp_schedule="interleaved_zb", pp_virtual_stages=2),
+    "zbv": dict(pp_schedule="zbv"),
+}
+# case: (strategy, dp ranks)
+CASES = {"ddp": (lambda: "ddp", 2), "resume_pp2_ckpt_pp1": (zero(2), 2)}
+for _stage in (1, 2):
+    for _name, _knobs in SCHEDULES.items():
+        CASES[f"pp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 1)
+        # 2 sequences per dp rank: 2 micro-batches of one (zbv needs 2 pp = 4)
+        CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
+SAVES = {"pp2_1f1b_zero2": "pp2"}
+RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
+
+
+class Record(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.rows: list[list[int]] = []  # each batch's rows, as one number each (the test compares sets)
+
+        self.val_losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.rows.append([int((row * torch.arange(1, row.numel() + 1)).sum()) for row in batch])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def run(name: str, devices: int, out_dir: str) -> None:
+    make_strategy, dp = CASES[name]
+    L.seed_everything(42, verbose=False)
+    model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+    data = TokenDataModule(
+        source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.25, seed=3,
+        synthetic_tokens=64 * SEQ + 1,
+    )  # fmt: skip
+    record = Record()
+    trainer, ckpt_path = checkpointed_trainer(
+        out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
+        **TRAINER,
+    )  # fmt: skip
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    torch.save(
+        {
+            "losses": record.losses,
+            "val_losses": record.val_losses,
+            "rows": record.rows,
+            "params": {k: v.float() for k, v in model.model.state_dict().items()},
+        },
+        os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    out, devices = sys.argv[1], int(sys.argv[2])
+    for case in sys.argv[3:]:
+        run(case, devices, out)
