@@ -41,6 +41,7 @@ CP_SCRIPTS = ["lora", "pretrain"]  # under --cp 2 (models/litgpt/parallelize.py)
 # features, other numbers than ddp's for the whole
 CP_CASE = {"lora": "lora-{strategy}-32-nodropout", "pretrain": "pretrain-{strategy}-32"}
 DP1 = [CP_CASE[script].format(strategy="ddp1") for script in CP_SCRIPTS]  # Fabric's DDP on one process
+DP1.append("pretrain-ddp1-32-resume")  # the reference of pretrain-zero3tp2-32-resume
 DEFERRED = ["lora", "full"]  # accumulate 2 micro batches and do not clip (pretrain clips: docs/precision.md)
 # fp32: the issue's bound. bf16-true, the rounding of the same sums in another order (docs/precision.md),
 # in bf16 ulps ([Note: tolerances in ulps] in tests/ulps.py): each logged loss, an fp32 mean over bf16
@@ -68,6 +69,8 @@ def cases(strategy: str) -> list[str]:
         out += [f"{script}-{strategy}defer-bf16" for script in DEFERRED]
     if strategy != "ddp":  # --tp 2 on the launch's 2 processes: dp 1, against DP1
         out += [CP_CASE[script].format(strategy=f"{strategy}tp2") for script in CP_SCRIPTS]
+    if strategy == "zero3":  # a dense file (model, optimizer state) cut back into tp parts
+        out.append("pretrain-zero3tp2-32-resume")
     return out
 
 
@@ -259,6 +262,13 @@ def test_litgpt_script_under_tp_and_cp_equals_fabric_ddp(cp_root, script, stage)
     """``--tp 2 --cp 2`` on 4 processes (dp 1): the cp rank's slice of each sequence split again
     over tp, against Fabric's DDP on one process, as above."""
     _check_against(cp_root, CP_CASE[script], f"zero{stage}tp2cp2", "ddp1")
+
+
+def test_litgpt_pretrain_resumes_under_tp_as_ddp_does(root):
+    """``pretrain --resume`` from the step-2 file that ``--tp 2`` at stage 3 wrote (dense model and
+    optimizer state): each TP rank loads its parts ([Note: dense TP tensors in a full file] in
+    checkpoint/full.py) and the run goes on as ddp's resume from ddp's own file does, file for file."""
+    _check_against(root, "pretrain-{strategy}-32-resume", "zero3tp2", "ddp1")
 
 
 def _check_against(root: Path, case: str, strategy: str, reference: str) -> None:
