@@ -130,12 +130,8 @@ if TYPE_CHECKING:
 # both doors because the session builds the same engine; ``monitor`` reports through the runtime's
 # monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
 # and why are below (tests/test_knobs.py checks that the two sets cover every field).
-FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "pp": (
-        lambda value: value != 1,
-        "the Fabric door has no pipeline step yet; use pp=1 (the engine level is pp/schedule.py).",
-    ),
-}  # tp and sequence_parallel reach the model through its family's step ([Note: the parallelize registry])
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}  # none today: tp and sequence_parallel reach the model through its family's step ([Note: the parallelize
+# registry]), which refuses a model it cannot split; pp through pipeline_step
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
@@ -143,7 +139,7 @@ FABRIC_HONOURS = frozenset(
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
         "tensor_parallel_size", "sequence_parallel",
-        "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # no effect at pp=1, the only pp here
+        "pp", "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # pipeline_step
     }
 )  # fmt: skip
 
@@ -397,7 +393,12 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         # optimizers first: the engine is built once, over all of them (stage 3 from the meta model)
         optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
         module = self.setup_module(module)
+        if self.session.pipeline_layout is not None:  # cut to this rank's stages: [Note: the pipelined step]
+            from lightning_zero.runtime.pipeline import keep_stage_params
+
+            keep_stage_params(optimizers, module)
         self._ensure_engine()
+        self.session.start_pipeline(module, self.root_device)
         return module, optimizers, scheduler
 
     @override
@@ -440,8 +441,10 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         if dims is None or groups is None:
             return
         from lightning_zero.runtime.parallelize import check_layout
+        from lightning_zero.runtime.pipeline import pipeline_layout
 
         check_layout(dims, module)
+        self.session.pipeline_layout = pipeline_layout(self.zero_config, dims, module)  # pp > 1: the checked split
         self.session.parallel_plan().apply(module)
 
     @override
@@ -672,11 +675,35 @@ class ZeroFabricStrategy(SessionViews, DDPStrategy):
         elif self._train_step_open:
             self.engine.end_step_call()  # its backward follows
 
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
+        """``pp > 1``, a hand loop's forward and backward of one batch through the pipeline: the
+        schedule over ``inputs``' micro-batches (``pp_microbatches`` equal slices of dim 0) and the
+        model's ``loss_fn`` against ``targets``; returns the batch's mean loss on every rank. Pass it
+        to ``fabric.backward`` (which hands the schedule's gradients to the engine: once per step,
+        or under ``fabric.no_backward_sync`` while accumulating), then step the optimizer. The
+        gradients are those of ``loss / accumulate`` (dividing the returned loss changes nothing:
+        the backward already ran). Under ``torch.no_grad()``: the forward only, for evaluation
+        ([Note: the pipelined step])."""
+        run = self.session.pipeline
+        if run is None:
+            raise RuntimeError("ZeroFabricStrategy.pipeline_step: set pp > 1 and fabric.setup(model, optimizer) first")
+        with self._noting_failures():
+            if torch.is_grad_enabled() and self.engine is not None:
+                self.engine.begin_step("train")
+                self._train_step_open = True
+            run.grad_divisor = accumulate
+            return run.loss(inputs, targets)
+
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         engine = self.engine
         if engine is None:
             return super().backward(tensor, module, *args, **kwargs)
+        if self.session.pipeline is not None:  # the schedule ran it ([Note: the pipelined step])
+            with self._noting_failures():
+                self.session.pipelined_backward()
+            self._train_step_open = False
+            return None
         with self._noting_failures():
             engine.pre_backward()
             super().backward(tensor, module, *args, **kwargs)

@@ -61,17 +61,19 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f"{asked}, stage=3: ZeRO-3 within a pipeline stage is not run yet (its parameters would be gathered per"
             " micro-batch); use stage=1 or stage=2 with pp > 1 (docs/pipeline.md)"
         )
-    model_config = getattr(module, "config", None)
-    if getattr(module, "model_class", None) is None or not hasattr(model_config, "n_layers"):
-        raise ValueError(
-            f"{asked}: {type(module).__name__} is no LightningModule whose model the runtime cuts into stages;"
-            " pipeline stages run lightning_zero.models.LlamaLM's Llama so far (docs/pipeline.md); use pp=1"
-        )
     from lightning_zero.models.llama.model import Llama
 
-    if module.model_class is not Llama:
+    model_config = getattr(module, "config", None)
+    # a LightningModule names its model's class (LlamaLM, MoELM); under Fabric the model itself arrives
+    model_class = type(module) if isinstance(module, Llama) else getattr(module, "model_class", None)
+    if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
-            f"{asked}: {type(module).__name__} trains a {module.model_class.__name__}, whose blocks are not cut into"
+            f"{asked}: {type(module).__name__} is no model the runtime cuts into stages; pipeline stages run"
+            " lightning_zero.models.Llama (LlamaLM under the Trainer) so far (docs/pipeline.md); use pp=1"
+        )
+    if model_class is not Llama:
+        raise ValueError(
+            f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
             " pipeline stages yet (only Llama's are); use pp=1 (docs/pipeline.md)"
         )
     if getattr(model_config, "tie_embeddings", False):
@@ -88,6 +90,15 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
         virtual_stages=config.pp_virtual_stages,
         pp_layers=tuple(config.pp_layers) if config.pp_layers is not None else None,
     )
+
+
+def keep_stage_params(optimizers: list, module: nn.Module) -> None:
+    """Under Fabric the optimizers were built over the whole model before it was cut: each keeps
+    only the parameters this rank's stages hold (the others' are trained by their own ranks)."""
+    kept = {id(param) for param in module.parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [param for param in group["params"] if id(param) in kept]
 
 
 class _Pending:

@@ -85,9 +85,10 @@ class ZeroSession:
         """The layout for ``num_nodes * num_processes`` ranks; raises on a bad one."""
         self.dims = parallel_dims(self.config, num_nodes=num_nodes, num_processes=num_processes,
                                   lightning_module=module)  # fmt: skip
-        from lightning_zero.runtime.pipeline import pipeline_layout
+        if module is not None:  # the Fabric door's model arrives at fabric.setup, where it checks the split
+            from lightning_zero.runtime.pipeline import pipeline_layout
 
-        self.pipeline_layout = pipeline_layout(self.config, self.dims, module)
+            self.pipeline_layout = pipeline_layout(self.config, self.dims, module)
         return self.dims
 
     # -- 2. once the default process group is up ------------------------------------------------
