@@ -130,8 +130,9 @@ if TYPE_CHECKING:
 # both doors because the session builds the same engine; ``monitor`` reports through the runtime's
 # monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
 # and why are below (tests/test_knobs.py checks that the two sets cover every field).
-FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}  # none today: tp and sequence_parallel reach the model through its family's step ([Note: the parallelize
-# registry]), which refuses a model it cannot split; pp through pipeline_step
+# None is refused today: tp and sequence_parallel reach the model through its family's step ([Note: the
+# parallelize registry]), which refuses a model it cannot split; pp goes through pipeline_step.
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
