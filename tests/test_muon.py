@@ -6,6 +6,8 @@ The Lightning parity table (ddp vs zero1-3, tp, ep) is ``tests/test_muon_parity.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -222,3 +224,31 @@ def test_planner_muon_cost_owner_flops_state_and_bytes():
     big = muon_cost_on(LlamaConfig.from_name("llama3_8b"), 8, "h100_80gb")
     assert max(big.owner_flops) <= 1.01 * sum(big.owner_flops) / 8
     assert big.exchange_bytes <= 2 * sum(big.state_bytes) / 4
+
+
+def test_plan_carries_muons_cost_and_its_momenta_by_ownership():
+    # plan_run(optimizer="muon"): the Plan holds muon_cost's figures, the optimizer moments become
+    # the busiest owner's momenta plus AdamW's 1/dp of the rest, and the step changes by the difference
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.planner import plan_run
+    from lightning_zero.planner.muon import llama_matrices, muon_cost_on
+
+    config = LlamaConfig.from_name("llama3_8b")
+    run = dict(stage=2, world_size=8, devices_per_node=8, hardware="h100_80gb", seq_len=4096)
+    adamw, muon = plan_run(config, **run), plan_run(config, optimizer="muon", **run)
+    cost = muon_cost_on(config, 8, "h100_80gb", mfu=adamw.mfu)
+    assert (adamw.optimizer, muon.optimizer, adamw.muon_step_s) == ("adamw", "muon", 0.0)
+    assert muon.muon_owner_flops == max(cost.owner_flops)
+    assert muon.muon_momentum_bytes == max(cost.state_bytes) and muon.muon_exchange_bytes == cost.exchange_bytes
+    assert math.isclose(muon.muon_step_s, cost.muon_s) and math.isclose(muon.adamw_step_s, cost.adamw_s)
+    assert math.isclose(muon.step_s - adamw.step_s, cost.muon_s - cost.adamw_s)
+    matrices = sum(
+        a * b for a, b in llama_matrices(config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim)
+    )
+    rest = (adamw.padded_params_per_tp_rank - matrices) // 8
+    assert muon.memory.optimizer_moments == max(cost.state_bytes) + rest * 8  # fp32 moments: 8 B, momentum 4 B
+    assert muon.memory.master_weights == adamw.memory.master_weights
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        plan_run(config, optimizer="lion", **run)
+    with pytest.raises(ValueError, match="optimizer='muon' is planned for Llama"):
+        plan_run("tiny_moe_shared", optimizer="muon", stage=2, world_size=2, devices_per_node=2)

@@ -12,11 +12,11 @@ Two launches of ``tests/scripts/muon_parity.py`` (10 steps). What is compared, a
   stages 2-3, ``defer_grad_reduce`` (micro batches summed locally, reduced once, as ddp does),
   every gradient is ddp's bit for bit, so 10 steps end on ddp's losses and weights exactly, at
   stages 1-3 and through the Fabric door (``_xnorm`` cases);
-- without them (dp 2 and 4, tp=2 x dp=2): the losses agree to 1e-4 and the weights
-  to 2e-2. ZeRO sums and clips in another order than ddp, so gradients differ in their last fp32
-  bit; Muon's bf16 Newton-Schulz can round that to the neighbouring bf16 value, and the weight
-  moves by ``lr`` times one bf16 ulp of the update. Two ddp runs at dp 2 and dp 4 differ as much
-  (the ``ddp_dp4`` vs ``ddp`` check below holds the tolerance to that). A per-shard
+- without them (dp 2 and 4, tp=2 x dp=2): ZeRO sums and clips in another order than ddp, so
+  gradients differ in their last fp32 bit; Muon's bf16 Newton-Schulz can round that to the
+  neighbouring bf16 value, and the weight moves by ``lr`` times one bf16 ulp of the update. Two
+  ddp runs at dp 2 and dp 4 differ as much, so the tolerance is ``SPREAD`` times their gap,
+  measured in the same launch. A per-shard
   Newton-Schulz (what the owners exist to avoid) misses by the update itself, ``lr`` per step;
 - ep=2 MoE: after one step every expert matrix is ddp's up to one bf16 rounding of its update
   (each expert's matrix updated by its owner in the EDP group); after 10 steps within the same
@@ -116,13 +116,28 @@ def test_muon_with_accumulation_and_clipping_equals_ddp_bit_for_bit_in_ddps_orde
 
 @pytest.mark.parametrize(
     "case, reference",
-    [("zero2", "ddp"), ("fabric_zero3", "fabric_ddp"), ("zero2_dp4", "ddp_dp4"), ("zero2_tp2", "ddp"),
-     ("ddp_dp4", "ddp")],
+    [("zero2", "ddp"), ("fabric_zero3", "fabric_ddp"), ("zero2_dp4", "ddp_dp4"), ("zero2_tp2", "ddp")],
 )  # fmt: skip
 def test_muon_with_accumulation_and_clipping_stays_within_bf16_rounding_of_ddp(runs, case, reference):
     loss, weight = _gaps(runs(reference), runs(case))
     print(f"muon {case} vs {reference}: max|loss - ddp| {loss:.3g}, max|w - ddp| {weight:.3g}")
-    assert loss < 1e-4 and weight < 2e-2, (loss, weight)
+    _assert_within_ddp_spread(runs, loss, weight)
+
+
+SPREAD = 4  # [Note: tolerances in ulps]: how many ddp-vs-ddp spreads a non-exact layout may part by
+
+
+def _assert_within_ddp_spread(runs, loss: float, weight: float) -> None:
+    """Where ZeRO cannot add in ddp's order (dp=4's reduce-scatter, tp's split matmuls, stage 2
+    without ``defer_grad_reduce``), its gradients differ from ddp's in the last bit, and Muon's bf16
+    Newton-Schulz turns that into bf16 ulps of the update; so does ddp's own all-reduce order. The
+    tolerance is derived from that, measured in the same launch on the same kernels rather than
+    written as one machine's number: ``SPREAD`` times the gap between two correct ddp runs whose
+    reductions sum in different orders (dp=4 vs dp=2), per quantity. A per-shard Newton-Schulz, a
+    missing step or a wrong learning rate parts by ``lr`` per step, an order of magnitude more."""
+    spread_loss, spread_weight = _gaps(runs("ddp"), runs("ddp_dp4"))
+    assert 0 < spread_weight < 0.1 * 0.02 * STEPS, (spread_loss, spread_weight)  # a tenth of lr a step
+    assert loss <= SPREAD * spread_loss and weight <= SPREAD * spread_weight, (loss, weight, spread_loss, spread_weight)
 
 
 def test_muon_bf16_mixed_stays_near_ddp(runs):
@@ -164,6 +179,10 @@ def test_muon_bytes_counted_equal_planned_and_state_spread_by_ownership(runs, ca
     assert sum(r["planned"]["muon_to_owner"] + r["planned"]["muon_from_owner"] for r in results) > 0
     if "tp2" in case:
         assert all(r["planned"]["muon_tp_gather"] > 0 for r in results)
+    # exact_grad_norm: AdamW's cut parameters travel to their norm owners once per clip (one a step)
+    assert [r["counted"].get("grad_norm_to_owner", 0) for r in results] == [STEPS * r["norm"] for r in results]
+    if "xnorm" in case and "ep2" not in case:
+        assert sum(r["norm"] for r in results) > 0, "no AdamW parameter cut between chunks"
 
 
 def test_muon_resume_in_the_same_layout_is_exact(runs):
@@ -181,7 +200,7 @@ def test_muon_resume_in_the_same_layout_is_exact(runs):
 )  # fmt: skip
 def test_muon_resume_across_stage_tp_and_dp(runs, resumed, straight):
     loss, weight = _gaps(runs(straight), runs(resumed))
-    assert loss < 1e-4 and weight < 2e-2, (loss, weight)
+    _assert_within_ddp_spread(runs, loss, weight)
 
 
 def test_muon_fabric_full_file_is_ddps_and_loads_back_exactly(runs):

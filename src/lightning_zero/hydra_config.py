@@ -201,6 +201,7 @@ class PlanConf:
     stages: str = "all"
     reserved_gib: float = 2.0
     attention: str = "fused"
+    optimizer: str = "adamw"
     search: bool = False
     top: int = 10
     overlap_param_gather: Optional[bool] = None  # None: as the strategy's overlap_param_gather does

@@ -158,7 +158,10 @@ class EngineFigures(L.Callback):
         muon = engine.sharded_optimizer(trainer.optimizers[0])
         matrices, domains = muon.plan()
         owned = sum((m.hi - m.lo) * 4 for m in matrices if m.owner == domains[m.domain].rank)
-        self.figures = {"planned": muon.planned_bytes(), "state_bytes": muon.state_bytes(), "owned_bytes": owned}
+        norm = engine.sharded_optimizer(trainer.optimizers[1]).planned_norm_bytes()  # AdamW's, per clip
+        self.figures = {
+            "planned": muon.planned_bytes(), "state_bytes": muon.state_bytes(), "owned_bytes": owned, "norm": norm,
+        }  # fmt: skip
 
 
 class SaveAt(L.Callback):

@@ -46,6 +46,7 @@ from lightning_zero.planner.ledger import (
     model_state_bytes,
     precision_bytes,
 )
+from lightning_zero.planner.muon import PLANNED_OPTIMIZERS, with_muon
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
 from lightning_zero.planner.resolved import ResolvedRun, spans_nodes
 from lightning_zero.planner.timing import StepTime, step_time
@@ -133,6 +134,9 @@ class RunShape:
             Held as the mode's name.
         accumulate_grad_batches: micro batches per optimizer step.
         attention: ``"fused"`` (SDPA flash kernels, what the model runs) or ``"math"``.
+        optimizer: ``"adamw"`` or ``"muon"`` (``torch.optim.Muon`` for a Llama's hidden matrices,
+            AdamW for the rest: the owners' Newton-Schulz, their exchange and the momenta by
+            ownership, ``planner/muon.py``; docs/optimizers.md).
     """
 
     precision: str = "bf16-mixed"
@@ -141,6 +145,7 @@ class RunShape:
     activation_checkpointing: Union[bool, str] = False
     accumulate_grad_batches: int = 1
     attention: str = "fused"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         _check_positive("RunShape", micro_batch=self.micro_batch, accumulate_grad_batches=self.accumulate_grad_batches)
@@ -149,6 +154,10 @@ class RunShape:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(
                 f"RunShape: attention must be one of {ATTENTION_KERNELS}, got attention={self.attention!r}"
+            )
+        if self.optimizer not in PLANNED_OPTIMIZERS:
+            raise ValueError(
+                f"RunShape: optimizer must be one of {PLANNED_OPTIMIZERS}, got optimizer={self.optimizer!r}"
             )
         mode = checkpointing_mode(self.activation_checkpointing, "RunShape: activation_checkpointing")
         object.__setattr__(self, "activation_checkpointing", mode)
@@ -292,6 +301,8 @@ def plan(
             produced=resolved.produced(model_flops),
         )
     planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
+    if run.optimizer == "muon":
+        planned = with_muon(planned, resolved)  # planner/muon.py
     if options.suggest and not planned.fits:
         options = dataclasses.replace(options, hardware=resolved.hw)
         fixes = suggest_fixes(
@@ -503,6 +514,7 @@ def assemble_plan(
         cp_notice=layout_notice(r.cp_layout) or "",
         ep=dims.ep,
         expert_params_per_rank=r.expert_params,
+        optimizer=run.optimizer,
     )
 
 

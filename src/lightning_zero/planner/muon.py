@@ -11,12 +11,18 @@ exact figure of one rank depends on where the bucket chunks cut each matrix;
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_zero.zero.bucketing import bucket_sizes, padded_numel
 from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops, owner_loads
 
+if TYPE_CHECKING:
+    from lightning_zero.planner.plan import Plan
+    from lightning_zero.planner.resolved import ResolvedRun
+
+PLANNED_OPTIMIZERS = ("adamw", "muon")  # RunShape.optimizer
 BF16_BYTES = 2
 ADAMW_STEP_BYTES = 28.0  # fp32 AdamW: read p, g, m, v; write p, m, v (planner/timing.py's optimizer term)
 MUON_STEP_BYTES = 24.0  # fp32 Muon, element-wise part: g, buf read; buf, update written; p read+write
@@ -147,3 +153,56 @@ def muon_cost_on(model_config: Any, ranks: int, hardware: Any = None, *, mfu: Op
         memory_bytes_per_s=hw.optimizer_bytes_per_s or hw.memory_bytes_per_s,
         link_bytes_per_s=link,
     )
+
+
+def with_muon(plan: "Plan", resolved: "ResolvedRun") -> "Plan":
+    """``plan`` (planned with AdamW) under ``optimizer="muon"``: Muon for the Llama's hidden
+    matrices, AdamW for the rest, owners over the dp shard group ([Note: matrix owners]).
+
+    - memory: the optimizer moments become the busiest owner's momenta (one per element of each
+      matrix it owns, half of AdamW's two moments, whole: by ownership, not ``1/dp``) plus AdamW's
+      moments of the other parameters' ``1/dp`` share; masters stay ``1/dp``;
+    - time: the step changes by :func:`muon_cost`'s Muon step minus its AdamW step (NS on the
+      busiest owner, the exchange, the element-wise pass; all exposed: [Note: owner step] runs
+      after the clip, which needs every gradient);
+    - under tp the owners orthogonalize whole matrices (NS per tp rank is the whole one's), hold
+      and exchange their tp shard (``1/tp``), and gather the shards over tp (master dtype).
+    """
+    from lightning_zero.planner.workload import is_moe
+
+    model = resolved.model
+    if is_moe(model) or not all(hasattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")):
+        raise ValueError(
+            f"plan: optimizer='muon' is planned for Llama-family models (their hidden matrices); {model.name!r}"
+            " is not one (a mixture of experts' stacks are GroupedMuon's): plan it with optimizer='adamw'"
+        )
+    shapes = llama_matrices(model.dim, model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_dim)
+    ranks, tp = resolved.topology.shard_size, resolved.tp
+    dtype = resolved.dtype
+    master = dtype.master or dtype.param
+    link = resolved.hw.intra_node_bytes_per_s if ranks * tp <= resolved.hw.devices_per_node else (
+        resolved.hw.inter_node_bytes_per_s
+    )  # fmt: skip
+    cost = muon_cost(
+        shapes, ranks, master_bytes=master, state_bytes=dtype.moments // 2,
+        flops_per_s=resolved.hw.peak_bf16_flops * resolved.mfu,
+        memory_bytes_per_s=resolved.hw.optimizer_bytes_per_s or resolved.hw.memory_bytes_per_s,
+        link_bytes_per_s=link,
+    )  # fmt: skip
+    matrix_numel = sum(rows * cols for rows, cols in shapes) // tp  # this tp rank's shards
+    tp_gather = max(cost.state_bytes) // (dtype.moments // 2) // tp * (tp - 1) * master if tp > 1 else 0
+    exchange = cost.exchange_bytes / tp + tp_gather
+    muon_s = cost.ns_s + exchange / link + cost.elementwise_s / tp
+    adamw_s = cost.adamw_s / tp
+    rest = max(0, resolved.padded - matrix_numel) // ranks
+    memory = dataclasses.replace(
+        plan.memory, optimizer_moments=float(max(cost.state_bytes) // tp + rest * dtype.moments)
+    )
+    traffic = plan.traffic
+    if plan.timing is not None:
+        traffic = dataclasses.replace(traffic, step_s=traffic.step_s + muon_s - adamw_s)
+    return dataclasses.replace(
+        plan, memory=memory, traffic=traffic, optimizer="muon", muon_owner_flops=max(cost.owner_flops),
+        muon_exchange_bytes=exchange, muon_momentum_bytes=float(max(cost.state_bytes) // tp), muon_step_s=muon_s,
+        adamw_step_s=adamw_s,
+    )  # fmt: skip

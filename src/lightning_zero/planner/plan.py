@@ -192,6 +192,13 @@ class Plan:
     cp_notice: str = ""
     ep: int = 1  # expert-parallel size: ranks a mixture of experts' experts are split over
     expert_params_per_rank: int = 0  # of params_per_tp_rank: this rank's experts (ep > 1), sharded over edp
+    # "adamw" or "muon" (planner/muon.py with_muon: the figures below, 0 under AdamW)
+    optimizer: str = "adamw"
+    muon_owner_flops: float = 0.0  # Newton-Schulz FLOPs of the busiest owner per step
+    muon_exchange_bytes: float = 0.0  # owner exchange bytes one rank sends per step (to owners, back, over tp)
+    muon_momentum_bytes: float = 0.0  # momenta the busiest owner holds (whole matrices it owns)
+    muon_step_s: float = 0.0  # the optimizer step with Muon (NS + exchange + element-wise)
+    adamw_step_s: float = 0.0  # the same step with AdamW on every parameter
 
     @property
     def edp(self) -> int:

@@ -20,7 +20,7 @@ from lightning_zero.planner.arithmetic import STAGES, PlanOptions, RunShape, pla
 from lightning_zero.planner.fit import plan_or_none
 from lightning_zero.planner.hardware import load_hardware
 from lightning_zero.planner.ledger import ATTENTION_KERNELS
-from lightning_zero.planner.plan import Plan
+from lightning_zero.planner.plan import GiB, Plan
 from lightning_zero.planner.search import search_layouts, topology_overrides
 from lightning_zero.planner.tables import (
     plot_memory,
@@ -123,6 +123,7 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
         activation_checkpointing=activation_checkpointing,
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
         attention=str(plan_options["attention"]),
+        optimizer=str(plan_options["optimizer"]),
     )
     options = PlanOptions(
         hardware=hardware,
@@ -244,6 +245,8 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         print_json(result, console=console)
     else:
         print_tables(plan, stages, console=console)
+        if plan.optimizer == "muon":
+            print_line(muon_line(plan), console=console)
         if topology is not None:
             print_topology(topology, console=console)
         if search is not None:
@@ -251,6 +254,16 @@ def run_plan(cfg: Any, *, console: Any = None) -> dict[str, Any]:
         if "plot" in result:
             print_line(f"plot: {result['plot']}", console=console)
     return result
+
+
+def muon_line(plan: Plan) -> str:
+    """What Muon's matrix owners cost in ``plan`` (planner/muon.py ``with_muon``), one line."""
+    return (
+        f"muon: Newton-Schulz {plan.muon_owner_flops:.3g} FLOPs on the busiest owner; owner exchange"
+        f" {plan.muon_exchange_bytes / 1e9:.2f} GB/step per rank; momenta {plan.muon_momentum_bytes / GiB:.2f} GiB"
+        f" on the busiest owner; optimizer step {plan.muon_step_s * 1e3:.1f} ms vs AdamW's"
+        f" {plan.adamw_step_s * 1e3:.1f} ms ({plan.muon_step_s / plan.adamw_step_s:.1f}x), exposed after the clip"
+    )
 
 
 def _topology_overrides(plan: Plan) -> list[str]:

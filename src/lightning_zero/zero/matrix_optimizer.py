@@ -222,6 +222,9 @@ class MatrixOwnerOptimizer(HiddenFromOwnStep, ShardedOptimizer):
             return None  # expert stacks: one parameter, several owners
         return domains[0], matrices
 
+    def planned_norm_bytes(self) -> int:
+        return 0  # the norm rides on the step's own muon_to_owner exchange
+
     def _whole_grads_for_norm(self, domain: Domain, pieces: list) -> dict[int, torch.Tensor]:
         """The step's own exchange to the owners, made now: the step reuses it ([Note: owner step])."""
         grads = self._to_owners(domain, pieces, self._grad_run, "muon_to_owner")

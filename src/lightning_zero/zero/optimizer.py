@@ -397,6 +397,16 @@ class ShardedOptimizer(OwnerExchange):
                     pieces.append(WholeParam(param, 0, param.numel(), runs, longest_run_owner(runs)))
         return Domain(self.dp_group, self.dp_size, groups[0].dp_rank), pieces
 
+    def planned_norm_bytes(self) -> int:
+        """Bytes this rank sends per clip for [Note: exact gradient norm] (``grad_norm_to_owner``):
+        its runs of the cut parameters others own; 0 where the exact norm does not apply."""
+        plan = self._norm_pieces() if self._exact_norm_applies() else None
+        if plan is None or not any(sum(1 for run in p.runs if run_len(run)) > 1 for p in plan[1]):
+            return 0
+        domain, pieces = plan
+        held = sum(run_len(p.runs[domain.rank]) for p in pieces if p.owner != domain.rank)
+        return held * self._value_dtype().itemsize
+
     def _whole_grads_for_norm(self, domain: Domain, pieces: list[WholeParam]) -> dict[int, torch.Tensor]:
         """Each piece this rank owns, its whole gradient (flat): the runs of cut parameters travel."""
         if all(sum(1 for run in piece.runs if run_len(run)) <= 1 for piece in pieces):  # none cut: no exchange
