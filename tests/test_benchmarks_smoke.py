@@ -230,3 +230,18 @@ def test_interleaved_ab_switch_and_ratio():
     assert ab.ratio_interval([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
     ratio, low, high = ab.ratio_interval([1.0, 1.1, 0.9, 1.0], [1.2, 1.3, 1.1, 1.2])
     assert ratio == pytest.approx(1.2) and low <= ratio <= high and high > low
+
+
+@pytest.mark.slow
+def test_bench_pipeline_measures_the_bubble_beside_the_plan(tmp_path):
+    out = tmp_path / "pipeline.json"
+    proc = _run(tmp_path, "bench_pipeline.py", "--dim", "32", "--layers", "4", "--heads", "2", "--ffn", "64",
+                "--vocab", "64", "--seq", "16", "--microbatches", "4", "--steps", "2", "--warmup", "1",
+                "--schedules", "1f1b", "zbv", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["schedule"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"1f1b", "zbv"}
+    assert rows["1f1b"]["planned_equal_stages"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1)
+    for row in rows.values():
+        assert len(row["measured_steps"]) == 2 and all(0 <= bubble < 1 for bubble in row["measured_steps"])
+        assert 0 <= row["planned_measured_costs"] < 1

@@ -2,7 +2,7 @@
 
 A Fabric loop holds whole batches; under cp it cuts each with ``fabric.strategy.context_slice``
 and takes ``model.loss_fn`` (the global token mean), nothing else changes ([Note: context
-parallelism under Fabric] in ``fabric/strategy.py``). tests/scripts/fabric_cp.py trains a tiny
+parallelism under Fabric] in ``fabric/layout.py``). tests/scripts/fabric_cp.py trains a tiny
 Llama (4 heads, 2 kv heads) on 2 sequences of 2048 tokens per micro batch, 3 steps of 2 micro
 batches with ``no_backward_sync`` and norm clipping: ddp on 2 ranks (one sequence each), cp=2 at
 ZeRO stages 1-3 (2 ranks), cp=4 at stage 3 and cp=2 x dp=2 at stage 2 (4 ranks). Per-step losses,

@@ -197,7 +197,7 @@ def test_litgpt_rank0_generate_example_runs_as_under_ddp(root, strategy):
     """LitGPT's ``finetune_lora`` runs ``generate_example`` on rank 0 only, after validating (the other
     ranks wait in ``fabric.barrier()``) and when the last epoch ends (they go on to ``fabric.all_reduce``).
     At stage 3 each generated token is a forward over sharded parameters: the waiting ranks serve its
-    all-gathers ([Note: forwards on some ranks only] in fabric/strategy.py; before, the run stalled).
+    all-gathers ([Note: forwards on some ranks only] in runtime/forward_steps.py; before, the run stalled).
     Rank 0 generates the same tokens as under ddp, three times; the losses and files are ddp's."""
     case, reference = f"lora-{strategy}-32-generate", "lora-ddp-32-generate"
     ran = results(root)

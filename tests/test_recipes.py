@@ -142,6 +142,7 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
         # every recipe also runs on 2 CPU ranks (test_recipe_shrinks_to_two_cpu_ranks): tp 1, 2 or
         # "auto" (= devices per node); the 405B headers quote the faster tp=4
         tp_sizes=(1, 2, planned.dims.devices_per_node),
+        pp_sizes=(1,),  # what the Trainer door runs today; the pipelines the search plans: test below
     )
     best = result.ranked[0].plan
     assert plan.fits and plan.tokens_per_s >= 0.995 * best.tokens_per_s, (plan.tokens_per_s, best.tokens_per_s)
@@ -356,3 +357,33 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
     assert environment.main_address == "gpu017"
     assert environment.main_port == 24242
     assert trainer.global_rank == 11 and trainer.world_size == 16
+
+
+# The layout the search chooses with pipeline parallelism (`lightning-zero plan recipe=NAME plan.search=true`
+# on 32 nodes plans pp by default: planner/search.py pp_sizes_for), as each header quotes it.
+PP_SEARCHED = {
+    "llama3_405b": ["strategy=zero3", "strategy.tensor_parallel_size=2", "strategy.bucket_mb=400",
+                    "strategy.prefetch_blocks=1", "strategy.sequence_parallel=true", "strategy.pp=2",
+                    "strategy.pp_schedule=zbv", "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=8",
+                    "data.batch_size=1", "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
+    "deepseek_v3_671b": ["strategy=zero1", "strategy.tensor_parallel_size=1", "strategy.bucket_mb=400", "strategy.ep=8",
+                         "strategy.pp=16", "strategy.pp_schedule=zbv", "strategy.pp_virtual_stages=2",
+                         "strategy.pp_microbatches=128", "data.batch_size=2", "trainer.accumulate_grad_batches=1",
+                         "model.activation_checkpointing=full"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", sorted(PP_SEARCHED))
+def test_recipe_states_what_the_search_chose_with_pp(recipe):
+    # issue 63 item 8: the 671B MoE wins with pp (its all-to-alls stay in a node, ZeRO-1 sends little);
+    # the 405B does not (ZeRO-3 hides under compute; the bubble costs more). Each header quotes both
+    # plans: the same tokens per step, GPUs and batch; the pp layout's tokens/s and fullest rank.
+    from lightning_zero.planner import plan_inputs_from_config
+
+    base = plan_inputs_from_config(compose([f"recipe={recipe}"]))[0].plan()
+    pp = plan_inputs_from_config(compose([f"recipe={recipe}", *PP_SEARCHED[recipe]]))[0].plan()
+    assert pp.fits and pp.pp > 1 and pp.tokens_per_step == base.tokens_per_step and pp.world_size == base.world_size
+    assert (pp.tokens_per_s > base.tokens_per_s) == (recipe == "deepseek_v3_671b")
+    header = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    assert f"{pp.tokens_per_s:,.0f} tokens/s" in header and f"{pp.memory.total / 2**30:.1f} GiB" in header
+    assert " ".join(PP_SEARCHED[recipe]) in " ".join(line.lstrip("# ") for line in header.splitlines())

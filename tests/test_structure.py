@@ -310,3 +310,34 @@ def test_plan_path_imports_neither_lightning_nor_torch(tmp_path):
     assert exits == [0, 2, 1]  # usage; an unknown recipe; Hydra's exit for the bad bucket_mb
     assert world_size == 64 and top == 2  # the plan and the search ran
     assert list(tmp_path.iterdir()) == []  # and wrote nothing
+
+
+DOORS = ("trainer/strategy.py", "fabric/strategy.py")
+DOOR_LINES = 400  # [Note: one runtime object] in runtime/run.py: a door only translates hooks into events
+
+
+def test_each_door_module_stays_a_translation_table():
+    sizes = {door: len((PACKAGE / door).read_text().splitlines()) for door in DOORS}
+    assert {door: n for door, n in sizes.items() if n > DOOR_LINES} == {}, (
+        f"over {DOOR_LINES} lines: move logic to runtime/"
+    )
+
+
+def _calls(path: Path) -> set[str]:
+    """The names called in ``path`` (``f(...)`` and ``x.f(...)`` both as ``f``)."""
+    return {
+        node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+    }
+
+
+def test_the_doors_build_the_one_runtime_object_not_its_parts():
+    # The session-plus-lifecycle wiring is written once, in runtime/run.py's ZeroRun; each door builds a ZeroRun.
+    for path in [*(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "fabric").glob("*.py")]:
+        assert _calls(path) & {"ZeroSession", "CheckpointLifecycle"} == set(), f"{path.name}: build a ZeroRun instead"
+    for door in DOORS:
+        calls = _calls(PACKAGE / door)
+        assert "ZeroRun" in calls and calls & {"SignalBoundary", "Monitor", "open_failure_channel"} == set(), door
+    run_text = (PACKAGE / "runtime" / "run.py").read_text()
+    assert run_text.count("ZeroSession(") == 1 and run_text.count("CheckpointLifecycle(") == 1

@@ -28,10 +28,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.checkpoint.destinations import location, parent_of
 
 if TYPE_CHECKING:
     from lightning_zero.checkpoint import RankPlacement
+    from lightning_zero.precision import PrecisionPolicy
     from lightning_zero.runtime.checkpoints import CheckpointLifecycle
+    from lightning_zero.runtime.forward_steps import ForwardSteps
+    from lightning_zero.runtime.run import ZeroRun
     from lightning_zero.zero.engine import ZeroEngine
 
 FABRIC_KEYS = "fabric_keys"  # where a checkpoint records which state entry was the model and the optimizers
@@ -281,3 +287,103 @@ class FabricState:
             else:
                 state[key] = saved.pop(key)
         return saved
+
+
+class FabricCheckpoints:
+    """``ZeroFabricStrategy``'s ``fabric.save`` / ``fabric.load`` / ``load_raw`` / HF export: each
+    call mapped onto a :class:`FabricState` of the set-up model and optimizers and the run's
+    checkpoint lifecycle ([Note: checkpoint lifecycle] in ``runtime/checkpoints.py``)."""
+
+    run: "ZeroRun"
+    loop: "ForwardSteps"
+    state_dict_type: str
+    precision_policy: "PrecisionPolicy"
+    _torn_down: bool
+
+    def _value_dtype(self, param: nn.Parameter) -> torch.dtype:
+        """The dtype ddp holds ``param`` in ([Note: full state dicts]): ``PrecisionPolicy.ddp_dtype``."""
+        return self.precision_policy.ddp_dtype(param)
+
+    def _state_io(self) -> FabricState:
+        loop = self.loop
+        assert loop.module is not None
+        # after teardown the module holds its full parameters, the optimizers' state stays sharded
+        shards = self.run.session.optimizer_shards(loop.optimizers) if self._torn_down else None
+        engine = None if self._torn_down else loop.ensure_engine()
+        return FabricState(loop.module, loop.optimizers, engine, self.run.layout(self.precision_policy.name),
+                           param_names=loop.param_names, value_dtype=self._value_dtype, optimizer_shards=shards,
+                           storage=self.run.checkpoints.storage)  # fmt: skip
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """``fabric.save``: sharded (default) or one torch file (``state_dict_type="full"``: what
+        Fabric's ddp writes, optimizer state included); ``filter`` as Fabric's strategies take it, and
+        a save with a filter is one file whatever the type ([Note: filtered saves are one file] in
+        ``fabric/checkpoint.py``). A bad argument raises here and leaves the strategy usable; a save
+        that cannot write raises."""
+        self.run.check_storage_options("ZeroFabricStrategy.save", path, storage_options, " or save without them")
+        self.run.refuse_when_failed(f"the checkpoint {str(path)!r} was not saved")
+        state_io = self._state_io()
+        full = self.state_dict_type == "full" or bool(filter)  # [Note: filtered saves are one file]
+        state_io.check_save(state, filter, full=full)  # before any collective: refusing marks nothing failed
+        with self.run.noting_failures():
+            self.run.checkpoints.clean_once(parent_of(location(path)), self.barrier)  # type: ignore[attr-defined]  # what killed saves left there
+            if full:
+                state_io.save_full(location(path), state, self.run.checkpoints, filter, storage_options)
+            else:
+                state_io.save_sharded(path, state, self.run.checkpoints, step=self.loop.steps,
+                                      storage_options=storage_options)  # fmt: skip
+
+    def save_hf_pretrained(self, path: Any, *, dtype: Optional[str] = None, max_shard_size: Any = "50GB") -> Any:
+        """``fabric.strategy.save_hf_pretrained(OUT)``: the set-up model (a ``Llama``, any family) as a
+        Hugging Face directory, written with no gather: each rank writes the ranges it holds into
+        ``save_pretrained``'s files ([Note: no-gather Hugging Face export] in
+        ``checkpoint/hf_write.py``). A collective: every rank calls it. ``dtype``: ``fp32``, ``bf16``,
+        ``fp16`` or ``None`` (the fp32 masters)."""
+        self.run.refuse_when_failed(f"the Hugging Face export {str(path)!r} was not written")
+        self.loop.ensure_engine()
+        return self.run.save_hf_pretrained(path, self.loop.module, self.precision_policy.name, dtype=dtype,
+                                           max_shard_size=max_shard_size)  # fmt: skip
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        self.run.refuse_when_failed(f"{str(path)!r} was not loaded")
+        if self._torn_down:
+            raise RuntimeError(
+                f"ZeroFabricStrategy: fabric.load({str(path)!r}) after strategy.teardown(): the engine that held the"
+                " shards is closed. Load into a new Fabric's set-up model and optimizers (as a resumed script does)."
+            )
+        state_io = self._state_io()
+        with self.run.noting_failures():
+            self.run.before_load(path, self.barrier)  # type: ignore[attr-defined]
+            return state_io.load(path, state, strict=strict, weights_only=weights_only)
+
+    def _load_module_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``model.load_state_dict`` on the set-up model: torch's own traversal, written through to
+        the masters and the shards ([Note: torch's load traversal] in ``checkpoint/full.py``)."""
+        from lightning_zero.checkpoint.full import load_full_state_dict
+
+        engine = self.loop.ensure_engine()
+        return load_full_state_dict(self.loop.module, engine, state_dict, strict=strict, assign=assign)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict on every rank, in the dtypes ddp holds: a collective, every rank calls it."""
+        engine = self.run.engine
+        if engine is None:
+            return super().get_module_state_dict(module)  # type: ignore[misc]
+        from lightning_zero.checkpoint.full import gather_full_state_dict
+
+        return gather_full_state_dict(module, engine, engine.dp_group, value_dtype=self._value_dtype)

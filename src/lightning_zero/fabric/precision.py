@@ -36,15 +36,21 @@ is not saved by Fabric on its own: as for ddp, a user who wants it put the scale
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_zero.precision import PRECISIONS, PrecisionPolicy, precision_policy, unscale_and_agree
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
+    from lightning_zero.runtime.forward_steps import ForwardSteps
+    from lightning_zero.runtime.run import ZeroRun
 
 
 def policy_of(plugin: Optional[Precision], config: Optional["ZeroConfig"] = None) -> PrecisionPolicy:
@@ -93,3 +99,79 @@ def unscale_agreed(plugin: Optional[Precision], optimizer: Any, sharded: Any) ->
             " with fused=False."
         )
     return unscale_and_agree(scaler_of(plugin), optimizer, sharded)
+
+
+class FabricPrecisionSlot:
+    """``ZeroFabricStrategy``'s precision: Fabric's plugin (checked when Fabric's connector sets it,
+    before any process starts), the policy it maps to, and what the plugin does around clipping
+    and stepping under ``16-mixed`` ([Note: Fabric loss scaling])."""
+
+    _precision: Optional[Precision]
+    zero_config: "ZeroConfig"
+    run: "ZeroRun"
+    loop: "ForwardSteps"
+    overflows: list[tuple[bool, bool]]  # 16-mixed, per step: (this rank's shard overflowed, any rank's)
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Optional[Precision]) -> None:
+        # unsupported precisions fail now, before any process starts (Fabric's connector sets the
+        # plugin after __init__; a strategy built without zero_config gets the knobs' defaults)
+        policy_of(precision, self.__dict__.get("zero_config"))
+        self._precision = precision
+
+    @property
+    def precision_policy(self) -> "PrecisionPolicy":
+        """Where each byte lives under Fabric's precision plugin and the knobs (``fabric/precision.py``)."""
+        return policy_of(self._precision, self.zero_config)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision_policy.compute_dtype
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global norm over every rank's gradient shards; returns that norm (as
+        ``torch.nn.utils.clip_grad_norm_`` does for the whole model); under ``16-mixed`` unscaled first."""
+        total = self._unscale(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it"
+                " cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway,"
+                " set `error_if_nonfinite=False`"
+            )
+        return total
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self._unscale(optimizer).clip_grad_value_(float(clip_val))
+
+    def _unscale(self, optimizer: Optimizer) -> Any:
+        """``optimizer``'s sharded optimizer, its gradients unscaled (``16-mixed``, once per step) with
+        the overflow agreed over every rank ([Note: Fabric loss scaling] in ``fabric/precision.py``)."""
+        sharded = self.loop.ensure_engine().sharded_optimizer(optimizer)
+        with self.run.noting_failures():
+            overflow = unscale_agreed(self._precision, optimizer, sharded)
+        if overflow is not None:
+            self.overflows.append(overflow)
+        return sharded
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Fabric's plugin steps (``scaler.step`` / ``scaler.update`` under ``16-mixed``), after the
+        unscale and the global overflow decision when ``clip_gradients`` did not make them."""
+        if self.run.engine is not None and isinstance(optimizer, Optimizer) and optimizer in self.loop.optimizers:
+            self._unscale(optimizer)
+        return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]

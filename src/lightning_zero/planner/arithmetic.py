@@ -47,6 +47,16 @@ from lightning_zero.planner.ledger import (
     precision_bytes,
 )
 from lightning_zero.planner.muon import PLANNED_OPTIMIZERS, with_muon
+from lightning_zero.planner.pipeline import (
+    LOSS_TOTAL_WEIGHT_BYTES,
+    PipelinePlan,
+    StageShape,
+    plan_pipeline,
+    resolve_layout,
+    stage_costs,
+    stage_workload,
+    unit_param_counts,
+)
 from lightning_zero.planner.plan import GiB, MemoryPerRank, Plan, TrafficPerRank
 from lightning_zero.planner.resolved import ResolvedRun, spans_nodes
 from lightning_zero.planner.timing import StepTime, step_time
@@ -100,6 +110,11 @@ PLANNED_KNOBS = {
     "cp": "cp",
     "ep": "ep",
     "mixed_params": "mixed_params",
+    "pp": "pp",
+    "pp_schedule": "pp_schedule",
+    "pp_virtual_stages": "pp_virtual_stages",
+    "pp_layers": "pp_layers",
+    "pp_microbatches": "pp_microbatches",
 }
 
 
@@ -285,9 +300,17 @@ def plan(
     (a ``seq_len`` above its ``max_seq_len``, sequence parallelism whose ``tp`` does not divide it).
     """
     resolved = resolve_run(model_config, config, dims, run, options, ddp=ddp)
-    memory, acts = memory_per_rank(resolved)
-    model_flops = resolved.micro_batches * training_flops(
-        resolved.model, micro_batch=resolved.micro_batch, seq_len=resolved.seq_len, tp=resolved.tp, cp=dims.cp
+    pipelined = pipelined_rank(resolved) if dims.pp > 1 else None
+    if pipelined is not None:
+        resolved, memory, acts = pipelined.resolved, pipelined.memory, pipelined.acts
+    else:
+        memory, acts = memory_per_rank(resolved)
+    model_flops = (
+        resolved.micro_batches
+        * training_flops(
+            resolved.model, micro_batch=resolved.micro_batch, seq_len=resolved.seq_len, tp=resolved.tp, cp=dims.cp
+        )
+        / dims.pp
     )
     simulated = None
     fits = memory.total <= resolved.hw.memory_bytes - resolved.reserved_bytes
@@ -300,7 +323,10 @@ def plan(
             micro_batches=resolved.micro_batches,
             produced=resolved.produced(model_flops),
         )
-    planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
+    if pipelined is None:
+        planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
+    else:
+        planned = pipelined.assemble(simulated, run.accumulate_grad_batches)
     if run.optimizer == "muon":
         planned = with_muon(planned, resolved)  # planner/muon.py
     if options.suggest and not planned.fits:
@@ -406,6 +432,108 @@ def resolve_run(
         cp_layout=cp_layout,
         reserved_bytes=int(options.reserved_gib * GiB),
     )
+
+
+@dataclass(frozen=True)
+class PipelinedRank:
+    """The pp rank a pipelined plan describes (the one holding the most bytes, of the first and
+    the last: the middle ranks hold no more blocks and fewer micro-batches than the first), its run
+    cut to its stages, its memory, and the pipeline's plan (planner/pipeline.py)."""
+
+    resolved: ResolvedRun
+    memory: MemoryPerRank
+    acts: ActivationBytes
+    pipeline: PipelinePlan
+    pp_rank: int
+    idle_s: float  # seconds this rank waits per pipeline pass (the trace's makespan - its busy time)
+    full: ResolvedRun  # the whole model's run
+
+    def assemble(self, simulated: Optional[StepTime], accumulate: int) -> Plan:
+        """The :class:`Plan` of this rank: the step time carries the bubble (``accumulate`` passes)."""
+        r, full, pipeline = self.resolved, self.full, self.pipeline
+        if simulated is not None:
+            simulated = dataclasses.replace(simulated, pipeline_bubble_s=accumulate * self.idle_s)
+        share = pipeline.ranks[self.pp_rank].blocks / full.model.n_layers
+        stage = pipeline.ranks[self.pp_rank]
+        traffic = scale_activation_traffic(traffic_per_rank(r, simulated), share)
+        traffic = dataclasses.replace(
+            traffic, pp_sent_bytes=float(stage.p2p_sent * accumulate),
+            pp_received_bytes=float(stage.p2p_received * accumulate), pp_link=r.link_name(r.dims.pp_ranks(0)),
+        )  # fmt: skip
+        planned = assemble_plan(r, self.memory, self.acts, traffic, simulated)
+        return dataclasses.replace(
+            planned, num_params=full.model.num_params(), accumulate_grad_batches=accumulate, pp=pipeline.pp,
+            pp_schedule=pipeline.schedule, pp_virtual_stages=pipeline.virtual_stages,
+            pp_microbatches=pipeline.microbatches, pp_layers=pipeline.layers_per_stage,
+            bubble_fraction=pipeline.bubble_fraction, pp_rank=self.pp_rank, pipeline=pipeline,
+        )  # fmt: skip
+
+
+def scale_activation_traffic(traffic: TrafficPerRank, share: float) -> TrafficPerRank:
+    """The tp / cp / ep bytes and the FLOPs of a pp rank holding ``share`` of the blocks, from the
+    whole model's (every block sends the same; the embeddings' and head's few tp bytes go with them)."""
+
+    def scaled(kinds: dict[str, float]) -> dict[str, float]:
+        return {kind: value * share for kind, value in kinds.items()}
+
+    return dataclasses.replace(
+        traffic, tp_all_reduce_bytes=traffic.tp_all_reduce_bytes * share, tp_bytes_by_kind=scaled(traffic.tp_bytes_by_kind),
+        cp_all_to_all_bytes=traffic.cp_all_to_all_bytes * share, cp_bytes_by_kind=scaled(traffic.cp_bytes_by_kind),
+        ep_bytes_by_kind=scaled(traffic.ep_bytes_by_kind), flops_per_rank=traffic.flops_per_rank * share,
+    )  # fmt: skip
+
+
+def with_workload(resolved: ResolvedRun, workload: Any, micro_batches: int) -> ResolvedRun:
+    """``resolved`` for another ``workload`` (a pp rank's stages): what ZeRO pads, shards and buckets
+    follows it, as :func:`resolve_run` sizes them."""
+    r, shard_ranks = resolved, resolved.topology.shard_size
+    expert_params = workload.expert_numel if r.dims.ep > 1 else 0
+    bucket_mb = resolve_bucket_mb(r.config.bucket_mb, workload.numel * r.dtype.grad)
+    return dataclasses.replace(
+        r, workload=workload, micro_batches=micro_batches,
+        padded=math.ceil((workload.numel - expert_params) / shard_ranks) * shard_ranks,
+        expert_padded=math.ceil(expert_params / r.dims.edp) * r.dims.edp,
+        bucket_mb=float(bucket_mb), bucket_numel=bucket_numel_for_bytes(bucket_mb, r.dtype.grad),
+    )  # fmt: skip
+
+
+def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
+    """``pp > 1``: the pipeline's layout and plan (``planner/pipeline.py``), and the pp rank holding
+    the most bytes with its run and memory: its stages' model states, the activations its schedule
+    keeps in flight (plus one block's recompute; the logits' peak on the last stage)."""
+    r, dims, model = resolved, resolved.dims, resolved.model
+    if getattr(model, "tie_embeddings", False):
+        raise ValueError(
+            f"plan: {model.name!r} ties its embedding to its head (tie_embeddings=True) and pp={dims.pp} puts them"
+            " on different ranks: plan it with pp=1, or untie the head"
+        )
+    layout = resolve_layout(r.config, r.workload, model.n_layers)
+    _, acts = memory_per_rank(r)  # one micro-batch's per-block ledger
+    shape = StageShape(
+        micro_batch=r.micro_batch, seq_len=r.seq_len, dim=model.dim, act_bytes=r.dtype.activation, tp=r.tp,
+        cp=dims.cp, sequence_parallel=r.config.sequence_parallel,
+    )  # fmt: skip
+    costs = stage_costs(r.workload, layout)
+    link = r.hw.link(inter_node=spans_nodes(dims, dims.pp_ranks(0)))
+    hop_s = link.latency_s + shape.boundary / link.bytes_per_s
+    units = unit_param_counts(model, tp=r.tp, ep=dims.ep)
+    pipeline = plan_pipeline(layout, acts, shape, units, r.checkpointing, costs, hop_s)
+    best: Optional[PipelinedRank] = None
+    for rank in sorted({0, layout.pp - 1}):
+        run = with_workload(r, stage_workload(r.workload, layout, rank), r.micro_batches * layout.microbatches)
+        memory, rank_acts = memory_per_rank(run)
+        stage = pipeline.ranks[rank]
+        loss = (acts.loss_saved + LOSS_TOTAL_WEIGHT_BYTES) if stage.head else 0.0  # the logits' peak counts it
+        memory = dataclasses.replace(
+            memory,
+            activations=stage.in_flight_bytes - loss + acts.recompute_peak(r.checkpointing),
+            logits_and_loss=acts.logits_and_loss if stage.head else 0.0,
+        )
+        candidate = PipelinedRank(run, memory, rank_acts, pipeline, rank, stage.idle_s, r)
+        if best is None or memory.total > best.memory.total:
+            best = candidate
+    assert best is not None
+    return best
 
 
 def memory_per_rank(resolved: ResolvedRun) -> tuple[MemoryPerRank, ActivationBytes]:
@@ -514,6 +642,9 @@ def assemble_plan(
         cp_notice=layout_notice(r.cp_layout) or "",
         ep=dims.ep,
         expert_params_per_rank=r.expert_params,
+        pp=dims.pp,
+        pp_schedule=config.pp_schedule,
+        pp_virtual_stages=config.pp_virtual_stages,
         optimizer=run.optimizer,
     )
 

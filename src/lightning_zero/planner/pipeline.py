@@ -24,13 +24,15 @@ run above the plan (tests/test_pipeline.py asserts ``>=``; the numbers are in do
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_zero.planner.ledger import ActivationBytes
-from lightning_zero.planner.workload import model_layers
+from lightning_zero.planner.workload import Tensor, Workload, model_layers
 from lightning_zero.pp.cost import boundary_bytes, p2p_bytes_per_step, stage_holds
-from lightning_zero.pp.layout import PipelineLayout
+from lightning_zero.pp.layout import PipelineLayout, balanced_split, stages_per_rank
 from lightning_zero.pp.simulate import StageCosts, trace_schedule
 
 TOKEN_ID_BYTES = 8  # int64 token ids the embedding saves
@@ -63,6 +65,7 @@ class StagePlan:
     in_flight_bytes: float  # most activation bytes it holds at once
     p2p_sent: int  # bytes per step
     p2p_received: int
+    idle_s: float = 0.0  # seconds it waits per pipeline pass (the step's makespan - its busy time)
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,15 @@ def unit_param_counts(config: Any, *, tp: int = 1, ep: int = 1) -> tuple[int, ..
     """Parameter elements one tp (and ep) rank holds per unit, in forward order: the embeddings,
     each decoder block (its own count: a mixture of experts' dense and MoE layers differ), the final
     norm, the head (0 when tied): ``workload.model_layers``' tensors."""
-    blocks = tuple(sum(t.numel for t in layer) for layer in model_layers(config, tp=tp, ep=ep))
-    head = 0 if getattr(config, "tie_embeddings", False) else config.dim * config.vocab_size // tp
-    return (config.vocab_size * config.dim // tp, *blocks, config.dim, head)
+    key = (repr(config), tp, ep)
+    if key not in _UNIT_PARAMS:
+        blocks = tuple(sum(t.numel for t in layer) for layer in model_layers(config, tp=tp, ep=ep))
+        head = 0 if getattr(config, "tie_embeddings", False) else config.dim * config.vocab_size // tp
+        _UNIT_PARAMS[key] = (config.vocab_size * config.dim // tp, *blocks, config.dim, head)
+    return _UNIT_PARAMS[key]
+
+
+_UNIT_PARAMS: dict[tuple, tuple[int, ...]] = {}  # the layout search asks for the same model many times
 
 
 def stage_params(layout: PipelineLayout, stage: int, units: Sequence[int]) -> int:
@@ -127,6 +136,42 @@ class StageShape:
         )  # fmt: skip
 
 
+SIMULATED_ROUNDS = 2
+"""A pass of more than ``SIMULATED_ROUNDS * num_stages`` micro-batches is played out for that many
+and extrapolated ([Note: long pipelines extrapolated])."""
+
+
+@dataclass(frozen=True)
+class PassTrace:
+    """One pipeline pass: its bubble, each rank's idle seconds, and what each rank holds at most."""
+
+    bubble_fraction: float
+    idle_s: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    peak_held: tuple[float, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def trace_pass(
+    layout: PipelineLayout, costs: Optional[StageCosts], hop_s: float, weights: tuple[float, ...]
+) -> PassTrace:
+    """[Note: long pipelines extrapolated] A search plans passes of hundreds of micro-batches; past
+    ``SIMULATED_ROUNDS`` rounds of ``num_stages`` the schedule is in its steady state (the in-flight
+    peaks of 1F1B, interleaved and ZBV are reached within the first round), so the pass is played out
+    for that many and each further micro-batch adds every rank's own busy time per micro-batch,
+    the slowest rank's to the step: idle time then grows only by what the slowest stage makes the
+    others wait. Shorter passes (the measured tests') are played out whole."""
+    cap = SIMULATED_ROUNDS * layout.num_stages
+    short = layout if layout.microbatches <= cap else dataclasses.replace(layout, microbatches=cap)
+    trace = trace_schedule(short, costs, hop_s, weights)
+    extra = layout.microbatches - short.microbatches
+    per_microbatch = [busy / short.microbatches for busy in trace.busy]
+    makespan = trace.makespan + extra * max(per_microbatch)
+    busy = [b + extra * per for b, per in zip(trace.busy, per_microbatch)]
+    bubble = 1.0 - sum(busy) / (layout.pp * makespan) if makespan > 0 else 0.0
+    return PassTrace(bubble, tuple(makespan - b for b in busy), trace.in_flight, trace.peak_held)
+
+
 def plan_pipeline(
     layout: PipelineLayout,
     acts: ActivationBytes,
@@ -134,12 +179,14 @@ def plan_pipeline(
     units: Sequence[int],
     mode: str = "none",
     costs: Optional[StageCosts] = None,
+    hop_s: float = 0.0,
 ) -> PipelinePlan:
     """Every pp rank of ``layout``: ``acts`` is one micro-batch's per-block ledger, ``units`` the
     parameter elements per unit (:func:`unit_param_counts`), ``costs`` each
-    stage's seconds (``None``: equal stages, backward two forwards)."""
+    stage's seconds (``None``: equal stages, backward two forwards), ``hop_s`` one boundary
+    crossing's seconds."""
     saved = [stage_saved_bytes(acts, layout, s, mode, shape.tokens) for s in range(layout.num_stages)]
-    trace = trace_schedule(layout, costs, weights=saved)  # in flight: 1F1B at most pp on the first stage, GPipe m
+    trace = trace_pass(layout, costs, hop_s, tuple(saved))  # in flight: 1F1B at most pp on the first stage, GPipe m
     ranks = []
     for rank in range(layout.pp):
         stages = layout.rank_stages(rank)
@@ -157,6 +204,7 @@ def plan_pipeline(
                 in_flight_bytes=trace.peak_held[rank],
                 p2p_sent=p2p.sent,
                 p2p_received=p2p.received,
+                idle_s=trace.idle_s[rank],
             )
         )
     return PipelinePlan(
@@ -169,3 +217,90 @@ def plan_pipeline(
         bubble_fraction=trace.bubble_fraction,
         ranks=tuple(ranks),
     )
+
+
+# -- the planner's pipelined run: one pp rank's workload, the split, each stage's seconds --------
+
+
+def stage_units(layout: PipelineLayout, stage: int) -> frozenset[int]:
+    """The workload units (0 embeddings, ``1 + block``, ``L + 1`` final norm, ``L + 2`` head) of ``stage``."""
+    blocks, first, last = stage_holds(layout, stage)
+    units = {1 + block for block in blocks}
+    units.update({0} if first else set())
+    units.update({layout.n_layers + 1, layout.n_layers + 2} if last else set())
+    return frozenset(units)
+
+
+def rank_units(layout: PipelineLayout, pp_rank: int) -> frozenset[int]:
+    """The workload units of ``pp_rank``'s stages (:func:`stage_units`)."""
+    return frozenset().union(*(stage_units(layout, stage) for stage in layout.rank_stages(pp_rank)))
+
+
+def stage_workload(workload: Workload, layout: PipelineLayout, pp_rank: int) -> Workload:
+    """``workload`` (the whole model's, one micro-batch) cut to ``pp_rank``'s units: its tensors (in
+    registration order, renumbered), their forward seconds, and the blocking tp / cp / ep seconds
+    in proportion to its blocks."""
+    units = rank_units(layout, pp_rank)
+    kept = [t for t in workload.tensors if t.unit in units]
+    tensors = [Tensor(t.name, t.numel, i, t.unit, t.group, t.backward_s, t.expert) for i, t in enumerate(kept)]
+    forward = tuple(s if unit in units else 0.0 for unit, s in enumerate(workload.unit_forward_s))
+    share = len([u for u in units if 1 <= u <= layout.n_layers]) / layout.n_layers
+    return dataclasses.replace(
+        workload,
+        tensors=tuple(tensors),
+        unit_forward_s=forward,
+        compute_forward_s=sum(forward),
+        compute_backward_s=sum(t.backward_s for t in tensors),
+        tp_s=workload.tp_s * share,
+        cp_s=workload.cp_s * share,
+        ep_s=workload.ep_s * share,
+        shape_key=(*workload.shape_key, "pp", tuple(sorted(units))),
+        root_units=workload.root_units & units,
+    )
+
+
+def resolve_layout(config: Any, workload: Workload, n_layers: int) -> PipelineLayout:
+    """The pipeline layout a ``ZeroConfig`` asks for on a model of ``n_layers`` blocks:
+    ``pp_microbatches`` (``None``: one per stage), ``pp_layers`` or a split balancing each stage's
+    seconds (``pp/layout.py`` ``balanced_split``, the embeddings and head as extra cost on the
+    first and last stage). ``ValueError`` naming the fix for one that cannot work."""
+    local = stages_per_rank(config.pp_schedule, config.pp_virtual_stages)
+    microbatches = config.pp_microbatches or config.pp * local
+    layers = tuple(config.pp_layers) if config.pp_layers is not None else None
+    if layers is None and config.pp * local <= n_layers:
+        forward, backward = unit_seconds(workload)
+        cost = [f + b for f, b in zip(forward, backward)]
+        layers = _split(tuple(cost[1 : n_layers + 1]), config.pp * local, cost[0], sum(cost[n_layers + 1 :]))
+    return PipelineLayout(
+        pp=config.pp,
+        schedule=config.pp_schedule,
+        n_layers=n_layers,
+        microbatches=microbatches,
+        virtual_stages=local if config.pp_schedule != "zbv" else 2,
+        pp_layers=layers,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(costs: tuple[float, ...], stages: int, first: float, last: float) -> tuple[int, ...]:
+    return balanced_split(costs, stages, first, last)  # the search asks for the same split many times
+
+
+def unit_seconds(workload: Workload) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per workload unit, one micro-batch's forward and backward seconds."""
+    backward = [0.0] * len(workload.unit_forward_s)
+    for tensor in workload.tensors:
+        backward[tensor.unit] += tensor.backward_s
+    return workload.unit_forward_s, tuple(backward)
+
+
+def stage_costs(workload: Workload, layout: PipelineLayout) -> StageCosts:
+    """Each stage's seconds for one micro-batch: forward, and backward split evenly into its input
+    and weight gradients (the zero-bubble schedules run them apart)."""
+    unit_forward, unit_backward = unit_seconds(workload)
+    forward, backward = [], []
+    for stage in range(layout.num_stages):
+        units = stage_units(layout, stage)
+        forward.append(sum(unit_forward[u] for u in units))
+        backward.append(sum(unit_backward[u] for u in units) / 2)
+    return StageCosts(tuple(forward), tuple(backward), tuple(backward))

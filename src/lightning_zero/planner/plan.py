@@ -98,6 +98,11 @@ class TrafficPerRank:
     ep_bytes_by_kind: dict[str, float] = field(default_factory=dict)
     ep_link: str = "intra_node"
     ep_s: float = 0.0
+    # pipeline parallelism: activations and their gradients this rank sends to (and receives from)
+    # its neighbouring stages per step ([Note: pipeline bytes] in pp/cost.py), and the link they take
+    pp_sent_bytes: float = 0.0
+    pp_received_bytes: float = 0.0
+    pp_link: str = "intra_node"
 
     @property
     def cp_bytes(self) -> float:
@@ -118,13 +123,15 @@ class TrafficPerRank:
         the node, the tp all-reduces (tp lives inside a node), and cp bytes whose group does."""
         cp = self.cp_bytes if self.cp_link == "intra_node" else 0.0
         ep = self.ep_all_to_all_bytes if self.ep_link == "intra_node" else 0.0
-        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp + ep
+        pp = self.pp_sent_bytes if self.pp_link == "intra_node" else 0.0
+        return self.dp_link_bytes.intra_node_total + self.tp_all_reduce_bytes + cp + ep + pp
 
     @property
     def inter_node_bytes(self) -> float:
         cp = self.cp_bytes if self.cp_link == "inter_node" else 0.0
         ep = self.ep_all_to_all_bytes if self.ep_link == "inter_node" else 0.0
-        return self.dp_link_bytes.inter_node_total + cp + ep
+        pp = self.pp_sent_bytes if self.pp_link == "inter_node" else 0.0
+        return self.dp_link_bytes.inter_node_total + cp + ep + pp
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -199,6 +206,17 @@ class Plan:
     muon_momentum_bytes: float = 0.0  # momenta the busiest owner holds (whole matrices it owns)
     muon_step_s: float = 0.0  # the optimizer step with Muon (NS + exchange + element-wise)
     adamw_step_s: float = 0.0  # the same step with AdamW on every parameter
+    # pipeline parallelism (pp > 1): the schedule, stages per rank, micro-batches per batch, blocks per
+    # stage, the bubble, which pp rank the memory and time above are of (the fullest), and every rank's
+    # stage plan (planner/pipeline.py); dp, tokens and world count every pp rank
+    pp: int = 1
+    pp_schedule: str = ""
+    pp_virtual_stages: int = 1
+    pp_microbatches: int = 1
+    pp_layers: tuple[int, ...] = ()
+    bubble_fraction: float = 0.0
+    pp_rank: int = 0
+    pipeline: Any = None  # a planner.pipeline.PipelinePlan
 
     @property
     def edp(self) -> int:
@@ -247,6 +265,7 @@ class Plan:
             traffic=self.traffic.as_dict(),
             timing=self.timing.as_dict() if self.timing is not None else None,
             activation_detail=self.activation_detail.as_dict(),
+            pipeline=self.pipeline.as_dict() if self.pipeline is not None else None,
             suggestions=list(self.suggestions),
             notes=list(self.notes),
             available_bytes=self.available_bytes,

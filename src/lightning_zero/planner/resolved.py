@@ -81,7 +81,7 @@ class ResolvedRun:
     def machine(self) -> MachineCosts:
         """What this run's hardware charges (``timing.step_time``)."""
         hw = self.hw
-        crosses_nodes = self.dims.world_size > self.dims.devices_per_node and self.dims.dp_cp > 1
+        crosses_nodes = self.dims.stage_world > self.dims.devices_per_node and self.dims.dp_cp > 1  # one pp rank's
         links: dict[str, Link] = {"intra_node": hw.link(inter_node=False), "inter_node": hw.link(inter_node=True)}
         return MachineCosts(
             dp_link=hw.link(inter_node=crosses_nodes),

@@ -45,6 +45,9 @@ HIERARCHICAL = (False, True)
 CHECKPOINTING_OVERRIDES = {"none": "false", "selective": "selective", "full": "full"}  # model.activation_checkpointing=
 COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
 MIN_CP_SLICE = 8192  # tokens of a sequence one cp rank keeps at least: shorter sequences need no cp
+PP_SCHEDULES_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))  # (pp_schedule, pp_virtual_stages)
+MIN_PP_NODES = 32  # nodes from which the search plans pipeline parallelism by default (pp_sizes_for)
+PP_STAGES = (1, 3)  # ZeRO stages planned with pp > 1: DeepSpeed's ZeRO-1 + PP, torchtitan's FSDP + PP
 
 
 def topology_overrides(
@@ -82,6 +85,10 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1
     ep: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_microbatches: Optional[int] = None
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (on top of the model / trainer / data config)."""
@@ -104,6 +111,10 @@ class Layout:
             out.append(f"strategy.cp={self.cp}")
         if self.ep > 1:
             out.append(f"strategy.ep={self.ep}")
+        if self.pp > 1:
+            out += [f"strategy.pp={self.pp}", f"strategy.pp_schedule={self.pp_schedule}",
+                    f"strategy.pp_virtual_stages={self.pp_virtual_stages}",
+                    f"strategy.pp_microbatches={self.pp_microbatches}"]  # fmt: skip
         out += topology_overrides(
             self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
         )
@@ -174,6 +185,22 @@ def ep_sizes_for(model: Any) -> list[int]:
     return sizes
 
 
+def pp_sizes_for(model: Any, world_size: int, devices_per_node: int) -> list[int]:
+    """The pipeline-parallel sizes the search plans by default: 1, and from ``MIN_PP_NODES`` nodes
+    up the powers of two that leave each pp rank at least one node (``world_size / pp >=
+    devices_per_node``: stages cross nodes, tp and the rest stay inside them) and every stage two
+    blocks at least. Below that many nodes ZeRO with tp keeps up (issue 63: "for 70B on a few hundred
+    GPUs, ZeRO-3 + TP is enough"), and the search stays as fast as it was; ``pp_sizes=`` plans
+    pipelines on any cluster."""
+    if world_size < MIN_PP_NODES * devices_per_node:
+        return [1]
+    sizes, pp = [1], 2
+    while world_size // pp >= devices_per_node and world_size % pp == 0 and 2 * pp <= model.n_layers:
+        sizes.append(pp)
+        pp *= 2
+    return sizes
+
+
 def _tp_sizes(devices_per_node: int) -> list[int]:
     sizes, tp = [], 1
     while tp <= devices_per_node:
@@ -210,6 +237,7 @@ def search_layouts(
     tp_sizes: Optional[Sequence[int]] = None,
     cp_sizes: Optional[Sequence[int]] = None,
     ep_sizes: Optional[Sequence[int]] = None,
+    pp_sizes: Optional[Sequence[int]] = None,
     micro_batches: Sequence[int] = MICRO_BATCHES,
     bucket_mbs: Sequence[float] = BUCKET_MBS,
     prefetch: Sequence[int] = PREFETCH,
@@ -235,7 +263,11 @@ def search_layouts(
     ``global_batch`` counts sequences, each split over a cp group. ``ep_sizes``: the expert-parallel
     sizes to plan (default :func:`ep_sizes_for` the model: 1 for a model without experts); a size
     the model refuses (its family's ``check_moe_layout``: experts not divisible, tensor parallelism
-    of experts) is left out, as a tp that does not divide the heads is.
+    of experts) is left out, as a tp that does not divide the heads is. ``pp_sizes``: the pipeline
+    sizes (default :func:`pp_sizes_for`); a layout with ``pp > 1`` runs every sample of a dp rank's
+    step as one pipeline pass (``pp_microbatches = global_batch / dp / micro_batch``, no
+    accumulation), under each schedule of ``PP_SCHEDULES_SEARCHED`` at the stages ``PP_STAGES``,
+    the split balanced by the planner, without the topology knobs.
 
     ``zero_config``: a :class:`~lightning_zero.config.ZeroConfig` whose ``FIXED_KNOBS`` every
     layout keeps (then not passed as keywords); its searched knobs (stage, tp, bucket_mb,
@@ -256,7 +288,7 @@ def search_layouts(
         shard_sizes, hierarchical, comm_dtypes = (None,), (False,), ((None, None),)
     space = SearchSpace(
         stages, tp_sizes, cp_sizes, ep_sizes, micro_batches, bucket_mbs, prefetch, checkpointing, sequence_parallel,
-        shard_sizes, hierarchical, comm_dtypes, lossless,
+        shard_sizes, hierarchical, comm_dtypes, lossless, pp_sizes,
     )  # fmt: skip
     run = RunShape(precision, seq_len=seq_len, attention=attention)
     options = PlanOptions(hardware=hardware, mfu=mfu, reserved_gib=reserved_gib, suggest=False, simulate="if_fits")
@@ -290,6 +322,7 @@ class SearchSpace:
     hierarchical: Sequence[bool] = HIERARCHICAL
     comm_dtypes: Sequence[tuple[Optional[str], Optional[str]]] = COMM_DTYPE_PAIRS
     lossless: bool = False
+    pp_sizes: Optional[Sequence[int]] = None
 
 
 def _layout_config(fixed: ZeroConfig, layout: Layout) -> ZeroConfig:
@@ -308,6 +341,10 @@ def _layout_config(fixed: ZeroConfig, layout: Layout) -> ZeroConfig:
         hierarchical_reduce=layout.hierarchical_reduce,
         grad_comm_dtype=layout.grad_comm_dtype,
         param_comm_dtype=layout.param_comm_dtype,
+        pp=layout.pp,
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages,
+        pp_microbatches=layout.pp_microbatches,
     )
 
 
@@ -349,30 +386,37 @@ def search(
     evaluated = rejected = 0
     seq = run.seq_len or model.max_seq_len
     layouts = product(
+        space.pp_sizes or pp_sizes_for(model, world_size, devices_per_node),
         space.tp_sizes or _tp_sizes(devices_per_node),
         space.cp_sizes or cp_sizes_for(seq, world_size),
         space.ep_sizes or ep_sizes_for(model),
     )
-    for tp, cp, ep in layouts:
-        if world_size % (tp * cp) or (world_size // tp) % ep:
+    for pp, tp, cp, ep in layouts:
+        if world_size % (pp * tp * cp) or (world_size // pp // tp) % ep:
             continue
-        dp = world_size // (tp * cp)  # ranks with other sequences
+        dp = world_size // (pp * tp * cp)  # ranks with other sequences
         if global_batch % dp:
             continue
         for stage in space.stages:
-            if stage == 0 and (tp > 1 or cp > 1 or ep > 1):
-                continue  # Lightning's DDP has no tensor, context or expert parallelism
+            if stage == 0 and (tp > 1 or cp > 1 or ep > 1 or pp > 1):
+                continue  # Lightning's DDP has no tensor, context, expert or pipeline parallelism
+            if pp > 1 and stage not in PP_STAGES:
+                continue
             defers = (False, True) if stage == 2 else (False,)
             prefetches = tuple(space.prefetch) if stage == 3 else (1,)
             buckets = tuple(space.bucket_mbs) if stage > 0 else (25.0,)
-            topologies = _topologies(stage, tp, ep, cluster, space, native)
+            if pp > 1:  # a stage's few buckets reduce once a step: their size and prefetch barely count
+                prefetches, buckets = prefetches[:1], buckets[-1:]
+            topologies = _topologies(stage, tp, ep, cluster, space, native) if pp == 1 else [topology_defaults()]
             sequence_splits = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq // cp % tp == 0)]
+            schedules = PP_SCHEDULES_SEARCHED if pp > 1 else (("1f1b", 1),)
             for micro_batch in space.micro_batches:
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
-                for checkpoint, split, defer, bucket_mb, ahead in product(
-                    space.checkpointing, sequence_splits, defers, buckets, prefetches
+                pipeline = dict(pp=pp, pp_microbatches=accumulate if pp > 1 else None)
+                for checkpoint, split, defer, bucket_mb, ahead, (schedule, virtual) in product(
+                    space.checkpointing, sequence_splits, defers, buckets, prefetches, schedules
                 ):
                     unfit: set = set()  # shard sizes whose memory does not fit
                     for topo in topologies:
@@ -385,7 +429,7 @@ def search(
                             stage,
                             tp,
                             micro_batch,
-                            accumulate,
+                            1 if pp > 1 else accumulate,  # pp: one pipeline pass of every micro-batch
                             defer,
                             mode,
                             float(bucket_mb),
@@ -394,6 +438,9 @@ def search(
                             sequence_parallel=split,
                             cp=cp,
                             ep=ep,
+                            pp_schedule=schedule,
+                            pp_virtual_stages=virtual,
+                            **pipeline,
                         )
                         candidate = planned(layout)
                         if candidate is None:  # a tp that does not divide the model's heads, ...

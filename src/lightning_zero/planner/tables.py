@@ -50,7 +50,24 @@ def layout_line(plan: Plan) -> str:
     nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''} x {plan.devices_per_node}"
     cp = f" x cp={plan.cp} ({plan.cp_attention} attention)" if plan.cp > 1 else ""
     ep = f", experts over ep={plan.ep} (edp={plan.edp})" if plan.ep > 1 else ""
-    return f"{plan.world_size} ranks ({nodes}): dp={plan.dp}{cp} x tp={plan.tp}{ep}"
+    pp = f"pp={plan.pp} x " if plan.pp > 1 else ""
+    return f"{plan.world_size} ranks ({nodes}): {pp}dp={plan.dp}{cp} x tp={plan.tp}{ep}"
+
+
+def pipeline_line(plan: Plan) -> str:
+    """``pp > 1``: the schedule, the split, the bubble, and per pp rank what it keeps in flight and
+    sends to its neighbours (planner/pipeline.py; docs/pipeline.md)."""
+    pipeline = plan.pipeline
+    ranks = "; ".join(
+        f"rank {r.pp_rank}: {r.blocks} blocks, {r.in_flight} micro-batches in flight "
+        f"({_gib(r.in_flight_bytes)} GiB), P2P {_gb(r.p2p_sent)} GB sent"
+        for r in (pipeline.ranks[0], pipeline.ranks[-1])
+    )
+    return (
+        f"{plan.pp_schedule} over pp={plan.pp} ({plan.pp_virtual_stages} stage(s) per rank), "
+        f"{plan.pp_microbatches} micro-batches per pass, blocks per stage {list(plan.pp_layers)}, "
+        f"bubble {plan.bubble_fraction:.1%}; {ranks}; memory above is rank {plan.pp_rank}'s"
+    )
 
 
 def header_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -77,6 +94,7 @@ def header_rows(plan: Plan) -> list[tuple[str, str]]:
             f"overlap_param_gather={plan.overlap_param_gather}",
         ),
         ("sharding", sharding_line(plan)),
+        *([("pipeline", pipeline_line(plan))] if plan.pp > 1 else []),
         (
             "hardware",
             f"{plan.hardware}: {_gib(plan.memory_bytes)} GiB, {_gib(plan.reserved_bytes)} GiB reserved, "
@@ -125,6 +143,16 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
             *(f"{_seconds(p.traffic.intra_node_s)} / {_seconds(p.traffic.inter_node_s)}" for p in stages),
         ],
         ["tp bytes sent / step (GB)", *(_gb(p.traffic.tp_all_reduce_bytes) for p in stages)],
+        *(
+            [
+                [
+                    "pp P2P bytes sent / step (GB)",
+                    *(f"{_gb(p.traffic.pp_sent_bytes)} ({p.traffic.pp_link})" for p in stages),
+                ]
+            ]
+            if any(p.pp > 1 for p in stages)
+            else []
+        ),
         ["tp time (NVLink, blocking)", *(_seconds(p.traffic.tp_s) for p in stages)],
         ["compute time (incl. tp)", *(_seconds(p.traffic.compute_s) for p in stages)],
     ]
@@ -157,6 +185,16 @@ def traffic_rows(stages: Sequence[Plan]) -> list[list[str]]:
                 ),
             ],
             ["exposed comm", *(_seconds(p.traffic.exposed_comm_s) for p in stages)],
+            *(
+                [
+                    [
+                        "pipeline bubble",
+                        *(f"{_seconds(p.timing.pipeline_bubble_s)} ({p.bubble_fraction:.1%})" for p in stages),
+                    ]
+                ]  # type: ignore[union-attr]
+                if any(p.pp > 1 for p in stages)
+                else []
+            ),
             *(
                 [["step overhead (hardware)", *(_seconds(p.timing.overhead_s) for p in stages)]]  # type: ignore[union-attr]
                 if any(p.timing.overhead_s for p in stages)  # type: ignore[union-attr]
@@ -319,6 +357,8 @@ def search_rows(result: SearchResult, count: int) -> list[list[str]]:
                 f"{timing.mfu:.1%}",
                 f"{(timing.exposed_comm_s + timing.post_step_gather_s):.2f}",
                 f"{entry.plan.memory.total / GiB:.1f}",
+                f"{entry.plan.pp} {entry.plan.pp_schedule}" if entry.plan.pp > 1 else "1",
+                f"{entry.plan.bubble_fraction:.1%}",
                 "yes" if entry.plan.lossless else "LOSSY",
                 " ".join(entry.layout.overrides()),
             ]
@@ -337,7 +377,18 @@ def print_search(result: SearchResult, count: int, plan: Plan, console: Any = No
         f"{plan.model} on {layout_line(plan).split(':')[0]}, {result.global_batch} samples x "
         f"{plan.seq_len} tokens per step, {plan.hardware}"
     )
-    for column in ("#", "tokens/s", "step s", "MFU", "exposed comm s", "GiB/rank", "lossless", "overrides"):
+    for column in (
+        "#",
+        "tokens/s",
+        "step s",
+        "MFU",
+        "exposed comm s",
+        "GiB/rank",
+        "pp",
+        "bubble",
+        "lossless",
+        "overrides",
+    ):
         table.add_column(column, justify="left" if column == "overrides" else "right")
     for row in search_rows(result, count):
         table.add_row(*row)

@@ -240,6 +240,8 @@ class StepTime:
     # the caller gave one link without a class)
     comm_s_by_link: tuple[tuple[str, float], ...] = ()
     overhead_s: float = 0.0  # fixed per-step work the model does not count (hardware.step_overhead_s)
+    # pp > 1: the seconds this rank waits in the pipeline's bubble per step (planner/pipeline.py)
+    pipeline_bubble_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -250,6 +252,7 @@ class StepTime:
             + self.grad_copy_s
             + self.post_step_gather_s
             + self.overhead_s
+            + self.pipeline_bubble_s
         )
 
     def link_s(self, link: str) -> float:

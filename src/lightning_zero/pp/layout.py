@@ -62,35 +62,46 @@ def balanced_split(
     n = len(block_costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"balanced_split: {num_stages} stages need 1 <= stages <= blocks ({n})")
-    prefix = [0.0]
-    for cost in block_costs:
-        prefix.append(prefix[-1] + float(cost))
+    # filled from the last stage back: ties leave the first stage the lightest (under 1F1B it keeps
+    # the most micro-batches in flight)
+    costs = [float(cost) for cost in reversed(block_costs)]
 
-    def stage_cost(stage: int, start: int, end: int) -> float:
-        cost = prefix[end] - prefix[start]
-        if stage == 0:
-            cost += first_extra
-        if stage == num_stages - 1:
-            cost += last_extra
-        return cost
+    def fill(limit: float) -> Optional[list[int]]:
+        """From the last stage back, each takes as many blocks as keep it within ``limit`` while
+        leaving one for every stage before it; ``None`` if some stage cannot. Taking the most late
+        leaves the least to the first stage (which carries ``first_extra``): if any split fits
+        ``limit``, this one does."""
+        counts, start = [], 0
+        for stage in range(num_stages):
+            extra = (last_extra if stage == 0 else 0.0) + (first_extra if stage == num_stages - 1 else 0.0)
+            stop = n - (num_stages - 1 - stage)  # leave a block for each later stage
+            if stage == num_stages - 1:
+                end = n
+            else:
+                end, load = start, extra
+                while end < stop and load + costs[end] <= limit * (1 + 1e-12):
+                    load, end = load + costs[end], end + 1
+                end = max(end, start + 1)
+            if extra + sum(costs[start:end]) > limit * (1 + 1e-12):
+                return None
+            counts.append(end - start)
+            start = end
+        return counts
 
-    # best[s][i]: the least max cost of putting blocks [0, i) on stages [0, s); cut[s][i] where stage s-1 starts
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], stage_cost(s - 1, j, i))
-                if value < best[s][i] - 1e-12:
-                    best[s][i], cut[s][i] = value, j
-    counts, end = [], n
-    for s in range(num_stages, 0, -1):
-        start = cut[s][end]
-        counts.append(end - start)
-        end = start
-    return tuple(reversed(counts))
+    # the least feasible limit, by bisection between the largest single stage and everything on one
+    low = max(costs) if costs else 0.0
+    high = sum(costs) + first_extra + last_extra
+    for _ in range(100):
+        if high - low <= 1e-12 * max(high, 1.0):
+            break
+        middle = (low + high) / 2
+        if fill(middle) is None:
+            low = middle
+        else:
+            high = middle
+    split = fill(high)
+    assert split is not None  # high starts feasible and only moves to feasible limits
+    return tuple(reversed(split))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ gradient needs the saved inputs).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -44,8 +45,10 @@ def single_stage_order(schedule: str, pp_rank: int, num_stages: int, microbatche
     return order
 
 
+@functools.lru_cache(maxsize=256)
 def schedule_order(layout: PipelineLayout) -> list[list[Action]]:
-    """Per pp rank, the compute actions of one step in the order the schedule runs them."""
+    """Per pp rank, the compute actions of one step in the order the schedule runs them (memoized:
+    the layout search plans the same layout many times; do not change the lists)."""
     if layout.schedule not in MULTI_STAGE:
         return [
             single_stage_order(layout.schedule, r, layout.num_stages, layout.microbatches) for r in range(layout.pp)

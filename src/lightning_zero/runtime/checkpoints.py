@@ -35,7 +35,7 @@ The lifecycle also owns what surrounds the saves:
   code 1. An abandoned save's thread may still be inside a collective of the saves' group at exit
   (the peers' threads wait for it too): finalizing the interpreter then would abort the process
   ("terminate called without an active exception", exit -6, [Note: nothing running at exit] in
-  ``fabric/strategy.py``), so the exit gives it :data:`ABANDONED_GRACE_S` to end (a peer's exit
+  ``runtime/run.py``), so the exit gives it :data:`ABANDONED_GRACE_S` to end (a peer's exit
   ends its collective) and otherwise ends the process with exit code 1 without finalizing;
 - leftovers: :meth:`restore_before_resolve` (every rank, before anything resolves ``"last"`` or
   SLURM's ``hpc_ckpt_<N>``: no process group needed) moves a checkpoint a killed publish left
@@ -43,8 +43,8 @@ The lifecycle also owns what surrounds the saves:
   before a load) removes what killed saves left, with a warning.
 
 The doors translate: ``trainer/checkpoints.py`` feeds it Lightning's hooks and ``ModelCheckpoint``'s
-paths and links, ``fabric/strategy.py`` feeds it ``fabric.save``/``load``. Neither keeps state of
-its own about a save.
+paths and links, ``fabric/checkpoint.py`` feeds it ``fabric.save``/``load``. Neither keeps state of
+its own about a save; both reach it through the run (``runtime/run.py``), which builds it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ step's own collectives. So:
 
 1. The door learns of the failure first (the Trainer: in its step methods and in the first
    callback's ``on_exception``, ``trainer/failure_path.py``; Fabric: in the forward and backward of
-   the set-up model and in the optimizer step, ``fabric/strategy.py``). The failing rank posts its
+   the set-up model and in the optimizer step, ``runtime/forward_steps.py``). The failing rank posts its
    exception on the failure channel ([Note: failure channel] in ``zero/waits.py``) with
    :func:`note_failure`; a rank whose error says that a collective failed first looks for a peer's
    message and, finding one, rewrites its own error to name the failing rank (the user's error is

@@ -1,7 +1,8 @@
 """ZeroSession: what both front doors call to run ZeRO on this rank (no ``lightning.pytorch``).
 
-The Trainer strategy (``trainer/strategy.py``) and the Fabric strategy (``fabric/strategy.py``)
-are thin layers that decide *when*; the session does the same things in the same order for both:
+Part of the run (:class:`~lightning_zero.runtime.run.ZeroRun`, [Note: one runtime object]), which
+builds it once and which both doors forward to; the session does the same things in the same order
+for both:
 
 1. :meth:`plan_layout` (before any process group starts): the ``(dp, cp, tp)`` layout (ep inside
    dp*cp, hybrid splits of it) from the knobs and the cluster, checked against the model; raises
@@ -385,46 +386,3 @@ def _fill_full_values(
     from lightning_zero.checkpoint.full import fill_gathered_values
 
     fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, value_dtype, dense=dense)
-
-
-class SessionViews:
-    """What both doors' strategies read from their :class:`ZeroSession` (``self.session``), for
-    a strategy class that also has ``world_size`` and ``global_rank`` (Lightning's and Fabric's
-    ``DDPStrategy``); listed first among the bases, so ``distributed_sampler_kwargs`` is this one."""
-
-    session: ZeroSession
-    world_size: int
-    global_rank: int
-
-    @property
-    def engine(self) -> Optional["ZeroEngine"]:
-        return self.session.engine
-
-    @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
-        return self.session.dp_group
-
-    @property
-    def mesh_groups(self) -> Optional["MeshGroups"]:
-        """The layout's process groups (``comm/mesh.py`` :class:`MeshGroups`: tp, cp, dp_cp, ep,
-        edp, ...), once the process group is up; what a model's parallelize function reads."""
-        return self.session.groups
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that take different samples (``world_size / (tp * cp)``)."""
-        return self.session.dp_size(self.world_size)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank(self.global_rank)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks of one TP group see the same batch; the data is split over dp only.
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
-
-    @property
-    def failed(self) -> bool:
-        """This rank failed, or knows another rank did: it issues no collective any more."""
-        return self.session.failed

@@ -147,3 +147,35 @@ def to_zero_precision(plugin: Optional[Precision], config: "ZeroConfig") -> Opti
     if isinstance(plugin, HalfPrecision):
         return ZeroHalfPrecision(plugin.precision, policy)
     return ZeroPrecision(policy)
+
+
+class ZeroPrecisionSlot:
+    """``ZeroStrategy``'s ``precision_plugin``: always one of the plugins above, made from the one
+    Lightning sets (at construction, from ``Trainer(precision=...)``: an unsupported precision
+    fails then, before any process starts), and the :class:`PrecisionPolicy` it carries."""
+
+    _precision_plugin: Optional[Precision]
+    zero_config: "ZeroConfig"
+
+    @property
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = to_zero_precision(Precision(), self.zero_config)
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_zero_precision(precision_plugin, self.zero_config)
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """Where each byte lives under the chosen precision (``precision.py``)."""
+        return self.precision_plugin.policy  # type: ignore[attr-defined]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision_policy.compute_dtype
+
+    def _precision_name(self) -> str:
+        return getattr(self.precision_plugin, "precision", str(self.compute_dtype))

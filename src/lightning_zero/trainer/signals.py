@@ -119,8 +119,8 @@ class SchedulerSignals(Callback):
     # for the gathers itself.
     reads_parameters_between_steps = False
 
-    def __init__(self) -> None:
-        self.boundary = SignalBoundary()
+    def __init__(self, boundary: Optional[SignalBoundary] = None) -> None:
+        self.boundary = boundary if boundary is not None else SignalBoundary()
         self.closes_eval_loops = False  # ZeroStrategy closes them (after stage 3's ranks served each other)
         self._channel: Optional["FailureChannel"] = None  # under a strategy without one ([Note: exchanges under ddp])
 
@@ -317,11 +317,14 @@ def _accumulating(trainer: Any) -> bool:
         return False
 
 
-def attach_scheduler_signals(trainer: Any, *, engine: Any, markers_cover_world: bool) -> SchedulerSignals:
-    """``ZeroStrategy.setup``: the :class:`SchedulerSignals` boundary (added if the user did not)."""
+def attach_scheduler_signals(
+    trainer: Any, *, engine: Any, markers_cover_world: bool, boundary: Optional[SignalBoundary] = None
+) -> SchedulerSignals:
+    """``ZeroStrategy.setup``: the :class:`SchedulerSignals` boundary (added over ``boundary``, the
+    run's, if the user did not add one)."""
     callback = next((cb for cb in trainer.callbacks if isinstance(cb, SchedulerSignals)), None)
     if callback is None:
-        callback = SchedulerSignals()
+        callback = SchedulerSignals(boundary)
         trainer.callbacks.append(callback)
     callback.attach(trainer, engine=engine, markers_cover_world=markers_cover_world)
     return callback

@@ -640,7 +640,7 @@ class Stage3Runtime:
     def end_eval_loop(self) -> None:
         """This rank's evaluation loop ended. While other ranks still run evaluation steps (uneven
         numbers of batches per rank, or a forward on some ranks only: [Note: forwards on some ranks
-        only] in ``fabric/strategy.py``), serve their all-gathers by replaying the recorded
+        only] in ``runtime/forward_steps.py``), serve their all-gathers by replaying the recorded
         evaluation schedule; return once every rank is done (collective over the gather group)."""
         self.end_eval_step()
         while True:
