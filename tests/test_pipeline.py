@@ -255,6 +255,7 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 PIPELINE_REFUSALS = [
     (dict(stage=3), {}, "use stage=1 or stage=2"),
     (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
     (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
     (dict(pp_schedule="interleaved_1f1b"), {}, "pp_virtual_stages >= 2"),
@@ -346,6 +347,7 @@ def test_a_pp_rank_failing_mid_schedule_ends_every_rank():
         assert "ValueError: a bad micro-batch on pp rank 1" in logs["raise", 1]
         survivor = logs["raise", 0]
         assert "stops because another rank failed (global rank 1)" in survivor and "training step 3" in survivor
+        assert "ValueError: a bad micro-batch on pp rank 1" in survivor  # the model's own, not torch's wrapper
 
 
 FABRIC_CASES = ["1f1b-zero2", "interleaved_1f1b-zero1", "zbv-zero1"]

@@ -327,8 +327,8 @@ def plan(
         planned = assemble_plan(resolved, memory, acts, traffic_per_rank(resolved, simulated), simulated)
     else:
         planned = pipelined.assemble(simulated, run.accumulate_grad_batches)
-    if run.optimizer == "muon":
-        planned = with_muon(planned, resolved)  # planner/muon.py
+    if run.optimizer == "muon":  # planner/muon.py; pp > 1: the matrices of this rank's blocks
+        planned = with_muon(planned, resolved if pipelined is None else pipelined.blocks_run())
     if options.suggest and not planned.fits:
         options = dataclasses.replace(options, hardware=resolved.hw)
         fixes = suggest_fixes(
@@ -447,6 +447,12 @@ class PipelinedRank:
     pp_rank: int
     idle_s: float  # seconds this rank waits per pipeline pass (the trace's makespan - its busy time)
     full: ResolvedRun  # the whole model's run
+
+    def blocks_run(self) -> ResolvedRun:
+        """This rank's run with a model of only its blocks (what per-block rules such as Muon's
+        matrices read)."""
+        blocks = self.pipeline.ranks[self.pp_rank].blocks
+        return dataclasses.replace(self.resolved, model=dataclasses.replace(self.resolved.model, n_layers=blocks))
 
     def assemble(self, simulated: Optional[StepTime], accumulate: int) -> Plan:
         """The :class:`Plan` of this rank: the step time carries the bubble (``accumulate`` passes)."""

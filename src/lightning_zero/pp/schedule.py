@@ -24,6 +24,8 @@ cannot do for us, and so we do (the doors: [Note: the pipelined step] in ``runti
 - evaluate under ``zbv``: its ``eval`` asserts on the V's local hand-over ("can't steal_bwd_input
   if this stage doesn't have backward"), so evaluation runs the stages forward by hand;
 - clip over every stage (the engine's norm group spans every rank);
+- name a failure: a stage wraps the model's own exception in "failed to run forward/backward"
+  (the pipelined step re-raises the model's own, which the failure path posts);
 - end every rank when one fails: its receives have no timeout of their own beyond the process
   group's (not built yet).
 """

@@ -56,6 +56,12 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
             f" (docs/pipeline.md); use {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
         )
+    if config.shard_size is not None or config.hierarchical_reduce:
+        raise ValueError(
+            f"{asked} with shard_size={config.shard_size!r}, hierarchical_reduce={config.hierarchical_reduce}: hybrid"
+            " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
+            " shard_size=None and hierarchical_reduce=False with pp > 1"
+        )
     if config.stage == 3:
         raise ValueError(
             f"{asked}, stage=3: ZeRO-3 within a pipeline stage is not run yet (its parameters would be gathered per"
@@ -224,7 +230,15 @@ class PipelineRun:
         self._losses = []
         assert self.engine is not None
         with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
-            schedule.step(*args, **kwargs)
+            try:
+                schedule.step(*args, **kwargs)
+            except RuntimeError as error:
+                # torch's stage wraps a forward's or backward's own exception ("[Stage 1] failed to run
+                # forward"): raise the model's own, which the failure path posts for the other ranks
+                cause = error.__cause__
+                if cause is not None and "failed to run" in str(error):
+                    raise cause from None
+                raise
         self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)

@@ -1,0 +1,46 @@
+"""The planner's pipeline parallelism without any process group: per pp rank what a plan holds and
+sends, the bubble the step carries, and the search choosing pp (measured against real ranks in
+tests/test_pipeline.py)."""
+
+import pytest
+
+from lightning_zero.planner.arithmetic import plan_run
+from lightning_zero.planner.pipeline import unit_param_counts
+
+RUN = dict(world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096, activation_checkpointing="full",
+           hardware="h100_80gb", suggest=False)  # fmt: skip
+
+
+def test_a_pipelined_plan_splits_the_model_and_carries_the_bubble():
+    flat = plan_run("70b", stage=1, accumulate_grad_batches=2, **RUN)  # the same tokens: dp 8 x 2
+    piped = plan_run("70b", stage=1, pp=4, pp_schedule="1f1b", pp_microbatches=8, **RUN)
+    assert piped.tokens_per_step == flat.tokens_per_step and (piped.dp, flat.dp) == (2, 8)
+    pipeline = piped.pipeline
+    assert sum(pipeline.layers_per_stage) == 80 and len(pipeline.layers_per_stage) == 4
+    assert sum(rank.params for rank in pipeline.ranks) == sum(unit_param_counts(piped_model(), tp=8))
+    assert [rank.in_flight for rank in pipeline.ranks] == [4, 3, 2, 1]  # 1F1B: pp - r
+    # the first rank sends activations and receives gradients across one boundary per micro-batch
+    boundary = 1 * 4096 * 8192 * 2
+    assert (pipeline.ranks[0].p2p_sent, pipeline.ranks[1].p2p_sent) == (8 * boundary, 16 * boundary)
+    assert piped.traffic.pp_link == "inter_node" and piped.timing.pipeline_bubble_s > 0
+    assert 0.2 < piped.bubble_fraction < 0.35  # near (pp - 1) / (m + pp - 1) = 3 / 11
+    assert piped.params_per_tp_rank < flat.params_per_tp_rank / 3  # a quarter of the blocks, the head on one rank
+
+
+def piped_model():
+    from lightning_zero.planner.arithmetic import resolve_model
+
+    return resolve_model("70b")
+
+
+def test_muon_under_pp_orthogonalizes_only_the_rank_s_blocks():
+    # a quarter of the blocks over a quarter of the dp ranks: each owner's share is the same as flat
+    flat = plan_run("70b", stage=1, accumulate_grad_batches=2, optimizer="muon", **RUN)
+    piped = plan_run("70b", stage=1, pp=4, pp_microbatches=8, optimizer="muon", **RUN)
+    assert piped.muon_momentum_bytes == flat.muon_momentum_bytes
+    assert piped.muon_step_s == pytest.approx(flat.muon_step_s, rel=0.05)
+
+
+def test_a_split_the_model_cannot_take_is_refused_by_the_planner():
+    with pytest.raises(ValueError, match="every stage needs at least one"):
+        plan_run("tiny", stage=1, world_size=16, devices_per_node=1, pp=16, pp_microbatches=16, suggest=False)
