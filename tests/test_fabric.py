@@ -36,7 +36,6 @@ def _needs(model: str) -> None:
     ("kwargs", "match"),
     [
         ({"stage": 4}, "stage"),
-        ({"tensor_parallel_size": 2}, "tensor parallelism is not available under Fabric"),
         ({"state_dict_type": "dcp"}, "state_dict_type"),
         ({"config": "zero2", "stage": 2}, "not both"),
     ],

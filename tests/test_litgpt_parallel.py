@@ -61,8 +61,11 @@ def _litgpt_layout_refusals_name_the_fix() -> None:
 
     dims = ParallelDims(world_size=2, devices_per_node=2, cp=2)
     check_layout(dims, nn.ModuleDict({"gpt": GPT(Config(**CONFIG))}))  # found inside a wrapper
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*LitGPT's GPT is not available yet"):
-        check_layout(ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**CONFIG)))
+    check_layout(ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**CONFIG)))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*n_query_groups\(1\); pick tp"):
+        check_layout(
+            ParallelDims(world_size=2, devices_per_node=2, tp=2), GPT(Config(**{**CONFIG, "n_query_groups": 1}))
+        )
     with pytest.raises(ValueError, match=r"cp=2.*sliding_window_size=4.*use cp=1"):
         check_layout(dims, GPT(Config(**CONFIG, sliding_window_size=4)))
     with pytest.raises(ValueError, match=r"cp=2.*adapter.*use cp=1"):
@@ -121,10 +124,98 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
         assert list(model.state_dict()) == list(dense.state_dict())  # names unchanged
         worst[f"lora={lora} T={length} chunk={chunk} {overrides}"] = diff
     assert all(diff <= 1e-6 for diff in worst.values()), worst
+    _tensor_parallel_litgpt_equals_dense(world)
+
+
+def _tensor_parallel_litgpt_equals_dense(world: int) -> None:
+    """tp = 2 (with and without sequence parallelism) on LitGPT's GPT and LoRA's (LoRA on q, v and
+    the MLP, biases on): the loss equals the dense model's, each rank's gradient of a split
+    parameter is its part of the dense gradient, a replicated one's is the dense gradient; the
+    state dict gathered to dense coordinates is the dense model's."""
+    import copy
+
+    from lightning_zero.comm.mesh import build_groups
+    from lightning_zero.runtime.parallelize import ParallelPlan
+    from lightning_zero.tp.segments import gather_dense, tp_segments
+
+    groups = build_groups(ParallelDims(world_size=world, devices_per_node=world, tp=world))
+    worst = {}
+    lora_knobs = dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True, lora_projection=True)
+    cases = [(False, True, 16, 0, {}), (True, True, 15, 4, dict(bias=True)), (True, False, 13, 0, {}),
+             (False, True, 11, 0, dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", bias=True,
+                                       parallel_residual=True, n_query_groups=4))]  # fmt: skip
+    for lora, sequence_parallel, length, chunk, overrides in cases:
+        if lora:
+            from litgpt.lora import GPT, Config
+
+            config = Config(**{**CONFIG, **overrides}, **lora_knobs)
+        else:
+            from litgpt.model import GPT, Config
+
+            config = Config(**{**CONFIG, **overrides})
+        torch.manual_seed(0)
+        dense = GPT(config)
+        with torch.no_grad():
+            for name, param in dense.named_parameters():
+                if "lora_B" in name or name.endswith("bias") or "norm" in name:
+                    param.normal_(std=0.1)
+        model = ParallelPlan(groups, sequence_parallel=sequence_parallel).apply(copy.deepcopy(dense))[0]
+        idx, targets = torch.randint(0, 120, (2, length)), torch.randint(0, 120, (2, length))
+        dense_loss, loss = _loss(dense, idx, targets, chunk), _loss(model, idx, targets, chunk)
+        dense_loss.backward()
+        loss.backward()
+        diff = abs(loss.item() - dense_loss.item())
+        grads = {name: param.grad for name, param in dense.named_parameters()}
+        values = dict(dense.named_parameters())
+        for name, param in model.named_parameters():
+            dim = getattr(param, "_tp_shard_dim", None)
+            grad, value = param.grad, param.detach()
+            if dim is not None:
+                grad = gather_dense(grad, dim, tp_segments(param), groups.tp)
+                value = gather_dense(value, dim, tp_segments(param), groups.tp)
+            diff = max(diff, (grad - grads.pop(name)).abs().max().item())
+            assert torch.equal(value, values[name].detach()), name
+        assert not grads, sorted(grads)
+        worst[f"tp lora={lora} sp={sequence_parallel} T={length} chunk={chunk} {overrides}"] = diff
+    assert all(diff <= 1e-6 for diff in worst.values()), worst
+
+
+def test_qkv_rows_permute_to_whole_heads_per_rank_and_back():
+    """[Note: segmented TP split]: LitGPT's fused qkv rows (queries, then keys, then values) cut per
+    segment give each TP rank whole heads of each kind; the ranks' parts in rank order are the dense
+    rows permuted, and gathering them back (the full state dict) undoes the permutation exactly."""
+    from lightning_zero.tp.segments import dense_from_ranks, local_part, segment_permutation
+
+    head_size = 3
+    for n_head, n_groups, tp in ((4, 2, 2), (8, 2, 2), (8, 4, 4), (6, 6, 3), (4, 4, 1)):
+        segments = (n_head * head_size, n_groups * head_size, n_groups * head_size)
+        dense = torch.arange(sum(segments) * 2, dtype=torch.float32).view(sum(segments), 2)
+        parts = [local_part(dense, 0, segments, rank, tp) for rank in range(tp)]
+        perm = segment_permutation(segments, tp)
+        assert sorted(perm.tolist()) == list(range(sum(segments)))
+        assert torch.equal(torch.cat(parts), dense.index_select(0, perm))
+        assert torch.equal(dense_from_ranks(torch.cat(parts), 0, segments, tp), dense)
+        for rank, part in enumerate(parts):  # rank r: query heads [r nh/tp, ...), then its key and value groups
+            q, k, v = part.split((n_head // tp * head_size, n_groups // tp * head_size, n_groups // tp * head_size))
+            queries = dense[: segments[0]].view(n_head, head_size, 2)[rank * n_head // tp : (rank + 1) * n_head // tp]
+            keys = dense[segments[0] : segments[0] + segments[1]].view(n_groups, head_size, 2)
+            values = dense[segments[0] + segments[1] :].view(n_groups, head_size, 2)
+            groups = slice(rank * n_groups // tp, (rank + 1) * n_groups // tp)
+            assert torch.equal(q, queries.reshape(-1, 2))
+            assert torch.equal(k, keys[groups].reshape(-1, 2)) and torch.equal(v, values[groups].reshape(-1, 2))
+    with pytest.raises(ValueError, match=r"tp\(2\) does not divide a segment of \(12, 3, 3\)"):
+        local_part(torch.zeros(18, 2), 0, (12, 3, 3), 0, 2)
+    # a sharded checkpoint places parts as rectangles of the dense tensor: per-segment ones are refused
+    from lightning_zero.checkpoint.targets import RankPlacement, split_of
+
+    qkv = torch.nn.Parameter(torch.zeros(18, 2))
+    qkv._tp_shard_dim, qkv._tp_segments = 0, (12, 3, 3)
+    with pytest.raises(ValueError, match=r"split over TP per segment .*state_dict_type='full'"):
+        split_of(qkv, RankPlacement(world_size=2, tp_size=2, tp_rank=1))
 
 
 @needs_litgpt
-def test_litgpt_gpt_under_cp_equals_the_dense_model_and_refuses_what_it_cannot_run():
+def test_litgpt_gpt_under_cp_and_tp_equals_the_dense_model_and_refuses_what_it_cannot_run():
     run_ranks(_parallel_litgpt_equals_dense, world_size=2)
 
 

@@ -5,8 +5,10 @@ losses, every file it saves (LoRA and adapter weights, full checkpoints with opt
 merged LoRA model) and resuming from a saved step. LoRA and the adapter start from a base checkpoint
 without their tensors, as users' checkpoints are: those come from the deferred initialization. One
 launch per strategy (tests/scripts/litgpt_scripts.py runs every case in turn through
-``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users), and one of 4
-processes for ``finetune_lora`` and ``pretrain`` under ``--cp 2`` at stages 1-3.
+``lightning_zero.fabric.litgpt``, the command docs/fabric.md gives LitGPT users; each ZeRO stage's
+also runs ``finetune_lora`` and ``pretrain`` under ``--tp 2``: dp 1 on 2 processes), one of 4
+processes for ``finetune_lora`` and ``pretrain`` under ``--cp 2`` (dp 2) and ``--tp 2 --cp 2`` (dp 1)
+at stages 1-3, and one of a single process: Fabric's DDP with dp 1, the reference of the dp-1 runs.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ pytestmark = [
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 SCRIPTS = ["lora", "adapter", "full", "pretrain"]
 RESUMED = ["full", "pretrain"]
-CP_SCRIPTS = ["lora", "pretrain"]  # under --cp 2 (models/litgpt/parallelize.py)
-# LoRA's dropout draws per rank: under cp for a slice of the sequence, other numbers than ddp's for the whole
+CP_SCRIPTS = ["lora", "pretrain"]  # under --cp 2 (models/litgpt/parallelize.py), --tp 2, both
+# LoRA's dropout draws per rank: under cp for a slice of the sequence, under tp for a part of the
+# features, other numbers than ddp's for the whole
 CP_CASE = {"lora": "lora-{strategy}-32-nodropout", "pretrain": "pretrain-{strategy}-32"}
+DP1 = [CP_CASE[script].format(strategy="ddp1") for script in CP_SCRIPTS]  # Fabric's DDP on one process
+DP1.append("pretrain-ddp1-32-resume")  # the reference of pretrain-zero3tp2-32-resume
 DEFERRED = ["lora", "full"]  # accumulate 2 micro batches and do not clip (pretrain clips: docs/precision.md)
 # fp32: the issue's bound. bf16-true, the rounding of the same sums in another order (docs/precision.md),
 # in bf16 ulps ([Note: tolerances in ulps] in tests/ulps.py): each logged loss, an fp32 mean over bf16
@@ -62,6 +67,10 @@ def cases(strategy: str) -> list[str]:
         out.append("lora-ddp-32-nodropout")  # the reference of --cp 2 (test_litgpt_script_under_cp_equals_fabric_ddp)
     if strategy in ("zero2", "zero3"):
         out += [f"{script}-{strategy}defer-bf16" for script in DEFERRED]
+    if strategy != "ddp":  # --tp 2 on the launch's 2 processes: dp 1, against DP1
+        out += [CP_CASE[script].format(strategy=f"{strategy}tp2") for script in CP_SCRIPTS]
+    if strategy == "zero3":  # a dense file (model, optimizer state) cut back into tp parts
+        out.append("pretrain-zero3tp2-32-resume")
     return out
 
 
@@ -73,15 +82,20 @@ def root(tmp_path_factory):
         codes, tails = launch_ranks(["python", *argv, *cases(strategy)], cwd=root, env=script_env(ROOT),
                                     timeout_s=900, log_prefix=f"litgpt_{strategy}")  # fmt: skip
         assert codes == [0, 0], tails
+    codes, tails = launch_ranks(["python", *argv, *DP1], cwd=root, env=script_env(ROOT), timeout_s=900, world=1,
+                                log_prefix="litgpt_ddp1")  # fmt: skip
+    assert codes == [0], tails
     return root
 
 
 @pytest.fixture(scope="module")
 def cp_root(root):
-    """``--cp 2`` on 4 processes (dp 2 x cp 2) in ``root``, beside the ddp runs there (dp 2): a
-    launch of its own, after the others (a fixture of its own: its own share of the test timeout)."""
+    """``--cp 2`` (dp 2 x cp 2) and ``--tp 2 --cp 2`` (dp 1) on 4 processes in ``root``, beside the
+    ddp runs there (dp 2 and dp 1): a launch of its own, after the others (a fixture of its own: its
+    own share of the test timeout)."""
     argv = [str(ROOT / "tests" / "scripts" / "litgpt_scripts.py"), str(root)]
-    cases = [CP_CASE[script].format(strategy=f"zero{stage}cp2") for stage in ("1", "2", "3") for script in CP_SCRIPTS]
+    cases = [CP_CASE[script].format(strategy=f"zero{stage}{layout}") for layout in ("cp2", "tp2cp2")
+             for stage in ("1", "2", "3") for script in CP_SCRIPTS]  # fmt: skip
     codes, tails = launch_ranks(["python", *argv, *cases], cwd=root, env=script_env(ROOT), timeout_s=900, world=4,
                                 log_prefix="litgpt_cp")  # fmt: skip
     assert codes == [0] * 4, tails
@@ -228,10 +242,39 @@ def test_litgpt_script_under_cp_equals_fabric_ddp(cp_root, script, stage):
     processes (dp 2 x cp 2: [Note: LitGPT under context parallelism] in models/litgpt/parallelize.py)
     against the same script under ddp on 2: LitGPT's logged losses and every file it saves (LoRA
     weights and the merged model; pretrain's model and optimizer state) to 1e-5 in fp32."""
-    case = CP_CASE[script]
-    ran = results(cp_root)
-    assert "exception" not in ran.get(case.format(strategy=f"zero{stage}cp2"), {}), ran
-    report = compare(cp_root, case.format(strategy=f"zero{stage}cp2"), case.format(strategy="ddp"))
+    _check_against(cp_root, CP_CASE[script], f"zero{stage}cp2", "ddp")
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+@pytest.mark.parametrize("script", CP_SCRIPTS)
+def test_litgpt_script_under_tp_equals_fabric_ddp(root, script, stage):
+    """``python -m lightning_zero.fabric.litgpt --stage S --tp 2 finetune_lora|pretrain ...`` on 2
+    processes (tp 2 with sequence parallelism, dp 1: [Note: LitGPT under tensor parallelism] in
+    models/litgpt/tensor_parallel.py) against the same script under Fabric's DDP on one process:
+    LitGPT's logged losses and every file it saves, in the dense layout (LoRA weights and the merged
+    model; pretrain's model and optimizer state) to 1e-5 in fp32."""
+    _check_against(root, CP_CASE[script], f"zero{stage}tp2", "ddp1")
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+@pytest.mark.parametrize("script", CP_SCRIPTS)
+def test_litgpt_script_under_tp_and_cp_equals_fabric_ddp(cp_root, script, stage):
+    """``--tp 2 --cp 2`` on 4 processes (dp 1): the cp rank's slice of each sequence split again
+    over tp, against Fabric's DDP on one process, as above."""
+    _check_against(cp_root, CP_CASE[script], f"zero{stage}tp2cp2", "ddp1")
+
+
+def test_litgpt_pretrain_resumes_under_tp_as_ddp_does(root):
+    """``pretrain --resume`` from the step-2 file that ``--tp 2`` at stage 3 wrote (dense model and
+    optimizer state): each TP rank loads its parts ([Note: dense TP tensors in a full file] in
+    checkpoint/full.py) and the run goes on as ddp's resume from ddp's own file does, file for file."""
+    _check_against(root, "pretrain-{strategy}-32-resume", "zero3tp2", "ddp1")
+
+
+def _check_against(root: Path, case: str, strategy: str, reference: str) -> None:
+    ran = results(root)
+    assert "exception" not in ran.get(case.format(strategy=strategy), {}), ran.get(case.format(strategy=strategy))
+    report = compare(root, case.format(strategy=strategy), case.format(strategy=reference))
     assert report["loss"] <= LOSS_TOL["32"] and all(e["diff"] <= WEIGHT_TOL["32"] for e in report["files"].values()), (
         report
     )

@@ -37,6 +37,15 @@ def test_boolean_knob_takes_what_the_message_promises(text, value):
     make_strategy(**options)  # ZeroConfig accepts it
 
 
+def test_tp_turns_on_sequence_parallelism_unless_a_knob_says_otherwise():
+    options, command = _options(["--tp", "2", "--cp", "2", "pretrain", "tiny"])
+    assert (options["tensor_parallel_size"], options["sequence_parallel"], options["cp"]) == (2, True, 2)
+    options, _ = _options(["--knob", "sequence_parallel=False", "--tp", "2", "finetune_lora"])
+    assert (options["tensor_parallel_size"], options["sequence_parallel"]) == (2, False)
+    assert command == ["pretrain", "tiny"]
+    make_strategy(**options)  # the Fabric door takes tp (its model is checked at fabric.setup)
+
+
 def test_knob_values_parse_as_json_python_literal_or_text(capsys):
     assert parse_knob("bucket_mb", "0.5") == 0.5
     assert parse_knob("bucket_mb", "auto") == "auto"

@@ -5,7 +5,9 @@ Launched torchrun-style by tests/test_litgpt_scripts.py; one launch runs several
 through ``lightning_zero.fabric.litgpt.run`` (LitGPT's CLI with every ``L.Fabric`` built on the
 case's strategy). CASE = ``<script>-<strategy>-<precision>[-resume]``: script ``lora``, ``adapter``,
 ``full``, ``pretrain``; strategy ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zero2defer``, ``zero3defer``
-(``defer_grad_reduce=True``), ``zero1cp2`` (stage 1 with ``--cp 2``, on 4 processes: dp 2 as ddp's); precision ``32`` or ``bf16``
+(``defer_grad_reduce=True``), ``zero1cp2`` (stage 1 with ``--cp 2``, on 4 processes: dp 2 as ddp's), ``zero1tp2``
+(``--tp 2``, on 4 processes: dp 2), ``zero1tp2cp2`` (both, on 4 processes: dp 1), ``ddp1`` (Fabric's DDP
+on one process: the reference of dp 1); precision ``32`` or ``bf16``
 (``32-true`` / ``bf16-true``). ``-resume`` runs ``full`` / ``pretrain`` again with ``--resume`` from the
 step-2 checkpoint of the same case's first run (which ran 4 steps), into a directory of its own.
 ``-nodropout`` runs ``lora`` with ``--lora_dropout 0`` (under cp each rank draws dropout for its slice
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -209,7 +212,14 @@ def eager_ddp(find_unused_parameters: bool):
 @contextmanager
 def strategy_for(strategy: str, find_unused_parameters: bool) -> Iterator[None]:
     """``ddp``: every ``L.Fabric`` LitGPT builds gets :func:`eager_ddp` (``run`` itself passes the
-    string ``"ddp"`` through, which keeps Fabric's ``empty_init``)."""
+    string ``"ddp"`` through, which keeps Fabric's ``empty_init``). ``ddp1``: the same on one
+    process, where LitGPT asks for ``strategy="auto"``: its training Fabric (the one given a
+    strategy) gets :func:`eager_ddp` too, so its sampler is the DistributedSampler of one replica
+    that a layout of dp 1 (tp 2 x cp 2 on 4 processes) gets."""
+    if strategy == "ddp1":
+        with one_process_ddp(find_unused_parameters):
+            yield
+        return
     if strategy != "ddp":
         yield
         return
@@ -223,6 +233,24 @@ def strategy_for(strategy: str, find_unused_parameters: bool) -> Iterator[None]:
         wrapper.make_strategy = make
 
 
+@contextmanager
+def one_process_ddp(find_unused_parameters: bool) -> Iterator[None]:
+    import lightning
+
+    from lightning_zero.fabric._compat import fabric_class_replaced
+
+    original = lightning.Fabric
+
+    class Fabric(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs) -> None:
+            if "strategy" in kwargs:  # LitGPT's training Fabric; merge_lora's keeps its own
+                kwargs["strategy"] = eager_ddp(find_unused_parameters)
+            super().__init__(*args, **kwargs)
+
+    with fabric_class_replaced(Fabric):
+        yield
+
+
 def run_case(root: Path, case: str) -> dict:
     script, strategy, precision, *rest = case.split("-")
     if script == "reseed":
@@ -230,10 +258,14 @@ def run_case(root: Path, case: str) -> dict:
     resume, generate, no_dropout = rest == ["resume"], rest == ["generate"], rest == ["nodropout"]
     out = root / "runs" / case
     ddp = "ddp_find_unused_parameters_true" if script == "adapter" else "ddp"  # LitGPT's adapter leaves some unused
-    options = {"stage": ddp if strategy == "ddp" else strategy[4], "state_dict_type": "full"}
-    model_parallel = 1
-    if "cp" in strategy:  # zero1cp2: stage 1, cp=2 (the wrapper's --cp)
-        options["cp"] = model_parallel = int(strategy.partition("cp")[2])
+    options = {"stage": ddp if strategy.startswith("ddp") else strategy[4], "state_dict_type": "full"}
+    layout = re.fullmatch(r"zero\d(?:tp(\d+))?(?:cp(\d+))?(?:defer)?", strategy)
+    tp, cp = (int(layout[1] or 1), int(layout[2] or 1)) if layout else (1, 1)
+    model_parallel = tp * cp
+    if cp > 1:  # zero1cp2: stage 1, cp=2 (the wrapper's --cp)
+        options["cp"] = cp
+    if tp > 1:  # zero1tp2: stage 1, tp=2 with sequence parallelism (the wrapper's --tp)
+        options.update(tensor_parallel_size=tp, sequence_parallel=True)
     if strategy.endswith("defer"):  # zero2defer, zero3defer: gradients stay local over the accumulated micro batches
         options["defer_grad_reduce"] = True
     if generate and strategy != "ddp":

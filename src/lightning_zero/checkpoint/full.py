@@ -34,6 +34,15 @@ whole tensor gives each rank its EP rank's rows (``ep_rows``), a tensor of the r
 (``model.state_dict()`` under the same ep) loads as it is. Experts that are Parameters of their own
 (no ``_ep_shard_dim``: one EP rank holds each) have no whole tensor, so a full file is refused for
 them (save the sharded checkpoint).
+
+[Note: dense TP tensors in a full file] Under tensor parallelism a rank holds its TP rank's part
+of each split parameter (``_tp_shard_dim``; LitGPT's fused ``qkv`` per segment: [Note: segmented
+TP split] in ``tp/segments.py``). A full file is the one ddp writes, so each split tensor is
+gathered over the dp group first (this TP rank's part, whole), then all-gathered over the TP group
+(:func:`dense_tp`), for the parameters and their optimizer state alike, and for the parameters
+the engine does not manage (LoRA's frozen base weights). Loading takes either shape: the model's
+family step registers a load pre-hook that cuts a dense tensor to the rank's part (LitGPT's:
+``models/litgpt/tensor_parallel.py``), and the optimizer state is cut here (:func:`tp_part`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from lightning_zero.comm.collectives import all_gather
+from lightning_zero.tp.segments import gather_dense, local_part, tp_segments
 from lightning_zero.zero.domains import ep_shard_dim, is_expert_param
 
 ValueDtype = Callable[[nn.Parameter], torch.dtype]
@@ -104,6 +114,34 @@ def ep_rows(dense: torch.Tensor, param: nn.Parameter, engine: Any) -> torch.Tens
     return dense.narrow(dim, domain.ep_rank * rows, rows)
 
 
+def _tp_split(param: Any, engine: Any) -> Optional[tuple[int, dist.ProcessGroup]]:
+    group, dim = getattr(engine, "tp_group", None), getattr(param, "_tp_shard_dim", None)
+    if group is None or dim is None or dist.get_world_size(group) == 1:
+        return None
+    return dim, group
+
+
+def dense_tp(local: torch.Tensor, param: Any, engine: Any) -> torch.Tensor:
+    """[Note: dense TP tensors in a full file]: this TP rank's part ``local`` of a split parameter
+    (or of its optimizer state) -> the dense tensor, on the host; ``local`` itself for a replicated
+    one. A collective over the TP group for a split one."""
+    split = _tp_split(param, engine)
+    if split is None:
+        return local
+    dim, group = split
+    return gather_dense(local.to(engine.device), dim, tp_segments(param), group).cpu()
+
+
+def tp_part(dense: torch.Tensor, param: Any, engine: Any) -> torch.Tensor:
+    """The inverse of :func:`dense_tp` (no collective): this TP rank's part of a dense tensor;
+    ``dense`` itself when it already has the parameter's (local) shape."""
+    split = _tp_split(param, engine)
+    if split is None or tuple(dense.shape) == tuple(param.shape):
+        return dense
+    dim, group = split
+    return local_part(dense, dim, tp_segments(param), dist.get_rank(group), dist.get_world_size(group))
+
+
 def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[dist.ProcessGroup],
                  dtype: torch.dtype, *, dense: bool = False) -> torch.Tensor:  # fmt: skip
     """One parameter's full value on every rank of ``group`` (a collective), on the host. An expert
@@ -120,7 +158,7 @@ def gather_param(param: nn.Parameter, runs: list, engine: Any, group: Optional[d
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
     value = flat.view(param.shape).to(dtype)
-    return (dense_experts(value, param, engine) if dense else value).cpu()
+    return (dense_tp(dense_experts(value, param, engine), param, engine) if dense else value).cpu()
 
 
 def gather_full_state_dict(
@@ -149,26 +187,37 @@ def gather_full_state_dict(
             if id(param) in wanted:
                 full[id(param)] = gather_param(param, owned.get(name, []), engine, group, value_dtype(param),
                                                dense=dense)  # fmt: skip
-    return {k: full[id(t)] if id(t) in full else t.detach().cpu().clone() for k, t in entries.items()}
+    with torch.no_grad():  # outside the engine (LoRA's frozen weights): whole over dp; dense: gathered over tp
+        for tensor in entries.values():
+            if id(tensor) not in full:
+                local = tensor.detach()
+                full[id(tensor)] = (dense_tp(local, tensor, engine) if dense else local).cpu().clone()
+    return {k: full[id(t)] for k, t in entries.items()}
 
 
 def fill_gathered_values(
     state_dict: dict[str, Any], prefix: str, module: nn.Module, engine: Any, group: Optional[dist.ProcessGroup],
-    value_dtype: ValueDtype,
+    value_dtype: ValueDtype, *, dense: bool = False,
 ) -> None:  # fmt: skip
     """``module.state_dict()``'s entries for the engine-owned parameters ``module`` holds directly
     (stage 3: no storage outside a forward) replaced by their gathered full values, one parameter at
-    a time (a collective). An entry that is the parameter itself (``keep_vars=True``) stays."""
+    a time (a collective). An entry that is the parameter itself (``keep_vars=True``) stays.
+    ``dense``: tp-split parameters, the engine's and the others, whole ([Note: dense TP tensors in
+    a full file])."""
     name_of = {id(param): name for name, param in engine.managed_parameters().items()}
     owned = None
     with torch.no_grad(), record_function("lightning_zero::gather_state_dict"):
         for key, param in module._parameters.items():
             entry = prefix + key
-            if param is None or id(param) not in name_of or entry not in state_dict or state_dict[entry] is param:
+            if param is None or entry not in state_dict or state_dict[entry] is param:
+                continue
+            if id(param) not in name_of:
+                if dense and isinstance(state_dict[entry], torch.Tensor):
+                    state_dict[entry] = dense_tp(state_dict[entry], param, engine)
                 continue
             owned = owned if owned is not None else owned_runs_by_name(engine)
             state_dict[entry] = gather_param(param, owned.get(name_of[id(param)], []), engine, group,
-                                             value_dtype(param))  # fmt: skip
+                                             value_dtype(param), dense=dense)  # fmt: skip
 
 
 class _Receiver(torch.Tensor):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.full import dense_experts, ep_rows, expert_domain_of
+from lightning_zero.checkpoint.full import dense_experts, dense_tp, ep_rows, expert_domain_of, tp_part
 from lightning_zero.checkpoint.targets import state_device
 
 
@@ -120,7 +120,8 @@ def _gather_optimizer_state_dict(
                 over = group if domain is None else domain.group  # an expert's chunks: its EDP group
                 if dist.is_initialized() and dist.get_world_size(over) > 1:
                     dist.all_reduce(flat, group=over)
-                state.setdefault(index, {})[key] = dense_experts(flat.view(shapes[name]), param, engine).cpu()
+                whole = dense_tp(dense_experts(flat.view(shapes[name]), param, engine), param, engine)
+                state.setdefault(index, {})[key] = whole.cpu()
     groups, start = [], 0
     for param_group, names in zip(optimizer.param_groups, param_names):
         groups.append({**{k: v for k, v in param_group.items() if k != "params"},
@@ -163,7 +164,8 @@ def load_optimizer_state_dict(
                 if value.dim() == 0 or key == "step":
                     state[key] = value.detach().clone().to(device)
                     continue
-                rows = ep_rows(value.detach(), managed[owned.name], engine)  # a whole expert tensor: this EP rank's
+                param = managed[owned.name]  # a whole expert tensor: this EP rank's; a dense one: this TP rank's
+                rows = tp_part(ep_rows(value.detach(), param, engine), param, engine)
                 source = rows.reshape(-1)[owned.param_lo : owned.param_hi]
                 if own_run:
                     state[key] = source.to(device=device, dtype=stepped.dtype, copy=True)

@@ -41,6 +41,13 @@ class RankPlacement:
 def tp_dim_of(param: Optional[torch.Tensor], layout: RankPlacement) -> Optional[int]:
     if param is None or layout.tp_size == 1:
         return None
+    if getattr(param, "_tp_segments", None) is not None:  # [Note: segmented TP split] in tp/segments.py
+        raise ValueError(
+            f"checkpoint: a parameter of shape {tuple(param.shape)} is split over TP per segment"
+            f" ({param._tp_segments}, LitGPT's fused qkv), so its parts are no rectangles of the dense tensor and"
+            " a sharded checkpoint cannot place them; save the full file (state_dict_type='full', the LitGPT"
+            " wrapper's default), whose tensors are dense"
+        )
     return getattr(param, "_tp_shard_dim", None)
 
 

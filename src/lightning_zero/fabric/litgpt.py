@@ -15,7 +15,8 @@ command: ``--stage`` (1, 2, 3; or ``ddp``, ``ddp_find_unused_parameters_true`` f
 (``full``, the default: one ``torch.save`` file per save, as LitGPT's scripts ask of FSDP, so
 LitGPT's merge, generate and convert tools read it; ``sharded``: a checkpoint directory) and
 ``--cp N`` (context parallelism: [Note: LitGPT under context parallelism] in
-``models/litgpt/parallelize.py``) and ``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g.
+``models/litgpt/parallelize.py``), ``--tp N`` (tensor parallelism with sequence parallelism:
+[Note: LitGPT under tensor parallelism] in ``models/litgpt/tensor_parallel.py``) and ``--knob NAME=VALUE`` (any ``ZeroConfig`` field, e.g.
 ``--knob reduce_dtype=fp32``; a boolean knob takes ``True``/``False``, ``true``/``false`` or ``1``/``0``;
 an unknown name is refused, listing the knobs). They travel to the processes Fabric launches in
 ``LIGHTNING_ZERO_LITGPT`` (JSON), so Fabric's own re-launch of the command line works. ``pretrain``
@@ -185,6 +186,13 @@ def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         metavar="N",
         help="context parallelism: N ranks hold slices of each sequence (docs/fabric.md, LitGPT)",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism with sequence parallelism: N ranks hold parts of each layer (docs/fabric.md, LitGPT)",
+    )
     parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE", help="a ZeroConfig field")
     parser.add_argument("command", help="LitGPT's command, e.g. finetune_lora")
     ours, rest = parser.parse_known_args(argv)
@@ -199,6 +207,9 @@ def _options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             parser.error(str(error))
     if ours.cp is not None:
         knobs["cp"] = ours.cp
+    if ours.tp is not None:  # sequence parallelism with it unless --knob sequence_parallel=False
+        knobs["tensor_parallel_size"] = ours.tp
+        knobs.setdefault("sequence_parallel", ours.tp > 1)
     options = {"stage": ours.stage, "state_dict_type": ours.state_dict_type, **knobs}
     return options, [ours.command, *rest]
 

@@ -69,24 +69,16 @@ if TYPE_CHECKING:
 # both doors because the session builds the same engine; ``monitor`` reports through the runtime's
 # monitor (``runtime/monitor.py``; ``monitor_metrics()``, ``report_to(fabric)``); the refused ones
 # and why are below (tests/test_knobs.py checks that the two sets cover every field).
-FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tensor_parallel_size": (
-        lambda value: value != 1,
-        "tensor parallelism is not available under Fabric yet; use tensor_parallel_size=1, or the Trainer's"
-        " ZeroStrategy (its LightningModule's configure_model applies the TP transform).",
-    ),
-    "sequence_parallel": (
-        lambda value: bool(value),
-        "sequence parallelism needs tensor parallelism, which is not available under Fabric yet; use the"
-        " Trainer's ZeroStrategy.",
-    ),
-}
+# None is refused today: tp and sequence_parallel reach the model through its family's step ([Note: the
+# parallelize registry]), which refuses a model it cannot split; pp goes through pipeline_step.
+FABRIC_REFUSES: dict[str, tuple[Callable[[Any], bool], str]] = {}
 FABRIC_HONOURS = frozenset(
     {
         "stage", "bucket_mb", "overlap_comm", "prefetch_blocks", "offload_optimizer", "defer_grad_reduce",
         "exact_grad_norm", "max_buckets_in_flight", "monitor", "collective_timeout", "overlap_param_gather", "grad_comm_dtype",
         "param_comm_dtype", "shard_size", "hierarchical_reduce", "reduce_dtype", "master_weights", "mixed_params",
         "async_checkpoint", "storage_options", "upload_threads", "upload_stall_s", "ep", "cp",
+        "tensor_parallel_size", "sequence_parallel",
         "pp", "pp_schedule", "pp_virtual_stages", "pp_layers", "pp_microbatches",  # pipeline_step
     }
 )  # fmt: skip
@@ -130,8 +122,9 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     the same is the one ``ZeroConfig`` both take (``ZeroFabricStrategy(config=trainer_strategy.
     zero_config)`` is the Trainer strategy's configuration) and the one runtime object both
     forward to (``runtime/run.py``, [Note: one runtime object]).
-    Tensor parallelism (``tensor_parallel_size > 1``) stays with the Trainer door for now: its
-    model transform runs in the LightningModule's ``configure_model``.
+    Tensor parallelism (``tensor_parallel_size > 1``, with ``sequence_parallel``) is applied to the
+    model given to ``fabric.setup`` by its family's step (LitGPT's ``GPT``: [Note: LitGPT under
+    tensor parallelism] in ``models/litgpt/tensor_parallel.py``).
     """
 
     strategy_name = "zero_fabric"

@@ -108,7 +108,8 @@ class ForwardSteps:
         # materialized) at the first forward, which must run eagerly, outside a compiled frame
         hook = torch.compiler.disable(self._before_forward)
         self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
-        self.run.serve_state_dicts(module, value_dtype)  # stage 3 and -mixed: gathered one parameter at a time
+        # stage 3, -mixed and tp-split parameters: gathered one parameter at a time, ddp's dense values
+        self.run.serve_state_dicts(module, value_dtype, dense=True)
         if not self.optimizers:
             self.init.stand_in_for_meta_parameters(module, self.run.device)
         return True

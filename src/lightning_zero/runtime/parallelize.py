@@ -83,7 +83,9 @@ def _apply_moe(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Modu
 def _apply_litgpt(model: nn.Module, plan: "ParallelPlan", *, dims: tuple[str, ...], counter: Any = None) -> nn.Module:
     from lightning_zero.models.litgpt.parallelize import parallelize_litgpt
 
-    return parallelize_litgpt(model, plan.groups, counter=counter) if "cp" in dims else model
+    if "tp" not in dims and "cp" not in dims:  # applied by the Fabric door, whole: both or neither
+        return model
+    return parallelize_litgpt(model, plan.groups, sequence_parallel=plan.sequence_parallel, counter=counter)
 
 
 def _check_litgpt(model: nn.Module, dims: "ParallelDims") -> None:
@@ -98,7 +100,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 _instance_of("lightning_zero.models.moe.model", "MoETransformer"), _check_declared, _apply_moe),
     ModelFamily("lightning_zero.models.Llama (tp, cp)",
                 _instance_of("lightning_zero.models.llama.model", "Llama"), _check_declared, _apply_llama),
-    ModelFamily("litgpt.model.GPT and LoRA's GPT (cp under Fabric)",
+    ModelFamily("litgpt.model.GPT and LoRA's GPT (tp, cp under Fabric)",
                 _instance_of("litgpt.model", "GPT"), _check_litgpt, _apply_litgpt),
 )  # fmt: skip
 

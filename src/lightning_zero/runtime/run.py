@@ -164,11 +164,14 @@ class ZeroRun:
         """The module on this rank's device (meta tensors stay), dp rank 0's weights on every dp rank."""
         self.session.prepare_module(module, self.device, ranks_per_node=self.ranks_per_node)
 
-    def serve_state_dicts(self, module: nn.Module, value_dtype: Callable[[nn.Parameter], torch.dtype]) -> None:
+    def serve_state_dicts(
+        self, module: nn.Module, value_dtype: Callable[[nn.Parameter], torch.dtype], *, dense: bool = False
+    ) -> None:
         """[Note: full state dicts]: ``module.state_dict()`` hands out ddp's values while the engine
-        runs (once per set-up module; the hooks of an earlier call are removed first)."""
+        runs (once per set-up module; the hooks of an earlier call are removed first); ``dense``:
+        tp-split parameters whole (a user's loop, whose ddp state dict is the dense model's)."""
         self.remove_state_dict_hooks()
-        self._state_dict_hooks = self.session.serve_full_state_dicts(module, value_dtype)
+        self._state_dict_hooks = self.session.serve_full_state_dicts(module, value_dtype, dense=dense)
 
     def remove_state_dict_hooks(self) -> None:
         for handle in self._state_dict_hooks:

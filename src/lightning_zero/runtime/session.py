@@ -230,7 +230,7 @@ class ZeroSession:
 
     # -- 5. state dicts, checkpoints, failures, teardown ------------------------------------------
     def serve_full_state_dicts(
-        self, module: nn.Module, value_dtype: Callable[[nn.Parameter], torch.dtype]
+        self, module: nn.Module, value_dtype: Callable[[nn.Parameter], torch.dtype], *, dense: bool = False
     ) -> list["RemovableHandle"]:
         """[Note: full state dicts] in ``checkpoint/full.py``: while this session's engine runs,
         ``module.state_dict()`` hands out what ddp's would: every engine-owned parameter's full
@@ -240,9 +240,11 @@ class ZeroSession:
         holds fp32 weights). A collective wherever it gathers: every rank calls ``state_dict()``.
         ``keep_vars=True`` (the checkpoints' path) hands out the parameters as they are; with no
         engine (before setup, after :meth:`close_engine`) the module's own values. Both doors call
-        it once per set-up module and remove the handles at teardown."""
-        hook = functools.partial(_fill_full_values, self, value_dtype)  # a partial: torch marks the hook object
-        agree = functools.partial(_agree_full_values, self, value_dtype)  # [Note: one rank's state_dict]
+        it once per set-up module and remove the handles at teardown. ``dense`` (the Fabric door, whose
+        ddp state dict is the dense model's): tp-split parameters are handed out whole, at every
+        stage ([Note: dense TP tensors in a full file] in ``checkpoint/full.py``)."""
+        hook = functools.partial(_fill_full_values, self, value_dtype, dense)  # a partial: torch marks the hook object
+        agree = functools.partial(_agree_full_values, self, value_dtype, dense)  # [Note: one rank's state_dict]
         handles = [child.register_state_dict_pre_hook(agree) for child in module.modules()]
         return handles + [
             child.register_state_dict_post_hook(hook)
@@ -337,6 +339,7 @@ STATE_DICT_AGREEMENT_S = 5.0  # [Note: one rank's state_dict]: how far apart the
 def _agree_full_values(
     session: ZeroSession,
     value_dtype: Callable[[nn.Parameter], torch.dtype],
+    dense: bool,
     module: nn.Module,
     prefix: str,
     keep_vars: bool,
@@ -357,7 +360,8 @@ def _agree_full_values(
     engine = session.engine
     if prefix or keep_vars or engine is None:
         return
-    if engine.stage != 3 and all(param.dtype == value_dtype(param) for param in module.parameters()):
+    split = dense and engine.tp_group is not None
+    if engine.stage != 3 and not split and all(param.dtype == value_dtype(param) for param in module.parameters()):
         return  # nothing to gather: the parameters are ddp's values already
     session.agree_full_state_dict()
 
@@ -365,6 +369,7 @@ def _agree_full_values(
 def _fill_full_values(
     session: ZeroSession,
     value_dtype: Callable[[nn.Parameter], torch.dtype],
+    dense: bool,
     module: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
@@ -375,8 +380,9 @@ def _fill_full_values(
     if engine is None:
         return
     params = [param for param in module._parameters.values() if param is not None]
-    if engine.stage != 3 and all(param.dtype == value_dtype(param) for param in params):
+    split = dense and engine.tp_group is not None and any(getattr(p, "_tp_shard_dim", None) is not None for p in params)
+    if engine.stage != 3 and not split and all(param.dtype == value_dtype(param) for param in params):
         return
     from lightning_zero.checkpoint.full import fill_gathered_values
 
-    fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, value_dtype)
+    fill_gathered_values(state_dict, prefix, module, engine, engine.dp_group, value_dtype, dense=dense)

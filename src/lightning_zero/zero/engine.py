@@ -170,6 +170,7 @@ class ZeroEngine:
                 " ([Note: gradient averaging over dp_cp] in comm/mesh.py)"
             )
         self.expert_domain = expert_domain
+        self.tp_group: Optional[dist.ProcessGroup] = None  # attach_tensor_parallel: full state dicts gather over it
         self.config = config
         self.module = module
         self.dp_group = dp_group
@@ -361,7 +362,9 @@ class ZeroEngine:
             )
 
     def attach_tensor_parallel(self, tp_group: Optional[dist.ProcessGroup]) -> None:
-        """Matrix optimizers orthogonalize tp-split matrices whole over ``tp_group`` ([Note: owner step])."""
+        """Matrix optimizers orthogonalize tp-split matrices whole over ``tp_group`` ([Note: owner step]);
+        full state dicts hold tp-split tensors whole ([Note: dense TP tensors in a full file])."""
+        self.tp_group = tp_group
         for sharded in self.optimizers:
             if isinstance(sharded, MatrixOwnerOptimizer):
                 sharded.attach_tensor_parallel(tp_group)

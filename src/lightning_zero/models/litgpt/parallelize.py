@@ -1,8 +1,8 @@
 """LitGPT's ``GPT`` (``litgpt.model.GPT`` and its LoRA subclass) parallelized in one step: the
 family's entry in the registry (``runtime/parallelize.py``), applied by the Fabric door at
-``fabric.setup``. In the fixed order: tensor parallelism (not available for this family yet:
-refused), expert parallelism (LitGPT's experts are not split: refused), context parallelism;
-pipeline stages would come last.
+``fabric.setup``. In the fixed order: tensor parallelism ([Note: LitGPT under tensor parallelism]
+in ``models/litgpt/tensor_parallel.py``), expert parallelism (LitGPT's experts are not split:
+refused), context parallelism; pipeline stages would come last.
 
 [Note: LitGPT under context parallelism] LitGPT's scripts hold whole batches and compute their
 loss outside the model (``chunked_cross_entropy(logits, targets)``, after shifting the logits
@@ -55,6 +55,7 @@ from lightning_zero.models.litgpt.cp_attention import (
     RopeTables,
     context_parallel_attention,
 )
+from lightning_zero.models.litgpt.tensor_parallel import check_tensor_parallel, parallelize_tensor
 from lightning_zero.tp.layers import gather_from_sequence_region
 
 if TYPE_CHECKING:
@@ -84,10 +85,7 @@ def check_litgpt_layout(model: nn.Module, dims: "ParallelDims") -> None:
     heads or falls back to ring attention (``cp.layout.layout_notice``)."""
     config = model.config
     if dims.tp > 1:
-        raise ValueError(
-            f"ZeroFabricStrategy(tensor_parallel_size={dims.tp}): tensor parallelism of LitGPT's GPT is not"
-            " available yet; use tensor_parallel_size=1 (cp > 1 splits the sequence instead)."
-        )
+        check_tensor_parallel(config, model, dims.tp)
     if dims.ep > 1:
         raise ValueError(
             f"ZeroFabricStrategy(ep={dims.ep}): LitGPT's GPT has no experts split over ep (its LLaMAMoE keeps every"
@@ -121,32 +119,43 @@ def check_litgpt_layout(model: nn.Module, dims: "ParallelDims") -> None:
                 " whose attention differs from LitGPT's CausalSelfAttention (an adapter's prefix); its"
                 " context-parallel form is not available: use cp=1 (LoRA's GPT and the plain GPT run it)"
             )
-    layout = attention_layout(dims.cp, 1, _Heads(config.n_head, config.n_query_groups))
+    layout = attention_layout(dims.cp, 1, _Heads(config.n_head // dims.tp, config.n_query_groups // dims.tp))
     mscales = {getattr(module, "mscale", 1.0) for module in model.modules() if isinstance(module, CausalSelfAttention)}
     if isinstance(layout, RingLayout) and (
         config.attention_scores_scalar not in (None, config.head_size) or mscales != {1.0}
     ):
         raise ValueError(
-            f"ZeroFabricStrategy(cp={dims.cp}): cp does not divide n_head({config.n_head}), so attention would run"
+            f"ZeroFabricStrategy(cp={dims.cp}): cp does not divide the heads of a TP rank ({config.n_head // dims.tp}),"
+            " so attention would run"
             " as a ring, which scales scores by head_size**-0.5, but this config scales them otherwise"
             f" (attention_scores_scalar={config.attention_scores_scalar}, YaRN mscale {sorted(mscales)}); pick cp"
-            f" from the divisors of {config.n_head}"
+            f" from the divisors of {config.n_head // dims.tp}"
         )
     notice = layout_notice(layout)
     if notice is not None:
         warnings.warn(f"lightning_zero: {notice}", stacklevel=3)
 
 
-def parallelize_litgpt(model: nn.Module, groups: "MeshGroups", *, counter: Optional[CommCounter] = None) -> nn.Module:
-    """Apply ``groups``' layout to ``model`` (a LitGPT ``GPT``): tp, ep (both refused for this
-    family: :func:`check_litgpt_layout`), then cp ([Note: LitGPT under context parallelism]);
-    returns ``model``. Collectives count into ``counter``, kept as ``model.tp_comm_counter`` for
-    the session to adopt (``runtime/setup.find_tp_counter``)."""
+def parallelize_litgpt(
+    model: nn.Module,
+    groups: "MeshGroups",
+    *,
+    sequence_parallel: bool = False,
+    counter: Optional[CommCounter] = None,
+) -> nn.Module:
+    """Apply ``groups``' layout to ``model`` (a LitGPT ``GPT``): tp ([Note: LitGPT under tensor
+    parallelism], with ``sequence_parallel``), ep (refused for this family:
+    :func:`check_litgpt_layout`), then cp ([Note: LitGPT under context parallelism]); returns
+    ``model``. Collectives count into ``counter``, kept as ``model.tp_comm_counter`` for the session
+    to adopt (``runtime/setup.find_tp_counter``)."""
     dims = groups.dims
     check_litgpt_layout(model, dims)
-    if dims.cp > 1:
+    if dims.tp > 1 or dims.cp > 1:
         counter = counter or getattr(model, "tp_comm_counter", None) or CommCounter()
         model.tp_comm_counter = counter
+    if dims.tp > 1:
+        parallelize_tensor(model, groups.tp, counter, sequence_parallel)
+    if dims.cp > 1:
         _parallelize_context(model, groups.cp, counter)
     return model
 
@@ -158,7 +167,8 @@ def _parallelize_context(model: nn.Module, group: dist.ProcessGroup, counter: Co
     if any(isinstance(block.attn, ContextParallelSelfAttention) for block in model.transformer.h):
         raise ValueError("parallelize_litgpt: the model is already context-parallel; call it once per model")
     cp = dist.get_world_size(group)
-    layout = attention_layout(cp, 1, _Heads(model.config.n_head, model.config.n_query_groups))
+    heads = model.transformer.h[0].attn.config  # the local head counts under tensor parallelism
+    layout = attention_layout(cp, 1, _Heads(heads.n_head, heads.n_query_groups))
     exchange = RingAttention(group, counter) if isinstance(layout, RingLayout) else UlyssesExchange(group, counter)
     tables = RopeTables()
     for block in model.transformer.h:
