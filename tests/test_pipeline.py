@@ -202,9 +202,9 @@ LAUNCHES = [
     (
         2,
         ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
-         "resume_pp2_ckpt_pp1"],
+         "resume_pp2_ckpt_pp1", "pp2_1f1b_zero3"],
     ),
-    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2"]),
+    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2dp2_1f1b_zero3", "pp2dp2_gpipe_zero3"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
 PP_CASES = [case for case in RANKS if case.startswith("pp2")]
@@ -243,6 +243,10 @@ def test_pipeline_under_the_trainer_matches_ddp(trained, case):
     for rank in range(RANKS[case]):
         got = rank_result(trained, case, rank)["predicted"]
         torch.testing.assert_close(got, want if RANKS[case] == 2 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
+    if case.endswith("zero3"):  # [Note: stage 3 under a pipeline]: every block of the stage held at once
+        for rank in range(RANKS[case]):
+            most, blocks = rank_result(trained, case, rank)["gathered"]
+            assert most == blocks > 0
     if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
         rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
         assert rows[0] == rows[1]
@@ -258,7 +262,6 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 
 
 PIPELINE_REFUSALS = [
-    (dict(stage=3), {}, "use stage=1 or stage=2"),
     (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
     (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
@@ -284,6 +287,23 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     with pytest.raises(ValueError, match=message):
         session.plan_layout(num_nodes=1, num_processes=4, module=module)
     assert not dist.is_initialized()
+
+
+def test_the_fabric_door_refuses_stage3_under_pp_naming_the_fix():
+    """Stage 3 within a pipeline stage runs under the Trainer (tested above), not yet through
+    ``ZeroFabricStrategy``'s ``pipeline_step``: refused where that door checks its model."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models import LlamaLM
+    from lightning_zero.runtime.pipeline import pipeline_layout
+    from lightning_zero.runtime.session import ZeroSession
+
+    config = ZeroConfig(stage=3, pp=2)
+    session = ZeroSession(config)
+    module = LlamaLM({**CONFIG, "name": "tiny"})
+    dims = session.plan_layout(num_nodes=1, num_processes=4, module=module)  # the Trainer's door runs it
+    assert session.pipeline_layout is not None and dims.pp == 2
+    with pytest.raises(ValueError, match="ZeroFabricStrategy\\(pp=2\\), stage=3: .* use stage=1 or stage=2"):
+        pipeline_layout(config, dims, module, door="ZeroFabricStrategy")
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():

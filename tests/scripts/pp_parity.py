@@ -50,6 +50,9 @@ for _stage in (1, 2):
         CASES[f"pp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 1)
         # 2 sequences per dp rank: 2 micro-batches of one (zbv needs 2 pp = 4)
         CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
+for _name in ("gpipe", "1f1b"):  # stage 3: the stage's parameters held gathered for the whole schedule
+    CASES[f"pp2_{_name}_zero3"] = (zero(3, pp=2, **SCHEDULES[_name]), 1)
+    CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
 
@@ -60,6 +63,13 @@ class Record(L.Callback):
         self.rows: list[list[int]] = []  # each batch's rows, as one number each (the test compares sets)
 
         self.val_losses: list[float] = []
+        self.gathered: tuple[int, int] = (0, 0)  # stage 3: most block elements gathered at once, of all
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)  # ddp has none
+        runtime = engine.stage3 if engine is not None else None
+        if runtime is not None:
+            self.gathered = (runtime.high_water_numel, sum(unit.numel for unit in runtime.units[:-1]))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.rows.append([int((row * torch.arange(1, row.numel() + 1)).sum()) for row in batch])
@@ -93,6 +103,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
             "predicted": predicted,
             "losses": record.losses,
             "val_losses": record.val_losses,
+            "gathered": record.gathered,
             "rows": record.rows,
             "params": {k: v.float() for k, v in model.model.state_dict().items()},
         },

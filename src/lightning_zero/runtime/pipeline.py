@@ -14,7 +14,8 @@ handed in] in ``zero/engine.py``), which keeps their gradients aside; the strate
 (the loss Lightning backwards is a value only) hands them in, where ddp's backward would run:
 after Lightning's ``zero_grad`` (which comes after the training step), under its ``no_sync`` on
 accumulating batches, so ZeRO (stages 1-2) reduces once per optimizer step over the stage's dp
-group. Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
+group. At stage 3 the stage's parameters are gathered once at the schedule's start and kept for
+every micro-batch ([Note: stage 3 under a pipeline] in ``zero/stage3/runtime.py``). Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
 ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
 global norm covers every stage and shard. A training batch of another shape (the last, smaller
@@ -42,15 +43,17 @@ if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
 
 
-def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> Optional["PipelineLayout"]:
+def pipeline_layout(
+    config: "ZeroConfig", dims: "ParallelDims", module: Any, door: str = "ZeroStrategy"
+) -> Optional["PipelineLayout"]:
     """Before any process group starts: the checked split of ``module``'s decoder (``None`` when
-    ``pp == 1``); raises ``ValueError`` naming the fix for a layout the doors cannot run yet or a
+    ``pp == 1``); raises ``ValueError`` naming the fix for a layout ``door`` cannot run yet or a
     split that cannot work (``pp/layout.py``)."""
     if dims.pp == 1:
         return None
     from lightning_zero.pp.layout import PipelineLayout
 
-    asked = f"ZeroStrategy(pp={dims.pp})"
+    asked = f"{door}(pp={dims.pp})"
     others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
     if others:
         raise ValueError(
@@ -63,10 +66,10 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
             " shard_size=None and hierarchical_reduce=False with pp > 1"
         )
-    if config.stage == 3:
+    if config.stage == 3 and door != "ZeroStrategy":
         raise ValueError(
-            f"{asked}, stage=3: ZeRO-3 within a pipeline stage is not run yet (its parameters would be gathered per"
-            " micro-batch); use stage=1 or stage=2 with pp > 1 (docs/pipeline.md)"
+            f"{asked}, stage=3: ZeRO-3 within a pipeline stage runs under the Trainer's ZeroStrategy only so far"
+            " (docs/pipeline.md); use stage=1 or stage=2 with pp > 1 here"
         )
     from lightning_zero.models.llama.model import Llama
 

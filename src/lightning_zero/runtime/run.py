@@ -152,13 +152,17 @@ class ZeroRun:
         from lightning_zero.runtime.pipeline import pipeline_layout
 
         check_layout(dims, module)
-        self.session.pipeline_layout = pipeline_layout(self.config, dims, module)  # pp > 1: the checked split
+        # pp > 1: the checked split
+        self.session.pipeline_layout = pipeline_layout(self.config, dims, module, door="ZeroFabricStrategy")
         self.session.parallel_plan().apply(module)
 
     def model_build(self) -> ContextManager:
         """Where a model built for the run goes: stage 3 on the meta device (the engine materializes
-        it one unit at a time), else where it would go anyway."""
-        return torch.device("meta") if self.config.sharding.stage == 3 else nullcontext()
+        it one unit at a time), else where it would go anyway. Under ``pp > 1`` the model is built
+        whole, as ddp's (its initializers draw in ddp's order), then cut to this rank's stages
+        ([Note: stage 3 under a pipeline] in ``zero/stage3/runtime.py``)."""
+        meta = self.config.sharding.stage == 3 and self.session.pipeline_layout is None
+        return torch.device("meta") if meta else nullcontext()
 
     def setup_module(self, module: nn.Module) -> None:
         """The module on this rank's device (meta tensors stay), dp rank 0's weights on every dp rank."""

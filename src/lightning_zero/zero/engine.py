@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -416,9 +416,9 @@ class ZeroEngine:
         each ``.grad`` is what it was before (the engine's own state untouched); the caller hands
         them in with :meth:`hand_in_grads` where its backward belongs (the Trainer door: in
         ``backward``, after Lightning's ``zero_grad``, which comes after the training step).
-        Stages 1-2 (stage 3's parameters are gathered by its own hooks)."""
-        if self.stage == 3:
-            raise RuntimeError("lightning_zero: gradients_by_hand runs under ZeRO stages 1-2 only")
+        Stage 3 (inside an open training step): every unit is gathered on the way in and kept for
+        the whole block, freed on the way out ([Note: stage 3 under a pipeline] in
+        ``zero/stage3/runtime.py``)."""
         self.wait_param_gathers()
         managed = [slot.param for group in self.groups for slot in group.layout.slots]
         saved = {param: param.grad for param in managed}
@@ -427,7 +427,8 @@ class ZeroEngine:
         held: dict[nn.Parameter, torch.Tensor] = {}
         self.reducer.remove_hooks()
         try:
-            yield held
+            with self.stage3.held_whole() if self.stage3 is not None else nullcontext():
+                yield held
         finally:
             self.reducer.add_hooks()
             for param in managed:

@@ -40,10 +40,13 @@ class LlamaStage(nn.Module):
         self.output = model.output if last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        object.__setattr__(self, "_model", model)  # a plain reference (no submodule), for its tables
         self.context_parallel_size = model.context_parallel_size
         self.activation_checkpointing = model.activation_checkpointing
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the model's tables as they are now: stage 3 materializes its meta tensors after the cut
+        self.rope_cos, self.rope_sin = self._model.rope_cos, self._model.rope_sin
         return Llama.rope(self, seq_len)  # type: ignore[arg-type]  # reads config and the two tables only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

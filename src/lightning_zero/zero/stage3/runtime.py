@@ -76,11 +76,28 @@ the model class before the engine's hooks existed (a compiled forward before ``f
 earlier model of the same class in the process) are reused without them; call
 ``torch._dynamo.reset()`` before setting up such a model. Tested with ``backend="aot_eager"``
 against Fabric ddp compiled alike (tests/test_fabric_contracts.py).
+
+[Note: stage 3 under a pipeline] Under ``pp > 1`` torch's schedule runs every micro-batch's
+forward and backward of this rank's stages interleaved (1F1B: a forward of micro-batch ``i + 1``
+between the backwards of ``i`` and ``i + 2``), and its zero-bubble schedules compute weight
+gradients with ``torch.autograd.grad`` where no hook sees a unit's backward. Gathering per unit
+use would gather each unit ``2 m`` times a step (``m`` micro-batches) in an order the schedule, not
+the module, decides. So :meth:`Stage3Runtime.held_whole` gathers every unit once at the start of
+the schedule (following the recorded training schedule, with its prefetch: the same order on every
+rank of the stage's dp group), keeps them gathered, hooks off, for every micro-batch's forward and
+backward, and frees them when the schedule ends; the gradients the schedule left are
+reduce-scattered once, handed in by the pipeline door ([Note: gradients handed in] in
+``zero/engine.py``). The cost: the stage's full parameters are held for the whole schedule
+(``docs/pipeline.md``), as stages 1-2 hold them always; what stage 3 still saves is the optimizer
+state and, outside the step, the parameters. Such a model is built whole and then cut
+(``runtime/run.py`` ``model_build``): a meta-device build materializes only this rank's units,
+drawing their initializers in another order than ddp's whole model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,6 +183,7 @@ class Stage3Runtime:
         self.phase: Optional[str] = None  # "train" / "eval" while the strategy runs a step method
         self.open_kind: Optional[str] = None  # the schedule gathers belong to, until closed
         self.in_backward = False
+        self.held_whole_step = False  # every unit gathered, hooks off ([Note: stage 3 under a pipeline])
         self.step = 0
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
@@ -513,6 +531,8 @@ class Stage3Runtime:
     # -- hooks ----------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if self.held_whole_step:  # [Note: stage 3 under a pipeline]
+                return None
             if _in_backward():  # activation-checkpoint recompute
                 self._note_backward()
                 self._reach(unit)
@@ -543,6 +563,8 @@ class Stage3Runtime:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self.held_whole_step:
+                return output
             if _in_backward():
                 return output  # recompute: backward needs the unit; its post-backward frees it
             if torch.is_grad_enabled():
@@ -568,6 +590,8 @@ class Stage3Runtime:
         return hook
 
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.held_whole_step:
+            return
         if _in_backward():
             self._note_backward()
         else:
@@ -581,7 +605,7 @@ class Stage3Runtime:
 
     def _make_root_post_forward(self, is_top: bool):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if _in_backward():
+            if _in_backward() or self.held_whole_step:
                 return output
             if torch.is_grad_enabled():
                 for tensor in _tensors(output):
@@ -618,6 +642,22 @@ class Stage3Runtime:
         self.phase = phase
         self.open_kind = phase
         self._reach(self.root)
+
+    @contextmanager
+    def held_whole(self) -> Iterator[None]:
+        """Inside an open training step: every unit gathered once (along the recorded schedule),
+        kept gathered with the hooks off, freed on the way out ([Note: stage 3 under a pipeline])."""
+        if self.open_kind != "train" or self.in_backward:
+            raise RuntimeError("lightning_zero ZeRO-3: held_whole runs inside a training step, outside backward")
+        for unit in self.units:
+            self._reach(unit)
+        self.high_water_forward = max(self.high_water_forward, self._gathered_blocks())
+        self.held_whole_step = True
+        try:
+            yield
+        finally:
+            self.held_whole_step = False
+            self._free_all()
 
     def end_step_call(self) -> None:
         """The step method returned; its backward (automatic optimization) may still follow."""
