@@ -204,9 +204,12 @@ LAUNCHES = [
         ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
          "resume_pp2_ckpt_pp1"],
     ),
-    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2"]),
+    # pp=2 x tp=2 with sequence parallelism: every schedule, ZeRO stages 1 and 2 (1F1B at both)
+    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2tp2_1f1b_zero1", "pp2tp2_1f1b_zero2",
+         "pp2tp2_gpipe_zero2", "pp2tp2_interleaved_zero1", "pp2tp2_zb_zero2", "pp2tp2_zbv_zero1"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
+DP = {case: 2 if case.startswith("pp2dp2") else 1 for case in RANKS}  # the dp ranks of each pipelined run
 PP_CASES = [case for case in RANKS if case.startswith("pp2")]
 
 
@@ -239,13 +242,14 @@ def test_pipeline_under_the_trainer_matches_ddp(trained, case):
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
     # predict after fit: ddp's dp rank r predicted row r; each pp rank returns its dp rank's rows
+    # (under tp the script joins the tp ranks' vocab-split logits)
     want = torch.cat([rank_result(trained, "ddp", rank)["predicted"] for rank in range(2)])
     for rank in range(RANKS[case]):
         got = rank_result(trained, case, rank)["predicted"]
-        torch.testing.assert_close(got, want if RANKS[case] == 2 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
-    if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
-        rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
-        assert rows[0] == rows[1]
+        torch.testing.assert_close(got, want if DP[case] == 1 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
+    if DP[case] == 1:  # no dp: every rank trained on the whole global batch
+        rows = [rank_result(trained, case, rank)["rows"] for rank in range(RANKS[case])]
+        assert all(row == rows[0] for row in rows)
 
 
 @pytest.mark.slow
@@ -259,7 +263,7 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 
 PIPELINE_REFUSALS = [
     (dict(stage=3), {}, "use stage=1 or stage=2"),
-    (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(tensor_parallel_size=2), {}, "use sequence_parallel=True with tp > 1 and pp > 1"),
     (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
     (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
@@ -284,6 +288,19 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     with pytest.raises(ValueError, match=message):
         session.plan_layout(num_nodes=1, num_processes=4, module=module)
     assert not dist.is_initialized()
+
+
+def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix():
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama
+    from lightning_zero.runtime.pipeline import pipeline_layout
+
+    config = ZeroConfig(stage=2, pp=2, tensor_parallel_size=2, sequence_parallel=True)
+    dims = ParallelDims(world_size=4, devices_per_node=4, tp=2, pp=2)
+    with pytest.raises(ValueError, match="use tp=1 with pp > 1 under Fabric"):
+        pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():

@@ -50,6 +50,11 @@ for _stage in (1, 2):
         CASES[f"pp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 1)
         # 2 sequences per dp rank: 2 micro-batches of one (zbv needs 2 pp = 4)
         CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
+# pp=2 x tp=2 (sequence parallel) on 4 ranks: each tp rank sends its sequence shard to its peer stage
+TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
+for _stage in (1, 2):
+    for _name in SCHEDULES:
+        CASES[f"pp2tp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
 
@@ -88,13 +93,25 @@ def run(name: str, devices: int, out_dir: str) -> None:
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
     rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
     predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=2 // dp)))
+    params = model.model.state_dict()
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # the dense parameters and logits
+        import torch.distributed as dist
+
+        from lightning_zero.tp import gather_tp_state_dict
+
+        group = mesh["tp"].get_group()
+        params = gather_tp_state_dict(model.model, group)
+        shards = [torch.empty_like(predicted) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, predicted.contiguous(), group=group)
+        predicted = torch.cat(shards, dim=-1)  # the head's logits are vocab-split over tp
     torch.save(
         {
             "predicted": predicted,
             "losses": record.losses,
             "val_losses": record.val_losses,
             "rows": record.rows,
-            "params": {k: v.float() for k, v in model.model.state_dict().items()},
+            "params": {k: v.float() for k, v in params.items()},
         },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )

@@ -17,7 +17,10 @@ accumulating batches, so ZeRO (stages 1-2) reduces once per optimizer step over 
 group. Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
 ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
-global norm covers every stage and shard. A training batch of another shape (the last, smaller
+global norm covers every stage and shard (under tp, each replicated norm gain weighted ``1/tp``:
+[Note: TP grad norm]). Under tp with sequence parallelism a stage's input and output are this tp
+rank's sequence shard ([Note: sequence-parallel stages] in ``models/llama/pipeline.py``), and the
+last stage's loss is the model's own (the vocab-parallel cross entropy). A training batch of another shape (the last, smaller
 one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
 (``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
 activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
@@ -51,7 +54,13 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
     from lightning_zero.pp.layout import PipelineLayout
 
     asked = f"ZeroStrategy(pp={dims.pp})"
-    others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
+    if dims.tp > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
+            " sequence parallelism only so far (each tp rank sends its sequence shard to its peer in the next"
+            " stage; docs/pipeline.md); use sequence_parallel=True with tp > 1 and pp > 1"
+        )
+    others = [f"{name}={getattr(dims, name)}" for name in ("cp", "ep") if getattr(dims, name) > 1]
     if others:
         raise ValueError(
             f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
@@ -82,6 +91,11 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
         raise ValueError(
             f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
             " pipeline stages yet (only Llama's are); use pp=1 (docs/pipeline.md)"
+        )
+    if dims.tp > 1 and isinstance(module, Llama):
+        raise ValueError(
+            f"ZeroFabricStrategy(pp={dims.pp}) with tp={dims.tp}: pipeline stages with tensor parallelism run under"
+            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use tp=1 with pp > 1 under Fabric (docs/pipeline.md)"
         )
     if getattr(model_config, "tie_embeddings", False):
         raise ValueError(
@@ -295,7 +309,9 @@ class PipelineRun:
             stage = stages[index]
             if index > 0 and layout.stage_rank(index - 1) != owner:
                 dtype = next(stage.parameters()).dtype
-                hidden = torch.empty((*inputs.shape, stage.config.dim), dtype=dtype, device=self.device)
+                batch, seq = inputs.shape
+                shape = (batch, seq // stage.sequence_shards, stage.config.dim)  # this rank's sequence shard
+                hidden = torch.empty(shape, dtype=dtype, device=self.device)
                 with record_function("lightning_zero::pp_eval_recv"):
                     dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
             hidden = stage(hidden)
