@@ -179,7 +179,9 @@ def apply_layout(
 
     layout = groups.dims
     # a model cut into pipeline stages had its tp step first (its first stage's embedding may be elsewhere)
-    split = isinstance(model.tok_embeddings, VocabParallelEmbedding) or hasattr(model, "pipeline_stages")
+    split = (
+        isinstance(model.tok_embeddings, VocabParallelEmbedding) or getattr(model, "pipeline_stages", None) is not None
+    )
     if "tp" in dims and layout.tp > 1 and not split:
         parallelize_llama(model, groups.tp, counter=counter, sequence_parallel=sequence_parallel)
     if "cp" in dims and layout.cp > 1 and model.context_parallel_size == 1:
