@@ -189,6 +189,14 @@ def run_cases(script: str, args: argparse.Namespace, argv: list[str], work_dir: 
 PEER_GRACE_S = 60.0  # after one rank failed, how long the other may take to fail too
 
 
+def run_pair_json_from_src(script: Path, argv: list[str], timeout_s: float, **extra_env: str) -> Optional[list[dict]]:
+    """:func:`run_pair_json` with this checkout's ``src`` first on ``PYTHONPATH`` (the benchmark
+    measures the tree it sits in, whatever is installed) and ``extra_env`` set."""
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env}
+    return run_pair_json(script, argv, env, timeout_s)
+
+
 def run_pair_json(script: Path, argv: list[str], env: dict, timeout_s: float) -> Optional[list[dict]]:
     """Run ``script --worker-dir DIR`` as a pair (:func:`run_pair`) in a fresh directory and return
     each rank's ``rank{N}.json``; on a failed pair print both logs' tails and return ``None``."""

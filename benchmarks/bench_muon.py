@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -96,10 +95,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> int:
-    from _harness import run_pair_json
+    from _harness import run_pair_json_from_src
 
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    ranks = run_pair_json(Path(__file__).resolve(), argv, env, args.timeout)
+    ranks = run_pair_json_from_src(Path(__file__).resolve(), argv, args.timeout)
     if ranks is None:
         return 1
     print(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -116,11 +115,9 @@ def planned_bubbles(schedule: str, virtual: int, args: argparse.Namespace, ranks
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> int:
-    from _harness import run_pair_json
+    from _harness import run_pair_json_from_src
 
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    ranks = run_pair_json(Path(__file__).resolve(), argv, env, args.timeout)
+    ranks = run_pair_json_from_src(Path(__file__).resolve(), argv, args.timeout, OMP_NUM_THREADS="1")
     if ranks is None:
         return 1
     print(

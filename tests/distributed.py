@@ -296,3 +296,11 @@ def launch_each(script: str, out_dir, launches: list[tuple[int, list[str]]], *, 
 def rank_result(results, case: str, rank: int = 0) -> Any:
     """What a script wrote for ``case`` on ``rank``: ``OUT_DIR/<case>.rank<rank>.pt``."""
     return torch.load(Path(results) / f"{case}.rank{rank}.pt")
+
+
+def assert_same_params(got: dict, want: dict, tol: float = 1e-5) -> None:
+    """Two results' ``params`` (name -> tensor) hold the same names and values within ``tol``
+    (relative and absolute, as the parity tables state it)."""
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=name)

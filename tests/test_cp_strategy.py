@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch_each, rank_result
+from tests.distributed import assert_same_params, launch_each, rank_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [
@@ -73,9 +73,7 @@ def test_cp_matches_ddp(results, case):
     reference = f"ddp_{suffix}" if suffix in ("heads3", "heads6") else "ddp"
     got, want = _load(results, case), _load(results, reference)
     torch.testing.assert_close(_mean_losses(results, case), _mean_losses(results, reference), rtol=1e-5, atol=1e-5)
-    assert set(got["params"]) == set(want["params"])
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_params(got["params"], want["params"])
 
 
 @pytest.mark.slow

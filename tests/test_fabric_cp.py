@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import launch
+from tests.distributed import assert_same_params, launch
 
 LAUNCHES = {
     2: ["ddp", "cp2_zero1", "cp2_zero2", "resume_cp1_zero2", "cp2_zero3", "ddp_heads3", "cp2_zero3_heads3", "refusals"],
@@ -53,9 +53,7 @@ def test_fabric_cp_matches_fabric_ddp(results, world, case):
     torch.testing.assert_close(_mean(results, world, case, "losses"), _mean(results, 2, reference, "losses"),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=1e-5, atol=1e-5)
-    assert set(got["params"]) == set(want["params"])
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_params(got["params"], want["params"])
 
 
 @pytest.mark.slow

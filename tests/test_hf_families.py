@@ -220,20 +220,27 @@ def test_tp2_zero2_trains_like_lightning_ddp(launched, family):
         assert record["losses"] == pytest.approx(match[0]["losses"], abs=1e-5), family
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_tp2_zero2_trains_like_one_dense_process_and_exports_without_gather(saved, launched, family, tmp_path):
+def _loads_strictly_like_the_dense_replay(saved, launched, family, out, tmp_path, seconds_key):
+    """The TP=2 x ZeRO-2 run's export at ``out`` loads strictly in transformers with the dense
+    replay's logits (1e-5), and its index is ``save_pretrained``'s. Returns the dense replay."""
     records = [torch.load(launched / f"{family}.rank{rank}.pt", weights_only=False) for rank in range(4)]
     dense = _dense_replay(saved, family, records)
-    out = launched / f"{family}-hf"
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
     diff = _max_diff(dense.model, theirs.eval(), _tokens())
-    print(f"\n{family}: TP=2 x ZeRO-2 export, max |logits - transformers| = {diff:.3g}; "
-          f"export {max(r['export_s'] for r in records):.2f} s")  # fmt: skip
+    print(f"\n{family}: TP=2 x ZeRO-2 export ({seconds_key}), max |logits - transformers| = {diff:.3g}; "
+          f"export {max(r[seconds_key] for r in records):.2f} s")  # fmt: skip
     assert diff <= 1e-5
     theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
-    assert len(list(out.glob("model-*.safetensors"))) > 2
     assert _index(out) == _index(tmp_path / "ref")
+    return dense
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tp2_zero2_trains_like_one_dense_process_and_exports_without_gather(saved, launched, family, tmp_path):
+    out = launched / f"{family}-hf"
+    dense = _loads_strictly_like_the_dense_replay(saved, launched, family, out, tmp_path, "export_s")
+    assert len(list(out.glob("model-*.safetensors"))) > 2
     # the offline, streamed export of the run's checkpoint writes the same tensors into the same files
     from safetensors.torch import load_file
 
@@ -278,16 +285,7 @@ def test_tp2_zero2_no_gather_export_to_s3_loads_strictly_in_transformers(saved, 
     assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in local.iterdir())
     for file in local.iterdir():
         assert (got / file.name).read_bytes() == file.read_bytes(), file.name
-    records = [torch.load(launched / f"llama.rank{rank}.pt", weights_only=False) for rank in range(4)]
-    dense = _dense_replay(saved, "llama", records)
-    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(got, output_loading_info=True)
-    assert not any(info.values()), info
-    diff = _max_diff(dense.model, theirs.eval(), _tokens())
-    print(f"\nllama: TP=2 x ZeRO-2 export to s3:// (moto), max |logits - transformers| = {diff:.3g};"
-          f" export {max(r['url_export_s'] for r in records):.2f} s")  # fmt: skip
-    assert diff <= 1e-5
-    theirs.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
-    assert _index(got) == _index(tmp_path / "ref")
+    _loads_strictly_like_the_dense_replay(saved, launched, "llama", got, tmp_path, "url_export_s")
 
 
 def test_fabric_zero3_no_gather_export_loads_strictly(saved, launched, tmp_path):

@@ -28,6 +28,23 @@ CONFIG = dict(name="tiny-lz", block_size=32, vocab_size=120, padded_vocab_size=1
               mlp_class_name="LLaMAMLP", intermediate_size=64)  # fmt: skip
 
 
+def _seeded_litgpt(overrides: dict, lora_knobs: "dict | None", perturbed: tuple) -> nn.Module:
+    """LitGPT's GPT (LoRA's when ``lora_knobs`` are given) from seed 0 over ``CONFIG``, the
+    parameters whose names contain one of ``perturbed`` drawn from N(0, 0.1) (LoRA's B starts at
+    zero, biases and norms at constants: a split that mixes them up would go unseen)."""
+    if lora_knobs is not None:
+        from litgpt.lora import GPT, Config
+    else:
+        from litgpt.model import GPT, Config
+    torch.manual_seed(0)
+    dense = GPT(Config(**{**CONFIG, **overrides}, **(lora_knobs or {})))
+    with torch.no_grad():
+        for name, param in dense.named_parameters():
+            if any(part in name for part in perturbed):
+                param.normal_(std=0.1)
+    return dense
+
+
 def test_a_model_outside_the_registry_is_refused_naming_the_families():
     from lightning_zero.runtime.parallelize import check_layout
     from lightning_zero.runtime.setup import parallel_dims
@@ -87,20 +104,8 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
     # 3 heads over cp 2: ring attention
     cases = [(False, 16, 0, {}), (True, 15, 4, {}), (False, 13, 0, dict(n_head=3, n_query_groups=1, n_embd=24))]
     for lora, length, chunk, overrides in cases:
-        if lora:
-            from litgpt.lora import GPT, Config
-
-            config = Config(**CONFIG, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True)
-        else:
-            from litgpt.model import GPT, Config
-
-            config = Config(**{**CONFIG, **overrides})
-        torch.manual_seed(0)
-        dense = GPT(config)
-        with torch.no_grad():
-            for name, param in dense.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=0.1)
+        lora_knobs = dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True) if lora else None
+        dense = _seeded_litgpt(overrides, lora_knobs, perturbed=("lora_B",))
         model = ParallelPlan(groups).apply(copy.deepcopy(dense))[0]
         if lora:  # LoRA's GPT reads a base model's keys (qkv.weight for qkv.linear.weight) under cp too
             with torch.no_grad():
@@ -145,20 +150,7 @@ def _tensor_parallel_litgpt_equals_dense(world: int) -> None:
              (False, True, 11, 0, dict(mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", bias=True,
                                        parallel_residual=True, n_query_groups=4))]  # fmt: skip
     for lora, sequence_parallel, length, chunk, overrides in cases:
-        if lora:
-            from litgpt.lora import GPT, Config
-
-            config = Config(**{**CONFIG, **overrides}, **lora_knobs)
-        else:
-            from litgpt.model import GPT, Config
-
-            config = Config(**{**CONFIG, **overrides})
-        torch.manual_seed(0)
-        dense = GPT(config)
-        with torch.no_grad():
-            for name, param in dense.named_parameters():
-                if "lora_B" in name or name.endswith("bias") or "norm" in name:
-                    param.normal_(std=0.1)
+        dense = _seeded_litgpt(overrides, lora_knobs if lora else None, perturbed=("lora_B", "bias", "norm"))
         model = ParallelPlan(groups, sequence_parallel=sequence_parallel).apply(copy.deepcopy(dense))[0]
         idx, targets = torch.randint(0, 120, (2, length)), torch.randint(0, 120, (2, length))
         dense_loss, loss = _loss(dense, idx, targets, chunk), _loss(model, idx, targets, chunk)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch_each, rank_result
+from tests.distributed import assert_same_params, launch_each, rank_result
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [
@@ -61,9 +61,7 @@ _load = rank_result
 def test_tp_matches_reference(results, case, reference):
     got, want = _load(results, case), _load(results, reference)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
-    assert set(got["params"]) == set(want["params"])
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_params(got["params"], want["params"])
 
 
 @pytest.mark.slow

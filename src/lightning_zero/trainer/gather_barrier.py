@@ -23,25 +23,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import (
-    EarlyStopping,
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-    ThroughputMonitor,
-    Timer,
-)
+from lightning.pytorch import callbacks as lightning_callbacks
 
 # Lightning's callbacks that read metrics or save through the strategy (which waits), never raw weights.
-METRICS_ONLY_CALLBACKS: tuple[type, ...] = (
-    EarlyStopping,
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-    ThroughputMonitor,
-    Timer,
+METRICS_ONLY_NAMES = (
+    "EarlyStopping LearningRateMonitor ModelCheckpoint ModelSummary ProgressBar ThroughputMonitor Timer"
+)
+METRICS_ONLY_CALLBACKS: tuple[type, ...] = tuple(
+    getattr(lightning_callbacks, name) for name in METRICS_ONLY_NAMES.split()
 )
 BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_batch_start")
 
