@@ -64,8 +64,13 @@ MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_d
 CASES["ddp_moe"] = (lambda: "ddp", 2)
 for _stage, _name in ((1, "1f1b"), (2, "interleaved")):
     CASES[f"pp2ep2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, ep=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
+CASES["pp2moe_zbv_zero1"] = (zero(1, pp=2, **SCHEDULES["zbv"]), 1)  # ep=1: each stage holds all its experts
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
+
+
+def is_moe(case: str) -> bool:
+    return "moe" in case or "ep2" in case
 
 
 class Record(L.Callback):
@@ -88,7 +93,7 @@ class Record(L.Callback):
 def run(name: str, devices: int, out_dir: str) -> None:
     make_strategy, dp = CASES[name]
     L.seed_everything(42, verbose=False)
-    if "moe" in name or "ep2" in name:
+    if is_moe(name):
         model = MoELM(MOE_CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     else:
         model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
