@@ -210,7 +210,7 @@ LAUNCHES = [
          "pp2tp2_zbv_zero1"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
-DP = {case: 1 if case.startswith(("pp2_", "pp2tp2_")) else 2 for case in RANKS}  # the dp ranks of each pipelined run
+DP = {case: 2 if case.startswith(("pp2dp2_", "pp2ep2_")) else 1 for case in RANKS}  # the dp ranks of each pipelined run
 PP_CASES = [case for case in RANKS if case.startswith("pp2")]
 
 
