@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from lightning_zero.zero.bucketing import bucket_sizes, padded_numel
 from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops, owner_loads
@@ -54,6 +54,27 @@ class MuonCost:
         return self.muon_s / self.adamw_s if self.adamw_s else float("inf")
 
 
+def momenta_by_owner(
+    shapes: Sequence[tuple[int, int]],
+    ranks: int,
+    *,
+    state_bytes: int = 4,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    tp: Union[int, Sequence[int]] = 1,
+) -> list[int]:
+    """Bytes of momenta each of ``ranks`` ranks holds when Muon steps the whole matrices ``shapes``:
+    every matrix's momentum whole on its owner ([Note: matrix owners]: the engine's assignment), in
+    a ``state_bytes`` dtype; under tensor parallelism ``1/tp`` of it (``tp``: one for all, or each
+    matrix's split count), the owner's shard. The one rule the Plan (:func:`with_muon`, through
+    :func:`muon_cost`) and the run's monitor (``runtime/monitor.py``) count Muon's state by."""
+    splits = [tp] * len(shapes) if isinstance(tp, int) else list(tp)
+    owners = assign_owners([float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes], ranks)
+    held = [0] * ranks
+    for (rows, cols), owner, split in zip(shapes, owners, splits):
+        held[owner] += rows * cols // split * state_bytes
+    return held
+
+
 def muon_cost(
     shapes: Sequence[tuple[int, int]],
     ranks: int,
@@ -68,11 +89,8 @@ def muon_cost(
     """The cost of stepping the matrices ``shapes`` (whole matrices: a tp-split one counts whole)
     with Muon over ``ranks`` ranks. Defaults: an H100 (bf16 at 40 % of peak, HBM3, NVLink)."""
     costs = [float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes]
-    owners = assign_owners(costs, ranks)
-    flops = owner_loads(costs, owners, ranks)
-    held = [0] * ranks
-    for (rows, cols), owner in zip(shapes, owners):
-        held[owner] += rows * cols * state_bytes
+    flops = owner_loads(costs, assign_owners(costs, ranks), ranks)
+    held = momenta_by_owner(shapes, ranks, state_bytes=state_bytes, ns_steps=ns_steps)
     numel = sum(rows * cols for rows, cols in shapes)
     exchange = numel * (ranks - 1) / ranks**2 * (master_bytes + BF16_BYTES)
     per_rank = numel / ranks
