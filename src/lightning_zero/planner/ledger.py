@@ -36,6 +36,7 @@ from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing
 from lightning_zero.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.precision import PRECISIONS as PRECISION_NAMES
 from lightning_zero.zero.bucketing import grad_element_bytes, keeps_full_grads
+from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,32 @@ def held_state_bytes(optimizer: Any, numels: Sequence[int], state_bytes: int = 4
     """Bytes of state ``optimizer`` keeps for stepped tensors of ``numels`` elements (under ZeRO:
     this rank's runs of each parameter, its ``1/dp`` share): :func:`optimizer_state_bytes` per
     element in a ``state_bytes`` dtype, plus each tensor's 0-d counters. The monitor's prediction
-    of what an element-wise optimizer holds; Muon's momenta are ``planner/muon.py``'s
+    of what an element-wise optimizer holds; Muon's momenta are
     ``momenta_by_owner``."""
     per_element = optimizer_state_bytes(optimizer) * state_bytes // 4
     scalars = OPTIMIZER_SCALAR_STATE.get(type(optimizer).__name__, 1) * SCALAR_STATE_BYTES
     return sum(numel * per_element + scalars for numel in numels)
+
+
+def momenta_by_owner(
+    shapes: Sequence[tuple[int, int]],
+    ranks: int,
+    *,
+    state_bytes: int = 4,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    tp: Union[int, Sequence[int]] = 1,
+) -> list[int]:
+    """Bytes of momenta each of ``ranks`` ranks holds when Muon steps the whole matrices ``shapes``:
+    every matrix's momentum whole on its owner ([Note: matrix owners]: the engine's assignment), in
+    a ``state_bytes`` dtype; under tensor parallelism ``1/tp`` of it (``tp``: one for all, or each
+    matrix's split count), the owner's shard. The one rule the Plan (``planner/muon.py`` ``with_muon``,
+    through ``muon_cost``) and the run's monitor (``runtime/monitor.py``) count Muon's state by."""
+    splits = [tp] * len(shapes) if isinstance(tp, int) else list(tp)
+    owners = assign_owners([float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes], ranks)
+    held = [0] * ranks
+    for (rows, cols), owner, split in zip(shapes, owners, splits):
+        held[owner] += rows * cols // split * state_bytes
+    return held
 
 
 # --------------------------------------------------------------------------------------------

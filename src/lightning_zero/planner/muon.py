@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lightning_zero.planner.ledger import momenta_by_owner
 from lightning_zero.zero.bucketing import bucket_sizes, padded_numel
 from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops, owner_loads
 
@@ -52,27 +53,6 @@ class MuonCost:
     def ratio(self) -> float:
         """Muon's optimizer-step seconds over AdamW's."""
         return self.muon_s / self.adamw_s if self.adamw_s else float("inf")
-
-
-def momenta_by_owner(
-    shapes: Sequence[tuple[int, int]],
-    ranks: int,
-    *,
-    state_bytes: int = 4,
-    ns_steps: int = DEFAULT_NS_STEPS,
-    tp: Union[int, Sequence[int]] = 1,
-) -> list[int]:
-    """Bytes of momenta each of ``ranks`` ranks holds when Muon steps the whole matrices ``shapes``:
-    every matrix's momentum whole on its owner ([Note: matrix owners]: the engine's assignment), in
-    a ``state_bytes`` dtype; under tensor parallelism ``1/tp`` of it (``tp``: one for all, or each
-    matrix's split count), the owner's shard. The one rule the Plan (:func:`with_muon`, through
-    :func:`muon_cost`) and the run's monitor (``runtime/monitor.py``) count Muon's state by."""
-    splits = [tp] * len(shapes) if isinstance(tp, int) else list(tp)
-    owners = assign_owners([float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes], ranks)
-    held = [0] * ranks
-    for (rows, cols), owner, split in zip(shapes, owners, splits):
-        held[owner] += rows * cols // split * state_bytes
-    return held
 
 
 def muon_cost(

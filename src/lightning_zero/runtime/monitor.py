@@ -14,7 +14,8 @@ The metrics, per optimizer step (every rank computes its own):
 
 - ``zero/measured_{params,grads,optimizer,total}_bytes``: what the engine holds now;
 - ``zero/predicted_{params,grads,optimizer,total}_bytes``: ``ledger.model_state_bytes`` for the
-  same stage, dp and precision;
+  same stage, dp and precision, the optimizer state of every optimizer the engine holds on this
+  rank (Muon's momenta by ownership, the Plan's rule: :func:`predicted_state_bytes`);
 - ``zero/peak_memory_bytes``: peak CUDA memory, or the process's peak RSS on CPU;
 - ``zero/sent_bytes/<kind>``: logical bytes this rank sent in the step, per collective kind
   (see [Note: logical bytes] in ``collectives.py``);
@@ -58,10 +59,10 @@ from lightning_zero.planner.ledger import (
     grad_bytes_per_param,
     held_state_bytes,
     model_state_bytes,
+    momenta_by_owner,
     optimizer_state_bytes,
     policy_bytes,
 )
-from lightning_zero.planner.muon import momenta_by_owner
 from lightning_zero.precision import engine_policy
 from lightning_zero.runtime.expert_load import ExpertLoadMeter
 from lightning_zero.runtime.throughput import (
@@ -113,7 +114,7 @@ def predicted_bytes(engine: Any, optimizer: Optional[torch.optim.Optimizer] = No
 def predicted_state_bytes(engine: Any, state_bytes: int) -> int:
     """Optimizer-state bytes this rank holds by the planner's rules, over every optimizer of
     ``engine`` (``state_bytes``: bytes per state element): a matrix optimizer's momenta by
-    ownership (``planner/muon.py`` ``momenta_by_owner``: the matrices this rank owns, whole, per
+    ownership (``ledger.momenta_by_owner``: the matrices this rank owns, whole, per
     domain), any other's state on this rank's runs of its parameters (its ``1/dp`` share,
     ``ledger.held_state_bytes``). Every parameter counts as stepped: one that no rank's forward
     reached has no state yet (torch skips it)."""
