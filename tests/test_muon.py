@@ -187,6 +187,12 @@ def _engine_vs_reference(rank: int, world: int, stages: list[int]) -> None:
         unused = [4 * (m.hi - m.lo) for m in matrices if m.param is model.unused.weight and m.owner == rank]
         assert muon.state_bytes() == muon_cost(shapes, world).state_bytes[rank] - sum(unused)
         assert sum(muon_cost(shapes, world).state_bytes) == 4 * sum(a * b for a, b in shapes)
+        # the monitor predicts every optimizer's state on this rank by the plan's rules: the owned
+        # momenta whole, AdamW's on this rank's runs (issue 65: it took optimizer 0 at 1/dp)
+        from lightning_zero.runtime.monitor import predicted_bytes
+
+        measured, predicted = engine.measured_bytes()["optimizer"], predicted_bytes(engine)["optimizer"]
+        assert measured == predicted - sum(unused), (stage, rank, measured, predicted)
         engine.release_module()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             gap = (p.detach() - q.detach()).abs().max().item()

@@ -202,11 +202,15 @@ LAUNCHES = [
     (
         2,
         ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
-         "resume_pp2_ckpt_pp1", "pp2_1f1b_zero3"],
+         "resume_pp2_ckpt_pp1", "ddp_moe", "pp2moe_zbv_zero1", "pp2_1f1b_zero3"],
     ),
-    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2dp2_1f1b_zero3", "pp2dp2_gpipe_zero3"]),
+    # pp x dp, pp x ep (MoE), and pp x tp with sequence parallelism: every schedule, ZeRO 1 and 2 (1F1B at both)
+    (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2ep2_1f1b_zero1", "pp2ep2_interleaved_zero2",
+         "pp2tp2_1f1b_zero1", "pp2tp2_1f1b_zero2", "pp2tp2_gpipe_zero2", "pp2tp2_interleaved_zero1", "pp2tp2_zb_zero2",
+         "pp2tp2_zbv_zero1", "pp2dp2_1f1b_zero3", "pp2dp2_gpipe_zero3"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
+DP = {case: 2 if case.startswith(("pp2dp2_", "pp2ep2_")) else 1 for case in RANKS}  # the dp ranks of each pipelined run
 PP_CASES = [case for case in RANKS if case.startswith("pp2")]
 
 
@@ -222,6 +226,9 @@ def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     params: dict = {}
     for result in ranks:
         params.update(result["params"])
+    if "ep2" in case:  # a stage's 2 ranks (ep ranks 0, 1 in rank order) hold consecutive halves of its experts
+        for name in [name for name in params if ".experts." in name]:
+            params[name] = torch.cat([result["params"][name] for result in ranks if name in result["params"]])
     losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
     val_losses = torch.tensor([result["val_losses"] for result in ranks]).mean(0)
     return losses, val_losses, params
@@ -231,7 +238,8 @@ def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
 @pytest.mark.parametrize("case", PP_CASES)
 def test_pipeline_under_the_trainer_matches_ddp(trained, case):
     losses, val_losses, params = _joined(trained, case)
-    want_losses, want_val, want_params = _joined(trained, "ddp")
+    baseline = "ddp_moe" if "moe" in case or "ep2" in case else "ddp"  # a MoE case: the same MoE under ddp
+    want_losses, want_val, want_params = _joined(trained, baseline)
     assert losses.shape == want_losses.shape == (8,) and val_losses.shape == want_val.shape == (3,)
     torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(val_losses, want_val, rtol=0, atol=1e-5)
@@ -239,17 +247,18 @@ def test_pipeline_under_the_trainer_matches_ddp(trained, case):
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
     # predict after fit: ddp's dp rank r predicted row r; each pp rank returns its dp rank's rows
-    want = torch.cat([rank_result(trained, "ddp", rank)["predicted"] for rank in range(2)])
+    # (under tp the script joins the tp ranks' vocab-split logits)
+    want = torch.cat([rank_result(trained, baseline, rank)["predicted"] for rank in range(2)])
     for rank in range(RANKS[case]):
         got = rank_result(trained, case, rank)["predicted"]
-        torch.testing.assert_close(got, want if RANKS[case] == 2 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, want if DP[case] == 1 else want[rank % 2 : rank % 2 + 1], rtol=0, atol=1e-5)
     if case.endswith("zero3"):  # [Note: stage 3 under a pipeline]: every block of the stage held at once
         for rank in range(RANKS[case]):
             most, blocks = rank_result(trained, case, rank)["gathered"]
             assert most == blocks > 0
-    if RANKS[case] == 2:  # pp=2 x dp=1: both ranks trained on the whole global batch
-        rows = [rank_result(trained, case, rank)["rows"] for rank in range(2)]
-        assert rows[0] == rows[1]
+    if DP[case] == 1:  # no dp: every rank trained on the whole global batch
+        rows = [rank_result(trained, case, rank)["rows"] for rank in range(RANKS[case])]
+        assert all(row == rows[0] for row in rows)
 
 
 @pytest.mark.slow
@@ -262,7 +271,8 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 
 
 PIPELINE_REFUSALS = [
-    (dict(tensor_parallel_size=2), {}, "use tp=1 with pp > 1"),
+    (dict(stage=3, tensor_parallel_size=2, sequence_parallel=True), {}, "use stage=1 or stage=2 with pp > 1 here"),
+    (dict(tensor_parallel_size=2), {}, "use sequence_parallel=True with tp > 1 and pp > 1"),
     (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
     (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
@@ -289,21 +299,67 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     assert not dist.is_initialized()
 
 
-def test_the_fabric_door_refuses_stage3_under_pp_naming_the_fix():
-    """Stage 3 within a pipeline stage runs under the Trainer (tested above), not yet through
-    ``ZeroFabricStrategy``'s ``pipeline_step``: refused where that door checks its model."""
+def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix():
+    from lightning_zero.comm.mesh import ParallelDims
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.models import LlamaLM
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama
     from lightning_zero.runtime.pipeline import pipeline_layout
+
+    config = ZeroConfig(stage=2, pp=2, tensor_parallel_size=2, sequence_parallel=True)
+    dims = ParallelDims(world_size=4, devices_per_node=4, tp=2, pp=2)
+    with pytest.raises(ValueError, match="use tp=1 with pp > 1 under Fabric"):
+        pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
+
+
+MOE_REFUSALS = [
+    (dict(aux_loss_coef=0.01), 4, "set aux_loss_coef=0, z_loss_coef=0, bias_update_rate=0 and capacity_factor=None"),
+    (dict(z_loss_coef=0.001), 4, "z_loss_coef=0.001"),
+    (dict(capacity_factor=1.25), 4, "capacity_factor=1.25, which pipeline stages do not run yet"),
+    (dict(tensor_parallel_size=2), 8, "use tp=1 with pp > 1"),
+]
+
+
+@pytest.mark.parametrize("knobs, ranks, message", MOE_REFUSALS)
+def test_a_moe_pipeline_runs_ep_aux_free_and_refuses_the_rest_before_any_process_group(knobs, ranks, message):
+    """pp=2 x ep=2 of an aux-free MoELM is planned (each stage's ranks split its experts); a config
+    whose terms depend on the whole batch, or tp inside the stages, is refused naming the fix."""
+    import torch.distributed as dist
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.moe import MoELM
     from lightning_zero.runtime.session import ZeroSession
 
-    config = ZeroConfig(stage=3, pp=2)
-    session = ZeroSession(config)
-    module = LlamaLM({**CONFIG, "name": "tiny"})
-    dims = session.plan_layout(num_nodes=1, num_processes=4, module=module)  # the Trainer's door runs it
-    assert session.pipeline_layout is not None and dims.pp == 2
-    with pytest.raises(ValueError, match="ZeroFabricStrategy\\(pp=2\\), stage=3: .* use stage=1 or stage=2"):
-        pipeline_layout(config, dims, module, door="ZeroFabricStrategy")
+    free = dict(aux_loss_coef=0.0, z_loss_coef=0.0)
+    moe = {**CONFIG, "name": "tiny_moe_pp", "n_experts": 4, "top_k": 2, "expert_ffn_dim": 32, **free}
+    dims = ZeroSession(ZeroConfig(stage=1, pp=2, ep=2)).plan_layout(num_nodes=1, num_processes=4, module=MoELM(moe))
+    assert (dims.pp, dims.ep, dims.ep_ranks(2), dims.edp) == (2, 2, [2, 3], 1)
+    strategy = {key: value for key, value in knobs.items() if key == "tensor_parallel_size"}
+    model = {key: value for key, value in knobs.items() if key != "tensor_parallel_size"}
+    session = ZeroSession(ZeroConfig(stage=1, pp=2, ep=2, **strategy))
+    with pytest.raises(ValueError, match=message):
+        session.plan_layout(num_nodes=1, num_processes=ranks, module=MoELM({**moe, **model}))
+    assert not dist.is_initialized()
+    if ranks == 8:  # the Fabric door (the model itself given to fabric.setup): not run yet for a MoE
+        from lightning_zero.models.moe import MoETransformer, resolve_moe_config
+        from lightning_zero.runtime.pipeline import pipeline_layout
+
+        with torch.device("meta"), pytest.raises(ValueError, match="under the Trainer \\(MoELM\\) only so far"):
+            pipeline_layout(ZeroConfig(pp=2, ep=2), dims, MoETransformer(resolve_moe_config(moe)))
+
+
+def test_the_fabric_door_refuses_stage3_under_pp_naming_the_fix():
+    """Stage 3 within a pipeline stage runs under the Trainer (tested above), not yet through
+    ``ZeroFabricStrategy``'s ``pipeline_step``: refused where that door checks its model (the model itself)."""
+    from lightning_zero.comm.mesh import ParallelDims
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama
+    from lightning_zero.runtime.pipeline import pipeline_layout
+
+    dims = ParallelDims(world_size=4, devices_per_node=4, pp=2)
+    with pytest.raises(ValueError, match="stage=3: .* use stage=1 or stage=2 with pp > 1 here"):
+        pipeline_layout(ZeroConfig(stage=3, pp=2), dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():

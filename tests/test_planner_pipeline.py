@@ -44,4 +44,3 @@ def test_muon_under_pp_orthogonalizes_only_the_rank_s_blocks():
 def test_a_split_the_model_cannot_take_is_refused_by_the_planner():
     with pytest.raises(ValueError, match="every stage needs at least one"):
         plan_run("tiny", stage=1, world_size=16, devices_per_node=1, pp=16, pp_microbatches=16, suggest=False)
-

@@ -5,8 +5,9 @@ Every rank writes OUT_DIR/<case>.rank<r>.pt: per-step losses and the parameters 
 stages' under pp: the test joins the pp ranks'). Every case trains the same tiny Llama (4 blocks)
 on the same global batch (4 sequences a step), accumulating 2 batches per optimizer step, with norm
 clipping: ddp on 2 ranks (2 sequences each), pp=2 on 2 ranks (the 4 sequences cut into
-micro-batches), pp=2 x dp=2 on 4 ranks (2 sequences per dp rank). The case in SAVES writes a
-checkpoint at step 2 that the one in RESUMES continues to step 4 without pp.
+micro-batches), pp=2 x dp=2 on 4 ranks (2 sequences per dp rank); a tiny MoE likewise (ddp_moe, and
+pp=2 x ep=2 on 4 ranks). The case in SAVES writes a checkpoint at step 2 that the one in RESUMES
+continues to step 4 without pp.
 """
 
 import os
@@ -21,6 +22,7 @@ import lightning as L  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
+from lightning_zero.models.moe import MoELM  # noqa: E402
 from tests.scripts.harness import checkpointed_trainer  # noqa: E402
 
 SEQ = 16
@@ -50,11 +52,28 @@ for _stage in (1, 2):
         CASES[f"pp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **_knobs), 1)
         # 2 sequences per dp rank: 2 micro-batches of one (zbv needs 2 pp = 4)
         CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
+# pp=2 x tp=2 (sequence parallel) on 4 ranks: each tp rank sends its sequence shard to its peer stage
+TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
+for _stage in (1, 2):
+    for _name in SCHEDULES:
+        CASES[f"pp2tp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
+# MoE (docs/pipeline.md): pp=2 x ep=2 on 4 ranks, each stage's 2 ranks splitting its MoE layers' experts and
+# exchanging tokens; aux-free ([Note: MoE pipeline stages]), against ddp on the same MoE model
+MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_dim=32, n_dense_layers=1,
+                  aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
+CASES["ddp_moe"] = (lambda: "ddp", 2)
+for _stage, _name in ((1, "1f1b"), (2, "interleaved")):
+    CASES[f"pp2ep2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, ep=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
+CASES["pp2moe_zbv_zero1"] = (zero(1, pp=2, **SCHEDULES["zbv"]), 1)  # ep=1: each stage holds all its experts
 for _name in ("gpipe", "1f1b"):  # stage 3: the stage's parameters held gathered for the whole schedule
     CASES[f"pp2_{_name}_zero3"] = (zero(3, pp=2, **SCHEDULES[_name]), 1)
     CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
+
+
+def is_moe(case: str) -> bool:
+    return "moe" in case or "ep2" in case
 
 
 class Record(L.Callback):
@@ -84,7 +103,10 @@ class Record(L.Callback):
 def run(name: str, devices: int, out_dir: str) -> None:
     make_strategy, dp = CASES[name]
     L.seed_everything(42, verbose=False)
-    model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+    if is_moe(name):
+        model = MoELM(MOE_CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+    else:
+        model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     data = TokenDataModule(
         source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.25, seed=3,
         synthetic_tokens=64 * SEQ + 1,
@@ -98,6 +120,18 @@ def run(name: str, devices: int, out_dir: str) -> None:
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
     rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
     predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=2 // dp)))
+    params = model.model.state_dict()
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # the dense parameters and logits
+        import torch.distributed as dist
+
+        from lightning_zero.tp import gather_tp_state_dict
+
+        group = mesh["tp"].get_group()
+        params = gather_tp_state_dict(model.model, group)
+        shards = [torch.empty_like(predicted) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, predicted.contiguous(), group=group)
+        predicted = torch.cat(shards, dim=-1)  # the head's logits are vocab-split over tp
     torch.save(
         {
             "predicted": predicted,
@@ -105,7 +139,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
             "val_losses": record.val_losses,
             "gathered": record.gathered,
             "rows": record.rows,
-            "params": {k: v.float() for k, v in model.model.state_dict().items()},
+            "params": {k: v.float() for k, v in params.items()},
         },
         os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"),
     )

@@ -418,7 +418,8 @@ def check_model_divisible(tp: int, model_config: Any) -> None:
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """Build the ``DeviceMesh`` the model's parallelize functions read (see [Note: mesh layout]):
-    ``("dp", "tp")`` (``"dp"`` is the dense group) when ``cp == 1``, ``("dp", "cp", "tp")`` otherwise.
+    ``("dp", "tp")`` (``"dp"`` is the dense group) when ``cp == 1``, ``("dp", "cp", "tp")`` otherwise,
+    ``("pp", "dp", "tp")`` under ``pp > 1`` (every dp and tp group inside one pp rank's block).
 
     Needs an initialized default process group of ``dims.world_size`` ranks; creates one
     sub-group per row and column of each dimension.
@@ -432,6 +433,9 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if world != dims.world_size:
         raise ValueError(f"{dims} but the process group has world_size({world})")
+    if dims.pp > 1:  # tp inside each pp rank's block ([Note: pipeline ranks]); cp > 1 is refused with pp
+        layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.pp, dims.dp, dims.tp)  # (pp, dp, tp)
+        return DeviceMesh(device_type, layout, mesh_dim_names=("pp", *MESH_DIM_NAMES))
     if dims.cp == 1:
         layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.tp)  # (dp, tp)
         return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIM_NAMES)
@@ -553,8 +557,8 @@ def build_groups(dims: ParallelDims, device_type: str = "cpu") -> MeshGroups:
 
     groups = MeshGroups(dims, rank)
     if dims.pp > 1:  # the dense group is one pp block's, not every rank ([Note: pipeline ranks])
-        if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
-            raise ValueError(f"{dims}: pp > 1 runs with tp = cp = 1 so far (docs/pipeline.md)")
+        if dims.cp > 1:
+            raise ValueError(f"{dims}: pp > 1 runs with cp = 1 so far (docs/pipeline.md)")
         groups.pp, groups.dp_cp = mine("pp"), mine("dp_cp")
     if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
         mesh = groups.device_mesh = build_mesh(dims, device_type)

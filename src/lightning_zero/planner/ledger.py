@@ -28,7 +28,7 @@ beside the parameter counts they divide) would live apart.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.comm.ring import ring_sent
 from lightning_zero.cp.layout import RingLayout, attention_layout, kv_head_repeats
@@ -36,6 +36,7 @@ from lightning_zero.models.checkpointing import CheckpointingLike, checkpointing
 from lightning_zero.precision import DTYPE_BYTES, PrecisionPolicy, precision_policy
 from lightning_zero.precision import PRECISIONS as PRECISION_NAMES
 from lightning_zero.zero.bucketing import grad_element_bytes, keeps_full_grads
+from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,44 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     if name == "SGD":
         return 4 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
     return OPTIMIZER_STATE_BYTES.get(name, 8)
+
+
+# 0-d state tensors per stepped tensor, by optimizer class name: torch keeps ``step`` as a 0-d fp32
+# tensor (NAdam adds ``mu_product``); SGD keeps none. Unknown optimizers count as Adam.
+OPTIMIZER_SCALAR_STATE: dict[str, int] = {"NAdam": 2, "SGD": 0}
+SCALAR_STATE_BYTES = 4
+
+
+def held_state_bytes(optimizer: Any, numels: Sequence[int], state_bytes: int = 4) -> int:
+    """Bytes of state ``optimizer`` keeps for stepped tensors of ``numels`` elements (under ZeRO:
+    this rank's runs of each parameter, its ``1/dp`` share): :func:`optimizer_state_bytes` per
+    element in a ``state_bytes`` dtype, plus each tensor's 0-d counters. The monitor's prediction
+    of what an element-wise optimizer holds; Muon's momenta are
+    ``momenta_by_owner``."""
+    per_element = optimizer_state_bytes(optimizer) * state_bytes // 4
+    scalars = OPTIMIZER_SCALAR_STATE.get(type(optimizer).__name__, 1) * SCALAR_STATE_BYTES
+    return sum(numel * per_element + scalars for numel in numels)
+
+
+def momenta_by_owner(
+    shapes: Sequence[tuple[int, int]],
+    ranks: int,
+    *,
+    state_bytes: int = 4,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    tp: Union[int, Sequence[int]] = 1,
+) -> list[int]:
+    """Bytes of momenta each of ``ranks`` ranks holds when Muon steps the whole matrices ``shapes``:
+    every matrix's momentum whole on its owner ([Note: matrix owners]: the engine's assignment), in
+    a ``state_bytes`` dtype; under tensor parallelism ``1/tp`` of it (``tp``: one for all, or each
+    matrix's split count), the owner's shard. The one rule the Plan (``planner/muon.py`` ``with_muon``,
+    through ``muon_cost``) and the run's monitor (``runtime/monitor.py``) count Muon's state by."""
+    splits = [tp] * len(shapes) if isinstance(tp, int) else list(tp)
+    owners = assign_owners([float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes], ranks)
+    held = [0] * ranks
+    for (rows, cols), owner, split in zip(shapes, owners, splits):
+        held[owner] += rows * cols // split * state_bytes
+    return held
 
 
 # --------------------------------------------------------------------------------------------

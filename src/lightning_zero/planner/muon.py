@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from lightning_zero.planner.ledger import momenta_by_owner
 from lightning_zero.zero.bucketing import bucket_sizes, padded_numel
 from lightning_zero.zero.matrix_owners import DEFAULT_NS_STEPS, assign_owners, ns_flops, owner_loads
 
@@ -68,11 +69,8 @@ def muon_cost(
     """The cost of stepping the matrices ``shapes`` (whole matrices: a tp-split one counts whole)
     with Muon over ``ranks`` ranks. Defaults: an H100 (bf16 at 40 % of peak, HBM3, NVLink)."""
     costs = [float(ns_flops(rows, cols, ns_steps)) for rows, cols in shapes]
-    owners = assign_owners(costs, ranks)
-    flops = owner_loads(costs, owners, ranks)
-    held = [0] * ranks
-    for (rows, cols), owner in zip(shapes, owners):
-        held[owner] += rows * cols * state_bytes
+    flops = owner_loads(costs, assign_owners(costs, ranks), ranks)
+    held = momenta_by_owner(shapes, ranks, state_bytes=state_bytes, ns_steps=ns_steps)
     numel = sum(rows * cols for rows, cols in shapes)
     exchange = numel * (ranks - 1) / ranks**2 * (master_bytes + BF16_BYTES)
     per_rank = numel / ranks

@@ -14,7 +14,8 @@ The metrics, per optimizer step (every rank computes its own):
 
 - ``zero/measured_{params,grads,optimizer,total}_bytes``: what the engine holds now;
 - ``zero/predicted_{params,grads,optimizer,total}_bytes``: ``ledger.model_state_bytes`` for the
-  same stage, dp and precision;
+  same stage, dp and precision, the optimizer state of every optimizer the engine holds on this
+  rank (Muon's momenta by ownership, the Plan's rule: :func:`predicted_state_bytes`);
 - ``zero/peak_memory_bytes``: peak CUDA memory, or the process's peak RSS on CPU;
 - ``zero/sent_bytes/<kind>``: logical bytes this rank sent in the step, per collective kind
   (see [Note: logical bytes] in ``collectives.py``);
@@ -56,7 +57,9 @@ import torch
 from lightning_zero.comm.collectives import LINK_CLASSES
 from lightning_zero.planner.ledger import (
     grad_bytes_per_param,
+    held_state_bytes,
     model_state_bytes,
+    momenta_by_owner,
     optimizer_state_bytes,
     policy_bytes,
 )
@@ -79,14 +82,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def predicted_bytes(engine: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, float]:
     """The ledger's per-rank model-state bytes for what ``engine`` manages (the bytes per
-    parameter come from the ledger's one rule: ``precision_bytes`` and ``optimizer_state_bytes``)."""
+    parameter come from the ledger's one rule: ``precision_bytes`` and ``optimizer_state_bytes``).
+
+    ``optimizer``: count every parameter's state as that optimizer's, ``1/dp`` each (the plan's
+    figure); ``None`` (the monitor's): the state of every optimizer the engine holds, on this
+    rank, by :func:`predicted_state_bytes`, so a Muon run's momenta count by ownership."""
     policy = engine_policy(engine.compute_dtype, getattr(engine, "master_dtype", torch.float32))
     per_param = policy_bytes(policy)
     reduce_dtype = "fp32" if getattr(engine, "reduce_dtype", None) == torch.float32 else "compute"
     local_experts, ep = engine.expert_split()  # [Note: expert domain]: experts / ep, sharded over edp
-    return model_state_bytes(
+    state = 0 if optimizer is None else optimizer_state_bytes(optimizer)
+    predicted = model_state_bytes(
         engine.num_params() + (ep - 1) * local_experts,
         expert_params=ep * local_experts,
         ep=ep,
@@ -95,8 +103,36 @@ def predicted_bytes(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, 
         dp=engine.dp_size,
         param_bytes=per_param.param,
         grad_bytes=grad_bytes_per_param(policy.name, reduce_dtype, policy.mixed_params),
-        optim_bytes_per_param=per_param.optimizer_bytes(optimizer_state_bytes(optimizer)),
+        optim_bytes_per_param=per_param.optimizer_bytes(state),
     ).as_dict()
+    if optimizer is None:
+        predicted["optimizer"] += predicted_state_bytes(engine, per_param.state)
+        predicted["total"] = predicted["params"] + predicted["grads"] + predicted["optimizer"]
+    return predicted
+
+
+def predicted_state_bytes(engine: Any, state_bytes: int) -> int:
+    """Optimizer-state bytes this rank holds by the planner's rules, over every optimizer of
+    ``engine`` (``state_bytes``: bytes per state element): a matrix optimizer's momenta by
+    ownership (``ledger.momenta_by_owner``: the matrices this rank owns, whole, per
+    domain), any other's state on this rank's runs of its parameters (its ``1/dp`` share,
+    ``ledger.held_state_bytes``). Every parameter counts as stepped: one that no rank's forward
+    reached has no state yet (torch skips it)."""
+    total = 0
+    for sharded in engine.optimizers:
+        if not hasattr(sharded, "plan"):  # element-wise: the runs the optimizer steps
+            numels = [tensor.numel() for group in sharded.optimizer.param_groups for tensor in group["params"]]
+            total += held_state_bytes(sharded.optimizer, numels, state_bytes)
+            continue
+        matrices, domains = sharded.plan()  # [Note: owner step]
+        ns_steps = sharded.optimizer.param_groups[0]["ns_steps"]
+        for index, domain in enumerate(domains):
+            members = [m for m in matrices if m.domain == index]
+            shapes = [m.full_shape for m in members]
+            tp = [rows * cols // (m.hi - m.lo) for m, (rows, cols) in zip(members, shapes)]  # tp-split shards
+            held = momenta_by_owner(shapes, domain.size, state_bytes=state_bytes, ns_steps=ns_steps, tp=tp)
+            total += held[domain.rank]
+    return total
 
 
 def context_parallel_size(module: Any) -> int:
@@ -164,7 +200,7 @@ class Monitor:
         self._step_open = False
         metrics: dict[str, float] = {}
         measured = engine.measured_bytes()
-        predicted = predicted_bytes(engine, engine.optimizers[0].optimizer)
+        predicted = predicted_bytes(engine)
         for key in ("params", "grads", "optimizer", "total"):
             metrics[f"zero/measured_{key}_bytes"] = float(measured[key])
             metrics[f"zero/predicted_{key}_bytes"] = float(predicted[key])

@@ -62,11 +62,10 @@ def _check_declared(model: nn.Module, dims: "ParallelDims") -> None:
     model.check_parallel_dims(dims)
 
 
-def _apply_llama(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
-    from lightning_zero.models.llama.parallelize import apply_layout
-
-    apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
-    if "pp" in kwargs.get("dims", DIMENSIONS) and plan.pipeline is not None and plan.pipeline.pp > 1:
+def _cut_stages(model: nn.Module, plan: "ParallelPlan", dims: tuple[str, ...]) -> nn.Module:
+    """The pp step, last, once: a Llama or a MoETransformer (a Llama whose blocks take the same
+    inputs: ``models/moe/pipeline.py``) cut to this rank's stages."""
+    if "pp" in dims and plan.pipeline is not None and plan.pipeline.pp > 1:
         if getattr(model, "pipeline_stages", None) is None:  # once
             from lightning_zero.models.llama.pipeline import cut_llama
 
@@ -74,10 +73,18 @@ def _apply_llama(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Mo
     return model
 
 
+def _apply_llama(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
+    from lightning_zero.models.llama.parallelize import apply_layout
+
+    apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
+    return _cut_stages(model, plan, kwargs.get("dims", DIMENSIONS))
+
+
 def _apply_moe(model: nn.Module, plan: "ParallelPlan", **kwargs: Any) -> nn.Module:
     from lightning_zero.models.moe.parallelize import apply_layout
 
-    return apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
+    apply_layout(model, plan.groups, sequence_parallel=plan.sequence_parallel, **kwargs)
+    return _cut_stages(model, plan, kwargs.get("dims", DIMENSIONS))
 
 
 def _apply_litgpt(model: nn.Module, plan: "ParallelPlan", *, dims: tuple[str, ...], counter: Any = None) -> nn.Module:

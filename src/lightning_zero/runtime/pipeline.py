@@ -18,7 +18,10 @@ group. At stage 3 the stage's parameters are gathered once at the schedule's sta
 every micro-batch ([Note: stage 3 under a pipeline] in ``zero/stage3/runtime.py``). Each micro-batch's loss is divided by ``accumulate_grad_batches`` as Lightning divides
 ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
-global norm covers every stage and shard. A training batch of another shape (the last, smaller
+global norm covers every stage and shard (under tp, each replicated norm gain weighted ``1/tp``:
+[Note: TP grad norm]). Under tp with sequence parallelism a stage's input and output are this tp
+rank's sequence shard ([Note: sequence-parallel stages] in ``models/llama/pipeline.py``), and the
+last stage's loss is the model's own (the vocab-parallel cross entropy). A training batch of another shape (the last, smaller
 one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
 (``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
 activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
@@ -43,18 +46,27 @@ if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
 
 
-def pipeline_layout(
-    config: "ZeroConfig", dims: "ParallelDims", module: Any, door: str = "ZeroStrategy"
-) -> Optional["PipelineLayout"]:
+def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> Optional["PipelineLayout"]:
     """Before any process group starts: the checked split of ``module``'s decoder (``None`` when
-    ``pp == 1``); raises ``ValueError`` naming the fix for a layout ``door`` cannot run yet or a
+    ``pp == 1``); raises ``ValueError`` naming the fix for a layout the doors cannot run yet or a
     split that cannot work (``pp/layout.py``)."""
     if dims.pp == 1:
         return None
     from lightning_zero.pp.layout import PipelineLayout
 
-    asked = f"{door}(pp={dims.pp})"
+    asked = f"ZeroStrategy(pp={dims.pp})"
+    from lightning_zero.models.llama.model import Llama
+    from lightning_zero.models.moe.model import MoETransformer
+
+    model_config = getattr(module, "config", None)
+    # a LightningModule names its model's class (LlamaLM, MoELM); under Fabric the model itself arrives
+    model_class = type(module) if isinstance(module, Llama) else getattr(module, "model_class", None)
+    moe = isinstance(model_class, type) and issubclass(model_class, MoETransformer)
+    # ep runs inside each stage's ranks for a MoE model ([Note: MoE pipeline stages] in models/moe/pipeline.py),
+    # tp (with sequence parallelism) for a Llama ([Note: sequence-parallel stages] in models/llama/pipeline.py)
+    inside = ("ep=",) if moe else ("tp=",)
     others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
+    others = [other for other in others if not other.startswith(inside)]
     if others:
         raise ValueError(
             f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
@@ -66,25 +78,43 @@ def pipeline_layout(
             " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
             " shard_size=None and hierarchical_reduce=False with pp > 1"
         )
-    if config.stage == 3 and door != "ZeroStrategy":
+    # under Fabric the model itself arrives; stage 3 runs under the Trainer, a Llama, tp=1 (docs/pipeline.md)
+    if config.stage == 3 and (isinstance(module, (Llama, MoETransformer)) or moe or dims.tp > 1):
         raise ValueError(
-            f"{asked}, stage=3: ZeRO-3 within a pipeline stage runs under the Trainer's ZeroStrategy only so far"
-            " (docs/pipeline.md); use stage=1 or stage=2 with pp > 1 here"
+            f"{asked}, stage=3: ZeRO-3 within a pipeline stage runs under the Trainer door (ZeroStrategy, LlamaLM)"
+            " with tp=1 only so far (docs/pipeline.md); use stage=1 or stage=2 with pp > 1 here"
         )
-    from lightning_zero.models.llama.model import Llama
-
-    model_config = getattr(module, "config", None)
-    # a LightningModule names its model's class (LlamaLM, MoELM); under Fabric the model itself arrives
-    model_class = type(module) if isinstance(module, Llama) else getattr(module, "model_class", None)
     if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
             f"{asked}: {type(module).__name__} is no model the runtime cuts into stages; pipeline stages run"
-            " lightning_zero.models.Llama (LlamaLM under the Trainer) so far (docs/pipeline.md); use pp=1"
+            " lightning_zero.models.Llama and MoETransformer (LlamaLM, MoELM under the Trainer) so far"
+            " (docs/pipeline.md); use pp=1"
         )
-    if model_class is not Llama:
+    if model_class is not Llama and not moe:
         raise ValueError(
             f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
-            " pipeline stages yet (only Llama's are); use pp=1 (docs/pipeline.md)"
+            " pipeline stages yet (only Llama's and MoETransformer's are); use pp=1 (docs/pipeline.md)"
+        )
+    if moe and isinstance(module, Llama):
+        raise ValueError(
+            f"ZeroFabricStrategy(pp={dims.pp}): a {model_class.__name__} is cut into pipeline stages under the"
+            " Trainer (MoELM) only so far: its pipeline_step is not run under Fabric yet; train it with"
+            " ZeroStrategy(pp=...) and MoELM, or pp=1 (docs/pipeline.md)"
+        )
+    if moe:
+        from lightning_zero.models.moe.pipeline import check_moe_pipeline
+
+        check_moe_pipeline(model_config, asked)
+    if dims.tp > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
+            " sequence parallelism only so far (each tp rank sends its sequence shard to its peer in the next"
+            " stage; docs/pipeline.md); use sequence_parallel=True with tp > 1 and pp > 1"
+        )
+    if dims.tp > 1 and isinstance(module, Llama):
+        raise ValueError(
+            f"ZeroFabricStrategy(pp={dims.pp}) with tp={dims.tp}: pipeline stages with tensor parallelism run under"
+            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use tp=1 with pp > 1 under Fabric (docs/pipeline.md)"
         )
     if getattr(model_config, "tie_embeddings", False):
         raise ValueError(
@@ -298,7 +328,9 @@ class PipelineRun:
             stage = stages[index]
             if index > 0 and layout.stage_rank(index - 1) != owner:
                 dtype = next(stage.parameters()).dtype
-                hidden = torch.empty((*inputs.shape, stage.config.dim), dtype=dtype, device=self.device)
+                batch, seq = inputs.shape
+                shape = (batch, seq // stage.sequence_shards, stage.config.dim)  # this rank's sequence shard
+                hidden = torch.empty(shape, dtype=dtype, device=self.device)
                 with record_function("lightning_zero::pp_eval_recv"):
                     dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
             hidden = stage(hidden)

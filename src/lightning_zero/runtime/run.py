@@ -152,8 +152,7 @@ class ZeroRun:
         from lightning_zero.runtime.pipeline import pipeline_layout
 
         check_layout(dims, module)
-        # pp > 1: the checked split
-        self.session.pipeline_layout = pipeline_layout(self.config, dims, module, door="ZeroFabricStrategy")
+        self.session.pipeline_layout = pipeline_layout(self.config, dims, module)  # pp > 1: the checked split
         self.session.parallel_plan().apply(module)
 
     def model_build(self) -> ContextManager:

@@ -178,7 +178,11 @@ def apply_layout(
     from lightning_zero.cp.parallelize import parallelize_context
 
     layout = groups.dims
-    if "tp" in dims and layout.tp > 1 and not isinstance(model.tok_embeddings, VocabParallelEmbedding):
+    # a model cut into pipeline stages had its tp step first (its first stage's embedding may be elsewhere)
+    split = (
+        isinstance(model.tok_embeddings, VocabParallelEmbedding) or getattr(model, "pipeline_stages", None) is not None
+    )
+    if "tp" in dims and layout.tp > 1 and not split:
         parallelize_llama(model, groups.tp, counter=counter, sequence_parallel=sequence_parallel)
     if "cp" in dims and layout.cp > 1 and model.context_parallel_size == 1:
         parallelize_context(model, groups.cp, counter=getattr(model, "tp_comm_counter", None) or counter, tp=layout.tp)

@@ -42,6 +42,12 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         object.__setattr__(self, "_model", model)  # a plain reference (no submodule), for its tables
         self.context_parallel_size = model.context_parallel_size
+        # [Note: sequence-parallel stages] under tp with sequence parallelism the residual stream
+        # between blocks, so a stage's input and output, is this tp rank's T/tp slice: torch's
+        # schedule sends it to the same tp rank of the next stage (the pp group joins equal tp ranks)
+        wo = getattr(model.layers[blocks[0]].attention, "wo", None) if len(blocks) else None
+        sharded = getattr(model, "tp_sequence_parallel", False)
+        self.sequence_shards = getattr(wo, "tp_size", 1) if sharded else 1  # T / (the stage's input length)
         self.activation_checkpointing = model.activation_checkpointing
 
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +57,7 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x  # (B, T, dim)
-        cos, sin = self.rope(h.size(1) * self.context_parallel_size)
+        cos, sin = self.rope(h.size(1) * self.context_parallel_size * self.sequence_shards)
         for layer in self.layers.values():
             if self.activation_checkpointing == "full" and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)

@@ -108,7 +108,8 @@ class MoELM(LlamaLM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)
         model = self._built_model()
-        cross_entropy = model.loss_fn(model(inputs), targets)
-        loss = cross_entropy + model.aux_loss()
+        loss = model.loss_fn(model(inputs), targets)
+        if self.config.aux_loss_coef or self.config.z_loss_coef:  # an aux-free model adds nothing (pp runs only
+            loss = loss + model.aux_loss()  # those: [Note: MoE pipeline stages] in models/moe/pipeline.py)
         self.log("train_loss", loss, prog_bar=True)
         return loss

@@ -187,7 +187,9 @@ class MoETransformer(Llama):
         return MoEBlock(config, layer_id)
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.moe for layer in self.layers if layer.moe is not None]
+        """This rank's MoE layers (under pp, those of its stages: another rank's block is a
+        ``HeldElsewhere``, ``models/llama/pipeline.py``)."""
+        return [moe for moe in (getattr(layer, "moe", None) for layer in self.layers) if moe is not None]
 
     def mark_expert_params(self) -> None:
         """(Re)mark every stacked expert Parameter ([Note: stacked experts]); anything that makes new
