@@ -44,3 +44,15 @@ def test_muon_under_pp_orthogonalizes_only_the_rank_s_blocks():
 def test_a_split_the_model_cannot_take_is_refused_by_the_planner():
     with pytest.raises(ValueError, match="every stage needs at least one"):
         plan_run("tiny", stage=1, world_size=16, devices_per_node=1, pp=16, pp_microbatches=16, suggest=False)
+
+
+def test_stage3_under_pp_plans_the_stage_s_parameters_held_for_the_whole_step():
+    """[Note: stage 3 under a pipeline]: the stage's parameters gathered once and kept for every
+    micro-batch, its gradients whole until they are handed in; not one unit and its prefetch."""
+    flat = plan_run("70b", stage=3, accumulate_grad_batches=2, **RUN)
+    piped = plan_run("70b", stage=3, pp=4, pp_schedule="1f1b", pp_microbatches=8, **RUN)
+    held = piped.pipeline.ranks[piped.pp_rank].params  # this tp rank's stage
+    dp = piped.dp
+    for planned, width in ((piped.memory.prefetch_buffers, 2), (piped.memory.param_grad, 2)):  # bf16 params, grads
+        assert held * width <= planned < (held + dp) * width  # padded to a multiple of dp
+    assert piped.memory.prefetch_buffers > 5 * flat.memory.prefetch_buffers  # a fifth of 80 blocks, not 1 + prefetch

@@ -362,10 +362,10 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
 # The layout the search chooses with pipeline parallelism (`lightning-zero plan recipe=NAME plan.search=true`
 # on 32 nodes plans pp by default: planner/search.py pp_sizes_for), as each header quotes it.
 PP_SEARCHED = {
-    "llama3_405b": ["strategy=zero3", "strategy.tensor_parallel_size=2", "strategy.bucket_mb=400",
-                    "strategy.prefetch_blocks=1", "strategy.sequence_parallel=true", "strategy.pp=2",
-                    "strategy.pp_schedule=zbv", "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=8",
-                    "data.batch_size=1", "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
+    "llama3_405b": ["strategy=zero1", "strategy.tensor_parallel_size=2", "strategy.bucket_mb=400",
+                    "strategy.sequence_parallel=true", "strategy.pp=32", "strategy.pp_schedule=zbv",
+                    "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=128", "data.batch_size=1",
+                    "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
     "deepseek_v3_671b": ["strategy=zero1", "strategy.tensor_parallel_size=1", "strategy.bucket_mb=400", "strategy.ep=8",
                          "strategy.pp=16", "strategy.pp_schedule=zbv", "strategy.pp_virtual_stages=2",
                          "strategy.pp_microbatches=128", "data.batch_size=2", "trainer.accumulate_grad_batches=1",

@@ -530,6 +530,10 @@ def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
         memory, rank_acts = memory_per_rank(run)
         stage = pipeline.ranks[rank]
         loss = (acts.loss_saved + LOSS_TOTAL_WEIGHT_BYTES) if stage.head else 0.0  # the logits' peak counts it
+        if r.stage == 3:  # [Note: stage 3 under a pipeline]: the stage's parameters and gradients, whole
+            memory = dataclasses.replace(
+                memory, prefetch_buffers=float(run.padded * r.dtype.param), param_grad=float(run.padded * r.dtype.grad)
+            )
         memory = dataclasses.replace(
             memory,
             activations=stage.in_flight_bytes - loss + acts.recompute_peak(r.checkpointing),
