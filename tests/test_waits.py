@@ -96,7 +96,8 @@ def test_the_first_failure_posted_wins_and_every_peer_reads_it_within_a_poll():
     channels[1].post("ValueError: first")
     channels[2].post("ValueError: second")  # a later failure does not replace the cause
     deadline = time.monotonic() + 2
-    while channels[0].peer_failure is None and time.monotonic() < deadline:
+    # the watcher publishes peer_failure, then calls on_peer_failure: wait for both
+    while (channels[0].peer_failure is None or not seen) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert channels[0].peer_failure == (1, "ValueError: first")
     assert channels[2].failed and channels[2].posted
