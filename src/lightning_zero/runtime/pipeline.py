@@ -276,7 +276,8 @@ class PipelineRun:
                     raise cause from None
                 raise
         self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
-        self.held_grad_bytes = max(self.held_grad_bytes, sum(grad.numel() * grad.element_size() for grad in held.values()))
+        held_bytes = sum(grad.numel() * grad.element_size() for grad in held.values())
+        self.held_grad_bytes = max(self.held_grad_bytes, held_bytes)
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
         return self._share(loss)
