@@ -33,7 +33,7 @@ STEPS, MICRO, PP_BATCH, PP_ACCUMULATE = 4, 4, 4, 2  # pp: 2 dp ranks x 4 sequenc
 DDP_ACCUMULATE = 4  # ddp: 4 ranks x 1 sequence x 4 batches, the same 16 sequences a step
 
 CASES = {"ddp": (lambda: "ddp", 1, DDP_ACCUMULATE), "ddp_cap": (lambda: "ddp", 1, DDP_ACCUMULATE)}
-for _stage in (1, 2):
+for _stage in (1, 2, 3):
     for _name in ("1f1b", "interleaved", "zb", "zbv"):
         for _cap in ("", "_cap"):
             _strategy = zero(_stage, pp=2, ep=2, pp_microbatches=MICRO, **SCHEDULES[_name])
