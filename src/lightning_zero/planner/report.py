@@ -141,7 +141,8 @@ def pipeline_micro_batch(config: ZeroConfig, batch_size: int) -> int:
     batch is one of them. Raises ``ValueError`` naming the fix when they do not divide."""
     if config.pp == 1:
         return batch_size
-    microbatches = config.pp_microbatches or config.pp * (2 if config.pp_schedule == "zbv" else config.pp_virtual_stages)
+    local = 2 if config.pp_schedule == "zbv" else config.pp_virtual_stages  # stages per rank
+    microbatches = config.pp_microbatches or config.pp * local
     if batch_size % microbatches:
         raise ValueError(
             f"data.batch_size={batch_size} does not split into {microbatches} pipeline micro-batches (under pp the"
