@@ -82,6 +82,23 @@ for _stage in (1, 2, 3):
             CASES[f"pp2cp2tp2{_ring}_{_name}_zero{_stage}"] = (zero(_stage, **_knobs, **TP_SP), 1)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
+# tests/test_pipeline_checkpoints.py, one launch on 4 ranks (global batch 4 in every case): pp=2 x dp=2 and
+# pp=1 x dp=4 (ZeRO-2, ddp's numbers) saving at steps 2 and 4 (and the Hugging Face layout from the live run
+# after fit, HF_SAVES), each step-2 checkpoint resumed at another split, pp, schedule or dp; bf16-mixed
+# against Lightning's ddp (1 sequence a rank)
+CASES["save_pp2dp2"] = (zero(2, pp=2, pp_microbatches=2), 2)
+CASES["save_pp1dp4"] = (zero(2), 4)
+CASES["resume_pp2_ckpt_pp2_layers13"] = (zero(2, pp=2, pp_microbatches=2, pp_layers=[1, 3]), 2)
+CASES["resume_pp2_ckpt_pp4"] = (zero(1, pp=4), 1)  # 4 micro-batches of one sequence, a block a stage
+CASES["resume_pp2_ckpt_interleaved"] = (zero(2, pp=2, pp_microbatches=2, **SCHEDULES["interleaved"]), 2)
+CASES["resume_pp1_ckpt_pp2"] = (zero(2, pp=2, pp_microbatches=2), 2)
+CASES["ddp4_bf16"] = (lambda: "ddp", 4)
+CASES["pp2dp2_bf16"] = (zero(2, pp=2, pp_microbatches=2), 2)
+SAVES.update(save_pp2dp2="pp2dp2", save_pp1dp4="pp1dp4")
+RESUMES.update(resume_pp2_ckpt_pp2_layers13="pp2dp2", resume_pp2_ckpt_pp4="pp2dp2",
+               resume_pp2_ckpt_interleaved="pp2dp2", resume_pp1_ckpt_pp2="pp1dp4")  # fmt: skip
+PRECISION = {"ddp4_bf16": "bf16-mixed", "pp2dp2_bf16": "bf16-mixed"}  # the others: fp32
+HF_SAVES = ("save_pp2dp2", "save_pp1dp4")  # ZeroStrategy.save_hf_pretrained(OUT_DIR/hf/<case>) after fit
 
 
 def is_moe(case: str) -> bool:
@@ -126,9 +143,11 @@ def run(name: str, devices: int, out_dir: str) -> None:
     record = Record()
     trainer, ckpt_path = checkpointed_trainer(
         out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
-        **TRAINER,
+        precision=PRECISION.get(name, "32-true"), **TRAINER,
     )  # fmt: skip
     trainer.fit(model, data, ckpt_path=ckpt_path)
+    if name in HF_SAVES:
+        trainer.strategy.save_hf_pretrained(os.path.join(out_dir, "hf", name))
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
     rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
     mesh = getattr(trainer.strategy, "device_mesh", None)
@@ -140,7 +159,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
 
         cp = dist.get_world_size(cp_group)
         (rows,) = context_slices((rows,), cp, dist.get_rank(cp_group))
-    if dp > len(rows):  # ddp on 4 ranks (the cp cases' reference): each rank forwards both rows itself
+    if dp > len(rows):  # 2 rows over 4 dp ranks (a whole model on each): each rank forwards both rows itself
         with torch.no_grad():
             predicted = model.model(rows)
     else:

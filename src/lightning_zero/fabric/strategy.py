@@ -53,8 +53,9 @@ from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.layout import FabricLayout, check_before_launch
 from lightning_zero.fabric.precision import FabricPrecisionSlot
 from lightning_zero.runtime.forward_steps import ForwardSteps
-from lightning_zero.runtime.run import RunViews, ZeroRun
+from lightning_zero.runtime.run import ZeroRun
 from lightning_zero.runtime.signals import AgreedSignals
+from lightning_zero.runtime.views import RunViews
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry

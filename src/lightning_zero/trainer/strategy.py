@@ -24,7 +24,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.runtime.run import RunViews, ZeroRun
+from lightning_zero.runtime.run import ZeroRun
+from lightning_zero.runtime.views import RunViews
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.checkpoints import TrainerCheckpoints
 from lightning_zero.trainer.failure_path import check_step_output, where

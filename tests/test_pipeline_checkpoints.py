@@ -1,0 +1,140 @@
+"""Checkpoints, export and precision across pipeline layouts (issue 63, items 5 and 6): one launch of
+tests/scripts/pp_parity.py on 4 ranks, every case on the same global batch of 4 sequences a step
+(fp32 unless named, accumulation 2, norm clipping, validation).
+
+- ``save_pp1dp4`` (ZeRO-2 over 4 ranks, no pipeline: ddp's numbers) and ``save_pp2dp2`` (pp=2 x dp=2,
+  1F1B) train 4 steps uninterrupted, saving at steps 2 and 4, and write the Hugging Face layout from
+  the live run after fit (``ZeroStrategy.save_hf_pretrained``);
+- their step-2 checkpoints resume at another split: pp=2 with ``pp_layers=[1, 3]`` (the save split
+  2 + 2), pp=4 (a block a stage, dp=1), interleaved 1F1B (two stages a rank), and the pp=1 save at
+  pp=2; each continues as the uninterrupted run;
+- ``pp2dp2_bf16`` against Lightning's ddp (``ddp4_bf16``) under ``precision="bf16-mixed"``.
+
+The checkpoints then export (``lightning-zero export``, plain and ``--format hf``) with every stage's
+tensors once, under the dense model's names.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import launch_each, rank_result
+from tests.ulps import adam_ulps, assert_close_ulps, ulps_apart
+
+RANKS = 4
+LAUNCH = (RANKS, ["save_pp1dp4", "save_pp2dp2", "resume_pp2_ckpt_pp2_layers13", "resume_pp2_ckpt_pp4",
+                  "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2", "ddp4_bf16", "pp2dp2_bf16"])  # fmt: skip
+REFERENCE = "save_pp1dp4"  # uninterrupted, no pipeline: ZeRO-2 equals ddp (tests/test_any_model_vs_ddp.py)
+RESUMED = ["resume_pp2_ckpt_pp2_layers13", "resume_pp2_ckpt_pp4", "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2"]
+CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return launch_each("pp_parity.py", tmp_path_factory.mktemp("pp_ckpt"), [LAUNCH], timeout_s=400)
+
+
+def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-step losses and validation losses, the mean over the 4 ranks (each rank reports its dp
+    rank's batch: the mean is the global batch's in every layout), and every parameter (each pp
+    rank holds its stages')."""
+    ranks = [rank_result(results, case, rank) for rank in range(RANKS)]
+    params: dict = {}
+    for result in ranks:
+        params.update(result["params"])
+    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
+    return losses, torch.tensor([result["val_losses"] for result in ranks]).mean(0), params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["save_pp2dp2", *RESUMED])
+def test_a_checkpoint_resumes_at_another_split_pp_or_schedule_exactly(trained, case):
+    """Every tensor is saved in dense coordinates under the full model's names, so a step-2
+    checkpoint of pp=2 x dp=2 loads into pp=2 cut 1 + 3, into pp=4 and into interleaved stages, and
+    pp=1's into pp=2: steps 3-4 (batches 5-8), the last validation and the trained weights equal the
+    uninterrupted run's to 1e-5 (fp32)."""
+    losses, val_losses, params = _joined(trained, case)
+    want_losses, want_val, want_params = _joined(trained, REFERENCE)
+    resumed = case in RESUMED
+    assert want_losses.shape == (8,) and losses.shape == ((4,) if resumed else (8,))
+    torch.testing.assert_close(losses, want_losses[4:] if resumed else want_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(val_losses[-1], want_val[-1], rtol=0, atol=1e-5)  # after training
+    assert set(params) == set(want_params)  # every stage's parameters, under the full model's names
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_pipeline_trains_like_ddp_bf16(trained):
+    """pp=2 x dp=2 under ``precision="bf16-mixed"`` (the stages compute in bf16, the activations sent
+    between them in the compute dtype) against Lightning's ddp in bf16-mixed, in bf16 ulps ([Note:
+    tolerances in ulps] in tests/ulps.py). Each loss is an fp32 mean over bf16 logits of weights
+    that may already differ by Adam steps turned the other way (below): 1 ulp of each loss, as the
+    other bf16 parities state it; the validation losses likewise. The trained weights: AdamW at most
+    lr = 1e-2 a step for 4 steps, each step that a gradient's last bits turned the other way moving a
+    weight by at most 2 lr (``adam_ulps``, in ulps of the tensor's largest weight)."""
+    losses, val_losses, params = _joined(trained, "pp2dp2_bf16")
+    want_losses, want_val, want_params = _joined(trained, "ddp4_bf16")
+    assert losses.shape == want_losses.shape == (8,)
+    assert_close_ulps(losses, want_losses, 1, torch.bfloat16)
+    assert_close_ulps(val_losses, want_val, 1, torch.bfloat16)
+    assert set(params) == set(want_params)
+    for name, value in want_params.items():
+        bound = adam_ulps(value, torch.bfloat16, lr_sum=4 * 1e-2)
+        assert_close_ulps(params[name], value, bound, torch.bfloat16, magnitude="max", msg=name)
+    # not equal to fp32 training: the stages did compute in bf16
+    fp32 = _joined(trained, REFERENCE)[0]
+    assert ulps_apart(losses, fp32, torch.float32) > 100
+
+
+def _dense_names() -> set:
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama
+
+    with torch.device("meta"):
+        return set(Llama(LlamaConfig(**CONFIG)).state_dict())
+
+
+@pytest.mark.slow
+def test_export_of_a_pp2_checkpoint_gathers_every_stage_under_the_dense_names(trained, tmp_path):
+    """``lightning-zero export`` of the step-4 checkpoint written at pp=2 x dp=2: every parameter of
+    the dense model once, equal to what the ranks trained (bit for bit: the fp32 masters) and to the
+    pp=1 run's export to 1e-5; ``--format hf`` loads strictly in ``transformers`` and computes our
+    model's logits; the live run's ``save_hf_pretrained`` wrote the same tensors at pp=2 as at pp=1."""
+    from safetensors.torch import load_file
+
+    from lightning_zero.cli import main
+    from lightning_zero.models.llama.config import LlamaConfig
+    from lightning_zero.models.llama.model import Llama
+
+    transformers = pytest.importorskip("transformers")
+    exported = {}
+    for case, folder in (("save_pp2dp2", "pp2dp2"), (REFERENCE, "pp1dp4")):
+        ckpt = trained / "ckpts" / folder / "epoch=0-step=4.ckpt"
+        main(["export", str(ckpt), str(tmp_path / f"{folder}.safetensors")])
+        exported[case] = load_file(tmp_path / f"{folder}.safetensors")
+        assert set(exported[case]) == _dense_names(), case
+        trained_params = _joined(trained, case)[2]
+        for name, value in trained_params.items():
+            assert torch.equal(exported[case][name], value), (case, name)
+    for name, value in exported[REFERENCE].items():
+        torch.testing.assert_close(exported["save_pp2dp2"][name], value, rtol=0, atol=1e-5, msg=name)
+
+    ckpt = trained / "ckpts" / "pp2dp2" / "epoch=0-step=4.ckpt"
+    main(["export", str(ckpt), str(tmp_path / "hf"), "--format", "hf"])
+    theirs, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # strict: nothing missing, unexpected, mismatched
+    ours = Llama(LlamaConfig(**CONFIG))
+    ours.load_state_dict(exported["save_pp2dp2"])
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs.eval()(tokens).logits).abs().max().item() < 1e-5
+
+    def hf_tensors(folder):
+        return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+    written = hf_tensors(tmp_path / "hf")
+    live = {case: hf_tensors(trained / "hf" / case) for case in ("save_pp2dp2", REFERENCE)}
+    assert set(live["save_pp2dp2"]) == set(live[REFERENCE]) == set(written)
+    for name, value in written.items():
+        assert torch.equal(live["save_pp2dp2"][name], value), name  # the same run, the same step
+        torch.testing.assert_close(live[REFERENCE][name], value, rtol=0, atol=1e-5, msg=name)
