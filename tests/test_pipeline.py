@@ -204,10 +204,11 @@ LAUNCHES = [
         ["ddp", "pp2_gpipe_zero1", "pp2_1f1b_zero2", "pp2_interleaved_zero1", "pp2_zb_zero2", "pp2_zbv_zero1",
          "resume_pp2_ckpt_pp1", "ddp_moe", "pp2moe_zbv_zero1", "pp2_1f1b_zero3"],
     ),
-    # pp x dp, pp x ep (MoE), and pp x tp with sequence parallelism: every schedule, ZeRO 1 and 2 (1F1B at both)
+    # pp x dp, pp x ep (MoE), and pp x tp with sequence parallelism: every schedule, ZeRO 1 and 2 (1F1B at both),
+    # ZeRO 3 with tp (ZBV) and ep (interleaved); pp x dp at ZeRO 3: tests/test_pipeline_stage3.py
     (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2ep2_1f1b_zero1", "pp2ep2_interleaved_zero2",
          "pp2tp2_1f1b_zero1", "pp2tp2_1f1b_zero2", "pp2tp2_gpipe_zero2", "pp2tp2_interleaved_zero1", "pp2tp2_zb_zero2",
-         "pp2tp2_zbv_zero1", "pp2dp2_1f1b_zero3", "pp2dp2_gpipe_zero3"]),
+         "pp2tp2_zbv_zero1", "pp2tp2_zbv_zero3", "pp2ep2_interleaved_zero3"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
 DP = {case: 2 if case.startswith(("pp2dp2_", "pp2ep2_")) else 1 for case in RANKS}  # the dp ranks of each pipelined run
@@ -271,7 +272,6 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 
 
 PIPELINE_REFUSALS = [
-    (dict(stage=3, tensor_parallel_size=2, sequence_parallel=True), {}, "use stage=1 or stage=2 with pp > 1 here"),
     (dict(tensor_parallel_size=2), {}, "use sequence_parallel=True with tp > 1 and pp > 1"),
     (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
@@ -346,20 +346,6 @@ def test_a_moe_pipeline_runs_ep_aux_free_and_refuses_the_rest_before_any_process
 
         with torch.device("meta"), pytest.raises(ValueError, match="under the Trainer \\(MoELM\\) only so far"):
             pipeline_layout(ZeroConfig(pp=2, ep=2), dims, MoETransformer(resolve_moe_config(moe)))
-
-
-def test_the_fabric_door_refuses_stage3_under_pp_naming_the_fix():
-    """Stage 3 within a pipeline stage runs under the Trainer (tested above), not yet through
-    ``ZeroFabricStrategy``'s ``pipeline_step``: refused where that door checks its model (the model itself)."""
-    from lightning_zero.comm.mesh import ParallelDims
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.models.llama.config import LlamaConfig
-    from lightning_zero.models.llama.model import Llama
-    from lightning_zero.runtime.pipeline import pipeline_layout
-
-    dims = ParallelDims(world_size=4, devices_per_node=4, pp=2)
-    with pytest.raises(ValueError, match="stage=3: .* use stage=1 or stage=2 with pp > 1 here"):
-        pipeline_layout(ZeroConfig(stage=3, pp=2), dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():

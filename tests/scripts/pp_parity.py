@@ -54,7 +54,7 @@ for _stage in (1, 2):
         CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
 # pp=2 x tp=2 (sequence parallel) on 4 ranks: each tp rank sends its sequence shard to its peer stage
 TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
-for _stage in (1, 2):
+for _stage in (1, 2, 3):
     for _name in SCHEDULES:
         CASES[f"pp2tp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
 # MoE (docs/pipeline.md): pp=2 x ep=2 on 4 ranks, each stage's 2 ranks splitting its MoE layers' experts and
@@ -62,17 +62,22 @@ for _stage in (1, 2):
 MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_dim=32, n_dense_layers=1,
                   aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
 CASES["ddp_moe"] = (lambda: "ddp", 2)
-for _stage, _name in ((1, "1f1b"), (2, "interleaved")):
+for _stage, _name in ((1, "1f1b"), (2, "interleaved"), (3, "1f1b"), (3, "interleaved")):
     CASES[f"pp2ep2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, ep=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
 CASES["pp2moe_zbv_zero1"] = (zero(1, pp=2, **SCHEDULES["zbv"]), 1)  # ep=1: each stage holds all its experts
-for _name in ("gpipe", "1f1b"):  # stage 3: the stage's parameters held gathered for the whole schedule
-    CASES[f"pp2_{_name}_zero3"] = (zero(3, pp=2, **SCHEDULES[_name]), 1)
-    CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
+# stage 3: the stage's parameters held gathered for the whole schedule ([Note: stage 3 under a pipeline]); pp=2 x dp=2
+# under every schedule in tests/test_pipeline_stage3.py's launch: 8 sequences a step (zbv needs 2 pp = 4 micro-batches
+# of a dp rank's rows) against ddp on 4 ranks (2 sequences each)
+CASES["pp2_1f1b_zero3"] = (zero(3, pp=2, **SCHEDULES["1f1b"]), 1)
+CASES["ddp4"] = (lambda: "ddp", 4)
+for _name, _knobs in SCHEDULES.items():
+    CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=4, **_knobs), 2)
+EIGHT = {"ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}  # 8 sequences a step
 # pp=2 x cp=2 on 4 ranks: each cp rank sends its sequence slice to its peer stage; attention inside a
 # stage over its cp group: Ulysses (4 heads split over cp=2) or, with 3 heads (RING_CONFIG), the ring.
 # Their ddp references run on 4 ranks too (one sequence each), so the cp cases need no 2-rank launch.
 RING_CONFIG = dict(CONFIG, dim=48, n_heads=3, n_kv_heads=1)
-CASES["ddp4"] = CASES["ddp4_ring"] = (lambda: "ddp", 4)
+CASES["ddp4_cp"] = CASES["ddp4_ring"] = (lambda: "ddp", 4)
 CASES["cp2tp2_zero1"] = (zero(1, cp=2, **TP_SP), 1)  # pp=1 tp x cp + SP: what pp2cp2tp2_* equal (docs/pipeline.md)
 for _stage in (1, 2, 3):
     for _name in SCHEDULES:
@@ -112,14 +117,21 @@ class Record(L.Callback):
 
         self.val_losses: list[float] = []
         self.gathered: tuple[int, int] = (0, 0)  # stage 3: most block elements gathered at once, of all
+        self.held: tuple[int, int] = (0, 0)  # stage 3 under pp: most parameter and gradient bytes held whole
+        self.sent: list[dict] = []  # stage 3: elements each training batch sent, per collective kind
+        self._before: dict = {}
 
     def on_train_end(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)  # ddp has none
         runtime = engine.stage3 if engine is not None else None
         if runtime is not None:
             self.gathered = (runtime.high_water_numel, sum(unit.numel for unit in runtime.units[:-1]))
+            # measured beside the plan: the parameters and the schedule's gradients held whole
+            self.held = (runtime.held_whole_bytes, trainer.strategy.run.session.pipeline.held_grad_bytes)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        self._before = dict(engine.counter.elements) if engine is not None else {}
         self.rows.append([int((row * torch.arange(1, row.numel() + 1)).sum()) for row in batch])
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -127,6 +139,10 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            now = engine.counter.elements
+            self.sent.append({kind: now[kind] - self._before.get(kind, 0.0) for kind in now})
 
 
 def run(name: str, devices: int, out_dir: str) -> None:
@@ -137,7 +153,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
     else:
         model = LlamaLM(RING_CONFIG if "ring" in name else CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     data = TokenDataModule(
-        source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.25, seed=3,
+        source="synthetic", seq_len=SEQ, batch_size=(8 if name in EIGHT else GLOBAL_BATCH) // dp, vocab_size=64, val_fraction=0.25, seed=3,
         synthetic_tokens=64 * SEQ + 1,
     )  # fmt: skip
     record = Record()
@@ -149,7 +165,8 @@ def run(name: str, devices: int, out_dir: str) -> None:
     if name in HF_SAVES:
         trainer.strategy.save_hf_pretrained(os.path.join(out_dir, "hf", name))
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
-    rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    count = 4 if name in EIGHT else 2  # ddp on 4 ranks in EIGHT: one row each
+    rows = torch.randint(0, 64, (count, SEQ), generator=torch.Generator().manual_seed(11))
     mesh = getattr(trainer.strategy, "device_mesh", None)
     cp_group = mesh["cp"].get_group() if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) else None
     if cp_group is not None:  # each cp rank predicts from its slice of every sequence (cp/batch.py)
@@ -159,11 +176,11 @@ def run(name: str, devices: int, out_dir: str) -> None:
 
         cp = dist.get_world_size(cp_group)
         (rows,) = context_slices((rows,), cp, dist.get_rank(cp_group))
-    if dp > len(rows):  # 2 rows over 4 dp ranks (a whole model on each): each rank forwards both rows itself
+    if dp > count:  # 2 rows over 4 dp ranks (a whole model on each): each rank forwards both rows itself
         with torch.no_grad():
             predicted = model.model(rows)
     else:
-        predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=2 // dp)))
+        predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=count // dp)))
     if cp_group is not None:  # the slices' logits joined along the sequence
         slices = [torch.empty_like(predicted) for _ in range(cp)]
         dist.all_gather(slices, predicted.contiguous(), group=cp_group)
@@ -185,6 +202,8 @@ def run(name: str, devices: int, out_dir: str) -> None:
             "losses": record.losses,
             "val_losses": record.val_losses,
             "gathered": record.gathered,
+            "sent": record.sent,
+            "held": record.held,
             "rows": record.rows,
             "params": {k: v.float() for k, v in params.items()},
         },

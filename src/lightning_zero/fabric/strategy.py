@@ -216,8 +216,9 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     # -- module and optimizers ------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """[Note: stage 3 init under Fabric] in ``runtime/deferred_init.py``."""
-        if self.zero_config.stage != 3 or not empty_init:
+        """[Note: stage 3 init under Fabric] in ``runtime/deferred_init.py``; under ``pp > 1`` built whole,
+        then cut at setup, as the Trainer door does ([Note: stage 3 under a pipeline])."""
+        if self.zero_config.stage != 3 or not empty_init or self.zero_config.pp > 1:
             return super().module_init_context(empty_init=False)
         return self.loop.init.building(self.root_device, self.precision.module_init_context())
 

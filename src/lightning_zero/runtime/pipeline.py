@@ -84,12 +84,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
             " shard_size=None and hierarchical_reduce=False with pp > 1"
         )
-    # under Fabric the model itself arrives; stage 3 runs under the Trainer, a Llama, tp=1 (docs/pipeline.md)
-    if config.stage == 3 and (isinstance(module, (Llama, MoETransformer)) or moe or dims.tp > 1):
-        raise ValueError(
-            f"{asked}, stage=3: ZeRO-3 within a pipeline stage runs under the Trainer door (ZeroStrategy, LlamaLM)"
-            " with tp=1 only so far (docs/pipeline.md); use stage=1 or stage=2 with pp > 1 here"
-        )
     if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
             f"{asked}: {type(module).__name__} is no model the runtime cuts into stages; pipeline stages run"
@@ -202,6 +196,7 @@ class PipelineRun:
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
+        self.held_grad_bytes = 0  # most bytes of gradients a schedule kept aside so far (docs/pipeline.md)
 
     def attach(self, module: nn.Module, engine: Optional["ZeroEngine"]) -> None:
         """``module``'s cut decoder (the one with ``pipeline_stages``) and the engine over its stages."""
@@ -292,6 +287,8 @@ class PipelineRun:
                     raise cause from None
                 raise
         self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
+        held_bytes = sum(grad.numel() * grad.element_size() for grad in held.values())
+        self.held_grad_bytes = max(self.held_grad_bytes, held_bytes)
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
         return self._share(loss)
