@@ -12,6 +12,11 @@ tests/scripts/pp_parity.py on 4 ranks, every case on the same global batch of 4 
 
 The checkpoints then export (``lightning-zero export``, plain and ``--format hf``) with every stage's
 tensors once, under the dense model's names.
+
+Before that launch, tests/scripts/pp_failure.py (2 ranks, pp=2, the same training) fails mid-schedule
+at step 3: rank 1 raises, or is SIGKILLed; every rank must end, the error naming rank 1, and the
+kill's ``last`` checkpoint (step 2) resumes in the launch (``resume_killed_last``, pp=2 x dp=2) as
+the uninterrupted run.
 """
 
 import pytest
@@ -22,15 +27,68 @@ from tests.ulps import adam_ulps, assert_close_ulps, ulps_apart
 
 RANKS = 4
 LAUNCH = (RANKS, ["save_pp1dp4", "save_pp2dp2", "resume_pp2_ckpt_pp2_layers13", "resume_pp2_ckpt_pp4",
-                  "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2", "ddp4_bf16", "pp2dp2_bf16"])  # fmt: skip
+                  "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2", "resume_killed_last", "ddp4_bf16",
+                  "pp2dp2_bf16"])  # fmt: skip
 REFERENCE = "save_pp1dp4"  # uninterrupted, no pipeline: ZeRO-2 equals ddp (tests/test_any_model_vs_ddp.py)
-RESUMED = ["resume_pp2_ckpt_pp2_layers13", "resume_pp2_ckpt_pp4", "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2"]
+RESUMED = ["resume_pp2_ckpt_pp2_layers13", "resume_pp2_ckpt_pp4", "resume_pp2_ckpt_interleaved", "resume_pp1_ckpt_pp2",
+           "resume_killed_last"]  # fmt: skip
+# A failing rank must end every rank long before anything else would: the process group's timeout is 30
+# minutes and collective_timeout 300 s, so a hang ends there at the soonest. 60 s (the fault matrix's bound,
+# tests/test_fault_matrix.py) leaves a loaded 2-core box room; on an idle one they end in about 2 s.
+EXIT_WITHIN_S = 60.0
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
+def _fail_mid_schedule(out) -> dict:
+    """Both cases of tests/scripts/pp_failure.py at once, 2 ranks each: ``{case: {"ends": [(exit
+    code, seconds after the hazard) per rank], "logs": [per rank]}}`` (a rank not ended after 150 s
+    is killed: its end is ``None``)."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.distributed import free_port, script_env, start_process, torchrun_env
+
+    root = Path(__file__).resolve().parents[1]
+    running = {}
+    for case in ("raise", "kill"):
+        port = free_port()
+        argv = [sys.executable, str(root / "tests" / "scripts" / "pp_failure.py"), str(out), case]
+        running[case] = [start_process(argv, cwd=out, env=torchrun_env(script_env(root), rank, 2, port),
+                                       log_path=out / f"{case}.rank{rank}.log") for rank in range(2)]  # fmt: skip
+    ends: dict = {case: [None, None] for case in running}
+    started = time.monotonic()
+    while any(None in value for value in ends.values()) and time.monotonic() - started < 150:
+        for case, procs in running.items():
+            for rank, proc in enumerate(procs):
+                if ends[case][rank] is None and proc.poll() is not None:
+                    ends[case][rank] = (proc.returncode, time.time())
+        time.sleep(0.05)
+    for procs in running.values():
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    failed = {}
+    for case in running:
+        hazard = out / f"{case}.hazard"
+        at = float(hazard.read_text()) if hazard.exists() else float("nan")
+        failed[case] = {
+            "ends": [None if end is None else (end[0], end[1] - at) for end in ends[case]],
+            "logs": [(out / f"{case}.rank{rank}.log").read_text(errors="replace") for rank in range(2)],
+        }
+    return failed
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return launch_each("pp_parity.py", tmp_path_factory.mktemp("pp_ckpt"), [LAUNCH], timeout_s=400)
+def failures_and_training(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp_ckpt")
+    failed = _fail_mid_schedule(out)  # first: the launch resumes the kill's `last`
+    return failed, launch_each("pp_parity.py", out, [LAUNCH], timeout_s=400)
+
+
+@pytest.fixture
+def trained(failures_and_training):
+    return failures_and_training[1]
 
 
 def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -138,3 +196,32 @@ def test_export_of_a_pp2_checkpoint_gathers_every_stage_under_the_dense_names(tr
     for name, value in written.items():
         assert torch.equal(live["save_pp2dp2"][name], value), name  # the same run, the same step
         torch.testing.assert_close(live[REFERENCE][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["raise", "kill"])
+def test_a_pp_rank_failing_mid_schedule_ends_every_rank_naming_it(failures_and_training, case):
+    """tests/scripts/pp_failure.py: at step 3 rank 1 (the last stage) raises, or SIGKILLs itself,
+    inside its first block's forward while rank 0 waits in the schedule's transfer; both ranks exit
+    non-zero within ``EXIT_WITHIN_S``, and rank 0's error names rank 1: after a raise with rank 1's
+    own exception and the step ([Note: failure path]), after a kill as gone without a word, its
+    transfer failed ([Note: a pipeline neighbour gone] in runtime/pipeline.py). The kill's ``last``
+    resumes exactly: ``resume_killed_last`` above."""
+    import signal
+
+    failed = failures_and_training[0][case]
+    ends, logs = failed["ends"], failed["logs"]
+    tails = "\n".join(log[-3000:] for log in logs)
+    for rank, end in enumerate(ends):
+        assert end is not None and end[0] != 0, (case, rank, end, tails)
+        assert end[1] < EXIT_WITHIN_S, (case, rank, end, tails)
+    survivor = logs[0]
+    assert "stops because another rank failed (global rank 1)" in survivor, tails
+    if case == "raise":
+        assert "ValueError: a bad micro-batch on pp rank 1" in logs[1]
+        assert "training step 3" in survivor
+        assert "ValueError: a bad micro-batch on pp rank 1" in survivor  # the model's own, not torch's wrapper
+    else:
+        assert ends[1][0] == -signal.SIGKILL
+        assert "global rank 1 (pp rank 1, stages [1]) left the pipeline without a word" in survivor, tails
+        assert "the training schedule's transfer between it and global rank 0 failed" in survivor, tails

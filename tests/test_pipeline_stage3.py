@@ -51,7 +51,7 @@ def _planned(schedule: str):
     return plan_run(
         LlamaConfig(**CONFIG), stage=3, world_size=RANKS, devices_per_node=RANKS, pp=2, pp_microbatches=4,
         pp_schedule=TORCH_NAMES.get(schedule, schedule), micro_batch=1, seq_len=CONFIG["max_seq_len"],
-        precision="32-true", accumulate_grad_batches=2, suggest=False, **virtual,
+        precision="32-true", accumulate_grad_batches=2, suggest=False, simulate=False, **virtual,
     )  # fmt: skip
 
 

@@ -102,6 +102,9 @@ CASES["pp2dp2_bf16"] = (zero(2, pp=2, pp_microbatches=2), 2)
 SAVES.update(save_pp2dp2="pp2dp2", save_pp1dp4="pp1dp4")
 RESUMES.update(resume_pp2_ckpt_pp2_layers13="pp2dp2", resume_pp2_ckpt_pp4="pp2dp2",
                resume_pp2_ckpt_interleaved="pp2dp2", resume_pp1_ckpt_pp2="pp1dp4")  # fmt: skip
+# the `last` checkpoint (step 2) of tests/scripts/pp_failure.py's kill case (rank 1 SIGKILLed mid-schedule at step 3)
+CASES["resume_killed_last"] = (zero(2, pp=2, pp_microbatches=2), 2)
+LAST_RESUMES = {"resume_killed_last": "kill"}  # case -> OUT_DIR/ckpts/<folder>/last.ckpt
 PRECISION = {"ddp4_bf16": "bf16-mixed", "pp2dp2_bf16": "bf16-mixed"}  # the others: fp32
 HF_SAVES = ("save_pp2dp2", "save_pp1dp4")  # ZeroStrategy.save_hf_pretrained(OUT_DIR/hf/<case>) after fit
 
@@ -145,6 +148,14 @@ class Record(L.Callback):
             self.sent.append({kind: now[kind] - self._before.get(kind, 0.0) for kind in now})
 
 
+def data_module(dp: int, global_batch: int = GLOBAL_BATCH) -> TokenDataModule:
+    """The same global batch of ``global_batch`` sequences a step, over ``dp`` ranks."""
+    return TokenDataModule(
+        source="synthetic", seq_len=SEQ, batch_size=global_batch // dp, vocab_size=64, val_fraction=0.25, seed=3,
+        synthetic_tokens=64 * SEQ + 1,
+    )  # fmt: skip
+
+
 def run(name: str, devices: int, out_dir: str) -> None:
     make_strategy, dp = CASES[name]
     L.seed_everything(42, verbose=False)
@@ -152,15 +163,14 @@ def run(name: str, devices: int, out_dir: str) -> None:
         model = MoELM(MOE_CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     else:
         model = LlamaLM(RING_CONFIG if "ring" in name else CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
-    data = TokenDataModule(
-        source="synthetic", seq_len=SEQ, batch_size=(8 if name in EIGHT else GLOBAL_BATCH) // dp, vocab_size=64, val_fraction=0.25, seed=3,
-        synthetic_tokens=64 * SEQ + 1,
-    )  # fmt: skip
+    data = data_module(dp, 8 if name in EIGHT else GLOBAL_BATCH)
     record = Record()
     trainer, ckpt_path = checkpointed_trainer(
         out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
         precision=PRECISION.get(name, "32-true"), **TRAINER,
     )  # fmt: skip
+    if name in LAST_RESUMES:
+        ckpt_path = os.path.join(out_dir, "ckpts", LAST_RESUMES[name], "last.ckpt")
     trainer.fit(model, data, ckpt_path=ckpt_path)
     if name in HF_SAVES:
         trainer.strategy.save_hf_pretrained(os.path.join(out_dir, "hf", name))

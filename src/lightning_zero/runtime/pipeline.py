@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
     from lightning_zero.pp.layout import PipelineLayout
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.waits import FailureChannel
 
 
 def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> Optional["PipelineLayout"]:
@@ -184,10 +185,18 @@ class PipelineRun:
         layout: the checked split (:func:`pipeline_layout`).
         groups: the layout's groups (``groups.pp``: this rank's pipeline group).
         device: where the stages run.
+        failure: the run's failure channel, through which a transfer that failed names the rank
+            that is gone ([Note: a pipeline neighbour gone]).
     """
 
-    def __init__(self, layout: "PipelineLayout", groups: "MeshGroups", device: torch.device) -> None:
-        self.layout, self.groups, self.device = layout, groups, device
+    def __init__(
+        self,
+        layout: "PipelineLayout",
+        groups: "MeshGroups",
+        device: torch.device,
+        failure: Optional["FailureChannel"] = None,
+    ) -> None:
+        self.layout, self.groups, self.device, self.failure = layout, groups, device, failure
         self.pp_rank = groups.rank_in("pp")
         self.engine: Optional["ZeroEngine"] = None
         self.decoder: Optional[nn.Module] = None
@@ -278,7 +287,8 @@ class PipelineRun:
         assert self.engine is not None
         with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
             try:
-                schedule.step(*args, **kwargs)
+                with self._naming_lost_peers("the training schedule's"):
+                    schedule.step(*args, **kwargs)
             except RuntimeError as error:
                 # torch's stage wraps a forward's or backward's own exception ("[Stage 1] failed to run
                 # forward"): raise the model's own, which the failure path posts for the other ranks
@@ -339,13 +349,56 @@ class PipelineRun:
                 batch, seq = inputs.shape
                 shape = (batch, seq // stage.sequence_shards, stage.config.dim)  # this rank's sequence shard
                 hidden = torch.empty(shape, dtype=dtype, device=self.device)
-                with record_function("lightning_zero::pp_eval_recv"):
+                with record_function("lightning_zero::pp_eval_recv"), self._naming_lost_peers("a forward's"):
                     dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
             hidden = stage(hidden)
             if index < layout.num_stages - 1 and layout.stage_rank(index + 1) != owner:
-                with record_function("lightning_zero::pp_eval_send"):
+                with record_function("lightning_zero::pp_eval_send"), self._naming_lost_peers("a forward's"):
                     dist.send(hidden.contiguous(), dst=peers[layout.stage_rank(index + 1)], group=self.groups.pp)
         return hidden if layout.stage_rank(layout.num_stages - 1) == self.pp_rank else None
+
+    def _neighbours(self) -> list[int]:
+        """The pp ranks this rank's stages send to and receive from (the stages next to its own)."""
+        layout = self.layout
+        near = {layout.stage_rank(stage + step) for stage in layout.rank_stages(self.pp_rank) for step in (-1, 1)
+                if 0 <= stage + step < layout.num_stages}  # fmt: skip
+        return sorted(near - {self.pp_rank})
+
+    @contextmanager
+    def _naming_lost_peers(self, transfer: str) -> Iterator[None]:
+        """[Note: a pipeline neighbour gone] A point-to-point transfer fails at once when its peer's
+        process ends (gloo: the socket closes): "Connection reset by peer", which names no rank. A
+        peer that raised posted its error before it ended ([Note: failure channel] in
+        ``zero/waits.py``): look for it (at most ``MESSAGE_AFTER_ERROR_S``) and raise it. A peer that
+        posted nothing was killed (SIGKILL, the OOM killer, a crashed node): when this rank's stages
+        have one neighbouring pp rank, that rank is the one gone, and its line is posted in its name
+        (``FailureChannel.post_for``) so every rank's error names it; with two neighbours (a middle
+        stage of pp > 2) the error names both as candidates."""
+        from lightning_zero.runtime.failure import is_collective_error
+        from lightning_zero.zero.waits import PeerFailedError
+
+        try:
+            yield
+        except RuntimeError as error:
+            channel = self.failure
+            own = error.__cause__ is not None and "failed to run" in str(error)  # a stage's own exception
+            if channel is None or own or isinstance(error, PeerFailedError) or not is_collective_error(error):
+                raise
+            posted = channel.peer_error() or channel.await_peer_error()
+            if posted is not None:
+                raise posted from error
+            peers = self.groups.dims.pp_ranks(self.groups.rank)
+            gone = [(peers[rank], rank) for rank in self._neighbours()]
+            names = " or ".join(f"global rank {g} (pp rank {r}, stages {list(self.layout.rank_stages(r))})"
+                                for g, r in gone)  # fmt: skip
+            what = (
+                f"{names} left the pipeline without a word (killed, or its process crashed): {transfer} transfer"
+                f" between it and global rank {self.groups.rank} failed: {error}"
+            )
+            if len(gone) != 1:
+                raise RuntimeError(f"lightning_zero: {what}") from error
+            channel.post_for(gone[0][0], what)
+            raise channel.peer_error() or RuntimeError(f"lightning_zero: {what}") from error
 
     def _share(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank of the pp group."""
