@@ -312,26 +312,20 @@ def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix()
         pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
 
 
-MOE_REFUSALS = [
-    (dict(aux_loss_coef=0.01), 4, "set aux_loss_coef=0, z_loss_coef=0, bias_update_rate=0 and capacity_factor=None"),
-    (dict(z_loss_coef=0.001), 4, "z_loss_coef=0.001"),
-    (dict(capacity_factor=1.25), 4, "capacity_factor=1.25, which pipeline stages do not run yet"),
-    (dict(tensor_parallel_size=2), 8, "use tp=1 with pp > 1"),
-]
+MOE_REFUSALS = [(dict(tensor_parallel_size=2), 8, "use tp=1 with pp > 1")]
 
 
 @pytest.mark.parametrize("knobs, ranks, message", MOE_REFUSALS)
-def test_a_moe_pipeline_runs_ep_aux_free_and_refuses_the_rest_before_any_process_group(knobs, ranks, message):
-    """pp=2 x ep=2 of an aux-free MoELM is planned (each stage's ranks split its experts); a config
-    whose terms depend on the whole batch, or tp inside the stages, is refused naming the fix."""
+def test_a_moe_pipeline_runs_ep_and_refuses_tp_before_any_process_group(knobs, ranks, message):
+    """pp=2 x ep=2 of a MoELM is planned (each stage's ranks split its experts; its balancing terms
+    per micro-batch: tests/test_pipeline_moe.py); tp inside the stages is refused naming the fix."""
     import torch.distributed as dist
 
     from lightning_zero.config import ZeroConfig
     from lightning_zero.models.moe import MoELM
     from lightning_zero.runtime.session import ZeroSession
 
-    free = dict(aux_loss_coef=0.0, z_loss_coef=0.0)
-    moe = {**CONFIG, "name": "tiny_moe_pp", "n_experts": 4, "top_k": 2, "expert_ffn_dim": 32, **free}
+    moe = {**CONFIG, "name": "tiny_moe_pp", "n_experts": 4, "top_k": 2, "expert_ffn_dim": 32}  # its default aux terms
     dims = ZeroSession(ZeroConfig(stage=1, pp=2, ep=2)).plan_layout(num_nodes=1, num_processes=4, module=MoELM(moe))
     assert (dims.pp, dims.ep, dims.ep_ranks(2), dims.edp) == (2, 2, [2, 3], 1)
     strategy = {key: value for key, value in knobs.items() if key == "tensor_parallel_size"}

@@ -102,10 +102,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             " Trainer (MoELM) only so far: its pipeline_step is not run under Fabric yet; train it with"
             " ZeroStrategy(pp=...) and MoELM, or pp=1 (docs/pipeline.md)"
         )
-    if moe:
-        from lightning_zero.models.moe.pipeline import check_moe_pipeline
-
-        check_moe_pipeline(model_config, asked)
     if dims.tp > 1 and not config.sequence_parallel:
         raise ValueError(
             f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
@@ -177,6 +173,18 @@ class PipelinedModel(nn.Module):
             )
         return self.run.loss(pending.inputs, targets)
 
+    def aux_loss(self) -> torch.Tensor:
+        """A MoE's weighted auxiliary losses of the last training step, what ``MoETransformer.aux_loss``
+        returns after a forward: the mean over the step's micro-batches of every stage's terms
+        ([Note: MoE pipeline stages] in ``models/moe/pipeline.py``), on every rank of the pp group."""
+        if self.run.aux is None:
+            raise RuntimeError(
+                "lightning_zero: under pp > 1 the auxiliary losses are those of a training step's schedule:"
+                " call model.aux_loss() after model.loss_fn(model(inputs), targets), with an aux_loss_coef or"
+                " z_loss_coef != 0"
+            )
+        return self.run.aux
+
 
 class PipelineRun:
     """This rank's schedules over its stages, for the doors ([Note: the pipelined step]).
@@ -205,6 +213,7 @@ class PipelineRun:
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
+        self.aux: Optional[torch.Tensor] = None  # a MoE's auxiliary losses of the last training step
         self.held_grad_bytes = 0  # most bytes of gradients a schedule kept aside so far (docs/pipeline.md)
 
     def attach(self, module: nn.Module, engine: Optional["ZeroEngine"]) -> None:
@@ -284,7 +293,9 @@ class PipelineRun:
         last = holds_last_stage(layout, self.pp_rank)
         kwargs = {"target": targets} if last else {}
         self._losses = []
-        assert self.engine is not None
+        assert self.decoder is not None and self.engine is not None
+        for stage in self.decoder.pipeline_stages.values():  # a stage's own loss terms, scaled as the loss
+            stage.loss_scale = 1.0 / self.grad_divisor
         with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
             try:
                 with self._naming_lost_peers("the training schedule's"):
@@ -301,7 +312,16 @@ class PipelineRun:
         self.held_grad_bytes = max(self.held_grad_bytes, held_bytes)
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
-        return self._share(loss)
+        step_done = getattr(self.decoder, "pipeline_step_done", None)  # a MoE's routing of the step
+        self.aux = step_done(m) if step_done is not None else None
+        if self.aux is None:
+            return self._share(loss)
+        # every stage's auxiliary losses summed over the pp ranks, with the loss (0 off the last stage)
+        both = torch.stack([loss.float(), self.aux.float()])
+        with record_function("lightning_zero::pp_loss_all_reduce"):
+            dist.all_reduce(both, group=self.groups.pp)
+        self.aux = both[1]
+        return both[0].to(loss.dtype)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only: the batch's loss on every rank of the pp group."""
