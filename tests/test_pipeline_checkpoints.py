@@ -225,3 +225,24 @@ def test_a_pp_rank_failing_mid_schedule_ends_every_rank_naming_it(failures_and_t
         assert ends[1][0] == -signal.SIGKILL
         assert "global rank 1 (pp rank 1, stages [1]) left the pipeline without a word" in survivor, tails
         assert "the training schedule's transfer between it and global rank 0 failed" in survivor, tails
+
+
+def test_16_mixed_is_refused_under_pp_before_any_process_group():
+    """Loss scaling wraps the backward the door runs; under pp the schedule ran the backwards inside
+    the step, on unscaled losses, so the unscale would divide every gradient by the scale: both doors
+    refuse ``16-mixed`` with pp > 1 (bf16-mixed runs: above), naming the fix."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    trainer_door = ZeroStrategy(stage=2, pp=2)
+    trainer_door.precision_plugin = MixedPrecision("16-mixed", "cuda")
+    fabric_door = ZeroFabricStrategy(stage=2, pp=2)
+    fabric_door.precision = FabricMixed("16-mixed", "cuda")
+    for door in (trainer_door, fabric_door):
+        with pytest.raises(ValueError, match="use precision='bf16-mixed' \\(or '32-true'\\) with pp > 1"):
+            door.setup_environment()
+    assert not dist.is_initialized()

@@ -245,7 +245,8 @@ def load_model(
     state) for :func:`apply_optimizer_state`.
 
     [Note: strict loading] The checkpoint's tensors (names and dense shapes in ``meta.json``) must
-    be exactly the module's: a tensor the module lacks (a checkpoint of a deeper model), one the
+    be exactly the module's, the tensors every rank holds together (under pipeline parallelism a
+    rank holds only its stages'): a tensor the module lacks (a checkpoint of a deeper model), one the
     checkpoint lacks, or one of another shape raises ``CheckpointError`` on every rank, listing
     them with the shapes on both sides, before anything is read. ``strict=False`` (Lightning
     passes ``LightningModule.strict_loading``) is the deliberate partial load: tensors the module

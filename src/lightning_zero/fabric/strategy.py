@@ -53,6 +53,7 @@ from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.layout import FabricLayout, check_before_launch
 from lightning_zero.fabric.precision import FabricPrecisionSlot
 from lightning_zero.runtime.forward_steps import ForwardSteps
+from lightning_zero.runtime.pipeline import refuse_loss_scaling
 from lightning_zero.runtime.run import ZeroRun
 from lightning_zero.runtime.signals import AgreedSignals
 from lightning_zero.runtime.views import RunViews
@@ -195,6 +196,7 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     @override
     def setup_environment(self) -> None:
         # raises on a bad layout before any process group starts
+        refuse_loss_scaling(self.zero_config.pp, self.precision, "ZeroFabricStrategy")
         self.run.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes, module=None)
         super().setup_environment()  # starts the process group
         self.run.start(self.root_device, ranks_per_node=self.num_processes)

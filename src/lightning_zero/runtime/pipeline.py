@@ -134,6 +134,19 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
     )
 
 
+def refuse_loss_scaling(pp: int, precision: Any, door: str) -> None:
+    """Before any process group: ``precision="16-mixed"`` (a plugin with a gradient scaler) is refused
+    under ``pp > 1``. The door scales the loss it backwards (``scaler.scale(loss)``) and unscales the
+    gradients before the step, but under a pipeline the schedule's backwards already ran inside the
+    training step on the unscaled micro-batch losses ([Note: the pipelined step]): the unscale would
+    divide every gradient by the scale."""
+    if pp > 1 and getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            f"{door}(pp={pp}) with precision='16-mixed': the pipeline's backwards run inside the training step,"
+            " before the loss scaling 16-mixed needs; use precision='bf16-mixed' (or '32-true') with pp > 1"
+        )
+
+
 def keep_stage_params(optimizers: list, module: nn.Module) -> None:
     """Under Fabric the optimizers were built over the whole model before it was cut: each keeps
     only the parameters this rank's stages hold (the others' are trained by their own ranks)."""
