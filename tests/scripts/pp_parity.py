@@ -85,7 +85,10 @@ CASES["pp2_1f1b_zero3"] = (zero(3, pp=2, **SCHEDULES["1f1b"]), 1)
 CASES["ddp4"] = (lambda: "ddp", 4)
 for _name, _knobs in SCHEDULES.items():
     CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=4, **_knobs), 2)
-EIGHT = {"ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}  # 8 sequences a step
+# ZBV at stages 1-2 on pp=2 x dp=2 needs the same 8 sequences (4 micro-batches of a dp rank's rows)
+for _stage in (1, 2):
+    CASES[f"pp2dp2_zbv4_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=4, **SCHEDULES["zbv"]), 2)
+EIGHT = {"ddp4", "pp2dp2_zbv4_zero1", "pp2dp2_zbv4_zero2", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}
 # pp=2 x cp=2 on 4 ranks: each cp rank sends its sequence slice to its peer stage; attention inside a
 # stage over its cp group: Ulysses (4 heads split over cp=2) or, with 3 heads (RING_CONFIG), the ring.
 # Their ddp references run on 4 ranks too (one sequence each), so the cp cases need no 2-rank launch.
