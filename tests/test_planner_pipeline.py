@@ -75,3 +75,17 @@ def test_a_long_pass_extrapolated_equals_the_whole_pass_played(schedule):
     assert extrapolated.idle_s == pytest.approx([whole.makespan - busy for busy in whole.busy], rel=1e-12)
     assert (extrapolated.in_flight, extrapolated.peak_held, extrapolated.peak_with_grads) == (
         whole.in_flight, whole.peak_held, whole.peak_with_grads)  # fmt: skip
+
+
+def test_the_search_plans_every_schedule():
+    """``plan.search`` with pp: every schedule torch runs, each where it can (GPipe too: it alone
+    runs a pass of fewer micro-batches than pp besides the interleaved ones)."""
+    from lightning_zero.planner import search_layouts
+
+    narrow = dict(world_size=64, devices_per_node=8, seq_len=4096, hardware="h100_80gb", topology=False, stages=(1,),
+                  tp_sizes=(8,), cp_sizes=(1,), pp_sizes=(4,), micro_batches=(1,), checkpointing=("full",),
+                  sequence_parallel=(True,))  # fmt: skip
+    every = search_layouts("70b", global_batch=16, **narrow)  # 8 micro-batches a pass
+    assert sorted({entry.layout.pp_schedule for entry in every.ranked}) == sorted(SCHEDULES)
+    few = search_layouts("70b", global_batch=4, **narrow)  # 2 micro-batches: 1F1B and ZBV refuse
+    assert sorted({entry.layout.pp_schedule for entry in few.ranked}) == ["gpipe", "interleaved_1f1b", "interleaved_zb"]
