@@ -94,6 +94,7 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
 
     from lightning_zero.comm.mesh import build_groups
     from lightning_zero.runtime.parallelize import ParallelPlan
+    from lightning_zero.runtime.throughput import batch_tokens
 
     torch.set_num_threads(1)
     if rank == 0:
@@ -127,6 +128,9 @@ def _parallel_litgpt_equals_dense(rank: int, world: int) -> None:
                 diff = max(diff, (averaged / world - grads.pop(name)).abs().max().item())
         assert not grads, sorted(grads)  # every parameter the dense model trains got a gradient
         assert list(model.state_dict()) == list(dense.state_dict())  # names unchanged
+        # the monitor reads the whole batch before the cut and counts this rank's T_pad / cp slice
+        assert batch_tokens(model, (idx,)) == (2, -(-length // world)), batch_tokens(model, (idx,))
+        assert batch_tokens(dense, (idx,)) == (2, length)
         worst[f"lora={lora} T={length} chunk={chunk} {overrides}"] = diff
     assert all(diff <= 1e-6 for diff in worst.values()), worst
     _tensor_parallel_litgpt_equals_dense(world)

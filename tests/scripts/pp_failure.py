@@ -2,12 +2,14 @@
 
 Usage: python tests/scripts/pp_failure.py OUT_DIR CASE      (CASE = "raise" or "kill")
 
-Started by tests/test_pipeline.py as torchrun would start it (2 ranks, ``ZeroStrategy(stage=2,
+Started by tests/test_pipeline_checkpoints.py as torchrun would start it (2 ranks, ``ZeroStrategy(stage=2,
 pp=2, pp_schedule="1f1b")``, Lightning's 30-minute process-group timeout, ``collective_timeout``
-300 s: only the failure path can end the ranks quickly). At the third training step rank 1 (the
-last stage) meets the hazard inside its first block's forward, mid-schedule, while rank 0 waits
-for the gradients it sends back: ``raise`` raises ``ValueError``, ``kill`` SIGKILLs itself. Rank
-1 writes ``OUT_DIR/<case>.hazard`` (the wall time of the hazard) first.
+300 s: only the failure path can end the ranks quickly), training as tests/scripts/pp_parity.py's
+pp=2 cases do (the same model, data, accumulation, clipping and validation), saving every 2 steps
+into ``OUT_DIR/ckpts/<case>`` (``last.ckpt`` too). At the third training step rank 1 (the last
+stage) meets the hazard inside its first block's forward, mid-schedule, while rank 0 waits for the
+gradients it sends back: ``raise`` raises ``ValueError``, ``kill`` SIGKILLs itself. Rank 1 writes
+``OUT_DIR/<case>.hazard`` (the wall time of the hazard) first.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_zero import ZeroStrategy  # noqa: E402
-from lightning_zero.data import TokenDataModule  # noqa: E402
 from lightning_zero.models import LlamaLM  # noqa: E402
 from tests.scripts.harness import script_trainer  # noqa: E402
+from tests.scripts.pp_parity import CONFIG, STEPS, TRAINER, data_module, zero  # noqa: E402
 
-CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 MESSAGE = "a bad micro-batch on pp rank 1"
 
 
@@ -55,11 +56,11 @@ class Hazard(L.Callback):
 
 def main(out: str, case: str) -> None:
     L.seed_everything(42, verbose=False)
-    data = TokenDataModule(source="synthetic", seq_len=16, batch_size=4, vocab_size=64, val_fraction=0.0, seed=3,
-                           synthetic_tokens=64 * 16 + 1)  # fmt: skip
-    trainer = script_trainer(devices=2, strategy=ZeroStrategy(stage=2, pp=2, pp_schedule="1f1b", bucket_mb=0.01),
-                             max_steps=6, callbacks=[Hazard(out, case)])  # fmt: skip
-    trainer.fit(LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=6), data)
+    saves = ModelCheckpoint(dirpath=os.path.join(out, "ckpts", case), every_n_train_steps=2, save_top_k=-1,
+                            save_last=True)  # fmt: skip
+    trainer = script_trainer(devices=2, strategy=zero(2, pp=2, pp_schedule="1f1b")(), max_steps=STEPS,
+                             enable_checkpointing=True, callbacks=[Hazard(out, case), saves], **TRAINER)  # fmt: skip
+    trainer.fit(LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS), data_module(1))
 
 
 if __name__ == "__main__":

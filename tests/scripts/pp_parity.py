@@ -54,7 +54,7 @@ for _stage in (1, 2):
         CASES[f"pp2dp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=2, **_knobs), 2)
 # pp=2 x tp=2 (sequence parallel) on 4 ranks: each tp rank sends its sequence shard to its peer stage
 TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
-for _stage in (1, 2):
+for _stage in (1, 2, 3):
     for _name in SCHEDULES:
         CASES[f"pp2tp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
 # MoE (docs/pipeline.md): pp=2 x ep=2 on 4 ranks, each stage's 2 ranks splitting its MoE layers' experts and
@@ -62,14 +62,39 @@ for _stage in (1, 2):
 MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_dim=32, n_dense_layers=1,
                   aux_loss_coef=0.0, z_loss_coef=0.0)  # fmt: skip
 CASES["ddp_moe"] = (lambda: "ddp", 2)
-for _stage, _name in ((1, "1f1b"), (2, "interleaved")):
+for _stage, _name in ((1, "1f1b"), (2, "interleaved"), (3, "1f1b"), (3, "interleaved")):
     CASES[f"pp2ep2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, ep=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
 CASES["pp2moe_zbv_zero1"] = (zero(1, pp=2, **SCHEDULES["zbv"]), 1)  # ep=1: each stage holds all its experts
-for _name in ("gpipe", "1f1b"):  # stage 3: the stage's parameters held gathered for the whole schedule
-    CASES[f"pp2_{_name}_zero3"] = (zero(3, pp=2, **SCHEDULES[_name]), 1)
-    CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=2, **SCHEDULES[_name]), 2)
+# stage 3: the stage's parameters held gathered for the whole schedule ([Note: stage 3 under a pipeline]); pp=2 x dp=2
+# under every schedule in tests/test_pipeline_stage3.py's launch: 8 sequences a step (zbv needs 2 pp = 4 micro-batches
+# of a dp rank's rows) against ddp on 4 ranks (2 sequences each)
+CASES["pp2_1f1b_zero3"] = (zero(3, pp=2, **SCHEDULES["1f1b"]), 1)
+CASES["ddp4"] = (lambda: "ddp", 4)
+for _name, _knobs in SCHEDULES.items():
+    CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=4, **_knobs), 2)
+EIGHT = {"ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}  # 8 sequences a step
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
+# tests/test_pipeline_checkpoints.py, one launch on 4 ranks (global batch 4 in every case): pp=2 x dp=2 and
+# pp=1 x dp=4 (ZeRO-2, ddp's numbers) saving at steps 2 and 4 (and the Hugging Face layout from the live run
+# after fit, HF_SAVES), each step-2 checkpoint resumed at another split, pp, schedule or dp; bf16-mixed
+# against Lightning's ddp (1 sequence a rank)
+CASES["save_pp2dp2"] = (zero(2, pp=2, pp_microbatches=2), 2)
+CASES["save_pp1dp4"] = (zero(2), 4)
+CASES["resume_pp2_ckpt_pp2_layers13"] = (zero(2, pp=2, pp_microbatches=2, pp_layers=[1, 3]), 2)
+CASES["resume_pp2_ckpt_pp4"] = (zero(1, pp=4), 1)  # 4 micro-batches of one sequence, a block a stage
+CASES["resume_pp2_ckpt_interleaved"] = (zero(2, pp=2, pp_microbatches=2, **SCHEDULES["interleaved"]), 2)
+CASES["resume_pp1_ckpt_pp2"] = (zero(2, pp=2, pp_microbatches=2), 2)
+CASES["ddp4_bf16"] = (lambda: "ddp", 4)
+CASES["pp2dp2_bf16"] = (zero(2, pp=2, pp_microbatches=2), 2)
+SAVES.update(save_pp2dp2="pp2dp2", save_pp1dp4="pp1dp4")
+RESUMES.update(resume_pp2_ckpt_pp2_layers13="pp2dp2", resume_pp2_ckpt_pp4="pp2dp2",
+               resume_pp2_ckpt_interleaved="pp2dp2", resume_pp1_ckpt_pp2="pp1dp4")  # fmt: skip
+# the `last` checkpoint (step 2) of tests/scripts/pp_failure.py's kill case (rank 1 SIGKILLed mid-schedule at step 3)
+CASES["resume_killed_last"] = (zero(2, pp=2, pp_microbatches=2), 2)
+LAST_RESUMES = {"resume_killed_last": "kill"}  # case -> OUT_DIR/ckpts/<folder>/last.ckpt
+PRECISION = {"ddp4_bf16": "bf16-mixed", "pp2dp2_bf16": "bf16-mixed"}  # the others: fp32
+HF_SAVES = ("save_pp2dp2", "save_pp1dp4")  # ZeroStrategy.save_hf_pretrained(OUT_DIR/hf/<case>) after fit
 
 
 def is_moe(case: str) -> bool:
@@ -83,14 +108,21 @@ class Record(L.Callback):
 
         self.val_losses: list[float] = []
         self.gathered: tuple[int, int] = (0, 0)  # stage 3: most block elements gathered at once, of all
+        self.held: tuple[int, int] = (0, 0)  # stage 3 under pp: most parameter and gradient bytes held whole
+        self.sent: list[dict] = []  # stage 3: elements each training batch sent, per collective kind
+        self._before: dict = {}
 
     def on_train_end(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)  # ddp has none
         runtime = engine.stage3 if engine is not None else None
         if runtime is not None:
             self.gathered = (runtime.high_water_numel, sum(unit.numel for unit in runtime.units[:-1]))
+            # measured beside the plan: the parameters and the schedule's gradients held whole
+            self.held = (runtime.held_whole_bytes, trainer.strategy.run.session.pipeline.held_grad_bytes)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        self._before = dict(engine.counter.elements) if engine is not None else {}
         self.rows.append([int((row * torch.arange(1, row.numel() + 1)).sum()) for row in batch])
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -98,6 +130,18 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            now = engine.counter.elements
+            self.sent.append({kind: now[kind] - self._before.get(kind, 0.0) for kind in now})
+
+
+def data_module(dp: int, global_batch: int = GLOBAL_BATCH) -> TokenDataModule:
+    """The same global batch of ``global_batch`` sequences a step, over ``dp`` ranks."""
+    return TokenDataModule(
+        source="synthetic", seq_len=SEQ, batch_size=global_batch // dp, vocab_size=64, val_fraction=0.25, seed=3,
+        synthetic_tokens=64 * SEQ + 1,
+    )  # fmt: skip
 
 
 def run(name: str, devices: int, out_dir: str) -> None:
@@ -107,19 +151,23 @@ def run(name: str, devices: int, out_dir: str) -> None:
         model = MoELM(MOE_CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     else:
         model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
-    data = TokenDataModule(
-        source="synthetic", seq_len=SEQ, batch_size=GLOBAL_BATCH // dp, vocab_size=64, val_fraction=0.25, seed=3,
-        synthetic_tokens=64 * SEQ + 1,
-    )  # fmt: skip
+    data = data_module(dp, 8 if name in EIGHT else GLOBAL_BATCH)
     record = Record()
     trainer, ckpt_path = checkpointed_trainer(
         out_dir, name, SAVES, RESUMES, devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
-        **TRAINER,
+        precision=PRECISION.get(name, "32-true"), **TRAINER,
     )  # fmt: skip
+    if name in LAST_RESUMES:
+        ckpt_path = os.path.join(out_dir, "ckpts", LAST_RESUMES[name], "last.ckpt")
     trainer.fit(model, data, ckpt_path=ckpt_path)
+    if name in HF_SAVES:
+        trainer.strategy.save_hf_pretrained(os.path.join(out_dir, "hf", name))
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
-    rows = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(11))
-    predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=2 // dp)))
+    count = 4 if name in EIGHT else 2  # ddp on 4 ranks in EIGHT: one row each
+    rows = torch.randint(0, 64, (count, SEQ), generator=torch.Generator().manual_seed(11))
+    predicted = torch.empty(0)  # 2 rows over 4 dp ranks: no predict
+    if count >= dp:
+        predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=count // dp)))
     params = model.model.state_dict()
     mesh = getattr(trainer.strategy, "device_mesh", None)
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # the dense parameters and logits
@@ -138,6 +186,8 @@ def run(name: str, devices: int, out_dir: str) -> None:
             "losses": record.losses,
             "val_losses": record.val_losses,
             "gathered": record.gathered,
+            "sent": record.sent,
+            "held": record.held,
             "rows": record.rows,
             "params": {k: v.float() for k, v in params.items()},
         },

@@ -245,7 +245,8 @@ def load_model(
     state) for :func:`apply_optimizer_state`.
 
     [Note: strict loading] The checkpoint's tensors (names and dense shapes in ``meta.json``) must
-    be exactly the module's: a tensor the module lacks (a checkpoint of a deeper model), one the
+    be exactly the module's, the tensors every rank holds together (under pipeline parallelism a
+    rank holds only its stages'): a tensor the module lacks (a checkpoint of a deeper model), one the
     checkpoint lacks, or one of another shape raises ``CheckpointError`` on every rank, listing
     them with the shapes on both sides, before anything is read. ``strict=False`` (Lightning
     passes ``LightningModule.strict_loading``) is the deliberate partial load: tensors the module
@@ -292,15 +293,29 @@ def _expected_params(module: nn.Module, engine: Any, layout: RankPlacement) -> d
 
 
 def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict: bool) -> set[str]:
-    """See [Note: strict loading]; returns the names the checkpoint lacks (non-strict only)."""
+    """See [Note: strict loading]; returns the names this rank holds that the checkpoint lacks
+    (non-strict only).
+
+    The model is what every rank holds together: under pipeline parallelism each rank holds only its
+    stages' tensors (the others' are in the checkpoint, not unexpected), so the ranks' expected
+    tensors are gathered (as the save gathers what each rank wrote) and every rank judges the
+    same union, raising the same error."""
     saved = {name: list(info["shape"]) for name, info in opened.meta["params"].items()}
-    unexpected = sorted(set(saved) - set(expected))
-    missing = sorted(set(expected) - set(saved))
-    mismatched = sorted(name for name in set(saved) & set(expected) if saved[name] != expected[name])
+    everyone = all_gather_object(expected, "ckpt_check_fits")
+    union: dict[str, list[int]] = {}
+    mismatched: dict[str, list[int]] = {}
+    for held in everyone:
+        for name, shape in held.items():
+            union.setdefault(name, shape)
+            if name in saved and saved[name] != shape:
+                mismatched.setdefault(name, shape)
+    unexpected = sorted(set(saved) - set(union))
+    missing = sorted(set(union) - set(saved))
     problems = []
     if mismatched:
         problems.append(
-            "shape mismatch: " + ", ".join(f"{n} checkpoint {saved[n]} vs model {expected[n]}" for n in mismatched)
+            "shape mismatch: "
+            + ", ".join(f"{n} checkpoint {saved[n]} vs model {mismatched[n]}" for n in sorted(mismatched))
         )
     if strict and unexpected:
         problems.append(
@@ -310,9 +325,8 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
     if strict and missing:
         problems.append(
             f"{len(missing)} tensor(s) of the model missing from the checkpoint: "
-            + ", ".join(f"{n} {expected[n]}" for n in missing)
+            + ", ".join(f"{n} {union[n]}" for n in missing)
         )
-    error = None
     if problems:
         error = f"{opened.path}: does not fit the model, nothing was loaded; " + "; ".join(problems)
         if not mismatched:
@@ -320,12 +334,8 @@ def _check_fits(opened: OpenedCheckpoint, expected: dict[str, list[int]], strict
                 ". To load only the matching tensors on purpose, set strict_loading = False on the LightningModule"
                 " (CLI: strict_loading=false)"
             )
-    errors = all_gather_object(error, "ckpt_check_fits")
-    distinct = sorted({e for e in errors if e})
-    if len(distinct) == 1:
-        raise CheckpointError(distinct[0])
-    raise_any(errors, CheckpointError)
-    return set(missing)
+        raise CheckpointError(error)
+    return set(expected) - set(saved)
 
 
 def apply_optimizer_state(

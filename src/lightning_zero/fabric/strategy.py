@@ -53,8 +53,10 @@ from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.layout import FabricLayout, check_before_launch
 from lightning_zero.fabric.precision import FabricPrecisionSlot
 from lightning_zero.runtime.forward_steps import ForwardSteps
-from lightning_zero.runtime.run import RunViews, ZeroRun
+from lightning_zero.runtime.pipeline import refuse_loss_scaling
+from lightning_zero.runtime.run import ZeroRun
 from lightning_zero.runtime.signals import AgreedSignals
+from lightning_zero.runtime.views import RunViews
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -194,6 +196,7 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     @override
     def setup_environment(self) -> None:
         # raises on a bad layout before any process group starts
+        refuse_loss_scaling(self.zero_config.pp, self.precision, "ZeroFabricStrategy")
         self.run.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes, module=None)
         super().setup_environment()  # starts the process group
         self.run.start(self.root_device, ranks_per_node=self.num_processes)
@@ -215,8 +218,9 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     # -- module and optimizers ------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """[Note: stage 3 init under Fabric] in ``runtime/deferred_init.py``."""
-        if self.zero_config.stage != 3 or not empty_init:
+        """[Note: stage 3 init under Fabric] in ``runtime/deferred_init.py``; under ``pp > 1`` built whole,
+        then cut at setup, as the Trainer door does ([Note: stage 3 under a pipeline])."""
+        if self.zero_config.stage != 3 or not empty_init or self.zero_config.pp > 1:
             return super().module_init_context(empty_init=False)
         return self.loop.init.building(self.root_device, self.precision.module_init_context())
 

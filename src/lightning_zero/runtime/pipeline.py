@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
     from lightning_zero.pp.layout import PipelineLayout
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.waits import FailureChannel
 
 
 def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> Optional["PipelineLayout"]:
@@ -78,12 +79,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
             " shard_size=None and hierarchical_reduce=False with pp > 1"
         )
-    # under Fabric the model itself arrives; stage 3 runs under the Trainer, a Llama, tp=1 (docs/pipeline.md)
-    if config.stage == 3 and (isinstance(module, (Llama, MoETransformer)) or moe or dims.tp > 1):
-        raise ValueError(
-            f"{asked}, stage=3: ZeRO-3 within a pipeline stage runs under the Trainer door (ZeroStrategy, LlamaLM)"
-            " with tp=1 only so far (docs/pipeline.md); use stage=1 or stage=2 with pp > 1 here"
-        )
     if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
             f"{asked}: {type(module).__name__} is no model the runtime cuts into stages; pipeline stages run"
@@ -101,10 +96,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             " Trainer (MoELM) only so far: its pipeline_step is not run under Fabric yet; train it with"
             " ZeroStrategy(pp=...) and MoELM, or pp=1 (docs/pipeline.md)"
         )
-    if moe:
-        from lightning_zero.models.moe.pipeline import check_moe_pipeline
-
-        check_moe_pipeline(model_config, asked)
     if dims.tp > 1 and not config.sequence_parallel:
         raise ValueError(
             f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
@@ -130,6 +121,19 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
         virtual_stages=config.pp_virtual_stages,
         pp_layers=tuple(config.pp_layers) if config.pp_layers is not None else None,
     )
+
+
+def refuse_loss_scaling(pp: int, precision: Any, door: str) -> None:
+    """Before any process group: ``precision="16-mixed"`` (a plugin with a gradient scaler) is refused
+    under ``pp > 1``. The door scales the loss it backwards (``scaler.scale(loss)``) and unscales the
+    gradients before the step, but under a pipeline the schedule's backwards already ran inside the
+    training step on the unscaled micro-batch losses ([Note: the pipelined step]): the unscale would
+    divide every gradient by the scale."""
+    if pp > 1 and getattr(precision, "scaler", None) is not None:
+        raise ValueError(
+            f"{door}(pp={pp}) with precision='16-mixed': the pipeline's backwards run inside the training step,"
+            " before the loss scaling 16-mixed needs; use precision='bf16-mixed' (or '32-true') with pp > 1"
+        )
 
 
 def keep_stage_params(optimizers: list, module: nn.Module) -> None:
@@ -171,6 +175,18 @@ class PipelinedModel(nn.Module):
             )
         return self.run.loss(pending.inputs, targets)
 
+    def aux_loss(self) -> torch.Tensor:
+        """A MoE's weighted auxiliary losses of the last training step, what ``MoETransformer.aux_loss``
+        returns after a forward: the mean over the step's micro-batches of every stage's terms
+        ([Note: MoE pipeline stages] in ``models/moe/pipeline.py``), on every rank of the pp group."""
+        if self.run.aux is None:
+            raise RuntimeError(
+                "lightning_zero: under pp > 1 the auxiliary losses are those of a training step's schedule:"
+                " call model.aux_loss() after model.loss_fn(model(inputs), targets), with an aux_loss_coef or"
+                " z_loss_coef != 0"
+            )
+        return self.run.aux
+
 
 class PipelineRun:
     """This rank's schedules over its stages, for the doors ([Note: the pipelined step]).
@@ -179,10 +195,18 @@ class PipelineRun:
         layout: the checked split (:func:`pipeline_layout`).
         groups: the layout's groups (``groups.pp``: this rank's pipeline group).
         device: where the stages run.
+        failure: the run's failure channel, through which a transfer that failed names the rank
+            that is gone ([Note: a pipeline neighbour gone]).
     """
 
-    def __init__(self, layout: "PipelineLayout", groups: "MeshGroups", device: torch.device) -> None:
-        self.layout, self.groups, self.device = layout, groups, device
+    def __init__(
+        self,
+        layout: "PipelineLayout",
+        groups: "MeshGroups",
+        device: torch.device,
+        failure: Optional["FailureChannel"] = None,
+    ) -> None:
+        self.layout, self.groups, self.device, self.failure = layout, groups, device, failure
         self.pp_rank = groups.rank_in("pp")
         self.engine: Optional["ZeroEngine"] = None
         self.decoder: Optional[nn.Module] = None
@@ -191,6 +215,8 @@ class PipelineRun:
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._held: Optional[dict[nn.Parameter, torch.Tensor]] = None  # a training step's gradients
+        self.aux: Optional[torch.Tensor] = None  # a MoE's auxiliary losses of the last training step
+        self.held_grad_bytes = 0  # most bytes of gradients a schedule kept aside so far (docs/pipeline.md)
 
     def attach(self, module: nn.Module, engine: Optional["ZeroEngine"]) -> None:
         """``module``'s cut decoder (the one with ``pipeline_stages``) and the engine over its stages."""
@@ -269,10 +295,13 @@ class PipelineRun:
         last = holds_last_stage(layout, self.pp_rank)
         kwargs = {"target": targets} if last else {}
         self._losses = []
-        assert self.engine is not None
+        assert self.decoder is not None and self.engine is not None
+        for stage in self.decoder.pipeline_stages.values():  # a stage's own loss terms, scaled as the loss
+            stage.loss_scale = 1.0 / self.grad_divisor
         with record_function("lightning_zero::pp_schedule_step"), self.engine.gradients_by_hand() as held:
             try:
-                schedule.step(*args, **kwargs)
+                with self._naming_lost_peers("the training schedule's"):
+                    schedule.step(*args, **kwargs)
             except RuntimeError as error:
                 # torch's stage wraps a forward's or backward's own exception ("[Stage 1] failed to run
                 # forward"): raise the model's own, which the failure path posts for the other ranks
@@ -281,9 +310,20 @@ class PipelineRun:
                     raise cause from None
                 raise
         self._held = held  # handed in by hand_in_grads, where Lightning's backward would run
+        held_bytes = sum(grad.numel() * grad.element_size() for grad in held.values())
+        self.held_grad_bytes = max(self.held_grad_bytes, held_bytes)
         # the last m: torch's first step of a schedule also calls the loss on uninitialized outputs (its shapes)
         loss = torch.stack(self._losses[-m:]).mean() if last else torch.zeros((), device=self.device)
-        return self._share(loss)
+        step_done = getattr(self.decoder, "pipeline_step_done", None)  # a MoE's routing of the step
+        self.aux = step_done(m) if step_done is not None else None
+        if self.aux is None:
+            return self._share(loss)
+        # every stage's auxiliary losses summed over the pp ranks, with the loss (0 off the last stage)
+        both = torch.stack([loss.float(), self.aux.float()])
+        with record_function("lightning_zero::pp_loss_all_reduce"):
+            dist.all_reduce(both, group=self.groups.pp)
+        self.aux = both[1]
+        return both[0].to(loss.dtype)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only: the batch's loss on every rank of the pp group."""
@@ -331,13 +371,56 @@ class PipelineRun:
                 batch, seq = inputs.shape
                 shape = (batch, seq // stage.sequence_shards, stage.config.dim)  # this rank's sequence shard
                 hidden = torch.empty(shape, dtype=dtype, device=self.device)
-                with record_function("lightning_zero::pp_eval_recv"):
+                with record_function("lightning_zero::pp_eval_recv"), self._naming_lost_peers("a forward's"):
                     dist.recv(hidden, src=peers[layout.stage_rank(index - 1)], group=self.groups.pp)
             hidden = stage(hidden)
             if index < layout.num_stages - 1 and layout.stage_rank(index + 1) != owner:
-                with record_function("lightning_zero::pp_eval_send"):
+                with record_function("lightning_zero::pp_eval_send"), self._naming_lost_peers("a forward's"):
                     dist.send(hidden.contiguous(), dst=peers[layout.stage_rank(index + 1)], group=self.groups.pp)
         return hidden if layout.stage_rank(layout.num_stages - 1) == self.pp_rank else None
+
+    def _neighbours(self) -> list[int]:
+        """The pp ranks this rank's stages send to and receive from (the stages next to its own)."""
+        layout = self.layout
+        near = {layout.stage_rank(stage + step) for stage in layout.rank_stages(self.pp_rank) for step in (-1, 1)
+                if 0 <= stage + step < layout.num_stages}  # fmt: skip
+        return sorted(near - {self.pp_rank})
+
+    @contextmanager
+    def _naming_lost_peers(self, transfer: str) -> Iterator[None]:
+        """[Note: a pipeline neighbour gone] A point-to-point transfer fails at once when its peer's
+        process ends (gloo: the socket closes): "Connection reset by peer", which names no rank. A
+        peer that raised posted its error before it ended ([Note: failure channel] in
+        ``zero/waits.py``): look for it (at most ``MESSAGE_AFTER_ERROR_S``) and raise it. A peer that
+        posted nothing was killed (SIGKILL, the OOM killer, a crashed node): when this rank's stages
+        have one neighbouring pp rank, that rank is the one gone, and its line is posted in its name
+        (``FailureChannel.post_for``) so every rank's error names it; with two neighbours (a middle
+        stage of pp > 2) the error names both as candidates."""
+        from lightning_zero.runtime.failure import is_collective_error
+        from lightning_zero.zero.waits import PeerFailedError
+
+        try:
+            yield
+        except RuntimeError as error:
+            channel = self.failure
+            own = error.__cause__ is not None and "failed to run" in str(error)  # a stage's own exception
+            if channel is None or own or isinstance(error, PeerFailedError) or not is_collective_error(error):
+                raise
+            posted = channel.peer_error() or channel.await_peer_error()
+            if posted is not None:
+                raise posted from error
+            peers = self.groups.dims.pp_ranks(self.groups.rank)
+            gone = [(peers[rank], rank) for rank in self._neighbours()]
+            names = " or ".join(f"global rank {g} (pp rank {r}, stages {list(self.layout.rank_stages(r))})"
+                                for g, r in gone)  # fmt: skip
+            what = (
+                f"{names} left the pipeline without a word (killed, or its process crashed): {transfer} transfer"
+                f" between it and global rank {self.groups.rank} failed: {error}"
+            )
+            if len(gone) != 1:
+                raise RuntimeError(f"lightning_zero: {what}") from error
+            channel.post_for(gone[0][0], what)
+            raise channel.peer_error() or RuntimeError(f"lightning_zero: {what}") from error
 
     def _share(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank of the pp group."""

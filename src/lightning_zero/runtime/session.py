@@ -206,7 +206,7 @@ class ZeroSession:
         from lightning_zero.runtime.pipeline import PipelineRun
 
         assert self.groups is not None
-        self.pipeline = PipelineRun(self.pipeline_layout, self.groups, device)
+        self.pipeline = PipelineRun(self.pipeline_layout, self.groups, device, self.failure_channel)
         self.pipeline.attach(module, self.engine)
 
     @contextmanager

@@ -24,7 +24,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.config import ZERO_DEFAULTS, ZeroConfig, knob_views
-from lightning_zero.runtime.run import RunViews, ZeroRun
+from lightning_zero.runtime.pipeline import refuse_loss_scaling
+from lightning_zero.runtime.run import ZeroRun
+from lightning_zero.runtime.views import RunViews
 from lightning_zero.trainer._lightning_compat import optimizers_to_device
 from lightning_zero.trainer.checkpoints import TrainerCheckpoints
 from lightning_zero.trainer.failure_path import check_step_output, where
@@ -153,6 +155,7 @@ class ZeroStrategy(RunViews, ZeroPrecisionSlot, TrainerCheckpoints, DDPStrategy)
     @override
     def setup_environment(self) -> None:
         # raises on a bad layout before any process group starts
+        refuse_loss_scaling(self.zero_config.pp, self.precision_plugin, "ZeroStrategy")
         self.run.plan_layout(num_nodes=self.num_nodes, num_processes=self.num_processes, module=self.lightning_module)
         super().setup_environment()  # starts the process group
         self.run.start(self.root_device, ranks_per_node=self.num_processes)

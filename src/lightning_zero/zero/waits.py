@@ -175,6 +175,27 @@ class FailureChannel:
         except Exception:  # noqa: BLE001 - the store is gone: this rank raises either way
             pass
 
+    def post_for(self, origin: int, message: str) -> None:
+        """Global rank ``origin`` is gone without a word (killed: its transfer with this rank failed
+        and it posted nothing): post ``message`` in its name, so every rank's error names it. The
+        first line still wins; ``origin`` will print nothing, so nobody waits for it to report."""
+        if self.failed or self.store is None:
+            self._peer = self._peer or (origin, message)
+            return
+        try:
+            first = self.store.compare_set(self.key, "", f"{origin}\n{message}").decode()
+            won = first == f"{origin}\n{message}"
+            if won:
+                self.store.set(self.key + "/reported", "1")
+            if won and self.rank == 0:  # the store's host: the others read the line before it exits
+                deadline = time.monotonic() + ACK_GRACE_S
+                while self.store.add(self.key + "/acks", 0) < self.world_size - 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the store is gone: this rank raises either way
+            first = f"{origin}\n{message}"
+        line_origin, _, line = first.partition("\n")
+        self._peer = (int(line_origin), line) if int(line_origin) != self.rank else (origin, message)
+
     def all_ranks_reach(self, tag: str, seconds: float) -> bool:
         """Count this rank in at ``tag`` (a counter in the store) and wait until every rank did
         (True), another rank failed (its error is raised), or ``seconds`` passed (False). For rare

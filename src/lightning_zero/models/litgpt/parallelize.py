@@ -175,6 +175,9 @@ def _parallelize_context(model: nn.Module, group: dist.ProcessGroup, counter: Co
         block.attn = context_parallel_attention(block.attn, exchange, tables)
     cut = _SequenceCut(group, counter, tables)
     model.register_forward_pre_hook(cut.before_model, with_kwargs=True)
+    # the monitor reads a module's own batch_tokens (runtime/throughput.py); its hook runs before the cut
+    # (prepended), so it sees the whole sequence where this rank trains on one slice of it
+    model.batch_tokens = cut.batch_tokens
     model.transformer.ln_f.register_forward_hook(cut.after_final_norm)
 
 
@@ -210,6 +213,12 @@ class _SequenceCut:
         shard = padded // self.cp
         local = idx[:, self.cp_rank * shard : (self.cp_rank + 1) * shard]  # (B, T_pad / cp)
         return (local, *positional), kwargs
+
+    def batch_tokens(self, args: Any) -> tuple[int, int]:
+        """``(sequences, tokens per sequence)`` this cp rank trains on for the forward's whole batch
+        ``args`` (``idx`` first): its ``T_pad / cp`` slice, as the monitor counts a Llama's."""
+        idx = args[0] if isinstance(args, (tuple, list)) else args
+        return int(idx.size(0)), -(-int(idx.size(1)) // self.cp)
 
     def after_final_norm(self, norm: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         whole = gather_from_sequence_region(output, self.group, self.counter, labels=CP_GATHER_LABELS)

@@ -50,6 +50,10 @@ class LlamaStage(nn.Module):
         self.sequence_shards = getattr(wo, "tp_size", 1) if sharded else 1  # T / (the stage's input length)
         self.activation_checkpointing = model.activation_checkpointing
 
+    # what the schedule's loss function multiplies each micro-batch's loss by (the pipelined step sets
+    # it: 1 / accumulate_grad_batches); a stage with loss terms of its own scales them alike (models/moe)
+    loss_scale = 1.0
+
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the model's tables as they are now: stage 3 materializes its meta tensors after the cut
         self.rope_cos, self.rope_sin = self._model.rope_cos, self._model.rope_sin
@@ -71,8 +75,9 @@ def llama_stages(model: Llama, layout: Any, pp_rank: int) -> dict[int, LlamaStag
     if layout.n_layers != model.config.n_layers:
         raise ValueError(f"the pipeline layout splits {layout.n_layers} blocks, the model has {model.config.n_layers}")
     last = layout.num_stages - 1
+    stage_class = getattr(model, "pipeline_stage_class", LlamaStage)  # a MoETransformer's: models/moe/pipeline.py
     return {
-        stage: LlamaStage(model, layout.stage_blocks(stage), first=stage == 0, last=stage == last)
+        stage: stage_class(model, layout.stage_blocks(stage), first=stage == 0, last=stage == last)
         for stage in layout.rank_stages(pp_rank)
     }
 

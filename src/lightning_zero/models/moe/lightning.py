@@ -109,7 +109,7 @@ class MoELM(LlamaLM):
         inputs, targets = split_batch(batch)
         model = self._built_model()
         loss = model.loss_fn(model(inputs), targets)
-        if self.config.aux_loss_coef or self.config.z_loss_coef:  # an aux-free model adds nothing (pp runs only
-            loss = loss + model.aux_loss()  # those: [Note: MoE pipeline stages] in models/moe/pipeline.py)
+        if self.config.aux_loss_coef or self.config.z_loss_coef:  # under pp every stage's terms, per micro-batch
+            loss = loss + model.aux_loss()  # ([Note: MoE pipeline stages] in models/moe/pipeline.py)
         self.log("train_loss", loss, prog_bar=True)
         return loss

@@ -218,10 +218,26 @@ class MoETransformer(Llama):
             for weight, std in ((experts.w1, 0.02), (experts.w3, depth_std), (experts.w2, depth_std)):
                 _draw_experts(experts, weight, std, generator)
 
+    @property
+    def pipeline_stage_class(self) -> type:
+        """What ``cut_llama`` builds this model's pipeline stages of ([Note: MoE pipeline stages])."""
+        from lightning_zero.models.moe.pipeline import MoEStage
+
+        return MoEStage
+
+    def pipeline_step_done(self, microbatches: int) -> Optional[torch.Tensor]:
+        """After a step of the pipeline schedule over this rank's stages: record their routing and
+        return their weighted auxiliary loss per micro-batch (``None`` without one): see
+        ``models/moe/pipeline.finish_pipeline_step``."""
+        from lightning_zero.models.moe.pipeline import finish_pipeline_step
+
+        return finish_pipeline_step(self, microbatches)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         logits = super().forward(idx)
         if torch.is_grad_enabled():
-            self._add_load()
+            counts = torch.stack([layer.load for layer in self.moe_layers()])  # type: ignore[misc]
+            self.record_routing(counts, torch.stack(self.aux_terms()).detach())
         return logits
 
     def aux_loss(self) -> torch.Tensor:
@@ -239,17 +255,19 @@ class MoETransformer(Llama):
         z = torch.stack([layer.aux[1] for layer in layers]).sum()  # type: ignore[index]
         return balance, z
 
-    def _add_load(self) -> None:
-        counts = torch.stack([layer.load for layer in self.moe_layers()])  # type: ignore[misc]
+    def record_routing(self, counts: torch.Tensor, aux: torch.Tensor, forwards: int = 1) -> None:
+        """Add ``forwards`` training forwards' assignments ``counts`` ``(n_moe_layers, E)`` (this
+        rank's MoE layers, in :meth:`moe_layers` order) and ``(balance, z)`` sums ``aux`` to the sums
+        the bias update and :meth:`take_moe_stats` read (the forward adds its own; a pipeline's
+        stages theirs after each schedule step: [Note: MoE pipeline stages])."""
         if self.config.bias_update_rate > 0:  # [Note: bias update] in router.py
             self._bias_load = counts if self._bias_load is None else self._bias_load + counts
         load = counts.float()
-        aux = torch.stack(self.aux_terms()).detach()
         if self._load_sum is None:
-            self._load_sum, self._aux_sum, self._forwards = load, aux, 1
+            self._load_sum, self._aux_sum, self._forwards = load, aux, forwards
         else:
             self._load_sum, self._aux_sum = self._load_sum + load, self._aux_sum + aux
-            self._forwards += 1
+            self._forwards += forwards
 
     def update_router_bias(self, group: Optional[Any] = None, counter: Optional[Any] = None) -> None:
         """Move every MoE layer's selection bias by the auxiliary-loss-free rule, from the assignments

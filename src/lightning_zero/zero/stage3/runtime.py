@@ -87,11 +87,16 @@ the schedule (following the recorded training schedule, with its prefetch: the s
 rank of the stage's dp group), keeps them gathered, hooks off, for every micro-batch's forward and
 backward, and frees them when the schedule ends; the gradients the schedule left are
 reduce-scattered once, handed in by the pipeline door ([Note: gradients handed in] in
-``zero/engine.py``). The cost: the stage's full parameters are held for the whole schedule
+``zero/engine.py``). The units are all of the rank's stages (``v`` under the interleaved
+schedules, two under ZBV, which the schedule alternates between), and the block spans the
+zero-bubble schedules' weight-gradient actions too, wherever they fall: nothing is freed or reduced
+before the schedule's last action, whichever door (the Trainer's step, Fabric's ``pipeline_step``)
+runs it. The cost: the stage's full parameters are held for the whole schedule
 (``docs/pipeline.md``), as stages 1-2 hold them always; what stage 3 still saves is the optimizer
 state and, outside the step, the parameters. Such a model is built whole and then cut
 (``runtime/run.py`` ``model_build``): a meta-device build materializes only this rank's units,
-drawing their initializers in another order than ddp's whole model.
+drawing their initializers in another order than ddp's whole model (Fabric's
+``init_module(empty_init=True)`` builds it whole too under ``pp > 1``).
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ class Stage3Runtime:
         self.open_kind: Optional[str] = None  # the schedule gathers belong to, until closed
         self.in_backward = False
         self.held_whole_step = False  # every unit gathered, hooks off ([Note: stage 3 under a pipeline])
+        self.held_whole_bytes = 0  # most bytes of full unit buffers held_whole kept so far
         self.step = 0
         self.high_water_forward = 0  # most non-root units gathered at once during forward
         self.high_water_backward = 0
@@ -652,6 +658,7 @@ class Stage3Runtime:
         for unit in self.units:
             self._reach(unit)
         self.high_water_forward = max(self.high_water_forward, self._gathered_blocks())
+        self.held_whole_bytes = max(self.held_whole_bytes, self.gathered_bytes())
         self.held_whole_step = True
         try:
             yield
