@@ -205,3 +205,28 @@ def test_a_cpu_wait_blocks_on_the_work_in_slices_and_returns_when_it_completes()
     threading.Timer(0.2, rank1b.post, args=("ValueError: a bad batch",)).start()
     with pytest.raises(PeerFailedError, match="ValueError: a bad batch"):
         Waiter(timeout_s=None, poll=True, failure=rank0b).wait(SlicedWork(), lambda: "bucket 2")
+
+
+def test_a_rank_gone_without_a_word_is_posted_in_its_name_unless_a_line_came_first():
+    """``post_for`` ([Note: a pipeline neighbour gone] in runtime/pipeline.py): a survivor posts a
+    killed rank's line in its name, so every rank's error names the rank gone, and nobody waits for
+    it to print; a line already posted (a rank that raised) stays the cause."""
+    store = DictStore()
+    rank0, rank1, rank2 = _ranks(store, world=3)
+    rank0.post_for(1, "global rank 1 left the pipeline without a word")
+    assert rank0.peer_failure == (1, "global rank 1 left the pipeline without a word")
+    assert "stops because another rank failed (global rank 1): global rank 1 left" in str(rank0.peer_error())
+    assert rank2.await_peer_error(seconds=2) is not None and rank2.peer_failure[0] == 1
+    started = time.monotonic()
+    rank2.await_reported(seconds=5)  # set at once: rank 1 prints nothing
+    assert time.monotonic() - started < 1
+    for channel in (rank0, rank1, rank2):
+        channel.close()
+
+    store = DictStore()
+    rank0, rank1, rank2 = _ranks(store, world=3)
+    rank2.post("ValueError: its own")
+    rank0.post_for(1, "global rank 1 left the pipeline without a word")
+    assert rank0.peer_failure == (2, "ValueError: its own") and "k/reported" not in store.data
+    for channel in (rank0, rank1, rank2):
+        channel.close()
