@@ -517,7 +517,7 @@ def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
     _, acts = memory_per_rank(r)  # one micro-batch's per-block ledger
     shape = StageShape(
         micro_batch=r.micro_batch, seq_len=r.seq_len, dim=model.dim, act_bytes=r.dtype.activation, tp=r.tp,
-        cp=dims.cp, sequence_parallel=r.config.sequence_parallel,
+        cp=dims.cp,
     )  # fmt: skip
     costs = stage_costs(r.workload, layout)
     link = r.hw.link(inter_node=spans_nodes(dims, dims.pp_ranks(0)))

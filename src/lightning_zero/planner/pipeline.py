@@ -132,7 +132,8 @@ def stage_params(layout: PipelineLayout, stage: int, units: Sequence[int]) -> in
 @dataclass(frozen=True)
 class StageShape:
     """What one micro-batch is on one rank: tokens, hidden width, the activation dtype's bytes and
-    how the residual stream is split (``tp`` under sequence parallelism, ``cp``)."""
+    how the residual stream is split between stages (``tp``, with or without sequence parallelism: [Note:
+    pipeline bytes] in ``pp/cost.py``; ``cp``)."""
 
     micro_batch: int
     seq_len: int
@@ -140,7 +141,6 @@ class StageShape:
     act_bytes: int
     tp: int = 1
     cp: int = 1
-    sequence_parallel: bool = False
 
     @property
     def tokens(self) -> int:
@@ -150,7 +150,7 @@ class StageShape:
     def boundary(self) -> int:
         return boundary_bytes(
             micro_batch=self.micro_batch, seq_len=self.seq_len, dim=self.dim, act_bytes=self.act_bytes,
-            tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel,
+            tp=self.tp, cp=self.cp,
         )  # fmt: skip
 
 
