@@ -221,7 +221,8 @@ def test_moe_recipe_splits_its_experts_as_it_says(recipe):
 def test_recipe_shrinks_to_two_cpu_ranks(recipe):
     if recipe in MOE_RECIPES:  # a mixture of experts shrinks to the tiny MoE, its experts over 2 ranks
         piped = compose([f"recipe={recipe}"]).strategy.pp > 1  # and pp=2 over 4 ranks (the header's smoke test)
-        pp = ["trainer.devices=4", "strategy.pp=2", "strategy.pp_microbatches=2", "strategy.pp_schedule=1f1b"]
+        pp = ["trainer.devices=4", "strategy.pp=2", "strategy.pp_microbatches=2", "strategy.pp_schedule=1f1b",
+              "strategy.pp_virtual_stages=1"]  # fmt: skip
         pp = pp if piped else []  # (tiny_moe's 2 blocks: one stage per rank)
         cfg = compose([f"recipe={recipe}", *SHRINK, "model=tiny_moe", "strategy.ep=2", *pp])
         assert (cfg.model.name, cfg.trainer.devices, cfg.strategy.ep) == ("tiny_moe", 4 if piped else 2, 2)
