@@ -299,19 +299,6 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     assert not dist.is_initialized()
 
 
-def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix():
-    from lightning_zero.comm.mesh import ParallelDims
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.models.llama.config import LlamaConfig
-    from lightning_zero.models.llama.model import Llama
-    from lightning_zero.runtime.pipeline import pipeline_layout
-
-    config = ZeroConfig(stage=2, pp=2, tensor_parallel_size=2, sequence_parallel=True)
-    dims = ParallelDims(world_size=4, devices_per_node=4, tp=2, pp=2)
-    with pytest.raises(ValueError, match="use tp=1 with pp > 1 under Fabric"):
-        pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
-
-
 MOE_REFUSALS = [(dict(tensor_parallel_size=2), 8, "use tp=1 with pp > 1")]
 
 
@@ -334,12 +321,17 @@ def test_a_moe_pipeline_runs_ep_and_refuses_tp_before_any_process_group(knobs, r
     with pytest.raises(ValueError, match=message):
         session.plan_layout(num_nodes=1, num_processes=ranks, module=MoELM({**moe, **model}))
     assert not dist.is_initialized()
-    if ranks == 8:  # the Fabric door (the model itself given to fabric.setup): not run yet for a MoE
+    if ranks == 8:  # the Fabric door (the model itself given to fabric.setup): ep runs, tp is refused alike
+        from lightning_zero.comm.mesh import ParallelDims
         from lightning_zero.models.moe import MoETransformer, resolve_moe_config
         from lightning_zero.runtime.pipeline import pipeline_layout
 
-        with torch.device("meta"), pytest.raises(ValueError, match="under the Trainer \\(MoELM\\) only so far"):
-            pipeline_layout(ZeroConfig(pp=2, ep=2), dims, MoETransformer(resolve_moe_config(moe)))
+        with torch.device("meta"):
+            model = MoETransformer(resolve_moe_config(moe))
+        assert pipeline_layout(ZeroConfig(pp=2, ep=2), dims, model).pp == 2  # tests/test_pipeline_fabric.py runs it
+        tp_dims = ParallelDims(world_size=8, devices_per_node=8, tp=2, ep=2, pp=2)
+        with pytest.raises(ValueError, match=message):
+            pipeline_layout(ZeroConfig(pp=2, ep=2, tensor_parallel_size=2, sequence_parallel=True), tp_dims, model)
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():
