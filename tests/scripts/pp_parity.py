@@ -73,6 +73,18 @@ CASES["ddp4"] = (lambda: "ddp", 4)
 for _name, _knobs in SCHEDULES.items():
     CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=4, **_knobs), 2)
 EIGHT = {"ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}  # 8 sequences a step
+# pp=2 x cp=2 on 4 ranks: each cp rank sends its sequence slice to its peer stage; attention inside a
+# stage over its cp group: Ulysses (4 heads split over cp=2) or, with 3 heads (RING_CONFIG), the ring.
+# Their ddp references run on 4 ranks too (one sequence each), so the cp cases need no 2-rank launch.
+RING_CONFIG = dict(CONFIG, dim=48, n_heads=3, n_kv_heads=1)
+CASES["ddp4_cp"] = CASES["ddp4_ring"] = (lambda: "ddp", 4)
+CASES["cp2tp2_zero1"] = (zero(1, cp=2, **TP_SP), 1)  # pp=1 tp x cp + SP: what pp2cp2tp2_* equal (docs/pipeline.md)
+for _stage in (1, 2, 3):
+    for _name in SCHEDULES:
+        for _ring in ("", "ring"):
+            _knobs = dict(pp=2, cp=2, **SCHEDULES[_name])
+            CASES[f"pp2cp2{_ring}_{_name}_zero{_stage}"] = (zero(_stage, **_knobs), 1)
+            CASES[f"pp2cp2tp2{_ring}_{_name}_zero{_stage}"] = (zero(_stage, **_knobs, **TP_SP), 1)
 SAVES = {"pp2_1f1b_zero2": "pp2"}
 RESUMES = {"resume_pp2_ckpt_pp1": "pp2"}
 # tests/test_pipeline_checkpoints.py, one launch on 4 ranks (global batch 4 in every case): pp=2 x dp=2 and
@@ -150,7 +162,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
     if is_moe(name):
         model = MoELM(MOE_CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     else:
-        model = LlamaLM(CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
+        model = LlamaLM(RING_CONFIG if "ring" in name else CONFIG, lr=1e-2, warmup_steps=1, max_steps=STEPS)
     data = data_module(dp, 8 if name in EIGHT else GLOBAL_BATCH)
     record = Record()
     trainer, ckpt_path = checkpointed_trainer(
@@ -165,12 +177,26 @@ def run(name: str, devices: int, out_dir: str) -> None:
     # predict: the logits of 2 fixed sequences, one per dp rank of ddp, both on each pp rank of pp=2
     count = 4 if name in EIGHT else 2  # ddp on 4 ranks in EIGHT: one row each
     rows = torch.randint(0, 64, (count, SEQ), generator=torch.Generator().manual_seed(11))
-    predicted = torch.empty(0)  # 2 rows over 4 dp ranks: no predict
-    if count >= dp:
-        predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=count // dp)))
-    params = model.model.state_dict()
     mesh = getattr(trainer.strategy, "device_mesh", None)
-    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # the dense parameters and logits
+    cp_group = mesh["cp"].get_group() if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) else None
+    if cp_group is not None:  # each cp rank predicts from its slice of every sequence (cp/batch.py)
+        import torch.distributed as dist
+
+        from lightning_zero.cp.batch import context_slices
+
+        cp = dist.get_world_size(cp_group)
+        (rows,) = context_slices((rows,), cp, dist.get_rank(cp_group))
+    if dp > count:  # 2 rows over 4 dp ranks (a whole model on each): each rank forwards both rows itself
+        with torch.no_grad():
+            predicted = model.model(rows)
+    else:
+        predicted = torch.cat(trainer.predict(model, torch.utils.data.DataLoader(rows, batch_size=count // dp)))
+    if cp_group is not None:  # the slices' logits joined along the sequence
+        slices = [torch.empty_like(predicted) for _ in range(cp)]
+        dist.all_gather(slices, predicted.contiguous(), group=cp_group)
+        predicted = torch.cat(slices, dim=1)
+    params = model.model.state_dict()
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:  # dense params, logits
         import torch.distributed as dist
 
         from lightning_zero.tp import gather_tp_state_dict

@@ -419,7 +419,8 @@ def check_model_divisible(tp: int, model_config: Any) -> None:
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """Build the ``DeviceMesh`` the model's parallelize functions read (see [Note: mesh layout]):
     ``("dp", "tp")`` (``"dp"`` is the dense group) when ``cp == 1``, ``("dp", "cp", "tp")`` otherwise,
-    ``("pp", "dp", "tp")`` under ``pp > 1`` (every dp and tp group inside one pp rank's block).
+    ``("pp", "dp", "tp")`` or ``("pp", "dp", "cp", "tp")`` under ``pp > 1`` (every dp, cp and tp group
+    inside one pp rank's block).
 
     Needs an initialized default process group of ``dims.world_size`` ranks; creates one
     sub-group per row and column of each dimension.
@@ -433,9 +434,12 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if world != dims.world_size:
         raise ValueError(f"{dims} but the process group has world_size({world})")
-    if dims.pp > 1:  # tp inside each pp rank's block ([Note: pipeline ranks]); cp > 1 is refused with pp
-        layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.pp, dims.dp, dims.tp)  # (pp, dp, tp)
-        return DeviceMesh(device_type, layout, mesh_dim_names=("pp", *MESH_DIM_NAMES))
+    if dims.pp > 1:  # cp and tp inside each pp rank's block ([Note: pipeline ranks])
+        if dims.cp == 1:
+            layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.pp, dims.dp, dims.tp)  # (pp, dp, tp)
+            return DeviceMesh(device_type, layout, mesh_dim_names=("pp", *MESH_DIM_NAMES))
+        layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.pp, dims.dp, dims.cp, dims.tp)
+        return DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp", "cp", "tp"))
     if dims.cp == 1:
         layout = torch.arange(dims.world_size, dtype=torch.int).view(dims.dp, dims.tp)  # (dp, tp)
         return DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIM_NAMES)
@@ -557,14 +561,12 @@ def build_groups(dims: ParallelDims, device_type: str = "cpu") -> MeshGroups:
 
     groups = MeshGroups(dims, rank)
     if dims.pp > 1:  # the dense group is one pp block's, not every rank ([Note: pipeline ranks])
-        if dims.cp > 1:
-            raise ValueError(f"{dims}: pp > 1 runs with cp = 1 so far (docs/pipeline.md)")
         groups.pp, groups.dp_cp = mine("pp"), mine("dp_cp")
     if dims.tp > 1 or dims.cp > 1:  # type: ignore[operator]
         mesh = groups.device_mesh = build_mesh(dims, device_type)
         groups.tp = mesh.get_group("tp") if dims.tp > 1 else None  # type: ignore[operator]
         groups.cp = mesh.get_group("cp") if dims.cp > 1 else None
-        if dims.tp > 1:  # type: ignore[operator]
+        if dims.tp > 1 and (dims.cp == 1 or groups.dp_cp is None):  # type: ignore[operator]
             groups.dp_cp = mesh.get_group("dp") if dims.cp == 1 else mine("dp_cp")
     if dims.ep > 1:
         groups.ep, groups.edp = mine("ep"), mine("edp")

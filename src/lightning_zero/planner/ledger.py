@@ -322,6 +322,7 @@ def llama_largest_block_param(config: Any, *, tp: int = 1) -> int:
 
 
 ATTENTION_KERNELS = ("fused", "math")
+CP_LOSS_SAVED = 8  # the cp loss's fp64 sum and count, two views of one [sum, count] tensor, counted once
 
 
 @dataclass(frozen=True)
@@ -513,8 +514,14 @@ def llama_activation_bytes(
         n_layers=config.n_layers,
         head=float(norm),
         # fp32 log-probs + int64 targets; under TP also the vocab-parallel embedding's local ids
-        # (int64) and out-of-range mask, the loss's mask and the kept tokens' int64 indices
-        loss_saved=float(tokens * vocab * 4 + tokens * 8 + (tokens * (8 + 1 + 1 + 8) if tp > 1 else 0)),
+        # (int64) and out-of-range mask, the loss's mask and the kept tokens' int64 indices; under
+        # cp the global token mean's division keeps its fp64 sum and count ([Note: global token mean])
+        loss_saved=float(
+            tokens * vocab * 4
+            + tokens * 8
+            + (tokens * (8 + 1 + 1 + 8) if tp > 1 else 0)
+            + (CP_LOSS_SAVED if cp > 1 else 0)
+        ),
         logits_and_loss=float(3 * tokens * vocab * 4 + tokens * 8),
         selective_per_layer=per_layer - core + kept_q_k_v,
         selective_recompute=float(core),

@@ -21,7 +21,11 @@ engine's norm group is every rank (each holds a distinct shard of a distinct sta
 global norm covers every stage and shard (under tp, each replicated norm gain weighted ``1/tp``:
 [Note: TP grad norm]). Under tp with sequence parallelism a stage's input and output are this tp
 rank's sequence shard ([Note: sequence-parallel stages] in ``models/llama/pipeline.py``), and the
-last stage's loss is the model's own (the vocab-parallel cross entropy). A training batch of another shape (the last, smaller
+last stage's loss is the model's own (the vocab-parallel cross entropy). Under cp likewise: each
+rank's batch is its cp slice of every sequence (the data module's), a stage sends its ``T/cp``
+slice to the same cp rank of the next stage, attention runs over the stage's cp group, and the
+last stage's loss is the global token mean over its cp group ([Note: global token mean]): every
+rank returns ddp's loss, and the engine averages gradients over the stage's ``dp x cp`` ranks. A training batch of another shape (the last, smaller
 one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
 (``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
 activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
@@ -64,14 +68,16 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
     model_class = type(module) if isinstance(module, Llama) else getattr(module, "model_class", None)
     moe = isinstance(model_class, type) and issubclass(model_class, MoETransformer)
     # ep runs inside each stage's ranks for a MoE model ([Note: MoE pipeline stages] in models/moe/pipeline.py),
-    # tp (with sequence parallelism) for a Llama ([Note: sequence-parallel stages] in models/llama/pipeline.py)
-    inside = ("ep=",) if moe else ("tp=",)
+    # tp (with sequence parallelism) and cp for a Llama ([Note: sequence-parallel stages] in models/llama/pipeline.py)
+    inside = ("ep",) if moe else ("tp", "cp")
     others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
-    others = [other for other in others if not other.startswith(inside)]
+    others = [other for other in others if other.split("=")[0] not in inside]
     if others:
+        kind = "a MoETransformer's (MoELM's)" if moe else "a Llama's (LlamaLM's)"
         raise ValueError(
-            f"{asked} with {', '.join(others)}: pipeline stages compose with ZeRO data parallelism only so far"
-            f" (docs/pipeline.md); use {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
+            f"{asked} with {', '.join(others)}: {kind} pipeline stages run ZeRO data parallelism and"
+            f" {' and '.join(inside)} inside them only so far (docs/pipeline.md); use"
+            f" {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
         )
     if config.shard_size is not None or config.hierarchical_reduce:
         raise ValueError(
@@ -95,6 +101,11 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
             " sequence parallelism only so far (each tp rank sends its sequence shard to its peer in the next"
             " stage; docs/pipeline.md); use sequence_parallel=True with tp > 1 and pp > 1"
+        )
+    if dims.cp > 1 and isinstance(module, Llama):
+        raise ValueError(
+            f"ZeroFabricStrategy(pp={dims.pp}) with cp={dims.cp}: pipeline stages with context parallelism run under"
+            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use cp=1 with pp > 1 under Fabric (docs/pipeline.md)"
         )
     if getattr(model_config, "tie_embeddings", False):
         raise ValueError(

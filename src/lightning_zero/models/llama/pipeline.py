@@ -44,7 +44,8 @@ class LlamaStage(nn.Module):
         self.context_parallel_size = model.context_parallel_size
         # [Note: sequence-parallel stages] under tp with sequence parallelism the residual stream
         # between blocks, so a stage's input and output, is this tp rank's T/tp slice: torch's
-        # schedule sends it to the same tp rank of the next stage (the pp group joins equal tp ranks)
+        # schedule sends it to the same tp rank of the next stage (the pp group joins equal tp ranks);
+        # under cp it is this cp rank's T/cp slice (of which SP's T/(cp tp)), sent to the same cp rank
         wo = getattr(model.layers[blocks[0]].attention, "wo", None) if len(blocks) else None
         sharded = getattr(model, "tp_sequence_parallel", False)
         self.sequence_shards = getattr(wo, "tp_size", 1) if sharded else 1  # T / (the stage's input length)
