@@ -201,7 +201,7 @@ def test_cp_inside_pipeline_stages_is_refused_where_it_does_not_run_yet_naming_t
            "z_loss_coef": 0.0}  # fmt: skip
     session = ZeroSession(ZeroConfig(stage=1, pp=2, cp=2))
     with pytest.raises(
-        ValueError, match="MoETransformer's .* run ZeRO data parallelism and ep .* use cp=1 with pp > 1"
+        ValueError, match="MoETransformer's .* run ZeRO data parallelism and tp and ep .* use cp=1 with pp > 1"
     ):
         session.plan_layout(num_nodes=1, num_processes=4, module=MoELM(moe))
     assert not dist.is_initialized()

@@ -9,7 +9,8 @@
 - the Fabric door: ``pipeline_step`` in a hand loop at pp=2 x dp=2 against the same loop on the
   whole model in one process (tests/scripts/fabric_pp.py).
 
-pp=2 x tp=2 and pp=2 x ep=2 at stage 3 run in tests/test_pipeline.py's 4-rank launch, beside their
+The same launch runs ZBV at stages 1-2 on pp=2 x dp=2 (tests/test_pipeline.py's 2-sequence batch
+is too small for ZBV's 4 micro-batches there). pp=2 x tp=2 and pp=2 x ep=2 at stage 3 run in tests/test_pipeline.py's 4-rank launch, beside their
 stage 1-2 cases and baselines.
 """
 
@@ -20,7 +21,8 @@ from tests.distributed import launch, rank_result
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv"]  # tests/scripts/pp_parity.py's names
 TORCH_NAMES = {"interleaved": "interleaved_1f1b", "zb": "interleaved_zb"}
-CASES = ["ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES), "fabric-zbv-zero3"]
+ZBV_STAGES_1_2 = ["pp2dp2_zbv4_zero1", "pp2dp2_zbv4_zero2"]  # ZBV at this batch, beside its ddp4 reference
+CASES = ["ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES), *ZBV_STAGES_1_2, "fabric-zbv-zero3"]
 RANKS, DP = 4, 2
 CONFIG = dict(name="tiny", vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -85,7 +87,21 @@ def test_stage3_inside_pipeline_stages_matches_ddp_under_every_schedule(trained,
         # the schedule's gradients, whole (fp32)
         if rank // DP == planned.pp_rank:
             held = result["held"]
-            assert held == (planned.memory.prefetch_buffers, planned.memory.param_grad) == (4 * blocks,) * 2, rank
+            grads = planned.pipeline.ranks[planned.pp_rank].grad_bytes  # [Note: gradients a schedule holds]
+            assert held == (planned.memory.prefetch_buffers, grads) == (4 * blocks,) * 2, rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ZBV_STAGES_1_2)
+def test_zbv_at_stages_1_and_2_on_pp2_dp2_matches_ddp(trained, case):
+    losses, val_losses, params = _joined(trained, case)
+    want_losses, want_val, want_params = _joined(trained, "ddp4")
+    assert losses.shape == want_losses.shape == (8,)
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(val_losses, want_val, rtol=0, atol=1e-5)
+    assert set(params) == set(want_params)
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

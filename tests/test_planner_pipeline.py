@@ -5,7 +5,9 @@ tests/test_pipeline.py)."""
 import pytest
 
 from lightning_zero.planner.arithmetic import plan_run
-from lightning_zero.planner.pipeline import unit_param_counts
+from lightning_zero.planner.pipeline import trace_pass, unit_param_counts
+from lightning_zero.pp.layout import SCHEDULES, PipelineLayout
+from lightning_zero.pp.simulate import StageBytes, StageCosts, trace_schedule
 
 RUN = dict(world_size=64, devices_per_node=8, tp=8, micro_batch=1, seq_len=4096, activation_checkpointing="full",
            hardware="h100_80gb", suggest=False)  # fmt: skip
@@ -19,8 +21,9 @@ def test_a_pipelined_plan_splits_the_model_and_carries_the_bubble():
     assert sum(pipeline.layers_per_stage) == 80 and len(pipeline.layers_per_stage) == 4
     assert sum(rank.params for rank in pipeline.ranks) == sum(unit_param_counts(piped_model(), tp=8))
     assert [rank.in_flight for rank in pipeline.ranks] == [4, 3, 2, 1]  # 1F1B: pp - r
-    # the first rank sends activations and receives gradients across one boundary per micro-batch
-    boundary = 1 * 4096 * 8192 * 2
+    # the first rank sends activations and receives gradients across one boundary per micro-batch: each of the 8
+    # tp ranks its T/tp slice of the replicated stream ([Note: pipeline bytes] in pp/cost.py)
+    boundary = 1 * 4096 * 8192 * 2 // 8
     assert (pipeline.ranks[0].p2p_sent, pipeline.ranks[1].p2p_sent) == (8 * boundary, 16 * boundary)
     assert piped.traffic.pp_link == "inter_node" and piped.timing.pipeline_bubble_s > 0
     assert 0.2 < piped.bubble_fraction < 0.35  # near (pp - 1) / (m + pp - 1) = 3 / 11
@@ -56,3 +59,34 @@ def test_stage3_under_pp_plans_the_stage_s_parameters_held_for_the_whole_step():
     for planned, width in ((piped.memory.prefetch_buffers, 2), (piped.memory.param_grad, 2)):  # bf16 params, grads
         assert held * width <= planned < (held + dp) * width  # padded to a multiple of dp
     assert piped.memory.prefetch_buffers > 5 * flat.memory.prefetch_buffers  # a fifth of 80 blocks, not 1 + prefetch
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_long_pass_extrapolated_equals_the_whole_pass_played(schedule):
+    """[Note: long pipelines extrapolated]: heavier first and last stages, and transfers slow enough
+    that their round trip, not the slowest stage, bounds 1F1B's steady state."""
+    layout = PipelineLayout(pp=8, schedule=schedule, n_layers=64, microbatches=64,
+                            virtual_stages=1 if schedule in ("gpipe", "1f1b") else 2)  # fmt: skip
+    forward = [1.0] * layout.num_stages
+    forward[0], forward[-1] = 1.3, 1.6
+    costs = StageCosts(tuple(forward), tuple(forward), tuple(forward))
+    held = StageBytes(tuple(1.0 + s for s in range(layout.num_stages)), grads=(5.0,) * layout.num_stages)
+    whole, extrapolated = trace_schedule(layout, costs, 1.0, held), trace_pass(layout, costs, 1.0, held)
+    assert extrapolated.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=1e-12)
+    assert extrapolated.idle_s == pytest.approx([whole.makespan - busy for busy in whole.busy], rel=1e-12)
+    assert (extrapolated.in_flight, extrapolated.peak_held, extrapolated.peak_with_grads) == (
+        whole.in_flight, whole.peak_held, whole.peak_with_grads)  # fmt: skip
+
+
+def test_the_search_plans_every_schedule():
+    """``plan.search`` with pp: every schedule torch runs, each where it can (GPipe too: it alone
+    runs a pass of fewer micro-batches than pp besides the interleaved ones)."""
+    from lightning_zero.planner import search_layouts
+
+    narrow = dict(world_size=64, devices_per_node=8, seq_len=4096, hardware="h100_80gb", topology=False, stages=(1,),
+                  tp_sizes=(8,), cp_sizes=(1,), pp_sizes=(4,), micro_batches=(1,), checkpointing=("full",),
+                  sequence_parallel=(True,))  # fmt: skip
+    every = search_layouts("70b", global_batch=16, **narrow)  # 8 micro-batches a pass
+    assert sorted({entry.layout.pp_schedule for entry in every.ranked}) == sorted(SCHEDULES)
+    few = search_layouts("70b", global_batch=4, **narrow)  # 2 micro-batches: 1F1B and ZBV refuse
+    assert sorted({entry.layout.pp_schedule for entry in few.ranked}) == ["gpipe", "interleaved_1f1b", "interleaved_zb"]

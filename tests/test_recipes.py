@@ -367,8 +367,8 @@ PP_SEARCHED = {
                     "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=128", "data.batch_size=1",
                     "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
     "deepseek_v3_671b": ["strategy=zero1", "strategy.tensor_parallel_size=1", "strategy.bucket_mb=400", "strategy.ep=8",
-                         "strategy.pp=16", "strategy.pp_schedule=zbv", "strategy.pp_virtual_stages=2",
-                         "strategy.pp_microbatches=128", "data.batch_size=2", "trainer.accumulate_grad_batches=1",
+                         "strategy.pp=16", "strategy.pp_schedule=interleaved_zb", "strategy.pp_virtual_stages=2",
+                         "strategy.pp_microbatches=256", "data.batch_size=1", "trainer.accumulate_grad_batches=1",
                          "model.activation_checkpointing=full"],
 }  # fmt: skip
 

@@ -3,8 +3,9 @@ tests/test_pipeline_stage3.py and tests/test_pipeline_fabric.py.
 
 Usage: python tests/scripts/fabric_pp.py OUT_DIR DEVICES CASE [CASE ...]
 (CASE: "[<layout>-]<schedule>-zero<stage>", layout ``tp2``: tensor parallelism with sequence
-parallelism inside each stage; ``moe``: a MoETransformer with its experts over ep=2 inside each
-stage, a balance loss, a z-loss and the selection-bias update)
+parallelism inside each stage, ``tp2nosp`` without; ``moe``: a MoETransformer with its experts over
+ep=2 inside each stage, a balance loss, a z-loss and the selection-bias update; ``moetp2``: that
+MoE at tp=2 with sequence parallelism, ep=1)
 
 Every rank also runs the same loop on the whole model in one process (no process group: AdamW,
 the global norm clipped to 0.05, 2 batches of 4 sequences accumulated per step, 3 steps) and
@@ -36,7 +37,9 @@ MOE = dict(CONFIG, name="tiny_moe_fabric_pp", n_experts=4, top_k=2, expert_ffn_d
            z_loss_coef=0.01)  # fmt: skip
 SCHEDULES = {"1f1b": {}, "gpipe": {}, "interleaved_1f1b": {"pp_virtual_stages": 2},
              "interleaved_zb": {"pp_virtual_stages": 2}, "zbv": {}}  # fmt: skip
-LAYOUTS = {"": {}, "tp2": {"tensor_parallel_size": 2, "sequence_parallel": True}, "moe": {"ep": 2}}
+TP_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+LAYOUTS = {"": {}, "tp2": TP_SP, "tp2nosp": {"tensor_parallel_size": 2, "sequence_parallel": False},
+           "moe": {"ep": 2}, "moetp2": TP_SP}  # fmt: skip
 STEPS, ACCUMULATE, CLIP = 3, 2, 0.05
 
 
@@ -76,7 +79,7 @@ def reference(rows: int, moe: bool = False, dp: int = 1, micro: int = 1) -> tupl
 def main(out: str, case: str, devices: int = 2) -> None:
     layout, _, rest = case.partition("-") if case.split("-")[0] in LAYOUTS else ("", "", case)
     schedule, stage = rest.rsplit("-zero", 1)
-    moe, knobs = layout == "moe", {**SCHEDULES[schedule], **LAYOUTS[layout]}
+    moe, knobs = layout.startswith("moe"), {**SCHEDULES[schedule], **LAYOUTS[layout]}
     strategy = ZeroFabricStrategy(stage=int(stage), pp=2, pp_schedule=schedule, bucket_mb=0.01, **knobs)
     fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()

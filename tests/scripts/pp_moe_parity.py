@@ -38,6 +38,10 @@ for _stage in (1, 2, 3):
         for _cap in ("", "_cap"):
             _strategy = zero(_stage, pp=2, ep=2, pp_microbatches=MICRO, **SCHEDULES[_name])
             CASES[f"pp2ep2_{_name}_zero{_stage}{_cap}"] = (_strategy, PP_BATCH, PP_ACCUMULATE)
+# pp=2 x tp=2 on 4 ranks (dp=1: 8 sequences a batch, 8 micro-batches of one), with and without sequence parallelism
+for _name, _split in (("1f1b", False), ("zbv", True)):
+    _strategy = zero(1, pp=2, tensor_parallel_size=2, sequence_parallel=_split, pp_microbatches=8, **SCHEDULES[_name])
+    CASES[f"pp2tp2_{_name}_zero1"] = (_strategy, 2 * PP_BATCH, PP_ACCUMULATE)
 
 
 class RecordRouting(Record):
@@ -65,7 +69,13 @@ def run(name: str, devices: int, out_dir: str) -> None:
     trainer = script_trainer(devices=devices, strategy=make_strategy(), max_steps=STEPS, callbacks=[record],
                              gradient_clip_val=0.05, accumulate_grad_batches=accumulate)  # fmt: skip
     trainer.fit(model, data)
-    params = {k: v.float() for k, v in model.model.state_dict().items()}  # with each router's selection bias
+    params = model.model.state_dict()  # with each router's selection bias
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):  # the dense parameters
+        from lightning_zero.tp import gather_tp_state_dict
+
+        params = gather_tp_state_dict(model.model, mesh["tp"].get_group())
+    params = {k: v.float() for k, v in params.items()}
     layers = [index for index, block in enumerate(model.model.layers) if getattr(block, "moe", None) is not None]
     result = {"losses": record.losses, "params": params, "moe_stats": (record.load, record.aux), "layers": layers}
     torch.save(result, os.path.join(out_dir, f"{name}.rank{trainer.global_rank}.pt"))

@@ -18,6 +18,12 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+import torch.distributed.pipelining as pipelining  # noqa: E402
+
+from lightning_zero.pp.measure import MeasuredStage, schedule_stages  # noqa: E402
+
+# every pipelined case's stages count the bytes they send and receive ([Note: counting pipeline bytes])
+pipelining.PipelineStage = MeasuredStage
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.data import TokenDataModule  # noqa: E402
@@ -57,6 +63,13 @@ TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
 for _stage in (1, 2, 3):
     for _name in SCHEDULES:
         CASES[f"pp2tp2_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
+# pp=2 x tp=2 without sequence parallelism: each tp rank sends its T/tp slice of the replicated stream, the next
+# stage all-gathers it ([Note: sequence-parallel stages]); a MoE's stages tp-split likewise (with and without SP)
+NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
+CASES["pp2tp2nosp_1f1b_zero1"] = (zero(1, pp=2, **NO_SP, **SCHEDULES["1f1b"]), 1)
+CASES["pp2tp2nosp_zbv_zero2"] = (zero(2, pp=2, **NO_SP, **SCHEDULES["zbv"]), 1)
+CASES["pp2tp2moe_1f1b_zero1"] = (zero(1, pp=2, **NO_SP, **SCHEDULES["1f1b"]), 1)
+CASES["pp2tp2moe_zb_zero2"] = (zero(2, pp=2, **TP_SP, **SCHEDULES["zb"]), 1)
 # MoE (docs/pipeline.md): pp=2 x ep=2 on 4 ranks, each stage's 2 ranks splitting its MoE layers' experts and
 # exchanging tokens; aux-free ([Note: MoE pipeline stages]), against ddp on the same MoE model
 MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_dim=32, n_dense_layers=1,
@@ -72,7 +85,10 @@ CASES["pp2_1f1b_zero3"] = (zero(3, pp=2, **SCHEDULES["1f1b"]), 1)
 CASES["ddp4"] = (lambda: "ddp", 4)
 for _name, _knobs in SCHEDULES.items():
     CASES[f"pp2dp2_{_name}_zero3"] = (zero(3, pp=2, pp_microbatches=4, **_knobs), 2)
-EIGHT = {"ddp4", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}  # 8 sequences a step
+# ZBV at stages 1-2 on pp=2 x dp=2 needs the same 8 sequences (4 micro-batches of a dp rank's rows)
+for _stage in (1, 2):
+    CASES[f"pp2dp2_zbv4_zero{_stage}"] = (zero(_stage, pp=2, pp_microbatches=4, **SCHEDULES["zbv"]), 2)
+EIGHT = {"ddp4", "pp2dp2_zbv4_zero1", "pp2dp2_zbv4_zero2", *(f"pp2dp2_{name}_zero3" for name in SCHEDULES)}
 # pp=2 x cp=2 on 4 ranks: each cp rank sends its sequence slice to its peer stage; attention inside a
 # stage over its cp group: Ulysses (4 heads split over cp=2) or, with 3 heads (RING_CONFIG), the ring.
 # Their ddp references run on 4 ranks too (one sequence each), so the cp cases need no 2-rank launch.
@@ -122,6 +138,7 @@ class Record(L.Callback):
         self.gathered: tuple[int, int] = (0, 0)  # stage 3: most block elements gathered at once, of all
         self.held: tuple[int, int] = (0, 0)  # stage 3 under pp: most parameter and gradient bytes held whole
         self.sent: list[dict] = []  # stage 3: elements each training batch sent, per collective kind
+        self.p2p: tuple[int, ...] = ()  # under pp: point-to-point bytes sent, received, and the plan's of both
         self._before: dict = {}
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -131,6 +148,9 @@ class Record(L.Callback):
             self.gathered = (runtime.high_water_numel, sum(unit.numel for unit in runtime.units[:-1]))
             # measured beside the plan: the parameters and the schedule's gradients held whole
             self.held = (runtime.held_whole_bytes, trainer.strategy.run.session.pipeline.held_grad_bytes)
+        pipeline = getattr(getattr(getattr(trainer.strategy, "run", None), "session", None), "pipeline", None)
+        if pipeline is not None:
+            self.p2p = p2p_measured_and_planned(pipeline, len(self.rows[-1]), len(self.losses))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -146,6 +166,21 @@ class Record(L.Callback):
         if engine is not None:
             now = engine.counter.elements
             self.sent.append({kind: now[kind] - self._before.get(kind, 0.0) for kind in now})
+
+
+def p2p_measured_and_planned(pipeline, rows: int, batches: int) -> tuple[int, int, int, int]:
+    """The bytes this rank's stages sent and received over every training schedule, beside the plan's
+    for ``batches`` steps of ``rows`` sequences (``pp/cost.py``, what ``lightning-zero plan`` prints)."""
+    from lightning_zero.planner.pipeline import StageShape
+    from lightning_zero.pp.cost import p2p_bytes_per_step
+
+    stages = [stage for schedule in pipeline._schedules.values() for stage in schedule_stages(schedule)]
+    layout, dims = pipeline.layout, pipeline.groups.dims
+    shape = StageShape(micro_batch=rows // layout.microbatches, seq_len=SEQ, dim=CONFIG["dim"], act_bytes=4, tp=dims.tp,
+                       cp=dims.cp)  # fmt: skip
+    planned = p2p_bytes_per_step(layout, pipeline.pp_rank, shape.boundary)
+    return (sum(stage.sent_bytes for stage in stages), sum(stage.received_bytes for stage in stages),
+            planned.sent * batches, planned.received * batches)  # fmt: skip
 
 
 def data_module(dp: int, global_batch: int = GLOBAL_BATCH) -> TokenDataModule:
@@ -214,6 +249,7 @@ def run(name: str, devices: int, out_dir: str) -> None:
             "gathered": record.gathered,
             "sent": record.sent,
             "held": record.held,
+            "p2p": record.p2p,
             "rows": record.rows,
             "params": {k: v.float() for k, v in params.items()},
         },

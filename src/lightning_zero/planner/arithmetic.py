@@ -517,25 +517,26 @@ def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
     _, acts = memory_per_rank(r)  # one micro-batch's per-block ledger
     shape = StageShape(
         micro_batch=r.micro_batch, seq_len=r.seq_len, dim=model.dim, act_bytes=r.dtype.activation, tp=r.tp,
-        cp=dims.cp, sequence_parallel=r.config.sequence_parallel,
+        cp=dims.cp,
     )  # fmt: skip
     costs = stage_costs(r.workload, layout)
     link = r.hw.link(inter_node=spans_nodes(dims, dims.pp_ranks(0)))
     hop_s = link.latency_s + shape.boundary / link.bytes_per_s
     units = unit_param_counts(model, tp=r.tp, ep=dims.ep)
-    pipeline = plan_pipeline(layout, acts, shape, units, r.checkpointing, costs, hop_s)
+    pipeline = plan_pipeline(layout, acts, shape, units, r.checkpointing, costs, hop_s, r.dtype.grad)
     best: Optional[PipelinedRank] = None
     for rank in sorted({0, layout.pp - 1}):
         run = with_workload(r, stage_workload(r.workload, layout, rank), r.micro_batches * layout.microbatches)
         memory, rank_acts = memory_per_rank(run)
         stage = pipeline.ranks[rank]
         loss = (acts.loss_saved + LOSS_TOTAL_WEIGHT_BYTES) if stage.head else 0.0  # the logits' peak counts it
-        if r.stage == 3:  # [Note: stage 3 under a pipeline]: the stage's parameters and gradients, whole
-            memory = dataclasses.replace(
-                memory, prefetch_buffers=float(run.padded * r.dtype.param), param_grad=float(run.padded * r.dtype.grad)
-            )
+        if r.stage == 3:  # [Note: stage 3 under a pipeline]: the stage's parameters, whole
+            memory = dataclasses.replace(memory, prefetch_buffers=float(run.padded * r.dtype.param))
         memory = dataclasses.replace(
             memory,
+            # the schedule's gradients, whole at every stage: what they add to the activations' peak
+            # ([Note: gradients a schedule holds] in planner/pipeline.py)
+            param_grad=stage.peak_bytes - stage.in_flight_bytes,
             activations=stage.in_flight_bytes - loss + acts.recompute_peak(r.checkpointing),
             logits_and_loss=acts.logits_and_loss if stage.head else 0.0,
         )

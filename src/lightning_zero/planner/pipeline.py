@@ -13,13 +13,23 @@ loss's log-probabilities and targets (``loss_saved``) and the 4-byte fp32 total 
 cross entropy. The whole model's count (``saved_after_forward``) leaves the ids and the scalar out:
 there they were made before forward began (docs/planner.md).
 
-[Note: zero-bubble schedules hold more] The plan counts a micro-batch's saved bytes from its
-forward until its last backward action on the rank (``W`` when the backward is split), which is
-what GPipe, 1F1B and Interleaved 1F1B measure exactly. torch's zero-bubble schedules
-(``interleaved_zb``, ``zbv``) run the input-gradient pass with ``retain_graph=True``
-(``_backward.stage_backward_input``), so the tensors only that pass needed stay with the graph
-after ``W`` until the stage's caches drop the micro-batch's output (the next step): measured peaks
-run above the plan (tests/test_pipeline.py asserts ``>=``; the numbers are in docs/pipeline.md).
+[Note: held between I and W] Under the zero-bubble schedules (``interleaved_zb``, ``zbv``) a
+micro-batch's saved tensors are freed in two parts ([Note: what a split backward frees] in
+``pp/simulate.py``): on the last stage its input-gradient pass ``I`` frees the loss's
+(``loss_saved`` and the total weight: :func:`freed_at_input`), ``W`` the rest; elsewhere ``W`` frees
+all. The plan plays that out in the schedule's own order, so the most held at once is exact for
+every schedule (tests/test_pipeline.py). An earlier count saw up to 1.52x more: the measurement's
+pack hook kept each saved tensor itself, whose ``grad_fn`` is the node saving it, so the nodes
+that ran only in ``I`` (with ``retain_graph=True``) formed a cycle and never freed
+(``pp/measure.py`` now packs a detached alias, as torch's ``saved_tensors_hooks`` asks).
+
+[Note: gradients a schedule holds] During a schedule every stage's parameter gradients are
+separate ``.grad`` tensors the schedule fills (the engine's hooks off: [Note: gradients handed in]
+in ``zero/engine.py``), held whole until the engine takes them, at every ZeRO stage, beside the
+engine's own gradient buffers: ``params x grad bytes`` of the rank's stages (``StagePlan.grad_bytes``)
+from each stage's first weight-gradient action on. ``StagePlan.peak_bytes`` is the most saved
+activations plus those gradients at once (between actions); what the gradients add to the
+activations' peak is the plan's ``param_grad`` under pp.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from lightning_zero.planner.ledger import ActivationBytes
 from lightning_zero.planner.workload import Tensor, Workload, model_layers
 from lightning_zero.pp.cost import boundary_bytes, p2p_bytes_per_step, stage_holds
 from lightning_zero.pp.layout import PipelineLayout, balanced_split, stages_per_rank
-from lightning_zero.pp.simulate import StageCosts, trace_schedule
+from lightning_zero.pp.simulate import StageBytes, StageCosts, trace_schedule
 
 TOKEN_ID_BYTES = 8  # int64 token ids the embedding saves
 LOSS_TOTAL_WEIGHT_BYTES = 4  # the fp32 scalar cross entropy's mean saves beside its log-probabilities
@@ -50,6 +60,12 @@ def stage_saved_bytes(acts: ActivationBytes, layout: PipelineLayout, stage: int,
     return saved
 
 
+def freed_at_input(acts: ActivationBytes, layout: PipelineLayout, stage: int) -> float:
+    """[Note: held between I and W]: of :func:`stage_saved_bytes`, what ``stage``'s input-gradient
+    pass frees (the loss's saved tensors on the last stage; nothing elsewhere)."""
+    return acts.loss_saved + LOSS_TOTAL_WEIGHT_BYTES if stage == layout.num_stages - 1 else 0.0
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pp rank of a pipeline: what it holds, keeps and moves in a step."""
@@ -63,6 +79,8 @@ class StagePlan:
     saved_per_microbatch: tuple[float, ...]  # per stage of ``stages``, bytes one micro-batch keeps
     in_flight: int  # most micro-batches (stage passes) it holds at once
     in_flight_bytes: float  # most activation bytes it holds at once
+    grad_bytes: float  # its stages' parameter gradients the schedule holds ([Note: gradients a schedule holds])
+    peak_bytes: float  # most activation and gradient bytes it holds at once
     p2p_sent: int  # bytes per step
     p2p_received: int
     idle_s: float = 0.0  # seconds it waits per pipeline pass (the step's makespan - its busy time)
@@ -114,7 +132,8 @@ def stage_params(layout: PipelineLayout, stage: int, units: Sequence[int]) -> in
 @dataclass(frozen=True)
 class StageShape:
     """What one micro-batch is on one rank: tokens, hidden width, the activation dtype's bytes and
-    how the residual stream is split (``tp`` under sequence parallelism, ``cp``)."""
+    how the residual stream is split between stages (``tp``, with or without sequence parallelism: [Note:
+    pipeline bytes] in ``pp/cost.py``; ``cp``)."""
 
     micro_batch: int
     seq_len: int
@@ -122,7 +141,6 @@ class StageShape:
     act_bytes: int
     tp: int = 1
     cp: int = 1
-    sequence_parallel: bool = False
 
     @property
     def tokens(self) -> int:
@@ -132,7 +150,7 @@ class StageShape:
     def boundary(self) -> int:
         return boundary_bytes(
             micro_batch=self.micro_batch, seq_len=self.seq_len, dim=self.dim, act_bytes=self.act_bytes,
-            tp=self.tp, cp=self.cp, sequence_parallel=self.sequence_parallel,
+            tp=self.tp, cp=self.cp,
         )  # fmt: skip
 
 
@@ -149,27 +167,34 @@ class PassTrace:
     idle_s: tuple[float, ...]
     in_flight: tuple[int, ...]
     peak_held: tuple[float, ...]
+    peak_with_grads: tuple[float, ...]
 
 
 @functools.lru_cache(maxsize=4096)
-def trace_pass(
-    layout: PipelineLayout, costs: Optional[StageCosts], hop_s: float, weights: tuple[float, ...]
-) -> PassTrace:
+def trace_pass(layout: PipelineLayout, costs: Optional[StageCosts], hop_s: float, held_bytes: StageBytes) -> PassTrace:
     """[Note: long pipelines extrapolated] A search plans passes of hundreds of micro-batches; past
-    ``SIMULATED_ROUNDS`` rounds of ``num_stages`` the schedule is in its steady state (the in-flight
-    peaks of 1F1B, interleaved and ZBV are reached within the first round), so the pass is played out
-    for that many and each further micro-batch adds every rank's own busy time per micro-batch,
-    the slowest rank's to the step: idle time then grows only by what the slowest stage makes the
-    others wait. Shorter passes (the measured tests') are played out whole."""
-    cap = SIMULATED_ROUNDS * layout.num_stages
-    short = layout if layout.microbatches <= cap else dataclasses.replace(layout, microbatches=cap)
-    trace = trace_schedule(short, costs, hop_s, weights)
-    extra = layout.microbatches - short.microbatches
-    per_microbatch = [busy / short.microbatches for busy in trace.busy]
-    makespan = trace.makespan + extra * max(per_microbatch)
-    busy = [b + extra * per for b, per in zip(trace.busy, per_microbatch)]
+    ``SIMULATED_ROUNDS`` rounds of ``num_stages`` the schedule is in its steady state: the
+    in-flight peaks of every schedule are reached within the first round, and each further round
+    of ``num_stages`` micro-batches repeats the one before it (every schedule's order is periodic
+    in rounds of ``pp``). So a longer pass is played out for that many and for one round more, and
+    each further micro-batch adds every rank's own busy time per micro-batch and a round's growth
+    of the makespan over ``num_stages``: whichever bounds the steady state (the slowest stage, or
+    the round trip of the transfers between ranks) bounds the step. Equal to playing the whole pass
+    (tests/test_planner_pipeline.py). Shorter passes (the measured tests') are played out whole, and
+    so is GPipe's, which keeps every micro-batch in flight (its order is two loops, no torch)."""
+    cap, round_ = SIMULATED_ROUNDS * layout.num_stages, layout.num_stages
+    if layout.microbatches <= cap + round_ or layout.schedule == "gpipe":
+        trace = trace_schedule(layout, costs, hop_s, held_bytes)
+        makespan, busy = trace.makespan, list(trace.busy)
+    else:
+        trace = trace_schedule(dataclasses.replace(layout, microbatches=cap), costs, hop_s, held_bytes)
+        longer = trace_schedule(dataclasses.replace(layout, microbatches=cap + round_), costs, hop_s, held_bytes)
+        extra = layout.microbatches - cap
+        makespan = trace.makespan + extra * (longer.makespan - trace.makespan) / round_
+        busy = [b + extra * b / cap for b in trace.busy]
     bubble = 1.0 - sum(busy) / (layout.pp * makespan) if makespan > 0 else 0.0
-    return PassTrace(bubble, tuple(makespan - b for b in busy), trace.in_flight, trace.peak_held)
+    idle = tuple(makespan - b for b in busy)
+    return PassTrace(bubble, idle, trace.in_flight, trace.peak_held, trace.peak_with_grads)
 
 
 def plan_pipeline(
@@ -180,13 +205,20 @@ def plan_pipeline(
     mode: str = "none",
     costs: Optional[StageCosts] = None,
     hop_s: float = 0.0,
+    grad_bytes: int = 0,
 ) -> PipelinePlan:
     """Every pp rank of ``layout``: ``acts`` is one micro-batch's per-block ledger, ``units`` the
     parameter elements per unit (:func:`unit_param_counts`), ``costs`` each
     stage's seconds (``None``: equal stages, backward two forwards), ``hop_s`` one boundary
-    crossing's seconds."""
-    saved = [stage_saved_bytes(acts, layout, s, mode, shape.tokens) for s in range(layout.num_stages)]
-    trace = trace_pass(layout, costs, hop_s, tuple(saved))  # in flight: 1F1B at most pp on the first stage, GPipe m
+    crossing's seconds, ``grad_bytes`` the bytes of one parameter's gradient element."""
+    every = range(layout.num_stages)
+    saved = [stage_saved_bytes(acts, layout, s, mode, shape.tokens) for s in every]
+    held = StageBytes(
+        tuple(saved),
+        tuple(freed_at_input(acts, layout, s) for s in every),
+        tuple(float(stage_params(layout, s, units) * grad_bytes) for s in every),
+    )
+    trace = trace_pass(layout, costs, hop_s, held)  # in flight: 1F1B at most pp on the first stage, GPipe m
     ranks = []
     for rank in range(layout.pp):
         stages = layout.rank_stages(rank)
@@ -202,6 +234,8 @@ def plan_pipeline(
                 saved_per_microbatch=tuple(saved[s] for s in stages),
                 in_flight=trace.in_flight[rank],
                 in_flight_bytes=trace.peak_held[rank],
+                grad_bytes=sum(held.grads[s] for s in stages),
+                peak_bytes=trace.peak_with_grads[rank],
                 p2p_sent=p2p.sent,
                 p2p_received=p2p.received,
                 idle_s=trace.idle_s[rank],

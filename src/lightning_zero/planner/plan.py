@@ -33,7 +33,8 @@ class MemoryPerRank:
     activations: float  # saved for backward by the transformer blocks and the final norm
     logits_and_loss: float
     step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
-    param_grad: float = 0.0  # stages 2/3: autograd's gradient of the largest parameter, before its bucket copy
+    param_grad: float = 0.0  # stages 2/3: autograd's gradient of the largest parameter, before its bucket copy;
+    # pp > 1, every stage: what the schedule's gradients add to the activations' peak (planner/pipeline.py)
 
     @property
     def optimizer(self) -> float:

@@ -45,7 +45,8 @@ HIERARCHICAL = (False, True)
 CHECKPOINTING_OVERRIDES = {"none": "false", "selective": "selective", "full": "full"}  # model.activation_checkpointing=
 COMM_DTYPE_PAIRS: tuple[tuple[Optional[str], Optional[str]], ...] = ((None, None), ("bf16", "bf16"), ("int8", "int8"))
 MIN_CP_SLICE = 8192  # tokens of a sequence one cp rank keeps at least: shorter sequences need no cp
-PP_SCHEDULES_SEARCHED = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))  # (pp_schedule, pp_virtual_stages)
+PP_SCHEDULES_SEARCHED = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
+"""Every schedule (pp_schedule, pp_virtual_stages) the search plans with pp > 1: the interleaved ones at v=2."""
 MIN_PP_NODES = 32  # nodes from which the search plans pipeline parallelism by default (pp_sizes_for)
 PP_STAGES = (1, 3)  # ZeRO stages planned with pp > 1: DeepSpeed's ZeRO-1 + PP, torchtitan's FSDP + PP
 

@@ -26,7 +26,7 @@ MEMORY_ROWS = (  # (MemoryPerRank attribute, label)
     ("optimizer_moments", "Adam moments (in optimizer)"),
     ("bucket_buffers", "gradient buckets in flight"),
     ("prefetch_buffers", "stage-3 gathered blocks"),
-    ("param_grad", "one parameter's gradient before its bucket"),
+    ("param_grad", "gradients outside the buckets (pp: the schedule's)"),
     ("activations", "activations"),
     ("logits_and_loss", "logits + loss"),
 )

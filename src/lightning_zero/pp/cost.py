@@ -9,8 +9,10 @@ crosses once forward (the stage's output, ``B x T x dim`` hidden states in the a
 and once backward (the gradient of that output, same shape and dtype). Stages of one rank that
 touch (ZBV's V turns at the last rank: stages ``pp-1`` and ``pp``) pass them in memory (torch's
 ``set_local_fwd_input``): no bytes. Per step a rank sends and receives ``m`` of each boundary it
-sits on. Under tensor parallelism every tp rank of a stage sends its own copy (``B x T/cp x dim``;
-``/tp`` under sequence parallelism, where the residual stream is sharded over the sequence).
+sits on. Under tensor parallelism every tp rank of a stage sends its ``T/tp`` slice of the
+sequence (``B x T/(cp tp) x dim``), with or without sequence parallelism: without it the next stage
+all-gathers the slices over its tp group ([Note: sequence-parallel stages] in
+``models/llama/pipeline.py``; that all-gather is tp traffic, not counted here).
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ def boundary_bytes(
     act_bytes: int,
     tp: int = 1,
     cp: int = 1,
-    sequence_parallel: bool = False,
 ) -> int:
     """Bytes of one micro-batch's hidden states at a stage boundary on one rank ([Note: pipeline bytes])."""
     tokens = micro_batch * seq_len // cp
-    return tokens * dim * act_bytes // (tp if sequence_parallel else 1)
+    return tokens * dim * act_bytes // tp
 
 
 def p2p_bytes_per_step(layout: PipelineLayout, pp_rank: int, boundary: int) -> P2PBytes:

@@ -223,5 +223,9 @@ class PipelineLayout:
         return tuple(pp_rank + k * self.pp for k in range(self.local_stages))
 
     def stage_rank(self, stage: int) -> int:
-        """The pp rank that runs ``stage``."""
-        return next(r for r in range(self.pp) if stage in self.rank_stages(r))
+        """The pp rank that runs ``stage`` (the inverse of :meth:`rank_stages`)."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} outside 0..{self.num_stages - 1}")
+        if self.schedule == "zbv":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp

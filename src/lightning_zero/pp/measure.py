@@ -9,7 +9,12 @@ the tensors of the ``P2POp``s they return (every activation and gradient a sched
 through them; in-memory hand-offs between stages of one rank do not). Saved activations are
 counted with ``saved_tensors_hooks``: each tensor autograd packs during a stage's forward (or the
 loss the schedule computes right after the last stage's) is charged to that stage's micro-batch, once per storage, parameters and buffers aside; a
-micro-batch's bytes stay alive until its backward frees them (weak references to the storages).
+micro-batch's bytes stay alive until autograd lets go of what the hook packed. The hook packs a
+detached alias: packing the tensor itself would hold its ``grad_fn`` (for a saved output, the node
+saving it) and make a cycle that never frees (torch's ``saved_tensors_hooks`` warns of it), which
+is what nodes run only by a zero-bubble schedule's input-gradient pass (``retain_graph=True``)
+then did. The stages' parameter gradients (``.grad``, whole tensors) are counted beside them: the
+most of both at once is what a rank holds between actions.
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ class SavedPerMicrobatch:
         }
         self.saved: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)  # (stage, mb) -> storage -> bytes
         self.holders: dict[tuple[int, int, int], int] = {}  # (stage, mb, storage) -> packed references alive
+        self.params = [param for module in stage_modules.values() for param in module.parameters()]
+        self.peak_with_grads = 0
         self.forwards: dict[int, int] = defaultdict(int)
         self.current: Optional[tuple[int, int]] = None
         self.alive = 0
@@ -130,7 +137,7 @@ class SavedPerMicrobatch:
         # charged to the stage forward running, or the last one (the schedule's loss follows it)
         key = tensor.untyped_storage().data_ptr()
         if self.current is None or key in self.exclude:
-            return _Packed(tensor)
+            return _Packed(tensor.detach())
         stage, mb = self.current
         nbytes = tensor.numel() * tensor.element_size()
         held = self.saved[self.current]
@@ -140,7 +147,7 @@ class SavedPerMicrobatch:
         elif nbytes > held[key]:
             self.alive += nbytes - held[key]
             held[key] = nbytes
-        packed = _Packed(tensor)
+        packed = _Packed(tensor.detach())
         self.holders[(stage, mb, key)] = self.holders.get((stage, mb, key), 0) + 1
         weakref.finalize(packed, self._release, stage, mb, key)
         return packed
@@ -150,8 +157,13 @@ class SavedPerMicrobatch:
         if self.holders[(stage, mb, key)] == 0:
             self.alive -= self.saved[(stage, mb)][key]
 
+    def grad_bytes(self) -> int:
+        """Bytes of the stages' parameter gradients that exist now."""
+        return sum(param.grad.nbytes for param in self.params if param.grad is not None)
+
     def sample(self) -> None:
         self.peak_alive = max(self.peak_alive, self.alive)
+        self.peak_with_grads = max(self.peak_with_grads, self.alive + self.grad_bytes())
 
     def bytes_of(self, stage: int, microbatch: int) -> int:
         return sum(self.saved[(stage, microbatch)].values())
@@ -161,6 +173,7 @@ class SavedPerMicrobatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.sample()  # after the last action
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()

@@ -19,8 +19,8 @@ every micro-batch ([Note: stage 3 under a pipeline] in ``zero/stage3/runtime.py`
 ddp's, and torch divides the gradients by the micro-batch count (``scale_grads``). Gradient clipping needs nothing more: the
 engine's norm group is every rank (each holds a distinct shard of a distinct stage), so the
 global norm covers every stage and shard (under tp, each replicated norm gain weighted ``1/tp``:
-[Note: TP grad norm]). Under tp with sequence parallelism a stage's input and output are this tp
-rank's sequence shard ([Note: sequence-parallel stages] in ``models/llama/pipeline.py``), and the
+[Note: TP grad norm]). Under tp a stage's input and output are this tp rank's sequence shard (with or
+without sequence parallelism: [Note: sequence-parallel stages] in ``models/llama/pipeline.py``), and the
 last stage's loss is the model's own (the vocab-parallel cross entropy). Under cp likewise: each
 rank's batch is its cp slice of every sequence (the data module's), a stage sends its ``T/cp``
 slice to the same cp rank of the next stage, attention runs over the stage's cp group, and the
@@ -68,8 +68,9 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
     model_class = type(module) if isinstance(module, Llama) else getattr(module, "model_class", None)
     moe = isinstance(model_class, type) and issubclass(model_class, MoETransformer)
     # ep runs inside each stage's ranks for a MoE model ([Note: MoE pipeline stages] in models/moe/pipeline.py),
-    # tp (with sequence parallelism) and cp for a Llama ([Note: sequence-parallel stages] in models/llama/pipeline.py)
-    inside = ("ep",) if moe else ("tp", "cp")
+    # tp inside a Llama's and a MoE's stages (with or without sequence parallelism), cp inside a Llama's
+    # ([Note: sequence-parallel stages] in models/llama/pipeline.py)
+    inside = ("tp", "ep") if moe else ("tp", "cp")
     others = [f"{name}={getattr(dims, name)}" for name in ("tp", "cp", "ep") if getattr(dims, name) > 1]
     others = [other for other in others if other.split("=")[0] not in inside]
     if others:
@@ -95,12 +96,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
         raise ValueError(
             f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
             " pipeline stages yet (only Llama's and MoETransformer's are); use pp=1 (docs/pipeline.md)"
-        )
-    if dims.tp > 1 and not config.sequence_parallel:
-        raise ValueError(
-            f"{asked} with tp={dims.tp}, sequence_parallel=False: pipeline stages run tensor parallelism with"
-            " sequence parallelism only so far (each tp rank sends its sequence shard to its peer in the next"
-            " stage; docs/pipeline.md); use sequence_parallel=True with tp > 1 and pp > 1"
         )
     if dims.cp > 1 and isinstance(module, Llama):
         raise ValueError(

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.models.llama.model import Llama
+from lightning_zero.tp.layers import gather_to_replicated_region, split_to_sequence_region
 
 
 class LlamaStage(nn.Module):
@@ -45,10 +46,22 @@ class LlamaStage(nn.Module):
         # [Note: sequence-parallel stages] under tp with sequence parallelism the residual stream
         # between blocks, so a stage's input and output, is this tp rank's T/tp slice: torch's
         # schedule sends it to the same tp rank of the next stage (the pp group joins equal tp ranks);
-        # under cp it is this cp rank's T/cp slice (of which SP's T/(cp tp)), sent to the same cp rank
+        # under cp it is this cp rank's T/cp slice (of which SP's T/(cp tp)), sent to the same cp rank.
+        # Without sequence parallelism every tp rank holds the whole (B, T/cp, dim) residual stream, and
+        # sending it whole would move tp copies of it over the pp link: each tp rank sends its 1/tp
+        # slice of the sequence instead (the output cut by ``split_to_sequence_region``: no
+        # communication, its gradient all-gathered back) and the next stage all-gathers the slices
+        # over its tp group before its first block (``gather_to_replicated_region``, the gradient
+        # sliced: it is the same on every tp rank). A boundary then moves B x T/cp x dim / tp bytes
+        # per tp rank, one copy in all (Megatron's scatter-gather of pipeline tensors), as with
+        # sequence parallelism (``pp/cost.boundary_bytes``), for one tp all-gather of B x T/cp x dim
+        # per micro-batch and boundary each way (forward on the receiving stage, backward on the
+        # sending one).
         wo = getattr(model.layers[blocks[0]].attention, "wo", None) if len(blocks) else None
-        sharded = getattr(model, "tp_sequence_parallel", False)
-        self.sequence_shards = getattr(wo, "tp_size", 1) if sharded else 1  # T / (the stage's input length)
+        self.sequence_shards = getattr(wo, "tp_size", 1)  # (T/cp) / (the stage's input length)
+        replicated = self.sequence_shards > 1 and not getattr(model, "tp_sequence_parallel", False)
+        self.tp_boundary = (wo.group, getattr(model, "tp_comm_counter", None)) if replicated else None
+        self.rope_shards = 1 if replicated else self.sequence_shards  # (T/cp) / (the blocks' input length)
         self.activation_checkpointing = model.activation_checkpointing
 
     # what the schedule's loss function multiplies each micro-batch's loss by (the pipelined step sets
@@ -62,13 +75,17 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x  # (B, T, dim)
-        cos, sin = self.rope(h.size(1) * self.context_parallel_size * self.sequence_shards)
+        if self.tp_boundary is not None and not self.first:  # [Note: sequence-parallel stages]
+            h = gather_to_replicated_region(h, *self.tp_boundary)
+        cos, sin = self.rope(h.size(1) * self.context_parallel_size * self.rope_shards)
         for layer in self.layers.values():
             if self.activation_checkpointing == "full" and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
-        return self.output(self.norm(h)) if self.last else h  # (B, T, vocab) on the last stage
+        if self.last:
+            return self.output(self.norm(h))  # (B, T, vocab)
+        return split_to_sequence_region(h, *self.tp_boundary) if self.tp_boundary is not None else h
 
 
 def llama_stages(model: Llama, layout: Any, pp_rank: int) -> dict[int, LlamaStage]:
