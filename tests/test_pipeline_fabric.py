@@ -4,10 +4,11 @@ under ``no_backward_sync``, ``fabric.clip_gradients``, AdamW, 3 steps) against t
 whole model in one process:
 
 - pp=2 x tp=2 with sequence parallelism (a ``Llama``): each tp rank runs its sequence shard through
-  its tp slice of the stage, the last stage's vocab-parallel loss;
+  its tp slice of the stage, the last stage's vocab-parallel loss; and without sequence parallelism;
 - pp=2 x ep=2 (a ``MoETransformer`` with a balance loss, a z-loss and the selection-bias update):
   each stage's experts split over its ep ranks, the terms per micro-batch ([Note: MoE pipeline
-  stages]), so the reference loop runs the whole model over the same micro-batches.
+  stages]), so the reference loop runs the whole model over the same micro-batches; and the same
+  MoE at pp=2 x tp=2 with sequence parallelism.
 """
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from tests.distributed import launch, rank_result
 
 RANKS = 4
-CASES = ["tp2-1f1b-zero1", "tp2-zbv-zero2", "moe-1f1b-zero1", "moe-zbv-zero2"]
+CASES = ["tp2-1f1b-zero1", "tp2nosp-zbv-zero2", "moe-zbv-zero2", "moetp2-1f1b-zero1"]  # more by hand: docs/pipeline.md
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_fabric_pipeline_step_with_tp_or_ep_inside_stages_equals_one_process(trained, case):
+def test_fabric_pipeline_step_with_tp_or_ep_inside_the_stages_equals_one_process(trained, case):
     """Losses (the mean over the ranks: tp ranks report the same, dp ranks their rows'), every
     trained parameter (whole: tp slices are served joined; each ep rank's experts against its rows
     of the whole model's) and a forward-only evaluation equal the whole model's loop to 1e-5."""
