@@ -80,11 +80,10 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f" {' and '.join(inside)} inside them only so far (docs/pipeline.md); use"
             f" {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
         )
-    if config.shard_size is not None or config.hierarchical_reduce:
+    if config.hierarchical_reduce:  # hybrid sharding (shard_size) runs: the norm's replica spans the stages
         raise ValueError(
-            f"{asked} with shard_size={config.shard_size!r}, hierarchical_reduce={config.hierarchical_reduce}: hybrid"
-            " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
-            " shard_size=None and hierarchical_reduce=False with pp > 1"
+            f"{asked} with hierarchical_reduce=True: two-hop gradient reduction inside a pipeline stage is not run"
+            " yet; use hierarchical_reduce=False with pp > 1 (shard_size runs; docs/pipeline.md)"
         )
     if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
