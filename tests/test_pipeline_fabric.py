@@ -5,6 +5,8 @@ whole model in one process:
 
 - pp=2 x tp=2 with sequence parallelism (a ``Llama``): each tp rank runs its sequence shard through
   its tp slice of the stage, the last stage's vocab-parallel loss; and without sequence parallelism;
+- pp=2 x cp=2 (a ``Llama``): the loop cuts each batch (``context_slice``), each stage's attention
+  runs over its cp group, the loss is the global token mean;
 - pp=2 x ep=2 (a ``MoETransformer`` with a balance loss, a z-loss and the selection-bias update):
   each stage's experts split over its ep ranks, the terms per micro-batch ([Note: MoE pipeline
   stages]), so the reference loop runs the whole model over the same micro-batches; and the same
@@ -17,7 +19,13 @@ import torch
 from tests.distributed import launch, rank_result
 
 RANKS = 4
-CASES = ["tp2-1f1b-zero1", "tp2nosp-zbv-zero2", "moe-zbv-zero2", "moetp2-1f1b-zero1"]  # more by hand: docs/pipeline.md
+CASES = [
+    "tp2-1f1b-zero1",
+    "tp2nosp-zbv-zero2",
+    "cp2-zbv-zero2",
+    "moe-zbv-zero2",
+    "moetp2-1f1b-zero1",
+]  # more by hand: docs/pipeline.md
 
 
 @pytest.fixture(scope="module")

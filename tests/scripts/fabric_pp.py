@@ -3,7 +3,8 @@ tests/test_pipeline_stage3.py and tests/test_pipeline_fabric.py.
 
 Usage: python tests/scripts/fabric_pp.py OUT_DIR DEVICES CASE [CASE ...]
 (CASE: "[<layout>-]<schedule>-zero<stage>", layout ``tp2``: tensor parallelism with sequence
-parallelism inside each stage, ``tp2nosp`` without; ``moe``: a MoETransformer with its experts over
+parallelism inside each stage, ``tp2nosp`` without; ``cp2``: context parallelism inside each
+stage (the loop cuts each batch with ``context_slice``); ``moe``: a MoETransformer with its experts over
 ep=2 inside each stage, a balance loss, a z-loss and the selection-bias update; ``moetp2``: that
 MoE at tp=2 with sequence parallelism, ep=1)
 
@@ -39,7 +40,7 @@ SCHEDULES = {"1f1b": {}, "gpipe": {}, "interleaved_1f1b": {"pp_virtual_stages": 
              "interleaved_zb": {"pp_virtual_stages": 2}, "zbv": {}}  # fmt: skip
 TP_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS = {"": {}, "tp2": TP_SP, "tp2nosp": {"tensor_parallel_size": 2, "sequence_parallel": False},
-           "moe": {"ep": 2}, "moetp2": TP_SP}  # fmt: skip
+           "cp2": {"cp": 2}, "moe": {"ep": 2}, "moetp2": TP_SP}  # fmt: skip
 STEPS, ACCUMULATE, CLIP = 3, 2, 0.05
 
 
@@ -94,7 +95,8 @@ def main(out: str, case: str, devices: int = 2) -> None:
         batch = batch[mine]
         stepping = (index + 1) % ACCUMULATE == 0
         with fabric.no_backward_sync(model, enabled=not stepping):
-            loss = fabric.strategy.pipeline_step(batch[:, :-1], batch[:, 1:], accumulate=ACCUMULATE)
+            inputs, targets = fabric.strategy.context_slice(batch[:, :-1], batch[:, 1:])  # cp: this rank's T/cp
+            loss = fabric.strategy.pipeline_step(inputs, targets, accumulate=ACCUMULATE)
             fabric.backward(loss)
         losses.append(float(loss))
         if stepping:
@@ -105,7 +107,9 @@ def main(out: str, case: str, devices: int = 2) -> None:
                 model.update_router_bias(groups.dp_cp)
     with torch.no_grad():
         first = batches(rows)[0]
-        evaluated = float(fabric.strategy.pipeline_step(first[mine, :-1], first[mine, 1:]))
+        evaluated = float(
+            fabric.strategy.pipeline_step(*fabric.strategy.context_slice(first[mine, :-1], first[mine, 1:]))
+        )
     micro = fabric.strategy.run.session.pipeline_layout.microbatches
     want_losses, want = reference(rows, moe, dp, micro)
     state = {name: value for name, value in model.state_dict().items()}

@@ -96,11 +96,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
             " pipeline stages yet (only Llama's and MoETransformer's are); use pp=1 (docs/pipeline.md)"
         )
-    if dims.cp > 1 and isinstance(module, Llama):
-        raise ValueError(
-            f"ZeroFabricStrategy(pp={dims.pp}) with cp={dims.cp}: pipeline stages with context parallelism run under"
-            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use cp=1 with pp > 1 under Fabric (docs/pipeline.md)"
-        )
     if getattr(model_config, "tie_embeddings", False):
         raise ValueError(
             f"{asked}: {model_config.name!r} ties its embedding to its head (tie_embeddings=True), and pipeline stages"
