@@ -308,23 +308,10 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     assert not dist.is_initialized()
 
 
-def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix():
-    from lightning_zero.comm.mesh import ParallelDims
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.models.llama.config import LlamaConfig
-    from lightning_zero.models.llama.model import Llama
-    from lightning_zero.runtime.pipeline import pipeline_layout
-
-    config = ZeroConfig(stage=2, pp=2, tensor_parallel_size=2, sequence_parallel=True)
-    dims = ParallelDims(world_size=4, devices_per_node=4, tp=2, pp=2)
-    with pytest.raises(ValueError, match="use tp=1 with pp > 1 under Fabric"):
-        pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
-
-
 def test_a_moe_pipeline_runs_tp_and_ep_inside_its_stages_and_refuses_what_cannot_before_any_process_group():
     """pp=2 x ep=2 and pp=2 x tp=2 x ep=2 of a MoELM are planned (each stage's ranks split its blocks
     over tp and its experts over ep; its balancing terms per micro-batch: tests/test_pipeline_moe.py);
-    a capacity factor under tp stays refused (as at pp=1), and so does the Fabric door, naming the fix."""
+    a capacity factor under tp stays refused (as at pp=1), naming the fix; the Fabric door plans it too."""
     import torch.distributed as dist
 
     from lightning_zero.config import ZeroConfig
@@ -341,12 +328,13 @@ def test_a_moe_pipeline_runs_tp_and_ep_inside_its_stages_and_refuses_what_cannot
     with pytest.raises(ValueError, match="use capacity_factor=None"):
         session.plan_layout(num_nodes=1, num_processes=4, module=MoELM({**moe, "capacity_factor": 1.0}))
     assert not dist.is_initialized()
-    # the Fabric door (the model itself given to fabric.setup): not run yet for a MoE
+    # the Fabric door (the model itself given to fabric.setup; tests/test_pipeline_fabric.py runs it)
     from lightning_zero.models.moe import MoETransformer, resolve_moe_config
     from lightning_zero.runtime.pipeline import pipeline_layout
 
-    with torch.device("meta"), pytest.raises(ValueError, match="under the Trainer \\(MoELM\\) only so far"):
-        pipeline_layout(ZeroConfig(pp=2, ep=2), dims, MoETransformer(resolve_moe_config(moe)))
+    with torch.device("meta"):
+        model = MoETransformer(resolve_moe_config(moe))
+    assert pipeline_layout(ZeroConfig(pp=2, ep=2, tensor_parallel_size=2), dims, model).pp == 2
 
 
 def test_a_hybrid_layouts_gradient_norm_spans_every_stage():
