@@ -209,14 +209,14 @@ LAUNCHES = [
     ),
     # pp x dp, pp x ep (MoE), and pp x tp with sequence parallelism: every schedule, ZeRO 1 and 2 (1F1B at both),
     # ZeRO 3 with tp (ZBV) and ep (interleaved); pp x dp at ZeRO 3: tests/test_pipeline_stage3.py; pp x tp without
-    # sequence parallelism (ZBV), and a MoE's (1F1B)
+    # sequence parallelism (ZBV), and a MoE's (1F1B); hybrid sharding inside the stages (shard_size=1, interleaved ZB)
     (4, ["pp2dp2_1f1b_zero1", "pp2dp2_interleaved_zero2", "pp2ep2_1f1b_zero1", "pp2ep2_interleaved_zero2",
          "pp2tp2_1f1b_zero1", "pp2tp2_1f1b_zero2", "pp2tp2_gpipe_zero2", "pp2tp2_interleaved_zero1", "pp2tp2_zb_zero2",
          "pp2tp2_zbv_zero1", "pp2tp2_zbv_zero3", "pp2ep2_interleaved_zero3", "pp2tp2nosp_zbv_zero2",
-         "pp2tp2moe_1f1b_zero1"]),
+         "pp2tp2moe_1f1b_zero1", "pp2dp2hyb_zb_zero2"]),
 ]  # fmt: skip
 RANKS = {case: devices for devices, cases in LAUNCHES for case in cases}
-DP = {case: 2 if case.startswith(("pp2dp2_", "pp2ep2_")) else 1 for case in RANKS}  # the dp ranks of each pipelined run
+DP = {case: 2 if case.startswith(("pp2dp2", "pp2ep2_")) else 1 for case in RANKS}  # the dp ranks of each pipelined run
 PP_CASES = [case for case in RANKS if case.startswith("pp2")]
 
 
@@ -282,7 +282,7 @@ def test_a_checkpoint_saved_at_pp2_resumes_at_pp1_exactly(trained):
 
 
 PIPELINE_REFUSALS = [
-    (dict(shard_size=1), {}, "use shard_size=None and hierarchical_reduce=False with pp > 1"),
+    (dict(hierarchical_reduce=True), {}, "use hierarchical_reduce=False with pp > 1"),
     (dict(pp_layers=[1, 2]), {}, "sums to 3"),
     (dict(pp_microbatches=1), {}, "at least pp\\(2\\) micro-batches"),
     (dict(pp_schedule="interleaved_1f1b"), {}, "pp_virtual_stages >= 2"),
@@ -308,23 +308,10 @@ def test_the_doors_refuse_a_pipeline_they_cannot_run_before_any_process_group(kn
     assert not dist.is_initialized()
 
 
-def test_fabric_refuses_pipeline_stages_with_tensor_parallelism_naming_the_fix():
-    from lightning_zero.comm.mesh import ParallelDims
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.models.llama.config import LlamaConfig
-    from lightning_zero.models.llama.model import Llama
-    from lightning_zero.runtime.pipeline import pipeline_layout
-
-    config = ZeroConfig(stage=2, pp=2, tensor_parallel_size=2, sequence_parallel=True)
-    dims = ParallelDims(world_size=4, devices_per_node=4, tp=2, pp=2)
-    with pytest.raises(ValueError, match="use tp=1 with pp > 1 under Fabric"):
-        pipeline_layout(config, dims, Llama(LlamaConfig(name="tiny", **CONFIG)))
-
-
 def test_a_moe_pipeline_runs_tp_and_ep_inside_its_stages_and_refuses_what_cannot_before_any_process_group():
     """pp=2 x ep=2 and pp=2 x tp=2 x ep=2 of a MoELM are planned (each stage's ranks split its blocks
     over tp and its experts over ep; its balancing terms per micro-batch: tests/test_pipeline_moe.py);
-    a capacity factor under tp stays refused (as at pp=1), and so does the Fabric door, naming the fix."""
+    a capacity factor under tp stays refused (as at pp=1), naming the fix; the Fabric door plans it too."""
     import torch.distributed as dist
 
     from lightning_zero.config import ZeroConfig
@@ -341,12 +328,26 @@ def test_a_moe_pipeline_runs_tp_and_ep_inside_its_stages_and_refuses_what_cannot
     with pytest.raises(ValueError, match="use capacity_factor=None"):
         session.plan_layout(num_nodes=1, num_processes=4, module=MoELM({**moe, "capacity_factor": 1.0}))
     assert not dist.is_initialized()
-    # the Fabric door (the model itself given to fabric.setup): not run yet for a MoE
+    # the Fabric door (the model itself given to fabric.setup; tests/test_pipeline_fabric.py runs it)
     from lightning_zero.models.moe import MoETransformer, resolve_moe_config
     from lightning_zero.runtime.pipeline import pipeline_layout
 
-    with torch.device("meta"), pytest.raises(ValueError, match="under the Trainer \\(MoELM\\) only so far"):
-        pipeline_layout(ZeroConfig(pp=2, ep=2), dims, MoETransformer(resolve_moe_config(moe)))
+    with torch.device("meta"):
+        model = MoETransformer(resolve_moe_config(moe))
+    assert pipeline_layout(ZeroConfig(pp=2, ep=2, tensor_parallel_size=2), dims, model).pp == 2
+
+
+def test_a_hybrid_layouts_gradient_norm_spans_every_stage():
+    """[Note: pipeline ranks]: under hybrid sharding a gradient norm sums over a replica (a shard group
+    times tp); under pp the replica takes its place in every pp block, so the norm covers every stage."""
+    from lightning_zero.comm.mesh import ParallelDims
+
+    dims = ParallelDims(world_size=8, devices_per_node=8, pp=2, shard_size=1)
+    assert dims.rank_groups("shard") == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    assert dims.rank_groups("replicate") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.rank_groups("replica") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    tp = ParallelDims(world_size=8, devices_per_node=8, pp=2, tp=2, shard_size=1)
+    assert tp.rank_groups("replica") == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_a_pipeline_the_doors_run_is_planned_before_any_process_group():

@@ -43,6 +43,9 @@ for _name, _split in (("1f1b", False), ("zbv", True)):
     _strategy = zero(1, pp=2, tensor_parallel_size=2, sequence_parallel=_split, pp_microbatches=8, **SCHEDULES[_name])
     CASES[f"pp2tp2_{_name}_zero1"] = (_strategy, 2 * PP_BATCH, PP_ACCUMULATE)
 
+# the same tp=2 without pp (2 dp ranks of one sequence, accumulating 8): tp's own distance from ddp
+CASES["tp2_zero1"] = (zero(1, tensor_parallel_size=2), 1, 2 * DDP_ACCUMULATE)
+
 
 class RecordRouting(Record):
     """Also what the expert-load monitor reads each batch (``take_moe_stats``; this callback runs

@@ -66,10 +66,24 @@ for _stage in (1, 2, 3):
 # pp=2 x tp=2 without sequence parallelism: each tp rank sends its T/tp slice of the replicated stream, the next
 # stage all-gathers it ([Note: sequence-parallel stages]); a MoE's stages tp-split likewise (with and without SP)
 NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
-CASES["pp2tp2nosp_1f1b_zero1"] = (zero(1, pp=2, **NO_SP, **SCHEDULES["1f1b"]), 1)
-CASES["pp2tp2nosp_zbv_zero2"] = (zero(2, pp=2, **NO_SP, **SCHEDULES["zbv"]), 1)
-CASES["pp2tp2moe_1f1b_zero1"] = (zero(1, pp=2, **NO_SP, **SCHEDULES["1f1b"]), 1)
-CASES["pp2tp2moe_zb_zero2"] = (zero(2, pp=2, **TP_SP, **SCHEDULES["zb"]), 1)
+for _stage in (1, 2, 3):
+    for _name in SCHEDULES:
+        CASES[f"pp2tp2nosp_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **NO_SP, **SCHEDULES[_name]), 1)
+        CASES[f"pp2tp2moe_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **NO_SP, **SCHEDULES[_name]), 1)
+        CASES[f"pp2tp2spmoe_{_name}_zero{_stage}"] = (zero(_stage, pp=2, **TP_SP, **SCHEDULES[_name]), 1)
+# hybrid sharding inside the stages: pp=2 x dp=2, ZeRO over shard groups of one dp rank, replicated over two; the
+# gradient norm's replica spans both stages ([Note: pipeline ranks])
+for _stage, _name in ((1, "1f1b"), (2, "zb"), (2, "interleaved"), (3, "1f1b")):
+    CASES[f"pp2dp2hyb_{_name}_zero{_stage}"] = (
+        zero(_stage, pp=2, shard_size=1, pp_microbatches=2, **SCHEDULES[_name]),
+        2,
+    )
+# pp=2 x tp=2 x ep=2 on 8 ranks (by hand): each stage's 4 ranks, 2 tp positions each splitting the experts over ep
+CASES["pp2tp2ep2moe_1f1b_zero1"] = (zero(1, pp=2, ep=2, pp_microbatches=2, **NO_SP, **SCHEDULES["1f1b"]), 2)
+CASES["pp2tp2ep2spmoe_interleaved_zero2"] = (
+    zero(2, pp=2, ep=2, pp_microbatches=2, **TP_SP, **SCHEDULES["interleaved"]),
+    2,
+)
 # MoE (docs/pipeline.md): pp=2 x ep=2 on 4 ranks, each stage's 2 ranks splitting its MoE layers' experts and
 # exchanging tokens; aux-free ([Note: MoE pipeline stages]), against ddp on the same MoE model
 MOE_CONFIG = dict(CONFIG, name="tiny_moe_pp", n_experts=4, top_k=2, expert_ffn_dim=32, n_dense_layers=1,

@@ -24,7 +24,8 @@ ep=2`` (dp_cp = 4): dp_cp ``[0,2,4,6] [1,3,5,7]``; EP ``[0,2] [4,6] [1,3] [5,7]`
 [Note: pipeline ranks] Pipeline parallelism is the outermost dimension: ``world_size = pp *
 stage_world`` and pp rank ``i`` owns the ``stage_world`` consecutive global ranks ``[i *
 stage_world, (i + 1) * stage_world)``, laid out inside as above (every dp, cp, ep, tp and shard
-group lives inside one pp rank's block). A pp group is the ``pp`` ranks with the same position in
+group lives inside one pp rank's block; a hybrid layout's replica, the group a gradient norm sums
+over, takes its place in every block: the stages hold the model together). A pp group is the ``pp`` ranks with the same position in
 their blocks (stride ``stage_world``), so stages cross nodes and TP stays inside one. With
 ``world_size=8, pp=2, tp=2``: pp blocks ``[0..3] [4..7]``, TP ``[0,1] [2,3] [4,5] [6,7]``, DP ``[0,2]
 [1,3] [4,6] [5,7]``, PP ``[0,4] [1,5] [2,6] [3,7]``.
@@ -264,11 +265,12 @@ class ParallelDims:
         return list(range(start + rank % stride, start + self.stage_world, stride))
 
     def replica_ranks(self, rank: int) -> list[int]:
-        """Global ranks of ``rank``'s replica (its shard group times tp): together they hold every
-        gradient element once, so a global gradient norm sums over them."""
+        """Global ranks of ``rank``'s replica (its shard group times tp, in every pp block at the same
+        place): together they hold every gradient element once, so a global gradient norm sums over
+        them (under pp each block holds other stages: [Note: pipeline ranks])."""
         size = self.shard * self.tp  # type: ignore[operator]
-        start = (rank // size) * size
-        return list(range(start, start + size))
+        start = (rank % self.stage_world) // size * size
+        return [block + start + i for block in range(0, self.world_size, self.stage_world) for i in range(size)]
 
     def shard_intra_ranks(self, rank: int) -> list[int]:
         """Hierarchical reduction: the ranks of ``rank``'s shard group on its own node."""

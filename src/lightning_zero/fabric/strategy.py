@@ -297,7 +297,8 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: int = 1) -> torch.Tensor:
         """``pp > 1``, a hand loop's forward and backward of one batch through the pipeline: the
         schedule over ``inputs``' micro-batches (``pp_microbatches`` equal slices of dim 0) and the
-        model's ``loss_fn`` against ``targets``; returns the batch's mean loss on every rank. Pass it
+        model's ``loss_fn`` against ``targets``; returns the batch's mean loss on every rank (a MoE
+        with balancing terms: plus every stage's, averaged over the micro-batches). Pass it
         to ``fabric.backward`` (which hands the schedule's gradients to the engine: once per step,
         or under ``fabric.no_backward_sync`` while accumulating), then step the optimizer. The
         gradients are those of ``loss / accumulate`` (dividing the returned loss changes nothing:

@@ -153,8 +153,10 @@ class ForwardSteps:
             self._after_forward_hook.remove()
         hook = torch.compiler.disable(self._after_forward)
         self._after_forward_hook = self.module.register_forward_hook(hook, always_call=True)
-        # the flags ride on the phase markers, which run over every rank (tp == 1): [Note: marker riders]
-        self.run.signals.ride(engine, markers_cover_world=True)
+        # the flags ride on the phase markers, which run over the dense group: the world when there is
+        # no tp and no pp ([Note: marker riders])
+        dims = self.run.dims
+        self.run.signals.ride(engine, markers_cover_world=dims is None or dims.dp_cp == dims.world_size)
         return engine
 
     # -- step boundaries ([Note: Fabric step boundaries]) ---------------------------------------------
@@ -208,7 +210,10 @@ class ForwardSteps:
                 self.run.engine.begin_step("train")
                 self.train_step_open = True
             pipeline.grad_divisor = accumulate
-            return pipeline.loss(inputs, targets)
+            loss = pipeline.loss(inputs, targets)
+            if torch.is_grad_enabled() and pipeline.aux is not None:  # a MoE's balancing terms, backwarded with it
+                loss = loss + pipeline.aux.to(loss.dtype)
+            return loss
 
     def pipelined_backward(self) -> bool:
         """``pp > 1``: the schedule's gradients handed to the engine in place of a backward, closing

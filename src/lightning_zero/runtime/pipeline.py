@@ -80,11 +80,10 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
             f" {' and '.join(inside)} inside them only so far (docs/pipeline.md); use"
             f" {' and '.join(o.split('=')[0] + '=1' for o in others)} with pp > 1, or pp=1"
         )
-    if config.shard_size is not None or config.hierarchical_reduce:
+    if config.hierarchical_reduce:  # hybrid sharding (shard_size) runs: the norm's replica spans the stages
         raise ValueError(
-            f"{asked} with shard_size={config.shard_size!r}, hierarchical_reduce={config.hierarchical_reduce}: hybrid"
-            " sharding inside a pipeline stage is not run yet (its gradient norm would cover one stage); use"
-            " shard_size=None and hierarchical_reduce=False with pp > 1"
+            f"{asked} with hierarchical_reduce=True: two-hop gradient reduction inside a pipeline stage is not run"
+            " yet; use hierarchical_reduce=False with pp > 1 (shard_size runs; docs/pipeline.md)"
         )
     if model_class is None or not hasattr(model_config, "n_layers"):
         raise ValueError(
@@ -96,22 +95,6 @@ def pipeline_layout(config: "ZeroConfig", dims: "ParallelDims", module: Any) -> 
         raise ValueError(
             f"{asked}: {type(module).__name__} trains a {model_class.__name__}, whose blocks are not cut into"
             " pipeline stages yet (only Llama's and MoETransformer's are); use pp=1 (docs/pipeline.md)"
-        )
-    if moe and isinstance(module, Llama):
-        raise ValueError(
-            f"ZeroFabricStrategy(pp={dims.pp}): a {model_class.__name__} is cut into pipeline stages under the"
-            " Trainer (MoELM) only so far: its pipeline_step is not run under Fabric yet; train it with"
-            " ZeroStrategy(pp=...) and MoELM, or pp=1 (docs/pipeline.md)"
-        )
-    if dims.tp > 1 and isinstance(module, Llama):
-        raise ValueError(
-            f"ZeroFabricStrategy(pp={dims.pp}) with tp={dims.tp}: pipeline stages with tensor parallelism run under"
-            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use tp=1 with pp > 1 under Fabric (docs/pipeline.md)"
-        )
-    if dims.cp > 1 and isinstance(module, Llama):
-        raise ValueError(
-            f"ZeroFabricStrategy(pp={dims.pp}) with cp={dims.cp}: pipeline stages with context parallelism run under"
-            " the Trainer door (ZeroStrategy, LlamaLM) only so far; use cp=1 with pp > 1 under Fabric (docs/pipeline.md)"
         )
     if getattr(model_config, "tie_embeddings", False):
         raise ValueError(
@@ -142,13 +125,17 @@ def refuse_loss_scaling(pp: int, precision: Any, door: str) -> None:
         )
 
 
-def keep_stage_params(optimizers: list, module: nn.Module) -> None:
-    """Under Fabric the optimizers were built over the whole model before it was cut: each keeps
-    only the parameters this rank's stages hold (the others' are trained by their own ranks)."""
-    kept = {id(param) for param in module.parameters()}
+def keep_stage_params(optimizers: list, module: nn.Module, names: dict[int, str]) -> None:
+    """Under Fabric the optimizers were built over the whole model before it was split (tp: a split
+    layer holds new Parameters) and cut: each now steps, for every parameter it was given, the one of
+    the same name this rank's stages hold, and drops the others (trained by their own ranks).
+    ``names``: the whole model's parameter names by ``id``, taken before the split."""
+    held = dict(module.named_parameters())
+    by_id = {id(param): name for name, param in held.items()}  # a parameter the split kept keeps its name
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["params"] = [param for param in group["params"] if id(param) in kept]
+            mine = [by_id.get(id(param), names.get(id(param))) for param in group["params"]]
+            group["params"] = [held[name] for name in mine if name in held]
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what logits may come in

@@ -95,6 +95,7 @@ class ZeroRun:
         self.device = torch.device("cpu")  # this rank's device and local ranks, from start()
         self.ranks_per_node = 1
         self._state_dict_hooks: list[Any] = []  # serve_state_dicts', removed at teardown
+        self._names_before_split: dict[int, str] = {}  # parallelize's: the whole model's parameter names by id
         self._exit_hook = False  # [Note: nothing running at exit]
         self._restore: Optional["CheckpointRestore"] = None  # a load across the Trainer's three calls
 
@@ -150,6 +151,7 @@ class ZeroRun:
 
         check_layout(dims, module)
         self.session.pipeline_layout = pipeline_layout(self.config, dims, module)  # pp > 1: the checked split
+        self._names_before_split = {id(param): name for name, param in module.named_parameters()}
         self.session.parallel_plan().apply(module)
 
     def model_build(self) -> ContextManager:
@@ -196,12 +198,12 @@ class ZeroRun:
         self.session.start_pipeline(module, self.device)
 
     def keep_stage_params(self, optimizers: list, module: nn.Module) -> None:
-        """``pp > 1`` under Fabric: optimizers built over the whole model before it was cut keep only
-        the parameters this rank's stages hold."""
+        """``pp > 1`` under Fabric: optimizers built over the whole model before it was split and cut
+        step the parameters of the same names this rank's stages hold, and only those."""
         if self.session.pipeline_layout is not None:
             from lightning_zero.runtime.pipeline import keep_stage_params
 
-            keep_stage_params(optimizers, module)
+            keep_stage_params(optimizers, module, self._names_before_split)
 
     def pipelined_backward(self) -> bool:
         """``pp > 1``: the gradients the step's schedule kept aside handed to the engine (``False``:
