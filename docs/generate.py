@@ -151,6 +151,8 @@ def recipe_row(name: str) -> str:
         nodes = f"{trainer.num_nodes} node{'s' if trainer.num_nodes > 1 else ''}"
         cluster = f"{nodes} x {trainer.devices} GPUs, `{plan.hardware}`"
     layout = []
+    if plan.pp > 1:
+        layout.append(f"pp={plan.pp} {plan.pp_schedule} ({plan.pp_microbatches} micro-batches a pass)")
     if plan.tp > 1:
         layout.append(f"tp={plan.tp}" + (" + sequence parallel" if plan.sequence_parallel else ""))
     if plan.cp > 1:

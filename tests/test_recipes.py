@@ -134,7 +134,11 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
         planned.model,
         world_size=planned.dims.world_size,
         devices_per_node=planned.dims.devices_per_node,
-        global_batch=plan.dp * plan.micro_batch * plan.accumulate_grad_batches,
+        # under pp each step is one pass of pp_microbatches micro-batches
+        global_batch=plan.dp
+        * plan.micro_batch
+        * plan.accumulate_grad_batches
+        * (plan.pp_microbatches if plan.pp > 1 else 1),
         seq_len=plan.seq_len,
         precision=plan.precision,
         hardware=planned.options.hardware,
@@ -142,7 +146,9 @@ def test_recipe_layout_is_the_planner_searchs_choice(recipe):
         # every recipe also runs on 2 CPU ranks (test_recipe_shrinks_to_two_cpu_ranks): tp 1, 2 or
         # "auto" (= devices per node); the 405B headers quote the faster tp=4
         tp_sizes=(1, 2, planned.dims.devices_per_node),
-        pp_sizes=(1,),  # what the Trainer door runs today; the pipelines the search plans: test below
+        # without pp: the pipelines the search plans take ~100 s (a pp recipe, deepseek_v3_671b, is
+        # then faster than every layout without; its pp layout is the search's: the test below)
+        pp_sizes=(1,),
     )
     best = result.ranked[0].plan
     assert plan.fits and plan.tokens_per_s >= 0.995 * best.tokens_per_s, (plan.tokens_per_s, best.tokens_per_s)
@@ -197,7 +203,11 @@ def test_moe_recipe_splits_its_experts_as_it_says(recipe):
     planned, _ = plan_inputs_from_config(cfg)
     plan = planned.plan()
     assert (plan.ep, plan.stage, plan.tp) == (cfg.strategy.ep, cfg.strategy.stage, 1)
-    assert plan.expert_params_per_rank == arch.expert_params() // plan.ep
+    if plan.pp == 1:
+        assert plan.expert_params_per_rank == arch.expert_params() // plan.ep
+    else:  # the fullest pp rank's MoE layers' experts (deepseek_v3_671b: pp=16)
+        per_layer = arch.expert_params() // (arch.n_layers - arch.n_dense_layers)
+        assert plan.expert_params_per_rank * plan.ep % per_layer == 0 < plan.expert_params_per_rank
     assert plan.traffic.ep_all_to_all_bytes > 0 and plan.tokens_per_step == 4 * 2**20 * (
         4 if "deepseek" in recipe else 1
     )
@@ -210,8 +220,14 @@ def test_moe_recipe_splits_its_experts_as_it_says(recipe):
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_recipe_shrinks_to_two_cpu_ranks(recipe):
     if recipe in MOE_RECIPES:  # a mixture of experts shrinks to the tiny MoE, its experts over 2 ranks
-        cfg = compose([f"recipe={recipe}", *SHRINK, "model=tiny_moe", "strategy.ep=2"])
-        assert (cfg.model.name, cfg.trainer.devices, cfg.strategy.ep) == ("tiny_moe", 2, 2)
+        piped = compose([f"recipe={recipe}"]).strategy.pp > 1  # and pp=2 over 4 ranks (the header's smoke test)
+        pp = ["trainer.devices=4", "strategy.pp=2", "strategy.pp_microbatches=2", "strategy.pp_schedule=1f1b",
+              "strategy.pp_virtual_stages=1"]  # fmt: skip
+        pp = pp if piped else []  # (tiny_moe's 2 blocks: one stage per rank)
+        cfg = compose([f"recipe={recipe}", *SHRINK, "model=tiny_moe", "strategy.ep=2", *pp])
+        assert (cfg.model.name, cfg.trainer.devices, cfg.strategy.ep) == ("tiny_moe", 4 if piped else 2, 2)
+        header = " ".join(line.lstrip("# ") for line in (RECIPES_DIR / f"{recipe}.yaml").read_text().splitlines())
+        assert " ".join(["model=tiny_moe", "trainer=cpu", *pp[:1], "strategy.ep=2", *pp[1:]]) in header
         return
     cfg = compose([f"recipe={recipe}", *SHRINK])
     assert (cfg.model.name, cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == (
@@ -222,6 +238,22 @@ def test_recipe_shrinks_to_two_cpu_ranks(recipe):
     )
     assert cfg.trainer.precision == "32-true"
     assert 2 % _tp(cfg) == 0
+
+
+def test_the_deepseek_recipe_runs_its_pipeline_as_zero_strategy_plans_it():
+    # The recipe is the search's pp=16 x ep=8 layout: the Trainer door takes it (no refusal before
+    # launch: DeepSeek-V3's balance loss and bias updates run per micro-batch, docs/pipeline.md).
+    from hydra.utils import instantiate
+
+    from lightning_zero.cli import build_module
+
+    cfg = compose(["recipe=deepseek_v3_671b"])
+    module = build_module(cfg)
+    assert module.config.aux_loss_coef > 0 and module.config.bias_update_rate > 0
+    strategy = instantiate(cfg.strategy)
+    dims = strategy.run.plan_layout(num_nodes=cfg.trainer.num_nodes, num_processes=cfg.trainer.devices, module=module)
+    assert (dims.pp, dims.dp, dims.ep, dims.edp) == (16, 16, 8, 2)
+    assert cfg.data.batch_size % cfg.strategy.pp_microbatches == 0  # one pass of the schedule per batch
 
 
 def _strategy_available() -> bool:
@@ -364,13 +396,16 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
 PP_SEARCHED = {
     "llama3_405b": ["strategy=zero1", "strategy.tensor_parallel_size=2", "strategy.bucket_mb=400",
                     "strategy.sequence_parallel=true", "strategy.pp=32", "strategy.pp_schedule=zbv",
-                    "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=128", "data.batch_size=1",
+                    "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=128", "data.batch_size=128",
                     "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
     "deepseek_v3_671b": ["strategy=zero1", "strategy.tensor_parallel_size=1", "strategy.bucket_mb=400", "strategy.ep=8",
                          "strategy.pp=16", "strategy.pp_schedule=interleaved_zb", "strategy.pp_virtual_stages=2",
-                         "strategy.pp_microbatches=256", "data.batch_size=1", "trainer.accumulate_grad_batches=1",
+                         "strategy.pp_microbatches=256", "data.batch_size=256", "trainer.accumulate_grad_batches=1",
                          "model.activation_checkpointing=full"],
 }  # fmt: skip
+# The recipe the search's pp layout now is, and the layout it quotes without pp (the search's best with pp_sizes=(1,))
+NO_PP = {"deepseek_v3_671b": ["strategy=zero3", "strategy.ep=16", "strategy.pp=1", "strategy.prefetch_blocks=2",
+                              "data.batch_size=2", "trainer.accumulate_grad_batches=8"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", sorted(PP_SEARCHED))
@@ -380,8 +415,15 @@ def test_recipe_states_what_the_search_chose_with_pp(recipe):
     # plans: the same tokens per step, GPUs and batch; the pp layout's tokens/s and fullest rank.
     from lightning_zero.planner import plan_inputs_from_config
 
-    base = plan_inputs_from_config(compose([f"recipe={recipe}"]))[0].plan()
+    base = plan_inputs_from_config(compose([f"recipe={recipe}", *NO_PP.get(recipe, [])]))[0].plan()
     pp = plan_inputs_from_config(compose([f"recipe={recipe}", *PP_SEARCHED[recipe]]))[0].plan()
+    assert base.pp == 1
+    if recipe in NO_PP:  # the recipe is the pp layout; its header quotes the layout without pp too
+        recipe_plan = plan_inputs_from_config(compose([f"recipe={recipe}"]))[0].plan()
+        assert (recipe_plan.pp, recipe_plan.tokens_per_s) == (pp.pp, pp.tokens_per_s)
+        header = " ".join(line.lstrip("# ") for line in (RECIPES_DIR / f"{recipe}.yaml").read_text().splitlines())
+        assert f"{base.tokens_per_s:,.0f} tokens/s" in header and f"{base.memory.total / 2**30:.1f} GiB" in header
+        assert " ".join(NO_PP[recipe]) in header
     assert pp.fits and pp.pp > 1 and pp.tokens_per_step == base.tokens_per_step and pp.world_size == base.world_size
     assert (pp.tokens_per_s > base.tokens_per_s) == (recipe == "deepseek_v3_671b")
     header = (RECIPES_DIR / f"{recipe}.yaml").read_text()

@@ -118,7 +118,7 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
         raise ValueError(f"plan.attention must be one of {ATTENTION_KERNELS}, got {plan_options['attention']!r}")
     run = RunShape(
         precision=str(trainer.get("precision") or "bf16-mixed"),
-        micro_batch=int(data.get("batch_size") or 1),
+        micro_batch=pipeline_micro_batch(config, int(data.get("batch_size") or 1)),
         seq_len=int(data.get("seq_len") or model_config.max_seq_len),
         activation_checkpointing=activation_checkpointing,
         accumulate_grad_batches=int(trainer.get("accumulate_grad_batches") or 1),
@@ -132,6 +132,23 @@ def plan_inputs_from_config(cfg: Any) -> tuple[PlannedRun, dict[str, Any]]:
     )
     dims = ParallelDims.from_config(config, world_size=devices * num_nodes, devices_per_node=devices)
     return PlannedRun(model_config, config, dims, run, options, ddp=stage == 0), plan_options
+
+
+def pipeline_micro_batch(config: ZeroConfig, batch_size: int) -> int:
+    """The samples of one forward for ``data.batch_size`` (Lightning's batch): under ``pp > 1`` the
+    batch is one pipeline pass, cut into the schedule's micro-batches (``pp_microbatches``, default
+    one per stage: [Note: the pipelined step] in ``runtime/pipeline.py``), and the plan's micro
+    batch is one of them. Raises ``ValueError`` naming the fix when they do not divide."""
+    if config.pp == 1:
+        return batch_size
+    local = 2 if config.pp_schedule == "zbv" else config.pp_virtual_stages  # stages per rank
+    microbatches = config.pp_microbatches or config.pp * local
+    if batch_size % microbatches:
+        raise ValueError(
+            f"data.batch_size={batch_size} does not split into {microbatches} pipeline micro-batches (under pp the"
+            " batch is one pass of the schedule); use a data.batch_size that is a multiple of strategy.pp_microbatches"
+        )
+    return batch_size // microbatches
 
 
 def topology_knobs(strategy: Mapping[str, Any]) -> dict[str, Any]:

@@ -119,8 +119,10 @@ class Layout:
         out += topology_overrides(
             self.shard_size, self.hierarchical_reduce, self.grad_comm_dtype, self.param_comm_dtype
         )
+        # under pp Lightning's batch is one pass of the schedule, all its micro-batches (report.pipeline_micro_batch)
+        batch = self.micro_batch * (self.pp_microbatches or 1) if self.pp > 1 else self.micro_batch
         out += [
-            f"data.batch_size={self.micro_batch}",
+            f"data.batch_size={batch}",
             f"trainer.accumulate_grad_batches={self.accumulate_grad_batches}",
             f"model.activation_checkpointing={CHECKPOINTING_OVERRIDES[self.activation_checkpointing]}",
         ]

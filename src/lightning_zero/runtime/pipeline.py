@@ -28,9 +28,10 @@ last stage's loss is the global token mean over its cp group ([Note: global toke
 rank returns ddp's loss, and the engine averages gradients over the stage's ``dp x cp`` ranks. A training batch of another shape (the last, smaller
 one) gets its own schedule (torch infers the stages' shapes once per schedule). Evaluation
 (``torch.is_grad_enabled()`` false) runs the whole batch forward through the stages in order, each
-activation sent point to point to the next stage's rank: torch's ``schedule.eval`` of ``zbv``
-fails (its V's local hand-over asks for a backward), and a forward needs no micro-batches, so the
-loss is the whole batch's cross entropy, as ddp's. Under the Trainer's ``predict`` the model's
+activation sent point to point to the next stage's rank (torch's ``schedule.eval`` of ``zbv``
+fails: its V's local hand-over asks for a backward), one micro-batch's rows at a time (the whole
+batch's logits would not fit where a training micro-batch's do), the loss the rows' mean cross
+entropy, as ddp's. Under the Trainer's ``predict`` the model's
 forward returns the logits themselves, the same forward's output broadcast from the last stage.
 """
 
@@ -319,10 +320,17 @@ class PipelineRun:
         return both[0].to(loss.dtype)
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only: the batch's loss on every rank of the pp group."""
+        """Forward only, one micro-batch at a time (a batch of the training's size holds
+        ``pp_microbatches`` of them: its whole logits at once would not fit where the training's
+        do): the batch's loss, each slice's mean weighted by its rows (the batch's mean when every row
+        counts the same tokens, as the data module's windows do), on every rank of the pp group."""
         assert self.decoder is not None
-        hidden = self._forward_stages(inputs)
-        loss = self.decoder.loss_fn(hidden, targets) if hidden is not None else torch.zeros((), device=self.device)
+        size = -(-inputs.size(0) // self.layout.microbatches)  # rows per slice, the last may hold fewer
+        loss = torch.zeros((), device=self.device)
+        for rows, row_targets in zip(inputs.split(size), targets.split(size)):
+            hidden = self._forward_stages(rows)
+            if hidden is not None:
+                loss = loss + self.decoder.loss_fn(hidden, row_targets).float() * (rows.size(0) / inputs.size(0))
         return self._share(loss)
 
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
