@@ -180,7 +180,10 @@ def trace_pass(layout: PipelineLayout, costs: Optional[StageCosts], hop_s: float
     each further micro-batch adds every rank's own busy time per micro-batch and a round's growth
     of the makespan over ``num_stages``: whichever bounds the steady state (the slowest stage, or
     the round trip of the transfers between ranks) bounds the step. Equal to playing the whole pass
-    (tests/test_planner_pipeline.py). Shorter passes (the measured tests') are played out whole, and
+    for the stage costs the planner gives (blocks of equal cost, heavier first and last stages),
+    transfers bounding 1F1B or not (tests/test_planner_pipeline.py); under arbitrary stage costs the
+    steady state can take longer to settle (a test with random costs saw up to 0.004 of bubble
+    fraction apart). Shorter passes (the measured tests') are played out whole, and
     so is GPipe's, which keeps every micro-batch in flight (its order is two loops, no torch)."""
     cap, round_ = SIMULATED_ROUNDS * layout.num_stages, layout.num_stages
     if layout.microbatches <= cap + round_ or layout.schedule == "gpipe":
@@ -270,15 +273,37 @@ def rank_units(layout: PipelineLayout, pp_rank: int) -> frozenset[int]:
     return frozenset().union(*(stage_units(layout, stage) for stage in layout.rank_stages(pp_rank)))
 
 
+_PER_WORKLOAD: dict[tuple, tuple[Workload, Any]] = {}
+PER_WORKLOAD_ENTRIES = 4096  # then the memo starts over (a search's workloads and splits repeat within it)
+
+
+def _per_workload(workload: Workload, key: tuple, make: Any) -> Any:
+    """``make()`` memoized per workload object and ``key``: the planner memoizes its workloads, so a
+    search asks again for the same one; the object itself is kept and checked on a hit."""
+    memo_key = (id(workload), *key)
+    hit = _PER_WORKLOAD.get(memo_key)
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    if len(_PER_WORKLOAD) >= PER_WORKLOAD_ENTRIES:
+        _PER_WORKLOAD.clear()
+    value = make()
+    _PER_WORKLOAD[memo_key] = (workload, value)
+    return value
+
+
 def stage_workload(workload: Workload, layout: PipelineLayout, pp_rank: int) -> Workload:
     """``workload`` (the whole model's, one micro-batch) cut to ``pp_rank``'s units: its tensors (in
     registration order, renumbered), their forward seconds, and the blocking tp / cp / ep seconds
     in proportion to its blocks."""
     units = rank_units(layout, pp_rank)
+    return _per_workload(workload, ("stage", units), lambda: _cut(workload, units, layout.n_layers))
+
+
+def _cut(workload: Workload, units: frozenset[int], n_layers: int) -> Workload:
     kept = [t for t in workload.tensors if t.unit in units]
     tensors = [Tensor(t.name, t.numel, i, t.unit, t.group, t.backward_s, t.expert) for i, t in enumerate(kept)]
     forward = tuple(s if unit in units else 0.0 for unit, s in enumerate(workload.unit_forward_s))
-    share = len([u for u in units if 1 <= u <= layout.n_layers]) / layout.n_layers
+    share = len([u for u in units if 1 <= u <= n_layers]) / n_layers
     return dataclasses.replace(
         workload,
         tensors=tuple(tensors),
@@ -322,15 +347,25 @@ def _split(costs: tuple[float, ...], stages: int, first: float, last: float) -> 
 
 def unit_seconds(workload: Workload) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per workload unit, one micro-batch's forward and backward seconds."""
-    backward = [0.0] * len(workload.unit_forward_s)
-    for tensor in workload.tensors:
-        backward[tensor.unit] += tensor.backward_s
-    return workload.unit_forward_s, tuple(backward)
+
+    def make() -> tuple[tuple[float, ...], tuple[float, ...]]:
+        backward = [0.0] * len(workload.unit_forward_s)
+        for tensor in workload.tensors:
+            backward[tensor.unit] += tensor.backward_s
+        return workload.unit_forward_s, tuple(backward)
+
+    return _per_workload(workload, ("seconds",), make)
 
 
 def stage_costs(workload: Workload, layout: PipelineLayout) -> StageCosts:
     """Each stage's seconds for one micro-batch: forward, and backward split evenly into its input
     and weight gradients (the zero-bubble schedules run them apart)."""
+    return _per_workload(
+        workload, ("costs", layout.num_stages, layout.layers_per_stage), lambda: _costs(workload, layout)
+    )
+
+
+def _costs(workload: Workload, layout: PipelineLayout) -> StageCosts:
     unit_forward, unit_backward = unit_seconds(workload)
     forward, backward = [], []
     for stage in range(layout.num_stages):
