@@ -237,7 +237,7 @@ class ZeroFabricStrategy(RunViews, FabricPrecisionSlot, FabricCheckpoints, Fabri
         # optimizers first: the engine is built once, over all of them (stage 3 from the meta model)
         optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
         module = self.setup_module(module)
-        self.run.keep_stage_params(optimizers, module)  # pp > 1: cut to this rank's stages
+        self.run.rebind_optimizers(optimizers, module)  # split (tp, ep) or cut (pp) before the engine sees them
         self.loop.ensure_engine()
         self.run.start_pipeline(module)  # [Note: the pipelined step] in runtime/pipeline.py
         return module, optimizers, scheduler

@@ -217,3 +217,24 @@ def hand_over(module: Any, plan: ParallelPlan) -> None:
     receive = getattr(module, "receive_parallel_plan", None)
     if callable(receive):
         receive(plan)
+
+
+def rebind_optimizers(optimizers: list, module: nn.Module, names: dict[int, str]) -> None:
+    """[Note: optimizers built before the split] Fabric's ``setup(model, optimizer)`` hands over
+    optimizers built over the whole model before the parallelize step split it (a tp-split layer
+    holds new Parameters; ep keeps this rank's experts) or cut it into pipeline stages: each now
+    steps, for every parameter it was given, the one of the same name this rank holds, and drops
+    those other ranks hold. A tensor that was never a parameter of the model stays, so the engine's
+    own check names it. ``names``: the whole model's parameter names by ``id``, taken before the split."""
+    held = dict(module.named_parameters())
+    by_id = {id(param): name for name, param in held.items()}  # a parameter the split kept keeps its name
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            kept = []
+            for param in group["params"]:
+                name = by_id.get(id(param), names.get(id(param)))
+                if name is None:
+                    kept.append(param)  # not the model's: refused by the engine, naming the fix
+                elif name in held:
+                    kept.append(held[name])
+            group["params"] = kept

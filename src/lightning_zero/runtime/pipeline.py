@@ -126,19 +126,6 @@ def refuse_loss_scaling(pp: int, precision: Any, door: str) -> None:
         )
 
 
-def keep_stage_params(optimizers: list, module: nn.Module, names: dict[int, str]) -> None:
-    """Under Fabric the optimizers were built over the whole model before it was split (tp: a split
-    layer holds new Parameters) and cut: each now steps, for every parameter it was given, the one of
-    the same name this rank's stages hold, and drops the others (trained by their own ranks).
-    ``names``: the whole model's parameter names by ``id``, taken before the split."""
-    held = dict(module.named_parameters())
-    by_id = {id(param): name for name, param in held.items()}  # a parameter the split kept keeps its name
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            mine = [by_id.get(id(param), names.get(id(param))) for param in group["params"]]
-            group["params"] = [held[name] for name in mine if name in held]
-
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what logits may come in
 
 

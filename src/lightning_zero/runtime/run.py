@@ -197,13 +197,14 @@ class ZeroRun:
         """``pp > 1``: torch's schedules over this rank's stages ([Note: the pipelined step] in runtime/pipeline.py)."""
         self.session.start_pipeline(module, self.device)
 
-    def keep_stage_params(self, optimizers: list, module: nn.Module) -> None:
-        """``pp > 1`` under Fabric: optimizers built over the whole model before it was split and cut
-        step the parameters of the same names this rank's stages hold, and only those."""
-        if self.session.pipeline_layout is not None:
-            from lightning_zero.runtime.pipeline import keep_stage_params
+    def rebind_optimizers(self, optimizers: list, module: nn.Module) -> None:
+        """Under Fabric: optimizers built over the whole model before the parallelize step split it
+        (tp, ep) or cut it (pp) step the parameters of the same names this rank holds, and only
+        those ([Note: optimizers built before the split] in runtime/parallelize.py)."""
+        if self._names_before_split:
+            from lightning_zero.runtime.parallelize import rebind_optimizers
 
-            keep_stage_params(optimizers, module, self._names_before_split)
+            rebind_optimizers(optimizers, module, self._names_before_split)
 
     def pipelined_backward(self) -> bool:
         """``pp > 1``: the gradients the step's schedule kept aside handed to the engine (``False``:
