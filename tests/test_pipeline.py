@@ -130,10 +130,12 @@ def _measured_step(rank, layout, pipeline, stages, batch, targets, expected_grad
     """One more step, counted ([Note: counting pipeline bytes] in pp/measure.py): held equal to
     the planner's numbers for this rank. Every ``.grad`` starts at ``None``, as under the engine's
     ``gradients_by_hand``: the gradients the schedule makes are the ones it holds."""
-    from lightning_zero.pp.measure import SavedPerMicrobatch, schedule_stages
+    from lightning_zero.pp.cost import recv_buffer_bytes
+    from lightning_zero.pp.measure import SavedPerMicrobatch, held_recv_buffers, schedule_stages
     from lightning_zero.pp.schedule import run_step
 
-    planned = _planned(layout, batch.size(0) // layout.microbatches, batch.size(1)).ranks[rank]
+    plan = _planned(layout, batch.size(0) // layout.microbatches, batch.size(1))
+    planned = plan.ranks[rank]
     counted = schedule_stages(pipeline)
     for module in stages.values():
         module.zero_grad(set_to_none=True)
@@ -151,10 +153,16 @@ def _measured_step(rank, layout, pipeline, stages, batch, targets, expected_grad
     measured = (saved.peak_alive, saved.grad_bytes(), saved.peak_with_grads)
     expected = (planned.in_flight_bytes, planned.grad_bytes, planned.peak_bytes)
     assert measured == expected, (layout.schedule, rank, measured, expected)
+    # [Note: receive buffers] in pp/cost.py: torch's, and the input gradients it keeps, after the step
+    buffers = held_recv_buffers(counted)
+    assert buffers == recv_buffer_bytes(layout, rank, plan.boundary_bytes), (layout.schedule, rank, buffers)
+    assert buffers.total == planned.recv_buffers > 0, (layout.schedule, rank, buffers)
     for module in stages.values():  # the counting hooks changed nothing: the same batch, the same gradients
         for name, param in module.named_parameters():
             torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    return dict(sent=sent, received=received, peak_saved=saved.peak_alive, per_microbatch=per_microbatch)
+    return dict(
+        sent=sent, received=received, peak_saved=saved.peak_alive, per_microbatch=per_microbatch, buffers=buffers
+    )
 
 
 def _pipeline_cases(rank, world, cases, batch, targets, expected_loss, expected_grads):

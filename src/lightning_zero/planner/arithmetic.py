@@ -539,6 +539,7 @@ def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
             param_grad=stage.peak_bytes - stage.in_flight_bytes,
             activations=stage.in_flight_bytes - loss + acts.recompute_peak(r.checkpointing),
             logits_and_loss=acts.logits_and_loss if stage.head else 0.0,
+            recv_buffers=float(stage.recv_buffers),  # [Note: receive buffers] in pp/cost.py
         )
         candidate = PipelinedRank(run, memory, rank_acts, pipeline, rank, stage.idle_s, r)
         if best is None or memory.total > best.memory.total:

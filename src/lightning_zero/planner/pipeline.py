@@ -29,7 +29,9 @@ in ``zero/engine.py``), held whole until the engine takes them, at every ZeRO st
 engine's own gradient buffers: ``params x grad bytes`` of the rank's stages (``StagePlan.grad_bytes``)
 from each stage's first weight-gradient action on. ``StagePlan.peak_bytes`` is the most saved
 activations plus those gradients at once (between actions); what the gradients add to the
-activations' peak is the plan's ``param_grad`` under pp.
+activations' peak is the plan's ``param_grad`` under pp. torch's receive buffers (and, under the
+split backward, their ``.grad``) are held whole from the first step on, beside all of it
+(``StagePlan.recv_buffers``, the plan's ``recv_buffers``; [Note: receive buffers] in ``pp/cost.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_zero.planner.ledger import ActivationBytes
 from lightning_zero.planner.workload import Tensor, Workload, model_layers
-from lightning_zero.pp.cost import boundary_bytes, p2p_bytes_per_step, stage_holds
+from lightning_zero.pp.cost import boundary_bytes, p2p_bytes_per_step, recv_buffer_bytes, stage_holds
 from lightning_zero.pp.layout import PipelineLayout, balanced_split, stages_per_rank
 from lightning_zero.pp.simulate import StageBytes, StageCosts, trace_schedule
 
@@ -81,6 +83,7 @@ class StagePlan:
     in_flight_bytes: float  # most activation bytes it holds at once
     grad_bytes: float  # its stages' parameter gradients the schedule holds ([Note: gradients a schedule holds])
     peak_bytes: float  # most activation and gradient bytes it holds at once
+    recv_buffers: int  # torch's receive buffers it keeps, between steps too ([Note: receive buffers] in pp/cost.py)
     p2p_sent: int  # bytes per step
     p2p_received: int
     idle_s: float = 0.0  # seconds it waits per pipeline pass (the step's makespan - its busy time)
@@ -239,6 +242,7 @@ def plan_pipeline(
                 in_flight_bytes=trace.peak_held[rank],
                 grad_bytes=sum(held.grads[s] for s in stages),
                 peak_bytes=trace.peak_with_grads[rank],
+                recv_buffers=recv_buffer_bytes(layout, rank, shape.boundary).total,
                 p2p_sent=p2p.sent,
                 p2p_received=p2p.received,
                 idle_s=trace.idle_s[rank],

@@ -35,6 +35,7 @@ class MemoryPerRank:
     step_grad_shard: float  # bf16-mixed: the fp32 copy of the grad shard the optimizer steps on
     param_grad: float = 0.0  # stages 2/3: autograd's gradient of the largest parameter, before its bucket copy;
     # pp > 1, every stage: what the schedule's gradients add to the activations' peak (planner/pipeline.py)
+    recv_buffers: float = 0.0  # pp > 1: torch's receive buffers, kept between steps ([Note: receive buffers])
 
     @property
     def optimizer(self) -> float:
@@ -51,7 +52,11 @@ class MemoryPerRank:
         grad shard)."""
         backward_peak = self.activations + self.logits_and_loss + self.param_grad
         return (
-            self.model_states + self.bucket_buffers + self.prefetch_buffers + max(backward_peak, self.step_grad_shard)
+            self.model_states
+            + self.bucket_buffers
+            + self.prefetch_buffers
+            + self.recv_buffers
+            + max(backward_peak, self.step_grad_shard)
         )
 
     def as_dict(self) -> dict[str, float]:

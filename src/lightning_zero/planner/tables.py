@@ -26,6 +26,7 @@ MEMORY_ROWS = (  # (MemoryPerRank attribute, label)
     ("optimizer_moments", "Adam moments (in optimizer)"),
     ("bucket_buffers", "gradient buckets in flight"),
     ("prefetch_buffers", "stage-3 gathered blocks"),
+    ("recv_buffers", "pp: torch's receive buffers"),
     ("param_grad", "gradients outside the buckets (pp: the schedule's)"),
     ("activations", "activations"),
     ("logits_and_loss", "logits + loss"),
@@ -124,7 +125,11 @@ def sharding_line(plan: Plan) -> str:
 
 
 def memory_rows(stages: Sequence[Plan]) -> list[list[str]]:
-    rows = [[label, *(_gib(getattr(p.memory, attr)) for p in stages)] for attr, label in MEMORY_ROWS]
+    rows = [
+        [label, *(_gib(getattr(p.memory, attr)) for p in stages)]
+        for attr, label in MEMORY_ROWS
+        if attr != "recv_buffers" or any(p.memory.recv_buffers for p in stages)  # pp only
+    ]
     rows.append([STEP_ROW[1], *(_gib(getattr(p.memory, STEP_ROW[0])) for p in stages)])
     rows.append(["total", *(_gib(p.memory.total) for p in stages)])
     rows.append(["usable on the GPU", *(_gib(p.available_bytes) for p in stages)])

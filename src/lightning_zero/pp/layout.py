@@ -40,6 +40,9 @@ TORCH_SCHEDULES = {
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
 """Schedules that run more than one stage per rank."""
 
+SPLIT_BACKWARD = ("interleaved_zb", "zbv")
+"""Schedules that split each backward into its input-gradient (``I``) and weight-gradient (``W``) parts."""
+
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     """Stages one pp rank runs under ``schedule`` (``zbv`` always 2; single-stage schedules 1)."""

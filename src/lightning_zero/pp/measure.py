@@ -14,7 +14,8 @@ detached alias: packing the tensor itself would hold its ``grad_fn`` (for a save
 saving it) and make a cycle that never frees (torch's ``saved_tensors_hooks`` warns of it), which
 is what nodes run only by a zero-bubble schedule's input-gradient pass (``retain_graph=True``)
 then did. The stages' parameter gradients (``.grad``, whole tensors) are counted beside them: the
-most of both at once is what a rank holds between actions.
+most of both at once is what a rank holds between actions. torch's receive buffers are read off
+the stages after a step (:func:`held_recv_buffers`, [Note: receive buffers] in ``pp/cost.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+
+from lightning_zero.pp.cost import RecvBuffers
 
 
 class MeasuredStage(PipelineStage):
@@ -86,6 +89,26 @@ class MeasuredStage(PipelineStage):
 def schedule_stages(schedule: Any) -> list[Any]:
     """The stages a torch schedule runs on this rank (single- and multi-stage schedules)."""
     return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def held_recv_buffers(stages: list[Any]) -> RecvBuffers:
+    """The bytes of the receive buffers ``stages`` (torch ``PipelineStage``s) keep, and of the
+    activation buffers' ``.grad``, each storage once."""
+    seen: set[int] = set()
+
+    def count(buffers: Any) -> int:
+        total = 0
+        for buffer in buffers:
+            if buffer is not None and buffer.untyped_storage().data_ptr() not in seen:
+                seen.add(buffer.untyped_storage().data_ptr())
+                total += buffer.untyped_storage().nbytes()
+        return total
+
+    received = [info.buffer for stage in stages for infos in stage.args_recv_info.values() for info in infos]
+    grads = [info.buffer for stage in stages for infos in stage.grad_recv_info.values() for info in infos]
+    return RecvBuffers(
+        count(received), count(grads), count(b.grad for b in received if b is not None and b.grad is not None)
+    )
 
 
 class _Packed:
