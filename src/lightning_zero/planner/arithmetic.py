@@ -525,7 +525,11 @@ def pipelined_rank(resolved: ResolvedRun) -> PipelinedRank:
     units = unit_param_counts(model, tp=r.tp, ep=dims.ep)
     pipeline = plan_pipeline(layout, acts, shape, units, r.checkpointing, costs, hop_s, r.dtype.grad)
     best: Optional[PipelinedRank] = None
-    for rank in sorted({0, layout.pp - 1}):
+    # the first and last ranks (embeddings, head, the most in flight), and the middle rank holding the
+    # most: every middle rank keeps both directions' receive buffers ([Note: receive buffers] in pp/cost.py)
+    middle = [pipeline.ranks[r] for r in range(1, layout.pp - 1)]
+    fullest = max(middle, key=lambda s: (s.params, s.peak_bytes + s.recv_buffers), default=pipeline.ranks[0])
+    for rank in sorted({0, layout.pp - 1, fullest.pp_rank}):
         run = with_workload(r, stage_workload(r.workload, layout, rank), r.micro_batches * layout.microbatches)
         memory, rank_acts = memory_per_rank(run)
         stage = pipeline.ranks[rank]
