@@ -78,15 +78,33 @@ def test_a_long_pass_extrapolated_equals_the_whole_pass_played(schedule):
         whole.in_flight, whole.peak_held, whole.peak_with_grads)  # fmt: skip
 
 
+NARROW = dict(world_size=64, devices_per_node=8, seq_len=4096, hardware="h100_80gb", topology=False, stages=(1,),
+              tp_sizes=(8,), cp_sizes=(1,), pp_sizes=(4,), micro_batches=(1,), checkpointing=("full",),
+              sequence_parallel=(True,))  # fmt: skip
+
+
 def test_the_search_plans_every_schedule():
     """``plan.search`` with pp: every schedule torch runs, each where it can (GPipe too: it alone
     runs a pass of fewer micro-batches than pp besides the interleaved ones)."""
     from lightning_zero.planner import search_layouts
 
-    narrow = dict(world_size=64, devices_per_node=8, seq_len=4096, hardware="h100_80gb", topology=False, stages=(1,),
-                  tp_sizes=(8,), cp_sizes=(1,), pp_sizes=(4,), micro_batches=(1,), checkpointing=("full",),
-                  sequence_parallel=(True,))  # fmt: skip
-    every = search_layouts("70b", global_batch=16, **narrow)  # 8 micro-batches a pass
+    every = search_layouts("70b", global_batch=16, **NARROW)  # 8 micro-batches a pass
     assert sorted({entry.layout.pp_schedule for entry in every.ranked}) == sorted(SCHEDULES)
-    few = search_layouts("70b", global_batch=4, **narrow)  # 2 micro-batches: 1F1B and ZBV refuse
+    few = search_layouts("70b", global_batch=4, **NARROW)  # 2 micro-batches: 1F1B and ZBV refuse
     assert sorted({entry.layout.pp_schedule for entry in few.ranked}) == ["gpipe", "interleaved_1f1b", "interleaved_zb"]
+
+
+def test_the_search_splits_a_step_into_passes_where_one_pass_does_not_fit():
+    """[Note: pipeline passes]: 4096 micro-batches a dp rank's step; one 1F1B pass of them holds a
+    receive buffer each, more than the GPU, so the search plans the fewest passes that fit."""
+    from lightning_zero.planner import search_layouts
+
+    one_pass = plan_run("70b", stage=1, pp=4, pp_schedule="1f1b", pp_microbatches=4096, sequence_parallel=True, **RUN)
+    assert not one_pass.fits
+    result = search_layouts("70b", global_batch=8192, **NARROW)  # dp = 64 / (pp 4 x tp 8) = 2
+    [entry] = [entry for entry in result.ranked if entry.layout.pp_schedule == "1f1b"]
+    layout = entry.layout
+    assert (layout.accumulate_grad_batches, layout.pp_microbatches) == (4, 1024) and entry.plan.fits
+    assert entry.plan.tokens_per_step == one_pass.tokens_per_step  # the same step, in 4 passes
+    # Lightning's batch is one pass of the schedule; the trainer accumulates the passes
+    assert {"data.batch_size=1024", "trainer.accumulate_grad_batches=4"} <= set(layout.overrides())

@@ -49,6 +49,22 @@ PP_SCHEDULES_SEARCHED = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("i
 """Every schedule (pp_schedule, pp_virtual_stages) the search plans with pp > 1: the interleaved ones at v=2."""
 MIN_PP_NODES = 32  # nodes from which the search plans pipeline parallelism by default (pp_sizes_for)
 PP_STAGES = (1, 3)  # ZeRO stages planned with pp > 1: DeepSpeed's ZeRO-1 + PP, torchtitan's FSDP + PP
+PP_PASSES_SEARCHED = (1, 4, 16, 64)
+"""Pipeline passes per optimizer step the search plans with pp > 1 (those dividing the step's micro-batches)."""
+
+# Note [pipeline passes]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# torch keeps a receive buffer per micro-batch of a pass for each stage and direction (pp/cost.py
+# [Note: receive buffers]), so one pass of every micro-batch of a step can hold more than a GPU
+# where a few passes (Lightning's gradient accumulation over pipeline passes) fit. Each pass pays
+# the schedule's fill and drain, so the fewest passes that fit run fastest: the search plans the
+# counts of PP_PASSES_SEARCHED in order and stops at the first that fits (a count leaving too few
+# micro-batches per pass for the schedule cannot be planned: pp/layout.py refuses it).
+
+
+def pipeline_passes(accumulate: int) -> tuple[int, ...]:
+    """The pass counts of ``PP_PASSES_SEARCHED`` that split ``accumulate`` micro-batches evenly."""
+    return tuple(p for p in PP_PASSES_SEARCHED if accumulate % p == 0)
 
 
 def topology_overrides(
@@ -268,9 +284,10 @@ def search_layouts(
     the model refuses (its family's ``check_moe_layout``: experts not divisible, tensor parallelism
     of experts) is left out, as a tp that does not divide the heads is. ``pp_sizes``: the pipeline
     sizes (default :func:`pp_sizes_for`); a layout with ``pp > 1`` runs every sample of a dp rank's
-    step as one pipeline pass (``pp_microbatches = global_batch / dp / micro_batch``, no
-    accumulation), under each schedule of ``PP_SCHEDULES_SEARCHED`` at the stages ``PP_STAGES``,
-    the split balanced by the planner, without the topology knobs.
+    step as the fewest pipeline passes of ``PP_PASSES_SEARCHED`` that fit (``accumulate_grad_batches
+    = passes``, ``pp_microbatches = global_batch / dp / micro_batch / passes``: [Note: pipeline
+    passes]), under each schedule of ``PP_SCHEDULES_SEARCHED`` at the stages ``PP_STAGES``, the
+    split balanced by the planner, without the topology knobs.
 
     ``zero_config``: a :class:`~lightning_zero.config.ZeroConfig` whose ``FIXED_KNOBS`` every
     layout keeps (then not passed as keywords); its searched knobs (stage, tp, bucket_mb,
@@ -417,45 +434,50 @@ def search(
                 if (global_batch // dp) % micro_batch:
                     continue
                 accumulate = global_batch // dp // micro_batch
-                pipeline = dict(pp=pp, pp_microbatches=accumulate if pp > 1 else None)
                 for checkpoint, split, defer, bucket_mb, ahead, (schedule, virtual) in product(
                     space.checkpointing, sequence_splits, defers, buckets, prefetches, schedules
                 ):
-                    unfit: set = set()  # shard sizes whose memory does not fit
-                    for topo in topologies:
-                        if topo["shard_size"] in unfit:  # wire formats and hierarchy hold the same bytes
+                    # pp: the fewest passes that fit (more are slower: each pays the bubble) [Note: pipeline passes]
+                    for passes in pipeline_passes(accumulate) if pp > 1 else (accumulate,):
+                        pipeline = dict(pp=pp, pp_microbatches=accumulate // passes if pp > 1 else None)
+                        unfit: set = set()  # shard sizes whose memory does not fit
+                        fitted = len(ranked)
+                        for topo in topologies:
+                            if topo["shard_size"] in unfit:  # wire formats and hierarchy hold the same bytes
+                                evaluated += 1
+                                rejected += 1
+                                continue
+                            mode = checkpointing_mode(checkpoint)
+                            layout = Layout(
+                                stage,
+                                tp,
+                                micro_batch,
+                                passes,
+                                defer,
+                                mode,
+                                float(bucket_mb),
+                                ahead,
+                                **topo,
+                                sequence_parallel=split,
+                                cp=cp,
+                                ep=ep,
+                                pp_schedule=schedule,
+                                pp_virtual_stages=virtual,
+                                **pipeline,
+                            )
+                            candidate = planned(layout)
+                            if candidate is None:  # a tp that does not divide the model's heads, ...
+                                continue
+                            if space.lossless and not candidate.lossless:
+                                continue  # not planned: lossy communication was ruled out
                             evaluated += 1
-                            rejected += 1
-                            continue
-                        mode = checkpointing_mode(checkpoint)
-                        layout = Layout(
-                            stage,
-                            tp,
-                            micro_batch,
-                            1 if pp > 1 else accumulate,  # pp: one pipeline pass of every micro-batch
-                            defer,
-                            mode,
-                            float(bucket_mb),
-                            ahead,
-                            **topo,
-                            sequence_parallel=split,
-                            cp=cp,
-                            ep=ep,
-                            pp_schedule=schedule,
-                            pp_virtual_stages=virtual,
-                            **pipeline,
-                        )
-                        candidate = planned(layout)
-                        if candidate is None:  # a tp that does not divide the model's heads, ...
-                            continue
-                        if space.lossless and not candidate.lossless:
-                            continue  # not planned: lossy communication was ruled out
-                        evaluated += 1
-                        if not candidate.fits:
-                            rejected += 1
-                            unfit.add(topo["shard_size"])
-                            continue
-                        ranked.append(Ranked(layout, candidate))
+                            if not candidate.fits:
+                                rejected += 1
+                                unfit.add(topo["shard_size"])
+                                continue
+                            ranked.append(Ranked(layout, candidate))
+                        if len(ranked) > fitted:  # more passes only add bubble
+                            break
     ranked.sort(key=lambda r: (-r.plan.tokens_per_s, r.plan.memory.total))
     return SearchResult(tuple(ranked), evaluated, rejected, time.perf_counter() - start, global_batch)
 
