@@ -48,7 +48,8 @@ MIN_CP_SLICE = 8192  # tokens of a sequence one cp rank keeps at least: shorter 
 PP_SCHEDULES_SEARCHED = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 2))
 """Every schedule (pp_schedule, pp_virtual_stages) the search plans with pp > 1: the interleaved ones at v=2."""
 MIN_PP_NODES = 32  # nodes from which the search plans pipeline parallelism by default (pp_sizes_for)
-PP_STAGES = (1, 3)  # ZeRO stages planned with pp > 1: DeepSpeed's ZeRO-1 + PP, torchtitan's FSDP + PP
+PP_STAGES = (1, 2, 3)  # ZeRO stages planned with pp > 1: DeepSpeed's ZeRO-1 + PP, ZeRO-2 (gradients sharded
+# between passes: [Note: pipeline passes]), torchtitan's FSDP + PP
 PP_PASSES_SEARCHED = (1, 4, 16, 64)
 """Pipeline passes per optimizer step the search plans with pp > 1 (those dividing the step's micro-batches)."""
 
@@ -57,7 +58,8 @@ PP_PASSES_SEARCHED = (1, 4, 16, 64)
 # torch keeps a receive buffer per micro-batch of a pass for each stage and direction (pp/cost.py
 # [Note: receive buffers]), so one pass of every micro-batch of a step can hold more than a GPU
 # where a few passes (Lightning's gradient accumulation over pipeline passes) fit. Each pass pays
-# the schedule's fill and drain, so the fewest passes that fit run fastest: the search plans the
+# the schedule's fill and drain, so the fewest passes that fit run fastest (ZeRO-2 keeps only a
+# shard of the gradients between passes, where ZeRO-1 holds them whole): the search plans the
 # counts of PP_PASSES_SEARCHED in order and stops at the first that fits (a count leaving too few
 # micro-batches per pass for the schedule cannot be planned: pp/layout.py refuses it).
 
@@ -422,7 +424,7 @@ def search(
                 continue  # Lightning's DDP has no tensor, context, expert or pipeline parallelism
             if pp > 1 and stage not in PP_STAGES:
                 continue
-            defers = (False, True) if stage == 2 else (False,)
+            defers = (False, True) if stage == 2 and pp == 1 else (False,)  # pp: deferred is ZeRO-1's memory
             prefetches = tuple(space.prefetch) if stage == 3 else (1,)
             buckets = tuple(space.bucket_mbs) if stage > 0 else (25.0,)
             if pp > 1:  # a stage's few buckets reduce once a step: their size and prefetch barely count
