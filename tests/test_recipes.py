@@ -394,13 +394,14 @@ def test_slurm_script_maps_to_lightning_slurm_environment(tmp_path, monkeypatch)
 # The layout the search chooses with pipeline parallelism (`lightning-zero plan recipe=NAME plan.search=true`
 # on 32 nodes plans pp by default: planner/search.py pp_sizes_for), as each header quotes it.
 PP_SEARCHED = {
-    "llama3_405b": ["strategy=zero1", "strategy.tensor_parallel_size=8", "strategy.bucket_mb=400",
-                    "strategy.sequence_parallel=true", "strategy.pp=8", "strategy.pp_schedule=interleaved_1f1b",
-                    "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=128", "data.batch_size=128",
-                    "trainer.accumulate_grad_batches=1", "model.activation_checkpointing=full"],
+    "llama3_405b": ["strategy=zero2", "strategy.tensor_parallel_size=8", "strategy.bucket_mb=400",
+                    "strategy.defer_grad_reduce=false", "strategy.sequence_parallel=true", "strategy.pp=8",
+                    "strategy.pp_schedule=interleaved_zb", "strategy.pp_virtual_stages=2",
+                    "strategy.pp_microbatches=128", "data.batch_size=128", "trainer.accumulate_grad_batches=1",
+                    "model.activation_checkpointing=full"],
 }  # fmt: skip
-# The 671B's former pp recipe (pp=16 interleaved ZB x ep=8, 256 micro-batches of 1): over memory once torch's
-# receive buffers are planned; no pp layout fits (pp=2 to 32 searched), so the recipe is the layout without pp
+# The 671B's former pp recipe (pp=16 interleaved ZB x ep=8, 256 micro-batches of 1 in one pass): over memory once
+# torch's receive buffers are planned; the recipe runs the same pipeline as 16 passes of 16 ([Note: pipeline passes])
 FORMER_PP = ["strategy=zero1", "strategy.tensor_parallel_size=1", "strategy.bucket_mb=400", "strategy.ep=8",
              "strategy.pp=16", "strategy.pp_schedule=interleaved_zb", "strategy.pp_virtual_stages=2",
              "strategy.pp_microbatches=256", "data.batch_size=256", "trainer.accumulate_grad_batches=1",
@@ -429,9 +430,10 @@ def test_the_deepseek_recipes_former_pipeline_holds_its_receive_buffers_over_mem
     # [Note: receive buffers] in pp/cost.py: 3 x 2 stages x 256 micro-batches x 56 MiB on a middle rank
     from lightning_zero.planner import plan_inputs_from_config
 
-    recipe = compose(["recipe=deepseek_v3_671b"])
-    assert recipe.strategy.pp == 1
+    recipe = plan_inputs_from_config(compose(["recipe=deepseek_v3_671b"]))[0].plan()
+    assert (recipe.pp, recipe.pp_microbatches, recipe.accumulate_grad_batches) == (16, 16, 16) and recipe.fits
     pp = plan_inputs_from_config(compose(["recipe=deepseek_v3_671b", *FORMER_PP]))[0].plan()
+    assert recipe.memory.recv_buffers * 16 == pp.memory.recv_buffers  # a sixteenth of the micro-batches a pass
     assert 0 < pp.pp_rank < pp.pp - 1 and pp.memory.recv_buffers == 3 * 2 * 256 * 4096 * 7168 * 2 and not pp.fits
     header = " ".join(line.lstrip("# ") for line in (RECIPES_DIR / "deepseek_v3_671b.yaml").read_text().splitlines())
     assert f"holds {pp.memory.recv_buffers / 2**30:.0f} GiB of them on a middle rank" in header
