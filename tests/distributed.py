@@ -298,6 +298,18 @@ def rank_result(results, case: str, rank: int = 0) -> Any:
     return torch.load(Path(results) / f"{case}.rank{rank}.pt")
 
 
+def joined_ranks(results, case: str, ranks: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A run's per-step losses and validation losses, the mean over its ``ranks`` ranks (each reports
+    its dp rank's batch: the mean is the global batch's in every layout), and every parameter (under
+    pp each rank holds its stages'; ranks holding the same stage hold the same values)."""
+    reports = [rank_result(results, case, rank) for rank in range(ranks)]
+    params: dict = {}
+    for report in reports:
+        params.update(report["params"])
+    losses = torch.tensor([report["losses"] for report in reports]).mean(0)
+    return losses, torch.tensor([report["val_losses"] for report in reports]).mean(0), params
+
+
 def assert_same_params(got: dict, want: dict, tol: float = 1e-5) -> None:
     """Two results' ``params`` (name -> tensor) hold the same names and values within ``tol``
     (relative and absolute, as the parity tables state it)."""

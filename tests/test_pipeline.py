@@ -9,7 +9,7 @@ import torch
 
 from lightning_zero.pp.layout import SCHEDULES, PipelineLayout, balanced_split
 from lightning_zero.pp.simulate import StageCosts, schedule_order, trace_schedule
-from tests.distributed import launch_each, rank_result, run_ranks
+from tests.distributed import joined_ranks, launch_each, rank_result, run_ranks
 
 BAD_LAYOUTS = [
     (dict(pp=2, schedule="pipedream", n_layers=4, microbatches=4), "is not a schedule"),
@@ -234,17 +234,11 @@ def trained(tmp_path_factory):
 
 
 def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-step losses and validation losses (the mean over the run's ranks: every rank of a pp
-    group reports its dp rank's batch), and every parameter (each pp rank holds its stages')."""
-    ranks = [rank_result(results, case, rank) for rank in range(RANKS[case])]
-    params: dict = {}
-    for result in ranks:
-        params.update(result["params"])
+    losses, val_losses, params = joined_ranks(results, case, RANKS[case])
     if "ep2" in case:  # a stage's 2 ranks (ep ranks 0, 1 in rank order) hold consecutive halves of its experts
+        ranks = [rank_result(results, case, rank) for rank in range(RANKS[case])]
         for name in [name for name in params if ".experts." in name]:
             params[name] = torch.cat([result["params"][name] for result in ranks if name in result["params"]])
-    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
-    val_losses = torch.tensor([result["val_losses"] for result in ranks]).mean(0)
     return losses, val_losses, params
 
 

@@ -22,7 +22,7 @@ the uninterrupted run.
 import pytest
 import torch
 
-from tests.distributed import launch_each, rank_result
+from tests.distributed import joined_ranks, launch_each
 from tests.ulps import adam_ulps, assert_close_ulps, ulps_apart
 
 RANKS = 4
@@ -92,15 +92,7 @@ def trained(failures_and_training):
 
 
 def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-step losses and validation losses, the mean over the 4 ranks (each rank reports its dp
-    rank's batch: the mean is the global batch's in every layout), and every parameter (each pp
-    rank holds its stages')."""
-    ranks = [rank_result(results, case, rank) for rank in range(RANKS)]
-    params: dict = {}
-    for result in ranks:
-        params.update(result["params"])
-    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
-    return losses, torch.tensor([result["val_losses"] for result in ranks]).mean(0), params
+    return joined_ranks(results, case, RANKS)
 
 
 @pytest.mark.slow

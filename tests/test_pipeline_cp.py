@@ -11,7 +11,7 @@ ddp on the same 4 ranks: losses, validation losses, trained weights and predicte
 import pytest
 import torch
 
-from tests.distributed import launch_each, rank_result, run_ranks
+from tests.distributed import joined_ranks, launch_each, rank_result, run_ranks
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 RING = dict(CONFIG, dim=48, n_heads=3, n_kv_heads=1)  # 3 heads do not split over cp=2: ring attention
@@ -138,14 +138,7 @@ def trained(tmp_path_factory):
 
 
 def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-step losses and validation losses (the mean over the 4 ranks) and every parameter (each
-    pp rank holds its stages'; a stage's cp ranks hold the same)."""
-    ranks = [rank_result(results, case, rank) for rank in range(LAUNCH[0])]
-    params: dict = {}
-    for result in ranks:
-        params.update(result["params"])
-    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
-    return losses, torch.tensor([result["val_losses"] for result in ranks]).mean(0), params
+    return joined_ranks(results, case, LAUNCH[0])
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ stage 1-2 cases and baselines.
 import pytest
 import torch
 
-from tests.distributed import launch, rank_result
+from tests.distributed import joined_ranks, launch, rank_result
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "zbv"]  # tests/scripts/pp_parity.py's names
 TORCH_NAMES = {"interleaved": "interleaved_1f1b", "zb": "interleaved_zb"}
@@ -35,13 +35,7 @@ def trained(tmp_path_factory):
 
 
 def _joined(results, case: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-step losses and validation losses (the mean over the 4 ranks: each reports its dp
-    rank's batch, ddp's its own quarter), and every parameter (each pp rank holds its stages')."""
-    ranks = [rank_result(results, case, rank) for rank in range(RANKS)]
-    params = {name: value for result in ranks for name, value in result["params"].items()}
-    losses = torch.tensor([result["losses"] for result in ranks]).mean(0)
-    val_losses = torch.tensor([result["val_losses"] for result in ranks]).mean(0)
-    return losses, val_losses, params
+    return joined_ranks(results, case, RANKS)
 
 
 def _planned(schedule: str):
